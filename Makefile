@@ -1,0 +1,59 @@
+# kfp-llm-finetune. `make demo` and `make test` work on a fresh clone: both
+# install into .venv on demand.
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed first and on its own. The default is the CPU wheel this
+# project's CI uses; GPU users: make install TORCH_SPEC="torch==2.11.0" (or
+# point TORCH_INDEX at the CUDA index of their choice).
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+EXTRAS ?= dev
+PY := $(VENV)/bin/python
+LLMFT := $(VENV)/bin/llmft
+STAMP := $(VENV)/.installed-$(EXTRAS)
+PYTEST_ARGS ?=
+
+.PHONY: install test demo lint compile bench bench-data bench-train clean help
+
+help:
+	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
+	@echo "make demo      run the whole pipeline locally (kfp.local, tiny model, CPU)"
+	@echo "make test      run the test suite"
+	@echo "make lint      ruff"
+	@echo "make compile   compile the KFP pipelines to build/*.yaml"
+	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip check
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(LLMFT) pipeline run-local
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+compile: $(STAMP)
+	mkdir -p build
+	$(LLMFT) pipeline compile --output build/llm_finetune_pipeline.yaml
+	$(LLMFT) pipeline compile --hpo --output build/llm_finetune_hpo_pipeline.yaml
+
+bench: bench-data
+
+bench-data: $(STAMP)
+	$(LLMFT) bench data
+
+bench-train: $(STAMP)
+	$(LLMFT) bench train
+
+clean:
+	rm -rf build local_outputs .pytest_cache

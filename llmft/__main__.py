@@ -1,0 +1,5 @@
+import sys
+
+from llmft.cli import main
+
+sys.exit(main())

@@ -1,0 +1,26 @@
+"""`llmft dev ...`: developer tools."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    tiny = sub.add_parser(
+        "tiny-model",
+        help="build a tiny tokenizer + random-init Qwen2 model (HF format, safetensors) with no network",
+    )
+    tiny.add_argument("--output", required=True, help="directory to write (replaced atomically)")
+    tiny.add_argument("--seed", type=int, default=0, help="weight-init seed")
+    tiny.set_defaults(func=run_tiny_model)
+
+
+def run_tiny_model(args: argparse.Namespace) -> int:
+    from trainer.tiny_model import build_tiny_model
+
+    path = build_tiny_model(args.output, seed=args.seed)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    print(f"tiny model written to {path} ({config.model_type}, {config.num_hidden_layers} layers, vocab {config.vocab_size})")
+    return 0
