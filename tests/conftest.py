@@ -1,0 +1,39 @@
+"""Fixtures shared by every test area. Area-specific fixtures live in the
+conftest.py of each tests/<area>/ folder."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Nothing in the suite may reach a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def crd_dir() -> Path:
+    """The real CRD schemas shipped beside the checkout (../shared/k8s-crds)."""
+    path = SHARED / "k8s-crds"
+    if not path.is_dir():
+        pytest.fail(f"{path} is missing: the CRD schemas must sit beside the checkout")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The project's tiny offline model (tokenizer + random-init Qwen2), built once per session."""
+    from trainer.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model")
