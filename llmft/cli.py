@@ -72,7 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except Exception as exc:  # noqa: BLE001 - user errors print cleanly, others re-raise
+        if _is_user_error(exc):
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """A trainer.errors.LlmftError (bad config or data): message only, exit 1."""
+    errors = sys.modules.get("trainer.errors")
+    return errors is not None and isinstance(exc, errors.LlmftError)
 
 
 if __name__ == "__main__":
