@@ -1,0 +1,413 @@
+"""Serve the adapter: a KServe InferenceService on the Hugging Face runtime with vLLM.
+
+The predictor runs the Hugging Face serving runtime with ``--backend=vllm`` (on the
+fallback HF backend unknown flags are silently ignored, so the backend is always
+named), LoRA enabled, and the adapter registered as a LoRA module::
+
+    --enable-lora --max-lora-rank=64 --lora-modules <lora_name>=/mnt/models/<adapter>
+
+Storage: ``storageUri: pvc://<pvc>/<root>`` mounts ``<root>`` of the PVC read-only at
+/mnt/models. The base model comes either from the same PVC (``base_model_path``; the
+root is then the deepest directory holding base and adapter, and ``--model_dir``
+points at the base) or from the hub (``base_model_id``, ``--model_id``, with HF_TOKEN
+from a Secret; the root is the adapter directory itself).
+
+Clients request ``"model": "<lora_name>"`` on ``/openai/v1/completions`` to get the
+adapter, and the base ``model_name`` for the base model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from components import images
+from components.lib.cluster import Cluster, ClusterError
+from components.lib.pytorchjob import GPU_TOLERATION, SecretEnv, Toleration
+from trainer.errors import ConfigError, LlmftError
+
+GROUP, VERSION, PLURAL, KIND = "serving.kserve.io", "v1beta1", "inferenceservices", "InferenceService"
+MODEL_MOUNT = "/mnt/models"
+"""Where KServe mounts the storageUri in the predictor container."""
+HF_TOKEN_SECRET = SecretEnv("HF_TOKEN", "llmft-hf-token", "HF_TOKEN")
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """Everything that varies between InferenceServices of this project."""
+
+    name: str
+    """InferenceService name: a DNS-1035 label of at most 63 characters."""
+    pvc_name: str
+    """PVC that holds the adapter (and the base model, with ``base_model_path``)."""
+    adapter_path: str
+    """Adapter directory, relative to the PVC root (e.g. ``runs/demo/promoted/adapter``)."""
+    lora_name: str
+    """Model name clients request to get the adapter (``"model"`` in the OpenAI request)."""
+    base_model_id: str | None = None
+    """Hub id of the base model (downloaded by the server with HF_TOKEN); or use base_model_path."""
+    base_model_path: str | None = None
+    """Base model directory relative to the PVC root; or use base_model_id."""
+    base_model_revision: str | None = None
+    """Hub revision of ``base_model_id`` (a commit hash pins it)."""
+    namespace: str | None = None
+    """Namespace (None = the Cluster's namespace)."""
+    model_name: str | None = None
+    """Served name of the base model (None = the InferenceService name)."""
+    max_lora_rank: int = 64
+    """vLLM ``--max-lora-rank``: at least the adapter's rank."""
+    max_model_len: int | None = None
+    """Context length the server allocates for (None = the model's maximum)."""
+    dtype: str = "bfloat16"
+    """Weights dtype of the vLLM engine."""
+    gpus: int = 1
+    """``nvidia.com/gpu`` requested and limited (0 only for experiments: vLLM needs a GPU)."""
+    cpu: str = "4"
+    """CPU request and limit."""
+    memory: str = "32Gi"
+    """Memory request and limit."""
+    runtime: str = field(default_factory=lambda: images.SERVING_RUNTIME)
+    """(Cluster)ServingRuntime name (components/images.py; override LLMFT_SERVING_RUNTIME)."""
+    hf_token_secret: SecretEnv | None = HF_TOKEN_SECRET
+    """Secret read into HF_TOKEN when the base model comes from the hub (optional key)."""
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    """Node labels the predictor must match."""
+    tolerations: tuple[Toleration, ...] | None = None
+    """Tolerations; None = tolerate ``nvidia.com/gpu`` taints when GPUs are requested."""
+    min_replicas: int = 1
+    """Fewest replicas (1: no scale-to-zero, an LLM cold start takes minutes)."""
+    max_replicas: int = 1
+    """Most replicas."""
+    deployment_mode: str | None = None
+    """``serving.kserve.io/deploymentMode`` annotation (RawDeployment, Serverless); None = cluster default."""
+    extra_args: tuple[str, ...] = ()
+    """More server/vLLM flags, e.g. ``("--gpu-memory-utilization=0.85",)``."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Extra labels of the InferenceService."""
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    """Extra annotations of the InferenceService."""
+    service_account: str | None = None
+    """Service account of the predictor pod."""
+
+
+def _relative_path_error(what: str, path: str | None) -> str | None:
+    if path is None:
+        return None
+    norm = posixpath.normpath(path)
+    if not path or path.startswith("/") or norm == "." or norm.startswith(".."):
+        return f"{what}={path!r}: must be a non-empty path relative to the PVC root, without '..'"
+    return None
+
+
+def _serve_spec_errors(spec: ServeSpec) -> list[str]:
+    errors = []
+    if not _DNS1035.match(spec.name) or len(spec.name) > 63:
+        errors.append(f"name {spec.name!r}: must be a DNS-1035 label of at most 63 characters")
+    if not _LORA_NAME.match(spec.lora_name):
+        errors.append(f"lora_name {spec.lora_name!r}: letters, digits, '.', '_' and '-' only")
+    if (spec.base_model_id is None) == (spec.base_model_path is None):
+        errors.append("set exactly one of base_model_id (hub) and base_model_path (on the PVC)")
+    errors += [e for e in (_relative_path_error("adapter_path", spec.adapter_path),
+                           _relative_path_error("base_model_path", spec.base_model_path)) if e]
+    if spec.max_lora_rank < 1:
+        errors.append(f"max_lora_rank={spec.max_lora_rank}: must be positive")
+    if not 0 <= spec.min_replicas <= spec.max_replicas or spec.max_replicas < 1:
+        errors.append(f"replicas: need 0 <= min_replicas ({spec.min_replicas}) <= max_replicas "
+                      f"({spec.max_replicas}) and max_replicas >= 1")
+    return errors
+
+
+def storage_layout(spec: ServeSpec) -> tuple[str, str, str | None]:
+    """(storageUri, adapter path in the container, base model path in the container or None)."""
+    adapter = posixpath.normpath(spec.adapter_path)
+    if spec.base_model_path is None:
+        return f"pvc://{spec.pvc_name}/{adapter}", MODEL_MOUNT, None
+    base = posixpath.normpath(spec.base_model_path)
+    root = posixpath.commonpath([adapter, base])
+
+    def inside(path: str) -> str:
+        return posixpath.join(MODEL_MOUNT, posixpath.relpath(path, root or ".")) if path != root else MODEL_MOUNT
+
+    uri = f"pvc://{spec.pvc_name}/{root}" if root else f"pvc://{spec.pvc_name}"
+    return uri, inside(adapter), inside(base)
+
+
+def server_args(spec: ServeSpec) -> list[str]:
+    """Arguments of the Hugging Face runtime (its own flags, then vLLM's)."""
+    _, adapter_dir, base_dir = storage_layout(spec)
+    args = [f"--model_name={spec.model_name or spec.name}", "--backend=vllm"]
+    if base_dir is None:
+        args.append(f"--model_id={spec.base_model_id}")
+        if spec.base_model_revision:
+            args.append(f"--model_revision={spec.base_model_revision}")
+    else:
+        args.append(f"--model_dir={base_dir}")
+    args += [f"--dtype={spec.dtype}", "--enable-lora", f"--max-lora-rank={spec.max_lora_rank}",
+             "--lora-modules", f"{spec.lora_name}={adapter_dir}"]
+    if spec.max_model_len:
+        args.append(f"--max_model_len={spec.max_model_len}")
+    return args + list(spec.extra_args)
+
+
+def _predictor_env(spec: ServeSpec) -> list:
+    from kubernetes import client as k8s
+
+    if spec.base_model_path is not None:
+        return [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")]
+    if spec.hf_token_secret is None:
+        return []
+    s = spec.hf_token_secret
+    ref = k8s.V1SecretKeySelector(name=s.secret_name, key=s.key, optional=s.optional)
+    return [k8s.V1EnvVar(name=s.env_name, value_from=k8s.V1EnvVarSource(secret_key_ref=ref))]
+
+
+def build_inference_service(spec: ServeSpec):
+    """The ``V1beta1InferenceService`` for ``spec``; raises ConfigError listing every problem."""
+    import kserve
+    from kubernetes import client as k8s
+
+    errors = _serve_spec_errors(spec)
+    if errors:
+        raise ConfigError(f"InferenceService {spec.name!r}: " + "; ".join(errors))
+    uri, _, _ = storage_layout(spec)
+    amounts = {"cpu": spec.cpu, "memory": spec.memory} | ({"nvidia.com/gpu": str(spec.gpus)} if spec.gpus else {})
+    tolerations = spec.tolerations if spec.tolerations is not None else ((GPU_TOLERATION,) if spec.gpus else ())
+    annotations = dict(spec.annotations)
+    if spec.deployment_mode:
+        annotations["serving.kserve.io/deploymentMode"] = spec.deployment_mode
+    model = kserve.V1beta1ModelSpec(
+        name="kserve-container", model_format=kserve.V1beta1ModelFormat(name=images.SERVING_MODEL_FORMAT),
+        runtime=spec.runtime,
+        storage_uri=uri, args=server_args(spec), env=_predictor_env(spec) or None,
+        resources=k8s.V1ResourceRequirements(requests=dict(amounts), limits=dict(amounts)))
+    predictor = kserve.V1beta1PredictorSpec(
+        model=model, min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
+        node_selector=dict(spec.node_selector) or None, service_account_name=spec.service_account,
+        tolerations=[k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
+                     for t in tolerations] or None)
+    isvc = kserve.V1beta1InferenceService(
+        api_version=f"{GROUP}/{VERSION}", kind=KIND,
+        metadata=k8s.V1ObjectMeta(name=spec.name, namespace=spec.namespace, annotations=annotations or None,
+                                  labels={"app.kubernetes.io/part-of": "kfp-llm-finetune", **spec.labels}),
+        spec=kserve.V1beta1InferenceServiceSpec(predictor=predictor))
+    problems = inference_service_errors(isvc_to_dict(isvc))
+    if problems:
+        raise ConfigError(f"InferenceService {spec.name!r}: " + "; ".join(problems))
+    return isvc
+
+
+def isvc_to_dict(isvc) -> dict:
+    """The InferenceService as the API server sees it (camelCase keys, no None values)."""
+    from kserve.api_client import ApiClient
+
+    return ApiClient().sanitize_for_serialization(isvc)
+
+
+def inference_service_errors(isvc: dict) -> list[str]:
+    """Rules the CRD schema does not express but serving depends on (KServe's webhook name
+    format, and the vLLM/LoRA wiring of the Hugging Face runtime). Empty list = fine."""
+    errors = []
+    name = (isvc.get("metadata") or {}).get("name", "")
+    if not _DNS1035.match(name) or len(name) > 63:
+        errors.append(f"metadata.name {name!r}: must be a DNS-1035 label of at most 63 characters")
+    model = ((isvc.get("spec") or {}).get("predictor") or {}).get("model") or {}
+    if not (model.get("modelFormat") or {}).get("name"):
+        errors.append("spec.predictor.model.modelFormat.name: required")
+    args = model.get("args") or []
+    if any(a.startswith(("--enable-lora", "--lora-modules", "--max-lora-rank")) for a in args):
+        if "--backend=vllm" not in args:
+            errors.append("spec.predictor.model.args: LoRA flags need --backend=vllm (the HF backend ignores them)")
+        if "--enable-lora" not in args or "--lora-modules" not in args:
+            errors.append("spec.predictor.model.args: --enable-lora and --lora-modules go together")
+    if "--lora-modules" in args:
+        modules = args[args.index("--lora-modules") + 1:]
+        module = modules[0] if modules else ""
+        if "=" not in module or not module.split("=", 1)[1].startswith(MODEL_MOUNT):
+            errors.append(f"spec.predictor.model.args: --lora-modules {module!r} must be name={MODEL_MOUNT}/...")
+    resources = model.get("resources") or {}
+    gpu_req = (resources.get("requests") or {}).get("nvidia.com/gpu")
+    if gpu_req != (resources.get("limits") or {}).get("nvidia.com/gpu"):
+        errors.append("spec.predictor.model.resources: nvidia.com/gpu requests and limits must be equal")
+    return errors
+
+
+def isvc_ready(obj: dict) -> tuple[bool, str]:
+    """(ready, why not): Ready means condition Ready=True, status.url set, and the status
+    observed the current generation."""
+    status = obj.get("status") or {}
+    generation = (obj.get("metadata") or {}).get("generation")
+    observed = status.get("observedGeneration")
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if generation is not None and observed is not None and observed < generation:
+        return False, f"status is from generation {observed}, spec is generation {generation}"
+    if not ready or ready.get("status") != "True":
+        reason = (ready or {}).get("reason") or (ready or {}).get("message") or "no Ready condition yet"
+        return False, f"Ready is not True ({reason})"
+    if not status.get("url"):
+        return False, "status.url not set yet"
+    return True, ""
+
+
+def _load_failure(obj: dict) -> str | None:
+    model_status = (obj.get("status") or {}).get("modelStatus") or {}
+    if model_status.get("transitionStatus") in ("BlockedByFailedLoad", "InvalidSpec"):
+        info = model_status.get("lastFailureInfo") or {}
+        return f"{model_status['transitionStatus']}: {info.get('reason', '')} {info.get('message', '')}".strip()
+    return None
+
+
+def _create_or_replace(cluster: Cluster, body: dict, namespace: str) -> dict:
+    name = body["metadata"]["name"]
+    try:
+        return cluster.create_custom_object(GROUP, VERSION, PLURAL, body, namespace=namespace)
+    except ClusterError as exc:
+        if exc.status != 409:
+            raise
+    existing = cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+    body = json.loads(json.dumps(body))
+    body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
+    return cluster.replace_custom_object(GROUP, VERSION, PLURAL, name, body, namespace=namespace)
+
+
+def deploy_inference_service(cluster: Cluster, isvc, *, timeout_s: float = 1800.0, poll_s: float = 10.0,
+                             print_fn: Callable[[str], Any] = print) -> dict:
+    """Create (or replace) the InferenceService and wait until it is Ready; returns
+    ``{"name", "namespace", "url", "internal_url", "generation"}``. A failed model load
+    raises RuntimeError at once; no Ready within ``timeout_s`` raises TimeoutError."""
+    body = isvc if isinstance(isvc, dict) else isvc_to_dict(isvc)
+    name = body["metadata"]["name"]
+    namespace = body["metadata"].get("namespace") or cluster.namespace
+    body["metadata"]["namespace"] = namespace
+    applied = _create_or_replace(cluster, body, namespace)
+    generation = (applied.get("metadata") or {}).get("generation")
+    print_fn(f"applied InferenceService {namespace}/{name} (generation {generation}); waiting for Ready")
+    deadline, why = time.monotonic() + timeout_s, "not polled yet"
+    while True:
+        obj = cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+        if generation is not None:
+            obj.setdefault("metadata", {}).setdefault("generation", generation)
+        failure = _load_failure(obj)
+        if failure:
+            raise RuntimeError(f"InferenceService {namespace}/{name} failed to load the model: {failure}. "
+                               "Check the predictor pod's log (kubectl logs -l serving.kserve.io/inferenceservice="
+                               f"{name} -c kserve-container)")
+        ready, why = isvc_ready(obj)
+        if ready:
+            status = obj["status"]
+            return {"name": name, "namespace": namespace, "url": status["url"],
+                    "internal_url": (status.get("address") or {}).get("url"), "generation": generation}
+        if time.monotonic() + poll_s > deadline:
+            raise TimeoutError(f"InferenceService {namespace}/{name} not Ready after {timeout_s:.0f}s: {why}")
+        time.sleep(poll_s)
+
+
+def _urllib_post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        try:
+            return exc.code, json.loads(text)
+        except ValueError:
+            return exc.code, text
+
+
+def smoke_test(url: str, model_name: str, prompt: str, *, max_tokens: int = 16, timeout_s: float = 60.0,
+               attempts: int = 3, retry_wait_s: float = 5.0,
+               http_post: Callable[[str, dict, float], tuple[int, Any]] | None = None) -> dict:
+    """POST one completion to ``<url>/openai/v1/completions`` with ``"model": model_name``
+    (the adapter's LoRA name) and check the answer; returns ``{"endpoint", "model", "text"}``.
+    ``http_post(url, payload, timeout_s) -> (status, parsed JSON)`` is injectable."""
+    post = http_post or _urllib_post
+    endpoint = url.rstrip("/") + "/openai/v1/completions"
+    payload = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    status, body = 0, None
+    for attempt in range(1, attempts + 1):
+        try:
+            status, body = post(endpoint, payload, timeout_s)
+        except OSError as exc:  # connection refused / reset while the route settles
+            status, body = 0, str(exc)
+        if status == 200 or 400 <= status < 500:
+            break
+        if attempt < attempts:
+            time.sleep(retry_wait_s)
+    if status != 200:
+        raise RuntimeError(f"smoke test POST {endpoint} (model {model_name!r}) -> HTTP {status}: {body}")
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not choices or not isinstance(choices[0].get("text"), str):
+        raise RuntimeError(f"smoke test POST {endpoint}: no completion text in the answer: {body}")
+    served = body.get("model")
+    if served is not None and served != model_name:
+        raise RuntimeError(f"smoke test POST {endpoint}: asked for model {model_name!r}, answered by {served!r}")
+    return {"endpoint": endpoint, "model": model_name, "text": choices[0]["text"]}
+
+
+class AdapterHasNoEffectError(LlmftError):
+    """Base model and base + adapter give the same logits: the adapter is empty or not applied."""
+
+
+class GenerationSample(NamedTuple):
+    """One prompt's greedy completion by the base model and by base + adapter."""
+
+    prompt: str
+    base_text: str
+    adapter_text: str
+
+
+def local_generation_check(base_model_path: str, adapter_path: str, prompts: Sequence[str], *,
+                           max_new_tokens: int = 16, min_logit_diff: float = 1e-5) -> list[GenerationSample]:
+    """Load base + adapter with transformers/peft on CPU, generate greedily for each prompt
+    (rendered with the chat template) with and without the adapter, and raise
+    ``AdapterHasNoEffectError`` when the adapter moves no logit of the prompt by more than
+    ``min_logit_diff``: texts alone can agree on a tiny model even when the adapter works."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not prompts:
+        raise ConfigError("local_generation_check: give at least one prompt")
+    # The trainer saves the tokenizer (with the chat template it trained on) beside the adapter.
+    has_own_tokenizer = os.path.isfile(os.path.join(adapter_path, "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(adapter_path if has_own_tokenizer else base_model_path)
+    base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_path).eval()
+    samples, largest_diff = [], 0.0
+    for prompt in prompts:
+        text = prompt
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad(), model.disable_adapter():
+            base_logits = model(**inputs).logits
+            base_ids = _greedy(model, tokenizer, inputs, max_new_tokens)
+        with torch.no_grad():
+            adapter_logits = model(**inputs).logits
+            adapter_ids = _greedy(model, tokenizer, inputs, max_new_tokens)
+        largest_diff = max(largest_diff, (adapter_logits - base_logits).abs().max().item())
+        samples.append(GenerationSample(prompt, tokenizer.decode(base_ids, skip_special_tokens=True),
+                                        tokenizer.decode(adapter_ids, skip_special_tokens=True)))
+    if largest_diff <= min_logit_diff:
+        raise AdapterHasNoEffectError(
+            f"adapter {adapter_path} changes nothing: the largest logit difference from base model "
+            f"{base_model_path} over {len(prompts)} prompt(s) is {largest_diff:.3g} (<= {min_logit_diff}). "
+            "Its LoRA B matrices are probably all zero: was it trained (max_steps > 0, a learning rate > 0)?")
+    return samples
+
+
+def _greedy(model, tokenizer, inputs, max_new_tokens: int):
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    return out[0, inputs["input_ids"].shape[1]:]

@@ -1,0 +1,196 @@
+"""Fakes at the kubernetes-client boundary: CustomObjectsApi and CoreV1Api.
+
+They keep objects in memory, answer with the same shapes (dicts, V1PodList, str)
+and the same errors (``ApiException`` with a status and a JSON body) as the real
+API objects, and support ``async_req=True`` the way the TrainingClient calls them.
+Bodies sent as SDK models are serialized with the real kubernetes ApiClient, i.e.
+exactly what would go over the wire.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+from collections.abc import Callable
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+
+def api_error(status: int, message: str) -> ApiException:
+    exc = ApiException(status=status, reason={400: "BadRequest", 403: "Forbidden", 404: "NotFound",
+                                              409: "Conflict"}.get(status, "Error"))
+    exc.body = json.dumps({"kind": "Status", "status": "Failure", "message": message, "code": status})
+    return exc
+
+
+class _AsyncResult:
+    """What the real client returns for async_req=True (a thread-pool AsyncResult)."""
+
+    def __init__(self, fn, *args, **kwargs):
+        self._value, self._error = None, None
+        try:
+            self._value = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised on get(), like AsyncResult
+            self._error = exc
+
+    def get(self, timeout=None):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _maybe_async(method):
+    def wrapper(self, *args, async_req=False, **kwargs):
+        if async_req:
+            return _AsyncResult(method, self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def wire(body) -> dict:
+    """The JSON the real client would send for ``body`` (a dict or an SDK model)."""
+    return json.loads(json.dumps(client.ApiClient().sanitize_for_serialization(body)))
+
+
+class FakeCustomObjectsApi:
+    """In-memory custom objects. ``on_get(obj, count)`` may mutate a stored object's
+    status on its count-th GET (scripting a controller)."""
+
+    def __init__(self, on_get: Callable[[dict, int], None] | None = None):
+        self.objects: dict[tuple, dict] = {}
+        self.calls: list[tuple] = []
+        self.gets: Counter = Counter()
+        self.on_get = on_get
+        self._version = 100
+
+    def _next_version(self) -> str:
+        self._version += 1
+        return str(self._version)
+
+    @_maybe_async
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body, **_):
+        body = wire(body)
+        key = (group, version, namespace, plural, body["metadata"]["name"])
+        self.calls.append(("create", *key, body))
+        if key in self.objects:
+            raise api_error(409, f'{plural}.{group} "{key[-1]}" already exists')
+        stored = copy.deepcopy(body)
+        stored["metadata"].update(namespace=namespace, resourceVersion=self._next_version(), generation=1,
+                                  uid=f"uid-{key[-1]}")
+        self.objects[key] = stored
+        return copy.deepcopy(stored)
+
+    @_maybe_async
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+        key = (group, version, namespace, plural, name)
+        self.calls.append(("get", *key))
+        if key not in self.objects:
+            raise api_error(404, f'{plural}.{group} "{name}" not found')
+        self.gets[key] += 1
+        if self.on_get is not None:
+            self.on_get(self.objects[key], self.gets[key])
+        return copy.deepcopy(self.objects[key])
+
+    @_maybe_async
+    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
+        self.calls.append(("list", group, version, namespace, plural, label_selector))
+        items = [copy.deepcopy(o) for (g, v, ns, p, _n), o in self.objects.items()
+                 if (g, v, ns, p) == (group, version, namespace, plural)
+                 and _labels_match(o["metadata"].get("labels") or {}, label_selector)]
+        return {"items": items}
+
+    @_maybe_async
+    def replace_namespaced_custom_object(self, group, version, namespace, plural, name, body, **_):
+        body = wire(body)
+        key = (group, version, namespace, plural, name)
+        self.calls.append(("replace", *key, body))
+        current = self.objects.get(key)
+        if current is None:
+            raise api_error(404, f'{plural}.{group} "{name}" not found')
+        if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            raise api_error(409, "the object has been modified; please apply your changes to the latest version")
+        stored = copy.deepcopy(body)
+        stored["metadata"].update(resourceVersion=self._next_version(), uid=current["metadata"]["uid"],
+                                  generation=current["metadata"]["generation"]
+                                  + (body.get("spec") != current.get("spec")))
+        stored["status"] = current.get("status", {})
+        self.objects[key] = stored
+        return copy.deepcopy(stored)
+
+    @_maybe_async
+    def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body, **_):
+        key = (group, version, namespace, plural, name)
+        self.calls.append(("patch", *key, body))
+        if key not in self.objects:
+            raise api_error(404, f'{plural}.{group} "{name}" not found')
+        _merge(self.objects[key], wire(body))
+        return copy.deepcopy(self.objects[key])
+
+    @_maybe_async
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+        key = (group, version, namespace, plural, name)
+        self.calls.append(("delete", *key))
+        if self.objects.pop(key, None) is None:
+            raise api_error(404, f'{plural}.{group} "{name}" not found')
+        return {"kind": "Status", "status": "Success"}
+
+    def created(self, plural: str) -> list[dict]:
+        """Bodies of every create call for ``plural``, in order."""
+        return [c[-1] for c in self.calls if c[0] == "create" and c[4] == plural]
+
+
+def _merge(target: dict, patch: dict) -> None:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
+
+
+def _labels_match(labels: dict, selector: str | None) -> bool:
+    if not selector:
+        return True
+    wanted = dict(part.split("=", 1) for part in selector.split(","))
+    return all(labels.get(k) == v for k, v in wanted.items())
+
+
+class FakeCoreV1Api:
+    """Pods and their logs. A pod in phase Pending has no log yet (HTTP 400, like the API)."""
+
+    def __init__(self):
+        self.pods: dict[str, list] = {}
+        self.logs: dict[tuple[str, str], str] = {}
+        self.log_reads: list[dict] = []
+
+    def add_pod(self, namespace: str, name: str, labels: dict, phase: str = "Running", log: str = "") -> None:
+        pod = client.V1Pod(metadata=client.V1ObjectMeta(name=name, namespace=namespace, labels=labels),
+                           status=client.V1PodStatus(phase=phase))
+        self.pods.setdefault(namespace, []).append(pod)
+        self.logs[(namespace, name)] = log
+
+    def set_phase(self, namespace: str, name: str, phase: str) -> None:
+        for pod in self.pods.get(namespace, []):
+            if pod.metadata.name == name:
+                pod.status.phase = phase
+
+    def append_log(self, namespace: str, name: str, text: str) -> None:
+        self.logs[(namespace, name)] += text
+
+    @_maybe_async
+    def list_namespaced_pod(self, namespace, label_selector=None, **_):
+        items = [p for p in self.pods.get(namespace, []) if _labels_match(p.metadata.labels, label_selector)]
+        return client.V1PodList(items=items)
+
+    def read_namespaced_pod_log(self, name, namespace, container=None, tail_lines=None, **_):
+        self.log_reads.append({"name": name, "namespace": namespace, "container": container})
+        pod = next((p for p in self.pods.get(namespace, []) if p.metadata.name == name), None)
+        if pod is None:
+            raise api_error(404, f'pods "{name}" not found')
+        if pod.status.phase == "Pending":
+            raise api_error(400, f'container "{container}" in pod "{name}" is waiting to start')
+        text = self.logs[(namespace, name)]
+        if tail_lines is not None:
+            text = "\n".join(text.splitlines()[-tail_lines:])
+        return text
