@@ -1,0 +1,240 @@
+"""deploy/: every manifest a cluster admin applies is valid and says what the code needs.
+
+Core kinds are checked with kubernetes-validate (strict: unknown fields fail);
+the kustomization is rendered both by kustomize_lite and, where installed, by
+`kubectl kustomize`, and the two must agree.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kustomize_lite import read_env_file, render
+
+K8S_VERSION = "1.30"
+CORE_KINDS = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "Secret", "ConfigMap",
+              "Deployment", "Service"}
+NAMESPACE_LABEL = ("katib.kubeflow.org/metrics-collector-injection", "enabled")
+
+# (apiGroup, resource) -> verbs the project's cluster code needs (components/lib/*, katib/).
+REQUIRED_RULES = {
+    ("kubeflow.org", "pytorchjobs"): {"create", "get", "list", "watch", "delete"},
+    ("kubeflow.org", "experiments"): {"create", "get", "list", "watch", "delete"},
+    ("kubeflow.org", "trials"): {"get", "list", "watch"},
+    ("kubeflow.org", "suggestions"): {"get", "list"},
+    ("serving.kserve.io", "inferenceservices"): {"create", "get", "list", "watch", "patch", "delete"},
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods/log"): {"get"},
+    ("", "events"): {"get", "list", "watch"},
+}
+
+
+# Shapes of real credentials; none may appear anywhere under deploy/.
+REAL_LOOKING = [
+    re.compile(r"\bhf_[A-Za-z0-9]{20,}"),  # Hugging Face token
+    re.compile(r"\b[ps]k-lf-[0-9a-f-]{8,}"),  # Langfuse keys
+    re.compile(r"\b(?:sk|dapi|ghp|xox[bp])[-_][A-Za-z0-9]{16,}"),  # OpenAI/Databricks/GitHub/Slack style
+    re.compile(r"\b[A-Za-z0-9+/]{40,}={0,2}"),  # long base64 blobs
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+]
+
+
+def manifest_files(deploy_dir: Path) -> list[Path]:
+    return sorted(p for p in deploy_dir.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def load_objects(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def all_objects(deploy_dir: Path) -> list[tuple[Path, dict]]:
+    return [(path, obj) for path in manifest_files(deploy_dir) for obj in load_objects(path)]
+
+
+def test_deploy_has_the_manifests_the_cluster_guide_names(deploy_dir):
+    names = {p.relative_to(deploy_dir).as_posix() for p in manifest_files(deploy_dir)}
+    for expected in ["namespace.yaml", "role.yaml", "rolebinding.yaml", "pvc-data.yaml",
+                     "secrets/llmft-hf-token.yaml", "secrets/llmft-mlflow.yaml", "secrets/llmft-langfuse.yaml"]:
+        assert expected in names, f"deploy/{expected} is missing"
+
+
+def test_every_core_object_validates_strictly(deploy_dir):
+    checked = 0
+    for path, obj in all_objects(deploy_dir):
+        assert obj.get("apiVersion") and obj.get("kind"), f"{path}: object without apiVersion/kind"
+        assert obj["kind"] in CORE_KINDS, f"{path}: unexpected kind {obj['kind']} (extend CORE_KINDS and the docs)"
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 7
+
+
+def test_validator_rejects_a_broken_manifest(deploy_dir):
+    """Negative control: the same validator fails on a mistyped field."""
+    pvc = load_objects(deploy_dir / "pvc-data.yaml")[0]
+    pvc["spec"]["accessModes"] = "ReadWriteMany"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pvc, K8S_VERSION, strict=True)
+
+
+def test_every_manifest_outside_secrets_is_in_the_kustomization(deploy_dir):
+    kustomization = yaml.safe_load((deploy_dir / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    for resource in listed:
+        assert (deploy_dir / resource).is_file(), f"kustomization lists missing file {resource}"
+    on_disk = {p.relative_to(deploy_dir).as_posix() for p in manifest_files(deploy_dir)
+               if p.parent == deploy_dir}
+    assert on_disk == listed, f"not applied by `kubectl apply -k deploy/`: {sorted(on_disk - listed)}"
+
+
+@pytest.fixture(scope="module")
+def rendered(deploy_dir) -> dict[str, dict]:
+    return {obj["kind"]: obj for obj in render(deploy_dir)}
+
+
+def test_rendered_objects_take_params_and_namespace(deploy_dir, rendered):
+    params = read_env_file(deploy_dir / "params.env")
+    namespace = yaml.safe_load((deploy_dir / "kustomization.yaml").read_text())["namespace"]
+    assert set(rendered) == {"Namespace", "Role", "RoleBinding", "PersistentVolumeClaim"}, "ConfigMap must stay local"
+    pvc = rendered["PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == params["PVC_NAME"]
+    assert pvc["spec"]["storageClassName"] == params["STORAGE_CLASS"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == params["PVC_SIZE"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    subject = rendered["RoleBinding"]["subjects"][0]
+    assert (subject["kind"], subject["name"], subject["namespace"]) == (
+        "ServiceAccount", params["PIPELINE_SERVICE_ACCOUNT"], namespace)
+    assert rendered["RoleBinding"]["roleRef"]["name"] == rendered["Role"]["metadata"]["name"]
+    assert rendered["Namespace"]["metadata"]["name"] == namespace
+    for kind in ("Role", "RoleBinding", "PersistentVolumeClaim"):
+        assert rendered[kind]["metadata"]["namespace"] == namespace
+    for obj in rendered.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("folder", [".", "tensorboard"])
+def test_kubectl_kustomize_agrees_with_kustomize_lite(deploy_dir, folder):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed; kustomize_lite rendering is checked above")
+    out = subprocess.run([kubectl, "kustomize", str(deploy_dir / folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    by_kubectl = [d for d in yaml.safe_load_all(out.stdout) if d]
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(by_kubectl, key=key) == sorted(render(deploy_dir / folder), key=key)
+
+
+def test_tensorboard_reads_the_data_pvc_with_the_trainer_image(deploy_dir):
+    from components.images import IMAGE_REGISTRY, IMAGE_TAG
+
+    objects = {o["kind"]: o for o in render(deploy_dir / "tensorboard")}
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == f"{IMAGE_REGISTRY}/llmft-trainer:{IMAGE_TAG}", "keep in step with components/images.py"
+    assert container["command"] == ["tensorboard"] and any("/data/runs" in a for a in container["args"])
+    (volume,) = pod["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == read_env_file(deploy_dir / "params.env")["PVC_NAME"]
+    assert volume["persistentVolumeClaim"]["readOnly"] and container["volumeMounts"][0]["readOnly"]
+    service = objects["Service"]
+    assert service["spec"]["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_namespace_enables_katib_metrics_collection(rendered):
+    key, value = NAMESPACE_LABEL
+    assert rendered["Namespace"]["metadata"]["labels"].get(key) == value
+
+
+def _granted(role: dict) -> dict[tuple[str, str], set[str]]:
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    return granted
+
+
+def test_role_grants_what_the_cluster_code_needs_and_no_more(rendered):
+    granted = _granted(rendered["Role"])
+    for (group, resource), verbs in REQUIRED_RULES.items():
+        missing = verbs - granted.get((group, resource), set())
+        assert not missing, f"Role lacks {sorted(missing)} on {group or 'core'}/{resource}"
+    for (group, resource), verbs in granted.items():
+        assert "*" not in verbs and resource != "*" and group != "*", f"wildcard in rule {group}/{resource}"
+        assert resource not in {"secrets", "configmaps"}, "secrets reach pods as env; the Role must not read them"
+
+
+def code_secret_keys() -> dict[str, set[str]]:
+    """Secret name -> keys, as the PyTorchJob builder (and so the pipeline) reads them."""
+    from components.lib.pytorchjob import DEFAULT_SECRET_ENVS
+
+    keys: dict[str, set[str]] = {}
+    for item in DEFAULT_SECRET_ENVS:
+        keys.setdefault(item.secret_name, set()).add(item.key)
+    return keys
+
+
+def secret_templates(deploy_dir: Path) -> dict[str, set[str]]:
+    return {obj["metadata"]["name"]: set(obj["stringData"])
+            for path in sorted((deploy_dir / "secrets").glob("*.yaml")) for obj in load_objects(path)}
+
+
+def test_secret_templates_carry_the_keys_and_no_values(deploy_dir):
+    found = {}
+    for path in sorted((deploy_dir / "secrets").glob("*.yaml")):
+        (secret,) = load_objects(path)
+        assert secret["kind"] == "Secret" and secret["type"] == "Opaque", path
+        assert "data" not in secret, f"{path}: templates use stringData with empty values, never data"
+        name = secret["metadata"]["name"]
+        assert all(value == "" for value in secret["stringData"].values()), f"{path}: a value is filled in"
+        assert path.stem == name, f"{path}: file name should be the Secret's name {name}"
+        found[name] = set(secret["stringData"])
+    assert found == code_secret_keys(), "deploy/secrets/ and components/lib/pytorchjob.py disagree"
+
+
+@pytest.fixture(scope="module")
+def compiled_pipeline(tmp_path_factory) -> list[dict]:
+    from pipelines.llm_finetune import compile_pipeline
+
+    path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
+    compile_pipeline(str(path))
+    return list(yaml.safe_load_all(path.read_text()))
+
+
+def test_every_secret_the_pipeline_reads_has_a_template(deploy_dir, compiled_pipeline):
+    templates = secret_templates(deploy_dir)
+    executors = compiled_pipeline[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    used = 0
+    for name, executor in executors.items():
+        for ref in executor.get("secretAsEnv", []):
+            secret = ref["secretName"]
+            assert secret in templates, f"{name} reads Secret {secret}, which deploy/secrets/ lacks"
+            for pair in ref["keyToEnv"]:
+                assert pair["secretKey"] in templates[secret], f"{name}: {secret} has no key {pair['secretKey']}"
+                used += 1
+    assert used >= 8
+
+
+def test_pipeline_default_pvc_is_the_one_deploy_creates(deploy_dir, compiled_pipeline):
+    params = read_env_file(deploy_dir / "params.env")
+    default = compiled_pipeline[0]["root"]["inputDefinitions"]["parameters"]["pvc_name"]["defaultValue"]
+    assert default == params["PVC_NAME"]
+
+
+def test_nothing_under_deploy_looks_like_a_real_credential(deploy_dir):
+    for path in sorted(p for p in deploy_dir.rglob("*") if p.is_file()):
+        text = path.read_text()
+        for pattern in REAL_LOOKING:
+            match = pattern.search(text)
+            assert match is None, f"{path}: {match.group(0)[:12]}... looks like a real credential"
+
+
+def test_credential_scanner_catches_a_planted_token():
+    """Negative control for the scanner above."""
+    planted = "HF_TOKEN: hf_" + "aB3dE6gH9jK2mN5pQ8sT1vW4"
+    assert any(p.search(planted) for p in REAL_LOOKING)
