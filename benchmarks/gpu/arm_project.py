@@ -1,0 +1,201 @@
+"""Arm (c) project: the project's own trainer (`python -m trainer`) on the benchmark's samples.
+
+Writes the random-init model (same seed and init as the other arms) as a local
+Hugging Face directory and the synthetic samples in trainer/data/shards.py's
+format, one packed sequence per micro batch of ``--micro`` samples, arranged
+so that the trainer's seeded permutation visits them in the benchmark's order
+(same samples, same order as every arm). Then runs the trainer with the fast
+path switched on by config and reads its metrics.jsonl: throughput is computed
+here from the records' timestamps and the benchmark's own token counts, and
+compared with what the trainer itself logged (tokens/s, MFU).
+
+python -m benchmarks.gpu.arm_project --model qwen2.5-1.5b --method lora --json-out F
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.gpu import common
+
+SEED = 42
+
+
+def write_model_dir(model: str, root: Path) -> Path:
+    """Random-init weights (seed 0, bf16, as the other arms build them) + a tokenizer, saved once."""
+    out = root / model
+    if (out / "config.json").is_file():
+        return out
+    import torch
+
+    from trainer.tiny_model import build_tokenizer
+
+    net = common.build_model(model, "sdpa", dtype="bfloat16")
+    tmp = out.with_name(out.name + ".partial")
+    net.save_pretrained(tmp, safe_serialization=True)
+    build_tokenizer().save_pretrained(tmp)
+    del net
+    torch.cuda.empty_cache()
+    tmp.rename(out)
+    return out
+
+
+def write_dataset(samples: common.Samples, micro: int, out: Path, val_docs: int = 32) -> Path:
+    """Shards: sequence j of the benchmark's order sits where the trainer's permutation reads step j."""
+    from trainer.data.shards import write_split
+
+    n_seq = len(samples.lengths) // micro
+    perm = np.random.default_rng([SEED, 0]).permutation(n_seq)
+    order = np.empty(n_seq, dtype=np.int64)
+    order[perm] = np.arange(n_seq)  # slot perm[j] holds benchmark sequence j; order[slot] = sequence
+    docs = [i for j in order for i in range(j * micro, (j + 1) * micro)]
+    _write(out / "train", [samples.input_ids[i] for i in docs], [samples.labels[i] for i in docs], micro, write_split)
+    val = common.make_samples(val_docs, "short", int(samples.input_ids[0].max()) + 1, seed=99)
+    _write(out / "val", val.input_ids, val.labels, 8, write_split)
+    longest = max(int(samples.lengths[j * micro:(j + 1) * micro].sum()) for j in range(n_seq))
+    manifest = {"cache_key": f"bench-{out.name}", "max_length": int(longest), "packed": True,
+                "note": "synthetic benchmark data (benchmarks/gpu/arm_project.py)"}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def _write(directory: Path, ids, labels, per_seq: int, write_split) -> None:
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    doc_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    seq_offsets = np.arange(0, len(ids) + 1, per_seq, dtype=np.int64)
+    write_split(directory, np.concatenate(ids), np.concatenate(labels), doc_offsets, seq_offsets)
+
+
+def trainer_command(a, model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:
+    overrides = [
+        f"model.name_or_path={model_dir}", f"data={data_dir}", f"output_dir={out_dir}", f"method={a.method}",
+        "model.attn_implementation=llmft_varlen", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0",
+        "optim.lr=2e-4", "schedule.decay=constant", "schedule.warmup_steps=0",
+        f"batch.global_sequences={a.nproc * a.samples_per_step // a.micro}", "batch.micro_sequences=1",
+        f"max_steps={a.steps}", f"log_every={a.log_every}", "eval_every=0", "save_every=0", "eval.max_sequences=4",
+        "kernels.fused_loss=true", "kernels.fused_lora=true", f"kernels.compile={'false' if a.no_compile else 'true'}",
+        "observe.progress_bar=false", f"seed={SEED}", *a.override,
+    ]
+    if a.nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
+        return [*launcher, "-m", "benchmarks.gpu.trainer_entry", *overrides]
+    return [sys.executable, "-m", "benchmarks.gpu.trainer_entry", *overrides]
+
+
+def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> dict:
+    """Throughput from the trainer's record timestamps and our own token counts; vs its own log.
+
+    Each train record closes a window of steps (log_every). Timing starts at the first
+    record at or after step ``--warmup`` (compile and warm-up stay out of it).
+    """
+    from trainer.fastpath import flops
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("event") == "train"]
+    per = a.samples_per_step * a.nproc
+
+    def step_slice(step):
+        return slice((step - 1) * per, step * per)
+
+    bounds = [0] + [r["step"] for r in train]
+    windows = [range(lo + 1, hi + 1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    tokens = [sum(int(samples.lengths[step_slice(s)].sum()) for s in w) for w in windows]
+    wflops = [sum(flops.step_flops(shape, a.method, samples.lengths[step_slice(s)]) for s in w) for w in windows]
+    supervised = [sum(int((common.supervised_targets(lab) != common.IGNORE_INDEX).sum())
+                      for s in w for lab in samples.labels[step_slice(s)]) for w in windows]
+    first = next(i for i, r in enumerate(train) if r["step"] >= a.warmup)
+    timed = range(first + 1, len(train))
+    span = train[-1]["time"] - train[first]["time"]
+    bench_tps = sum(tokens[i] for i in timed) / span
+    logged_tps = sum(tokens[i] for i in timed) / sum(tokens[i] / train[i]["tokens_per_s"] for i in timed)
+    peak = flops.peak_flops(common.device_info()["device"])
+    bench_mfu = sum(wflops[i] for i in timed) / span / peak / a.nproc if peak else None
+    logged_mfu = float(np.mean([train[i]["mfu"] for i in timed])) if "mfu" in train[-1] else None
+    step_s = [(train[i]["time"] - train[i - 1]["time"]) / len(windows[i]) for i in timed]
+    return {
+        "tokens_per_s": bench_tps, "tokens_per_s_per_gpu": bench_tps / a.nproc,
+        "supervised_tokens_per_s": sum(supervised[i] for i in timed) / span, "mfu": bench_mfu,
+        "trainer_logged_tokens_per_s": logged_tps, "trainer_logged_mfu": logged_mfu,
+        "logged_vs_bench_tokens_per_s": logged_tps / bench_tps - 1,
+        "logged_vs_bench_mfu": (logged_mfu / bench_mfu - 1) if (logged_mfu and bench_mfu) else None,
+        "step_s_p50": float(np.percentile(step_s, 50)), "step_s_p90": float(np.percentile(step_s, 90)),
+        "peak_mem_gib": max(r.get("peak_mem_gib", 0) for r in train),
+        "reserved_mem_gib": max(r.get("peak_reserved_gib", 0) for r in train),
+        "first_losses": [r["loss"] for r in train[:5]], "steps_timed": sum(len(windows[i]) for i in timed),
+        "tokens_per_step_mean": float(np.mean([t / len(w) for t, w in zip(tokens, windows, strict=True)])),
+    }
+
+
+def run(a) -> dict:
+    from trainer.fastpath import flops
+
+    root = Path(a.work)
+    vocab = common.MODEL_SHAPES[a.model]["vocab_size"]
+    samples = common.make_samples(a.samples_per_step * a.nproc * a.steps, a.profile, vocab)
+    model_dir = write_model_dir(a.model, root / "models")
+    data_dir = write_dataset(samples, a.micro, root / "data" / f"{a.model}-{a.profile}-{a.samples_per_step * a.nproc}-{a.micro}-{a.steps}")
+    out_dir = root / "runs" / f"{a.model}-{a.method}-{a.nproc}gpu-{int(time.time())}"
+    cmd = trainer_command(a, model_dir, data_dir, out_dir)
+    started = time.perf_counter()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - started
+    print(proc.stdout[-20000:], flush=True)
+    log_copy = Path(a.json_out).with_suffix(".trainer.log")
+    log_copy.write_text("$ " + " ".join(cmd) + "\n" + proc.stdout)
+    metrics_path = out_dir / "metrics.jsonl"
+    if metrics_path.is_file():
+        Path(a.json_out).with_suffix(".metrics.jsonl").write_text(metrics_path.read_text())
+    result = {"arm": a.arm_name, "model": a.model, "method": a.method, "profile": a.profile, "attn": "llmft_varlen",
+              "samples_per_step": a.samples_per_step * a.nproc, "micro_batch": a.micro, "gpus": a.nproc,
+              "trainer_overrides": a.override, "steps": a.steps, "trainer_returncode": proc.returncode,
+              "trainer_wall_s": wall, **common.device_info()}
+    if proc.returncode == 0 and metrics_path.is_file():
+        shape = flops.shape_from_config(common.hf_config(a.model))
+        result.update(summarize_metrics(metrics_path, samples, a, shape))
+        first_step = next(json.loads(line) for line in metrics_path.read_text().splitlines() if '"train"' in line)
+        result["compile_s"] = _first_step_seconds(proc.stdout, first_step)
+    common.write_json(a.json_out, result)
+    return result
+
+
+def _first_step_seconds(stdout: str, first_record: dict):
+    """Seconds from the model being loaded to the first step record (compile + first step)."""
+    for line in stdout.splitlines():
+        if line.startswith("[trainer_entry] loaded="):
+            return first_record["time"] - float(line.split("=", 1)[1])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(common.MODEL_SHAPES))
+    p.add_argument("--method", default="lora", choices=["lora", "full"])
+    p.add_argument("--profile", default="short", choices=sorted(common.PROFILES))
+    p.add_argument("--samples-per-step", type=int, default=64)
+    p.add_argument("--micro", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) through torchrun; --samples-per-step is per GPU")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--arm-name", default="project")
+    p.add_argument("--work", default="/tmp/llmft-project")
+    p.add_argument("--override", action="append", default=[], help="extra trainer key=value")
+    p.add_argument("--json-out", required=True)
+    a = p.parse_args(argv)
+    result = run(a)
+    keys = ("arm", "model", "method", "tokens_per_s", "trainer_logged_tokens_per_s", "mfu", "peak_mem_gib", "first_losses")
+    print({k: result.get(k) for k in keys})
+    return 0 if result.get("tokens_per_s") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Device-call wrapper: install the carried wheels, then run one named plan of benchmark jobs.
+# usage (on the GPU machine, repo root): bash benchmarks/gpu/session.sh PLAN  (writes under $OUT)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+OUT=${OUT:-/tmp/out}; W=/tmp/wb; mkdir -p "$OUT" "$W"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+bench() { python3 -m llmft bench train --out "$OUT" --work "$W" "$@" 2>&1 | tee -a "$OUT/bench.log"; }
+fast() { local name=$1; shift; timeout "${T:-200}" python3 -m benchmarks.gpu.arm_fast --json-out "$W/$name.json" "$@" > "$W/$name.log" 2>&1; echo "[$name] rc=$? $(tail -c 600 "$W/$name.log" | tail -n 2)"; }
+case "${1:?plan}" in
+  diag)
+    bench --jobs "check" --deadline-s 120
+    fast fast15_profile --model qwen2.5-1.5b --method lora --profile-steps 2
+    fast fast15_native --model qwen2.5-1.5b --method lora --gqa-mode native
+    bench --jobs "project:qwen2.5-1.5b:lora,fastpath:qwen2.5-1.5b:full,peer:qwen2.5-1.5b:lora" --deadline-s 330 --arm-timeout-s 240
+    ;;
+  final1)  # one GPU: arms (a) + (c) on every shape, then issue 3's GPU check (100 steps)
+    bench --label final --jobs "check,naive:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora,project:qwen2.5-1.5b:full,project:llama-3-8b:lora" --deadline-s 430 --arm-timeout-s 200
+    timeout 130 python3 -m benchmarks.gpu.arm_project --model qwen2.5-0.5b --method lora --steps 100 --warmup 10 \
+      --log-every 5 --arm-name gpu-check --json-out "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1; echo "[gpu-check] rc=$?"
+    left=$((570 - SECONDS)); [ $left -gt 70 ] && bench --label spp128 --jobs "project:qwen2.5-0.5b:lora" --samples-per-step 128 --extra "--micro 128" --deadline-s $left --arm-timeout-s $left
+    ;;
+  x2)  # two GPUs: 2-GPU scaling first, then one-GPU baselines on GPU0 while the peer arm compiles on GPU1
+    export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1
+    python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)"; nvidia-smi topo -m
+    Z3="--override distributed.backend=deepspeed --override distributed.zero_stage=3 --override kernels.fused_loss=false --override kernels.compile=false"
+    bench --label ddp-2gpu --jobs "project:qwen2.5-1.5b:lora" --extra "--nproc 2" --deadline-s 130 --arm-timeout-s 130
+    bench --label zero3-2gpu --jobs "project:qwen2.5-1.5b:full" --steps 12 --extra "--nproc 2 $Z3" --deadline-s 150 --arm-timeout-s 150
+    left=$((575 - SECONDS))
+    (CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --out "$W/bg" --work "$W/bgw" --label gpu1 --jobs "peer:qwen2.5-1.5b:lora" --steps 12 --deadline-s $left --arm-timeout-s $left > "$W/peer_bg.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0 bench --label gpu0 --jobs "check,naive:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora" --deadline-s 200 --arm-timeout-s 120
+    CUDA_VISIBLE_DEVICES=0 bench --label zero3-1gpu --jobs "project:qwen2.5-1.5b:full" --steps 12 --extra "$Z3" --deadline-s $((570 - SECONDS)) --arm-timeout-s 150
+    wait
+    bench --jobs "" --merge-from "$W/bg"
+    ;;
+  *) echo "unknown plan $1"; exit 2 ;;
+esac
+tar czf "$OUT/logs.tgz" -C "$W" .

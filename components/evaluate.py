@@ -1,0 +1,52 @@
+"""Step 4: eval perplexity of the base model and of every complete checkpoint."""
+
+from kfp import dsl
+from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
+
+from components.images import TRAINER_IMAGE
+
+
+@dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+def evaluate_perplexity(
+    tokenized: Input[Dataset],
+    run: Input[Model],
+    model: str,
+    data_root: str,
+    evaluation: Output[Artifact],
+    report: Output[HTML],
+    metrics: Output[Metrics],
+):
+    """Evaluate the base model and each ``checkpoints/step-N`` with a COMPLETE marker.
+
+    Uses the trainer's own token-weighted evaluation on the validation split, so the
+    numbers match the ``eval_loss=`` / ``perplexity=`` lines the trainer prints.
+
+    Outputs: ``evaluation`` (evaluation.json, read by the promote step), ``report`` (an HTML
+    page with the loss and perplexity plot embedded as a PNG, shown in the KFP UI) and
+    ``metrics`` (base and best eval loss / perplexity).
+    """
+    import json
+    import os
+
+    from components.lib.evaluation import evaluate_run, read_metrics_history, render_html
+    from components.lib.params import DataLayout
+
+    DataLayout(data_root).use_hf_cache()
+    run_dir = run.metadata["path"]
+    result = evaluate_run(run_dir, model, tokenized.metadata["path"])
+
+    os.makedirs(evaluation.path, exist_ok=True)
+    with open(os.path.join(evaluation.path, "evaluation.json"), "w") as fh:
+        json.dump(result, fh, indent=2, sort_keys=True)
+    evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
+    history = read_metrics_history(os.path.join(run_dir, "metrics.jsonl"))
+    with open(report.path, "w") as fh:
+        fh.write(render_html(result, history, title=f"Evaluation of {os.path.basename(run_dir)}"))
+
+    best = next(c for c in result["checkpoints"] if c["name"] == result["best"])
+    metrics.log_metric("base_eval_loss", result["base"]["eval_loss"])
+    metrics.log_metric("base_perplexity", result["base"]["perplexity"])
+    metrics.log_metric("best_eval_loss", best["eval_loss"])
+    metrics.log_metric("best_perplexity", best["perplexity"])
+    metrics.log_metric("best_step", best["step"])
+    print(f"base perplexity {result['base']['perplexity']:.4f}; best {best['name']} {best['perplexity']:.4f}")

@@ -1,0 +1,182 @@
+"""Evaluate every complete checkpoint of a run, and the base model, on the validation split.
+
+:func:`evaluate_run` is the logic of the `evaluate-perplexity` step: it lists the run's
+``checkpoints/step-N`` folders that carry a COMPLETE marker (a half-written checkpoint is
+never loaded), evaluates the base model and each checkpoint with the trainer's own
+:func:`trainer.evaluate.evaluate_perplexity` (so the numbers match what the trainer logs),
+and returns one JSON-able dict that the promote step reads.
+
+:func:`render_html` / :func:`render_markdown` turn that dict plus the run's
+``metrics.jsonl`` into a report with an embedded loss/perplexity plot (a base64 PNG
+drawn with matplotlib), shown by the KFP UI as the step's visualization.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainer.io import is_complete
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``[(step, path)]`` of the run's complete checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    for child in root.iterdir() if root.is_dir() else []:
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def adapter_dir(checkpoint: Path) -> Path | None:
+    """Where the PEFT adapter of a checkpoint lives (the folder itself or ``adapter/``), or None for full weights."""
+    for candidate in (checkpoint, checkpoint / "adapter"):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    return None
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    base_model: str,
+    dataset_dir: str | Path,
+    *,
+    split: str = "val",
+    evaluate_fn: Callable[..., dict[str, Any]] | None = None,
+    **eval_kwargs: Any,
+) -> dict[str, Any]:
+    """Evaluate the base model and every complete checkpoint; return the evaluation dict."""
+    if evaluate_fn is None:
+        from trainer.evaluate import evaluate_perplexity as evaluate_fn
+    checkpoints = complete_checkpoints(run_dir)
+    if not checkpoints:
+        from trainer.errors import DataError
+
+        raise DataError(f"{run_dir}/checkpoints holds no complete checkpoint (step-N with a COMPLETE marker): "
+                        "did the training step finish? Check its logs.")
+    base = evaluate_fn(base_model, str(dataset_dir), split=split, **eval_kwargs)
+    results = []
+    for step, path in checkpoints:
+        adapter = adapter_dir(path)
+        if adapter is not None:
+            metrics = evaluate_fn(base_model, str(dataset_dir), adapter_path=str(adapter), split=split, **eval_kwargs)
+        else:
+            metrics = evaluate_fn(str(path), str(dataset_dir), split=split, **eval_kwargs)
+        results.append({"name": path.name, "step": step, "path": str(path), **_numbers(metrics)})
+        print(f"evaluated {path.name}: eval_loss={metrics['eval_loss']:.4f} perplexity={metrics['perplexity']:.4f}", flush=True)
+    best = min(results, key=lambda r: (r["perplexity"], -r["step"]))
+    return {
+        "split": split,
+        "base": {"name": "base", "path": base_model, **_numbers(base)},
+        "checkpoints": results,
+        "best": best["name"],
+    }
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
+    out = {k: float(metrics[k]) for k in ("eval_loss", "perplexity") if k in metrics}
+    if "tokens" in metrics:
+        out["tokens"] = int(metrics["tokens"])
+    return out
+
+
+def read_metrics_history(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a trainer ``metrics.jsonl`` (missing file -> empty; bad lines are skipped)."""
+    rows = []
+    path = Path(path)
+    if not path.is_file():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for row in history:
+        if row.get("event", "train") != "train":
+            continue
+        value, step = row.get(key), row.get("step")
+        if isinstance(value, int | float) and isinstance(step, int | float) and math.isfinite(value):
+            steps.append(int(step))
+            values.append(float(value))
+    return steps, values
+
+
+def plot_png(evaluation: dict[str, Any], history: list[dict[str, Any]]) -> bytes:
+    """Two panels: training/eval loss by step, and eval perplexity per checkpoint vs the base model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
+    steps, losses = _series(history, "loss")
+    if steps:
+        ax_loss.plot(steps, losses, label="train loss", color="tab:blue", linewidth=1)
+    ckpt_steps = [c["step"] for c in evaluation["checkpoints"]]
+    ax_loss.plot(ckpt_steps, [c["eval_loss"] for c in evaluation["checkpoints"]], "o-", color="tab:orange", label="eval loss")
+    ax_loss.axhline(evaluation["base"]["eval_loss"], color="gray", linestyle="--", label="base eval loss")
+    ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
+    ax_loss.legend(fontsize=8)
+    ax_ppl.plot(ckpt_steps, [c["perplexity"] for c in evaluation["checkpoints"]], "o-", color="tab:green", label="checkpoint")
+    ax_ppl.axhline(evaluation["base"]["perplexity"], color="gray", linestyle="--", label="base model")
+    best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
+    ax_ppl.plot([best["step"]], [best["perplexity"]], "*", markersize=14, color="tab:red", label=f"best ({best['name']})")
+    ax_ppl.set(xlabel="step", ylabel="perplexity", title="Eval perplexity", yscale="log")
+    ax_ppl.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _table_rows(evaluation: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = [("base", "-", f"{evaluation['base']['eval_loss']:.4f}", f"{evaluation['base']['perplexity']:.4f}")]
+    for c in evaluation["checkpoints"]:
+        name = c["name"] + (" (best)" if c["name"] == evaluation["best"] else "")
+        rows.append((name, str(c["step"]), f"{c['eval_loss']:.4f}", f"{c['perplexity']:.4f}"))
+    return rows
+
+
+def render_html(evaluation: dict[str, Any], history: list[dict[str, Any]], *, title: str = "Evaluation") -> str:
+    """A self-contained HTML page: the plot (inline PNG) and the table of checkpoints."""
+    png = base64.b64encode(plot_png(evaluation, history)).decode()
+    cells = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in _table_rows(evaluation))
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}</style>"
+        f"</head><body><h2>{html.escape(title)}</h2>"
+        f"<p>Split: {html.escape(evaluation['split'])}. Best checkpoint: <b>{html.escape(evaluation['best'])}</b>.</p>"
+        f"<img alt='loss and perplexity' src='data:image/png;base64,{png}'/>"
+        "<table><tr><th>model</th><th>step</th><th>eval loss</th><th>perplexity</th></tr>"
+        f"{cells}</table></body></html>\n"
+    )
+
+
+def render_markdown(evaluation: dict[str, Any], history: list[dict[str, Any]], *, title: str = "Evaluation") -> str:
+    """The same report as Markdown (for notebooks and the KFP Markdown viewer)."""
+    png = base64.b64encode(plot_png(evaluation, history)).decode()
+    lines = [f"## {title}", "", f"Split: `{evaluation['split']}`. Best checkpoint: **{evaluation['best']}**.", "",
+             f"![loss and perplexity](data:image/png;base64,{png})", "",
+             "| model | step | eval loss | perplexity |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in _table_rows(evaluation)]
+    return "\n".join(lines) + "\n"

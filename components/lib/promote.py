@@ -1,0 +1,147 @@
+"""Pick the best checkpoint by eval perplexity and promote it to a stable location.
+
+The `promote-best-checkpoint` step reads the evaluation written by the evaluate step
+(:func:`components.lib.evaluation.evaluate_run`), and
+
+* picks the checkpoint with the lowest perplexity (ties go to the later step);
+* refuses unless it beats the base model by ``margin`` (relative: the best must be
+  below ``base_perplexity * (1 - margin)``), raising :class:`PromotionRefused`;
+* copies the servable files of that checkpoint (adapter or full weights, tokenizer,
+  manifest; never optimizer or RNG state) atomically to ``destination`` with a
+  completion marker, and
+* records the decision and why, as JSON, both inside the promoted folder and
+  beside it (``<destination>.decision.json``), so a refused run leaves its reason on the PVC too.
+"""
+from __future__ import annotations
+
+import fnmatch
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import LlmftError
+from trainer.io import atomic_directory, atomic_write_json, is_complete
+
+DECISION_FILE = "promotion.json"
+# Files a server needs; optimizer/scheduler/RNG/data-position state stays behind.
+SERVABLE_PATTERNS = (
+    "adapter_model.safetensors", "adapter_config.json",
+    "model.safetensors", "model-*.safetensors", "model.safetensors.index.json", "config.json",
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "training_manifest.json", "README.md",
+)
+
+
+class PromotionRefused(LlmftError):
+    """No checkpoint beats the base model by the required margin."""
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    """The promote step's verdict; written as JSON next to the promoted files."""
+
+    promoted: bool
+    """True when the best checkpoint beat the base model by the margin."""
+    checkpoint: str | None
+    """Name of the best checkpoint (e.g. step-40), None when there was none."""
+    checkpoint_path: str | None
+    """Where the best checkpoint lives in the run directory."""
+    step: int | None
+    """Training step of the best checkpoint."""
+    perplexity: float | None
+    """Eval perplexity of the best checkpoint."""
+    eval_loss: float | None
+    """Eval loss of the best checkpoint."""
+    base_perplexity: float
+    """Eval perplexity of the base model on the same split."""
+    margin: float
+    """Required relative improvement over the base model (0.01 = 1%)."""
+    threshold: float
+    """The best checkpoint's perplexity had to be below this value."""
+    improvement: float | None
+    """Relative improvement over the base model: 1 - best / base."""
+    reason: str
+    """Why it was, or was not, promoted, in one sentence."""
+    destination: str | None = None
+    """Stable location of the promoted copy (set after the copy)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decide(evaluation: dict[str, Any], margin: float) -> PromotionDecision:
+    """Choose the best checkpoint of ``evaluation`` and decide whether it may be promoted."""
+    if not 0.0 <= margin < 1.0:
+        raise PromotionRefused(f"promote margin {margin} is out of range: use a fraction in [0, 1), e.g. 0.01 for 1%")
+    base_ppl = float(evaluation["base"]["perplexity"])
+    threshold = base_ppl * (1.0 - margin)
+    checkpoints = [c for c in evaluation.get("checkpoints", []) if c.get("perplexity") is not None]
+    if not checkpoints:
+        return PromotionDecision(False, None, None, None, None, None, base_ppl, margin, threshold, None,
+                                 "no complete checkpoint was evaluated: nothing to promote")
+    best = min(checkpoints, key=lambda c: (float(c["perplexity"]), -int(c.get("step") or 0)))
+    ppl = float(best["perplexity"])
+    improvement = 1.0 - ppl / base_ppl if base_ppl > 0 else None
+    promoted = ppl < threshold
+    if promoted:
+        reason = (f"{best['name']} has perplexity {ppl:.4f}, {_pct(improvement)} below the base model's "
+                  f"{base_ppl:.4f}, which beats the required margin of {margin:.1%} (threshold {threshold:.4f})")
+    else:
+        reason = (f"best checkpoint {best['name']} has perplexity {ppl:.4f} but must be below {threshold:.4f} "
+                  f"(base {base_ppl:.4f} minus the {margin:.1%} margin): refusing to promote")
+    return PromotionDecision(promoted, best["name"], best.get("path"), best.get("step"), ppl,
+                             best.get("eval_loss"), base_ppl, margin, threshold, improvement, reason)
+
+
+def promote(evaluation: dict[str, Any], destination: str | Path, *, margin: float) -> PromotionDecision:
+    """Decide, then copy the best checkpoint to ``destination`` atomically.
+
+    The decision JSON is written to ``<destination>.decision.json`` in every case;
+    :class:`PromotionRefused` is raised (after writing it) when nothing may be promoted.
+    """
+    destination = Path(destination)
+    decision = decide(evaluation, margin)
+    record_path = destination.with_name(destination.name + ".decision.json")
+    if not decision.promoted:
+        atomic_write_json(record_path, decision.to_dict())
+        raise PromotionRefused(f"{decision.reason} (decision recorded in {record_path})")
+    decision = PromotionDecision(**{**decision.to_dict(), "destination": str(destination)})
+    copy_servable(Path(decision.checkpoint_path), destination, decision)
+    atomic_write_json(record_path, decision.to_dict())
+    return decision
+
+
+def copy_servable(checkpoint: Path, destination: Path, decision: PromotionDecision) -> list[str]:
+    """Copy the servable files of ``checkpoint`` into ``destination`` (atomic, with marker)."""
+    if not is_complete(checkpoint):
+        raise PromotionRefused(f"{checkpoint} has no COMPLETE marker: a half-written checkpoint is never promoted")
+    files = servable_files(checkpoint)
+    if not files:
+        raise PromotionRefused(
+            f"{checkpoint} holds no adapter or model weights (looked for {', '.join(SERVABLE_PATTERNS[:3])}, ...)")
+    with atomic_directory(destination, marker=True) as tmp:
+        for source in files:
+            target = tmp / source.relative_to(checkpoint)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+        atomic_write_json(tmp / DECISION_FILE, decision.to_dict())
+    return sorted(str(f.relative_to(checkpoint)) for f in files)
+
+
+def servable_files(checkpoint: Path) -> list[Path]:
+    """Servable files of a checkpoint: weights, configs, tokenizer (top level or one folder down)."""
+    found = []
+    for path in sorted(checkpoint.rglob("*")):
+        depth = len(path.relative_to(checkpoint).parts)
+        if path.is_file() and depth <= 2 and any(fnmatch.fnmatch(path.name, p) for p in SERVABLE_PATTERNS):
+            found.append(path)
+    if any(p.name == "adapter_config.json" for p in found):  # LoRA: config.json is the trainer's, not a model's
+        found = [p for p in found if p.name != "config.json"]
+    weights = [p for p in found if p.name.endswith(".safetensors")]
+    return found if weights else []
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"

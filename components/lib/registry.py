@@ -1,0 +1,318 @@
+"""Register a promoted adapter in the MLflow Model Registry.
+
+One call, :func:`register_adapter`, does what the `register-in-mlflow` step needs:
+
+1. an MLflow run (in the pipeline's experiment) with the training parameters,
+   the evaluation metrics and the adapter folder as artifacts;
+2. a registered model version whose source is that artifact folder, tagged with
+   its lineage (pipeline run id, dataset hash, base model);
+3. the alias ``champion`` moved to the new version only when its eval perplexity
+   beats the current champion's.
+
+A plain adapter folder is not an MLflow "logged model", so ``mlflow.register_model``
+cannot be used (it needs an MLmodel file); the version is created with
+``MlflowClient.create_registered_model`` + ``create_model_version`` instead (see
+/work/shared/notes/platform-facts.md, MLflow 3.x).
+
+Idempotent on retry: the run and the version carry the tag
+``llmft.registration_key = <pipeline run id>/<task>``. A retried task finds them and
+reuses them instead of creating a second run or version.
+
+The tracking server comes from the environment (``MLFLOW_TRACKING_URI`` and, where the
+server needs them, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN``), which the
+pipeline fills from a Kubernetes Secret: credentials are never parameters.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHAMPION_ALIAS = "champion"
+KEY_TAG = "llmft.registration_key"
+PERPLEXITY_TAG = "llmft.eval_perplexity"
+LINEAGE_PREFIX = "llmft."
+ADAPTER_ARTIFACT_PATH = "adapter"
+MAX_PARAM_CHARS = 6000  # MLflow's param value limit is 6000 characters
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a model version came from; every field becomes an ``llmft.<name>`` tag."""
+
+    pipeline_run_id: str
+    """The KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER), identical across task retries."""
+    task: str
+    """The pipeline task that registers; with the run id it makes the idempotency key."""
+    dataset_hash: str
+    """Content hash of the tokenized data (the tokenize step's cache key)."""
+    base_model: str
+    """Hub id or path of the base model the adapter was trained on."""
+    dataset: str = ""
+    """The dataset source as given to the pipeline (hub id or path)."""
+    checkpoint: str = ""
+    """Name of the promoted checkpoint (e.g. step-40)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.pipeline_run_id}/{self.task}"
+
+    def tags(self) -> dict[str, str]:
+        tags = {f"{LINEAGE_PREFIX}{name}": str(value) for name, value in self.__dict__.items() if value != ""}
+        tags[KEY_TAG] = self.key
+        return tags
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Everything needed to register one promoted adapter."""
+
+    model_name: str
+    """Registered model name in MLflow."""
+    experiment: str
+    """MLflow experiment holding the registration run."""
+    adapter_dir: Path
+    """Promoted adapter folder; logged under the run's ``adapter/`` artifacts."""
+    perplexity: float
+    """Eval perplexity of the promoted checkpoint (lower is better); decides the champion."""
+    lineage: Lineage
+    """Lineage tags of the version."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics logged on the run (eval_loss, base_perplexity, ...)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Params logged on the run (flattened training config, data settings)."""
+    extra_artifacts: tuple[Path, ...] = ()
+    """Files logged at the run's artifact root (evaluation report, promotion decision)."""
+
+
+def register_adapter(reg: Registration, *, client=None, tracking_uri: str | None = None) -> dict[str, Any]:
+    """Register ``reg`` and return the facts (version, run id, alias decision)."""
+    client = client or _client(tracking_uri)
+    _ensure_registered_model(client, reg.model_name)
+    existing = find_version_by_key(client, reg.model_name, reg.lineage.key)
+    reused = existing is not None
+    if existing is not None:
+        version = existing
+    else:
+        run_id, artifact_uri = _log_run(client, reg)
+        version = client.create_model_version(
+            name=reg.model_name,
+            source=f"{artifact_uri}/{ADAPTER_ARTIFACT_PATH}",
+            run_id=run_id,
+            tags={**reg.lineage.tags(), PERPLEXITY_TAG: repr(float(reg.perplexity))},
+            description=f"Adapter for {reg.lineage.base_model} from pipeline run {reg.lineage.pipeline_run_id}",
+        )
+    alias = update_champion(client, reg.model_name, str(version.version), reg.perplexity)
+    return {
+        "model_name": reg.model_name,
+        "version": str(version.version),
+        "run_id": version.run_id,
+        "source": version.source,
+        "reused_existing_version": reused,
+        "tracking_uri": _redacted_uri(client),
+        **alias,
+    }
+
+
+def update_champion(client, model_name: str, version: str, perplexity: float) -> dict[str, Any]:
+    """Point ``champion`` at ``version`` when it has strictly lower perplexity than the current one."""
+    current = champion_version(client, model_name)
+    if current is None:
+        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
+        return _alias_facts(True, version, None, None, "no champion yet")
+    if str(current.version) == version:
+        return _alias_facts(True, version, version, perplexity, "this version is already the champion")
+    current_ppl = version_perplexity(current)
+    if current_ppl is None or perplexity < current_ppl:
+        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
+        why = (f"perplexity {perplexity:.4f} beats champion v{current.version} ({current_ppl:.4f})"
+               if current_ppl is not None else f"champion v{current.version} has no recorded perplexity")
+        return _alias_facts(True, version, str(current.version), current_ppl, why)
+    why = f"perplexity {perplexity:.4f} does not beat champion v{current.version} ({current_ppl:.4f}); alias unchanged"
+    return _alias_facts(False, str(current.version), str(current.version), current_ppl, why)
+
+
+def champion_version(client, model_name: str):
+    """The version the ``champion`` alias points at, or None when the alias is unset."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
+    except MlflowException as exc:
+        if _error_code(exc) in {"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"}:
+            return None
+        raise
+
+
+def version_perplexity(version) -> float | None:
+    """The eval perplexity recorded on a model version (tag), or None."""
+    raw = (version.tags or {}).get(PERPLEXITY_TAG)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def find_version_by_key(client, model_name: str, key: str):
+    """The version registered earlier by the same pipeline run and task, if any."""
+    versions = client.search_model_versions(f"name = '{_quote(model_name)}'")
+    matches = [v for v in versions if (v.tags or {}).get(KEY_TAG) == key]
+    return min(matches, key=lambda v: int(v.version)) if matches else None
+
+
+def _alias_facts(is_champion: bool, champion: str, previous: str | None, previous_ppl, why: str) -> dict[str, Any]:
+    return {
+        "alias": CHAMPION_ALIAS,
+        "is_champion": is_champion,
+        "champion_version": champion,
+        "previous_champion_version": previous,
+        "previous_champion_perplexity": previous_ppl,
+        "alias_reason": why,
+    }
+
+
+def _log_run(client, reg: Registration) -> tuple[str, str]:
+    """Create (or on retry reuse) the registration run; log params, metrics, artifacts."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    experiment_id = _experiment_id(client, reg.experiment)
+    run = _find_run_by_key(client, experiment_id, reg.lineage.key)
+    if run is None:
+        run = client.create_run(experiment_id, tags=reg.lineage.tags(),
+                                run_name=f"register-{reg.lineage.pipeline_run_id}"[:250])
+    run_id = run.info.run_id
+    params = [Param(k, _param_value(v)) for k, v in sorted(flatten(reg.params).items())]
+    logged = run.data.params if run.data else {}
+    params = [p for p in params if p.key not in logged]  # a retry must not re-log (immutable) params
+    metrics = [Metric(k, float(v), _now_ms(), 0) for k, v in sorted(reg.metrics.items()) if _finite(v)]
+    metrics.append(Metric("perplexity", float(reg.perplexity), _now_ms(), 0))
+    for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
+        client.log_batch(run_id, params=params[start:start + 100])
+    client.log_batch(run_id, metrics=metrics, tags=[RunTag("llmft.step", "register")])
+    client.log_artifacts(run_id, str(reg.adapter_dir), ADAPTER_ARTIFACT_PATH)
+    for path in reg.extra_artifacts:
+        if Path(path).is_file():
+            client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id, "FINISHED")
+    return run_id, client.get_run(run_id).info.artifact_uri
+
+
+def _find_run_by_key(client, experiment_id: str, key: str):
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{_quote(key)}'", max_results=1)
+    return runs[0] if runs else None
+
+
+def _experiment_id(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as exc:  # created concurrently by a parallel step
+        if _error_code(exc) != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _ensure_registered_model(client, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description="LoRA adapters fine-tuned by kfp-llm-finetune")
+    except MlflowException as exc:
+        if _error_code(exc) != "RESOURCE_ALREADY_EXISTS":
+            raise
+
+
+def _client(tracking_uri: str | None):
+    from mlflow import MlflowClient
+
+    from trainer.errors import ConfigError
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri:
+        raise ConfigError(
+            "MLFLOW_TRACKING_URI is not set: the register step needs an MLflow tracking server. "
+            "Fix: create the Secret `mlflow-credentials` with key MLFLOW_TRACKING_URI (and MLFLOW_TRACKING_USERNAME/"
+            "MLFLOW_TRACKING_PASSWORD if the server needs them) in the pipeline's namespace, or export it for a local run."
+        )
+    return MlflowClient(tracking_uri=uri)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"lora": {"r": 8}}`` -> ``{"lora.r": 8}`` (MLflow params are flat)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, prefix=f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _param_value(value: Any) -> str:
+    text = ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+    return text[:MAX_PARAM_CHARS]
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _quote(text: str) -> str:
+    return text.replace("'", "\\'")
+
+
+def _error_code(exc) -> str:
+    return str(getattr(exc, "error_code", ""))
+
+
+def _redacted_uri(client) -> str:
+    uri = str(getattr(getattr(client, "_tracking_client", None), "tracking_uri", "") or "")
+    if "@" in uri and "://" in uri:  # never echo credentials embedded in a URI
+        scheme, rest = uri.split("://", 1)
+        uri = f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return uri
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+def registration_from_run(
+    *,
+    promoted_dir: str | Path,
+    evaluation: dict[str, Any],
+    training_manifest: dict[str, Any],
+    model_name: str,
+    experiment: str,
+    lineage: Lineage,
+    extra_artifacts: tuple[Path, ...] = (),
+) -> Registration:
+    """Assemble a :class:`Registration` from the files the earlier steps wrote."""
+    promoted_dir = Path(promoted_dir)
+    best = next(c for c in evaluation["checkpoints"] if c["name"] == lineage.checkpoint) \
+        if lineage.checkpoint else min(evaluation["checkpoints"], key=lambda c: c["perplexity"])
+    base = evaluation["base"]
+    metrics = {"eval_loss": best["eval_loss"], "base_eval_loss": base["eval_loss"],
+               "base_perplexity": base["perplexity"], "step": best.get("step", 0),
+               "improvement": 1.0 - best["perplexity"] / base["perplexity"] if base["perplexity"] else float("nan")}
+    for key in ("tokens_seen", "wall_time_s"):
+        if _finite(training_manifest.get(key)):
+            metrics[key] = float(training_manifest[key])
+    params = {**training_manifest.get("config", {}), "dataset_source": lineage.dataset,
+              "dataset_hash": lineage.dataset_hash, "base_model": lineage.base_model}
+    return Registration(model_name=model_name, experiment=experiment, adapter_dir=promoted_dir,
+                        perplexity=float(best["perplexity"]), lineage=lineage, metrics=metrics, params=params,
+                        extra_artifacts=extra_artifacts)

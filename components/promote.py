@@ -1,0 +1,44 @@
+"""Step 5: promote the best checkpoint, if it beats the base model by the margin."""
+
+from kfp import dsl
+from kfp.dsl import Artifact, Input, Model, Output
+
+from components.images import PIPELINE_IMAGE
+
+
+@dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
+def promote_best_checkpoint(
+    evaluation: Input[Artifact],
+    promote_margin: float,
+    data_root: str,
+    mlflow_model_name: str,
+    run_id: str,
+    promoted: Output[Model],
+):
+    """Pick the checkpoint with the lowest eval perplexity and copy it to a stable place.
+
+    Refuses (the step fails, so nothing is registered or deployed) unless the best
+    checkpoint's perplexity is below ``base * (1 - promote_margin)``. Otherwise copies its
+    servable files (adapter or weights, tokenizer, manifest; not optimizer state)
+    atomically to ``<data_root>/models/<mlflow_model_name>/<run_id>`` with a COMPLETE marker.
+    The decision and its reason are written as JSON beside that folder in both cases.
+
+    Outputs: ``promoted`` (promotion.json; metadata ``path``, ``checkpoint``, ``perplexity``).
+    """
+    import json
+    import os
+
+    from components.lib.params import DataLayout
+    from components.lib.promote import promote
+
+    with open(os.path.join(evaluation.path, "evaluation.json")) as fh:
+        result = json.load(fh)
+    destination = DataLayout(data_root).promoted(mlflow_model_name, run_id)
+    decision = promote(result, destination, margin=promote_margin)
+
+    os.makedirs(promoted.path, exist_ok=True)
+    with open(os.path.join(promoted.path, "promotion.json"), "w") as fh:
+        json.dump(decision.to_dict(), fh, indent=2, sort_keys=True)
+    promoted.metadata.update({"path": destination, "checkpoint": decision.checkpoint, "step": decision.step,
+                              "perplexity": decision.perplexity, "base_perplexity": decision.base_perplexity})
+    print(f"promoted: {decision.reason}")

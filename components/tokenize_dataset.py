@@ -1,0 +1,46 @@
+"""Step 2: tokenize and pack the prepared JSONL onto the shared volume (content-addressed)."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Output
+
+from components.images import TRAINER_IMAGE
+
+
+@dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+def tokenize_dataset(
+    prepared: Input[Dataset],
+    model: str,
+    max_length: int,
+    packing: bool,
+    data_root: str,
+    tokenized: Output[Dataset],
+    metrics: Output[Metrics],
+):
+    """Apply the model's chat template, mask the loss to assistant tokens, pack, and shard.
+
+    The shards land in ``<data_root>/tokenized/<cache_key>``, where the key hashes the data,
+    the tokenizer files, the chat template, ``max_length`` and packing: a rerun of the
+    pipeline (or a Katib trial) with the same inputs reuses them without re-tokenizing.
+
+    Outputs: ``tokenized`` (manifest.json; metadata ``path``, ``cache_key``, ``cache_hit``)
+    and ``metrics`` (sequences, tokens, packing efficiency).
+    """
+    import json
+    import os
+
+    from components.lib.params import DataLayout
+    from components.lib.tokenized import manifest_metrics, tokenize_to_volume
+
+    layout = DataLayout(data_root)
+    layout.use_hf_cache()
+    manifest = tokenize_to_volume(prepared.metadata["path"], model, layout.root, max_length=max_length, pack=packing)
+    output_dir = manifest["path"]
+
+    os.makedirs(tokenized.path, exist_ok=True)
+    with open(os.path.join(tokenized.path, "manifest.json"), "w") as fh:
+        json.dump(manifest, fh, indent=2, sort_keys=True, default=str)
+    tokenized.metadata.update({"path": output_dir, "cache_key": manifest["cache_key"],
+                               "cache_hit": bool(manifest.get("cache_hit", False))})
+    for name, value in sorted(manifest_metrics(manifest).items()):
+        metrics.log_metric(name, value)
+    print(f"tokenized into {output_dir} (cache {'hit' if manifest.get('cache_hit') else 'miss'})")

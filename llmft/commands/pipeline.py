@@ -1,0 +1,168 @@
+"""`llmft pipeline ...`: compile, run locally (kfp.local), submit, or schedule the KFP pipeline.
+
+Heavy imports (kfp, the pipeline module, mlflow) happen inside each command.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+CRON_FIELD = re.compile(r"^[0-9*?/,\-LW#A-Za-z]+$")
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+
+    compile_ = sub.add_parser("compile", help="compile the pipeline to a YAML file")
+    compile_.add_argument("--output", required=True, help="YAML file to write")
+    compile_.add_argument("--hpo", action="store_true", help="compile llm_finetune_hpo_pipeline (Katib sweep) instead")
+    compile_.set_defaults(func=run_compile)
+
+    local = sub.add_parser("run-local", help="run the whole pipeline here with kfp.local (tiny model, CPU)")
+    local.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. max_steps=40)")
+    local.add_argument("--work-dir", default=None, help="work folder (default runs/pipeline-local)")
+    local.add_argument("--verbose", action="store_true", help="show every task's full log, not just progress")
+    local.add_argument("--hpo", action="store_true", help="run llm_finetune_hpo_pipeline (a small local sweep)")
+    local.set_defaults(func=run_local)
+
+    submit = sub.add_parser("submit", help="start a run on a KFP endpoint (create_run_from_pipeline_func)")
+    _cluster_arguments(submit)
+    submit.add_argument("--run-name", default=None, help="run name (default: generated)")
+    submit.set_defaults(func=run_submit)
+
+    schedule = sub.add_parser("schedule", help="create a recurring run (KFP cron: six fields, seconds first)")
+    _cluster_arguments(schedule)
+    schedule.add_argument("--cron", required=True, help='six-field cron, seconds first, e.g. "0 0 3 * * *" = daily 03:00')
+    schedule.add_argument("--name", default="llm-finetune-nightly", help="recurring run name")
+    schedule.add_argument("--max-concurrency", type=int, default=1, help="runs of this schedule at once")
+    schedule.set_defaults(func=run_schedule)
+
+
+def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. dataset=org/data)")
+    parser.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
+    parser.add_argument("--experiment", default="llm-finetune", help="KFP experiment name")
+    parser.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user installs)")
+    parser.add_argument("--service-account", default=None, help="service account the run's pods use")
+    parser.add_argument("--hpo", action="store_true", help="use llm_finetune_hpo_pipeline (Katib sweep)")
+
+
+def _pipeline(hpo: bool):
+    """The pipeline function; the HPO one is imported only when asked for."""
+    from trainer.errors import ConfigError
+
+    if not hpo:
+        from pipelines.llm_finetune import llm_finetune_pipeline
+
+        return llm_finetune_pipeline
+    try:
+        from pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
+    except ImportError as exc:
+        raise ConfigError(f"--hpo: cannot import pipelines.llm_finetune_hpo ({exc})") from None
+    return llm_finetune_hpo_pipeline
+
+
+def _guarded(func):
+    """Print a user error (LlmftError) as one line and exit 1, like the rest of the CLI."""
+    def wrapper(args: argparse.Namespace) -> int:
+        from trainer.errors import LlmftError
+
+        try:
+            return func(args)
+        except LlmftError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    wrapper.__name__ = func.__name__
+    wrapper.__doc__ = func.__doc__
+    return wrapper
+
+
+@_guarded
+def run_compile(args: argparse.Namespace) -> int:
+    from kfp import compiler
+
+    pipeline = _pipeline(args.hpo)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(pipeline, package_path=args.output)
+    print(f"compiled {pipeline.name} to {args.output}")
+    return 0
+
+
+def validate_cron(expression: str) -> str:
+    """KFP's cron has six fields (seconds first); a five-field Unix cron is refused with the fix."""
+    from trainer.errors import ConfigError
+
+    fields = expression.split()
+    if len(fields) == 5:
+        raise ConfigError(f"--cron {expression!r} has 5 fields, but KFP cron expressions have six, seconds first. "
+                          f"Did you mean \"0 {expression}\"?")
+    if len(fields) != 6:
+        raise ConfigError(f"--cron {expression!r} has {len(fields)} fields; KFP needs six: "
+                          "second minute hour day-of-month month day-of-week (e.g. \"0 0 3 * * *\")")
+    bad = [f for f in fields if not CRON_FIELD.match(f)]
+    if bad:
+        raise ConfigError(f"--cron {expression!r}: field(s) {bad} are not cron syntax (digits, * , - / ?)")
+    return " ".join(fields)
+
+
+def _client(args: argparse.Namespace):
+    import kfp
+
+    return kfp.Client(host=args.host, namespace=args.namespace or "kubeflow")
+
+
+@_guarded
+def run_submit(args: argparse.Namespace) -> int:
+    from pipelines.defaults import parse_arguments
+
+    pipeline = _pipeline(args.hpo)
+    arguments = parse_arguments(args.arguments, pipeline)
+    result = _client(args).create_run_from_pipeline_func(
+        pipeline, arguments=arguments, run_name=args.run_name, experiment_name=args.experiment,
+        namespace=args.namespace, service_account=args.service_account, enable_caching=False)
+    print(f"submitted run {result.run_id} in experiment {args.experiment!r} on {args.host}")
+    return 0
+
+
+@_guarded
+def run_schedule(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from kfp import compiler
+
+    from pipelines.defaults import parse_arguments
+
+    cron = validate_cron(args.cron)
+    pipeline = _pipeline(args.hpo)
+    arguments = parse_arguments(args.arguments, pipeline)
+    client = _client(args)
+    experiment = client.create_experiment(args.experiment, namespace=args.namespace)
+    with tempfile.TemporaryDirectory() as tmp:
+        package = str(Path(tmp) / "pipeline.yaml")
+        compiler.Compiler().compile(pipeline, package_path=package)
+        job = client.create_recurring_run(
+            experiment_id=experiment.experiment_id, job_name=args.name, cron_expression=cron,
+            max_concurrency=args.max_concurrency, no_catchup=True, params=arguments,
+            pipeline_package_path=package, enable_caching=False, service_account=args.service_account)
+    print(f"recurring run {args.name!r} ({job.recurring_run_id}) scheduled with cron {cron!r}")
+    return 0
+
+
+@_guarded
+def run_local(args: argparse.Namespace) -> int:
+    from pipelines.defaults import DEFAULT_WORK_DIR, parse_arguments
+    from pipelines.local_run import run_pipeline_locally
+
+    pipeline = _pipeline(args.hpo)
+    extra_defaults = {}
+    if args.hpo:
+        from pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS as extra_defaults
+    overrides = parse_arguments(args.arguments, pipeline)
+    started = time.perf_counter()
+    outcome = run_pipeline_locally(overrides, work_dir=args.work_dir or DEFAULT_WORK_DIR, verbose=args.verbose,
+                                   pipeline=pipeline, extra_defaults=extra_defaults)
+    print(outcome.render(time.perf_counter() - started))
+    return 0 if outcome.succeeded else 1

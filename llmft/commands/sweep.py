@@ -1,0 +1,273 @@
+"""`llmft sweep ...`: Katib hyperparameter sweeps of the training step.
+
+    llmft sweep create [--dry-run] [--output FILE] [--from-yaml FILE] [--wait] [key=value ...]
+    llmft sweep status NAME [--watch]
+    llmft sweep best NAME
+    llmft sweep run-local --trials N [--algorithm random|tpe|grid|bayesianoptimization] [key=value ...]
+
+``key=value`` settings of `create` and `run-local`:
+- the sweep (katib.experiment.SweepSpec): name, namespace, algorithm, max_trials, parallel_trials,
+  max_failed_trials, resume_policy, early_stopping, seed, ...; the search space as
+  ``space.<param>.<field>=<value>`` (e.g. ``space.lora_r.values=8,16``, ``space.warmup_ratio=off``);
+- the trial job (create only): model, data (tokenized shards on the PVC), pvc_name, num_workers,
+  gpus_per_worker, method, image, data_root, mlflow_experiment;
+- fixed trainer settings of every trial: ``train.<key>=<value>`` (e.g. ``train.max_steps=300``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+JOB_KEYS = {"model": str, "data": str, "pvc_name": str, "num_workers": int, "gpus_per_worker": int,
+            "method": str, "image": str, "data_root": str, "mlflow_experiment": str}
+JOB_DEFAULTS = {"model": "Qwen/Qwen2.5-7B-Instruct", "pvc_name": "llmft-data", "num_workers": 1,
+                "gpus_per_worker": 1, "method": "lora"}
+TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "katib" / "experiment_template.yaml"
+# The settings katib/experiment_template.yaml was rendered from (a test keeps the two equal).
+TEMPLATE_ARGS = ("data=/data/tokenized/CACHE_KEY",)
+LOCAL_TRIAL_DEFAULTS = ("max_steps=8", "eval_every=4", "log_every=4", "batch.global_sequences=4",
+                        "eval.max_sequences=16", "observe.progress_bar=false", "observe.tensorboard=false")
+"""Fixed trainer settings of a local trial on the tiny model (a few seconds each on a laptop CPU)."""
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    create = sub.add_parser("create", help="build (and unless --dry-run, submit) the Katib Experiment")
+    create.add_argument("settings", nargs="*", metavar="key=value", help="sweep, job and train.<key> settings")
+    create.add_argument("--dry-run", action="store_true", help="validate and print/write the Experiment only")
+    create.add_argument("--output", help="write the Experiment YAML here")
+    create.add_argument("--from-yaml", help="submit this (edited) Experiment YAML instead of building one")
+    create.add_argument("--wait", action="store_true", help="wait for the end, then print the best key=value lines")
+    _cluster_flags(create)
+    create.set_defaults(func=run_create)
+
+    status = sub.add_parser("status", help="conditions, trial counts and the best trial so far")
+    status.add_argument("name", help="Experiment name")
+    status.add_argument("--watch", action="store_true", help="poll until Succeeded or Failed")
+    status.add_argument("--poll-seconds", type=float, default=30.0, help="poll interval of --watch")
+    _cluster_flags(status)
+    status.set_defaults(func=run_status)
+
+    best = sub.add_parser("best", help="the optimal trial's hyperparameters as key=value lines")
+    best.add_argument("name", help="Experiment name")
+    _cluster_flags(best)
+    best.set_defaults(func=run_best)
+
+    local = sub.add_parser("run-local", help="the same search space with Optuna, trials in sequence, on this machine")
+    local.add_argument("settings", nargs="*", metavar="key=value", help="sweep and train.<key> settings")
+    local.add_argument("--trials", type=int, required=True, help="number of trials")
+    local.add_argument("--algorithm", choices=("random", "tpe", "grid", "bayesianoptimization"), default=None,
+                       help="suggestion algorithm (default: the sweep's, tpe)")
+    local.add_argument("--model", help="model directory or hub id (default: build the tiny offline model)")
+    local.add_argument("--data", help="tokenized dataset dir (default: the shipped sample, prepared and tokenized)")
+    local.add_argument("--workdir", default="runs/sweep-local", help="trial outputs and logs (default %(default)s)")
+    local.add_argument("--timeout-seconds", type=float, default=None, help="limit per trial")
+    local.set_defaults(func=run_local)
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", help="namespace (default: the pod's or the kubeconfig context's)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: KUBECONFIG or ~/.kube/config)")
+    parser.add_argument("--context", help="kubeconfig context")
+
+
+def make_cluster(args: argparse.Namespace):
+    """The one cluster module (tests replace this factory to inject a fake kubernetes client)."""
+    from components.lib.cluster import Cluster
+
+    return Cluster(getattr(args, "namespace", None), config_file=getattr(args, "kubeconfig", None),
+                   context=getattr(args, "context", None))
+
+
+def _fail(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 1
+
+
+# --- create -------------------------------------------------------------------------------------
+
+def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
+    """``key=value`` items -> (sweep overrides, job settings, fixed train overrides)."""
+    from katib.errors import SweepError
+
+    sweep, job, train = [], {}, []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SweepError(f"{item!r}: expected key=value")
+        if key.startswith("train."):
+            train.append(f"{key[6:]}={value}")
+        elif key in JOB_KEYS:
+            try:
+                job[key] = JOB_KEYS[key](value)
+            except ValueError:
+                raise SweepError(f"{key}={value}: expected {JOB_KEYS[key].__name__}") from None
+        else:
+            sweep.append(item)
+    return sweep, job, train
+
+
+def build_from_settings(items: list[str]):
+    """The Experiment (typed model) for ``llmft sweep create key=value ...``."""
+    from components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
+    from katib.experiment import SweepSpec, apply_overrides
+
+    sweep_items, job, train = split_settings(items)
+    spec = apply_overrides(SweepSpec(), sweep_items)
+    fixed = dict(o.split("=", 1) for o in DEFAULT_TRIAL_OVERRIDES)
+    fixed.update(o.split("=", 1) for o in train)
+    return build_sweep_experiment(spec, **{**JOB_DEFAULTS, "data": "", **job},
+                                  fixed_overrides=[f"{k}={v}" for k, v in fixed.items()])
+
+
+def run_create(args: argparse.Namespace) -> int:
+    from katib.errors import SweepError
+    from katib.experiment import experiment_dict, load_yaml, to_yaml
+    from katib.webhook_rules import check_experiment
+    from trainer.errors import LlmftError
+
+    try:
+        if args.from_yaml:
+            if args.settings:
+                raise SweepError("--from-yaml submits the file as it is; edit the file instead of passing key=value")
+            body = load_yaml(args.from_yaml)
+        else:
+            body = experiment_dict(build_from_settings(args.settings))
+        check_experiment(body)
+    except (SweepError, LlmftError) as exc:
+        return _fail(exc)
+    text = to_yaml(body, header="Katib Experiment built by `llmft sweep create`; apply with kubectl apply -f")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}")
+    if args.dry_run:
+        if not args.output:
+            print(text, end="")
+        print(f"dry run: Experiment {body['metadata']['name']} passes Katib's admission rules; nothing submitted",
+              file=sys.stderr)
+        return 0
+    return _submit(args, body)
+
+
+def _submit(args: argparse.Namespace, body: dict) -> int:
+    from katib import status as katib_status
+    from katib.errors import SweepError
+    from trainer.errors import LlmftError
+
+    cluster = make_cluster(args)
+    namespace = args.namespace or body["metadata"].get("namespace") or cluster.namespace
+    name = body["metadata"]["name"]
+    try:
+        katib_status.submit(cluster, body, namespace=namespace)
+        print(f"created Experiment {namespace}/{name} (the namespace needs the label "
+              "katib.kubeflow.org/metrics-collector-injection=enabled for metrics to be collected)")
+        if not args.wait:
+            print(f"follow it with: llmft sweep status {name} --watch")
+            return 0
+        katib_status.wait(cluster, name, namespace, on_update=lambda s: print(s.summary(), flush=True))
+        return _print_best(cluster, name, namespace)
+    except (SweepError, LlmftError, TimeoutError) as exc:
+        return _fail(exc)
+
+
+# --- status / best -----------------------------------------------------------------------------
+
+def run_status(args: argparse.Namespace) -> int:
+    from katib import status as katib_status
+    from katib.errors import SweepError
+    from trainer.errors import LlmftError
+
+    cluster = make_cluster(args)
+    namespace = args.namespace or cluster.namespace
+    try:
+        if args.watch:
+            state = katib_status.wait(cluster, args.name, namespace, poll_s=args.poll_seconds,
+                                      on_update=lambda s: print(s.summary() + "\n", flush=True))
+            return 0 if state.phase == "Succeeded" else 1
+        state = katib_status.get_state(cluster, args.name, namespace)
+    except (SweepError, LlmftError, TimeoutError) as exc:
+        return _fail(exc)
+    print(state.summary())
+    return 1 if state.phase == "Failed" else 0
+
+
+def run_best(args: argparse.Namespace) -> int:
+    from katib.errors import SweepError
+    from trainer.errors import LlmftError
+
+    cluster = make_cluster(args)
+    try:
+        return _print_best(cluster, args.name, args.namespace or cluster.namespace)
+    except (SweepError, LlmftError) as exc:
+        return _fail(exc)
+
+
+def _print_best(cluster, name: str, namespace: str) -> int:
+    from katib.experiment import GROUP, PLURAL, VERSION
+    from katib.status import best_overrides
+
+    for line in best_overrides(cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)):
+        print(line)
+    return 0
+
+
+# --- run-local ---------------------------------------------------------------------------------
+
+def run_local(args: argparse.Namespace) -> int:
+    from katib.errors import SweepError
+    from katib.experiment import SweepSpec, apply_overrides
+    from katib.local_sweep import run_local_sweep
+    from trainer.errors import LlmftError
+
+    try:
+        sweep_items, job, train = split_settings(args.settings)
+        if job:
+            raise SweepError(f"{', '.join(job)}: cluster job settings do not apply to run-local; use --model/--data")
+        if args.algorithm:
+            sweep_items.append(f"algorithm={args.algorithm}")
+        spec = apply_overrides(SweepSpec(name="local-sweep"), sweep_items)
+        workdir = Path(args.workdir)
+        model, data = local_inputs(workdir, args.model, args.data)
+        fixed = dict(o.split("=", 1) for o in LOCAL_TRIAL_DEFAULTS)
+        fixed.update(o.split("=", 1) for o in train)
+        trainer_args = [f"model.name_or_path={model}", f"data={data}", *[f"{k}={v}" for k, v in fixed.items()]]
+        print(f"local sweep: {args.trials} trials, algorithm {spec.algorithm}, model {model}, data {data}")
+        result = run_local_sweep(spec, trials=args.trials, trainer_args=trainer_args, workdir=workdir / "trials",
+                                 timeout_s=args.timeout_seconds)
+    except (SweepError, LlmftError) as exc:
+        return _fail(exc)
+    print(result.table())
+    print(f"trial folders and logs: {result.run_dir}")
+    if result.parent_run_id:
+        print(f"MLflow parent run: {result.parent_run_id}")
+    return 0 if result.best is not None else 1
+
+
+def local_inputs(workdir: Path, model: str | None, data: str | None) -> tuple[str, str]:
+    """The model and tokenized data of a local sweep: given, or built once under ``workdir`` (tiny model,
+    shipped sample data prepared and tokenized; a re-run is a cache hit)."""
+    from trainer.io import is_complete
+
+    if model is None:
+        model_dir = workdir / "tiny-model"
+        if not (model_dir / "config.json").is_file():
+            from trainer.tiny_model import build_tiny_model
+
+            build_tiny_model(model_dir)
+        model = str(model_dir)
+    if data is None:
+        from importlib.resources import files
+
+        from trainer.data.prepare import prepare_dataset
+        from trainer.data.tokenize import tokenize_dataset
+
+        sample = files("trainer.assets.sample_data") / "alpaca_demo.jsonl"
+        prepared = workdir / "prepared"
+        if not is_complete(prepared):
+            prepare_dataset(str(sample), prepared)
+        tokenized = workdir / "tokenized"
+        tokenize_dataset(prepared, model, tokenized, max_length=256, pack=True)
+        data = str(tokenized)
+    return model, data

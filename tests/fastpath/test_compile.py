@@ -1,0 +1,28 @@
+"""compile_decoder_layers compiles in place and keeps the model's function."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trainer.data.shards import position_ids_for
+from trainer.fastpath.attention import packed_attention_kwargs
+from trainer.fastpath.compile import compile_decoder_layers, decoder_layers
+from trainer.fastpath.loss import fused_causal_lm_loss, shift_packed_labels
+
+
+def test_compiled_layers_give_the_same_fused_loss(small_qwen2):
+    lengths = [4, 9, 3]
+    ids = torch.randint(0, small_qwen2.config.vocab_size, (1, sum(lengths)))
+    positions = torch.from_numpy(position_ids_for(np.array(lengths))).long()[None]
+    targets = shift_packed_labels(ids.clone(), positions)
+    kwargs = dict(position_ids=positions, **packed_attention_kwargs(lengths))
+    with torch.no_grad():
+        before = fused_causal_lm_loss(small_qwen2, ids, targets, reduction="mean", **kwargs)
+        reference = torch.nn.functional.cross_entropy(
+            small_qwen2(input_ids=ids, use_cache=False, **kwargs).logits[0], targets[0], ignore_index=-100
+        )
+    torch.testing.assert_close(before, reference, rtol=1e-5, atol=1e-6)
+    assert compile_decoder_layers(small_qwen2, backend="eager") == len(decoder_layers(small_qwen2)) == 2
+    with torch.no_grad():
+        after = fused_causal_lm_loss(small_qwen2, ids, targets, reduction="mean", **kwargs)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)

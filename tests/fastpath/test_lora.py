@@ -1,0 +1,93 @@
+"""The fused LoRA linear computes what PEFT's lora.Linear computes, forward and backward."""
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from trainer.fastpath.lora import count_fused, fuse_lora_linears
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft(model, dropout=0.0):
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS, init_lora_weights=False)
+    torch.manual_seed(1)
+    return get_peft_model(model, config)
+
+
+def _loss_and_grads(model, input_ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, use_cache=False).logits
+    loss = (out.float() ** 2).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.detach(), grads
+
+
+def test_fused_lora_matches_peft(small_qwen2):
+    model = _peft(small_qwen2)
+    input_ids = torch.randint(0, small_qwen2.config.vocab_size, (2, 9))
+    ref_out, ref_grads = _loss_and_grads(model, input_ids)
+    assert fuse_lora_linears(model) == {}
+    assert count_fused(model) == 2 * len(TARGETS)
+    new_out, new_grads = _loss_and_grads(model, input_ids)
+    torch.testing.assert_close(new_out, ref_out, rtol=1e-5, atol=1e-6)
+    assert ref_grads.keys() == new_grads.keys() and len(ref_grads) == 4 * len(TARGETS)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(new_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # Frozen base weights get no gradient either way.
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_fused_lora_is_idempotent_and_keeps_state_dict(small_qwen2):
+    model = _peft(small_qwen2)
+    keys = list(model.state_dict())
+    fuse_lora_linears(model)
+    fuse_lora_linears(model)
+    assert list(model.state_dict()) == keys
+    assert count_fused(model) == 2 * len(TARGETS)
+
+
+def test_dropout_keeps_peft_forward(small_qwen2):
+    model = _peft(small_qwen2, dropout=0.1)
+    skipped = fuse_lora_linears(model)
+    assert count_fused(model) == 0
+    assert len(skipped) == 2 * len(TARGETS)
+    assert all("dropout" in reason for reason in skipped.values())
+
+
+def test_disabled_adapter_falls_back(small_qwen2):
+    model = _peft(small_qwen2)
+    input_ids = torch.randint(0, small_qwen2.config.vocab_size, (1, 7))
+    with torch.no_grad(), model.disable_adapter():
+        base_before = model(input_ids=input_ids, use_cache=False).logits
+    fuse_lora_linears(model)
+    with torch.no_grad(), model.disable_adapter():
+        base_after = model(input_ids=input_ids, use_cache=False).logits
+    with torch.no_grad():
+        adapted = model(input_ids=input_ids, use_cache=False).logits
+    torch.testing.assert_close(base_after, base_before, rtol=0, atol=0)
+    assert not torch.allclose(base_after, adapted)
+
+
+def test_both_fused_forms_match_reference_in_float64():
+    from trainer.fastpath.lora import lora_linear
+
+    gen = torch.Generator().manual_seed(3)
+    for d_in, d_out in ((12, 40), (40, 12)):
+        x = torch.randn(2, 5, d_in, dtype=torch.float64, generator=gen)
+        w = torch.randn(d_out, d_in, dtype=torch.float64, generator=gen)
+        bias = torch.randn(d_out, dtype=torch.float64, generator=gen)
+        a = torch.randn(4, d_in, dtype=torch.float64, generator=gen)
+        b = torch.randn(d_out, 4, dtype=torch.float64, generator=gen)
+        g = torch.randn(2, 5, d_out, dtype=torch.float64, generator=gen)
+        leaves = [t.clone().requires_grad_() for t in (x, w, bias, a, b)]
+        ref = leaves[0] @ leaves[1].t() + leaves[2] + 2.5 * (leaves[0] @ leaves[3].t()) @ leaves[4].t()
+        ref.backward(g)
+        for mode in ("epilogue", "concat"):
+            mine = [t.clone().requires_grad_() for t in (x, w, bias, a, b)]
+            out = lora_linear(*mine, 2.5, mode=mode)
+            out.backward(g)
+            torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+            for leaf, ref_leaf in zip(mine, leaves, strict=True):
+                torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,46 @@
+"""trainer.fastpath.fused_token_nll_sum is a drop-in for trainer.loss.token_nll_sum."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.data.shards import position_ids_for
+from trainer.fastpath import apply_kernels, fused_token_nll_sum, packed_forward_kwargs
+
+
+def _batch(vocab: int, lengths: list[int]) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, sum(lengths)), generator=gen)
+    positions = torch.from_numpy(position_ids_for(np.array(lengths))).long()[None]
+    targets = ids.roll(-1, dims=1)
+    targets[:, -1] = -100
+    targets[0, np.cumsum(lengths)[:-1] - 1] = -100  # never across documents
+    targets[0, :3] = -100
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    return {"input_ids": ids, "position_ids": positions, "targets": targets, "cu_seqlens": cu,
+            "max_seqlen": max(lengths)}
+
+
+def test_fused_sum_equals_the_trainers_loss(small_qwen2):
+    pytest.importorskip("trainer.loss")
+    from trainer.loss import token_nll_sum
+
+    batch = _batch(small_qwen2.config.vocab_size, [6, 10, 4])
+    with torch.no_grad():
+        reference = token_nll_sum(small_qwen2, batch)
+        fused = fused_token_nll_sum(small_qwen2, batch)
+    assert fused.dtype == torch.float32 and fused.ndim == 0
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_kwargs_bucket_the_longest_document():
+    batch = _batch(50, [6, 200])
+    kwargs = packed_forward_kwargs(batch)
+    assert kwargs["max_length_q"] == 256 and kwargs["cu_seq_lens_q"].tolist() == [0, 6, 206]
+    assert "cu_seq_lens_q" not in packed_forward_kwargs({"position_ids": batch["position_ids"], "input_ids": batch["input_ids"]})
+
+
+def test_apply_kernels_on_a_plain_model_only_compiles(small_qwen2):
+    report = apply_kernels(small_qwen2, compile_layers=False)
+    assert report == {"fused_lora": 0, "lora_kept": {}, "compiled_layers": 0}

@@ -1,0 +1,81 @@
+"""The whole pipeline through kfp.local on the tiny model (one shared run), and a bad-data run
+that must stop in the prepare step."""
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from components.lib.summary import render_summary
+from pipelines.llm_finetune import TASK_ORDER
+from trainer.io import is_complete
+
+
+def test_every_task_ran_and_left_its_artifacts(local_run):
+    tasks = {p.name for p in local_run.run_dir.iterdir() if p.is_dir()}
+    assert set(TASK_ORDER) <= tasks
+    for key in ("data", "tokens", "training", "evaluation", "promotion", "registration", "deployment"):
+        assert key in local_run.facts, key
+
+
+def test_data_steps_report_rejects_and_shards(local_run):
+    data, tokens = local_run.facts["data"], local_run.facts["tokens"]
+    assert (data["accepted"], data["rejected"]) == (500, 3)  # the sample ships 3 broken rows
+    assert set(data["reject_reasons"]) == {"invalid_json", "empty_assistant_content", "missing_field"}
+    assert tokens["path"].startswith(local_run.arguments["data_root"] + "/tokenized/")
+    assert tokens["path"].endswith(tokens["cache_key"])
+    assert tokens["splits"]["train"]["packing_efficiency"] > 0.9
+
+
+def test_training_improves_on_the_base_model_and_the_best_is_promoted(local_run):
+    evaluation, promotion = local_run.facts["evaluation"], local_run.facts["promotion"]
+    best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
+    assert len(evaluation["checkpoints"]) >= 2
+    assert best["perplexity"] < 0.9 * evaluation["base"]["perplexity"]
+    assert promotion["promoted"] and promotion["checkpoint"] == best["name"]
+    promoted = promotion["destination"]
+    assert is_complete(promoted)
+    assert json.load(open(f"{promoted}/adapter_config.json"))["r"] == local_run.arguments["lora_r"]
+    assert not list(__import__("pathlib").Path(promoted).glob("optimizer*"))
+
+
+def test_the_adapter_is_registered_in_the_local_mlflow_store(local_run):
+    from mlflow import MlflowClient
+
+    registration = local_run.facts["registration"]
+    client = MlflowClient(tracking_uri=local_run.arguments["mlflow_tracking_uri"])
+    name = local_run.arguments["mlflow_model_name"]
+    champion = client.get_model_version_by_alias(name, "champion")
+    assert str(champion.version) == registration["version"]
+    assert champion.tags["llmft.dataset_hash"] == local_run.facts["tokens"]["cache_key"]
+    assert champion.tags["llmft.base_model"] == local_run.arguments["model"]
+    assert client.get_run(champion.run_id).data.params["lora.r"] == str(local_run.arguments["lora_r"])
+
+
+def test_local_deploy_wrote_a_valid_manifest_and_generated(local_run):
+    deployment = local_run.facts["deployment"]
+    assert deployment["status"] == "checked-locally" and deployment["schema_validated"]
+    manifest = yaml.safe_load(open(local_run.facts["manifest_path"]))
+    assert manifest["kind"] == "InferenceService"
+    assert deployment["samples"] and all(isinstance(s["adapter"], str) for s in deployment["samples"])
+
+
+def test_summary_fits_one_screen_and_names_every_fact(local_run):
+    text = render_summary(local_run.facts, elapsed_s=local_run.elapsed_s)
+    assert len(text.splitlines()) <= 24
+    assert all(len(line) <= 100 for line in text.splitlines() if "/" not in line)  # paths may be long
+    for needle in ("500 rows accepted, 3 rejected", "perplexity  base", "promoted    step-", "version 1;",
+                   "alias champion -> this version", "inferenceservice.yaml", "sample      prompt:"):
+        assert needle in text, needle
+
+
+def test_bad_data_fails_in_the_prepare_step(tmp_path, tiny_model_dir):
+    from pipelines.local_run import run_pipeline_locally
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "hi", "output": "hello"}\n' + "not json\n" * 5)
+    outcome = run_pipeline_locally({"dataset": str(bad), "model": str(tiny_model_dir)}, work_dir=tmp_path / "work")
+    assert not outcome.succeeded and outcome.failed_task == "prepare-dataset"
+    assert any("rows rejected" in line for line in outcome.failure_tail), outcome.failure_tail
+    assert not (outcome.run_dir / "tokenize-dataset").exists()  # nothing after prepare ran
+    assert "FAILED" in outcome.render(1.0) and "prepare-dataset" in outcome.render(1.0)

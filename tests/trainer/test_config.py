@@ -1,0 +1,149 @@
+"""Config tree: shipped configs, errors that name file/line/key, overrides, docs, schedule."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import (
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    diff_configs,
+    iter_fields,
+    load_config,
+    validate,
+)
+from trainer.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "trainer" / "configs").glob("*.yaml"))
+
+
+def test_three_shipped_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny-cpu.yaml", "qwen2.5-7b-lora-1xh100.yaml", "qwen3-30b-a3b-qlora-2x8xh100.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path):
+    raw = yaml.safe_load(path.read_text())
+    cfg = load_config(str(path), [])
+    validate(cfg)
+    flat = config_to_dict(cfg)
+    for section, values in raw.items():  # every key in the file landed in the tree unchanged
+        if isinstance(values, dict):
+            for key, value in values.items():
+                got = flat[section][key]
+                assert got == value or (isinstance(value, float | int) and math.isclose(got, value)), (section, key)
+        else:
+            assert flat[section] == values
+    assert config_from_dict(flat) == cfg
+
+
+def test_shipped_configs_describe_the_intended_runs():
+    by_name = {p.name: load_config(str(p), []) for p in CONFIGS}
+    qwen7 = by_name["qwen2.5-7b-lora-1xh100.yaml"]
+    assert qwen7.method == "lora" and qwen7.model.dtype == "bfloat16" and qwen7.distributed.backend == "ddp"
+    moe = by_name["qwen3-30b-a3b-qlora-2x8xh100.yaml"]
+    assert moe.method == "qlora" and moe.distributed.backend == "deepspeed" and moe.distributed.zero_stage == 3
+    assert moe.model.name_or_path == "Qwen/Qwen3-30B-A3B" and moe.batch.global_sequences % 16 == 0
+    assert by_name["tiny-cpu.yaml"].model.dtype == "float32"
+
+
+def test_deepspeed_config_for_the_two_node_run():
+    from trainer.distributed import deepspeed_config
+
+    moe = load_config(str(next(p for p in CONFIGS if p.name.startswith("qwen3"))), [])
+    accum = moe.batch.global_sequences // 16 // moe.batch.micro_sequences
+    ds = deepspeed_config(moe.distributed.zero_stage, accum_steps=accum, world_size=16,
+                          max_grad_norm=moe.optim.max_grad_norm, bf16=True)
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 16
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True} and ds["gradient_clipping"] == 1.0
+
+
+def test_unknown_key_names_file_line_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  name_or_path: x\ndata: d\nlora:\n  r: 8\n  rnak: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), [])
+    message = str(err.value)
+    assert f"{path}, line 6" in message and "`lora.rnak`" in message and "r, target_modules" in message
+    with pytest.raises(ConfigError, match="unknown key `nope`"):
+        load_config(None, ["nope=1"])
+
+
+def test_wrong_types_and_values_are_rejected_with_the_field(tmp_path):
+    path = tmp_path / "typed.yaml"
+    path.write_text("model:\n  name_or_path: x\ndata: d\nmax_steps: ten\n")
+    with pytest.raises(ConfigError, match=r"line 4: `max_steps` must be int, got 'ten'"):
+        load_config(str(path), [])
+    with pytest.raises(ConfigError, match="`method` is 'sft'; allowed values: lora, qlora, full"):
+        load_config(None, ["model.name_or_path=x", "data=d", "method=sft"])
+    with pytest.raises(ConfigError, match="`lora.dropout` must be in"):
+        load_config(None, ["model.name_or_path=x", "data=d", "lora.dropout=1.5"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, ["lora.r"])
+    with pytest.raises(ConfigError, match="`data` is required"):
+        load_config(None, ["model.name_or_path=x"])
+
+
+def test_overrides_nest_and_coerce():
+    cfg = load_config(None, ["model.name_or_path=m", "data=d", "lora.r=32", "optim.lr=2e-5",
+                             "lora.target_modules=q_proj,v_proj", "debug.nan_steps=[3,4]",
+                             "model.gradient_checkpointing=true", "model.revision=null"])
+    assert cfg.lora.r == 32 and cfg.optim.lr == 2e-5 and cfg.model.gradient_checkpointing is True
+    assert cfg.lora.target_modules == ("q_proj", "v_proj") and cfg.debug.nan_steps == (3, 4)
+    assert cfg.model.revision is None and cfg.model.attn_implementation == "sdpa"
+    assert cfg.model.trust_remote_code is False and cfg.resume == "auto"
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lora.r = 1  # type: ignore[misc]
+
+
+def test_every_field_has_a_doc_line():
+    fields = list(iter_fields())
+    names = [name for name, *_ in fields]
+    assert len(names) == len(set(names))
+    flat = _flatten(config_to_dict(TrainConfig()))
+    assert set(names) == set(flat)
+    for name, type_name, _default, doc in fields:
+        assert doc and "\n" not in doc and doc.endswith("."), name
+        assert type_name in ("str", "int", "float", "bool", "str | null", "list[str]", "list[int]"), (name, type_name)
+    assert ("method", "str", "lora") == tuple(next(f for f in fields if f[0] == "method")[:3])
+    assert "One of: lora, qlora, full." in dict((f[0], f[3]) for f in fields)["method"]
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+def test_dora_warns_that_vllm_cannot_serve_it():
+    cfg = load_config(None, ["model.name_or_path=m", "data=d", "lora.use_dora=true"])
+    assert any("vLLM cannot serve DoRA" in w for w in validate(cfg))
+    assert not validate(load_config(None, ["model.name_or_path=m", "data=d"]))
+
+
+def test_resume_diff_ignores_operational_fields():
+    old = config_to_dict(load_config(None, ["model.name_or_path=m", "data=d"]))
+    new = config_to_dict(load_config(None, ["model.name_or_path=m", "data=/elsewhere", "log_every=1",
+                                            "eval_every=5", "debug.kill_at_step=3", "optim.lr=1e-3"]))
+    assert diff_configs(old, new) == ["optim.lr: 0.0002 -> 0.001"]
+
+
+def test_lr_schedule_warmup_then_cosine_and_linear():
+    from trainer.optim import lr_multiplier
+
+    cosine = [lr_multiplier(s, total_steps=10, warmup=2, decay="cosine", min_lr_ratio=0.1) for s in range(10)]
+    assert cosine[:2] == [0.5, 1.0] and cosine[2] == 1.0
+    assert all(a >= b for a, b in zip(cosine[2:], cosine[3:], strict=False)) and cosine[-1] > 0.1
+    assert lr_multiplier(10, total_steps=10, warmup=2, decay="cosine", min_lr_ratio=0.1) == pytest.approx(0.1)
+    linear = [lr_multiplier(s, total_steps=4, warmup=0, decay="linear", min_lr_ratio=0.0) for s in range(4)]
+    assert linear == [1.0, 0.75, 0.5, 0.25]
+    assert lr_multiplier(7, total_steps=10, warmup=2, decay="constant", min_lr_ratio=0.0) == 1.0

@@ -1,0 +1,132 @@
+"""Batches that do not depend on the number of ranks; CLI entry points and clear errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from trainer_helpers import train_in_process
+
+from trainer.data.loader import PackedLoader, shift_targets
+from trainer.data.shards import IGNORE_INDEX, open_split
+
+
+def _sequences_of(loader: PackedLoader, step: int) -> list[tuple]:
+    batch = loader.batch(step)
+    return [tuple(m.input_ids.tolist()) for m in batch.micro_batches]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_shares_union_to_the_single_process_batch(tokenized_dir, world):
+    single = PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=8, rank=0, world_size=1, seed=1)
+    ranks = [PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=1, rank=r, world_size=world,
+                          seed=1) for r in range(world)]
+    for step in (1, 2, single.steps_per_epoch + 1):  # also the first step of epoch 2 (a new permutation)
+        whole = single.batch(step)
+        parts = [loader.batch(step) for loader in ranks]
+        joined = np.concatenate([m.input_ids for p in parts for m in p.micro_batches])
+        assert np.array_equal(joined, whole.micro_batches[0].input_ids)
+        targets = sum(int((m.targets != IGNORE_INDEX).sum()) for p in parts for m in p.micro_batches)
+        assert all(p.global_targets == whole.global_targets == targets for p in parts)
+        assert all(p.global_tokens == whole.global_tokens for p in parts)
+        assert len(parts[0].micro_batches) == 8 // world
+    assert single.batch(1).epoch == 0 and single.batch(single.steps_per_epoch + 1).epoch == 1
+    assert _sequences_of(single, 1) != _sequences_of(single, single.steps_per_epoch + 1)
+
+
+def test_targets_never_cross_a_document_boundary(tokenized_dir):
+    loader = PackedLoader(tokenized_dir, "train", global_sequences=4, micro_sequences=2, rank=0, world_size=1, seed=0)
+    micro = loader.batch(1).micro_batches[0]
+    assert (micro.position_ids == 0).sum() == len(micro.doc_lengths) > 2  # several packed documents
+    starts = np.flatnonzero(micro.position_ids == 0)
+    assert np.all(micro.targets[starts[1:] - 1] == IGNORE_INDEX)  # last token of a doc predicts nothing
+    assert micro.targets[-1] == IGNORE_INDEX
+    split = open_split(tokenized_dir, "train")
+    assert np.any(split.labels != IGNORE_INDEX) and np.any(split.labels == IGNORE_INDEX)
+    labels, positions = np.array([5, 6, 7, 8, 9]), np.array([0, 1, 2, 0, 1])
+    assert shift_targets(labels, positions).tolist() == [6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]
+
+
+def test_uneven_split_over_ranks_is_a_data_error(tokenized_dir):
+    from trainer.errors import DataError
+
+    with pytest.raises(DataError, match="multiple of 4"):
+        PackedLoader(tokenized_dir, "train", global_sequences=6, micro_sequences=1, rank=0, world_size=4, seed=0)
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        PackedLoader(tokenized_dir, "train", global_sequences=100000, micro_sequences=1, rank=0, world_size=1, seed=0)
+
+
+def test_qlora_without_cuda_fails_fast_with_a_clear_error(tiny_model_dir, tokenized_dir, tmp_path, capsys):
+    code, _ = train_in_process([f"model.name_or_path={tiny_model_dir}", f"data={tokenized_dir}",
+                                f"output_dir={tmp_path / 'q'}", "method=qlora"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "method=qlora" in err and "CUDA" in err and "method=lora on CPU" in err
+    assert not (tmp_path / "q").exists()  # nothing was started
+
+
+def test_missing_dataset_is_exit_1_naming_the_path(tiny_model_dir, tmp_path, capsys):
+    code, _ = train_in_process([f"model.name_or_path={tiny_model_dir}", f"data={tmp_path / 'nowhere'}",
+                                f"output_dir={tmp_path / 'o'}"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "nowhere" in err and "llmft data tokenize" in err
+
+
+def test_dora_run_trains_and_warns(base_overrides, tmp_path, capsys):
+    code, stdout = train_in_process(base_overrides("dora", lora__use_dora="true", max_steps=1))
+    assert code == 0
+    assert "vLLM cannot serve DoRA" in stdout
+    config = json.loads((tmp_path / "dora" / "final" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+
+
+def test_llmft_train_runs_the_shipped_tiny_config(repo_root, tiny_model_dir, tokenized_dir, tmp_path, capsys):
+    import signal
+
+    from llmft.cli import main
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code = main(["train", "--config", str(repo_root / "trainer/configs/tiny-cpu.yaml"),
+                     f"model.name_or_path={tiny_model_dir}", f"data={tokenized_dir}",
+                     f"output_dir={tmp_path / 'tiny'}", "max_steps=2", "eval_every=0", "save_every=0",
+                     "observe.progress_bar=false"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 0
+    assert "eval_loss=" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "tiny" / "final" / "training_manifest.json").read_text())
+    assert manifest["config"]["lora"]["r"] == 8 and manifest["steps"] == 2
+
+
+def test_print_config_and_torchrun_command(capsys):
+    from llmft.cli import main
+    from llmft.commands.train import torchrun_command
+
+    assert main(["train", "--print-config", "model.name_or_path=m", "data=d", "lora.r=7"]) == 0
+    assert "r: 7" in capsys.readouterr().out
+    local = torchrun_command("2", ["lora.r=7"], env={})
+    assert "--standalone" in local and local[-3:] == ["-m", "trainer", "lora.r=7"]
+    assert "--nproc-per-node=2" in local
+    pod = torchrun_command("8", [], env={"PET_NNODES": "2", "PET_MASTER_ADDR": "job-master-0"})
+    assert "--standalone" not in pod and "--nproc-per-node=8" in pod  # torchrun reads PET_* itself
+
+
+def test_full_finetune_checkpoint_and_final_load_with_from_pretrained(base_overrides, tiny_model_dir,
+                                                                      tokenized_dir, tmp_path):
+    from trainer.evaluate import evaluate_perplexity
+
+    code, stdout = train_in_process(base_overrides("full", method="full", optim__lr=1e-4, max_steps=2, save_every=1,
+                                                   eval_every=0, eval__max_sequences=0))
+    assert code == 0 and "full:" in stdout
+    run = tmp_path / "full"
+    for step_dir in (run / "checkpoints" / "step-1", run / "final"):
+        assert (step_dir / "model.safetensors").is_file() and not (step_dir / "adapter_config.json").exists()
+    final = evaluate_perplexity(str(run / "final"), str(tokenized_dir))
+    reported = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert final["eval_loss"] == pytest.approx([e for e in reported if e["event"] == "eval"][-1]["eval_loss"],
+                                               rel=1e-5)
+    first = evaluate_perplexity(str(run / "checkpoints" / "step-1"), str(tokenized_dir))
+    base = evaluate_perplexity(str(tiny_model_dir), str(tokenized_dir))
+    assert base["eval_loss"] > first["eval_loss"] > final["eval_loss"]

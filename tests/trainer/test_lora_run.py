@@ -1,0 +1,139 @@
+"""A LoRA run in-process: learning, frozen weights, outputs, stdout contract, perplexity."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+
+import numpy as np
+import pytest
+import torch
+from trainer_helpers import KATIB_REGEX, adapter_tensors, events
+
+from trainer.config import load_config, validate
+from trainer.lora_finetune import LoRAFinetuneRecipe
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_model_dir, tokenized_dir):
+    """6 steps, eval and checkpoint every 3; returns (cfg, output dir, captured stdout, param snapshots)."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    cfg = load_config(None, [
+        f"model.name_or_path={tiny_model_dir}", f"data={tokenized_dir}", f"output_dir={out}",
+        "lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "optim.lr=5e-3", "schedule.warmup_steps=1",
+        "batch.global_sequences=4", "batch.micro_sequences=2", "observe.progress_bar=false",
+        "max_steps=6", "eval_every=3", "save_every=3", "log_every=1", "seed=3", "keep_last=1",
+    ])
+    previous = signal.getsignal(signal.SIGTERM)
+    recipe = LoRAFinetuneRecipe(cfg, validate(cfg))
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            recipe.setup()
+            model = recipe.run.engine.module
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+            recipe.train()
+            after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        recipe.cleanup()
+        signal.signal(signal.SIGTERM, previous)
+    return cfg, out, stdout.getvalue(), before, after, trainable
+
+
+def test_loss_falls_and_only_adapter_weights_change(lora_run):
+    cfg, out, _, before, after, trainable = lora_run
+    losses = [e["loss"] for e in events(out, "train")]
+    assert len(losses) == 6
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert trainable and all("lora_" in n for n in trainable)
+    for name in before:
+        changed = not torch.equal(before[name], after[name])
+        assert changed == (name in trainable), f"{name}: changed={changed}, trainable={name in trainable}"
+
+
+def test_outputs_manifest_checkpoints_and_tensorboard(lora_run, tiny_model_dir, tokenized_dir):
+    cfg, out, _, _, after, _ = lora_run
+    final = out / "final"
+    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "training_manifest.json", "COMPLETE"):
+        assert (final / name).is_file(), name
+    assert "im_start" in (final / "chat_template.jinja").read_text()
+    manifest = json.loads((final / "training_manifest.json").read_text())
+    data_key = json.loads((tokenized_dir / "manifest.json").read_text())["cache_key"]
+    assert manifest["dataset"]["cache_key"] == data_key
+    assert manifest["base_model"]["name_or_path"] == str(tiny_model_dir)
+    assert len(manifest["base_model"]["content_hash"]) == 64
+    assert manifest["config"]["lora"]["r"] == 4 and manifest["steps"] == 6
+    assert manifest["tokens_seen"] > 0 and manifest["wall_time_s"] > 0
+    assert manifest["best"]["step"] in (3, 6) and manifest["final_metrics"]["eval_loss"] > 0
+    # keep_last=1 plus the best: step-6 always, step-3 only if it was the best
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    expected = {"step-6"} | ({"step-3"} if manifest["best"]["step"] == 3 else set())
+    assert set(kept) == expected
+    final_adapter = adapter_tensors(final)
+    assert torch.equal(final_adapter[next(iter(final_adapter))], adapter_tensors(out / "checkpoints/step-6")[next(iter(final_adapter))])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in acc.Scalars("eval/eval_loss")] == [3, 6]
+
+
+def test_stdout_has_katib_lines_and_summary(lora_run):
+    _, out, stdout, _, _, _ = lora_run
+    eval_events = events(out, "eval")
+    lines = stdout.splitlines()
+    loss_lines = [line for line in lines if line.startswith("eval_loss=")]
+    ppl_lines = [line for line in lines if line.startswith("perplexity=")]
+    assert len(loss_lines) == len(ppl_lines) == len(eval_events) == 2
+    for line, event in zip(loss_lines, eval_events, strict=True):
+        (name, value, *_), = re.findall(KATIB_REGEX, line)
+        assert name == "eval_loss" and float(value) == pytest.approx(event["eval_loss"], rel=1e-5)
+    for line in ppl_lines:
+        (name, value, *_), = re.findall(KATIB_REGEX, line)
+        assert name == "perplexity" and float(value) > 1
+    for line in lines:  # every name=value pair anywhere on stdout has a numeric value
+        for name, value, *_ in re.findall(KATIB_REGEX, line):
+            assert value not in ("", "+", "-"), f"non-numeric {name}= in {line!r}"
+    assert "llmft train: summary" in stdout and "final eval loss" in stdout
+
+
+def test_perplexity_matches_independent_reference_loop(lora_run, tiny_model_dir, tokenized_dir):
+    """exp(mean token NLL), computed document by document without packing, equals what the
+    trainer reported and what evaluate_perplexity returns."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data.shards import open_split
+    from trainer.evaluate import evaluate_perplexity
+
+    _, out, _, _, _, _ = lora_run
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, out / "final").eval()
+    val = open_split(tokenized_dir, "val")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in range(len(val.doc_offsets) - 1):
+            a, b = int(val.doc_offsets[d]), int(val.doc_offsets[d + 1])
+            ids = torch.from_numpy(np.asarray(val.input_ids[a:b], dtype=np.int64))[None]
+            labels = torch.from_numpy(np.asarray(val.labels[a:b], dtype=np.int64))
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), dim=-1)
+            target = labels[1:]
+            mask = target != -100
+            total += -logp[mask.nonzero()[:, 0], target[mask]].sum().item()
+            count += int(mask.sum())
+    reference = total / count
+    reported = events(out, "eval")[-1]
+    assert reported["tokens"] == count
+    assert reported["eval_loss"] == pytest.approx(reference, rel=1e-5)
+    assert reported["perplexity"] == pytest.approx(math.exp(reference), rel=1e-5)
+    direct = evaluate_perplexity(str(tiny_model_dir), str(tokenized_dir), adapter_path=str(out / "final"))
+    assert direct["eval_loss"] == pytest.approx(reference, rel=1e-5) and direct["tokens"] == count
+    base = evaluate_perplexity(str(tiny_model_dir), str(tokenized_dir))
+    assert base["eval_loss"] > reference  # training helped on held-out data

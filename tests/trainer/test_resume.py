@@ -1,0 +1,86 @@
+"""Checkpoints, resume and preemption with real trainer processes (`python -m trainer`)."""
+from __future__ import annotations
+
+import shutil
+import signal
+
+import pytest
+import torch
+from trainer_helpers import adapter_tensors, events, run_trainer, train_in_process
+
+from trainer.io import is_complete
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_dir, tokenized_dir):
+    """The reference: 6 steps with LoRA dropout on (so resuming must restore the RNG too)."""
+    out = tmp_path_factory.mktemp("resume") / "reference"
+    overrides = _overrides(tiny_model_dir, tokenized_dir, out)
+    result = run_trainer(overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, overrides
+
+
+def _overrides(model, data, out, *extra) -> list[str]:
+    return [f"model.name_or_path={model}", f"data={data}", f"output_dir={out}", "lora.r=4", "lora.alpha=8",
+            "lora.dropout=0.1", "optim.lr=5e-3", "batch.global_sequences=4", "batch.micro_sequences=2",
+            "eval.max_sequences=4", "observe.progress_bar=false", "max_steps=6", "save_every=2", "eval_every=2",
+            "log_every=1", "keep_last=5", "seed=11", *extra]
+
+
+def test_sigkill_then_resume_equals_uninterrupted_and_skips_unmarked(uninterrupted, tmp_path):
+    reference, overrides = uninterrupted
+    out = tmp_path / "killed"
+    overrides = [o.replace(str(reference), str(out)) for o in overrides]
+    killed = run_trainer([*overrides, "debug.kill_at_step=5"])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert steps == ["step-2", "step-4"] and not (out / "final").exists()
+    # A newer checkpoint without its COMPLETE marker (a crash mid-commit) must be ignored.
+    fake = out / "checkpoints" / "step-5"
+    shutil.copytree(out / "checkpoints" / "step-4", fake)
+    (fake / "COMPLETE").unlink()
+    tensors = adapter_tensors(fake)
+    from safetensors.torch import save_file
+
+    save_file({k: v + 1.0 for k, v in tensors.items()}, str(fake / "adapter_model.safetensors"))
+
+    resumed = run_trainer(overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "step-4" in resumed.stdout
+    final, expected = adapter_tensors(out / "final"), adapter_tensors(reference / "final")
+    assert final.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+    # the killed run's step-5 log events were dropped on resume: one event per step
+    assert [e["step"] for e in events(out, "train")] == [1, 2, 3, 4, 5, 6]
+    assert not fake.exists()  # uncommitted leftovers are pruned
+
+
+def test_changed_config_on_resume_is_refused_with_a_diff(uninterrupted, tmp_path):
+    reference, overrides = uninterrupted
+    changed = run_trainer([*overrides, "optim.lr=0.001", "seed=12"])
+    assert changed.returncode == 1
+    assert "cannot resume" in changed.stderr
+    assert "optim.lr: 0.005 -> 0.001" in changed.stderr and "seed: 11 -> 12" in changed.stderr
+    assert "force_resume=true" in changed.stderr
+    assert is_complete(reference / "checkpoints" / "step-6")
+    # forced: resumes (at the last step, so it only re-evaluates and re-writes final/) and lists the diff
+    code, stdout = train_in_process([*overrides, "optim.lr=0.001", "force_resume=true"])
+    assert code == 0 and "force_resume=true: resuming although these differ" in stdout
+    assert "optim.lr: 0.005 -> 0.001" in stdout and "resuming from" in stdout
+
+
+def test_sigterm_commits_a_checkpoint_and_exits_143(tiny_model_dir, tokenized_dir, tmp_path):
+    out = tmp_path / "preempted"
+    result = run_trainer(_overrides(tiny_model_dir, tokenized_dir, out, "debug.sigterm_at_step=3"))
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert "SIGTERM" in result.stdout
+    assert is_complete(out / "checkpoints" / "step-3")  # the step in flight finished and was committed
+    assert not (out / "checkpoints" / "step-4").exists() and not (out / "final").exists()
+    import json
+
+    state = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["data_position"]["sequences_consumed"] == 12

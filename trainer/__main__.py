@@ -1,0 +1,75 @@
+"""`python -m trainer [--config FILE] [key=value ...]`: what every rank runs.
+
+parse -> build -> run -> close. Exit codes follow the Training Operator's
+ExitCode restart policy: 0 done; 1 bad config or data, or too many non-finite
+steps (permanent); 143 preempted by SIGTERM after committing a checkpoint
+(retryable: the restarted pod resumes from it).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+EPILOG = """examples:
+  python -m trainer --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
+  torchrun --nproc-per-node 8 -m trainer --config trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
+exit codes: 0 ok, 1 config/data error or non-finite training, 143 preempted (checkpoint committed)"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="LLM fine-tuning trainer (one rank).",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML file mapping 1:1 onto trainer.config.TrainConfig")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, nested with dots: lora.r=16")
+    return parser
+
+
+def _rank_prefix() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.errors import EXIT_USER_ERROR, LlmftError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except LlmftError as exc:
+        print(f"{_rank_prefix()}error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.config import config_to_dict, load_config, validate
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        return 0
+    warnings = validate(cfg)
+    from trainer.loop import Preempted
+
+    if cfg.method == "full":
+        from trainer.full_finetune import FullFinetuneRecipe as Recipe
+    else:
+        from trainer.lora_finetune import LoRAFinetuneRecipe as Recipe
+    recipe = Recipe(cfg, warnings)
+    try:
+        recipe.setup()
+        recipe.train()
+    except Preempted as exc:
+        return exc.exit_code
+    finally:
+        recipe.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""The trainer's configuration: a tree of frozen dataclasses.
+
+A YAML file maps 1:1 onto the tree; ``key=value`` overrides address nested
+fields with dots (``lora.r=16``). Unknown keys and wrongly typed values raise
+:class:`~trainer.errors.ConfigError` naming the file, line and key. Every field
+carries a one-line ``doc`` in its metadata; :func:`iter_fields` exposes them for
+the generated configuration reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.errors import ConfigError
+
+
+def _f(default: Any, doc: str, choices: tuple | None = None):
+    """A dataclass field with its reference doc (and the allowed values, if closed)."""
+    meta = {"doc": doc, "choices": choices}
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = _f("", "Hugging Face hub id or local directory of the base model (offline flags honoured).")
+    revision: str | None = _f(None, "Hub revision (branch, tag or commit) to load; null for the default branch.")
+    dtype: str = _f("auto", "Weight/compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+                    ("auto", "bfloat16", "float16", "float32"))
+    attn_implementation: str = _f("sdpa", "Attention kernel: sdpa, eager, flash_attention_2, flex_attention or one registered by trainer.fastpath.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (non-reentrant).")
+    trust_remote_code: bool = _f(False, "Allow model code from the hub repository to run (off unless you trust it).")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = _f(16, "LoRA rank.")
+    alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = _f(0.05, "Dropout on the LoRA input, in [0, 1).")
+    target_modules: tuple[str, ...] = _f(("all-linear",), "Modules to adapt; all-linear = every linear layer of the decoder except lm_head.")
+    use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA); vLLM cannot serve DoRA adapters.")
+
+
+@dataclass(frozen=True)
+class QLoraConfig:
+    quant_type: str = _f("nf4", "4-bit quantization type of the frozen base weights.", ("nf4", "fp4"))
+    double_quant: bool = _f(True, "Quantize the quantization constants too (saves ~0.4 bit/param).")
+    quant_storage: str = _f("bfloat16", "Storage dtype of packed 4-bit weights; bfloat16 lets DeepSpeed ZeRO-3 shard them.",
+                            ("uint8", "bfloat16", "float16", "float32"))
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = _f(2e-4, "Peak learning rate.")
+    weight_decay: float = _f(0.0, "Decoupled (AdamW) weight decay.")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.999, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    fused: bool = _f(True, "Use torch's fused AdamW (skips a non-finite update on device, no host sync).")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    warmup_steps: int = _f(0, "Linear warmup steps (takes precedence over warmup_ratio when > 0).")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps.")
+    decay: str = _f("cosine", "Decay after warmup.", ("cosine", "linear", "constant"))
+    min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of the peak.")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    global_sequences: int = _f(8, "Packed sequences per optimizer step over all ranks (0 to use global_tokens).")
+    global_tokens: int = _f(0, "Token budget per optimizer step over all ranks; converted to sequences of data max_length (overrides global_sequences when > 0).")
+    micro_sequences: int = _f(1, "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived.")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    backend: str = _f("ddp", "Data-parallel engine.", ("ddp", "deepspeed"))
+    zero_stage: int = _f(2, "DeepSpeed ZeRO stage when backend=deepspeed.", (1, 2, 3))
+    comm_backend: str = _f("auto", "torch.distributed backend; auto = nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo"))
+    timeout_s: int = _f(1800, "Collective timeout in seconds.")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    split: str = _f("val", "Split of the tokenized dataset used for evaluation.")
+    micro_sequences: int = _f(4, "Packed sequences per evaluation forward pass on each rank.")
+    max_sequences: int = _f(0, "Evaluate at most this many sequences (0 = the whole split).")
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    progress_bar: bool = _f(True, "Show a progress bar on rank 0 (stderr).")
+    tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tensorboard.")
+    mlflow_experiment: str = _f("", "MLflow experiment name (else env MLFLOW_EXPERIMENT_NAME, else llmft); used only when MLFLOW_TRACKING_URI is set.")
+    run_name: str = _f("", "Run name for MLflow and Langfuse (default: the output_dir name).")
+    peak_tflops: float = _f(0.0, "Peak dense bf16 TFLOP/s per GPU for MFU; 0 = detect (H100/H200 989).")
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    fused_loss: bool = _f(False, "Compute the loss with trainer.fastpath's fused linear cross-entropy (no full logits).")
+    compile: bool = _f(False, "torch.compile the decoder layers in place (trainer.fastpath.apply_kernels).")
+    fused_lora: bool = _f(False, "Swap PEFT's LoRA linears for trainer.fastpath's fused LoRA linear (exact).")
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    nan_steps: tuple[int, ...] = _f((), "Test hook: make the loss NaN at these steps.")
+    nan_rank: int = _f(-1, "Test hook: the rank whose loss nan_steps poisons (-1 = every rank).")
+    kill_at_step: int = _f(0, "Test hook: SIGKILL this process right after this step's update (0 = never).")
+    sigterm_at_step: int = _f(0, "Test hook: send SIGTERM to this process in the middle of this step (0 = never).")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = _f(ModelConfig(), "Base model.")
+    data: str = _f("", "Tokenized dataset directory written by `llmft data tokenize`.")
+    output_dir: str = _f("runs/train", "Run directory: checkpoints/, final/, metrics.jsonl, tensorboard/.")
+    method: str = _f("lora", "Fine-tuning method.", ("lora", "qlora", "full"))
+    lora: LoraConfig = _f(LoraConfig(), "LoRA adapter (methods lora and qlora).")
+    qlora: QLoraConfig = _f(QLoraConfig(), "4-bit base-model quantization (method qlora, CUDA only).")
+    optim: OptimConfig = _f(OptimConfig(), "Optimizer and gradient clipping.")
+    schedule: ScheduleConfig = _f(ScheduleConfig(), "Learning-rate schedule.")
+    batch: BatchConfig = _f(BatchConfig(), "Global and micro batch; independent of the number of ranks.")
+    distributed: DistributedConfig = _f(DistributedConfig(), "Data-parallel engine.")
+    eval: EvalConfig = _f(EvalConfig(), "Evaluation on the validation split.")
+    observe: ObserveConfig = _f(ObserveConfig(), "Progress, TensorBoard, MLflow and Langfuse.")
+    kernels: KernelsConfig = _f(KernelsConfig(), "Speed options implemented in trainer.fastpath.")
+    debug: DebugConfig = _f(DebugConfig(), "Fault-injection hooks for tests; leave at defaults.")
+    max_steps: int = _f(0, "Optimizer steps to run; 0 = epochs x steps per epoch.")
+    epochs: float = _f(1.0, "Passes over the training split when max_steps is 0.")
+    eval_every: int = _f(0, "Evaluate every N steps (0 = only at the end).")
+    save_every: int = _f(0, "Checkpoint every N steps (0 = only at the end).")
+    log_every: int = _f(10, "Log loss, learning rate, grad norm, tokens/s every N steps.")
+    seed: int = _f(42, "Seed of data order, LoRA init and dropout.")
+    keep_last: int = _f(2, "Complete checkpoints kept besides the best one.")
+    resume: str = _f("auto", "auto = newest complete checkpoint in output_dir, never = start fresh, or a checkpoint path.")
+    force_resume: bool = _f(False, "Resume even when the checkpoint's config or dataset differs.")
+    max_bad_steps: int = _f(3, "Stop with exit 1 after this many consecutive non-finite steps (each update is skipped at once; the stop comes at the next log step).")
+
+
+# Fields whose change does not alter the training math: allowed on resume.
+RESUME_SAFE_PREFIXES = (
+    "output_dir", "data", "eval_every", "save_every", "log_every", "keep_last", "resume", "force_resume",
+    "max_bad_steps", "observe.", "eval.", "debug.", "distributed.", "batch.micro_sequences", "kernels.",
+    "model.attn_implementation", "model.gradient_checkpointing",
+)
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def iter_fields(cls=TrainConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
+    """Yield (dotted_name, type_name, default, doc) for every leaf field, in declaration order."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, name + ".")
+            continue
+        default = f.default
+        doc = f.metadata["doc"]
+        if f.metadata.get("choices"):
+            doc += " One of: " + ", ".join(map(str, f.metadata["choices"])) + "."
+        yield name, _type_name(tp), default, doc
+
+
+def iter_sections(cls=TrainConfig, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """Yield (dotted_section_name, doc) for every nested section, in declaration order."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield prefix + f.name, f.metadata["doc"]
+            yield from iter_sections(hints[f.name], prefix + f.name + ".")
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "null" if tp is type(None) else tp.__name__
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _Source:
+    """Where a value came from, for error messages (file + line, or the override)."""
+
+    def __init__(self, path: str | None):
+        self.path = path or "<defaults>"
+        self.lines: dict[str, int] = {}
+        self.overridden: set[str] = set()
+
+    def where(self, key: str) -> str:
+        if key in self.overridden:
+            return f"override `{key}=...`"
+        if key in self.lines:
+            return f"{self.path}, line {self.lines[key]}"
+        return self.path
+
+
+def _compose_yaml(path: Path, source: _Source) -> dict:
+    try:
+        node = yaml.compose(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+    if node is None:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError(f"{path}, line {node.start_mark.line + 1}: the config must be a mapping of keys to values")
+    return _node_to_dict(node, "", source)
+
+
+def _node_to_dict(node: yaml.MappingNode, prefix: str, source: _Source) -> dict:
+    out: dict[str, Any] = {}
+    for key_node, value_node in node.value:
+        key = prefix + str(key_node.value)
+        source.lines[key] = key_node.start_mark.line + 1
+        if isinstance(value_node, yaml.MappingNode):
+            out[str(key_node.value)] = _node_to_dict(value_node, key + ".", source)
+        else:
+            out[str(key_node.value)] = yaml.safe_load(yaml.serialize(value_node))
+    return out
+
+
+def _apply_override(tree: dict, text: str, source: _Source) -> None:
+    if "=" not in text:
+        raise ConfigError(f"override `{text}`: expected key=value (for example lora.r=16)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override `{text}`: `{part}` is not a section")
+    node[parts[-1]] = value
+    source.overridden.add(key)
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults <- YAML file <- ``key=value`` overrides, type-checked and validated."""
+    source = _Source(path)
+    tree = _compose_yaml(Path(path), source) if path else {}
+    for text in overrides or []:
+        _apply_override(tree, text, source)
+    cfg = _build(TrainConfig, tree, "", source)
+    validate(cfg, source.where)
+    return cfg
+
+
+def config_from_dict(data: dict, source_name: str = "<dict>") -> TrainConfig:
+    """Rebuild a config from :func:`config_to_dict` output (e.g. a checkpoint's train_config.json)."""
+    return _build(TrainConfig, data, "", _Source(source_name))
+
+
+def config_to_dict(cfg) -> dict:
+    """Plain nested dict (tuples as lists), JSON/YAML-serialisable."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = config_to_dict(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def _build(cls, data: Any, prefix: str, source: _Source):
+    section = prefix.rstrip(".") or "top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source.where(prefix.rstrip('.'))}: `{section}` must be a mapping")
+    hints = _hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ConfigError(
+                f"{source.where(prefix + str(key))}: unknown key `{prefix}{key}` "
+                f"(known keys in {section}: {', '.join(sorted(known))})"
+            )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, data[f.name], prefix + f.name + ".", source)
+        else:
+            kwargs[f.name] = _coerce(data[f.name], tp, prefix + f.name, source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp, key: str, source: _Source) -> Any:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise _type_error(key, value, "a list", source)
+        return tuple(_coerce(v, args[0] if args else str, key, source) for v in value)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if isinstance(value, dict | list):
+                raise ValueError
+            return "" if value is None else str(value)
+    except (TypeError, ValueError):
+        raise _type_error(key, value, tp.__name__, source) from None
+    raise ConfigError(f"{key}: unsupported field type {tp}")
+
+
+def _type_error(key: str, value: Any, expected: str, source: _Source) -> ConfigError:
+    return ConfigError(f"{source.where(key)}: `{key}` must be {expected}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
+    """Raise ConfigError on an invalid value or combination; return warnings to log."""
+    _check_choices(cfg, "", where)
+    checks = [
+        ("model.name_or_path", bool(cfg.model.name_or_path), "is required (a hub id or a local model directory)"),
+        ("data", bool(cfg.data), "is required (a directory written by `llmft data tokenize`)"),
+        ("output_dir", bool(cfg.output_dir), "is required"),
+        ("lora.r", cfg.lora.r > 0, "must be > 0"),
+        ("lora.alpha", cfg.lora.alpha > 0, "must be > 0"),
+        ("lora.dropout", 0.0 <= cfg.lora.dropout < 1.0, "must be in [0, 1)"),
+        ("lora.target_modules", len(cfg.lora.target_modules) > 0, "must name at least one module (or all-linear)"),
+        ("optim.lr", cfg.optim.lr > 0, "must be > 0"),
+        ("optim.max_grad_norm", cfg.optim.max_grad_norm >= 0, "must be >= 0 (0 disables clipping)"),
+        ("schedule.warmup_ratio", 0.0 <= cfg.schedule.warmup_ratio < 1.0, "must be in [0, 1)"),
+        ("schedule.warmup_steps", cfg.schedule.warmup_steps >= 0, "must be >= 0"),
+        ("schedule.min_lr_ratio", 0.0 <= cfg.schedule.min_lr_ratio <= 1.0, "must be in [0, 1]"),
+        ("batch.global_sequences", cfg.batch.global_sequences > 0 or cfg.batch.global_tokens > 0,
+         "or batch.global_tokens must be > 0"),
+        ("batch.global_tokens", cfg.batch.global_tokens >= 0, "must be >= 0"),
+        ("batch.micro_sequences", cfg.batch.micro_sequences >= 1, "must be >= 1"),
+        ("eval.micro_sequences", cfg.eval.micro_sequences >= 1, "must be >= 1"),
+        ("max_steps", cfg.max_steps >= 0, "must be >= 0"),
+        ("epochs", cfg.max_steps > 0 or cfg.epochs > 0, "must be > 0 when max_steps is 0"),
+        ("eval_every", cfg.eval_every >= 0, "must be >= 0"),
+        ("save_every", cfg.save_every >= 0, "must be >= 0"),
+        ("log_every", cfg.log_every >= 1, "must be >= 1"),
+        ("keep_last", cfg.keep_last >= 1, "must be >= 1"),
+        ("max_bad_steps", cfg.max_bad_steps >= 1, "must be >= 1"),
+        ("resume", cfg.resume in ("auto", "never") or bool(cfg.resume), "must be auto, never or a checkpoint path"),
+    ]
+    for key, ok, message in checks:
+        if not ok:
+            raise ConfigError(f"{where(key)}: `{key}` {message}")
+    warnings = []
+    if cfg.method != "full" and cfg.lora.use_dora:
+        warnings.append(
+            "lora.use_dora=true: vLLM cannot serve DoRA adapters, so the deploy step will refuse this adapter "
+            "(merge it into the base weights, or train with use_dora=false to serve it with vLLM)"
+        )
+    if cfg.method == "qlora" and cfg.distributed.backend == "deepspeed" and cfg.distributed.zero_stage == 3 \
+            and cfg.qlora.quant_storage == "uint8":
+        raise ConfigError(f"{where('qlora.quant_storage')}: ZeRO-3 cannot shard uint8-packed 4-bit weights; "
+                          "set qlora.quant_storage=bfloat16")
+    return warnings
+
+
+def _check_choices(cfg, prefix: str, where) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, prefix + f.name + ".", where)
+        elif f.metadata.get("choices") and value not in f.metadata["choices"]:
+            key = prefix + f.name
+            allowed = ", ".join(map(str, f.metadata["choices"]))
+            raise ConfigError(f"{where(key)}: `{key}` is {value!r}; allowed values: {allowed}")
+
+
+def diff_configs(old: dict, new: dict, *, ignore_prefixes: tuple[str, ...] = RESUME_SAFE_PREFIXES) -> list[str]:
+    """Lines `key: old -> new` for every leaf that differs and is not resume-safe."""
+    lines = []
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    for key in sorted(set(flat_old) | set(flat_new)):
+        if any(key == p or key.startswith(p if p.endswith(".") else p + ".") for p in ignore_prefixes):
+            continue
+        a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
+        if a != b:
+            lines.append(f"{key}: {a!r} -> {b!r}")
+    return lines
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out

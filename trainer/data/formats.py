@@ -1,0 +1,210 @@
+"""Row formats accepted by ``llmft data prepare`` and their conversion to the
+canonical schema.
+
+Accepted input rows (one JSON object each):
+
+- ``messages``          ``{"messages": [{"role": "system|user|assistant", "content": "..."}, ...]}``
+- ``sharegpt``          ``{"conversations": [{"from": "system|human|gpt", "value": "..."}, ...]}``
+- ``alpaca``            ``{"instruction": "...", "input": "...", "output": "..."}`` (``input``, ``system`` optional)
+- ``prompt_completion`` ``{"prompt": "...", "completion": "..."}`` (strings, or TRL-style lists of messages)
+- ``text``              ``{"text": "..."}``
+
+Canonical rows: ``{"messages": [{"role", "content"}, ...]}`` for every
+conversational format, ``{"text": "..."}`` for plain text. A row that breaks its
+format raises :class:`RowReject` with a reason from :data:`REJECT_FIXES`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
+FORMAT_CHOICES = ("auto", *FORMATS)
+
+# reason -> how to fix it (shown in error messages and rejects.jsonl)
+REJECT_FIXES: dict[str, str] = {
+    "invalid_json": "make the line one complete JSON object (JSON Lines: one object per line)",
+    "wrong_type": "give the field the documented type (messages: list of {role, content} objects; other fields: strings)",
+    "missing_field": "add the field, or pass --format to pick the format the rows are written in",
+    "unknown_role": "use the roles system/user/assistant (ShareGPT: system/human/gpt)",
+    "empty_assistant_content": "give every assistant turn non-empty content, or drop the turn",
+    "no_assistant_turn": "add at least one assistant turn: it is what the model learns to produce",
+    "empty_conversation": "give the row at least one user and one assistant message",
+    "empty_prompt": "give the instruction/prompt some text",
+    "empty_text": "give the text field some text, or drop the row",
+}
+
+# Accepted role names (lower-cased) -> canonical role. Covers OpenAI, ShareGPT and Gemma names.
+ROLE_ALIASES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+}
+
+# Which keys make ``auto`` pick which format (first match wins).
+_DETECT_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("messages", ("messages",)),
+    ("sharegpt", ("conversations",)),
+    ("alpaca", ("instruction", "output")),
+    ("prompt_completion", ("prompt", "completion")),
+    ("text", ("text",)),
+)
+_EXPECTED = "one of: messages, conversations, instruction+output, prompt+completion, text"
+
+
+class RowReject(Exception):
+    """A row that cannot be used: ``reason`` (a key of REJECT_FIXES), ``field``, ``detail``."""
+
+    def __init__(self, reason: str, field: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.field = field
+        self.detail = detail
+
+    @property
+    def fix(self) -> str:
+        return REJECT_FIXES[self.reason]
+
+
+def detect_format(row: dict) -> str:
+    """The format whose keys ``row`` carries; RowReject(missing_field) when none."""
+    for name, keys in _DETECT_KEYS:
+        if any(k in row for k in keys):
+            return name
+    found = ", ".join(sorted(map(str, row))[:8]) or "no keys"
+    raise RowReject("missing_field", "<row>", f"row matches no known format (keys: {found}); expected {_EXPECTED}")
+
+
+def convert_row(row: Any, fmt: str = "auto") -> tuple[str, dict]:
+    """Validate one parsed row; return (format, canonical row) or raise RowReject."""
+    if not isinstance(row, dict):
+        raise RowReject("wrong_type", "<row>", f"row must be a JSON object, got {_type_name(row)}")
+    if fmt == "auto":
+        fmt = detect_format(row)
+    converter = _CONVERTERS.get(fmt)
+    if converter is None:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMAT_CHOICES)}")
+    return fmt, converter(row)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _require(row: dict, field: str, fmt: str) -> Any:
+    if field not in row or row[field] is None:
+        raise RowReject("missing_field", field, f"{fmt} row has no `{field}` field")
+    return row[field]
+
+
+def _string(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise RowReject("wrong_type", field, f"`{field}` must be a string, got {_type_name(value)}")
+    return value
+
+
+def _content_text(value: Any, field: str) -> str:
+    """Message content: a string, or OpenAI-style text parts ``[{"type": "text", "text": ...}]``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise RowReject("wrong_type", field, f"`{field}` must be a string (or a list of text parts), got {_type_name(value)}")
+
+
+def _message(item: Any, field: str) -> dict:
+    if not isinstance(item, dict):
+        raise RowReject("wrong_type", field, f"`{field}` must be an object with role and content, got {_type_name(item)}")
+    role_key, content_key = ("role", "content") if "role" in item or "content" in item else ("from", "value")
+    for key in (role_key, content_key):
+        if key not in item:
+            raise RowReject("missing_field", f"{field}.{key}", f"message `{field}` has no `{key}`")
+    role_raw = item[role_key]
+    if not isinstance(role_raw, str):
+        raise RowReject("wrong_type", f"{field}.{role_key}", f"`{field}.{role_key}` must be a string, got {_type_name(role_raw)}")
+    role = ROLE_ALIASES.get(role_raw.strip().lower())
+    if role is None:
+        raise RowReject(
+            "unknown_role", f"{field}.{role_key}",
+            f"unknown role {role_raw!r} in `{field}`; accepted: {', '.join(sorted(ROLE_ALIASES))}",
+        )
+    content = item[content_key]
+    if content is None and role == "assistant":
+        content = ""
+    return {"role": role, "content": _content_text(content, f"{field}.{content_key}")}
+
+
+def canonical_messages(value: Any, field: str) -> list[dict]:
+    """Validate a list of messages; return ``[{"role", "content"}, ...]``."""
+    if not isinstance(value, list):
+        raise RowReject("wrong_type", field, f"`{field}` must be a list of messages, got {_type_name(value)}")
+    if not value:
+        raise RowReject("empty_conversation", field, f"`{field}` is an empty list")
+    messages = [_message(item, f"{field}[{i}]") for i, item in enumerate(value)]
+    for i, msg in enumerate(messages):
+        if msg["role"] == "assistant" and not msg["content"].strip():
+            raise RowReject("empty_assistant_content", f"{field}[{i}].content", f"assistant turn {field}[{i}] is empty")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowReject("no_assistant_turn", field, f"`{field}` has no assistant turn ({len(messages)} messages)")
+    return messages
+
+
+def _from_messages(row: dict) -> dict:
+    return {"messages": canonical_messages(_require(row, "messages", "messages"), "messages")}
+
+
+def _from_sharegpt(row: dict) -> dict:
+    return {"messages": canonical_messages(_require(row, "conversations", "sharegpt"), "conversations")}
+
+
+def _from_alpaca(row: dict) -> dict:
+    instruction = _string(_require(row, "instruction", "alpaca"), "instruction")
+    output = _string(_require(row, "output", "alpaca"), "output")
+    extra = row.get("input")
+    extra = "" if extra is None else _string(extra, "input")
+    if not instruction.strip():
+        raise RowReject("empty_prompt", "instruction", "`instruction` is empty")
+    if not output.strip():
+        raise RowReject("empty_assistant_content", "output", "`output` (the assistant answer) is empty")
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    system = row.get("system")
+    if system is not None and _string(system, "system").strip():
+        messages.insert(0, {"role": "system", "content": system})
+    return {"messages": messages}
+
+
+def _from_prompt_completion(row: dict) -> dict:
+    prompt = _require(row, "prompt", "prompt_completion")
+    completion = _require(row, "completion", "prompt_completion")
+    if isinstance(prompt, list) and isinstance(completion, list):  # TRL conversational prompt/completion
+        canonical_messages(completion, "completion")  # the completion itself must hold the assistant turn
+        return {"messages": canonical_messages(prompt + completion, "prompt+completion")}
+    prompt, completion = _string(prompt, "prompt"), _string(completion, "completion")
+    if not prompt.strip():
+        raise RowReject("empty_prompt", "prompt", "`prompt` is empty")
+    if not completion.strip():
+        raise RowReject("empty_assistant_content", "completion", "`completion` is empty")
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]}
+
+
+def _from_text(row: dict) -> dict:
+    text = _string(_require(row, "text", "text"), "text")
+    if not text.strip():
+        raise RowReject("empty_text", "text", "`text` is empty")
+    return {"text": text}
+
+
+_CONVERTERS = {
+    "messages": _from_messages,
+    "sharegpt": _from_sharegpt,
+    "alpaca": _from_alpaca,
+    "prompt_completion": _from_prompt_completion,
+    "text": _from_text,
+}

@@ -1,0 +1,196 @@
+"""Where ``llmft data prepare`` reads rows from, one row at a time.
+
+A source is a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file, a
+folder of such files, or a Hugging Face hub dataset id (loaded with
+``datasets.load_dataset``, streaming unless offline mode is on, with
+``HF_TOKEN`` from the environment). Every reader streams: JSONL line by line,
+CSV record by record, Parquet batch by batch, hub datasets row by row. The one
+exception is a ``.json`` file holding a single JSON array, which JSON itself
+forces us to parse whole; use JSONL for large data.
+
+Each row comes out as ``(file, line, raw, value)``: ``raw`` is the undecoded
+bytes of a JSONL line (the caller parses it, so invalid JSON becomes a reject,
+not a crash), ``value`` an already-decoded row otherwise. ``line`` is the
+1-based line of the file (JSONL, CSV) or the 1-based row number (JSON array,
+Parquet, hub).
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import DataError
+from trainer.io import sha256_file
+
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# CSV cells that usually hold JSON-encoded lists
+_JSON_CELLS = ("messages", "conversations", "prompt", "completion")
+
+Row = tuple[str, int, "bytes | None", Any]
+
+
+class Source:
+    """Rows of one input plus a content hash, computed while the rows stream by."""
+
+    def __init__(self, spec: str, *, kind: str, files: list[Path] | None = None, root: Path | None = None,
+                 split: str = "train"):
+        self.spec = spec
+        self.kind = kind  # "file" | "folder" | "hub"
+        self.files = files or []
+        self.root = root
+        self.split = split
+        self._file_hashes: dict[str, str] = {}
+        self._hub_hash = hashlib.sha256()
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec} (split {self.split})" if self.kind == "hub" else self.spec
+
+    def file_labels(self) -> list[str]:
+        return [self._label(p) for p in self.files] if self.files else [self.label]
+
+    def _label(self, path: Path) -> str:
+        if self.kind == "folder" and self.root is not None:
+            return str(path.relative_to(self.root))
+        return str(path)
+
+    def rows(self) -> Iterator[Row]:
+        if self.kind == "hub":
+            yield from self._hub_rows()
+            return
+        for path in self.files:
+            yield from self._file_rows(path, self._label(path))
+
+    def content_hash(self) -> str:
+        """SHA-256 of the source: the file's bytes for one file; of (name, file hash) pairs for a
+        folder; of the rows' JSON for a hub dataset. Valid once ``rows()`` is exhausted."""
+        if self.kind == "hub":
+            return self._hub_hash.hexdigest()
+        if self.kind == "file" and len(self._file_hashes) == 1:
+            return next(iter(self._file_hashes.values()))
+        h = hashlib.sha256()
+        for name in sorted(self._file_hashes):
+            h.update(f"{name}\0{self._file_hashes[name]}\n".encode())
+        return h.hexdigest()
+
+    def _file_rows(self, path: Path, label: str) -> Iterator[Row]:
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl" or (suffix == ".json" and not _starts_with_array(path)):
+            yield from self._jsonl_rows(path, label)
+            return
+        self._file_hashes[label] = sha256_file(path)
+        if suffix == ".json":
+            yield from _json_array_rows(path, label)
+        elif suffix == ".csv":
+            yield from _csv_rows(path, label)
+        else:
+            yield from _parquet_rows(path, label)
+
+    def _jsonl_rows(self, path: Path, label: str) -> Iterator[Row]:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for number, line in enumerate(fh, 1):
+                h.update(line)
+                if line.strip():
+                    yield label, number, line, None
+        self._file_hashes[label] = h.hexdigest()
+
+    def _hub_rows(self) -> Iterator[Row]:
+        dataset = load_hub_dataset(self.spec, self.split)
+        for number, row in enumerate(dataset, 1):
+            self._hub_hash.update(json.dumps(row, sort_keys=True, default=str).encode())
+            yield self.label, number, None, row
+
+
+def open_source(spec: str, split: str = "train", *, exclude: Path | None = None) -> Source:
+    """Resolve ``spec`` to a local file, a local folder or a hub dataset id. Files under
+    ``exclude`` (the output directory, when it sits inside the input folder) are skipped."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() not in SUFFIXES:
+            raise DataError(f"{spec}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
+        return Source(spec, kind="file", files=[path], split=split)
+    if path.is_dir():
+        skip = exclude.resolve() if exclude is not None else None
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and p.suffix.lower() in SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            and not (skip is not None and p.resolve().is_relative_to(skip))
+        )
+        if not files:
+            raise DataError(f"{spec}: folder holds no {'/'.join(SUFFIXES)} files; point --input at the data files")
+        return Source(spec, kind="folder", files=files, root=path, split=split)
+    if path.suffix.lower() in SUFFIXES or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+        raise DataError(f"{spec}: no such file or folder (and not a hub dataset id like `tatsu-lab/alpaca`)")
+    return Source(spec, kind="hub", split=split)
+
+
+def load_hub_dataset(dataset_id: str, split: str):
+    """``datasets.load_dataset`` for a hub id: streaming online, from the local cache offline.
+
+    HF_TOKEN (from a Kubernetes Secret in the pipeline) authenticates gated and private
+    datasets; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE make ``datasets`` read only its cache.
+    """
+    import datasets
+
+    offline = bool(datasets.config.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "0") in ("1", "true", "TRUE")
+    token = os.environ.get("HF_TOKEN") or None
+    try:
+        return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a data error for the user
+        mode = "offline: only the local datasets cache is read" if offline else "online, streaming"
+        raise DataError(
+            f"{dataset_id}: cannot load hub dataset split {split!r} ({mode}): {type(exc).__name__}: {exc}. "
+            "Fix: check the dataset id and --split; set HF_TOKEN for gated or private datasets; "
+            "in offline mode, download the dataset into the cache first (or pass a local file)."
+        ) from exc
+
+
+def _starts_with_array(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _json_array_rows(path: Path, label: str) -> Iterator[Row]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{label}: not valid JSON ({exc}); fix the file, or write it as JSON Lines (.jsonl)") from exc
+    for number, row in enumerate(rows, 1):
+        yield label, number, None, row
+
+
+def _csv_rows(path: Path, label: str) -> Iterator[Row]:
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        reader = csv.DictReader(fh)
+        for record in reader:
+            row = {k: _maybe_json(k, v) for k, v in record.items() if k is not None}
+            yield label, reader.line_num, None, row
+
+
+def _maybe_json(key: str, value: Any) -> Any:
+    if key in _JSON_CELLS and isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _parquet_rows(path: Path, label: str) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            number += 1
+            yield label, number, None, row

@@ -1,0 +1,346 @@
+"""``llmft data tokenize``: canonical JSONL -> tokenized, packed, cached shards.
+
+For every split in the input directory (``train.jsonl``, ``val.jsonl``,
+``test.jsonl``) the rows are rendered with the tokenizer's own chat template,
+tokenized in batches by the fast tokenizer across ``num_proc`` processes, masked
+to the assistant turns (text rows train on every token), cut to ``max_length``
+by ``truncation``, and, with ``pack``, best-fit packed into sequences of at most
+``max_length`` tokens. The result is the on-disk format of
+:mod:`trainer.data.shards` plus ``manifest.json``; the directory appears
+atomically, with a completion marker.
+
+The cache key hashes the data files, the tokenizer (vocabulary, merges, added
+and special tokens), the chat template, max length, packing and truncation. A
+complete output directory with the same key is left untouched (``cache hit``).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.encode import EncodePlan, encode_chunk, init_worker
+from trainer.data.packing import best_fit_pack, packing_efficiency
+from trainer.data.parallel import default_num_proc, ordered_map, worker_pool
+from trainer.data.progress import progress
+from trainer.data.shards import MANIFEST
+from trainer.data.templates import (
+    end_of_turn_marker,
+    missing_template_error,
+    resolve_chat_template,
+    template_hash,
+)
+from trainer.errors import DataError
+from trainer.io import atomic_directory, atomic_write_json, is_complete, sha256_file
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val", "test")
+TRUNCATION_CHOICES = ("drop", "truncate", "error")
+CHUNK_ROWS = 512
+MAX_EXAMPLES = 10
+
+
+def tokenize_dataset(
+    input_dir: str | os.PathLike,
+    model: str,
+    output_dir: str | os.PathLike,
+    *,
+    max_length: int = 2048,
+    pack: bool = True,
+    truncation: str = "drop",
+    num_proc: int | None = None,
+    chat_template: str | None = None,
+) -> dict:
+    """Tokenize every split of a prepared dataset; return the manifest (``cache_hit`` set)."""
+    output_dir = Path(output_dir)
+    split_files, tokenizer, plan, identity = _resolve_inputs(
+        input_dir, model, max_length=max_length, pack=pack, truncation=truncation, num_proc=num_proc,
+        chat_template=chat_template,
+    )
+    cached = cached_manifest(output_dir, identity["cache_key"])
+    if cached is not None:
+        print(f"cache hit: {output_dir} already holds cache key {identity['cache_key'][:16]}; nothing rewritten")
+        return {**cached, "cache_hit": True}
+    started = time.perf_counter()
+    with atomic_directory(output_dir, marker=True) as tmp:
+        splits = _tokenize_splits(split_files, tmp, tokenizer, plan, pack, num_proc or default_num_proc())
+        manifest = {**identity, "cache_hit": False, "splits": splits}
+        manifest["created_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")  # noqa: UP017 - py3.10
+        manifest["seconds"] = round(time.perf_counter() - started, 3)
+        atomic_write_json(tmp / MANIFEST, manifest)
+    return manifest
+
+
+def cache_key_for(
+    input_dir: str | os.PathLike,
+    model: str,
+    *,
+    max_length: int = 2048,
+    pack: bool = True,
+    truncation: str = "drop",
+    chat_template: str | None = None,
+) -> str:
+    """The cache key ``tokenize_dataset`` gives these inputs, without tokenizing anything
+    (loads the tokenizer and hashes the data files). Lets a pipeline pick a content-addressed
+    output folder before calling ``tokenize_dataset``."""
+    return _resolve_inputs(input_dir, model, max_length=max_length, pack=pack, truncation=truncation,
+                           num_proc=None, chat_template=chat_template)[3]["cache_key"]
+
+
+def _resolve_inputs(input_dir, model, *, max_length, pack, truncation, num_proc, chat_template):
+    """Validate arguments, find the splits, load the tokenizer and template; return
+    (split files, tokenizer, plan, identity incl. cache key)."""
+    _check_arguments(max_length, truncation, num_proc)
+    input_dir = Path(input_dir)
+    split_files = find_split_files(input_dir)
+    tokenizer = load_tokenizer(model)
+    template, template_source = resolve_chat_template(tokenizer, chat_template)
+    if template is None and any(_has_conversations(p) for p in split_files.values()):
+        raise missing_template_error(model)
+    plan = EncodePlan(template, end_of_turn_marker(tokenizer, template) if template else "", max_length, truncation)
+    identity = _identity(input_dir, split_files, model, tokenizer, plan, template_source, pack)
+    return split_files, tokenizer, plan, identity
+
+
+def _check_arguments(max_length: int, truncation: str, num_proc: int | None) -> None:
+    if truncation not in TRUNCATION_CHOICES:
+        raise DataError(f"--truncation {truncation!r}: choose one of {', '.join(TRUNCATION_CHOICES)}")
+    if max_length < 2:
+        raise DataError(f"--max-length {max_length} must be at least 2")
+    if num_proc is not None and num_proc < 1:
+        raise DataError(f"--num-proc {num_proc} must be at least 1")
+
+
+def find_split_files(input_dir: Path) -> dict[str, Path]:
+    if not input_dir.is_dir():
+        raise DataError(f"{input_dir}: no such directory; create it with `llmft data prepare --output {input_dir}`")
+    files = {s: input_dir / f"{s}.jsonl" for s in SPLITS if (input_dir / f"{s}.jsonl").is_file()}
+    if "train" not in files:
+        raise DataError(f"{input_dir}: no train.jsonl; create it with `llmft data prepare --output {input_dir}`")
+    return files
+
+
+def load_tokenizer(model: str):
+    """AutoTokenizer for a hub id or a local directory (HF_TOKEN and offline mode honoured)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, token=os.environ.get("HF_TOKEN") or None, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - surface any loader failure as a user error
+        raise DataError(
+            f"cannot load the tokenizer of {model!r}: {type(exc).__name__}: {exc}. Fix: check the model id or "
+            "path; set HF_TOKEN for gated models; offline (HF_HUB_OFFLINE=1) the model must be in the local cache."
+        ) from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"{model!r} has no fast tokenizer (tokenizer.json); tokenization needs one for offsets")
+    return tokenizer
+
+
+def _has_conversations(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return any(b'"messages"' in line for line in fh)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of everything that decides token ids: the tokenizer.json model, normalizer,
+    pre-tokenizer, post-processor and added tokens, plus the special tokens."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _identity(input_dir, split_files, model, tokenizer, plan: EncodePlan, template_source: str, pack: bool) -> dict:
+    """Manifest fields that describe the inputs, and the cache key hashed from them."""
+    dataset_hash = hashlib.sha256()
+    for split, path in sorted(split_files.items()):
+        dataset_hash.update(f"{split}\0{sha256_file(path)}\n".encode())
+    report = input_dir / "report.json"
+    source_hash = json.loads(report.read_text()).get("source_hash") if report.is_file() else None
+    identity = {
+        "format_version": FORMAT_VERSION,
+        "dataset_hash": dataset_hash.hexdigest(),
+        "tokenizer_hash": tokenizer_fingerprint(tokenizer),
+        "chat_template_hash": template_hash(plan.template),
+        "max_length": plan.max_length,
+        "packed": bool(pack),
+        "truncation": plan.truncation,
+    }
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return {
+        "cache_key": key,
+        **identity,
+        "source_hash": source_hash,
+        "input_dir": str(input_dir),
+        "tokenizer": model,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "chat_template_source": template_source,
+        "chat_template": plan.template,
+        "end_of_turn": plan.end_of_turn,
+    }
+
+
+def cached_manifest(output_dir: Path, key: str) -> dict | None:
+    """The manifest of a complete ``output_dir`` built with ``key``, else None."""
+    path = output_dir / MANIFEST
+    if not (is_complete(output_dir) and path.is_file()):
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if manifest.get("cache_key") != key:
+        return None
+    for split in manifest.get("splits", {}):
+        if not all((output_dir / split / f"{a}.npy").is_file() for a in ("input_ids", "labels", "doc_offsets", "seq_offsets")):
+            return None
+    return manifest
+
+
+def _tokenize_splits(split_files, out_dir: Path, tokenizer, plan: EncodePlan, pack: bool, num_proc: int) -> dict:
+    work = out_dir / ".work"
+    work.mkdir()
+    try:
+        with worker_pool(num_proc, init_worker, (tokenizer, plan)) as pool:
+            stats = {
+                split: _tokenize_split(split, path, out_dir / split, work, pool, num_proc, plan, pack)
+                for split, path in split_files.items()
+            }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if stats["train"]["documents"] == 0:
+        raise DataError(_empty_train_message(split_files["train"], stats["train"]))
+    return stats
+
+
+def _empty_train_message(path: Path, stats: dict) -> str:
+    examples = "\n".join(f"  {e['file']}:{e['line']}: {e['reason']}: {e['detail']}" for e in stats["dropped_examples"][:5])
+    return (
+        f"{path}: no trainable document left after tokenization (dropped: {stats['dropped']}). First ones:\n"
+        f"{examples}\nFix: raise --max-length, use --truncation truncate, or check the chat template."
+    )
+
+
+def _read_chunks(path: Path) -> Iterator[tuple[str, list[tuple[int, bytes]]]]:
+    chunk: list[tuple[int, bytes]] = []
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                chunk.append((number, line))
+            if len(chunk) >= CHUNK_ROWS:
+                yield path.name, chunk
+                chunk = []
+    if chunk:
+        yield path.name, chunk
+
+
+def _count_rows(path: Path) -> int:
+    """Newline count (a fast C-speed pass) so the progress bar can show an ETA."""
+    count = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            count += block.count(b"\n")
+    return count
+
+
+def _tokenize_split(split, path, split_dir, work, pool, num_proc, plan, pack) -> dict:
+    ids_path, labels_path = work / f"{split}.ids.bin", work / f"{split}.labels.bin"
+    lengths, totals, dropped, examples = [], Counter(), Counter(), []
+    with open(ids_path, "wb") as ids_out, open(labels_path, "wb") as labels_out:
+        bar = progress(desc=f"tokenize {split}", unit="rows", total=_count_rows(path))
+        for result in ordered_map(pool, encode_chunk, _read_chunks(path), window=2 * num_proc + 2):
+            result.input_ids.tofile(ids_out)
+            result.labels.tofile(labels_out)
+            lengths.append(result.lengths)
+            totals.update(rows=result.rows, supervised=result.supervised, truncated=result.truncated)
+            dropped.update(result.dropped)
+            examples.extend(result.examples[: MAX_EXAMPLES - len(examples)])
+            bar.update(result.rows)
+        bar.close()
+    doc_lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+    sequences = best_fit_pack(doc_lengths, plan.max_length) if pack else None
+    _write_split(split_dir, ids_path, labels_path, doc_lengths, sequences)
+    return _split_stats(doc_lengths, sequences, totals, dropped, examples, plan.max_length)
+
+
+def _write_split(split_dir: Path, ids_path: Path, labels_path: Path, doc_lengths: np.ndarray, sequences) -> None:
+    """Write the four arrays of trainer.data.shards, documents in packed order."""
+    split_dir.mkdir(parents=True)
+    order = np.concatenate([np.asarray(s, np.int64) for s in sequences]) if sequences else np.arange(len(doc_lengths))
+    seq_sizes = [len(s) for s in sequences] if sequences is not None else np.ones(len(doc_lengths), np.int64)
+    total = int(doc_lengths.sum())
+    src_starts = np.concatenate([[0], np.cumsum(doc_lengths)])
+    for name, src_path in (("input_ids", ids_path), ("labels", labels_path)):
+        out = np.lib.format.open_memmap(split_dir / f"{name}.npy", mode="w+", dtype=np.int32, shape=(total,))
+        if total:
+            src = np.memmap(src_path, dtype=np.int32, mode="r", shape=(total,))
+            # plain ndarray views: slicing a np.memmap subclass costs ~2 us per slice
+            _copy_in_order(src.view(np.ndarray), out.view(np.ndarray), src_starts, doc_lengths, order,
+                           identity=sequences is None)
+            del src
+        out.flush()
+        del out
+    np.save(split_dir / "doc_offsets.npy", np.concatenate([[0], np.cumsum(doc_lengths[order])]).astype(np.int64))
+    np.save(split_dir / "seq_offsets.npy", np.concatenate([[0], np.cumsum(seq_sizes)]).astype(np.int64))
+
+
+def _copy_in_order(src, out, src_starts, doc_lengths, order, *, identity: bool) -> None:
+    if identity:
+        block = 1 << 24
+        for start in range(0, len(out), block):
+            out[start : start + block] = src[start : start + block]
+        return
+    pos = 0
+    for doc in order.tolist():
+        start, size = int(src_starts[doc]), int(doc_lengths[doc])
+        out[pos : pos + size] = src[start : start + size]
+        pos += size
+
+
+def _split_stats(doc_lengths, sequences, totals: Counter, dropped: Counter, examples, max_length: int) -> dict:
+    tokens = int(doc_lengths.sum())
+    n_seq = len(sequences) if sequences is not None else len(doc_lengths)
+    seq_lengths = np.asarray([int(doc_lengths[s].sum()) for s in sequences]) if sequences is not None else doc_lengths
+    return {
+        "rows": int(totals["rows"]),
+        "documents": int(len(doc_lengths)),
+        "sequences": int(n_seq),
+        "tokens": tokens,
+        "supervised_tokens": int(totals["supervised"]),
+        "packing_efficiency": round(packing_efficiency(tokens, n_seq, max_length), 6),
+        "truncated": int(totals["truncated"]),
+        "dropped": dict(dropped.most_common()),
+        "dropped_examples": examples,
+        "doc_length": _length_stats(doc_lengths),
+        "seq_length": _length_stats(seq_lengths),
+        "length_histogram": _histogram(doc_lengths, max_length),
+    }
+
+
+def _length_stats(lengths: np.ndarray) -> dict:
+    if len(lengths) == 0:
+        return {"min": 0, "mean": 0.0, "p50": 0, "p90": 0, "p99": 0, "max": 0}
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {
+        "min": int(lengths.min()),
+        "mean": round(float(lengths.mean()), 2),
+        "p50": int(p50),
+        "p90": int(p90),
+        "p99": int(p99),
+        "max": int(lengths.max()),
+    }
+
+
+def _histogram(lengths: np.ndarray, max_length: int, bins: int = 32) -> dict:
+    counts, edges = np.histogram(lengths, bins=bins, range=(0, max_length))
+    return {"edges": [int(e) for e in edges], "counts": [int(c) for c in counts]}

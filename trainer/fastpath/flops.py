@@ -1,0 +1,169 @@
+"""FLOPs per training step, for tokens/s -> MFU.
+
+The count follows issue 6 and is the one the benchmark and the trainer's step
+logs share, so their MFU figures agree by construction:
+
+- N is the number of matmul parameters of the decoder: q, k, v, o, gate, up,
+  down of every layer plus ``lm_head`` (counted even when it is tied to the
+  embedding; the embedding lookup itself is not a matmul).
+- Full fine-tuning: 6 N per token (forward 2N, backward 2N for activation
+  gradients + 2N for weight gradients).
+- LoRA: 4 N per token (the frozen weights get no weight gradient) plus the
+  adapters' own work: for an adapter of rank r on a ``d_in -> d_out`` linear,
+  2 r (d_in + d_out) forward, as much again for its activation gradient and
+  again for its weight gradients: 6 r (d_in + d_out) per token.
+- Causal attention per document (never across documents of a packed row): a
+  document of L tokens does L (L + 1) / 2 query-key pairs per head in each of
+  its two products (QK^T and AV), 2 FLOPs per multiply-add, head_dim long:
+  2 L (L + 1) head_dim heads per layer forward; backward is twice that, for
+  both methods (attention has no weights, so LoRA saves nothing there).
+- Recomputation (gradient checkpointing) is never counted: MFU is model FLOPs.
+
+``peak_flops`` gives the dense bf16 datasheet peak used as MFU's denominator.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Dense bf16 tensor-core peaks (datasheet, no sparsity), FLOP/s.
+PEAK_BF16_FLOPS = {
+    "H100": 989.4e12,
+    "H200": 989.4e12,
+    "H800": 989.4e12,
+    "GH200": 989.4e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "B200": 2250e12,
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that its FLOPs depend on."""
+
+    n_layers: int
+    """Number of decoder layers."""
+    hidden: int
+    """Model width (hidden size)."""
+    n_heads: int
+    """Query heads per layer."""
+    n_kv_heads: int
+    """Key/value heads per layer (grouped-query attention when < n_heads)."""
+    head_dim: int
+    """Width of one attention head."""
+    intermediate: int
+    """Width of the gated MLP (gate/up output, down input)."""
+    vocab: int
+    """Vocabulary size (rows of lm_head)."""
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of every linear of one decoder layer, by module name."""
+        q_out = self.n_heads * self.head_dim
+        kv_out = self.n_kv_heads * self.head_dim
+        return {
+            "q_proj": (self.hidden, q_out),
+            "k_proj": (self.hidden, kv_out),
+            "v_proj": (self.hidden, kv_out),
+            "o_proj": (q_out, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
+
+
+def shape_from_config(config) -> ModelShape:
+    """Read a ``ModelShape`` from a Hugging Face (Llama/Qwen2-style) config object or dict."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    n_heads = int(get("num_attention_heads"))
+    hidden = int(get("hidden_size"))
+    return ModelShape(
+        n_layers=int(get("num_hidden_layers")),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=int(get("num_key_value_heads") or n_heads),
+        head_dim=int(get("head_dim") or hidden // n_heads),
+        intermediate=int(get("intermediate_size")),
+        vocab=int(get("vocab_size")),
+    )
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """N: weights of every matmul of the decoder plus lm_head."""
+    per_layer = sum(d_in * d_out for d_in, d_out in shape.linear_shapes().values())
+    return shape.n_layers * per_layer + shape.vocab * shape.hidden
+
+
+def lora_adapter_flops_per_token(shape: ModelShape, rank: int, targets: Iterable[str] = ALL_LINEAR) -> int:
+    """Forward + backward FLOPs of the LoRA adapters for one token: 6 r (d_in + d_out) each."""
+    linears = shape.linear_shapes()
+    unknown = sorted(set(targets) - set(linears))
+    if unknown:
+        raise ValueError(f"unknown LoRA target module(s) {unknown}; known: {sorted(linears)}")
+    per_layer = sum(6 * rank * (linears[t][0] + linears[t][1]) for t in set(targets))
+    return shape.n_layers * per_layer
+
+
+def attention_flops(shape: ModelShape, doc_lengths: Iterable[int]) -> float:
+    """Forward + backward FLOPs of causal attention over documents of the given lengths."""
+    pairs = sum(int(n) * (int(n) + 1) for n in doc_lengths)  # 2 * (L(L+1)/2) per document
+    forward = 2 * pairs * shape.head_dim * shape.n_heads * shape.n_layers
+    return 3.0 * forward
+
+
+def dense_flops_per_token(
+    shape: ModelShape, method: str, lora_rank: int = 16, lora_targets: Iterable[str] = ALL_LINEAR
+) -> float:
+    """Matmul FLOPs per token (no attention): 6N for full, 4N + adapters for LoRA/QLoRA."""
+    n = matmul_params(shape)
+    if method == "full":
+        return 6.0 * n
+    if method in ("lora", "qlora", "dora"):
+        return 4.0 * n + lora_adapter_flops_per_token(shape, lora_rank, lora_targets)
+    raise ValueError(f"unknown method {method!r}: expected full, lora, qlora or dora")
+
+
+def step_flops(
+    shape: ModelShape,
+    method: str,
+    doc_lengths: Sequence[int],
+    lora_rank: int = 16,
+    lora_targets: Iterable[str] = ALL_LINEAR,
+) -> float:
+    """Model FLOPs of one optimizer step over documents of ``doc_lengths`` (real tokens only)."""
+    tokens = sum(int(n) for n in doc_lengths)
+    dense = dense_flops_per_token(shape, method, lora_rank, lora_targets) * tokens
+    return dense + attention_flops(shape, doc_lengths)
+
+
+def flops_per_token(
+    shape: ModelShape,
+    method: str,
+    doc_lengths: Sequence[int],
+    lora_rank: int = 16,
+    lora_targets: Iterable[str] = ALL_LINEAR,
+) -> float:
+    """Average model FLOPs per real token for a batch of documents (what MFU multiplies tokens/s by)."""
+    tokens = sum(int(n) for n in doc_lengths)
+    if tokens == 0:
+        return 0.0
+    return step_flops(shape, method, doc_lengths, lora_rank, lora_targets) / tokens
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s for a device name such as 'NVIDIA H100 80GB HBM3'; None if unknown."""
+    name = device_name.upper()
+    # Longest key first so 'GH200' wins over 'H200'.
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def mfu(flops: float, seconds: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization of ``flops`` done in ``seconds`` against ``peak`` FLOP/s."""
+    if not peak or seconds <= 0:
+        return None
+    return flops / seconds / peak

@@ -1,0 +1,174 @@
+"""A fused LoRA linear for PEFT models: ``y = x W^T + b + s (x A^T) B^T`` in one
+autograd node with fewer passes over the activations.
+
+PEFT's ``lora.Linear`` runs the base layer, then ``lora_B(lora_A(dropout(x)))``,
+then multiplies by the scaling and adds: the (tokens x d_out) LoRA output is
+written, read back, scaled and summed into a third tensor, and the adapters,
+kept in fp32 by PEFT, pull the activations up to fp32 for their matmuls. Here:
+
+- forward: ``h = x A^T`` (tokens x r, tiny) and the base matmul, then
+  ``out.addmm_(h, B^T, alpha=s)``: cuBLAS adds the rank-r product into the base
+  output in its epilogue (one read + write of ``out`` instead of four passes);
+- backward: ``g = s (dy B)`` (tokens x r), ``dx = dy W`` then ``dx.addmm_(g, A)``,
+  ``dA = g^T x``, ``dB = s dy^T h``: no (tokens x d_out) temporaries at all;
+- matmuls in the activations' dtype (bf16) with fp32 accumulation; gradients are
+  returned in the adapters' own dtype (fp32 master weights stay fp32).
+
+:func:`fuse_lora_linears` swaps this forward into every PEFT ``lora.Linear``
+that it covers exactly (one active adapter, no dropout, no DoRA or other
+variant, unmerged, a plain ``nn.Linear`` base), leaving the module, its
+parameters and its state-dict keys untouched, so saving and loading adapters is
+unchanged. Others keep PEFT's forward. Not for DeepSpeed ZeRO-3 (its
+partitioned base weights are gathered by hooks on the base layer this skips).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+class _LoraLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+        in_shape = x.shape
+        x2 = x.reshape(-1, in_shape[-1])
+        a = lora_a.to(x.dtype)
+        b = lora_b.to(x.dtype)
+        h = x2 @ a.t()
+        out = torch.addmm(bias.to(x.dtype), x2, weight.t()) if bias is not None else x2 @ weight.t()
+        out.addmm_(h, b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, weight, a, b, h)
+        ctx.scaling = scaling
+        ctx.in_shape = in_shape
+        ctx.dtypes = (lora_a.dtype, lora_b.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out.view(*in_shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, a, b, h = ctx.saved_tensors
+        a_dtype, b_dtype, w_dtype, bias_dtype = ctx.dtypes
+        g_out = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
+        g_h = (g_out @ b) * ctx.scaling
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g_out @ weight.to(x2.dtype)
+            grad_x.addmm_(g_h, a)
+            grad_x = grad_x.view(ctx.in_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g_out.t() @ x2).to(w_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = g_out.sum(0).to(bias_dtype)
+        grad_a = (g_h.t() @ x2).to(a_dtype) if ctx.needs_input_grad[3] else None
+        grad_b = ((g_out.t() @ h) * ctx.scaling).to(b_dtype) if ctx.needs_input_grad[4] else None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+
+
+class _LoraLinearConcatFunction(torch.autograd.Function):
+    """The same function with the adapter folded into the base matmul's K dimension:
+    ``[x | h] @ [W | s B]^T``; backward gets ``[dx_base | s dy B]`` from one matmul
+    ``dy @ [W | s B]``. Cheaper than the epilogue form when d_out > d_in (gate/up),
+    where every extra pass over the (tokens x d_out) output costs most."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+        in_shape = x.shape
+        x2 = x.reshape(-1, in_shape[-1])
+        a = lora_a.to(x.dtype)
+        h = x2 @ a.t()
+        xh = torch.cat([x2, h], dim=1)
+        wb = torch.cat([weight.to(x.dtype), lora_b.to(x.dtype) * scaling], dim=1)
+        out = torch.addmm(bias.to(x.dtype), xh, wb.t()) if bias is not None else xh @ wb.t()
+        ctx.save_for_backward(xh, weight, a, lora_b)
+        ctx.scaling = scaling
+        ctx.in_shape = in_shape
+        ctx.dtypes = (lora_a.dtype, lora_b.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out.view(*in_shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xh, weight, a, lora_b = ctx.saved_tensors
+        a_dtype, b_dtype, w_dtype, bias_dtype = ctx.dtypes
+        d_in = weight.shape[1]
+        g_out = grad_out.reshape(-1, grad_out.shape[-1]).to(xh.dtype)
+        wb = torch.cat([weight.to(xh.dtype), lora_b.to(xh.dtype) * ctx.scaling], dim=1)
+        both = g_out @ wb  # [dx through W | s dy B]
+        g_h = both[:, d_in:]
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.addmm(both[:, :d_in], g_h, a).view(ctx.in_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g_out.t() @ xh[:, :d_in]).to(w_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = g_out.sum(0).to(bias_dtype)
+        grad_a = (g_h.t() @ xh[:, :d_in]).to(a_dtype) if ctx.needs_input_grad[3] else None
+        grad_b = ((g_out.t() @ xh[:, d_in:]) * ctx.scaling).to(b_dtype) if ctx.needs_input_grad[4] else None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+
+
+# Which form each fused linear uses: "epilogue" (addmm into the base output),
+# "concat" (adapter folded into K), or "auto" (concat when d_out > d_in).
+LORA_MODE = "auto"
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, mode: str | None = None) -> torch.Tensor:
+    """``x W^T + b + scaling * (x A^T) B^T`` as one autograd node (see module doc)."""
+    mode = mode or LORA_MODE
+    if mode == "auto":
+        mode = "concat" if weight.shape[0] > weight.shape[1] else "epilogue"
+    fn = _LoraLinearConcatFunction if mode == "concat" else _LoraLinearFunction
+    return fn.apply(x, weight, bias, lora_a, lora_b, float(scaling))
+
+
+def _fused_forward(self, x, *args, **kwargs):
+    active = [name for name in self.active_adapters if name in self.lora_A]
+    if args or kwargs or self.disable_adapters or self.merged or len(active) != 1:
+        return self._llmft_peft_forward(x, *args, **kwargs)
+    name = active[0]
+    base = self.get_base_layer()
+    return lora_linear(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+
+
+def _why_not_fusable(module) -> str | None:
+    """None when the module's LoRA can take the fused forward, else the reason."""
+    base = module.get_base_layer()
+    if type(base) is not torch.nn.Linear:
+        return f"base layer is {type(base).__name__}, not nn.Linear"
+    if hasattr(base.weight, "ds_id"):
+        return "DeepSpeed ZeRO-3 partitioned weight"
+    if getattr(module, "lora_variant", None):
+        return "a LoRA variant (DoRA, ...) is active"
+    if any(getattr(module, "use_dora", {}).values()):
+        return "DoRA"
+    for dropout in module.lora_dropout.values():
+        if not isinstance(dropout, torch.nn.Identity) and getattr(dropout, "p", 0.0) > 0.0:
+            return f"LoRA dropout {dropout.p} > 0"
+    if getattr(module, "fan_in_fan_out", False):
+        return "fan_in_fan_out weights"
+    return None
+
+
+def fuse_lora_linears(model: torch.nn.Module) -> dict[str, str]:
+    """Swap the fused forward into every PEFT lora.Linear it covers exactly.
+
+    Returns ``{module name: reason}`` for the LoRA linears left on PEFT's forward
+    (empty when every one was fused). Idempotent.
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    skipped: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLinear) or hasattr(module, "_llmft_peft_forward"):
+            continue
+        reason = _why_not_fusable(module)
+        if reason is not None:
+            skipped[name] = reason
+            continue
+        module._llmft_peft_forward = module.forward
+        module.forward = types.MethodType(_fused_forward, module)
+    return skipped
+
+
+def count_fused(model: torch.nn.Module) -> int:
+    """How many LoRA linears run the fused forward."""
+    return sum(1 for m in model.modules() if hasattr(m, "_llmft_peft_forward"))

@@ -1,0 +1,256 @@
+"""Loading the base model and tokenizer, applying the method (LoRA / QLoRA / full).
+
+Works unchanged for a hub id, a downloaded snapshot or the project's tiny model:
+everything goes through ``AutoTokenizer`` / ``AutoModelForCausalLM`` with
+safetensors only, ``trust_remote_code`` off unless configured, and the
+HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE flags honoured by transformers itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from trainer.config import LoraConfig, ModelConfig, TrainConfig
+from trainer.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def check_method_supported(cfg: TrainConfig, device: torch.device) -> None:
+    """Fail before any weights load when the method cannot run here."""
+    if cfg.method != "qlora":
+        return
+    if device.type != "cuda":
+        raise ConfigError(
+            "method=qlora quantizes the base model to 4-bit NF4 with bitsandbytes, which needs a CUDA GPU; "
+            "none was found. Use method=lora on CPU, or run on a GPU node."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("method=qlora needs the bitsandbytes package: pip install 'kfp-llm-finetune[gpu]'") from None
+
+
+def load_tokenizer(model_cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        model_cfg.name_or_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+    )
+
+
+def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zero3: bool) -> dict:
+    kwargs = {
+        "revision": cfg.model.revision,
+        "trust_remote_code": cfg.model.trust_remote_code,
+        "attn_implementation": cfg.model.attn_implementation,
+        "dtype": dtype,
+        "use_safetensors": True,
+    }
+    if cfg.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=cfg.qlora.quant_type,
+            bnb_4bit_use_double_quant=cfg.qlora.double_quant,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=DTYPES.get(cfg.qlora.quant_storage, torch.uint8),
+        )
+        if not zero3:
+            kwargs["device_map"] = {"": device.index or 0}
+    return kwargs
+
+
+def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None = None):
+    """The base model with the method applied, on ``device``, in training mode.
+
+    For full fine-tuning under DDP the weights stay float32 (bf16 autocast does the
+    compute); LoRA/QLoRA keep the frozen base in the compute dtype and the adapter
+    in float32. Under DeepSpeed ZeRO-3, weights are partitioned while loading.
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_method_supported(cfg, device)
+    register_attention(cfg.model.attn_implementation)
+    compute = resolve_dtype(cfg.model.dtype, device)
+    deepspeed = cfg.distributed.backend == "deepspeed"
+    weights = torch.float32 if (cfg.method == "full" and not deepspeed) else compute
+    zero3 = deepspeed and cfg.distributed.zero_stage == 3
+    keep_alive = _zero3_init(ds_config) if zero3 else None  # must live through from_pretrained
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path, **_load_kwargs(cfg, device, weights, zero3)
+        )
+    except OSError as exc:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: cannot load ({exc})") from None
+    del keep_alive
+    model.config.use_cache = False
+    if cfg.method != "qlora" and not zero3:
+        model.to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.method == "full":
+        model.requires_grad_(True)
+    else:
+        model = apply_lora(model, cfg.lora, qlora=cfg.method == "qlora",
+                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    if cfg.kernels.compile or cfg.kernels.fused_lora:
+        apply_fastpath_kernels(model, compile_layers=cfg.kernels.compile, fuse_lora=cfg.kernels.fused_lora)
+    model.train()
+    return model
+
+
+def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool) -> dict:
+    """kernels.compile / kernels.fused_lora: trainer.fastpath changes the model in place
+    (parameter names, and so checkpoints, stay the same)."""
+    try:
+        from trainer.fastpath import apply_kernels
+    except ImportError as exc:
+        raise ConfigError(f"kernels.compile / kernels.fused_lora need trainer.fastpath ({exc}); "
+                          "set both to false") from None
+    return apply_kernels(model, compile_layers=compile_layers, fuse_lora=fuse_lora)
+
+
+BUILTIN_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "paged_attention")
+
+
+def register_attention(name: str) -> None:
+    """An attention implementation other than transformers' own must come from trainer.fastpath,
+    which registers it (AttentionInterface) on import."""
+    if name in BUILTIN_ATTENTION or name.startswith("kernels-community/"):
+        return
+    try:
+        import trainer.fastpath  # noqa: F401 - registers its attention kernels
+    except ImportError as exc:
+        raise ConfigError(f"model.attn_implementation={name!r} is not a transformers attention and "
+                          f"trainer.fastpath could not register it ({exc}); use sdpa") from None
+
+
+def _zero3_init(ds_config: dict | None):
+    """While the returned object lives, from_pretrained partitions weights over ranks (zero.Init)."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from trainer.distributed import import_deepspeed
+
+    import_deepspeed()
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+def apply_lora(model, lora: LoraConfig, *, qlora: bool = False, gradient_checkpointing: bool = False):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if qlora:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    targets = "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
+    peft_cfg = PeftLoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+        use_dora=lora.use_dora, bias="none", task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as exc:
+        raise ConfigError(f"lora.target_modules={list(lora.target_modules)}: {exc}") from None
+
+
+def autocast(device: torch.device, dtype: torch.dtype, enabled: bool):
+    """bf16/fp16 autocast for full fine-tuning of float32 weights on CUDA; a no-op otherwise."""
+    if enabled and device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """total / trainable / matmul (base linear layers incl. lm_head) / adapter parameter counts."""
+    total = trainable = matmul = 0
+    for param in model.parameters():
+        n = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+        total += n
+        trainable += n if param.requires_grad else 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lora_" not in name:
+            matmul += module.in_features * module.out_features
+    adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return {"total": total, "trainable": trainable, "matmul": matmul, "adapter": adapter}
+
+
+def attention_width(model) -> tuple[int, int]:
+    """(num layers, heads x head_dim) of the decoder, for attention FLOPs."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        config = model.get_base_model().config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_attention_heads * head_dim
+
+
+def base_model_identity(model_cfg: ModelConfig, model) -> dict:
+    """Base model id plus revision (hub commit) or a content hash (local directory)."""
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    ident = {"name_or_path": model_cfg.name_or_path, "revision": model_cfg.revision,
+             "commit_hash": getattr(config, "_commit_hash", None)}
+    local = Path(model_cfg.name_or_path)
+    if local.is_dir():
+        ident["content_hash"], ident["content_hash_method"] = content_hash(local)
+    return ident
+
+
+def content_hash(directory: Path, full_limit: int = 2 << 30) -> tuple[str, str]:
+    """sha256 over config + weight files; above ``full_limit`` bytes, over each file's size,
+    safetensors header and first/last MiB (a fingerprint, named as such)."""
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    method = "sha256" if total <= full_limit else "sha256-fingerprint(size,header,head,tail)"
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as fh:
+            if method == "sha256":
+                while block := fh.read(1 << 20):
+                    h.update(block)
+            else:
+                _fingerprint(fh, path, h)
+    return h.hexdigest(), method
+
+
+def _fingerprint(fh, path: Path, h) -> None:
+    size = os.fstat(fh.fileno()).st_size
+    h.update(str(size).encode())
+    h.update(fh.read(1 << 20))
+    fh.seek(max(0, size - (1 << 20)))
+    h.update(fh.read(1 << 20))
+
+
+def save_tokenizer_and_generation(model, tokenizer, directory: Path) -> None:
+    """Tokenizer (with its chat template) and the generation config, beside the weights."""
+    tokenizer.save_pretrained(directory)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    generation = getattr(base, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(directory)
+    if getattr(tokenizer, "chat_template", None) and not (directory / "chat_template.jinja").exists():
+        (directory / "chat_template.jinja").write_text(tokenizer.chat_template)
+
+
+def describe(model) -> str:
+    counts = parameter_counts(model)
+    return json.dumps({k: f"{v:,}" for k, v in counts.items()})

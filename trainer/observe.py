@@ -1,0 +1,269 @@
+"""What a person sees of a run: progress bar, step logs, eval lines, TensorBoard,
+metrics.jsonl, MLflow and Langfuse, and the summary screen at the end.
+
+Only rank 0 writes. MLflow is used when MLFLOW_TRACKING_URI is set (a child run
+of LLMFT_MLFLOW_PARENT_RUN_ID when that is set), Langfuse when
+LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are set; both are imported lazily
+inside functions (trainer/ never imports them at module level). Unconfigured,
+each prints one info line and does nothing; a failing tracking server logs a
+warning and is switched off rather than stopping the training.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from trainer.io import atomic_write_text
+
+log = logging.getLogger("trainer")
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def peak_flops(device, override_tflops: float = 0.0) -> float | None:
+    """Dense bf16 peak FLOP/s of one device, or None when unknown (CPU)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def train_flops(*, method: str, matmul_params: int, adapter_params: int, tokens: int, layers: int,
+                attn_width: int, attn_sq: int) -> float:
+    """Training FLOPs of one step: 4N per token for LoRA/QLoRA (no weight grads for the frozen
+    base), 6N for full, 6 x adapter params, plus causal attention 6 * layers * width * sum(L^2)."""
+    per_token = (6 if method == "full" else 4) * matmul_params + (0 if method == "full" else 6 * adapter_params)
+    return per_token * tokens + 6.0 * layers * attn_width * attn_sq
+
+
+class Observer:
+    """All outputs of a run. Every method is a no-op on ranks other than 0."""
+
+    def __init__(self, cfg, config_dict: dict, *, is_main: bool, total_steps: int, start_step: int,
+                 mlflow_run_id: str | None = None):
+        self.cfg, self.active = cfg, is_main
+        self.output_dir = Path(cfg.output_dir)
+        self.run_name = cfg.observe.run_name or self.output_dir.resolve().name
+        self.mlflow_run_id = None
+        self._tb = self._bar = None
+        self._mlflow_ok = False
+        self._closed = not is_main
+        if not is_main:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        _truncate_events_after(self.metrics_path, start_step)
+        if cfg.observe.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        self._start_mlflow(config_dict, mlflow_run_id)
+        if cfg.observe.progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+
+    # ------------------------------------------------------------------ events
+
+    def event(self, kind: str, step: int, metrics: dict) -> None:
+        """Append one JSON line, and mirror the numbers to TensorBoard and MLflow."""
+        if not self.active:
+            return
+        record = {"event": kind, "step": step, "time": time.time(), **metrics}
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(f"{kind}/{key}", value, step)
+            self._tb.flush()
+        self._mlflow(lambda m: m.log_metrics({f"{kind}/{k}": v for k, v in numbers.items()}, step=step))
+
+    def log_train(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        self.event("train", step, metrics)
+        parts = [f"step={step}"] + [f"{k}={_fmt(v)}" for k, v in metrics.items() if isinstance(v, int | float)]
+        self.write_line(" ".join(parts))
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """Eval lines for Katib's StdOut collector, exactly `eval_loss=<v>` and `perplexity=<v>`."""
+        if not self.active:
+            return
+        from trainer.evaluate import katib_lines
+
+        self.event("eval", step, metrics)
+        self.write_line(katib_lines(metrics))
+
+    def progress(self, steps: int = 1, **postfix) -> None:
+        """Advance the bar; postfix values are host numbers from the last log step (no sync)."""
+        if self._bar is not None:
+            self._bar.update(steps)
+            shown = {k: _fmt(v) for k, v in postfix.items() if isinstance(v, int | float) and v == v}
+            if shown:
+                self._bar.set_postfix(shown, refresh=False)
+
+    def write_line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.clear()
+        print(text, flush=True)
+        if self._bar is not None:
+            self._bar.refresh()
+
+    def info(self, text: str) -> None:
+        if self.active:
+            self.write_line(f"[llmft] {text}")
+
+    # ------------------------------------------------------------------ MLflow
+
+    def _start_mlflow(self, config_dict: dict, resume_run_id: str | None) -> None:
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            self.info("mlflow: MLFLOW_TRACKING_URI not set, not logging to MLflow")
+            return
+        try:
+            import mlflow
+
+            mlflow.set_tracking_uri(uri)
+            experiment = self.cfg.observe.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "llmft"
+            mlflow.set_experiment(experiment)
+            parent = os.environ.get("LLMFT_MLFLOW_PARENT_RUN_ID") or None
+            if resume_run_id:
+                run = mlflow.start_run(run_id=resume_run_id)
+            else:
+                run = mlflow.start_run(run_name=self.run_name, parent_run_id=parent,
+                                       tags={"llmft.output_dir": str(self.output_dir.resolve())})
+                mlflow.log_params(_flatten(config_dict))
+            self.mlflow_run_id = run.info.run_id
+            self._mlflow_ok = True
+            self.info(f"mlflow: logging to run {self.mlflow_run_id} in experiment {experiment!r}")
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+            log.warning("mlflow disabled: %s", exc)
+
+    def _mlflow(self, fn) -> None:
+        if not self._mlflow_ok:
+            return
+        try:
+            import mlflow
+
+            fn(mlflow)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("mlflow disabled after an error: %s", exc)
+            self._mlflow_ok = False
+
+    # ------------------------------------------------------------------ end of run
+
+    def finish(self, summary: dict, final_dir: Path | None, status: str = "FINISHED") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if final_dir is not None and final_dir.is_dir():
+            self._mlflow(lambda m: m.log_artifacts(str(final_dir), artifact_path="final"))
+        self._mlflow(lambda m: m.end_run(status=status))
+        if status == "FINISHED":
+            send_langfuse_trace(self.run_name, summary)
+
+    def close_interrupted(self) -> None:
+        """Preempted or failed: close sinks but leave the MLflow run resumable."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._mlflow(lambda m: m.end_run(status="KILLED"))
+
+
+def send_langfuse_trace(run_name: str, summary: dict) -> bool:
+    """One Langfuse trace per run with its metrics, when LANGFUSE_* keys are set."""
+    if not (os.environ.get("LANGFUSE_PUBLIC_KEY") and os.environ.get("LANGFUSE_SECRET_KEY")):
+        print("[llmft] langfuse: LANGFUSE_PUBLIC_KEY/LANGFUSE_SECRET_KEY not set, no trace sent", flush=True)
+        return False
+    try:
+        from langfuse import get_client
+
+        client = get_client()
+        with client.start_as_current_observation(name=f"llmft-train {run_name}", as_type="span") as span:
+            span.update(input={"config": summary.get("config")}, output=summary.get("final_metrics"),
+                        metadata={k: v for k, v in summary.items() if k not in ("config",)})
+            for name in ("eval_loss", "perplexity"):
+                value = (summary.get("final_metrics") or {}).get(name)
+                if isinstance(value, int | float):
+                    client.score_current_trace(name=name, value=float(value))
+        client.flush()
+        return True
+    except Exception as exc:  # noqa: BLE001
+        log.warning("langfuse trace not sent: %s", exc)
+        return False
+
+
+def _truncate_events_after(path: Path, step: int) -> None:
+    """On resume, drop events a killed run logged after the checkpoint it resumes from."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
+    return str(value)
+
+
+def summary_screen(summary: dict) -> str:
+    """The one-screen summary printed at the end of training (no name=value pairs,
+    so Katib's collector reads only the eval lines)."""
+    final, best = summary.get("final_metrics") or {}, summary.get("best") or {}
+    rows = [
+        ("status", summary.get("status", "")),
+        ("method", summary.get("method", "")),
+        ("base model", summary.get("base_model", "")),
+        ("steps", f"{summary.get('steps', 0)} ({summary.get('skipped_steps', 0)} skipped)"),
+        ("tokens seen", f"{summary.get('tokens_seen', 0):,}"),
+        ("wall time", f"{summary.get('wall_time_s', 0.0):.1f} s"),
+        ("tokens/s", f"{summary.get('tokens_per_s', 0.0):,.0f}"),
+        ("final train loss", _fmt(final.get("train_loss", float("nan")))),
+        ("final eval loss", _fmt(final.get("eval_loss", float("nan")))),
+        ("final perplexity", _fmt(final.get("perplexity", float("nan")))),
+        ("best step", f"{best.get('step', '-')} (eval loss {_fmt(best.get('eval_loss', float('nan')))})"),
+        ("output", summary.get("final_dir", "")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "=" * 64
+    body = "\n".join(f"  {k.ljust(width)} : {v}" for k, v in rows)
+    return f"{line}\n  llmft train: summary\n{line}\n{body}\n{line}"
