@@ -2,7 +2,7 @@
 
 ``build_pytorchjob(TrainJobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
 one Master plus ``num_nodes - 1`` Workers, each running
-``torchrun -m trainer --config FILE key=value ...`` in a container named ``pytorch``.
+``llmft train --nproc N --config FILE key=value ...`` (torchrun -m trainer underneath) in a container named ``pytorch``.
 The operator injects the rendezvous environment (MASTER_ADDR/PORT, WORLD_SIZE, RANK,
 PET_*), which torchrun reads, so the command carries no node arithmetic.
 
@@ -277,13 +277,21 @@ def format_override_value(value: Any) -> str:
 
 
 def trainer_command(spec: TrainJobSpec) -> tuple[list[str], list[str]]:
-    """(command, args) of the ``pytorch`` container: torchrun reads nodes, ranks and the
-    master address from the PET_* variables the operator injects."""
-    args = ["-m", "trainer"]
+    """(command, args) of the ``pytorch`` container.
+
+    ``llmft train --nproc N`` execs ``torchrun --nproc-per-node=N -m trainer ...``;
+    torchrun reads nodes, ranks and the master address from the PET_* variables the
+    operator injects. The wrapper exists for one reason: torchrun itself exits 1 when
+    SIGTERM stops its ranks, which the ExitCode restart policy treats as permanent;
+    ``llmft train`` forwards the signal, lets the ranks commit a checkpoint, and
+    exits 143 so the operator restarts the pod and the trainer resumes. Exec form
+    (no shell), so the signal reaches it as PID 1.
+    """
+    args = ["train", "--nproc", resolved_nproc(spec)]
     if spec.config_path:
         args += ["--config", spec.config_path]
     args += [f"{key}={format_override_value(value)}" for key, value in spec.overrides.items()]
-    return ["torchrun"], args
+    return ["llmft"], args
 
 
 def _env(spec: TrainJobSpec) -> list:

@@ -22,7 +22,7 @@ EXIT_PREEMPTED = 143
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (trainer/configs/*.yaml are examples); defaults apply without it")
     parser.add_argument("--nproc", default=None,
-                        help="local processes (ranks) to launch through torchrun: a number or auto (one per GPU)")
+                        help="local processes (ranks) to launch through torchrun: a number, auto/gpu (one per GPU) or cpu. Inside a PyTorchJob pod torchrun is always used and reads the PET_* rendezvous")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, nested with dots: lora.r=16 optim.lr=1e-4")
@@ -46,12 +46,13 @@ def torchrun_command(nproc: str, argv: list[str], env: dict | None = None) -> li
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc in (None, "1") or args.print_config:
+    in_job = bool(os.environ.get("PET_NNODES") or os.environ.get("PET_MASTER_ADDR"))
+    if args.print_config or args.nproc is None or (args.nproc == "1" and not in_job):
         from trainer.__main__ import main
 
         return main(trainer_argv(args))
-    if args.nproc != "auto" and not (args.nproc.isdigit() and int(args.nproc) >= 1):
-        print(f"llmft train: --nproc must be a positive number or auto, got {args.nproc!r}", file=sys.stderr)
+    if args.nproc not in ("auto", "gpu", "cpu") and not (args.nproc.isdigit() and int(args.nproc) >= 1):
+        print(f"llmft train: --nproc must be a positive number, auto, gpu or cpu; got {args.nproc!r}", file=sys.stderr)
         return 2
     return launch(torchrun_command(args.nproc, trainer_argv(args)))
 

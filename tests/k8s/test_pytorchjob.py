@@ -82,7 +82,8 @@ def test_replicas_command_and_resources(variant):
         assert replica["restartPolicy"] == "ExitCode"
         (container,) = replica["template"]["spec"]["containers"]
         assert container["name"] == "pytorch" and container["image"] == images.TRAINER_IMAGE
-        assert container["command"] == ["torchrun"] and container["args"][:2] == ["-m", "trainer"]
+        assert container["command"] == ["llmft"]
+        assert container["args"][:3] == ["train", "--nproc", job["spec"]["nprocPerNode"]]
         gpus = (container["resources"].get("limits") or {}).get("nvidia.com/gpu")
         assert gpus == (str(spec.gpus_per_node) if spec.gpus_per_node else None)
         assert (container["resources"].get("requests") or {}).get("nvidia.com/gpu") == gpus
@@ -126,8 +127,8 @@ def test_overrides_render_as_yaml_values_in_order():
         "lr": 2e-4, "lora.r": 16, "gradient_checkpointing": False, "lora.target_modules": ["q_proj", "v_proj"],
         "resume": None, "data": "/mnt/data/tok"})
     command, args = trainer_command(spec)
-    assert command == ["torchrun"]
-    assert args == ["-m", "trainer", "--config", "/c.yaml", "lr=0.0002", "lora.r=16",
+    assert command == ["llmft"]
+    assert args == ["train", "--nproc", "1", "--config", "/c.yaml", "lr=0.0002", "lora.r=16",
                     "gradient_checkpointing=false", "lora.target_modules=[q_proj,v_proj]", "resume=null",
                     "data=/mnt/data/tok"]
 

@@ -74,9 +74,9 @@ def test_trials_reuse_the_tokenized_shards_and_get_their_own_output_dir(body):
     container = body["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"][
         "spec"]["containers"][0]
     args = container["args"]
-    assert container["command"] == ["torchrun"] and args[:2] == ["-m", "trainer"]
+    assert container["command"] == ["llmft"] and args[:2] == ["train", "--nproc"]
     assert f"data={JOB['data']}" in args
-    assert not any(a in ("tokenize", "trainer.data.tokenize", "llmft") for a in container["command"] + args)
+    assert not any(a in ("tokenize", "trainer.data.tokenize", "prepare") for a in container["command"] + args)
     assert "output_dir=/data/sweeps/llmft-sweep/${trialParameters.trial_name}" in args
     trial_name = next(p for p in body["spec"]["trialTemplate"]["trialParameters"] if p["name"] == "trial_name")
     assert trial_name["reference"] == "${trialSpec.Name}"

@@ -69,8 +69,8 @@ def test_succeeded_job_is_the_intended_pytorchjob(fakes, crd_dir):
     assert master["restartPolicy"] == "ExitCode"
     pod = master["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"] == ["torchrun"]
-    assert container["args"][:2] == ["-m", "trainer"] and set(OVERRIDES) <= set(container["args"])
+    assert container["command"] == ["llmft"]
+    assert container["args"][:2] == ["train", "--nproc"] and set(OVERRIDES) <= set(container["args"])
     assert {"name": "pvc-0", "mountPath": "/data"} in container["volumeMounts"]
     assert {"name": "pvc-0", "persistentVolumeClaim": {"claimName": "llmft-data"}} in pod["volumes"]
     env = {e["name"]: e for e in container["env"]}
