@@ -244,20 +244,24 @@ def _write_results(record: dict, results_dir: Path) -> tuple[Path, Path]:
 
 def _markdown(record: dict) -> str:
     m = record["machine"]
+    before, after = record["load_average_before_after"]
     lines = [
         f"Data path, {record['rows']:,} generated Alpaca-like rows ({record['input_bytes'] / 1e6:.0f} MB), "
         f"{m['cpu_count']} CPU cores ({m['cpu']}), {record['date']}, `{record['command']}`; "
-        f"pack to {record['max_length']}, {record['num_proc']} tokenizer processes.",
+        f"pack to {record['max_length']}, {record['num_proc']} tokenizer processes; "
+        f"1-min load average {before} before / {after} after.",
         "",
-        "| tokenizer | naive: load_dataset + per-row apply_chat_template (s) | project: prepare + tokenize (s) "
-        "| of which prepare / tokenize (s) | speedup | tokens | packing efficiency | goal (>=3x, <60 s) |",
+        "| tokenizer | naive: load_dataset + per-row apply_chat_template, s (CPU s) "
+        "| project: prepare + tokenize, s (CPU s) | of which prepare / tokenize, s | speedup | tokens "
+        "| packing efficiency | goal (>=3x, <60 s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in record["results"]:
         p, n = r["project"], r.get("naive")
+        naive = f"{n['seconds']} ({n.get('cpu_seconds', '-')})" if n else "skipped"
         lines.append(
-            f"| {r['model']} "
-            f"| {n['seconds'] if n else 'skipped'} | {p['seconds']} | {p['prepare_seconds']} / {p['tokenize_seconds']} "
+            f"| {r['model']} | {naive} | {p['seconds']} ({p.get('cpu_seconds', '-')}) "
+            f"| {p['prepare_seconds']} / {p['tokenize_seconds']} "
             f"| {str(r['speedup']) + 'x' if n else '-'} | {p['tokens']:,} | {p['packing_efficiency']:.1%} "
             f"| {'met' if r['goal_met'] else 'NOT met'} |"
         )

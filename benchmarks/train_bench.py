@@ -75,7 +75,7 @@ def _run_job(job: str, args, work: Path, remaining: float) -> dict:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
         try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, env=_env()).returncode
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, env=_env(job)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall = time.perf_counter() - started
@@ -87,8 +87,12 @@ def _run_job(job: str, args, work: Path, remaining: float) -> dict:
     return result
 
 
-def _env() -> dict:
+def _env(job: str) -> dict:
     env = dict(os.environ)
+    if not job.startswith("project"):
+        # One-GPU arms see one GPU: the HF Trainer would otherwise wrap the model in
+        # nn.DataParallel over every visible GPU (seen on a 2-GPU machine).
+        env.setdefault("CUDA_VISIBLE_DEVICES", "0")
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -161,18 +165,18 @@ def markdown_table(payload: dict) -> str:
         f"# Training throughput, {payload['device']}, {payload['date']}",
         "",
         f"bf16 matmul 8192^3: {_fmt(payload.get('matmul_tflops'), '.0f')} TFLOP/s; profile {payload['profile']}; "
-        f"{payload['samples_per_step']} samples per optimizer step; versions {payload['versions']}",
+        f"versions {payload['versions']}",
         "",
-        "| arm | model | method | GPUs | label | tokens/s | supervised tok/s | MFU | peak GiB | reserved GiB | step p50 s | step p90 s | compile s | first losses |",
-        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| arm | model | method | GPUs | label | samples/step | tokens/s | supervised tok/s | MFU | peak GiB | reserved GiB | step p50 s | step p90 s | compile s | first losses |",
+        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for a in payload["arms"]:
         if "tokens_per_s" not in a:
-            lines.append(f"| {a.get('job')} | failed or skipped: {a.get('skipped') or a.get('returncode')} | | | {a.get('label', '')} |||||||||")
+            lines.append(f"| {a.get('job')} | failed or skipped: {a.get('skipped') or a.get('returncode')} | | | {a.get('label', '')} ||||||||||")
             continue
         losses = ", ".join(f"{x:.4f}" for x in a.get("first_losses") or [])
         lines.append(
-            f"| {a['arm']} | {a['model']} | {a['method']} | {a.get('gpus', 1)} | {a.get('label', '')} | {_fmt(a['tokens_per_s'], ',.0f')} | "
+            f"| {a['arm']} | {a['model']} | {a['method']} | {a.get('gpus', 1)} | {a.get('label', '')} | {a.get('samples_per_step', '-')} | {_fmt(a['tokens_per_s'], ',.0f')} | "
             f"{_fmt(a.get('supervised_tokens_per_s'), ',.0f')} | {_fmt(a.get('mfu') and 100 * a['mfu'], '.1f')}% | "
             f"{_fmt(a.get('peak_mem_gib'), '.1f')} | {_fmt(a.get('reserved_mem_gib'), '.1f')} | "
             f"{_fmt(a.get('step_s_p50'), '.3f')} | {_fmt(a.get('step_s_p90'), '.3f')} | {_fmt(a.get('compile_s'), '.0f')} | {losses} |"

@@ -90,7 +90,7 @@ def barrier() -> None:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (CPU/gloo: no device sync)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # one rank (DeepSpeed may init nccl alone)
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_STOP_GROUP)

@@ -83,7 +83,7 @@ def trainer_command(a, model_dir: Path, data_dir: Path, out_dir: Path) -> list[s
         "kernels.fused_loss=true", "kernels.fused_lora=true", f"kernels.compile={'false' if a.no_compile else 'true'}",
         "observe.progress_bar=false", f"seed={SEED}", *a.override,
     ]
-    if a.nproc > 1:
+    if a.nproc > 1 or a.torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
         return [*launcher, "-m", "benchmarks.gpu.trainer_entry", *overrides]
     return [sys.executable, "-m", "benchmarks.gpu.trainer_entry", *overrides]
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) through torchrun; --samples-per-step is per GPU")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--torchrun", action="store_true", help="launch through torchrun even for one rank")
     p.add_argument("--arm-name", default="project")
     p.add_argument("--work", default="/tmp/llmft-project")
     p.add_argument("--override", action="append", default=[], help="extra trainer key=value")

@@ -28,7 +28,7 @@ case "${1:?plan}" in
     export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1
     python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)"; nvidia-smi topo -m
-    Z3="--override distributed.backend=deepspeed --override distributed.zero_stage=3 --override kernels.fused_loss=false --override kernels.compile=false"
+    Z3="--override distributed.backend=deepspeed --override distributed.zero_stage=3 --override kernels.fused_loss=false --override kernels.compile=false --override kernels.fused_lora=false"
     bench --label ddp-2gpu --jobs "project:qwen2.5-1.5b:lora" --extra "--nproc 2" --deadline-s 130 --arm-timeout-s 130
     bench --label zero3-2gpu --jobs "project:qwen2.5-1.5b:full" --steps 12 --extra "--nproc 2 $Z3" --deadline-s 150 --arm-timeout-s 150
     left=$((575 - SECONDS))

@@ -223,3 +223,25 @@ def test_dead_worker_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, mon
     with pytest.raises(BrokenProcessPool):
         tokenize_dataset(src, str(tiny_model_dir), tmp_path / "out", max_length=64, num_proc=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prep"], "partial output or temp dir left behind"
+
+
+def test_chunk_and_copy_block_sizes_do_not_change_the_output(tmp_path, tiny_model_dir, monkeypatch):
+    import trainer.data.tokenize as tokenize_module
+
+    rows = [chat(f"Question {i}?", "the model trains the loss curve quickly. " * (i % 7 + 1)) for i in range(120)]
+    rows[50] = chat("Q?", " ".join(["the pipeline packs every checkpoint."] * 40))  # too long: dropped
+    src = _prepared(tmp_path, rows)
+    (src / "train.jsonl").write_text((src / "train.jsonl").read_text().replace("\n", "\n\n", 3))  # blank lines
+    reference = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "ref", max_length=128, num_proc=1)
+    plain = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "plain", max_length=128, num_proc=1, pack=False)
+    monkeypatch.setattr(tokenize_module, "CHUNK_BYTES", 700)
+    monkeypatch.setattr(tokenize_module, "COPY_BLOCK_TOKENS", 97)
+    small = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "small", max_length=128, num_proc=2)
+    small_plain = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "small_plain", max_length=128, num_proc=2, pack=False)
+    for a, b in (("ref", "small"), ("plain", "small_plain")):
+        for name in ("input_ids", "labels", "doc_offsets", "seq_offsets"):
+            assert np.array_equal(np.load(tmp_path / a / "train" / f"{name}.npy"),
+                                  np.load(tmp_path / b / "train" / f"{name}.npy")), (a, name)
+    assert small["splits"]["train"]["dropped_examples"] == reference["splits"]["train"]["dropped_examples"]
+    assert reference["splits"]["train"]["dropped_examples"][0]["line"] == 51 + 3
+    assert small["splits"]["train"]["rows"] == small_plain["splits"]["train"]["rows"] == plain["splits"]["train"]["rows"] == 120

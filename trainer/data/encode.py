@@ -60,9 +60,10 @@ def init_worker(tokenizer, plan: EncodePlan) -> None:
     _WORKER["render_many"] = batch_renderer(tokenizer, plan.template) if plan.template else None
 
 
-def encode_chunk(task: tuple[str, list[tuple[int, bytes]]]) -> ChunkResult:
-    """Encode ``(file label, [(line, raw JSON), ...])`` with the worker's tokenizer and plan."""
-    label, lines = task
+def encode_chunk(task: tuple[str, int, bytes]) -> ChunkResult:
+    """Encode ``(file label, first line number, block of JSONL lines)`` with the worker's tokenizer and plan."""
+    label, first_line, block = task
+    lines = [(first_line + i, raw) for i, raw in enumerate(block.split(b"\n")) if raw.strip()]
     tokenizer, plan = _WORKER["tokenizer"], _WORKER["plan"]
     result = ChunkResult(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), rows=len(lines))
     docs = _render_rows(tokenizer, plan, label, lines, result)

@@ -44,7 +44,8 @@ from trainer.io import atomic_directory, atomic_write_json, is_complete, sha256_
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
 TRUNCATION_CHOICES = ("drop", "truncate", "error")
-CHUNK_ROWS = 512
+CHUNK_BYTES = 1 << 19  # ~500 rows of Alpaca-sized JSON per worker task
+COPY_BLOCK_TOKENS = 1 << 22  # tokens per block copy when writing unpacked shards
 MAX_EXAMPLES = 10
 
 
@@ -231,17 +232,22 @@ def _empty_train_message(path: Path, stats: dict) -> str:
     )
 
 
-def _read_chunks(path: Path) -> Iterator[tuple[str, list[tuple[int, bytes]]]]:
-    chunk: list[tuple[int, bytes]] = []
+def _read_chunks(path: Path) -> Iterator[tuple[str, int, bytes]]:
+    """(file name, first line number, block of whole lines) — workers split the lines, so the
+    main process only moves bytes."""
+    block_bytes, line, rest = CHUNK_BYTES, 1, b""
     with open(path, "rb") as fh:
-        for number, line in enumerate(fh, 1):
-            if line.strip():
-                chunk.append((number, line))
-            if len(chunk) >= CHUNK_ROWS:
-                yield path.name, chunk
-                chunk = []
-    if chunk:
-        yield path.name, chunk
+        while block := fh.read(block_bytes):
+            block = rest + block
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:
+                rest = block
+                continue
+            rest = block[cut:]
+            yield path.name, line, block[:cut]
+            line += block.count(b"\n", 0, cut)
+    if rest:
+        yield path.name, line, rest
 
 
 def _count_rows(path: Path) -> int:
@@ -279,31 +285,35 @@ def _write_split(split_dir: Path, ids_path: Path, labels_path: Path, doc_lengths
     order = np.concatenate([np.asarray(s, np.int64) for s in sequences]) if sequences else np.arange(len(doc_lengths))
     seq_sizes = [len(s) for s in sequences] if sequences is not None else np.ones(len(doc_lengths), np.int64)
     total = int(doc_lengths.sum())
-    src_starts = np.concatenate([[0], np.cumsum(doc_lengths)])
-    for name, src_path in (("input_ids", ids_path), ("labels", labels_path)):
-        out = np.lib.format.open_memmap(split_dir / f"{name}.npy", mode="w+", dtype=np.int32, shape=(total,))
-        if total:
-            src = np.memmap(src_path, dtype=np.int32, mode="r", shape=(total,))
-            # plain ndarray views: slicing a np.memmap subclass costs ~2 us per slice
-            _copy_in_order(src.view(np.ndarray), out.view(np.ndarray), src_starts, doc_lengths, order,
-                           identity=sequences is None)
-            del src
+    outs = [np.lib.format.open_memmap(split_dir / f"{name}.npy", mode="w+", dtype=np.int32, shape=(total,))
+            for name in ("input_ids", "labels")]
+    if total:
+        # plain ndarray views: slicing the np.memmap subclass is slow
+        srcs = [np.memmap(p, dtype=np.int32, mode="r", shape=(total,)).view(np.ndarray) for p in (ids_path, labels_path)]
+        _copy_in_order(srcs, [o.view(np.ndarray) for o in outs], doc_lengths, order, identity=sequences is None)
+        del srcs
+    for out in outs:
         out.flush()
-        del out
+    del outs
     np.save(split_dir / "doc_offsets.npy", np.concatenate([[0], np.cumsum(doc_lengths[order])]).astype(np.int64))
     np.save(split_dir / "seq_offsets.npy", np.concatenate([[0], np.cumsum(seq_sizes)]).astype(np.int64))
 
 
-def _copy_in_order(src, out, src_starts, doc_lengths, order, *, identity: bool) -> None:
+def _copy_in_order(srcs: list, outs: list, doc_lengths, order, *, identity: bool) -> None:
+    """outs[k] = the documents of srcs[k] in ``order`` (whole blocks when the order is unchanged)."""
     if identity:
-        block = 1 << 24
-        for start in range(0, len(out), block):
-            out[start : start + block] = src[start : start + block]
+        block = COPY_BLOCK_TOKENS
+        for src, out in zip(srcs, outs, strict=True):
+            for start in range(0, len(out), block):
+                out[start : start + block] = src[start : start + block]
         return
+    src_starts = (np.cumsum(doc_lengths) - doc_lengths).tolist()
+    lengths = doc_lengths.tolist()
     pos = 0
     for doc in order.tolist():
-        start, size = int(src_starts[doc]), int(doc_lengths[doc])
-        out[pos : pos + size] = src[start : start + size]
+        start, size = src_starts[doc], lengths[doc]
+        for src, out in zip(srcs, outs, strict=True):
+            out[pos : pos + size] = src[start : start + size]
         pos += size
 
 
