@@ -89,7 +89,53 @@ def apply_platform(task: dsl.PipelineTask, step: str, pvc_name, *, secrets: tupl
     return task
 
 
-_platform = apply_platform  # the name pipelines/llm_finetune_hpo.py imports
+def call_component(component, params: dict, **explicit) -> dsl.PipelineTask:
+    """Call ``component``, taking each input it declares from ``explicit`` or else from the
+    pipeline parameter of the same name in ``params`` (every input is named after one)."""
+    names = component.component_spec.inputs or {}
+    args = {name: params[name] for name in names if name in params and name not in explicit}
+    return component(**args, **explicit)
+
+
+def add_data_steps(params: dict) -> tuple[dsl.PipelineTask, dsl.PipelineTask]:
+    """prepare (validates every input, fails fast on bad data) -> tokenize onto the PVC."""
+    prepare = call_component(prepare_dataset, params)
+    apply_platform(prepare.set_display_name("prepare dataset"), "prepare-dataset", params["pvc_name"])
+    tokenize = call_component(tokenize_dataset, params, prepared=prepare.outputs["prepared"])
+    apply_platform(tokenize.set_display_name("tokenize to PVC"), "tokenize-dataset", params["pvc_name"])
+    return prepare, tokenize
+
+
+def add_train_step(params: dict, tokenize: dsl.PipelineTask, *, display_name: str = "train",
+                   **explicit) -> dsl.PipelineTask:
+    """The train step, with its timeout and retries (each retry resumes from the newest checkpoint)."""
+    train = call_component(train_model, params, tokenized=tokenize.outputs["tokenized"], **explicit)
+    apply_platform(train.set_display_name(display_name), "train-model", params["pvc_name"])
+    train.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="60s", backoff_factor=2.0)
+    kubernetes.set_timeout(train, TRAIN_TASK_TIMEOUT_S)
+    return train
+
+
+def add_release_steps(params: dict, tokenize: dsl.PipelineTask, train: dsl.PipelineTask) -> None:
+    """evaluate -> promote -> register in MLflow -> deploy to KServe vLLM."""
+    pvc = params["pvc_name"]
+    evaluate = call_component(evaluate_perplexity, params, tokenized=tokenize.outputs["tokenized"],
+                              run=train.outputs["run"])
+    apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", pvc)
+
+    promote = call_component(promote_best_checkpoint, params, evaluation=evaluate.outputs["evaluation"])
+    apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", pvc)
+
+    register = call_component(
+        register_model, params, promoted=promote.outputs["promoted"], evaluation=evaluate.outputs["evaluation"],
+        run=train.outputs["run"], tokenized=tokenize.outputs["tokenized"],
+        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
+    apply_platform(register.set_display_name("register in MLflow"), "register-model", pvc)
+    register.set_retry(num_retries=2, backoff_duration="30s")  # idempotent: a retry reuses the version
+
+    deploy_task = call_component(deploy_adapter, params, promoted=promote.outputs["promoted"],
+                                 registration=register.outputs["registration"])
+    apply_platform(deploy_task.set_display_name("deploy to KServe vLLM"), "deploy-adapter", pvc)
 
 
 @dsl.pipeline(name=PIPELINE_NAME, description="Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM")
@@ -144,55 +190,10 @@ def llm_finetune_pipeline(
     perplexity gain over the base model required to promote. deploy, deploy_mode (kserve |
     local), serving_*: the InferenceService; max_lora_rank: the vLLM runtime's limit.
     """
-    run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-    prepare = prepare_dataset(
-        dataset=dataset, dataset_format=dataset_format, dataset_split=dataset_split, val_fraction=val_fraction,
-        max_reject_fraction=max_reject_fraction, seed=seed, data_root=data_root, run_id=run_id, model=model,
-        method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-        lora_target_modules=lora_target_modules, learning_rate=learning_rate, epochs=epochs, max_steps=max_steps,
-        train_overrides=train_overrides, training_backend=training_backend, num_workers=num_workers,
-        gpus_per_worker=gpus_per_worker, max_length=max_length, promote_margin=promote_margin, pvc_name=pvc_name,
-        mlflow_model_name=mlflow_model_name, deploy=deploy, deploy_mode=deploy_mode, serving_name=serving_name,
-        max_lora_rank=max_lora_rank)
-    apply_platform(prepare.set_display_name("prepare dataset"), "prepare-dataset", pvc_name)
-
-    tokenize = tokenize_dataset(prepared=prepare.outputs["prepared"], model=model, max_length=max_length,
-                                packing=packing, data_root=data_root)
-    apply_platform(tokenize.set_display_name("tokenize to PVC"), "tokenize-dataset", pvc_name)
-
-    train = train_model(
-        tokenized=tokenize.outputs["tokenized"], model=model, method=method, lora_r=lora_r, lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, learning_rate=learning_rate,
-        epochs=epochs, max_steps=max_steps, seed=seed, train_overrides=train_overrides,
-        training_backend=training_backend, num_workers=num_workers, gpus_per_worker=gpus_per_worker,
-        pvc_name=pvc_name, data_root=data_root, run_id=run_id, mlflow_tracking_uri=mlflow_tracking_uri,
-        mlflow_experiment=mlflow_experiment, job_timeout_s=job_timeout_s)
-    apply_platform(train.set_display_name("train"), "train-model", pvc_name)
-    train.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="60s", backoff_factor=2.0)
-    kubernetes.set_timeout(train, TRAIN_TASK_TIMEOUT_S)
-
-    evaluate = evaluate_perplexity(tokenized=tokenize.outputs["tokenized"], run=train.outputs["run"], model=model,
-                                   data_root=data_root)
-    apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", pvc_name)
-
-    promote = promote_best_checkpoint(evaluation=evaluate.outputs["evaluation"], promote_margin=promote_margin,
-                                      data_root=data_root, mlflow_model_name=mlflow_model_name, run_id=run_id)
-    apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", pvc_name)
-
-    register = register_model(
-        promoted=promote.outputs["promoted"], evaluation=evaluate.outputs["evaluation"], run=train.outputs["run"],
-        tokenized=tokenize.outputs["tokenized"], model=model, dataset=dataset,
-        mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment=mlflow_experiment,
-        mlflow_model_name=mlflow_model_name, run_id=run_id, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
-    apply_platform(register.set_display_name("register in MLflow"), "register-model", pvc_name)
-    register.set_retry(num_retries=2, backoff_duration="30s")  # idempotent: a retry reuses the version
-
-    deploy_task = deploy_adapter(
-        promoted=promote.outputs["promoted"], registration=register.outputs["registration"], model=model,
-        deploy=deploy, deploy_mode=deploy_mode, serving_name=serving_name, serving_namespace=serving_namespace,
-        serving_gpus=serving_gpus, max_lora_rank=max_lora_rank, pvc_name=pvc_name, data_root=data_root,
-        deploy_timeout_s=deploy_timeout_s)
-    apply_platform(deploy_task.set_display_name("deploy to KServe vLLM"), "deploy-adapter", pvc_name)
+    params = {**locals(), "run_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
+    _prepare, tokenize = add_data_steps(params)
+    train = add_train_step(params, tokenize)
+    add_release_steps(params, tokenize, train)
 
 
 def compile_pipeline(output: str) -> str:

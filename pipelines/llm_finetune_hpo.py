@@ -15,17 +15,16 @@ parameters. With MLflow configured the sweep is a parent run with one child run 
 # No `from __future__ import annotations`: KFP reads the real parameter annotations.
 from kfp import dsl, kubernetes
 
-from components.deploy import deploy_adapter
-from components.evaluate import evaluate_perplexity
 from components.lib.params import DATA_MOUNT
 from components.lib.sweep import DEFAULT_TRIAL_OVERRIDES
-from components.prepare_dataset import prepare_dataset
-from components.promote import promote_best_checkpoint
-from components.register import register_model
 from components.sweep import sweep_hyperparameters
-from components.tokenize_dataset import tokenize_dataset
-from components.train import train_model
-from pipelines.llm_finetune import TRAIN_RETRIES, TRAIN_TASK_TIMEOUT_S, _platform
+from pipelines.llm_finetune import (
+    add_data_steps,
+    add_release_steps,
+    add_train_step,
+    apply_platform,
+    call_component,
+)
 
 PIPELINE_NAME = "llm-finetune-hpo"
 TASK_ORDER = ("prepare-dataset", "tokenize-dataset", "sweep-hyperparameters", "train-model", "evaluate-perplexity",
@@ -111,67 +110,22 @@ def llm_finetune_hpo_pipeline(
     trial_overrides: fixed trainer settings of every trial (short runs with several evals).
     sweep_timeout_s: how long the step waits for the Experiment.
     """
-    run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-    prepare = prepare_dataset(
-        dataset=dataset, dataset_format=dataset_format, dataset_split=dataset_split, val_fraction=val_fraction,
-        max_reject_fraction=max_reject_fraction, seed=seed, data_root=data_root, run_id=run_id, model=model,
-        method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-        lora_target_modules=lora_target_modules, learning_rate=learning_rate, epochs=epochs, max_steps=max_steps,
-        train_overrides=train_overrides, training_backend=training_backend, num_workers=num_workers,
-        gpus_per_worker=gpus_per_worker, max_length=max_length, promote_margin=promote_margin, pvc_name=pvc_name,
-        mlflow_model_name=mlflow_model_name, deploy=deploy, deploy_mode=deploy_mode, serving_name=serving_name,
-        max_lora_rank=max_lora_rank)
-    _platform(prepare.set_display_name("prepare dataset"), "prepare-dataset", pvc_name)
+    params = {**locals(), "run_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
+    _prepare, tokenize = add_data_steps(params)
 
-    tokenize = tokenize_dataset(prepared=prepare.outputs["prepared"], model=model, max_length=max_length,
-                                packing=packing, data_root=data_root)
-    _platform(tokenize.set_display_name("tokenize to PVC"), "tokenize-dataset", pvc_name)
-
-    sweep = sweep_hyperparameters(
-        tokenized=tokenize.outputs["tokenized"], model=model, method=method, sweep_backend=sweep_backend,
-        algorithm=sweep_algorithm, max_trials=sweep_max_trials, parallel_trials=sweep_parallel_trials,
-        max_failed_trials=sweep_max_failed_trials, sweep_overrides=sweep_overrides, trial_overrides=trial_overrides,
-        train_overrides=train_overrides, max_lora_rank=max_lora_rank, num_workers=num_workers,
-        gpus_per_worker=gpus_per_worker, pvc_name=pvc_name, data_root=data_root, run_id=run_id,
-        mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment=mlflow_experiment, timeout_s=sweep_timeout_s)
+    sweep = call_component(
+        sweep_hyperparameters, params, tokenized=tokenize.outputs["tokenized"], algorithm=sweep_algorithm,
+        max_trials=sweep_max_trials, parallel_trials=sweep_parallel_trials,
+        max_failed_trials=sweep_max_failed_trials, timeout_s=sweep_timeout_s)
     # The same Secrets as the train step: its trials train (HF token, MLflow, Langfuse).
-    _platform(sweep.set_display_name("sweep hyperparameters (Katib)"), "train-model", pvc_name)
+    apply_platform(sweep.set_display_name("sweep hyperparameters (Katib)"), "train-model", pvc_name)
     sweep.set_retry(num_retries=SWEEP_RETRIES, backoff_duration="60s", backoff_factor=2.0)
     kubernetes.set_timeout(sweep, SWEEP_TASK_TIMEOUT_S)
 
-    train = train_model(
-        tokenized=tokenize.outputs["tokenized"], model=model, method=method, lora_r=lora_r, lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, learning_rate=learning_rate,
-        epochs=epochs, max_steps=max_steps, seed=seed, train_overrides=sweep.outputs["Output"],
-        training_backend=training_backend, num_workers=num_workers, gpus_per_worker=gpus_per_worker,
-        pvc_name=pvc_name, data_root=data_root, run_id=run_id, mlflow_tracking_uri=mlflow_tracking_uri,
-        mlflow_experiment=mlflow_experiment, job_timeout_s=job_timeout_s)
-    _platform(train.set_display_name("train with the best hyperparameters"), "train-model", pvc_name)
-    train.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="60s", backoff_factor=2.0)
-    kubernetes.set_timeout(train, TRAIN_TASK_TIMEOUT_S)
-
-    evaluate = evaluate_perplexity(tokenized=tokenize.outputs["tokenized"], run=train.outputs["run"], model=model,
-                                   data_root=data_root)
-    _platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", pvc_name)
-
-    promote = promote_best_checkpoint(evaluation=evaluate.outputs["evaluation"], promote_margin=promote_margin,
-                                      data_root=data_root, mlflow_model_name=mlflow_model_name, run_id=run_id)
-    _platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", pvc_name)
-
-    register = register_model(
-        promoted=promote.outputs["promoted"], evaluation=evaluate.outputs["evaluation"], run=train.outputs["run"],
-        tokenized=tokenize.outputs["tokenized"], model=model, dataset=dataset,
-        mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment=mlflow_experiment,
-        mlflow_model_name=mlflow_model_name, run_id=run_id, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
-    _platform(register.set_display_name("register in MLflow"), "register-model", pvc_name)
-    register.set_retry(num_retries=2, backoff_duration="30s")
-
-    deploy_task = deploy_adapter(
-        promoted=promote.outputs["promoted"], registration=register.outputs["registration"], model=model,
-        deploy=deploy, deploy_mode=deploy_mode, serving_name=serving_name, serving_namespace=serving_namespace,
-        serving_gpus=serving_gpus, max_lora_rank=max_lora_rank, pvc_name=pvc_name, data_root=data_root,
-        deploy_timeout_s=deploy_timeout_s)
-    _platform(deploy_task.set_display_name("deploy to KServe vLLM"), "deploy-adapter", pvc_name)
+    # The sweep's best key=value overrides come after train_overrides, so they win.
+    train = add_train_step(params, tokenize, display_name="train with the best hyperparameters",
+                           train_overrides=sweep.outputs["Output"])
+    add_release_steps(params, tokenize, train)
 
 
 def compile_pipeline(output: str) -> str:
