@@ -243,13 +243,32 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _write_results(record: dict, results_dir: Path) -> tuple[Path, Path]:
+    """<date>-cpu-data.json/.md; an earlier run of the same day moves into ``previous_runs``."""
     from trainer.io import atomic_write_json, atomic_write_text
 
     stem = f"{record['date']}-cpu-data"
     json_path, md_path = results_dir / f"{stem}.json", results_dir / f"{stem}.md"
+    if json_path.is_file():
+        earlier = json.loads(json_path.read_text())
+        record["previous_runs"] = earlier.pop("previous_runs", []) + [run_summary(earlier)]
     atomic_write_json(json_path, record)
     atomic_write_text(md_path, _markdown(record) + "\n")
     return json_path, md_path
+
+
+def run_summary(record: dict) -> dict:
+    """The figures of one run, for the ``previous_runs`` history."""
+    return {
+        "command": record["command"],
+        "load_average_before_after": record["load_average_before_after"],
+        "results": [
+            {"model": r["model"], "project_seconds": r["project"]["seconds"],
+             "project_cpu_seconds": r["project"].get("cpu_seconds"),
+             "naive_seconds": r.get("naive", {}).get("seconds"),
+             "naive_cpu_seconds": r.get("naive", {}).get("cpu_seconds"), "speedup": r.get("speedup")}
+            for r in record["results"]
+        ],
+    }
 
 
 def _markdown(record: dict) -> str:
@@ -276,4 +295,15 @@ def _markdown(record: dict) -> str:
             f"| {str(r['speedup']) + 'x' if n else '-'} | {p['tokens']:,} | {p['packing_efficiency']:.1%} "
             f"| {'met' if r['goal_met'] else 'NOT met'} |"
         )
+    if record.get("previous_runs"):
+        lines += ["", "Earlier runs the same day, older ones on earlier code revisions (the machine is shared: "
+                  "wall times move with its load, CPU seconds much less):", "",
+                  "| load before/after | tokenizer | naive s (CPU s) | project s (CPU s) | speedup |", "|---|---|---|---|---|"]
+        for run in record["previous_runs"]:
+            for r in run["results"]:
+                lines.append(
+                    f"| {run['load_average_before_after'][0]} / {run['load_average_before_after'][1]} | {r['model']} "
+                    f"| {r['naive_seconds']} ({r['naive_cpu_seconds']}) | {r['project_seconds']} ({r['project_cpu_seconds']}) "
+                    f"| {r['speedup']}x |"
+                )
     return "\n".join(lines)

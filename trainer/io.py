@@ -20,6 +20,18 @@ from typing import Any
 COMPLETE_MARKER = "COMPLETE"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _share(path: str | os.PathLike, mode: int) -> None:
+    """mkstemp/mkdtemp create 0600/0700; give the final artifact the usual umask-based
+    mode so pods running as another user can read it on a shared volume."""
+    os.chmod(path, mode & ~_umask())
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -43,6 +55,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        _share(tmp, 0o666)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -71,6 +84,7 @@ def atomic_directory(final: str | os.PathLike, *, overwrite: bool = True, marker
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    _share(tmp, 0o777)
     try:
         yield tmp
         for root, _dirs, files in os.walk(tmp):

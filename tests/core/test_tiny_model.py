@@ -26,3 +26,21 @@ def test_tiny_model_is_deterministic(tmp_path):
     b = build_tiny_model(tmp_path / "b")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
+
+
+def test_atomic_outputs_are_readable_by_other_users(tmp_path):
+    """mkstemp/mkdtemp default to 0600/0700; artifacts on a shared PVC must not."""
+    import os
+    import stat
+
+    from trainer.io import atomic_directory, atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        f = atomic_write_text(tmp_path / "a.json", "{}")
+        with atomic_directory(tmp_path / "d") as d:
+            (d / "x").write_text("1")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(f.stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755

@@ -23,3 +23,8 @@ def test_data_bench_smoke(tmp_path, tiny_model_dir, capsys):
     table = (tmp_path / json_path.name.replace(".json", ".md")).read_text()
     assert f"| {tiny_model_dir} |" in table and "speedup" in table
     assert "results:" in capsys.readouterr().out
+    first_seconds = result["project"]["seconds"]
+    assert data_bench.run(args) == 0  # a second run the same day keeps the first in previous_runs
+    record = json.loads(json_path.read_text())
+    assert [r["project_seconds"] for r in record["previous_runs"][0]["results"]] == [first_seconds]
+    assert "Earlier runs the same day" in (tmp_path / json_path.name.replace(".json", ".md")).read_text()
