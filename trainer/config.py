@@ -411,7 +411,7 @@ def _check_choices(cfg, prefix: str, where) -> None:
 def diff_configs(old: dict, new: dict, *, ignore_prefixes: tuple[str, ...] = RESUME_SAFE_PREFIXES) -> list[str]:
     """Lines `key: old -> new` for every leaf that differs and is not resume-safe."""
     lines = []
-    flat_old, flat_new = _flatten(old), _flatten(new)
+    flat_old, flat_new = flatten_dict(old), flatten_dict(new)
     for key in sorted(set(flat_old) | set(flat_new)):
         if any(key == p or key.startswith(p if p.endswith(".") else p + ".") for p in ignore_prefixes):
             continue
@@ -421,11 +421,12 @@ def diff_configs(old: dict, new: dict, *, ignore_prefixes: tuple[str, ...] = RES
     return lines
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"lora": {"r": 8}} -> {"lora.r": 8}: the dotted names `key=value` overrides use."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten_dict(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value
     return out

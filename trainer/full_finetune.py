@@ -13,7 +13,7 @@ import functools
 
 from trainer import loop
 from trainer.config import TrainConfig
-from trainer.distributed import close_distributed, init_distributed
+from trainer.distributed import init_distributed
 from trainer.model import autocast, resolve_dtype
 
 
@@ -43,9 +43,4 @@ class FullFinetuneRecipe:
         loop.save_now(self.run, step)
 
     def cleanup(self) -> None:
-        """Close the loader and the sinks (a preempted or failed run's MLflow run stays resumable)."""
-        if self.run is not None:
-            self.run.loader.close()
-            if self.run.observer is not None:
-                self.run.observer.close_interrupted()
-        close_distributed()
+        loop.close_run(self.run)

@@ -19,7 +19,15 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.data.loader import PackedLoader, StepBatch
-from trainer.distributed import DistInfo, Engine, all_reduce_sum, any_rank, barrier, ranks_with_flag
+from trainer.distributed import (
+    DistInfo,
+    Engine,
+    all_reduce_sum,
+    any_rank,
+    barrier,
+    close_distributed,
+    ranks_with_flag,
+)
 from trainer.errors import EXIT_PREEMPTED, LlmftError
 from trainer.evaluate import evaluate_model
 from trainer.io import atomic_write_json
@@ -317,6 +325,16 @@ def finish(run: RunState, final_dir: Path, base_identity: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- set-up helpers
+
+
+def close_run(run: RunState | None) -> None:
+    """Close the loader and the sinks, then the process group. A preempted or failed run's
+    MLflow run is left open so the resumed run continues it."""
+    if run is not None:
+        run.loader.close()
+        if run.observer is not None:
+            run.observer.close_interrupted()
+    close_distributed()
 
 
 def seed_all(seed: int) -> None:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.config import flatten_dict
 from trainer.io import atomic_write_text
 
 log = logging.getLogger("trainer")
@@ -142,7 +143,7 @@ class Observer:
             else:
                 run = mlflow.start_run(run_name=self.run_name, parent_run_id=parent,
                                        tags={"llmft.output_dir": str(self.output_dir.resolve())})
-                mlflow.log_params(_flatten(config_dict))
+                mlflow.log_params(flatten_dict(config_dict))
             self.mlflow_run_id = run.info.run_id
             self._mlflow_ok = True
             self.info(f"mlflow: logging to run {self.mlflow_run_id} in experiment {experiment!r}")
@@ -224,15 +225,6 @@ def _truncate_events_after(path: Path, step: int) -> None:
             continue  # a line torn by a crash
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 def _fmt(value) -> str:
