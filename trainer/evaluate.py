@@ -39,8 +39,8 @@ def _dummy_batch() -> MicroBatch:
 @torch.no_grad()
 def evaluate_model(model, dataset_dir: str | Path, *, split: str = "val", micro_sequences: int = 4,
                    max_sequences: int = 0, info: DistInfo | None = None, loss_fn=token_nll_sum,
-                   autocast_ctx=contextlib.nullcontext) -> dict:
-    """Mean NLL over all supervised targets of ``split``, over all ranks."""
+                   autocast_ctx=contextlib.nullcontext, progress: bool = False) -> dict:
+    """Mean NLL over all supervised targets of ``split``, over all ranks (``progress``: a bar on rank 0)."""
     rank, world = (info.rank, info.world_size) if info else (0, 1)
     device = info.device if info else next(model.parameters()).device
     count = len(open_split(dataset_dir, split))
@@ -53,6 +53,10 @@ def evaluate_model(model, dataset_dir: str | Path, *, split: str = "val", micro_
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [nll sum, targets]
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc=f"evaluate {split}", unit="batch", mininterval=1.0)
     for micro in batches:
         batch = micro.to_torch(device)
         with autocast_ctx():
@@ -95,4 +99,4 @@ def evaluate_perplexity(model_path: str, dataset_dir: str, *, adapter_path: str 
     model.eval()
     return evaluate_model(model, dataset_dir, split=split, micro_sequences=micro_sequences,
                           max_sequences=max_sequences, info=DistInfo(0, 1, 0, dev),
-                          loss_fn=loss_fn(False, attn_implementation))
+                          loss_fn=loss_fn(False, attn_implementation), progress=True)

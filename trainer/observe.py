@@ -22,9 +22,6 @@ from trainer.io import atomic_write_text
 
 log = logging.getLogger("trainer")
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-
-
 def peak_flops(device, override_tflops: float = 0.0) -> float | None:
     """Dense bf16 peak FLOP/s of one device, or None when unknown (CPU)."""
     if override_tflops > 0:
@@ -33,8 +30,9 @@ def peak_flops(device, override_tflops: float = 0.0) -> float | None:
         return None
     import torch
 
-    name = torch.cuda.get_device_name(device)
-    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+    from trainer.fastpath.flops import peak_flops as peak_flops_by_name  # the one table of peaks
+
+    return peak_flops_by_name(torch.cuda.get_device_name(device))
 
 
 def train_flops(*, method: str, matmul_params: int, adapter_params: int, tokens: int, layers: int,
