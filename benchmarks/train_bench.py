@@ -127,7 +127,7 @@ def _write_outputs(args, check: dict, arms: list[dict]) -> None:
     date = _dt.date.today().isoformat()
     tag = f"{date}-{device.replace('NVIDIA ', '').split()[0].lower()}"
     out = Path(args.out)
-    previous = _previous_payloads(out / f"{tag}-train.json", "") + merged_in
+    previous = _previous_payloads(out / f"{tag}.json", "") + merged_in
     check = check or next((p["kernel_checks"] for p in previous if p.get("kernel_checks")), {})
     arms = _merge_arms([a for p in previous for a in p.get("arms", [])], arms)
     versions = {k: v for k, v in (check or next((a for a in arms if a.get("torch")), {})).items()
@@ -135,15 +135,15 @@ def _write_outputs(args, check: dict, arms: list[dict]) -> None:
     payload = {"device": device, "date": date, "versions": versions, "matmul_tflops": check.get("matmul_tflops"),
                "profile": args.profile, "samples_per_step": args.samples_per_step, "kernel_checks": check, "arms": arms}
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{tag}-train.json").write_text(json.dumps(payload, indent=2))
-    (out / f"{tag}-train.md").write_text(markdown_table(payload))
+    (out / f"{tag}.json").write_text(json.dumps(payload, indent=2))
+    (out / f"{tag}.md").write_text(markdown_table(payload))
 
 
 def _previous_payloads(current: Path | None, merge_from: str) -> list[dict]:
     """Result files already written this session (same file, or a folder of others) to merge with."""
     paths = [current] if current is not None and current.is_file() else []
     if merge_from and Path(merge_from).is_dir():
-        paths += sorted(Path(merge_from).glob("*-train.json"))
+        paths += sorted(p for p in Path(merge_from).glob("20*-*.json") if "data" not in p.name)
     return [json.loads(p.read_text()) for p in paths]
 
 

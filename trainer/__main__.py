@@ -36,12 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.errors import EXIT_USER_ERROR, LlmftError
 
     args = build_parser().parse_args(argv)
+    use_expandable_segments()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(args)
     except LlmftError as exc:
         print(f"{_rank_prefix()}error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+
+
+def use_expandable_segments() -> None:
+    """Default PyTorch's CUDA allocator to expandable segments (before CUDA starts).
+
+    Packed batches change their token count every step; with fixed-size cached blocks the
+    reserved memory grows far past the allocated peak (69 GiB reserved for 48 GiB allocated
+    on the 1.5B LoRA benchmark) until the allocator frees its cache and retries, a stall of a
+    whole step. A value the user set (even empty) is kept.
+    """
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -158,7 +158,8 @@ class Engine:
             optimizer = getattr(self.wrapped.optimizer, "optimizer", optimizer)
         elif info.world_size > 1:
             ids = [info.device.index] if info.device.type == "cuda" else None
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            # Gradients live in DDP's buckets (no second copy of them: matters for full fine-tuning).
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
         else:
             self.wrapped = model
         self.optimizer = optimizer

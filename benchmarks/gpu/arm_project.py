@@ -2,9 +2,11 @@
 
 Writes the random-init model (same seed and init as the other arms) as a local
 Hugging Face directory and the synthetic samples in trainer/data/shards.py's
-format, one packed sequence per micro batch of ``--micro`` samples, arranged
-so that the trainer's seeded permutation visits them in the benchmark's order
-(same samples, same order as every arm). Then runs the trainer with the fast
+format, ``--pack`` samples per stored sequence (the trainer concatenates
+``--micro / --pack`` of them into one micro batch row), arranged so that the
+trainer's seeded permutation visits them in the benchmark's order (same
+samples per step, same step order as every arm; with several GPUs the trainer
+deals a step's sequences to the ranks by token count). Then runs the trainer with the fast
 path switched on by config and reads its metrics.jsonl: throughput is computed
 here from the records' timestamps and the benchmark's own token counts, and
 compared with what the trainer itself logged (tokens/s, MFU).
@@ -47,19 +49,19 @@ def write_model_dir(model: str, root: Path) -> Path:
     return out
 
 
-def write_dataset(samples: common.Samples, micro: int, out: Path, val_docs: int = 32) -> Path:
-    """Shards: sequence j of the benchmark's order sits where the trainer's permutation reads step j."""
+def write_dataset(samples: common.Samples, pack: int, out: Path, val_docs: int = 32) -> Path:
+    """Shards: sequence j of the benchmark's order sits where the trainer's permutation reads it."""
     from trainer.data.shards import write_split
 
-    n_seq = len(samples.lengths) // micro
+    n_seq = len(samples.lengths) // pack
     perm = np.random.default_rng([SEED, 0]).permutation(n_seq)
     order = np.empty(n_seq, dtype=np.int64)
     order[perm] = np.arange(n_seq)  # slot perm[j] holds benchmark sequence j; order[slot] = sequence
-    docs = [i for j in order for i in range(j * micro, (j + 1) * micro)]
-    _write(out / "train", [samples.input_ids[i] for i in docs], [samples.labels[i] for i in docs], micro, write_split)
+    docs = [i for j in order for i in range(j * pack, (j + 1) * pack)]
+    _write(out / "train", [samples.input_ids[i] for i in docs], [samples.labels[i] for i in docs], pack, write_split)
     val = common.make_samples(val_docs, "short", int(samples.input_ids[0].max()) + 1, seed=99)
     _write(out / "val", val.input_ids, val.labels, 8, write_split)
-    longest = max(int(samples.lengths[j * micro:(j + 1) * micro].sum()) for j in range(n_seq))
+    longest = max(int(samples.lengths[j * pack:(j + 1) * pack].sum()) for j in range(n_seq))
     manifest = {"cache_key": f"bench-{out.name}", "max_length": int(longest), "packed": True,
                 "note": "synthetic benchmark data (benchmarks/gpu/arm_project.py)"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -78,7 +80,7 @@ def trainer_command(a, model_dir: Path, data_dir: Path, out_dir: Path) -> list[s
         f"model.name_or_path={model_dir}", f"data={data_dir}", f"output_dir={out_dir}", f"method={a.method}",
         "model.attn_implementation=llmft_varlen", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0",
         "optim.lr=2e-4", "schedule.decay=constant", "schedule.warmup_steps=0",
-        f"batch.global_sequences={a.nproc * a.samples_per_step // a.micro}", "batch.micro_sequences=1",
+        f"batch.global_sequences={a.nproc * a.samples_per_step // a.pack}", f"batch.micro_sequences={a.micro // a.pack}",
         f"max_steps={a.steps}", f"log_every={a.log_every}", "eval_every=0", "save_every=0", "eval.max_sequences=4",
         "kernels.fused_loss=true", "kernels.fused_lora=true", f"kernels.compile={'false' if a.no_compile else 'true'}",
         "observe.progress_bar=false", f"seed={SEED}", *a.override,
@@ -140,7 +142,9 @@ def run(a) -> dict:
     vocab = common.MODEL_SHAPES[a.model]["vocab_size"]
     samples = common.make_samples(a.samples_per_step * a.nproc * a.steps, a.profile, vocab)
     model_dir = write_model_dir(a.model, root / "models")
-    data_dir = write_dataset(samples, a.micro, root / "data" / f"{a.model}-{a.profile}-{a.samples_per_step * a.nproc}-{a.micro}-{a.steps}")
+    if a.micro % a.pack or a.samples_per_step % a.micro:
+        raise SystemExit(f"--micro {a.micro} must divide --samples-per-step {a.samples_per_step} and be a multiple of --pack {a.pack}")
+    data_dir = write_dataset(samples, a.pack, root / "data" / f"{a.model}-{a.profile}-{a.samples_per_step * a.nproc}-{a.pack}-{a.steps}")
     out_dir = root / "runs" / f"{a.model}-{a.method}-{a.nproc}gpu-{int(time.time())}"
     cmd = trainer_command(a, model_dir, data_dir, out_dir)
     started = time.perf_counter()
@@ -154,7 +158,8 @@ def run(a) -> dict:
     if metrics_path.is_file():
         Path(a.json_out).with_suffix(".metrics.jsonl").write_text(metrics_path.read_text())
     result = {"arm": a.arm_name, "model": a.model, "method": a.method, "profile": a.profile, "attn": "llmft_varlen",
-              "samples_per_step": a.samples_per_step * a.nproc, "micro_batch": a.micro, "gpus": a.nproc,
+              "samples_per_step": a.samples_per_step * a.nproc, "micro_batch": a.micro, "pack": a.pack, "gpus": a.nproc,
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True (trainer default)"),
               "trainer_overrides": a.override, "steps": a.steps, "trainer_returncode": proc.returncode,
               "trainer_wall_s": wall, **common.device_info()}
     if proc.returncode == 0 and metrics_path.is_file():
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", default="lora", choices=["lora", "full"])
     p.add_argument("--profile", default="short", choices=sorted(common.PROFILES))
     p.add_argument("--samples-per-step", type=int, default=64)
-    p.add_argument("--micro", type=int, default=64)
+    p.add_argument("--micro", type=int, default=64, help="samples per micro batch (one packed row)")
+    p.add_argument("--pack", type=int, default=8, help="samples per stored sequence (the unit dealt to ranks)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--no-compile", action="store_true")

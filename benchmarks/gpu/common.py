@@ -164,11 +164,12 @@ def device_info() -> dict:
     import torch
 
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    from importlib import metadata
+
     for name in ("transformers", "peft", "triton", "liger_kernel", "deepspeed"):
         try:
-            module = __import__(name)
-            info[name] = getattr(module, "__version__", "?")
-        except Exception:  # noqa: BLE001 - optional packages
+            info[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:  # optional packages
             info[name] = None
     return info
 

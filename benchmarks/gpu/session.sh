@@ -9,7 +9,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 OUT=${OUT:-/tmp/out}; W=/tmp/wb; mkdir -p "$OUT" "$W"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+# The trainer defaults PyTorch's allocator to expandable segments; fall back if this machine refuses them.
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -c "import torch; torch.empty(2**30, device='cuda'); print('expandable segments:', [s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']])" \
+  || export PYTORCH_CUDA_ALLOC_CONF=""
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}  # kept between calls on a warm machine
 bench() { python3 -m llmft bench train --out "$OUT" --work "$W" "$@" 2>&1 | tee -a "$OUT/bench.log"; }
+P="--steps 30"  # our trainer: 30 steps, logged every step (per-step times and the first five losses)
 fast() { local name=$1; shift; timeout "${T:-200}" python3 -m benchmarks.gpu.arm_fast --json-out "$W/$name.json" "$@" > "$W/$name.log" 2>&1; echo "[$name] rc=$? $(tail -c 600 "$W/$name.log" | tail -n 2)"; }
 case "${1:?plan}" in
   diag)
@@ -37,6 +42,25 @@ case "${1:?plan}" in
     CUDA_VISIBLE_DEVICES=0 bench --label zero3-1gpu --jobs "project:qwen2.5-1.5b:full" --steps 12 --extra "$Z3" --deadline-s $((570 - SECONDS)) --arm-timeout-s 150
     wait
     bench --jobs "" --merge-from "$W/bg"
+    ;;
+  one-a)  # one GPU, first call: calibration and the peer arm with most of the call (its flex-attention
+           # compile took 226-256 s before its first step), then as many of our arms as time allows
+    bench --jobs "check,peer:qwen2.5-1.5b:lora" --steps 12 --deadline-s 560 --arm-timeout-s 530
+    bench --jobs "${A_THEN:-project:qwen2.5-1.5b:lora,naive:qwen2.5-1.5b:lora}" $P --deadline-s $((585 - SECONDS)) --arm-timeout-s 150
+    ;;
+  one-b)  # one GPU, second call on the same machine (warm Inductor cache): the other shapes and methods
+    bench --jobs "${B_FIRST:-}project:qwen2.5-0.5b:lora,project:qwen2.5-1.5b:full" $P --deadline-s 330 --arm-timeout-s 150
+    bench --jobs "project:llama-3-8b:lora" --steps 30 --extra=--micro=16 --deadline-s $((585 - SECONDS)) --arm-timeout-s 200
+    if [ -n "${PEER_AGAIN:-}" ]; then  # the first call's peer arm did not finish: again, with its compile cache
+      bench --label warm --jobs "peer:qwen2.5-1.5b:lora" --steps 12 --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    fi
+    ;;
+  ddp2)  # two GPUs: one-GPU baselines on GPU 0 of this host, then DDP over both (64 samples per GPU per step)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    nvidia-smi topo -m
+    CUDA_VISIBLE_DEVICES=0 bench --label 1gpu --jobs "check,project:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:full" $P --deadline-s 300 --arm-timeout-s 140
+    bench --label ddp-2gpu --jobs "project:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:full" --steps 30 --extra=--nproc=2 \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s 150
     ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac

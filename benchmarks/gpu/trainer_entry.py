@@ -29,6 +29,11 @@ def main() -> int:
         model = original(cfg, device, **kwargs)
         if cfg.kernels.compile and not hooked:
             print(f"[trainer_entry] fast path applied by the harness: {apply_kernels(model, compile_layers=True)}", flush=True)
+        if device.type == "cuda":
+            import torch
+
+            segments = torch.cuda.memory._snapshot()["segments"]
+            print(f"[trainer_entry] expandable segments: {any(s.get('is_expandable') for s in segments)}", flush=True)
         print(f"[trainer_entry] loaded={time.time()}", flush=True)  # compile time = first step record - this
         return model
 

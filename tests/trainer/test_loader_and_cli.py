@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 from trainer_helpers import train_in_process
 
-from trainer.data.loader import PackedLoader, shift_targets
+from trainer.data.loader import PackedLoader, balanced_shares, shift_targets
 from trainer.data.shards import IGNORE_INDEX, open_split
 
 
@@ -21,17 +22,45 @@ def test_rank_shares_union_to_the_single_process_batch(tokenized_dir, world):
     single = PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=8, rank=0, world_size=1, seed=1)
     ranks = [PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=1, rank=r, world_size=world,
                           seed=1) for r in range(world)]
+    single_by_sequence = [PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=1, rank=0,
+                                       world_size=1, seed=1)]
     for step in (1, 2, single.steps_per_epoch + 1):  # also the first step of epoch 2 (a new permutation)
         whole = single.batch(step)
         parts = [loader.batch(step) for loader in ranks]
-        joined = np.concatenate([m.input_ids for p in parts for m in p.micro_batches])
-        assert np.array_equal(joined, whole.micro_batches[0].input_ids)
+        shares = sorted(tuple(m.input_ids.tolist()) for p in parts for m in p.micro_batches)
+        singles = [loader.batch(step) for loader in single_by_sequence]
+        assert shares == sorted(tuple(m.input_ids.tolist()) for m in singles[0].micro_batches)
+        joined = np.concatenate([m.input_ids for m in singles[0].micro_batches])
+        assert np.array_equal(joined, whole.micro_batches[0].input_ids)  # one rank keeps the block order
         targets = sum(int((m.targets != IGNORE_INDEX).sum()) for p in parts for m in p.micro_batches)
         assert all(p.global_targets == whole.global_targets == targets for p in parts)
         assert all(p.global_tokens == whole.global_tokens for p in parts)
         assert len(parts[0].micro_batches) == 8 // world
     assert single.batch(1).epoch == 0 and single.batch(single.steps_per_epoch + 1).epoch == 1
     assert _sequences_of(single, 1) != _sequences_of(single, single.steps_per_epoch + 1)
+
+
+def test_rank_shares_balance_tokens_with_equal_counts():
+    lengths = [1000, 950, 900, 880, 100, 110, 120, 130]  # contiguous halves: 3730 vs 460 tokens
+    shares = balanced_shares(lengths, 2)
+    assert [len(s) for s in shares] == [4, 4]
+    assert sorted(np.concatenate(shares).tolist()) == list(range(8))
+    totals = [sum(lengths[i] for i in share) for share in shares]
+    assert abs(totals[0] - totals[1]) <= 100 < abs(sum(lengths[:4]) - sum(lengths[4:]))
+    assert all(list(share) == sorted(share) for share in shares)  # block order kept inside a share
+    assert [s.tolist() for s in balanced_shares(lengths, 1)] == [list(range(8))]
+    assert [s.tolist() for s in balanced_shares(lengths, 4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_rank_token_totals_are_balanced_on_real_batches(tokenized_dir):
+    ranks = [PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=4, rank=r, world_size=2,
+                          seed=3) for r in range(2)]
+    for step in (1, 2, 3):
+        indices = ranks[0].global_indices(step)[1]
+        lengths = [ranks[0].split.sequence_length(int(i)) for i in indices]
+        tokens = [sum(m.num_tokens for m in loader.batch(step).micro_batches) for loader in ranks]
+        assert sum(tokens) == sum(lengths)
+        assert abs(tokens[0] - tokens[1]) <= max(lengths)
 
 
 def test_targets_never_cross_a_document_boundary(tokenized_dir):
@@ -130,3 +159,19 @@ def test_full_finetune_checkpoint_and_final_load_with_from_pretrained(base_overr
     first = evaluate_perplexity(str(run / "checkpoints" / "step-1"), str(tokenized_dir))
     base = evaluate_perplexity(str(tiny_model_dir), str(tokenized_dir))
     assert base["eval_loss"] > first["eval_loss"] > final["eval_loss"]
+
+
+def test_trainer_defaults_the_cuda_allocator_to_expandable_segments(monkeypatch):
+    from trainer.__main__ import use_expandable_segments
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # the user's choice, even empty, wins
+    use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
+    use_expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

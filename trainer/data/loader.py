@@ -2,9 +2,11 @@
 
 Step ``s`` (1-based) of a run always trains on the same ``global_sequences``
 packed sequences, whatever the number of ranks: the epoch's permutation comes
-from ``(seed, epoch)``, the step takes the next contiguous block of it, and rank
-``r`` of ``W`` takes the r-th equal share of that block. Each rank flattens its
-share into micro batches of ``micro_sequences`` sequences concatenated in one
+from ``(seed, epoch)``, the step takes the next contiguous block of it, and its
+sequences are dealt to the ``W`` ranks in equal counts with the token totals
+balanced (:func:`balanced_shares`): a data-parallel step waits for its slowest
+rank, so uneven shares of variable-length sequences cost throughput. Each rank
+flattens its share (in block order) into micro batches of ``micro_sequences`` sequences concatenated in one
 row (no padding), with per-document ``position_ids`` and ``cu_seqlens``.
 
 Targets are shifted on the host: ``targets[t]`` is the label of token ``t+1``,
@@ -107,6 +109,25 @@ def count_targets(split: TokenizedSplit, indices) -> tuple[int, int, int]:
     return targets, tokens, attn_sq
 
 
+def balanced_shares(lengths, world_size: int) -> list[np.ndarray]:
+    """Positions of ``lengths`` dealt to ``world_size`` ranks: equal counts, token totals balanced.
+
+    Longest first, each to the rank with the fewest tokens that still has room (ties: the
+    lower rank); every share is returned in the original order. Deterministic, so every rank
+    computes the same split. One rank gets everything, in order.
+    """
+    count = len(lengths)
+    if world_size == 1:
+        return [np.arange(count)]
+    room = count // world_size
+    totals, shares = [0] * world_size, [[] for _ in range(world_size)]
+    for pos in sorted(range(count), key=lambda i: (-int(lengths[i]), i)):
+        rank = min((r for r in range(world_size) if len(shares[r]) < room), key=lambda r: (totals[r], r))
+        shares[rank].append(pos)
+        totals[rank] += int(lengths[pos])
+    return [np.array(sorted(share), dtype=np.int64) for share in shares]
+
+
 def resolve_global_sequences(global_sequences: int, global_tokens: int, max_length: int) -> int:
     """Sequences per step: from the token budget when set, else the sequence count."""
     if global_tokens > 0:
@@ -160,7 +181,8 @@ class PackedLoader:
     def batch(self, step: int) -> StepBatch:
         epoch, indices = self.global_indices(step)
         targets, tokens, attn_sq = count_targets(self.split, indices)
-        mine = indices[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+        lengths = [self.split.sequence_length(int(i)) for i in indices]
+        mine = indices[balanced_shares(lengths, self.world_size)[self.rank]]
         micro = [build_micro_batch(self.split, mine[i : i + self.micro_sequences])
                  for i in range(0, len(mine), self.micro_sequences)]
         return StepBatch(step, epoch, micro, targets, tokens, attn_sq)
