@@ -89,6 +89,8 @@ class DistributedConfig:
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage when backend=deepspeed.", (1, 2, 3))
     comm_backend: str = _f("auto", "torch.distributed backend; auto = nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo"))
     timeout_s: int = _f(1800, "Collective timeout in seconds.")
+    bucket_cap_mb: int = _f(100, "DDP gradient bucket size in MiB (fewer, larger all-reduces overlapped with backward).")
+    grad_reduce_dtype: str = _f("fp32", "DDP gradient all-reduce dtype; bf16 halves the bytes (full fine-tuning), fp32 is exact.", ("fp32", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -378,6 +380,9 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
         ("save_every", cfg.save_every >= 0, "must be >= 0"),
         ("log_every", cfg.log_every >= 1, "must be >= 1"),
         ("keep_last", cfg.keep_last >= 1, "must be >= 1"),
+        ("distributed.bucket_cap_mb", cfg.distributed.bucket_cap_mb >= 1, "must be >= 1"),
+        ("distributed.grad_reduce_dtype", cfg.distributed.grad_reduce_dtype == "fp32" or cfg.distributed.backend == "ddp",
+         "applies to backend=ddp only (DeepSpeed sets its own communication dtype); leave it at fp32"),
         ("max_bad_steps", cfg.max_bad_steps >= 1, "must be >= 1"),
         ("resume", cfg.resume in ("auto", "never") or bool(cfg.resume), "must be auto, never or a checkpoint path"),
     ]

@@ -147,7 +147,8 @@ class Engine:
     """DDP or DeepSpeed behind the same calls. ``module`` is the unwrapped model."""
 
     def __init__(self, model, optimizer, scheduler_factory, *, info: DistInfo, backend: str,
-                 max_grad_norm: float, fused_skip: bool, ds_config: dict | None = None):
+                 max_grad_norm: float, fused_skip: bool, ds_config: dict | None = None,
+                 bucket_cap_mb: int = 100, grad_reduce_dtype: str = "fp32"):
         self.module, self.info, self.backend = model, info, backend
         self.max_grad_norm, self.fused_skip = max_grad_norm, fused_skip
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -157,11 +158,12 @@ class Engine:
             # ZeRO regroups the client optimizer's parameters: schedule the optimizer it really steps.
             optimizer = getattr(self.wrapped.optimizer, "optimizer", optimizer)
         elif info.world_size > 1:
-            ids = [info.device.index] if info.device.type == "cuda" else None
-            # Gradients live in DDP's buckets (no second copy of them: matters for full fine-tuning).
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+            self.wrapped = _wrap_ddp(model, info, bucket_cap_mb, grad_reduce_dtype)
         else:
             self.wrapped = model
+        # DDP's gradients are views into its buckets: zeroing keeps them there (no re-allocation and
+        # no copy into the buckets each step); one process frees them instead.
+        self._grads_to_none = not isinstance(self.wrapped, torch.nn.parallel.DistributedDataParallel)
         self.optimizer = optimizer
         self.scheduler = scheduler_factory(optimizer)
 
@@ -190,7 +192,7 @@ class Engine:
             self.optimizer.step()
         elif not bool(bad.item()):
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         self.scheduler.step()
         return norm.detach(), bad
 
@@ -208,6 +210,30 @@ class Engine:
 
     def eval(self) -> None:
         self.wrapped.eval()
+
+
+def _wrap_ddp(model, info: DistInfo, bucket_cap_mb: int, grad_reduce_dtype: str):
+    """DDP with gradients as bucket views (one copy of them) and, optionally, bf16 all-reduce."""
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
+                                                    gradient_as_bucket_view=True)
+    if grad_reduce_dtype == "bf16":
+        ddp.register_comm_hook(None, bf16_all_reduce_hook)
+    return ddp
+
+
+def bf16_all_reduce_hook(group, bucket):
+    """DDP comm hook: average the bucket in bf16 (half the bytes of fp32), write it back in place.
+    Like torch's bf16_compress_hook, which refuses CPU/gloo; this one runs on both."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
 
 
 def import_deepspeed():

@@ -425,7 +425,8 @@ def build_run(cfg, info: DistInfo, *, lora: bool, autocast_ctx) -> tuple[RunStat
     optimizer = build_optimizer(model, cfg.optim, info.device)
     engine = Engine(model, optimizer, lambda opt: build_scheduler(opt, cfg.schedule, total_steps), info=info, backend=cfg.distributed.backend,
                     max_grad_norm=cfg.optim.max_grad_norm, fused_skip=bool(optimizer.defaults.get("fused")),
-                    ds_config=ds_config)
+                    ds_config=ds_config, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
+                    grad_reduce_dtype=cfg.distributed.grad_reduce_dtype)
     counts = parameter_counts(model)
     layers, width = attention_width(model)
     run = RunState(

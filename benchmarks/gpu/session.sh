@@ -62,6 +62,13 @@ case "${1:?plan}" in
     bench --label ddp-2gpu --jobs "project:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:full" --steps 30 --extra=--nproc=2 \
       --deadline-s $((585 - SECONDS)) --arm-timeout-s 150
     ;;
+  ddp2full)  # two GPUs: full fine-tuning, one-GPU baseline on GPU 0, then DDP with fp32 and bf16 gradient all-reduce
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    CUDA_VISIBLE_DEVICES=0 bench --label 1gpu --jobs "check,project:qwen2.5-1.5b:full" $P --deadline-s 200 --arm-timeout-s 140
+    bench --label ddp-2gpu --jobs "project:qwen2.5-1.5b:full" --steps 30 --extra=--nproc=2 --deadline-s $((500 - SECONDS)) --arm-timeout-s 150
+    bench --label ddp-2gpu-bf16-reduce --jobs "project:qwen2.5-1.5b:full" --steps 30 \
+      --extra="--nproc=2 --override=distributed.grad_reduce_dtype=bf16" --deadline-s $((585 - SECONDS)) --arm-timeout-s 150
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .
