@@ -153,5 +153,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import os
+
+    if os.environ.get("BENCH_STACK_EVERY"):  # where a long first step spends its time (compile? eager flex?)
+        faulthandler.dump_traceback_later(int(os.environ["BENCH_STACK_EVERY"]), repeat=True, file=sys.stderr)
     np.seterr(all="ignore")
     sys.exit(main())

@@ -69,6 +69,11 @@ case "${1:?plan}" in
     bench --label ddp-2gpu-bf16-reduce --jobs "project:qwen2.5-1.5b:full" --steps 30 \
       --extra="--nproc=2 --override=distributed.grad_reduce_dtype=bf16" --deadline-s $((585 - SECONDS)) --arm-timeout-s 150
     ;;
+  peer)  # one GPU: our trainer, then the peer arm with the rest of the call and stack dumps every 100 s
+    bench --jobs "check,project:qwen2.5-1.5b:lora" $P --deadline-s 160 --arm-timeout-s 120
+    BENCH_STACK_EVERY=100 TORCH_LOGS=recompiles bench --jobs "peer:qwen2.5-1.5b:lora" --steps 10 \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .
