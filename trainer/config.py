@@ -114,6 +114,7 @@ class KernelsConfig:
     fused_loss: bool = _f(False, "Compute the loss with trainer.fastpath's fused linear cross-entropy (no full logits).")
     compile: bool = _f(False, "torch.compile the decoder layers in place (trainer.fastpath.apply_kernels).")
     fused_lora: bool = _f(False, "Swap PEFT's LoRA linears for trainer.fastpath's fused LoRA linear (exact).")
+    compile_cache_dir: str = _f("", "Folder for torch.compile's on-disk cache (e.g. on the PVC) so a restarted or resumed job compiles warm; empty = PyTorch's default under /tmp.")
 
 
 @dataclass(frozen=True)
@@ -149,13 +150,14 @@ class TrainConfig:
     keep_last: int = _f(2, "Complete checkpoints kept besides the best one.")
     resume: str = _f("auto", "auto = newest complete checkpoint in output_dir, never = start fresh, or a checkpoint path.")
     force_resume: bool = _f(False, "Resume even when the checkpoint's config or dataset differs.")
+    gc_every: int = _f(50, "Run Python's garbage collector every N steps instead of at random points (an automatic collection can stall a step); 0 = automatic.")
     max_bad_steps: int = _f(3, "Stop with exit 1 after this many consecutive non-finite steps (each update is skipped at once; the stop comes at the next log step).")
 
 
 # Fields whose change does not alter the training math: allowed on resume.
 RESUME_SAFE_PREFIXES = (
     "output_dir", "data", "eval_every", "save_every", "log_every", "keep_last", "resume", "force_resume",
-    "max_bad_steps", "observe.", "eval.", "debug.", "distributed.", "batch.micro_sequences", "kernels.",
+    "max_bad_steps", "gc_every", "observe.", "eval.", "debug.", "distributed.", "batch.micro_sequences", "kernels.",
     "model.attn_implementation", "model.gradient_checkpointing",
 )
 
@@ -380,6 +382,7 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
         ("save_every", cfg.save_every >= 0, "must be >= 0"),
         ("log_every", cfg.log_every >= 1, "must be >= 1"),
         ("keep_last", cfg.keep_last >= 1, "must be >= 1"),
+        ("gc_every", cfg.gc_every >= 0, "must be >= 0"),
         ("distributed.bucket_cap_mb", cfg.distributed.bucket_cap_mb >= 1, "must be >= 1"),
         ("distributed.grad_reduce_dtype", cfg.distributed.grad_reduce_dtype == "fp32" or cfg.distributed.backend == "ddp",
          "applies to backend=ddp only (DeepSpeed sets its own communication dtype); leave it at fp32"),

@@ -8,6 +8,8 @@ log, eval and save steps; the per-step stop check is a CPU-only gloo collective.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import threading
@@ -122,7 +124,35 @@ def forward_backward(run: RunState, batch: StepBatch) -> tuple[torch.Tensor, tor
     return local, ~torch.isfinite(local)
 
 
+@contextlib.contextmanager
+def scheduled_gc(every: int):
+    """Python's automatic garbage collector off during training (a collection of the many
+    objects compile and the model leave behind can stall one step); :func:`collect_garbage`
+    collects young objects every ``every`` steps instead. ``every`` 0 leaves it automatic."""
+    if every <= 0:
+        yield
+        return
+    gc.collect()
+    gc.freeze()  # what exists now (model, compiled code) is never scanned again
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def collect_garbage(step: int, every: int) -> None:
+    if every > 0 and step % every == 0:
+        gc.collect(1)
+
+
 def train_loop(run: RunState) -> None:
+    with scheduled_gc(run.cfg.gc_every):
+        _train_steps(run)
+
+
+def _train_steps(run: RunState) -> None:
     cfg, info, engine = run.cfg, run.info, run.engine
     counters = _DeviceCounters(info.device, skipped=run.skipped_steps)
     window = {"t": time.perf_counter(), "tokens": 0, "flops": 0.0, "steps": 0, "lr": 0.0}
@@ -153,6 +183,7 @@ def train_loop(run: RunState) -> None:
         if (cfg.save_every and step % cfg.save_every == 0) or final or stop:
             _save(run, step, time.perf_counter() - t_start, evaluated)
         run.observer.progress(1, loss=run.last_train_loss, tokens_per_s=run.last_tokens_per_s)
+        collect_garbage(step, cfg.gc_every)
         if stop and not final:
             run.observer.info(f"SIGTERM: checkpoint step-{step} committed; exiting {EXIT_PREEMPTED}")
             raise Preempted(step)

@@ -108,12 +108,13 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
         model = apply_lora(model, cfg.lora, qlora=cfg.method == "qlora",
                            gradient_checkpointing=cfg.model.gradient_checkpointing)
     if cfg.kernels.compile or cfg.kernels.fused_lora:
-        apply_fastpath_kernels(model, compile_layers=cfg.kernels.compile, fuse_lora=cfg.kernels.fused_lora)
+        apply_fastpath_kernels(model, compile_layers=cfg.kernels.compile, fuse_lora=cfg.kernels.fused_lora,
+                               compile_cache_dir=cfg.kernels.compile_cache_dir or None)
     model.train()
     return model
 
 
-def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool) -> dict:
+def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool, compile_cache_dir: str | None = None) -> dict:
     """kernels.compile / kernels.fused_lora: trainer.fastpath changes the model in place
     (parameter names, and so checkpoints, stay the same)."""
     try:
@@ -121,7 +122,7 @@ def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool) -> d
     except ImportError as exc:
         raise ConfigError(f"kernels.compile / kernels.fused_lora need trainer.fastpath ({exc}); "
                           "set both to false") from None
-    return apply_kernels(model, compile_layers=compile_layers, fuse_lora=fuse_lora)
+    return apply_kernels(model, compile_layers=compile_layers, fuse_lora=fuse_lora, compile_cache_dir=compile_cache_dir)
 
 
 BUILTIN_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "paged_attention")

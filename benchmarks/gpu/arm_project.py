@@ -119,7 +119,10 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
     logged_tps = sum(tokens[i] for i in timed) / sum(tokens[i] / train[i]["tokens_per_s"] for i in timed)
     peak = flops.peak_flops(common.device_info()["device"])
     bench_mfu = sum(wflops[i] for i in timed) / span / peak / a.nproc if peak else None
-    logged_mfu = float(np.mean([train[i]["mfu"] for i in timed])) if "mfu" in train[-1] else None
+    # The trainer's own window times (its tokens / its tokens/s) weight its per-window MFU.
+    logged_dt = [tokens[i] / train[i]["tokens_per_s"] for i in timed]
+    logged_mfu = (sum(train[i]["mfu"] * dt for i, dt in zip(timed, logged_dt, strict=True)) / sum(logged_dt)
+                  if "mfu" in train[-1] else None)
     step_s = [(train[i]["time"] - train[i - 1]["time"]) / len(windows[i]) for i in timed]
     return {
         "tokens_per_s": bench_tps, "tokens_per_s_per_gpu": bench_tps / a.nproc,

@@ -26,3 +26,15 @@ def test_compiled_layers_give_the_same_fused_loss(small_qwen2):
     with torch.no_grad():
         after = fused_causal_lm_loss(small_qwen2, ids, targets, reduction="mean", **kwargs)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_cache_dir_points_inductor_at_a_persistent_folder(small_qwen2, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/ambient")
+    cache = tmp_path / "pvc" / "compile-cache"
+    compile_decoder_layers(small_qwen2, backend="eager", cache_dir=str(cache))
+    assert cache.is_dir() and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str(cache)

@@ -5,6 +5,7 @@ import json
 from argparse import Namespace
 
 import numpy as np
+import pytest
 
 from benchmarks import train_bench
 from benchmarks.gpu import common
@@ -40,3 +41,28 @@ def test_results_file_is_named_date_device(tmp_path):
     payload = json.loads(result.read_text())
     assert {"device", "date", "versions", "matmul_tflops", "arms"} <= set(payload)
     assert payload["arms"][0]["tokens_per_s"] == 1.0 and result.with_suffix(".md").is_file()
+
+
+def test_trainer_logged_mfu_is_time_weighted_like_the_benchmarks(tmp_path, monkeypatch):
+    from benchmarks.gpu import arm_project
+    from trainer.fastpath import flops
+
+    monkeypatch.setattr(common, "device_info", lambda: {"device": "NVIDIA H100 80GB HBM3"})
+    steps, per_step = 8, 4
+    samples = common.make_samples(steps * per_step, "short", vocab=1000)
+    shape = flops.shape_from_config(common.hf_config("qwen2.5-0.5b"))
+    peak = flops.peak_flops("NVIDIA H100 80GB HBM3")
+    now, lines = 0.0, []
+    for step in range(1, steps + 1):
+        lengths = samples.lengths[(step - 1) * per_step : step * per_step]
+        dt = 2.0 if step == 6 else 0.1  # one stalled step
+        now += dt
+        lines.append(json.dumps({"event": "train", "step": step, "time": now, "loss": 1.0,
+                                 "tokens_per_s": int(lengths.sum()) / dt,
+                                 "mfu": flops.step_flops(shape, "lora", lengths) / dt / peak}))
+    (tmp_path / "m.jsonl").write_text("\n".join(lines))
+    args = Namespace(samples_per_step=per_step, nproc=1, warmup=2, method="lora")
+    result = arm_project.summarize_metrics(tmp_path / "m.jsonl", samples, args, shape)
+    assert abs(result["logged_vs_bench_tokens_per_s"]) < 1e-9
+    assert abs(result["logged_vs_bench_mfu"]) < 1e-9  # a plain mean of per-step MFU would be ~40% off
+    assert result["step_s_p90"] > result["step_s_p50"] == pytest.approx(0.1)

@@ -175,3 +175,22 @@ def test_trainer_defaults_the_cuda_allocator_to_expandable_segments(monkeypatch)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
     use_expandable_segments()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_garbage_collection_is_scheduled_during_training(monkeypatch):
+    import gc
+
+    from trainer.loop import collect_garbage, scheduled_gc
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    assert gc.isenabled()
+    with scheduled_gc(3):
+        assert not gc.isenabled()
+        for step in range(1, 8):
+            collect_garbage(step, 3)
+    assert gc.isenabled() and calls == [2, 1, 1]  # once before training, then steps 3 and 6
+    with scheduled_gc(0):
+        assert gc.isenabled()  # 0 = Python's automatic collector
+        collect_garbage(3, 0)
+    assert calls == [2, 1, 1]

@@ -37,7 +37,7 @@ def compile_decoder_layers(
     """Compile every decoder layer in place; returns how many were compiled."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # the config names it: it wins over the environment
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
         os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     layers = decoder_layers(model)
