@@ -6,8 +6,9 @@ from ``(seed, epoch)``, the step takes the next contiguous block of it, and its
 sequences are dealt to the ``W`` ranks in equal counts with the token totals
 balanced (:func:`balanced_shares`): a data-parallel step waits for its slowest
 rank, so uneven shares of variable-length sequences cost throughput. Each rank
-flattens its share (in block order) into micro batches of ``micro_sequences`` sequences concatenated in one
-row (no padding), with per-document ``position_ids`` and ``cu_seqlens``.
+flattens its share (in block order) into micro batches of ``micro_sequences``
+sequences concatenated in one row (no padding), with per-document
+``position_ids`` and ``cu_seqlens``.
 
 Targets are shifted on the host: ``targets[t]`` is the label of token ``t+1``,
 or -100 where token ``t+1`` starts a new document, so the loss never crosses a
