@@ -3,6 +3,7 @@
 Arms, each in its own process (clean memory, one failure never hides the rest):
   naive    HF Trainer + PEFT LoRA, padded batches of 8, gradient checkpointing
   peer     HF Trainer + padding-free packing + Liger kernels + flex attention
+           (peer-eagermask: the same with transformers' flex block mask built uncompiled)
   fastpath trainer/fastpath alone in a minimal loop (benchmarks/gpu/arm_fast.py)
   project  the project's trainer itself (`python -m trainer`, benchmarks/gpu/arm_project.py)
 plus the 8192^3 bf16 matmul calibration and kernel checks (benchmarks/gpu/check_kernels.py).
@@ -32,7 +33,7 @@ DEFAULT_MICRO = {  # samples per packed micro-batch (64 per optimizer step), siz
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", default="check,naive:qwen2.5-1.5b:lora,peer:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora",
-                        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|fastpath|project)")
+                        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|peer-eagermask|fastpath|project)")
     parser.add_argument("--profile", default="short", choices=["short", "long"])
     parser.add_argument("--samples-per-step", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps for packed arms")
@@ -54,10 +55,12 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
     arm, model, method = job.split(":")
     common = ["--model", model, "--profile", args.profile, "--samples-per-step", str(args.samples_per_step),
               "--json-out", str(json_out)]
-    if arm in ("naive", "peer"):
+    if arm in ("naive", "peer", "peer-eagermask"):
         steps = args.naive_steps if arm == "naive" else args.steps
         warmup = 2 if arm == "naive" else args.warmup
-        return [py, "-m", "benchmarks.gpu.arm_hf", "--arm", arm, "--steps", str(steps), "--warmup", str(warmup), *common]
+        mask = ["--block-mask", "eager"] if arm == "peer-eagermask" else []
+        return [py, "-m", "benchmarks.gpu.arm_hf", "--arm", arm.split("-")[0], "--steps", str(steps),
+                "--warmup", str(warmup), *mask, *common]
     micro = DEFAULT_MICRO.get((model, method), 32)
     module = "benchmarks.gpu.arm_fast" if arm == "fastpath" else "benchmarks.gpu.arm_project"
     return [py, "-m", module, "--method", method, "--micro", str(micro), "--steps", str(args.steps),

@@ -24,6 +24,25 @@ import numpy as np
 from benchmarks.gpu import common
 
 
+def build_block_masks_eagerly() -> None:
+    """Peer variant: transformers' packed-sequence flex block mask built without torch.compile.
+
+    With ``_compile=True`` (transformers' choice) the first forward never finished: on torch 2.11 /
+    transformers 5.17 Inductor spent 400+ s compiling one Triton kernel of the block-mask build for
+    a ~15k-token packed row (benchmarks/NOTES.md, entry 16). Built eagerly, the mask costs one dense
+    Q x KV pass per forward; flex attention itself stays compiled.
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.create_block_mask
+
+    def create_block_mask(*args, **kwargs):
+        kwargs["_compile"] = False
+        return original(*args, **kwargs)
+
+    masking_utils.create_block_mask = create_block_mask
+
+
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
@@ -103,10 +122,14 @@ def _trainer(arm: str, model, dataset, per_step: int, steps: int, recorder: _Rec
     return SequentialTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate, callbacks=[recorder.callback()])
 
 
-def run(arm: str, model_name: str, profile: str, per_step: int, steps: int, warmup: int, json_out: str) -> dict:
+def run(arm: str, model_name: str, profile: str, per_step: int, steps: int, warmup: int, json_out: str,
+        block_mask: str = "compiled") -> dict:
     import torch
 
     from trainer.fastpath import flops
+
+    if arm == "peer" and block_mask == "eager":
+        build_block_masks_eagerly()
 
     if arm == "peer":
         from liger_kernel.transformers import (
@@ -130,7 +153,8 @@ def run(arm: str, model_name: str, profile: str, per_step: int, steps: int, warm
     ]
     result = {"arm": arm, "model": model_name, "method": "lora", "profile": profile, "attn": attn,
               "samples_per_step": per_step, "micro_batch": 8 if arm == "naive" else per_step,
-              "gradient_checkpointing": arm == "naive", **common.device_info()}
+              "gradient_checkpointing": arm == "naive", "block_mask": block_mask if arm == "peer" else None,
+              **common.device_info()}
     result.update(common.summarize(recorder.timer, warmup, per_step_flops, flops.peak_flops(result["device"])))
     result["compile_s"] = result["warmup_s"] if arm == "peer" else None
     common.write_json(json_out, result)
@@ -145,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples-per-step", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--block-mask", choices=["compiled", "eager"], default="compiled",
+                   help="peer: build transformers' flex block mask compiled (its default) or eagerly")
     p.add_argument("--json-out", required=True)
     a = p.parse_args(argv)
-    result = run(a.arm, a.model, a.profile, a.samples_per_step, a.steps, a.warmup, a.json_out)
+    result = run(a.arm, a.model, a.profile, a.samples_per_step, a.steps, a.warmup, a.json_out, a.block_mask)
     print({k: result[k] for k in ("arm", "model", "tokens_per_s", "mfu", "peak_mem_gib", "first_losses")})
     return 0
 

@@ -74,6 +74,11 @@ case "${1:?plan}" in
     BENCH_STACK_EVERY=100 TORCH_LOGS=recompiles bench --jobs "peer:qwen2.5-1.5b:lora" --steps 10 \
       --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
     ;;
+  peer-eager)  # one GPU: calibration, our trainer, naive, then the peer with its flex block mask built uncompiled
+    bench --jobs "check,project:qwen2.5-1.5b:lora,naive:qwen2.5-1.5b:lora" $P --deadline-s 220 --arm-timeout-s 120
+    BENCH_STACK_EVERY=100 bench --jobs "peer-eagermask:qwen2.5-1.5b:lora" --steps 12 \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .

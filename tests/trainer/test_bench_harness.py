@@ -66,3 +66,19 @@ def test_trainer_logged_mfu_is_time_weighted_like_the_benchmarks(tmp_path, monke
     assert abs(result["logged_vs_bench_tokens_per_s"]) < 1e-9
     assert abs(result["logged_vs_bench_mfu"]) < 1e-9  # a plain mean of per-step MFU would be ~40% off
     assert result["step_s_p90"] > result["step_s_p50"] == pytest.approx(0.1)
+
+
+def test_peer_variant_builds_the_flex_block_mask_uncompiled(monkeypatch):
+    from transformers import masking_utils
+
+    from benchmarks.gpu.arm_hf import build_block_masks_eagerly
+
+    seen = []
+    monkeypatch.setattr(masking_utils, "create_block_mask", lambda *a, **k: seen.append(k) or "mask")
+    build_block_masks_eagerly()
+    assert masking_utils.create_block_mask(mask_mod=None, B=1, _compile=True) == "mask"
+    assert seen == [{"mask_mod": None, "B": 1, "_compile": False}]
+    args = Namespace(profile="short", samples_per_step=64, naive_steps=6, steps=12, warmup=4, extra="")
+    command = train_bench._job_command("peer-eagermask:qwen2.5-1.5b:lora", args, "/tmp/x.json")
+    assert command[command.index("--arm") + 1] == "peer" and "--block-mask" in command
+    assert "--block-mask" not in train_bench._job_command("peer:qwen2.5-1.5b:lora", args, "/tmp/x.json")
