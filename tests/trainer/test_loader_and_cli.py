@@ -57,7 +57,7 @@ def test_rank_token_totals_are_balanced_on_real_batches(tokenized_dir):
                           seed=3) for r in range(2)]
     for step in (1, 2, 3):
         indices = ranks[0].global_indices(step)[1]
-        lengths = [ranks[0].split.sequence_length(int(i)) for i in indices]
+        lengths = ranks[0].split.sequence_lengths(indices).tolist()
         tokens = [sum(m.num_tokens for m in loader.batch(step).micro_batches) for loader in ranks]
         assert sum(tokens) == sum(lengths)
         assert abs(tokens[0] - tokens[1]) <= max(lengths)

@@ -182,8 +182,7 @@ class PackedLoader:
     def batch(self, step: int) -> StepBatch:
         epoch, indices = self.global_indices(step)
         targets, tokens, attn_sq = count_targets(self.split, indices)
-        lengths = [self.split.sequence_length(int(i)) for i in indices]
-        mine = indices[balanced_shares(lengths, self.world_size)[self.rank]]
+        mine = indices[balanced_shares(self.split.sequence_lengths(indices), self.world_size)[self.rank]]
         micro = [build_micro_batch(self.split, mine[i : i + self.micro_sequences])
                  for i in range(0, len(mine), self.micro_sequences)]
         return StepBatch(step, epoch, micro, targets, tokens, attn_sq)

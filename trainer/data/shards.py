@@ -63,14 +63,10 @@ class TokenizedSplit:
     def num_tokens(self) -> int:
         return int(self.doc_offsets[-1])
 
-    def sequence_bounds(self, index: int) -> tuple[int, int]:
-        """Token range [start, end) of sequence ``index``."""
-        d0, d1 = int(self.seq_offsets[index]), int(self.seq_offsets[index + 1])
-        return int(self.doc_offsets[d0]), int(self.doc_offsets[d1])
-
-    def sequence_length(self, index: int) -> int:
-        start, end = self.sequence_bounds(index)
-        return end - start
+    def sequence_lengths(self, indices) -> np.ndarray:
+        """Token counts of sequences ``indices`` (int64), read from the offsets alone."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return self.doc_offsets[self.seq_offsets[indices + 1]] - self.doc_offsets[self.seq_offsets[indices]]
 
     def __getitem__(self, index: int) -> Sequence:
         if not 0 <= index < len(self):
