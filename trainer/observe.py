@@ -161,14 +161,20 @@ class Observer:
 
     # ------------------------------------------------------------------ end of run
 
-    def finish(self, summary: dict, final_dir: Path | None, status: str = "FINISHED") -> None:
+    def _close_sinks(self) -> bool:
+        """Close the progress bar and TensorBoard once; False when already closed."""
         if self._closed:
-            return
+            return False
         self._closed = True
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        return True
+
+    def finish(self, summary: dict, final_dir: Path | None, status: str = "FINISHED") -> None:
+        if not self._close_sinks():
+            return
         if final_dir is not None and final_dir.is_dir():
             self._mlflow(lambda m: m.log_artifacts(str(final_dir), artifact_path="final"))
         self._mlflow(lambda m: m.end_run(status=status))
@@ -177,13 +183,8 @@ class Observer:
 
     def close_interrupted(self) -> None:
         """Preempted or failed: close sinks but leave the MLflow run resumable."""
-        if self._closed:
+        if not self._close_sinks():
             return
-        self._closed = True
-        if self._bar is not None:
-            self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
         self._mlflow(lambda m: m.end_run(status="KILLED"))
 
 

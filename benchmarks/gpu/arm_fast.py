@@ -168,14 +168,7 @@ def profile(model, params, opt, plan, autocast: bool) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(common.MODEL_SHAPES))
-    p.add_argument("--method", default="lora", choices=["lora", "full"])
-    p.add_argument("--profile", default="short", choices=sorted(common.PROFILES))
-    p.add_argument("--samples-per-step", type=int, default=64)
-    p.add_argument("--micro", type=int, default=64, help="samples per packed micro-batch (accumulated to a step)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--no-compile", action="store_true")
+    common.add_arm_arguments(p, "samples per packed micro-batch (accumulated to a step)")
     p.add_argument("--no-fuse-lora", action="store_true")
     p.add_argument("--arm-name", default="fastpath")
     p.add_argument("--profile-steps", type=int, default=0, help="after timing, profile this many steps")

@@ -184,15 +184,8 @@ def _first_step_seconds(stdout: str, first_record: dict):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(common.MODEL_SHAPES))
-    p.add_argument("--method", default="lora", choices=["lora", "full"])
-    p.add_argument("--profile", default="short", choices=sorted(common.PROFILES))
-    p.add_argument("--samples-per-step", type=int, default=64)
-    p.add_argument("--micro", type=int, default=64, help="samples per micro batch (one packed row)")
+    common.add_arm_arguments(p, "samples per micro batch (one packed row)")
     p.add_argument("--pack", type=int, default=8, help="samples per stored sequence (the unit dealt to ranks)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--no-compile", action="store_true")
     p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) through torchrun; --samples-per-step is per GPU")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--torchrun", action="store_true", help="launch through torchrun even for one rank")

@@ -188,3 +188,15 @@ def _jsonable(value):
     if hasattr(value, "__dataclass_fields__"):
         return asdict(value)
     return str(value)
+
+
+def add_arm_arguments(parser, micro_help: str) -> None:
+    """Command-line options every packed arm (fastpath, project) takes."""
+    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--method", default="lora", choices=["lora", "full"])
+    parser.add_argument("--profile", default="short", choices=sorted(PROFILES))
+    parser.add_argument("--samples-per-step", type=int, default=64)
+    parser.add_argument("--micro", type=int, default=64, help=micro_help)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--no-compile", action="store_true")
