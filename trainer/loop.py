@@ -127,7 +127,8 @@ def forward_backward(run: RunState, batch: StepBatch) -> tuple[torch.Tensor, tor
 @contextlib.contextmanager
 def scheduled_gc(every: int):
     """Python's automatic garbage collector off during training (a collection of the many
-    objects compile and the model leave behind can stall one step); :func:`collect_garbage`
+    objects compile and the model leave behind may stall one step: suspected, not yet measured,
+    for the single slow steps in benchmarks/NOTES.md entry 15); :func:`collect_garbage`
     collects young objects every ``every`` steps instead. ``every`` 0 leaves it automatic."""
     if every <= 0:
         yield
