@@ -79,6 +79,11 @@ case "${1:?plan}" in
     BENCH_STACK_EVERY=100 bench --jobs "peer-eagermask:qwen2.5-1.5b:lora" --steps 12 \
       --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
     ;;
+  peer-first)  # one GPU: calibration, the peer (transformers' block mask uncompiled) with most of the call, then ours and naive
+    bench --jobs "check" --deadline-s 60
+    BENCH_STACK_EVERY=100 bench --jobs "peer-eagermask:qwen2.5-1.5b:lora" --steps 12 --deadline-s 400 --arm-timeout-s 390
+    bench --jobs "project:qwen2.5-1.5b:lora,naive:qwen2.5-1.5b:lora" $P --deadline-s $((590 - SECONDS)) --arm-timeout-s 110
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .
