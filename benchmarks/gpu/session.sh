@@ -84,6 +84,12 @@ case "${1:?plan}" in
     BENCH_STACK_EVERY=100 bench --jobs "peer-eagermask:qwen2.5-1.5b:lora" --steps 12 --deadline-s 400 --arm-timeout-s 390
     bench --jobs "project:qwen2.5-1.5b:lora,naive:qwen2.5-1.5b:lora" $P --deadline-s $((590 - SECONDS)) --arm-timeout-s 110
     ;;
+  profile)  # one GPU: ours on 1.5B and 0.5B LoRA, the previous trainer (.prev, carried) for A/B, then one profiled step of each
+    bench --jobs "check,project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora" $P --deadline-s 200 --arm-timeout-s 110
+    [ -d .prev ] && (cd .prev && bench --label prev --jobs "project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora" $P --deadline-s 180 --arm-timeout-s 100)
+    BENCH_PROFILE_STEPS=20:20 BENCH_PROFILE_OUT=$W bench --label profiled --jobs "project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora" \
+      --steps 22 --deadline-s $((585 - SECONDS)) --arm-timeout-s 100
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .

@@ -9,6 +9,9 @@ the trainer's own code path, unchanged.
 """
 from __future__ import annotations
 
+import gzip
+import os
+import shutil
 import sys
 import time
 
@@ -38,7 +41,67 @@ def main() -> int:
         return model
 
     trainer_model.load_model = load_model
+    if os.environ.get("BENCH_PROFILE_STEPS"):
+        profile_steps(os.environ["BENCH_PROFILE_STEPS"], os.environ.get("BENCH_PROFILE_OUT", "."))
     return trainer_main(sys.argv[1:])
+
+
+def profile_steps(spec: str, out_dir: str) -> None:
+    """``BENCH_PROFILE_STEPS=A:B``: torch.profiler over trainer steps A..B (whole steps: forward,
+    backward, optimizer, logging). Prints how much of the wall time the GPU ran kernels (the rest
+    is the GPU waiting on the host) and the top kernels; writes a Chrome trace to ``out_dir``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer import loop
+
+    first, last = (int(v) for v in spec.split(":"))
+    original, state = loop.forward_backward, {}
+
+    def forward_backward(run, batch):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        if batch.step == first:
+            sync()
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        elif batch.step == last + 1 and "prof" in state:
+            sync()
+            wall = time.perf_counter() - state["t0"]
+            prof = state.pop("prof")
+            prof.__exit__(None, None, None)
+            report_profile(prof, wall, last - first + 1, out_dir)
+        return original(run, batch)
+
+    loop.forward_backward = forward_backward
+
+
+def gpu_busy_seconds(prof) -> float:
+    """Union of the CUDA kernel/memcpy intervals (seconds): time the GPU was doing anything."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            busy += 0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += 0 if cur_end is None else cur_end - cur_start
+    return busy / 1e6  # profiler times are microseconds
+
+
+def report_profile(prof, wall: float, steps: int, out_dir: str) -> None:
+    busy = gpu_busy_seconds(prof)
+    print(f"[profile] {steps} steps: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms "
+          f"({100 * busy / wall:.1f}%), GPU idle {(wall - busy) * 1e3 / steps:.1f} ms per step", flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90), flush=True)
+    trace = os.path.join(out_dir, f"trace-{os.getpid()}.json")
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(trace)
 
 
 if __name__ == "__main__":

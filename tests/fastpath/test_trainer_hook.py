@@ -34,6 +34,19 @@ def test_fused_sum_equals_the_trainers_loss(small_qwen2):
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_sum_uses_the_loaders_supervised_positions(small_qwen2):
+    """With ``supervised`` given, those positions (and only those) are the loss: a wrong index list
+    changes it, so the value cannot come from a device-side search."""
+    batch = _batch(small_qwen2.config.vocab_size, [6, 10, 4])
+    supervised = torch.nonzero(batch["targets"].reshape(-1) != -100).reshape(-1)
+    with torch.no_grad():
+        searched = fused_token_nll_sum(small_qwen2, batch)
+        given = fused_token_nll_sum(small_qwen2, {**batch, "supervised": supervised})
+        fewer = fused_token_nll_sum(small_qwen2, {**batch, "supervised": supervised[:-4]})
+    torch.testing.assert_close(given, searched, rtol=1e-6, atol=1e-6)
+    assert fewer < searched
+
+
 def test_forward_kwargs_bucket_the_longest_document():
     batch = _batch(50, [6, 200])
     kwargs = packed_forward_kwargs(batch)

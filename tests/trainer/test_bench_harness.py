@@ -82,3 +82,18 @@ def test_peer_variant_builds_the_flex_block_mask_uncompiled(monkeypatch):
     command = train_bench._job_command("peer-eagermask:qwen2.5-1.5b:lora", args, "/tmp/x.json")
     assert command[command.index("--arm") + 1] == "peer" and "--block-mask" in command
     assert "--block-mask" not in train_bench._job_command("peer:qwen2.5-1.5b:lora", args, "/tmp/x.json")
+
+
+def test_profiler_gpu_busy_time_is_the_union_of_kernel_intervals():
+    """Overlapping kernels count once; CPU events and gaps do not count (the gap is GPU idle time)."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.gpu.trainer_entry import gpu_busy_seconds
+
+    def event(kind, start_us, end_us):
+        return NS(device_type=NS(name=kind), time_range=NS(start=start_us, end=end_us))
+
+    events = [event("CUDA", 0, 100), event("CUDA", 50, 150), event("CPU", 0, 10_000),
+              event("CUDA", 1_000, 1_200), event("CUDA", 1_200, 1_300), event("CUDA", 5, 5)]
+    assert gpu_busy_seconds(NS(events=lambda: events)) == pytest.approx(450e-6)
+    assert gpu_busy_seconds(NS(events=lambda: [])) == 0.0

@@ -76,6 +76,19 @@ def test_targets_never_cross_a_document_boundary(tokenized_dir):
     assert shift_targets(labels, positions).tolist() == [6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]
 
 
+def test_micro_batch_tensors_carry_the_supervised_positions(tokenized_dir):
+    """The fused loss reads ``supervised`` instead of searching the targets on the device (a host sync)."""
+    import torch
+
+    loader = PackedLoader(tokenized_dir, "train", global_sequences=4, micro_sequences=2, rank=0, world_size=1, seed=0)
+    micro = loader.batch(1).micro_batches[0]
+    tensors = micro.to_torch(torch.device("cpu"))
+    flat_targets = tensors["targets"].reshape(-1)
+    expected = torch.nonzero(flat_targets != IGNORE_INDEX).reshape(-1)
+    assert tensors["supervised"].dtype == torch.long and 0 < tensors["supervised"].numel() < flat_targets.numel()
+    assert torch.equal(tensors["supervised"], expected)
+
+
 def test_uneven_split_over_ranks_is_a_data_error(tokenized_dir):
     from trainer.errors import DataError
 

@@ -43,7 +43,9 @@ class MicroBatch:
         return len(self.input_ids)
 
     def to_torch(self, device, pin: bool = False) -> dict:
-        """Tensors for the model: [1, T] rows plus cu_seqlens/max_seqlen for varlen kernels."""
+        """Tensors for the model: [1, T] rows plus cu_seqlens/max_seqlen for varlen kernels, and
+        ``supervised``: the flat positions of the supervised targets, found here on the host so
+        the fused loss needs no device-to-host sync to find them mid-step."""
         import torch
 
         def tensor(arr, dtype):
@@ -59,6 +61,7 @@ class MicroBatch:
             "position_ids": tensor(self.position_ids, torch.long).unsqueeze(0),
             "targets": tensor(self.targets, torch.long).unsqueeze(0),
             "cu_seqlens": tensor(cu, torch.int32),
+            "supervised": tensor(np.flatnonzero(self.targets != IGNORE_INDEX), torch.long),
             "max_seqlen": int(self.doc_lengths.max()) if len(self.doc_lengths) else 0,
         }
 

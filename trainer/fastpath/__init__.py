@@ -71,4 +71,4 @@ def fused_token_nll_sum(model, batch: dict):
     from trainer.fastpath.loss import fused_causal_lm_loss
 
     return fused_causal_lm_loss(model, batch["input_ids"], batch["targets"], reduction="sum",
-                                **packed_forward_kwargs(batch)).float()
+                                select=batch.get("supervised"), **packed_forward_kwargs(batch)).float()
