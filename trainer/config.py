@@ -114,6 +114,7 @@ class KernelsConfig:
     fused_loss: bool = _f(False, "Compute the loss with trainer.fastpath's fused linear cross-entropy (no full logits).")
     compile: bool = _f(False, "torch.compile the decoder layers in place (trainer.fastpath.apply_kernels).")
     fused_lora: bool = _f(False, "Swap PEFT's LoRA linears for trainer.fastpath's fused LoRA linear (exact).")
+    grouped_lora: bool = _f(True, "With fused_lora: q/k/v and gate/up projections (same input) run as one matmul each, fewer kernel launches (exact).")
     compile_cache_dir: str = _f("", "Folder for torch.compile's on-disk cache (e.g. on the PVC) so a restarted or resumed job compiles warm; empty = PyTorch's default under /tmp.")
 
 

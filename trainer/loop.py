@@ -482,5 +482,8 @@ def announce(run: RunState, counts: dict, resume_path: Path | None, warnings: li
         f"{run.info.world_size} rank(s) on {run.info.device.type}; {run.total_steps} steps of "
         f"{run.loader.global_sequences} sequences ({run.loader.accum_steps} micro step(s) per rank)"
     )
+    fastpath = getattr(run.engine.module, "llmft_fastpath", None)
+    if fastpath:
+        run.observer.info("fast path: " + ", ".join(f"{k} {v}" for k, v in fastpath.items() if v or v == 0))
     if resume_path:
         run.observer.info(f"resuming from {resume_path} at step {run.start_step}")

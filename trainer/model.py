@@ -108,13 +108,15 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
         model = apply_lora(model, cfg.lora, qlora=cfg.method == "qlora",
                            gradient_checkpointing=cfg.model.gradient_checkpointing)
     if cfg.kernels.compile or cfg.kernels.fused_lora:
-        apply_fastpath_kernels(model, compile_layers=cfg.kernels.compile, fuse_lora=cfg.kernels.fused_lora,
-                               compile_cache_dir=cfg.kernels.compile_cache_dir or None)
+        model.llmft_fastpath = apply_fastpath_kernels(  # what was switched on, for the run log
+            model, compile_layers=cfg.kernels.compile, fuse_lora=cfg.kernels.fused_lora,
+            group_lora=cfg.kernels.grouped_lora, compile_cache_dir=cfg.kernels.compile_cache_dir or None)
     model.train()
     return model
 
 
-def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool, compile_cache_dir: str | None = None) -> dict:
+def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool, group_lora: bool = True,
+                           compile_cache_dir: str | None = None) -> dict:
     """kernels.compile / kernels.fused_lora: trainer.fastpath changes the model in place
     (parameter names, and so checkpoints, stay the same)."""
     try:
@@ -122,7 +124,8 @@ def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool, comp
     except ImportError as exc:
         raise ConfigError(f"kernels.compile / kernels.fused_lora need trainer.fastpath ({exc}); "
                           "set both to false") from None
-    return apply_kernels(model, compile_layers=compile_layers, fuse_lora=fuse_lora, compile_cache_dir=compile_cache_dir)
+    return apply_kernels(model, compile_layers=compile_layers, fuse_lora=fuse_lora, group_lora=group_lora,
+                         compile_cache_dir=compile_cache_dir)
 
 
 BUILTIN_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "paged_attention")

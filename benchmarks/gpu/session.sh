@@ -90,6 +90,12 @@ case "${1:?plan}" in
     BENCH_PROFILE_STEPS=20:20 BENCH_PROFILE_OUT=$W bench --label profiled --jobs "project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora" \
       --steps 22 --deadline-s $((585 - SECONDS)) --arm-timeout-s 100
     ;;
+  grouped)  # one GPU: grouped q/k/v + gate/up (default) against the same code with kernels.grouped_lora=false, A/B on 1.5B and 0.5B, then 8B
+    bench --jobs "check,project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora" $P --deadline-s 200 --arm-timeout-s 110
+    bench --label ungrouped --jobs "project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora" $P --extra=--override=kernels.grouped_lora=false --deadline-s 160 --arm-timeout-s 90
+    BENCH_PROFILE_STEPS=20:20 BENCH_PROFILE_OUT=$W bench --label profiled --jobs "project:qwen2.5-1.5b:lora" --steps 22 --deadline-s 80 --arm-timeout-s 75
+    bench --jobs "project:llama-3-8b:lora" $P --extra=--micro=16 --deadline-s $((588 - SECONDS)) --arm-timeout-s $((585 - SECONDS))
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .

@@ -56,4 +56,4 @@ def test_forward_kwargs_bucket_the_longest_document():
 
 def test_apply_kernels_on_a_plain_model_only_compiles(small_qwen2):
     report = apply_kernels(small_qwen2, compile_layers=False)
-    assert report == {"fused_lora": 0, "lora_kept": {}, "compiled_layers": 0}
+    assert report == {"fused_lora": 0, "lora_kept": {}, "grouped_lora": 0, "compiled_layers": 0}

@@ -6,6 +6,7 @@
 - ``loss``: fused linear cross-entropy over supervised positions only, chunked,
   never materializing full-vocab logits.
 - ``lora``: a fused LoRA linear swapped into PEFT's lora.Linear modules.
+- ``lora_groups``: q/k/v and gate/up (one shared input) as one fused node each.
 - ``compile``: torch.compile of the decoder layers in place.
 - ``flops``: model FLOPs per step (LoRA 4N + adapters, full 6N, causal attention
   per document) for tokens/s -> MFU, shared by the benchmark and the step logs.
@@ -36,15 +37,23 @@ def prepare_attention(attn_implementation: str) -> None:
         register()
 
 
-def apply_kernels(model, *, compile_layers: bool, fuse_lora: bool = True, compile_cache_dir: str | None = None) -> dict:
-    """Switch on the model-level fast path: fused LoRA linears (exact; PEFT models only) and
-    compiled decoder layers. Returns what was done, for the run log."""
-    report: dict = {"fused_lora": 0, "lora_kept": {}, "compiled_layers": 0}
+def apply_kernels(model, *, compile_layers: bool, fuse_lora: bool = True, group_lora: bool = True,
+                  compile_cache_dir: str | None = None) -> dict:
+    """Switch on the model-level fast path: fused LoRA linears (exact; PEFT models only), grouped
+    sibling projections, and compiled decoder layers. Returns what was done, for the run log."""
+    report: dict = {"fused_lora": 0, "lora_kept": {}, "grouped_lora": 0, "compiled_layers": 0}
     if fuse_lora and hasattr(model, "peft_config"):
         from trainer.fastpath.lora import count_fused, fuse_lora_linears
 
         report["lora_kept"] = fuse_lora_linears(model)
         report["fused_lora"] = count_fused(model)
+        if group_lora:
+            from trainer.fastpath.lora_groups import count_grouped, group_lora_projections
+
+            ungrouped = group_lora_projections(model)
+            report["grouped_lora"] = count_grouped(model)
+            if ungrouped:
+                report["lora_ungrouped"] = ungrouped
     if compile_layers:
         from trainer.fastpath.compile import compile_decoder_layers
 

@@ -27,6 +27,8 @@ import types
 
 import torch
 
+from trainer.fastpath.lora_groups import take_given_output
+
 
 class _LoraLinearFunction(torch.autograd.Function):
     @staticmethod
@@ -121,6 +123,9 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, mode: str | Non
 
 
 def _fused_forward(self, x, *args, **kwargs):
+    given = take_given_output(self, x)  # computed with its siblings by a grouped parent (lora_groups.py)
+    if given is not None:
+        return given
     active = [name for name in self.active_adapters if name in self.lora_A]
     if args or kwargs or self.disable_adapters or self.merged or len(active) != 1:
         return self._llmft_peft_forward(x, *args, **kwargs)
