@@ -96,6 +96,12 @@ case "${1:?plan}" in
     BENCH_PROFILE_STEPS=20:20 BENCH_PROFILE_OUT=$W bench --label profiled --jobs "project:qwen2.5-1.5b:lora" --steps 22 --deadline-s 80 --arm-timeout-s 75
     bench --jobs "project:llama-3-8b:lora" $P --extra=--micro=16 --deadline-s $((588 - SECONDS)) --arm-timeout-s $((585 - SECONDS))
     ;;
+  table)  # one GPU, one call: every arm of the table on the same GPU (8B last, as time allows)
+    bench --jobs "check,project:qwen2.5-1.5b:lora,naive:qwen2.5-1.5b:lora" $P --deadline-s 190 --arm-timeout-s 110
+    bench --jobs "peer-eagermask:qwen2.5-1.5b:lora" --steps 12 --deadline-s 110 --arm-timeout-s 105
+    bench --jobs "project:qwen2.5-0.5b:lora,project:qwen2.5-1.5b:full" $P --deadline-s 190 --arm-timeout-s 105
+    bench --jobs "project:llama-3-8b:lora" $P --extra=--micro=16 --deadline-s $((588 - SECONDS)) --arm-timeout-s $((585 - SECONDS))
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .
