@@ -6,6 +6,10 @@ first step record - that moment). The trainer applies the fast path itself
 (kernels.compile / kernels.fused_lora); for an older trainer without
 trainer.model.apply_fastpath_kernels the harness applies it. Everything else is
 the trainer's own code path, unchanged.
+
+``BENCH_PROFILE_STEPS=A:B`` (optional) runs torch.profiler over trainer steps A..B and prints how
+much of their wall time the GPU was busy, plus the top kernels; ``BENCH_PROFILE_OUT`` is the folder
+for the gzipped Chrome trace (default: the working directory).
 """
 from __future__ import annotations
 
