@@ -1,10 +1,12 @@
 """The fused LoRA linear computes what PEFT's lora.Linear computes, forward and backward."""
 from __future__ import annotations
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from trainer.fastpath.lora import count_fused, fuse_lora_linears
+from trainer.fastpath.lora_groups import count_grouped, group_lora_projections
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -56,12 +58,16 @@ def test_dropout_keeps_peft_forward(small_qwen2):
     assert all("dropout" in reason for reason in skipped.values())
 
 
-def test_disabled_adapter_falls_back(small_qwen2):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_disabled_adapter_falls_back(small_qwen2, grouped):
+    """Fused (and with q/k/v, gate/up grouped): a disabled adapter gives the base model exactly."""
     model = _peft(small_qwen2)
     input_ids = torch.randint(0, small_qwen2.config.vocab_size, (1, 7))
     with torch.no_grad(), model.disable_adapter():
         base_before = model(input_ids=input_ids, use_cache=False).logits
     fuse_lora_linears(model)
+    if grouped:
+        assert group_lora_projections(model) == {} and count_grouped(model) > 0
     with torch.no_grad(), model.disable_adapter():
         base_after = model(input_ids=input_ids, use_cache=False).logits
     with torch.no_grad():

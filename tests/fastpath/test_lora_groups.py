@@ -109,21 +109,16 @@ def test_compiled_layers_take_the_grouped_path_without_graph_breaks(per_projecti
     torch._dynamo.reset()
 
 
-def test_disabled_adapter_and_other_inputs_fall_back(small_qwen2):
+def test_a_child_given_its_groups_output_still_computes_for_other_inputs(small_qwen2):
+    """The hand-off is keyed on the very input tensor: any other input gets the child's own forward."""
     model = _peft(small_qwen2)
-    input_ids = torch.randint(0, small_qwen2.config.vocab_size, (1, 7))
-    with torch.no_grad(), model.disable_adapter():
-        base_before = model(input_ids=input_ids, use_cache=False).logits
     fuse_lora_linears(model)
     group_lora_projections(model)
-    with torch.no_grad(), model.disable_adapter():
-        base_after = model(input_ids=input_ids, use_cache=False).logits
-    torch.testing.assert_close(base_after, base_before, rtol=0, atol=0)
-    # A child holding its group's output still computes itself for any other input tensor.
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     x, other = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
     q_proj._llmft_given = (x, torch.zeros(1, 3, 64))
     assert take_given_output(q_proj, other) is None and q_proj._llmft_given is not None
+    assert not torch.equal(q_proj(other), torch.zeros(1, 3, 64))
     assert torch.equal(take_given_output(q_proj, x), torch.zeros(1, 3, 64)) and q_proj._llmft_given is None
 
 
@@ -138,3 +133,16 @@ def test_groups_need_every_sibling_fused(small_qwen2):
     skipped = group_lora_projections(dropped)
     assert count_grouped(dropped) == 0 and skipped
     assert all("fused LoRA forward" in reason for reason in skipped.values())
+
+
+def test_merged_and_unloaded_model_runs_the_plain_path(small_qwen2):
+    """After merge_and_unload the children are plain linears: the grouped parent must step aside."""
+    model = _peft(small_qwen2)
+    input_ids = torch.randint(0, small_qwen2.config.vocab_size, (1, 6))
+    fuse_lora_linears(model)
+    group_lora_projections(model)
+    with torch.no_grad():
+        adapted = model(input_ids=input_ids, use_cache=False).logits
+        merged = model.merge_and_unload()
+        after = merged(input_ids=input_ids, use_cache=False).logits
+    torch.testing.assert_close(after, adapted, rtol=1e-4, atol=1e-5)

@@ -102,7 +102,10 @@ def grouped_lora_linear(x, weights, biases, lora_as, lora_bs, scalings) -> torch
 
 
 def _adapter_in_use(module) -> str | None:
-    """The one active adapter a fused lora.Linear applies right now (None: it would fall back to PEFT)."""
+    """The one active adapter a fused lora.Linear applies right now (None: it would fall back to PEFT,
+    or it is no LoRA layer any more, e.g. after merge_and_unload)."""
+    if not hasattr(module, "lora_A"):
+        return None
     active = [name for name in module.active_adapters if name in module.lora_A]
     if module.disable_adapters or module.merged or len(active) != 1:
         return None
