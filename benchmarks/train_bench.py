@@ -3,7 +3,8 @@
 Arms, each in its own process (clean memory, one failure never hides the rest):
   naive    HF Trainer + PEFT LoRA, padded batches of 8, gradient checkpointing
   peer     HF Trainer + padding-free packing + Liger kernels + flex attention
-           (peer-eagermask: the same with transformers' flex block mask built uncompiled)
+           (peer-eagermask, the default: the same with transformers' flex block mask built
+           uncompiled; compiled, its first forward did not finish in 530 s on torch 2.11)
   fastpath trainer/fastpath alone in a minimal loop (benchmarks/gpu/arm_fast.py)
   project  the project's trainer itself (`python -m trainer`, benchmarks/gpu/arm_project.py)
 plus the 8192^3 bf16 matmul calibration and kernel checks (benchmarks/gpu/check_kernels.py).
@@ -32,8 +33,10 @@ DEFAULT_MICRO = {  # samples per packed micro-batch (64 per optimizer step), siz
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--jobs", default="check,naive:qwen2.5-1.5b:lora,peer:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora",
-                        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|peer-eagermask|fastpath|project)")
+    parser.add_argument("--jobs", default="check,naive:qwen2.5-1.5b:lora,peer-eagermask:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora",
+                        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|peer-eagermask|fastpath|project; "
+                             "plain 'peer' keeps transformers' compiled flex block mask, which compiled for 400+ s "
+                             "on torch 2.11 without finishing)")
     parser.add_argument("--profile", default="short", choices=["short", "long"])
     parser.add_argument("--samples-per-step", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps for packed arms")
