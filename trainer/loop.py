@@ -127,8 +127,8 @@ def forward_backward(run: RunState, batch: StepBatch) -> tuple[torch.Tensor, tor
 @contextlib.contextmanager
 def scheduled_gc(every: int):
     """Python's automatic garbage collector off during training (a collection of the many
-    objects compile and the model leave behind may stall one step: suspected, not yet measured,
-    for the single slow steps in benchmarks/NOTES.md entry 15); :func:`collect_garbage`
+    objects compile and the model leave behind may stall one step: the single slow steps of
+    benchmarks/NOTES.md entry 15 did not recur with this on, entry 21); :func:`collect_garbage`
     collects young objects every ``every`` steps instead. ``every`` 0 leaves it automatic."""
     if every <= 0:
         yield
@@ -484,6 +484,6 @@ def announce(run: RunState, counts: dict, resume_path: Path | None, warnings: li
     )
     fastpath = getattr(run.engine.module, "llmft_fastpath", None)
     if fastpath:
-        run.observer.info("fast path: " + ", ".join(f"{k} {v}" for k, v in fastpath.items() if v or v == 0))
+        run.observer.info("fast path: " + ", ".join(f"{k} {v}" for k, v in fastpath.items() if v != {}))
     if resume_path:
         run.observer.info(f"resuming from {resume_path} at step {run.start_step}")

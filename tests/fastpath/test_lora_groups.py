@@ -6,8 +6,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import trainer.fastpath.lora as lora_module
-from trainer.fastpath.lora import fuse_lora_linears
-from trainer.fastpath.lora_groups import count_grouped, group_lora_projections, grouped_lora_linear, take_given_output
+from trainer.fastpath.lora import fuse_lora_linears, take_given_output
+from trainer.fastpath.lora_groups import count_grouped, group_lora_projections, grouped_lora_linear
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

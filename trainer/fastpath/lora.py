@@ -27,8 +27,6 @@ import types
 
 import torch
 
-from trainer.fastpath.lora_groups import take_given_output
-
 
 class _LoraLinearFunction(torch.autograd.Function):
     @staticmethod
@@ -122,14 +120,33 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, mode: str | Non
     return fn.apply(x, weight, bias, lora_a, lora_b, float(scaling))
 
 
+def adapter_in_use(module) -> str | None:
+    """The one active adapter a fused lora.Linear applies right now; None where it falls back to
+    PEFT (disabled, merged, several adapters) or is no LoRA layer any more (merge_and_unload)."""
+    if not hasattr(module, "lora_A"):
+        return None
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if module.disable_adapters or module.merged or len(active) != 1:
+        return None
+    return active[0]
+
+
+def take_given_output(module, x):
+    """The output a grouped parent (lora_groups.py) computed for ``module`` from this very ``x``, else None."""
+    given = getattr(module, "_llmft_given", None)
+    if given is None or given[0] is not x:
+        return None
+    module._llmft_given = None
+    return given[1]
+
+
 def _fused_forward(self, x, *args, **kwargs):
-    given = take_given_output(self, x)  # computed with its siblings by a grouped parent (lora_groups.py)
+    given = take_given_output(self, x)  # computed with its siblings by a grouped parent
     if given is not None:
         return given
-    active = [name for name in self.active_adapters if name in self.lora_A]
-    if args or kwargs or self.disable_adapters or self.merged or len(active) != 1:
+    name = adapter_in_use(self)
+    if args or kwargs or name is None:
         return self._llmft_peft_forward(x, *args, **kwargs)
-    name = active[0]
     base = self.get_base_layer()
     return lora_linear(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
 

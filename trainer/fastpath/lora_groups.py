@@ -26,6 +26,8 @@ import types
 
 import torch
 
+from trainer.fastpath.lora import adapter_in_use
+
 # (parent attribute names) that transformers' decoder layers call with one shared input.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -101,22 +103,11 @@ def grouped_lora_linear(x, weights, biases, lora_as, lora_bs, scalings) -> torch
     return _GroupedLoraFunction.apply(x, tuple(float(s) for s in scalings), *weights, *biases, *lora_as, *lora_bs)
 
 
-def _adapter_in_use(module) -> str | None:
-    """The one active adapter a fused lora.Linear applies right now (None: it would fall back to PEFT,
-    or it is no LoRA layer any more, e.g. after merge_and_unload)."""
-    if not hasattr(module, "lora_A"):
-        return None
-    active = [name for name in module.active_adapters if name in module.lora_A]
-    if module.disable_adapters or module.merged or len(active) != 1:
-        return None
-    return active[0]
-
-
 def _grouped_forward(self, *args, **kwargs):
     """Parent forward: the group's projections in one node, then the original forward."""
     x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
     members = [getattr(self, name) for name in self._llmft_group]
-    names = [_adapter_in_use(m) for m in members]
+    names = [adapter_in_use(m) for m in members]
     if x is None or None in names:
         return self._llmft_forward(*args, **kwargs)
     bases = [m.get_base_layer() for m in members]
@@ -135,15 +126,6 @@ def _grouped_forward(self, *args, **kwargs):
     finally:
         for member in members:
             member._llmft_given = None
-
-
-def take_given_output(module, x):
-    """The output a grouped parent computed for ``module`` from this very ``x``, else None."""
-    given = getattr(module, "_llmft_given", None)
-    if given is None or given[0] is not x:
-        return None
-    module._llmft_given = None
-    return given[1]
 
 
 def _why_not_groupable(members) -> str | None:
@@ -179,6 +161,7 @@ def group_lora_projections(model: torch.nn.Module) -> dict[str, str]:
             module._llmft_group = group
             module._llmft_forward = module.forward
             module.forward = types.MethodType(_grouped_forward, module)
+            break  # one group per parent: its forward is wrapped once
     return skipped
 
 
