@@ -14,6 +14,7 @@ Writes ``benchmarks/results/<date>-cpu-data.json`` (machine, date, command,
 figures) and ``<date>-cpu-data.md`` (a table for BENCHMARKS.md). Module top
 imports: stdlib and numpy only (``llmft bench`` imports this to read its flags).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,22 @@ GOAL_SECONDS_PER_100K = 60.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=100_000, help="generated Alpaca-like rows (default 100000)")
-    parser.add_argument("--model", action="append", default=None,
-                        help="tokenizer: 'tiny' (built offline, default), 'qwen' (Qwen3 tokenizer of the dev extra), "
-                        "or a model dir / hub id; repeatable")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="tokenizer: 'tiny' (built offline, default), 'qwen' (Qwen3 tokenizer of the dev extra), "
+        "or a model dir / hub id; repeatable",
+    )
     parser.add_argument("--max-length", type=int, default=2048, help="packing length (default 2048)")
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: CPU count)")
     parser.add_argument("--skip-naive", action="store_true", help="time only the project path")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run both arms this many times, alternating; report each arm's fastest run")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run both arms this many times, alternating; report each arm's fastest run",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated rows")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where to write the JSON and Markdown results")
 
@@ -52,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def generate_alpaca_rows(path: Path, rows: int, seed: int = 0) -> None:
     """Alpaca-like rows from the tiny tokenizer's word lists; log-normal answer lengths
     (median about 180 tokens per row with the tiny tokenizer, like Alpaca-style SFT data)."""
-    from trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS
+    from llmft.trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS
 
     rng = random.Random(seed)
 
@@ -81,14 +90,15 @@ def cpu_seconds() -> float:
 
 
 def project_path(raw: Path, work: Path, model: str, max_length: int, num_proc: int | None) -> dict:
-    from trainer.data.prepare import prepare_dataset
-    from trainer.data.tokenize import tokenize_dataset
+    from llmft.trainer.data.prepare import prepare_dataset
+    from llmft.trainer.data.tokenize import tokenize_dataset
 
     c0, t0 = cpu_seconds(), time.perf_counter()
     report = prepare_dataset(str(raw), work / "prepared", val_fraction=0.0)
     t1 = time.perf_counter()
-    manifest = tokenize_dataset(work / "prepared", model, work / "tokenized", max_length=max_length, pack=True,
-                                num_proc=num_proc)
+    manifest = tokenize_dataset(
+        work / "prepared", model, work / "tokenized", max_length=max_length, pack=True, num_proc=num_proc
+    )
     t2 = time.perf_counter()
     train = manifest["splits"]["train"]
     return {
@@ -122,15 +132,21 @@ def naive_path(raw: Path, work: Path, model: str) -> dict:
 
     def tokenize(row):
         full = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=False)
-        prompt = tok.apply_chat_template(row["messages"][:-1], tokenize=True, add_generation_prompt=True, return_dict=False)
-        return {"input_ids": full, "labels": [-100] * len(prompt) + full[len(prompt):]}
+        prompt = tok.apply_chat_template(
+            row["messages"][:-1], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return {"input_ids": full, "labels": [-100] * len(prompt) + full[len(prompt) :]}
 
     ds = ds.map(to_messages, remove_columns=ds.column_names)
     ds = ds.map(tokenize, remove_columns=["messages"])
     lengths = np.fromiter((len(x) for x in ds["input_ids"]), np.int64)
     seconds = time.perf_counter() - t0
-    return {"seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds() - c0, 2), "documents": len(ds),
-            "tokens": int(lengths.sum())}
+    return {
+        "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu_seconds() - c0, 2),
+        "documents": len(ds),
+        "tokens": int(lengths.sum()),
+    }
 
 
 def _resolve_model(name: str, work: Path) -> str:
@@ -145,7 +161,7 @@ def _resolve_model(name: str, work: Path) -> str:
         return str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
     if name != "tiny":
         return name
-    from trainer.tiny_model import build_tiny_model
+    from llmft.trainer.tiny_model import build_tiny_model
 
     return str(build_tiny_model(work / "tiny-model"))
 
@@ -167,8 +183,13 @@ def _machine() -> dict:
             versions[pkg] = version(pkg)
         except Exception:  # noqa: BLE001 - missing package
             versions[pkg] = None
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "versions": versions}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
 
 
 def _bench_model(name: str, args, raw: Path, root: Path) -> dict:
@@ -244,7 +265,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def _write_results(record: dict, results_dir: Path) -> tuple[Path, Path]:
     """<date>-cpu-data.json/.md; an earlier run of the same day moves into ``previous_runs``."""
-    from trainer.io import atomic_write_json, atomic_write_text
+    from llmft.trainer.io import atomic_write_json, atomic_write_text
 
     stem = f"{record['date']}-cpu-data"
     json_path, md_path = results_dir / f"{stem}.json", results_dir / f"{stem}.md"
@@ -262,10 +283,14 @@ def run_summary(record: dict) -> dict:
         "command": record["command"],
         "load_average_before_after": record["load_average_before_after"],
         "results": [
-            {"model": r["model"], "project_seconds": r["project"]["seconds"],
-             "project_cpu_seconds": r["project"].get("cpu_seconds"),
-             "naive_seconds": r.get("naive", {}).get("seconds"),
-             "naive_cpu_seconds": r.get("naive", {}).get("cpu_seconds"), "speedup": r.get("speedup")}
+            {
+                "model": r["model"],
+                "project_seconds": r["project"]["seconds"],
+                "project_cpu_seconds": r["project"].get("cpu_seconds"),
+                "naive_seconds": r.get("naive", {}).get("seconds"),
+                "naive_cpu_seconds": r.get("naive", {}).get("cpu_seconds"),
+                "speedup": r.get("speedup"),
+            }
             for r in record["results"]
         ],
     }
@@ -296,14 +321,20 @@ def _markdown(record: dict) -> str:
             f"| {'met' if r['goal_met'] else 'NOT met'} |"
         )
     if record.get("previous_runs"):
-        lines += ["", "Earlier runs the same day, older ones on earlier code revisions (the machine is shared: "
-                  "wall times move with its load, CPU seconds much less):", "",
-                  "| load before/after | tokenizer | naive s (CPU s) | project s (CPU s) | speedup |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Earlier runs the same day, older ones on earlier code revisions (the machine is shared: "
+            "wall times move with its load, CPU seconds much less):",
+            "",
+            "| load before/after | tokenizer | naive s (CPU s) | project s (CPU s) | speedup |",
+            "|---|---|---|---|---|",
+        ]
         for run in record["previous_runs"]:
             for r in run["results"]:
                 lines.append(
                     f"| {run['load_average_before_after'][0]} / {run['load_average_before_after'][1]} | {r['model']} "
-                    f"| {r['naive_seconds']} ({r['naive_cpu_seconds']}) | {r['project_seconds']} ({r['project_cpu_seconds']}) "
+                    f"| {r['naive_seconds']} ({r['naive_cpu_seconds']}) | {r['project_seconds']} "
+                    f"({r['project_cpu_seconds']}) "
                     f"| {r['speedup']}x |"
                 )
     return "\n".join(lines)

@@ -6,7 +6,7 @@ Arms, each in its own process (clean memory, one failure never hides the rest):
            (peer-eagermask, the default: the same with transformers' flex block mask built
            uncompiled; compiled, its first forward did not finish in 530 s on torch 2.11)
   fastpath trainer/fastpath alone in a minimal loop (benchmarks/gpu/arm_fast.py)
-  project  the project's trainer itself (`python -m trainer`, benchmarks/gpu/arm_project.py)
+  project  the project's trainer itself (`python -m llmft.trainer`, benchmarks/gpu/arm_project.py)
 plus the 8192^3 bf16 matmul calibration and kernel checks (benchmarks/gpu/check_kernels.py).
 
 Every arm sees the same seeded synthetic samples in the same order, the same
@@ -15,6 +15,7 @@ samples per optimizer step, the same random-init weights. Results: one JSON
 Markdown table beside it. This module imports only the standard library at
 module level (the CLI imports it on machines without a GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,23 @@ import time
 from pathlib import Path
 
 DEFAULT_MICRO = {  # samples per packed micro-batch (64 per optimizer step), sized to fit 80 GB without recompute
-    ("qwen2.5-0.5b", "lora"): 64, ("qwen2.5-1.5b", "lora"): 64, ("llama-3-8b", "lora"): 32,
-    ("qwen2.5-0.5b", "full"): 64, ("qwen2.5-1.5b", "full"): 32, ("llama-3-8b", "full"): 8,
+    ("qwen2.5-0.5b", "lora"): 64,
+    ("qwen2.5-1.5b", "lora"): 64,
+    ("llama-3-8b", "lora"): 32,
+    ("qwen2.5-0.5b", "full"): 64,
+    ("qwen2.5-1.5b", "full"): 32,
+    ("llama-3-8b", "full"): 8,
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--jobs", default="check,naive:qwen2.5-1.5b:lora,peer-eagermask:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora",
-                        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|peer-eagermask|fastpath|project; "
-                             "plain 'peer' keeps transformers' compiled flex block mask, which compiled for 400+ s "
-                             "on torch 2.11 without finishing)")
+    parser.add_argument(
+        "--jobs",
+        default="check,naive:qwen2.5-1.5b:lora,peer-eagermask:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora",
+        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|peer-eagermask|fastpath|project; "
+        "plain 'peer' keeps transformers' compiled flex block mask, which compiled for 400+ s "
+        "on torch 2.11 without finishing)",
+    )
     parser.add_argument("--profile", default="short", choices=["short", "long"])
     parser.add_argument("--samples-per-step", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps for packed arms")
@@ -54,20 +62,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _job_command(job: str, args, json_out: Path) -> list[str]:
     py = sys.executable
     if job == "check":
-        return [py, "-m", "benchmarks.gpu.check_kernels", "--json-out", str(json_out)]
+        return [py, "-m", "llmft.benchmarks.gpu.check_kernels", "--json-out", str(json_out)]
     arm, model, method = job.split(":")
-    common = ["--model", model, "--profile", args.profile, "--samples-per-step", str(args.samples_per_step),
-              "--json-out", str(json_out)]
+    common = [
+        "--model",
+        model,
+        "--profile",
+        args.profile,
+        "--samples-per-step",
+        str(args.samples_per_step),
+        "--json-out",
+        str(json_out),
+    ]
     if arm in ("naive", "peer", "peer-eagermask"):
         steps = args.naive_steps if arm == "naive" else args.steps
         warmup = 2 if arm == "naive" else args.warmup
         mask = ["--block-mask", "eager"] if arm == "peer-eagermask" else []
-        return [py, "-m", "benchmarks.gpu.arm_hf", "--arm", arm.split("-")[0], "--steps", str(steps),
-                "--warmup", str(warmup), *mask, *common]
+        return [
+            py,
+            "-m",
+            "llmft.benchmarks.gpu.arm_hf",
+            "--arm",
+            arm.split("-")[0],
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            *mask,
+            *common,
+        ]
     micro = DEFAULT_MICRO.get((model, method), 32)
-    module = "benchmarks.gpu.arm_fast" if arm == "fastpath" else "benchmarks.gpu.arm_project"
-    return [py, "-m", module, "--method", method, "--micro", str(micro), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), *common, *args.extra.split()]
+    module = "llmft.benchmarks.gpu.arm_fast" if arm == "fastpath" else "llmft.benchmarks.gpu.arm_project"
+    return [
+        py,
+        "-m",
+        module,
+        "--method",
+        method,
+        "--micro",
+        str(micro),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        *common,
+        *args.extra.split(),
+    ]
 
 
 def _run_job(job: str, args, work: Path, remaining: float) -> dict:
@@ -136,10 +176,21 @@ def _write_outputs(args, check: dict, arms: list[dict]) -> None:
     previous = _previous_payloads(out / f"{tag}.json", "") + merged_in
     check = check or next((p["kernel_checks"] for p in previous if p.get("kernel_checks")), {})
     arms = _merge_arms([a for p in previous for a in p.get("arms", [])], arms)
-    versions = {k: v for k, v in (check or next((a for a in arms if a.get("torch")), {})).items()
-                if k in ("torch", "transformers", "peft", "triton", "liger_kernel", "deepspeed")}
-    payload = {"device": device, "date": date, "versions": versions, "matmul_tflops": check.get("matmul_tflops"),
-               "profile": args.profile, "samples_per_step": args.samples_per_step, "kernel_checks": check, "arms": arms}
+    versions = {
+        k: v
+        for k, v in (check or next((a for a in arms if a.get("torch")), {})).items()
+        if k in ("torch", "transformers", "peft", "triton", "liger_kernel", "deepspeed")
+    }
+    payload = {
+        "device": device,
+        "date": date,
+        "versions": versions,
+        "matmul_tflops": check.get("matmul_tflops"),
+        "profile": args.profile,
+        "samples_per_step": args.samples_per_step,
+        "kernel_checks": check,
+        "arms": arms,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{tag}.json").write_text(json.dumps(payload, indent=2))
     (out / f"{tag}.md").write_text(markdown_table(payload))
@@ -173,19 +224,25 @@ def markdown_table(payload: dict) -> str:
         f"bf16 matmul 8192^3: {_fmt(payload.get('matmul_tflops'), '.0f')} TFLOP/s; profile {payload['profile']}; "
         f"versions {payload['versions']}",
         "",
-        "| arm | model | method | GPUs | label | samples/step | tokens/s | supervised tok/s | MFU | peak GiB | reserved GiB | step p50 s | step p90 s | compile s | first losses |",
+        "| arm | model | method | GPUs | label | samples/step | tokens/s | supervised tok/s | MFU | peak GiB | "
+        "reserved GiB | step p50 s | step p90 s | compile s | first losses |",
         "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for a in payload["arms"]:
         if "tokens_per_s" not in a:
-            lines.append(f"| {a.get('job')} | failed or skipped: {a.get('skipped') or a.get('returncode')} | | | {a.get('label', '')} ||||||||||")
+            lines.append(
+                f"| {a.get('job')} | failed or skipped: {a.get('skipped') or a.get('returncode')} | | | "
+                f"{a.get('label', '')} ||||||||||"
+            )
             continue
         losses = ", ".join(f"{x:.4f}" for x in a.get("first_losses") or [])
         lines.append(
-            f"| {a['arm']} | {a['model']} | {a['method']} | {a.get('gpus', 1)} | {a.get('label', '')} | {a.get('samples_per_step', '-')} | {_fmt(a['tokens_per_s'], ',.0f')} | "
+            f"| {a['arm']} | {a['model']} | {a['method']} | {a.get('gpus', 1)} | {a.get('label', '')} | "
+            f"{a.get('samples_per_step', '-')} | {_fmt(a['tokens_per_s'], ',.0f')} | "
             f"{_fmt(a.get('supervised_tokens_per_s'), ',.0f')} | {_fmt(a.get('mfu') and 100 * a['mfu'], '.1f')}% | "
             f"{_fmt(a.get('peak_mem_gib'), '.1f')} | {_fmt(a.get('reserved_mem_gib'), '.1f')} | "
-            f"{_fmt(a.get('step_s_p50'), '.3f')} | {_fmt(a.get('step_s_p90'), '.3f')} | {_fmt(a.get('compile_s'), '.0f')} | {losses} |"
+            f"{_fmt(a.get('step_s_p50'), '.3f')} | {_fmt(a.get('step_s_p90'), '.3f')} | "
+            f"{_fmt(a.get('compile_s'), '.0f')} | {losses} |"
         )
     return "\n".join(lines) + "\n"
 

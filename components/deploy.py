@@ -2,8 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model, Output
-
-from components.images import PIPELINE_IMAGE
+from llmft.components.images import PIPELINE_IMAGE
 
 
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
@@ -42,15 +41,25 @@ def deploy_adapter(
     import json
     import os
 
-    from components.lib.deployment import DeployRequest, deploy_promoted
+    from llmft.components.lib.deployment import DeployRequest, deploy_promoted
 
     with open(os.path.join(registration.path, "registration.json")) as fh:
         registered = json.load(fh)
-    request = DeployRequest(adapter_dir=promoted.metadata["path"], base_model=model,
-                            adapter_name=registered["model_name"], version=str(registered["version"]),
-                            deploy=deploy, mode=deploy_mode, name=serving_name, namespace=serving_namespace,
-                            gpus=serving_gpus, max_lora_rank=max_lora_rank, pvc_name=pvc_name, data_root=data_root,
-                            timeout_s=deploy_timeout_s)
+    request = DeployRequest(
+        adapter_dir=promoted.metadata["path"],
+        base_model=model,
+        adapter_name=registered["model_name"],
+        version=str(registered["version"]),
+        deploy=deploy,
+        mode=deploy_mode,
+        name=serving_name,
+        namespace=serving_namespace,
+        gpus=serving_gpus,
+        max_lora_rank=max_lora_rank,
+        pvc_name=pvc_name,
+        data_root=data_root,
+        timeout_s=deploy_timeout_s,
+    )
     os.makedirs(manifest.path, exist_ok=True)
     result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))
 

@@ -2,8 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
-
-from components.images import TRAINER_IMAGE
+from llmft.components.images import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -28,8 +27,8 @@ def evaluate_perplexity(
     import json
     import os
 
-    from components.lib.evaluation import evaluate_run, read_metrics_history, render_html
-    from components.lib.params import DataLayout
+    from llmft.components.lib.evaluation import evaluate_run, read_metrics_history, render_html
+    from llmft.components.lib.params import DataLayout
 
     DataLayout(data_root).use_hf_cache()
     run_dir = run.metadata["path"]

@@ -17,12 +17,13 @@ tag ``latest``, is refused: it would make runs irreproducible.
 
 Build both images with the Dockerfiles in ``docker/`` (see docker/README.md).
 """
+
 from __future__ import annotations
 
 import os
 import re
 
-from trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError
 
 IMAGE_TAG = "0.1.0"
 """Tag of the project's own images; equals the package version in setup.cfg."""
@@ -48,12 +49,16 @@ def check_pinned(reference: str, *, source: str) -> str:
     """
     match = _PINNED_REF.match(reference.strip())
     if not match:
-        raise ConfigError(f"{source}: {reference!r} is not a valid image reference "
-                          "(expected [registry/]repository:tag or [registry/]repository@sha256:<digest>)")
+        raise ConfigError(
+            f"{source}: {reference!r} is not a valid image reference "
+            "(expected [registry/]repository:tag or [registry/]repository@sha256:<digest>)"
+        )
     tag, digest = match.group("tag"), match.group("digest")
     if digest is None and (tag is None or tag == "latest"):
-        raise ConfigError(f"{source}: image {reference!r} is not pinned; use a version tag "
-                          "(repository:1.2.3) or a digest (repository@sha256:...), never 'latest'")
+        raise ConfigError(
+            f"{source}: image {reference!r} is not pinned; use a version tag "
+            "(repository:1.2.3) or a digest (repository@sha256:...), never 'latest'"
+        )
     return reference.strip()
 
 
@@ -66,7 +71,8 @@ def _image(env_var: str, default: str) -> str:
 
 
 TRAINER_IMAGE = _image(TRAINER_IMAGE_ENV, f"{IMAGE_REGISTRY}/llmft-trainer:{IMAGE_TAG}")
-"""CUDA image with the package's ``trainer,deepspeed,gpu,executor`` extras (docker/Dockerfile.trainer; `executor` is kfp, for the components that run there).
+"""CUDA image with the package's ``trainer,deepspeed,gpu,executor`` extras
+(docker/Dockerfile.trainer; `executor` is kfp, for the components that run there).
 Runs the PyTorchJob replicas and Katib trials, and components that import torch
 (tokenize, evaluate)."""
 

@@ -3,8 +3,7 @@
 
 from kfp import dsl
 from kfp.dsl import Dataset, Metrics, Output
-
-from components.images import TRAINER_IMAGE
+from llmft.components.images import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -56,23 +55,42 @@ def prepare_dataset(
     import json
     import os
 
-    from components.lib.params import (
+    from llmft.components.lib.params import (
         DataLayout,
         PipelineChecks,
         TrainingParams,
         validate_pipeline_inputs,
     )
-    from trainer.data.prepare import prepare_dataset as prepare
+    from llmft.trainer.data.prepare import prepare_dataset as prepare
 
-    training = TrainingParams(model=model, method=method, lora_r=lora_r, lora_alpha=lora_alpha,
-                              lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
-                              learning_rate=learning_rate, epochs=epochs, max_steps=max_steps, seed=seed,
-                              extra_overrides=train_overrides)
-    checks = PipelineChecks(training_backend=training_backend, num_workers=num_workers,
-                            gpus_per_worker=gpus_per_worker, max_length=max_length, val_fraction=val_fraction,
-                            max_reject_fraction=max_reject_fraction, promote_margin=promote_margin,
-                            pvc_name=pvc_name, mlflow_model_name=mlflow_model_name, deploy=deploy,
-                            deploy_mode=deploy_mode, serving_name=serving_name, max_lora_rank=max_lora_rank)
+    training = TrainingParams(
+        model=model,
+        method=method,
+        lora_r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        lora_target_modules=lora_target_modules,
+        learning_rate=learning_rate,
+        epochs=epochs,
+        max_steps=max_steps,
+        seed=seed,
+        extra_overrides=train_overrides,
+    )
+    checks = PipelineChecks(
+        training_backend=training_backend,
+        num_workers=num_workers,
+        gpus_per_worker=gpus_per_worker,
+        max_length=max_length,
+        val_fraction=val_fraction,
+        max_reject_fraction=max_reject_fraction,
+        promote_margin=promote_margin,
+        pvc_name=pvc_name,
+        mlflow_model_name=mlflow_model_name,
+        deploy=deploy,
+        deploy_mode=deploy_mode,
+        serving_name=serving_name,
+        max_lora_rank=max_lora_rank,
+    )
     for warning in validate_pipeline_inputs(checks, training):
         print(f"WARNING: {warning}")
     print("pipeline parameters: ok")
@@ -80,15 +98,28 @@ def prepare_dataset(
     layout = DataLayout(data_root)
     layout.use_hf_cache()
     output_dir = layout.prepared(run_id)
-    report = prepare(dataset, output_dir, format=dataset_format, split=dataset_split, val_fraction=val_fraction,
-                     seed=seed, max_reject_fraction=max_reject_fraction)
+    report = prepare(
+        dataset,
+        output_dir,
+        format=dataset_format,
+        split=dataset_split,
+        val_fraction=val_fraction,
+        seed=seed,
+        max_reject_fraction=max_reject_fraction,
+    )
 
     os.makedirs(prepared.path, exist_ok=True)
     with open(os.path.join(prepared.path, "report.json"), "w") as fh:
         json.dump(report, fh, indent=2, sort_keys=True, default=str)
-    prepared.metadata.update({"path": output_dir, "accepted": report["accepted"], "rejected": report["rejected"],
-                              "format": str(report.get("format", dataset_format)),
-                              "source_hash": str(report.get("source_hash", ""))})
+    prepared.metadata.update(
+        {
+            "path": output_dir,
+            "accepted": report["accepted"],
+            "rejected": report["rejected"],
+            "format": str(report.get("format", dataset_format)),
+            "source_hash": str(report.get("source_hash", "")),
+        }
+    )
     metrics.log_metric("rows_accepted", report["accepted"])
     metrics.log_metric("rows_rejected", report["rejected"])
     print(f"prepared {report['accepted']} rows ({report['rejected']} rejected) into {output_dir}")

@@ -2,8 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model, Output
-
-from components.images import PIPELINE_IMAGE
+from llmft.components.images import PIPELINE_IMAGE
 
 
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
@@ -28,8 +27,8 @@ def promote_best_checkpoint(
     import json
     import os
 
-    from components.lib.params import DataLayout
-    from components.lib.promote import promote
+    from llmft.components.lib.params import DataLayout
+    from llmft.components.lib.promote import promote
 
     with open(os.path.join(evaluation.path, "evaluation.json")) as fh:
         result = json.load(fh)
@@ -39,6 +38,13 @@ def promote_best_checkpoint(
     os.makedirs(promoted.path, exist_ok=True)
     with open(os.path.join(promoted.path, "promotion.json"), "w") as fh:
         json.dump(decision.to_dict(), fh, indent=2, sort_keys=True)
-    promoted.metadata.update({"path": destination, "checkpoint": decision.checkpoint, "step": decision.step,
-                              "perplexity": decision.perplexity, "base_perplexity": decision.base_perplexity})
+    promoted.metadata.update(
+        {
+            "path": destination,
+            "checkpoint": decision.checkpoint,
+            "step": decision.step,
+            "perplexity": decision.perplexity,
+            "base_perplexity": decision.base_perplexity,
+        }
+    )
     print(f"promoted: {decision.reason}")

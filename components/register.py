@@ -2,8 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Model, Output
-
-from components.images import PIPELINE_IMAGE
+from llmft.components.images import PIPELINE_IMAGE
 
 
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
@@ -37,24 +36,45 @@ def register_model(
     import os
     from pathlib import Path
 
-    from components.lib.registry import Lineage, register_adapter, registration_from_run
+    from llmft.components.lib.registry import Lineage, register_adapter, registration_from_run
 
     def read(artifact, name):
         with open(os.path.join(artifact.path, name)) as fh:
             return json.load(fh)
 
-    lineage = Lineage(pipeline_run_id=run_id, task=task_name, dataset_hash=str(tokenized.metadata["cache_key"]),
-                      base_model=model, dataset=dataset, checkpoint=str(promoted.metadata["checkpoint"]))
-    extras = (Path(evaluation.path) / "evaluation.json", Path(promoted.path) / "promotion.json",
-              Path(run.path) / "training_manifest.json")
-    reg = registration_from_run(promoted_dir=promoted.metadata["path"], evaluation=read(evaluation, "evaluation.json"),
-                                training_manifest=read(run, "training_manifest.json"), model_name=mlflow_model_name,
-                                experiment=mlflow_experiment, lineage=lineage, extra_artifacts=extras)
+    lineage = Lineage(
+        pipeline_run_id=run_id,
+        task=task_name,
+        dataset_hash=str(tokenized.metadata["cache_key"]),
+        base_model=model,
+        dataset=dataset,
+        checkpoint=str(promoted.metadata["checkpoint"]),
+    )
+    extras = (
+        Path(evaluation.path) / "evaluation.json",
+        Path(promoted.path) / "promotion.json",
+        Path(run.path) / "training_manifest.json",
+    )
+    reg = registration_from_run(
+        promoted_dir=promoted.metadata["path"],
+        evaluation=read(evaluation, "evaluation.json"),
+        training_manifest=read(run, "training_manifest.json"),
+        model_name=mlflow_model_name,
+        experiment=mlflow_experiment,
+        lineage=lineage,
+        extra_artifacts=extras,
+    )
     facts = register_adapter(reg, tracking_uri=mlflow_tracking_uri or None)
 
     os.makedirs(registration.path, exist_ok=True)
     with open(os.path.join(registration.path, "registration.json"), "w") as fh:
         json.dump(facts, fh, indent=2, sort_keys=True)
-    registration.metadata.update({"model_name": facts["model_name"], "version": facts["version"],
-                                  "is_champion": facts["is_champion"], "run_id": facts["run_id"]})
+    registration.metadata.update(
+        {
+            "model_name": facts["model_name"],
+            "version": facts["version"],
+            "is_champion": facts["is_champion"],
+            "run_id": facts["run_id"],
+        }
+    )
     print(f"registered {facts['model_name']} version {facts['version']}: {facts['alias_reason']}")

@@ -2,8 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Output
-
-from components.images import TRAINER_IMAGE
+from llmft.components.images import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -28,8 +27,8 @@ def tokenize_dataset(
     import json
     import os
 
-    from components.lib.params import DataLayout
-    from components.lib.tokenized import manifest_metrics, tokenize_to_volume
+    from llmft.components.lib.params import DataLayout
+    from llmft.components.lib.tokenized import manifest_metrics, tokenize_to_volume
 
     layout = DataLayout(data_root)
     layout.use_hf_cache()
@@ -39,8 +38,9 @@ def tokenize_dataset(
     os.makedirs(tokenized.path, exist_ok=True)
     with open(os.path.join(tokenized.path, "manifest.json"), "w") as fh:
         json.dump(manifest, fh, indent=2, sort_keys=True, default=str)
-    tokenized.metadata.update({"path": output_dir, "cache_key": manifest["cache_key"],
-                               "cache_hit": bool(manifest.get("cache_hit", False))})
+    tokenized.metadata.update(
+        {"path": output_dir, "cache_key": manifest["cache_key"], "cache_hit": bool(manifest.get("cache_hit", False))}
+    )
     for name, value in sorted(manifest_metrics(manifest).items()):
         metrics.log_metric(name, value)
     print(f"tokenized into {output_dir} (cache {'hit' if manifest.get('cache_hit') else 'miss'})")

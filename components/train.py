@@ -2,8 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
-
-from components.images import PIPELINE_IMAGE
+from llmft.components.images import PIPELINE_IMAGE
 
 
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
@@ -34,7 +33,7 @@ def train_model(
 ):
     """Run the project's trainer on the tokenized shards and output the run directory.
 
-    ``training_backend=kubeflow`` builds a PyTorchJob (Master + Workers, ``torchrun -m trainer``
+    ``training_backend=kubeflow`` builds a PyTorchJob (Master + Workers, ``torchrun -m llmft.trainer``
     with the same ``key=value`` overrides, restart policy ExitCode, the data PVC and the
     credential Secrets), submits it through the Training Operator, waits for its conditions
     while streaming the master's logs, and on failure fails with the job's last log lines.
@@ -49,34 +48,55 @@ def train_model(
     import json
     import os
 
-    from components.lib.params import DataLayout, TrainingParams, trainer_overrides
+    from llmft.components.lib.params import DataLayout, TrainingParams, trainer_overrides
 
     layout = DataLayout(data_root)
     layout.use_hf_cache()
     run_dir = layout.run_dir(run_id)
-    params = TrainingParams(model=model, method=method, lora_r=lora_r, lora_alpha=lora_alpha,
-                            lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
-                            learning_rate=learning_rate, epochs=epochs, max_steps=max_steps, seed=seed,
-                            extra_overrides=train_overrides)
+    params = TrainingParams(
+        model=model,
+        method=method,
+        lora_r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        lora_target_modules=lora_target_modules,
+        learning_rate=learning_rate,
+        epochs=epochs,
+        max_steps=max_steps,
+        seed=seed,
+        extra_overrides=train_overrides,
+    )
     overrides = trainer_overrides(params, data_dir=tokenized.metadata["path"], output_dir=run_dir)
     overrides.append(f"observe.run_name=pipeline-{run_id}")
     if mlflow_experiment:
         overrides.append(f"observe.mlflow_experiment={mlflow_experiment}")
 
     if training_backend == "local":
-        from components.lib.local_train import run_local_training
+        from llmft.components.lib.local_train import run_local_training
 
         os.makedirs(run_dir, exist_ok=True)
         env = {"MLFLOW_TRACKING_URI": mlflow_tracking_uri} if mlflow_tracking_uri else {}
-        run_local_training(overrides, nproc=max(1, num_workers), log_path=os.path.join(run_dir, "train.log"),
-                           env=env, timeout_s=job_timeout_s)
+        run_local_training(
+            overrides,
+            nproc=max(1, num_workers),
+            log_path=os.path.join(run_dir, "train.log"),
+            env=env,
+            timeout_s=job_timeout_s,
+        )
     else:
-        from components.lib.train_job import run_on_cluster
+        from llmft.components.lib.train_job import run_on_cluster
 
-        run_on_cluster(overrides, run_id=run_id, num_workers=num_workers, gpus_per_worker=gpus_per_worker,
-                       pvc_name=pvc_name, timeout_s=job_timeout_s, mlflow_tracking_uri=mlflow_tracking_uri)
+        run_on_cluster(
+            overrides,
+            run_id=run_id,
+            num_workers=num_workers,
+            gpus_per_worker=gpus_per_worker,
+            pvc_name=pvc_name,
+            timeout_s=job_timeout_s,
+            mlflow_tracking_uri=mlflow_tracking_uri,
+        )
 
-    from components.lib.train_job import read_training_manifest, training_metrics
+    from llmft.components.lib.train_job import read_training_manifest, training_metrics
 
     manifest = read_training_manifest(run_dir)
     os.makedirs(run.path, exist_ok=True)

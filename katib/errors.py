@@ -4,6 +4,7 @@ katib/ is a leaf package (it imports nothing of ours from outside katib/), so it
 cannot subclass trainer.errors.LlmftError; the `llmft sweep` command catches
 :class:`SweepError`, prints its message and exits 1.
 """
+
 from __future__ import annotations
 
 

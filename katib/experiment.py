@@ -5,7 +5,7 @@ and its trial template is the project's PyTorchJob, given as a plain dict with
 ``${trialParameters.<name>}`` placeholders in the trainer's ``key=value``
 overrides. katib/ is a leaf package: it never builds the PyTorchJob itself; the
 callers (``llmft sweep``, the KFP sweep component) render it with
-``components.lib.pytorchjob`` and pass the dict in::
+``llmft.components.lib.pytorchjob`` and pass the dict in::
 
     spec = SweepSpec(algorithm="tpe", max_trials=12)
     job = render_pytorchjob(extra_args=trial_overrides(spec), output_dir=f"/pvc/sweeps/x/{TRIAL_NAME_PLACEHOLDER}")
@@ -15,6 +15,7 @@ callers (``llmft sweep``, the KFP sweep component) render it with
 Trials reuse the tokenized shards already on the PVC: the job's trainer command
 points at the existing data directory and never tokenizes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,10 +48,9 @@ from kubeflow_katib_api.models import (
     V1beta1TrialParameterSpec,
     V1beta1TrialTemplate,
 )
-
-from katib import search_space as ss
-from katib.errors import SweepError
-from katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC
+from llmft.katib import search_space as ss
+from llmft.katib.errors import SweepError
+from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1beta1", "experiments", "Experiment"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -144,8 +144,12 @@ def algorithm_settings(spec: SweepSpec) -> list[V1beta1AlgorithmSetting]:
         "random": [("random_state", seed)],
         "grid": [("random_state", seed)],
         "tpe": [("random_state", seed)],
-        "bayesianoptimization": [("random_state", seed), ("base_estimator", "GP"),
-                                 ("n_initial_points", str(min(5, spec.max_trials))), ("acq_func", "gp_hedge")],
+        "bayesianoptimization": [
+            ("random_state", seed),
+            ("base_estimator", "GP"),
+            ("n_initial_points", str(min(5, spec.max_trials))),
+            ("acq_func", "gp_hedge"),
+        ],
     }
     return [V1beta1AlgorithmSetting(name=k, value=v) for k, v in by_algorithm[spec.algorithm]]
 
@@ -154,12 +158,15 @@ def build_experiment(spec: SweepSpec, trial_job: Mapping[str, Any]) -> V1beta1Ex
     """The Experiment for ``spec`` whose trials run ``trial_job`` (a PyTorchJob dict with placeholders)."""
     spec.check()
     trial_spec = trial_spec_from_job(trial_job, spec)
-    metadata = {"name": spec.name, "labels": {"app.kubernetes.io/part-of": "kfp-llm-finetune",
-                                              "app.kubernetes.io/component": "sweep"}}
+    metadata = {
+        "name": spec.name,
+        "labels": {"app.kubernetes.io/part-of": "kfp-llm-finetune", "app.kubernetes.io/component": "sweep"},
+    }
     if spec.namespace:
         metadata["namespace"] = spec.namespace
     return V1beta1Experiment(
-        apiVersion=API_VERSION, kind=KIND,
+        apiVersion=API_VERSION,
+        kind=KIND,
         metadata=IoK8sApimachineryPkgApisMetaV1ObjectMeta.from_dict(metadata),
         spec=V1beta1ExperimentSpec(
             algorithm=V1beta1AlgorithmSpec(algorithmName=spec.algorithm, algorithmSettings=algorithm_settings(spec)),
@@ -182,7 +189,8 @@ def build_experiment(spec: SweepSpec, trial_job: Mapping[str, Any]) -> V1beta1Ex
 def objective_spec(spec: SweepSpec) -> V1beta1ObjectiveSpec:
     metrics = (spec.objective_metric, *spec.additional_metrics)
     return V1beta1ObjectiveSpec(
-        type="minimize", objectiveMetricName=spec.objective_metric,
+        type="minimize",
+        objectiveMetricName=spec.objective_metric,
         additionalMetricNames=list(spec.additional_metrics),
         # Explicit (Katib's defaulter would pick the same): the best eval over a trial, not its last.
         metricStrategies=[V1beta1MetricStrategy(name=m, value="min") for m in metrics],
@@ -192,23 +200,38 @@ def objective_spec(spec: SweepSpec) -> V1beta1ObjectiveSpec:
 def _early_stopping(spec: SweepSpec) -> V1beta1EarlyStoppingSpec | None:
     if not spec.early_stopping:
         return None
-    return V1beta1EarlyStoppingSpec(algorithmName="medianstop", algorithmSettings=[
-        V1beta1EarlyStoppingSetting(name="min_trials_required", value=str(spec.median_stop_min_trials)),
-        V1beta1EarlyStoppingSetting(name="start_step", value=str(spec.median_stop_start_step)),
-    ])
+    return V1beta1EarlyStoppingSpec(
+        algorithmName="medianstop",
+        algorithmSettings=[
+            V1beta1EarlyStoppingSetting(name="min_trials_required", value=str(spec.median_stop_min_trials)),
+            V1beta1EarlyStoppingSetting(name="start_step", value=str(spec.median_stop_start_step)),
+        ],
+    )
 
 
 def _trial_template(spec: SweepSpec, trial_spec: dict[str, Any]) -> V1beta1TrialTemplate:
-    params = [V1beta1TrialParameterSpec(name=p.name, reference=p.name,
-                                        description=f"{p.config_key}: {p.description}".rstrip(": "))
-              for p in spec.search_space]
+    params = [
+        V1beta1TrialParameterSpec(
+            name=p.name, reference=p.name, description=f"{p.config_key}: {p.description}".rstrip(": ")
+        )
+        for p in spec.search_space
+    ]
     if TRIAL_NAME_PLACEHOLDER in json.dumps(trial_spec):
-        params.append(V1beta1TrialParameterSpec(name=TRIAL_NAME_PARAMETER, reference=TRIAL_NAME_REFERENCE,
-                                                description="the trial's own name (per-trial output_dir)"))
+        params.append(
+            V1beta1TrialParameterSpec(
+                name=TRIAL_NAME_PARAMETER,
+                reference=TRIAL_NAME_REFERENCE,
+                description="the trial's own name (per-trial output_dir)",
+            )
+        )
     return V1beta1TrialTemplate(
-        primaryContainerName=PRIMARY_CONTAINER, primaryPodLabels=dict(PRIMARY_POD_LABELS),
-        successCondition=SUCCESS_CONDITION, failureCondition=FAILURE_CONDITION,
-        retain=spec.retain_trials or None, trialParameters=params, trialSpec=trial_spec,
+        primaryContainerName=PRIMARY_CONTAINER,
+        primaryPodLabels=dict(PRIMARY_POD_LABELS),
+        successCondition=SUCCESS_CONDITION,
+        failureCondition=FAILURE_CONDITION,
+        retain=spec.retain_trials or None,
+        trialParameters=params,
+        trialSpec=trial_spec,
     )
 
 
@@ -216,12 +239,16 @@ def trial_spec_from_job(trial_job: Mapping[str, Any], spec: SweepSpec) -> dict[s
     """A copy of the PyTorchJob fit for ``trialTemplate.trialSpec``: checked, name and namespace removed."""
     job = copy.deepcopy(dict(trial_job))
     if job.get("apiVersion") != "kubeflow.org/v1" or job.get("kind") != "PyTorchJob":
-        raise SweepError(f"trial job: expected apiVersion kubeflow.org/v1 kind PyTorchJob, got "
-                         f"{job.get('apiVersion')!r} {job.get('kind')!r}")
+        raise SweepError(
+            f"trial job: expected apiVersion kubeflow.org/v1 kind PyTorchJob, got "
+            f"{job.get('apiVersion')!r} {job.get('kind')!r}"
+        )
     master = primary_container(job)
     if master is None:
-        raise SweepError("trial job: spec.pytorchReplicaSpecs.Master must have a container named "
-                         f"{PRIMARY_CONTAINER!r} (Katib's primaryContainerName and the operator's rule)")
+        raise SweepError(
+            "trial job: spec.pytorchReplicaSpecs.Master must have a container named "
+            f"{PRIMARY_CONTAINER!r} (Katib's primaryContainerName and the operator's rule)"
+        )
     metadata = {k: v for k, v in (job.get("metadata") or {}).items() if k not in ("name", "namespace")}
     job["metadata"] = metadata
     if not metadata:
@@ -230,8 +257,11 @@ def trial_spec_from_job(trial_job: Mapping[str, Any], spec: SweepSpec) -> dict[s
     known = {p.name for p in spec.search_space} | {TRIAL_NAME_PARAMETER}
     missing = [p.override() for p in spec.search_space if p.placeholder() not in text]
     if missing:
-        raise SweepError("trial job: the trainer command lacks " + " ".join(missing)
-                         + "; render the job with katib.experiment.trial_overrides(spec) appended to its args")
+        raise SweepError(
+            "trial job: the trainer command lacks "
+            + " ".join(missing)
+            + "; render the job with katib.experiment.trial_overrides(spec) appended to its args"
+        )
     unknown = sorted(set(_PLACEHOLDER_RE.findall(text)) - known)
     if unknown:
         raise SweepError(f"trial job: placeholders for unknown trial parameters {unknown}; known: {sorted(known)}")
@@ -256,8 +286,11 @@ def override_bindings(experiment: Mapping[str, Any] | V1beta1Experiment) -> dict
     body = experiment.to_dict() if isinstance(experiment, V1beta1Experiment) else experiment
     template = (body.get("spec") or {}).get("trialTemplate") or {}
     searched = {p.get("name") for p in (body.get("spec") or {}).get("parameters") or []}
-    refs = {p.get("name"): p.get("reference") for p in template.get("trialParameters") or []
-            if p.get("reference") in searched}
+    refs = {
+        p.get("name"): p.get("reference")
+        for p in template.get("trialParameters") or []
+        if p.get("reference") in searched
+    }
     container = primary_container(template.get("trialSpec") or {}) or {}
     bindings: dict[str, str] = {}
     for token in [*(container.get("command") or []), *(container.get("args") or [])]:
@@ -270,6 +303,7 @@ def override_bindings(experiment: Mapping[str, Any] | V1beta1Experiment) -> dict
 
 # --- parsing and (de)serialising -------------------------------------------------------------
 
+
 def parse_experiment(body: Mapping[str, Any]) -> V1beta1Experiment:
     """Parse a dict into the typed models, refusing fields the models do not know.
 
@@ -281,12 +315,18 @@ def parse_experiment(body: Mapping[str, Any]) -> V1beta1Experiment:
         model = V1beta1Experiment.from_dict(dict(body))
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        hint = (" (Katib types feasibleSpace bounds and algorithm settings as strings: quote them, e.g. "
-                "min: '1e-05')") if "valid string" in problems else ""
+        hint = (
+            (" (Katib types feasibleSpace bounds and algorithm settings as strings: quote them, e.g. min: '1e-05')")
+            if "valid string" in problems
+            else ""
+        )
         raise SweepError(f"Experiment does not parse into Katib's API models: {problems}{hint}") from None
     dumped = model.to_dict()
-    dropped = [path for key in ("apiVersion", "kind", "metadata", "spec")
-               for path in _dropped_paths(body.get(key), dumped.get(key), key)]
+    dropped = [
+        path
+        for key in ("apiVersion", "kind", "metadata", "spec")
+        for path in _dropped_paths(body.get(key), dumped.get(key), key)
+    ]
     if dropped:
         raise SweepError("Experiment has fields Katib's API does not define (misspelt?): " + ", ".join(dropped))
     return model
@@ -307,8 +347,11 @@ def _dropped_paths(original: Any, dumped: Any, path: str) -> list[str]:
                 out.extend(_dropped_paths(value, dumped[key], f"{path}.{key}"))
         return out
     if isinstance(original, list) and isinstance(dumped, list):
-        return [p for i, (o, d) in enumerate(zip(original, dumped, strict=False))
-                for p in _dropped_paths(o, d, f"{path}[{i}]")]
+        return [
+            p
+            for i, (o, d) in enumerate(zip(original, dumped, strict=False))
+            for p in _dropped_paths(o, d, f"{path}[{i}]")
+        ]
     return []
 
 
@@ -320,6 +363,7 @@ def experiment_dict(experiment: V1beta1Experiment | Mapping[str, Any]) -> dict[s
 
 
 # --- key=value overrides -----------------------------------------------------------------------
+
 
 def apply_overrides(spec: SweepSpec, overrides: Sequence[str]) -> SweepSpec:
     """``SweepSpec`` with ``key=value`` overrides applied (``space.<name>.<field>=v`` edits the search space)."""
@@ -367,7 +411,8 @@ def _coerce(key: str, value: str, hint: Any) -> Any:
 # float and Katib's Go types (min/max are strings) refuse. Quote them all.
 _YAML12_NON_STRING = re.compile(
     r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
-    r"|0x[0-9a-fA-F]+|0o[0-7]+|true|True|TRUE|false|False|FALSE|yes|Yes|no|No|on|On|off|Off|null|Null|NULL|~|)$")
+    r"|0x[0-9a-fA-F]+|0o[0-7]+|true|True|TRUE|false|False|FALSE|yes|Yes|no|No|on|On|off|Off|null|Null|NULL|~|)$"
+)
 
 
 class _QuotingDumper(yaml.SafeDumper):
@@ -392,12 +437,40 @@ def to_yaml(experiment: V1beta1Experiment | Mapping[str, Any], header: str = "")
     return prefix + text
 
 
-_KEY_ORDER = ("apiVersion", "kind", "metadata", "name", "namespace", "labels", "spec", "objective", "type",
-              "objectiveMetricName", "additionalMetricNames", "metricStrategies", "algorithm", "algorithmName",
-              "algorithmSettings", "earlyStopping", "maxTrialCount", "parallelTrialCount", "maxFailedTrialCount",
-              "resumePolicy", "metricsCollectorSpec", "parameters", "parameterType", "feasibleSpace",
-              "trialTemplate", "primaryContainerName", "primaryPodLabels", "successCondition",
-              "failureCondition", "retain", "trialParameters", "trialSpec")
+_KEY_ORDER = (
+    "apiVersion",
+    "kind",
+    "metadata",
+    "name",
+    "namespace",
+    "labels",
+    "spec",
+    "objective",
+    "type",
+    "objectiveMetricName",
+    "additionalMetricNames",
+    "metricStrategies",
+    "algorithm",
+    "algorithmName",
+    "algorithmSettings",
+    "earlyStopping",
+    "maxTrialCount",
+    "parallelTrialCount",
+    "maxFailedTrialCount",
+    "resumePolicy",
+    "metricsCollectorSpec",
+    "parameters",
+    "parameterType",
+    "feasibleSpace",
+    "trialTemplate",
+    "primaryContainerName",
+    "primaryPodLabels",
+    "successCondition",
+    "failureCondition",
+    "retain",
+    "trialParameters",
+    "trialSpec",
+)
 
 
 def _ordered(value: Any) -> Any:

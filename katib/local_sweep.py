@@ -6,16 +6,17 @@ uses Optuna samplers of the same algorithm family, configured like those service
 :func:`make_sampler`), on the same ``spec.parameters`` models the Experiment carries, each
 parameter mapped to an Optuna distribution the way Katib's Optuna service maps it.
 
-Each trial runs the trainer as a subprocess (``python -m trainer ...`` with the
+Each trial runs the trainer as a subprocess (``python -m llmft.trainer ...`` with the
 trial's overrides), stdout and stderr merged the way Katib's StdOut collector
 captures them, and is parsed with the collector's own filter
-(:mod:`katib.metrics`). A trial that exits non-zero is Failed; one that exits 0
+(:mod:`llmft.katib.metrics`). A trial that exits non-zero is Failed; one that exits 0
 without reporting the objective is MetricsUnavailable (both count against
 ``max_failed_trials``, as in Katib).
 
 With ``MLFLOW_TRACKING_URI`` set, the sweep is one MLflow parent run and every
 trial's trainer gets ``LLMFT_MLFLOW_PARENT_RUN_ID`` so its own run is a child.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from katib import search_space as ss
-from katib.errors import ExperimentFailed, SweepError
-from katib.experiment import SweepSpec, algorithm_settings, objective_spec
-from katib.metrics import METRICS_FILTER, parse_metric_lines, summarize
-from katib.tracking import PARENT_RUN_ENV, ParentRun  # noqa: F401 - PARENT_RUN_ENV re-exported
+from llmft.katib import search_space as ss
+from llmft.katib.errors import ExperimentFailed, SweepError
+from llmft.katib.experiment import SweepSpec, algorithm_settings, objective_spec
+from llmft.katib.metrics import METRICS_FILTER, parse_metric_lines, summarize
+from llmft.katib.tracking import PARENT_RUN_ENV, ParentRun  # noqa: F401 - PARENT_RUN_ENV re-exported
 
 LOCAL_ALGORITHMS = ("random", "tpe", "grid", "bayesianoptimization")
 
@@ -82,8 +83,16 @@ class LocalSweepResult:
         names = list(self.trials[0].assignments) if self.trials else []
         metrics = sorted({m for t in self.trials for m in t.metrics}, key=lambda m: (m != self.objective, m))
         header = ["trial", "status", *metrics, *names, "seconds"]
-        rows = [[str(t.number), t.status, *[f"{t.metrics[m]:.6g}" if m in t.metrics else "-" for m in metrics],
-                 *[_short(t.assignments[n]) for n in names], f"{t.seconds:.1f}"] for t in self.trials]
+        rows = [
+            [
+                str(t.number),
+                t.status,
+                *[f"{t.metrics[m]:.6g}" if m in t.metrics else "-" for m in metrics],
+                *[_short(t.assignments[n]) for n in names],
+                f"{t.seconds:.1f}",
+            ]
+            for t in self.trials
+        ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
         best = self.best
@@ -105,6 +114,7 @@ def _short(value: str) -> str:
 
 # --- Katib's parameter -> Optuna mapping -------------------------------------------------------
 
+
 def optuna_distributions(parameters) -> dict:
     """``{name: optuna distribution}`` for ``V1beta1ParameterSpec`` models, as Katib's Optuna service maps them."""
     import optuna
@@ -116,12 +126,18 @@ def optuna_distributions(parameters) -> dict:
         log = space.distribution == "logUniform"
         if ptype == "int":
             dists[p.name] = optuna.distributions.IntDistribution(
-                low=max(1, int(space.min)) if log else int(space.min), high=int(space.max), log=log,
-                step=1 if log else int(step or 1))
+                low=max(1, int(space.min)) if log else int(space.min),
+                high=int(space.max),
+                log=log,
+                step=1 if log else int(step or 1),
+            )
         elif ptype == "double":
             dists[p.name] = optuna.distributions.FloatDistribution(
-                low=max(1e-10, float(space.min)) if log else float(space.min), high=float(space.max), log=log,
-                step=None if log or not step else float(step))
+                low=max(1e-10, float(space.min)) if log else float(space.min),
+                high=float(space.max),
+                log=log,
+                step=None if log or not step else float(step),
+            )
         elif ptype in ("categorical", "discrete"):
             dists[p.name] = optuna.distributions.CategoricalDistribution(list(space.list))
         else:
@@ -171,8 +187,13 @@ def make_sampler(algorithm: str, settings: Mapping[str, str], parameters, *, sta
             kwargs["prior_weight"] = float(settings["prior_weight"])
         with warnings.catch_warnings():  # Optuna >= 4.9 deprecates gamma/prior_weight; used only when set
             warnings.simplefilter("ignore", FutureWarning)
-            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup_trials, constant_liar=False,
-                                              n_ei_candidates=int(settings.get("n_EI_candidates", 24)), **kwargs)
+            return optuna.samplers.TPESampler(
+                seed=seed,
+                n_startup_trials=startup_trials,
+                constant_liar=False,
+                n_ei_candidates=int(settings.get("n_EI_candidates", 24)),
+                **kwargs,
+            )
     if algorithm == "grid":
         return optuna.samplers.GridSampler(grid_combinations(parameters), seed=seed)
     if algorithm == "bayesianoptimization":
@@ -183,10 +204,19 @@ def make_sampler(algorithm: str, settings: Mapping[str, str], parameters, *, sta
 
 # --- the sweep -------------------------------------------------------------------------------------
 
-def run_local_sweep(spec: SweepSpec, *, trials: int, trainer_args: Sequence[str], workdir: str | Path,
-                    python: str = sys.executable, env: Mapping[str, str] | None = None,
-                    timeout_s: float | None = None, echo: Callable[[str], None] = print,
-                    mlflow_experiment: str = "") -> LocalSweepResult:
+
+def run_local_sweep(
+    spec: SweepSpec,
+    *,
+    trials: int,
+    trainer_args: Sequence[str],
+    workdir: str | Path,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float | None = None,
+    echo: Callable[[str], None] = print,
+    mlflow_experiment: str = "",
+) -> LocalSweepResult:
     """Run ``trials`` trials of ``spec``'s search space in sequence; the best is ``result.best``.
 
     ``trainer_args`` are the fixed trainer overrides of every trial (model, data, steps, ...);
@@ -203,14 +233,27 @@ def run_local_sweep(spec: SweepSpec, *, trials: int, trainer_args: Sequence[str]
     sampler = make_sampler(spec.algorithm, settings, parameters, startup_trials=spec.parallel_trials)
     study = optuna.create_study(direction="minimize", sampler=sampler)
     run_dir = _fresh_run_dir(Path(workdir), spec.name)
-    params = {"algorithm": spec.algorithm, "trials": trials, "objective": spec.objective_metric,
-              "search_space": json.dumps([p.override() for p in spec.search_space])}
-    with ParentRun(f"sweep-{spec.name}", mlflow_experiment, params=params,
-                   tags={"llmft.sweep.algorithm": spec.algorithm}) as parent:
+    params = {
+        "algorithm": spec.algorithm,
+        "trials": trials,
+        "objective": spec.objective_metric,
+        "search_space": json.dumps([p.override() for p in spec.search_space]),
+    }
+    with ParentRun(
+        f"sweep-{spec.name}", mlflow_experiment, params=params, tags={"llmft.sweep.algorithm": spec.algorithm}
+    ) as parent:
         # resume=never first (the caller's args may override it): a trial never picks up old checkpoints
-        command = [python, "-m", "trainer", "resume=never", *trainer_args]
-        sweep = _Sweep(spec, optuna_distributions(parameters), command, run_dir, {**(env or {}), **parent.env()},
-                       timeout_s, echo, parent)
+        command = [python, "-m", "llmft.trainer", "resume=never", *trainer_args]
+        sweep = _Sweep(
+            spec,
+            optuna_distributions(parameters),
+            command,
+            run_dir,
+            {**(env or {}), **parent.env()},
+            timeout_s,
+            echo,
+            parent,
+        )
         try:
             study.optimize(sweep.objective, n_trials=trials)
         finally:  # a failed sweep still leaves its record
@@ -227,8 +270,9 @@ class _Sweep:
         self.env, self.timeout_s, self.echo, self.parent = env, timeout_s, echo, parent
         self.keys = {p.name: p.config_key for p in spec.search_space}
         self.strategies = {s.name: s.value for s in objective_spec(spec).metric_strategies}
-        self.result = LocalSweepResult(objective=spec.objective_metric, trials=[], parent_run_id=parent.run_id,
-                                       run_dir=str(workdir))
+        self.result = LocalSweepResult(
+            objective=spec.objective_metric, trials=[], parent_run_id=parent.run_id, run_dir=str(workdir)
+        )
 
     def objective(self, trial) -> float:
         number, objective = trial.number, self.spec.objective_metric
@@ -244,8 +288,11 @@ class _Sweep:
             self.parent.log_metric(f"trial_{objective}", outcome.metrics[objective], step=number)
         failed = sum(t.status != "Succeeded" for t in self.result.trials)
         if failed > self.spec.max_failed_trials:
-            raise ExperimentFailed(f"{failed} trials failed (max_failed_trials={self.spec.max_failed_trials}); "
-                                   f"logs under {self.workdir}\n{self.result.table()}", self.result)
+            raise ExperimentFailed(
+                f"{failed} trials failed (max_failed_trials={self.spec.max_failed_trials}); "
+                f"logs under {self.workdir}\n{self.result.table()}",
+                self.result,
+            )
         if outcome.status != "Succeeded":
             return float("nan")  # Optuna records a FAIL trial; the sweep goes on
         return outcome.metrics[objective]
@@ -282,8 +329,10 @@ def _check_grid_size(spec: SweepSpec, parameters, trials: int) -> None:
     for values in grid_combinations(parameters).values():
         size *= len(values)
     if trials > size:
-        raise SweepError(f"--trials {trials} > the {size} grid combinations (Katib's grid service refuses the same); "
-                         "lower --trials or add grid values (space.<name>.grid=...)")
+        raise SweepError(
+            f"--trials {trials} > the {size} grid combinations (Katib's grid service refuses the same); "
+            "lower --trials or add grid values (space.<name>.grid=...)"
+        )
 
 
 def _run_trial(number, command, workdir, env, timeout_s, strategies, objective) -> TrialResult:
@@ -291,8 +340,15 @@ def _run_trial(number, command, workdir, env, timeout_s, strategies, objective) 
     log_path = workdir / f"trial-{number:03d}.log"
     start = time.monotonic()
     try:
-        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=trial_env, timeout=timeout_s, check=False)
+        proc = subprocess.run(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=trial_env,
+            timeout=timeout_s,
+            check=False,
+        )
         output, rc = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as exc:
         output, rc = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), -9
@@ -300,8 +356,15 @@ def _run_trial(number, command, workdir, env, timeout_s, strategies, objective) 
     log_path.write_text(output, encoding="utf-8")
     metrics = summarize(parse_metric_lines(output, list(strategies), METRICS_FILTER), strategies)
     status = "Failed" if rc != 0 else ("Succeeded" if objective in metrics else "MetricsUnavailable")
-    return TrialResult(number=number, assignments={}, overrides=[], status=status, metrics=metrics,
-                       seconds=seconds, log_path=str(log_path))
+    return TrialResult(
+        number=number,
+        assignments={},
+        overrides=[],
+        status=status,
+        metrics=metrics,
+        seconds=seconds,
+        log_path=str(log_path),
+    )
 
 
 def _write_trials(result: LocalSweepResult, run_dir: Path, workdir: Path) -> None:

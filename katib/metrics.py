@@ -11,6 +11,7 @@ file-metricscollector (v0.19): skip lines that contain no metric name, find all
 matches per line, group 1 (stripped) is the name, group 2 (stripped) the value,
 keep names equal to a requested metric.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,9 @@ ADDITIONAL_METRICS: tuple[str, ...] = ("perplexity",)
 STRATEGIES = ("min", "max", "latest")
 
 
-def parse_metric_lines(text: str | Iterable[str], metric_names: Sequence[str],
-                       metrics_format: str = METRICS_FILTER) -> list[tuple[str, float]]:
+def parse_metric_lines(
+    text: str | Iterable[str], metric_names: Sequence[str], metrics_format: str = METRICS_FILTER
+) -> list[tuple[str, float]]:
     """All ``(name, value)`` observations of ``metric_names`` in ``text``, in order."""
     lines = text.splitlines() if isinstance(text, str) else text
     pattern = _FILTER_RE if metrics_format == METRICS_FILTER else re.compile(metrics_format)

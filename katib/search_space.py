@@ -14,6 +14,7 @@ rejects a double without a step), so each parameter also lists the ``grid``
 values it takes there; every other algorithm searches the continuous range or
 the ``values`` list.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,7 @@ import re
 from dataclasses import dataclass
 
 from kubeflow_katib_api.models import V1beta1FeasibleSpace, V1beta1ParameterSpec
-
-from katib.errors import SweepError
+from llmft.katib.errors import SweepError
 
 PARAMETER_TYPES = ("double", "int", "discrete", "categorical")
 DISTRIBUTIONS = ("uniform", "logUniform", "normal", "logNormal")
@@ -59,7 +59,9 @@ class HyperParameter:
         """Raise :class:`SweepError` naming the field when this parameter cannot be searched."""
         where = f"search space parameter {self.name!r}"
         if not _NAME_RE.match(self.name):
-            raise SweepError(f"{where}: name must match {_NAME_RE.pattern} (it becomes ${{trialParameters.{self.name}}})")
+            raise SweepError(
+                f"{where}: name must match {_NAME_RE.pattern} (it becomes ${{trialParameters.{self.name}}})"
+            )
         if self.type not in PARAMETER_TYPES:
             raise SweepError(f"{where}: type {self.type!r} is not one of {', '.join(PARAMETER_TYPES)}")
         if self.type in ("double", "int"):
@@ -69,8 +71,10 @@ class HyperParameter:
                 raise SweepError(f"{where}: a {self.type} parameter needs a non-empty values list")
             stray = [k for k in ("min", "max", "step", "distribution") if getattr(self, k) is not None]
             if stray:
-                raise SweepError(f"{where}: {', '.join(stray)} do not apply to a {self.type} parameter; "
-                                 "set values=... (or change type=double/int)")
+                raise SweepError(
+                    f"{where}: {', '.join(stray)} do not apply to a {self.type} parameter; "
+                    "set values=... (or change type=double/int)"
+                )
         if not self.grid:
             raise SweepError(f"{where}: list the grid values the grid algorithm should try (grid=...)")
 
@@ -106,25 +110,50 @@ def trial_placeholder(name: str) -> str:
 # decoder models; the grid keeps 3-4 points per axis (3*3*3*3*3 = 243 combinations).
 DEFAULT_SEARCH_SPACE: tuple[HyperParameter, ...] = (
     HyperParameter(
-        name="learning_rate", config_key="optim.lr", type="double", min="1e-05", max="0.001",
-        distribution="logUniform", grid=("5e-05", "0.0001", "0.0002", "0.0005"),
+        name="learning_rate",
+        config_key="optim.lr",
+        type="double",
+        min="1e-05",
+        max="0.001",
+        distribution="logUniform",
+        grid=("5e-05", "0.0001", "0.0002", "0.0005"),
         description="peak learning rate (log scale)",
     ),
     HyperParameter(
-        name="lora_r", config_key="lora.r", type="discrete", values=("8", "16", "32", "64"),
-        grid=("8", "16", "32"), description="LoRA rank",
+        name="lora_r",
+        config_key="lora.r",
+        type="discrete",
+        values=("8", "16", "32", "64"),
+        grid=("8", "16", "32"),
+        description="LoRA rank",
     ),
     HyperParameter(
-        name="lora_alpha", config_key="lora.alpha", type="discrete", values=("16", "32", "64"),
-        grid=("16", "32", "64"), description="LoRA alpha (scaling = alpha / r)",
+        name="lora_alpha",
+        config_key="lora.alpha",
+        type="discrete",
+        values=("16", "32", "64"),
+        grid=("16", "32", "64"),
+        description="LoRA alpha (scaling = alpha / r)",
     ),
     HyperParameter(
-        name="lora_dropout", config_key="lora.dropout", type="double", min="0.0", max="0.1",
-        distribution="uniform", grid=("0.0", "0.05", "0.1"), description="LoRA dropout",
+        name="lora_dropout",
+        config_key="lora.dropout",
+        type="double",
+        min="0.0",
+        max="0.1",
+        distribution="uniform",
+        grid=("0.0", "0.05", "0.1"),
+        description="LoRA dropout",
     ),
     HyperParameter(
-        name="warmup_ratio", config_key="schedule.warmup_ratio", type="double", min="0.0", max="0.1",
-        distribution="uniform", grid=("0.0", "0.03", "0.1"), description="warmup fraction of the schedule",
+        name="warmup_ratio",
+        config_key="schedule.warmup_ratio",
+        type="double",
+        min="0.0",
+        max="0.1",
+        distribution="uniform",
+        grid=("0.0", "0.03", "0.1"),
+        description="warmup fraction of the schedule",
     ),
 )
 
@@ -152,14 +181,14 @@ def _parameter_spec(param: HyperParameter, algorithm: str) -> V1beta1ParameterSp
     if algorithm == "grid":
         numeric = all(_is_number(v) for v in param.grid)
         return V1beta1ParameterSpec(
-            name=param.name, parameterType="discrete" if numeric else "categorical",
+            name=param.name,
+            parameterType="discrete" if numeric else "categorical",
             feasibleSpace=V1beta1FeasibleSpace(list=list(param.grid)),
         )
     if param.type in ("discrete", "categorical"):
         space = V1beta1FeasibleSpace(list=list(param.values))
     else:
-        space = V1beta1FeasibleSpace(min=param.min, max=param.max, step=param.step,
-                                     distribution=param.distribution)
+        space = V1beta1FeasibleSpace(min=param.min, max=param.max, step=param.step, distribution=param.distribution)
     return V1beta1ParameterSpec(name=param.name, parameterType=param.type, feasibleSpace=space)
 
 

@@ -1,7 +1,7 @@
 """Read an Experiment's status: phase, trial counts and the best hyperparameters.
 
 Also the submit / get / wait path, written against a duck-typed client with the
-methods of ``components.lib.cluster.Cluster`` (katib/ is a leaf and never imports it)::
+methods of ``llmft.components.lib.cluster.Cluster`` (katib/ is a leaf and never imports it)::
 
     client.create_custom_object(group, version, plural, body, namespace=None) -> dict
     client.get_custom_object(group, version, plural, name, namespace=None) -> dict
@@ -10,6 +10,7 @@ The best trial's parameters come back as ``key=value`` lines keyed by the traine
 config names, read from the Experiment's own trial command, ready for
 ``llmft train`` or the pipeline.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kubeflow_katib_api.models import V1beta1ExperimentStatus
-
-from katib.errors import ExperimentFailed, SweepError
-from katib.experiment import GROUP, PLURAL, VERSION, experiment_dict, override_bindings
+from llmft.katib.errors import ExperimentFailed, SweepError
+from llmft.katib.experiment import GROUP, PLURAL, VERSION, experiment_dict, override_bindings
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -28,11 +28,13 @@ TERMINAL = ("Succeeded", "Failed")
 class CustomObjectClient(Protocol):
     """What the submit/status path needs from a cluster client."""
 
-    def create_custom_object(self, group: str, version: str, plural: str, body: dict,
-                             namespace: str | None = None) -> dict: ...
+    def create_custom_object(
+        self, group: str, version: str, plural: str, body: dict, namespace: str | None = None
+    ) -> dict: ...
 
-    def get_custom_object(self, group: str, version: str, plural: str, name: str,
-                          namespace: str | None = None) -> dict: ...
+    def get_custom_object(
+        self, group: str, version: str, plural: str, name: str, namespace: str | None = None
+    ) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,10 @@ class ExperimentState:
 
     def summary(self) -> str:
         counts = ", ".join(f"{k} {v}" for k, v in self.trials.items() if v)
-        lines = [f"experiment {self.name}: {self.phase}" + (f" ({self.reason})" if self.reason else ""),
-                 f"trials: {counts or 'none yet'}"]
+        lines = [
+            f"experiment {self.name}: {self.phase}" + (f" ({self.reason})" if self.reason else ""),
+            f"trials: {counts or 'none yet'}",
+        ]
         if self.message:
             lines.append(f"message: {self.message}")
         if self.best_trial:
@@ -79,9 +83,16 @@ class ExperimentState:
         return "\n".join(lines)
 
 
-_COUNT_FIELDS = {"total": "trials", "succeeded": "trialsSucceeded", "failed": "trialsFailed",
-                 "running": "trialsRunning", "pending": "trialsPending", "killed": "trialsKilled",
-                 "early_stopped": "trialsEarlyStopped", "metrics_unavailable": "trialMetricsUnavailable"}
+_COUNT_FIELDS = {
+    "total": "trials",
+    "succeeded": "trialsSucceeded",
+    "failed": "trialsFailed",
+    "running": "trialsRunning",
+    "pending": "trialsPending",
+    "killed": "trialsKilled",
+    "early_stopped": "trialsEarlyStopped",
+    "metrics_unavailable": "trialMetricsUnavailable",
+}
 
 
 def parse_state(experiment: Mapping[str, Any]) -> ExperimentState:
@@ -99,7 +110,7 @@ def parse_state(experiment: Mapping[str, Any]) -> ExperimentState:
     params = {bindings.get(a.name, a.name): a.value for a in assignments}
     strategies = _strategies(body)
     metrics = {}
-    for metric in ((optimal.observation.metrics or []) if optimal and optimal.observation else []):
+    for metric in (optimal.observation.metrics or []) if optimal and optimal.observation else []:
         value = getattr(metric, strategies.get(metric.name, "latest"), None) or metric.latest
         if value not in (None, "", "unavailable"):
             metrics[metric.name] = float(value)
@@ -133,18 +144,24 @@ def best_overrides(experiment: Mapping[str, Any]) -> list[str]:
     """``key=value`` lines of the optimal trial; :class:`SweepError` when there is none yet."""
     state = parse_state(experiment)
     if not state.best_parameters:
-        raise SweepError(f"experiment {state.name}: no optimal trial yet ({state.phase}; "
-                         f"{state.trials.get('succeeded', 0)} trials succeeded). Check `llmft sweep status {state.name}`")
+        raise SweepError(
+            f"experiment {state.name}: no optimal trial yet ({state.phase}; "
+            f"{state.trials.get('succeeded', 0)} trials succeeded). Check `llmft sweep status {state.name}`"
+        )
     if state.unbound:
-        raise SweepError(f"experiment {state.name}: parameters {list(state.unbound)} are not bound to a trainer key "
-                         "in the trial command (expected <key>=${trialParameters.<name>}); fix the trial template")
+        raise SweepError(
+            f"experiment {state.name}: parameters {list(state.unbound)} are not bound to a trainer key "
+            "in the trial command (expected <key>=${trialParameters.<name>}); fix the trial template"
+        )
     return state.best_overrides()
 
 
 # --- cluster path ------------------------------------------------------------------------------
 
-def submit(client: CustomObjectClient, experiment: Mapping[str, Any], namespace: str | None = None,
-           *, exist_ok: bool = True) -> dict:
+
+def submit(
+    client: CustomObjectClient, experiment: Mapping[str, Any], namespace: str | None = None, *, exist_ok: bool = True
+) -> dict:
     """Create the Experiment; with ``exist_ok`` an Experiment of the same name and spec is reused
     (a retried pipeline task must not fail on its own earlier submission)."""
     body = experiment_dict(experiment)
@@ -156,10 +173,13 @@ def submit(client: CustomObjectClient, experiment: Mapping[str, Any], namespace:
             raise
     name = body["metadata"]["name"]
     existing = client.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
-    if (existing.get("spec") or {}).get("parameters") != body["spec"].get("parameters") or \
-            (existing.get("spec") or {}).get("algorithm") != body["spec"].get("algorithm"):
-        raise SweepError(f"experiment {name} already exists in namespace {namespace} with a different search; "
-                         "pick another name= or delete it (kubectl delete experiment " + name + ")")
+    if (existing.get("spec") or {}).get("parameters") != body["spec"].get("parameters") or (
+        existing.get("spec") or {}
+    ).get("algorithm") != body["spec"].get("algorithm"):
+        raise SweepError(
+            f"experiment {name} already exists in namespace {namespace} with a different search; "
+            "pick another name= or delete it (kubectl delete experiment " + name + ")"
+        )
     return existing
 
 
@@ -167,10 +187,17 @@ def get_state(client: CustomObjectClient, name: str, namespace: str | None = Non
     return parse_state(client.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace))
 
 
-def wait(client: CustomObjectClient, name: str, namespace: str | None = None, *, timeout_s: float = 24 * 3600,
-         poll_s: float = 30.0, on_update: Callable[[ExperimentState], None] | None = None,
-         sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-         ) -> ExperimentState:
+def wait(
+    client: CustomObjectClient,
+    name: str,
+    namespace: str | None = None,
+    *,
+    timeout_s: float = 24 * 3600,
+    poll_s: float = 30.0,
+    on_update: Callable[[ExperimentState], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> ExperimentState:
     """Poll until Succeeded (returned) or Failed (:class:`ExperimentFailed`); TimeoutError after ``timeout_s``."""
     deadline = clock() + timeout_s
     last_summary = None
@@ -180,8 +207,9 @@ def wait(client: CustomObjectClient, name: str, namespace: str | None = None, *,
             on_update(state)
             last_summary = state.summary()
         if state.phase == "Failed":
-            raise ExperimentFailed(f"experiment {name} failed: {state.reason} {state.message}".strip()
-                                   + f"\n{state.summary()}", state)
+            raise ExperimentFailed(
+                f"experiment {name} failed: {state.reason} {state.message}".strip() + f"\n{state.summary()}", state
+            )
         if state.phase == "Succeeded":
             return state
         if clock() >= deadline:

@@ -8,6 +8,7 @@ A trial learns its parent from the environment :meth:`ParentRun.env` returns:
 ``LLMFT_MLFLOW_PARENT_RUN_ID`` (the trainer passes it to ``mlflow.start_run(parent_run_id=...)``)
 and ``MLFLOW_EXPERIMENT_NAME`` (children must live in the parent's experiment).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,14 @@ DEFAULT_EXPERIMENT = "llmft"
 class ParentRun:
     """Context manager around the parent run; every method is a no-op when MLflow is not configured."""
 
-    def __init__(self, run_name: str, experiment: str = "", *, params: dict[str, Any] | None = None,
-                 tags: dict[str, str] | None = None):
+    def __init__(
+        self,
+        run_name: str,
+        experiment: str = "",
+        *,
+        params: dict[str, Any] | None = None,
+        tags: dict[str, str] | None = None,
+    ):
         self.run_name, self.params, self.tags = run_name, params or {}, tags or {}
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         self.client = None

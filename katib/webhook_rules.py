@@ -17,6 +17,7 @@ project rules for PyTorchJob trials. Each violation names its source:
 
 The code paths are written from the Go source; nothing is copied.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from katib.errors import SweepError
+from llmft.katib.errors import SweepError
 
 # Katib's default katib-config (v0.19) suggestion and early-stopping services.
-KNOWN_ALGORITHMS = ("random", "tpe", "multivariate-tpe", "grid", "hyperband", "bayesianoptimization",
-                    "cmaes", "sobol", "enas", "darts", "pbt")
+KNOWN_ALGORITHMS = (
+    "random",
+    "tpe",
+    "multivariate-tpe",
+    "grid",
+    "hyperband",
+    "bayesianoptimization",
+    "cmaes",
+    "sobol",
+    "enas",
+    "darts",
+    "pbt",
+)
 KNOWN_EARLY_STOPPING = ("medianstop",)
 RESUME_POLICIES = ("", "Never", "LongRunning", "FromVolume")
 PARAMETER_TYPES = ("int", "double", "categorical", "discrete", "")
@@ -53,22 +65,38 @@ KUBEFLOW_FAILURE = 'status.conditions.#(type=="Failed")#|#(status=="True")#'
 # Which service answers each algorithm in Katib 0.19's default katib-config
 # (manifests/v1beta1/installs/katib-standalone/katib-config.yaml), and the settings each
 # service's ValidateAlgorithmSettings accepts, with a check per value.
-SUGGESTION_SERVICES = {"random": "hyperopt", "tpe": "hyperopt", "grid": "optuna", "multivariate-tpe": "optuna",
-                       "bayesianoptimization": "skopt", "cmaes": "goptuna", "sobol": "goptuna",
-                       "hyperband": "hyperband", "enas": "enas", "darts": "darts", "pbt": "pbt"}
+SUGGESTION_SERVICES = {
+    "random": "hyperopt",
+    "tpe": "hyperopt",
+    "grid": "optuna",
+    "multivariate-tpe": "optuna",
+    "bayesianoptimization": "skopt",
+    "cmaes": "goptuna",
+    "sobol": "goptuna",
+    "hyperband": "hyperband",
+    "enas": "enas",
+    "darts": "darts",
+    "pbt": "pbt",
+}
 _NON_NEG_INT = ("a non-negative integer", lambda v: int(v) >= 0)
 _POS_INT = ("a positive integer", lambda v: int(v) > 0)
 ALGORITHM_SETTINGS: dict[str, dict[str, tuple]] = {
     "random": {"random_state": _NON_NEG_INT},
-    "tpe": {"gamma": ("a number in (0, 1)", lambda v: 0 < float(v) < 1),
-            "prior_weight": ("a number > 0", lambda v: float(v) > 0),
-            "n_EI_candidates": _POS_INT, "random_state": _NON_NEG_INT},
+    "tpe": {
+        "gamma": ("a number in (0, 1)", lambda v: 0 < float(v) < 1),
+        "prior_weight": ("a number > 0", lambda v: float(v) > 0),
+        "n_EI_candidates": _POS_INT,
+        "random_state": _NON_NEG_INT,
+    },
     "grid": {"random_state": _NON_NEG_INT},
     "multivariate-tpe": {k: _NON_NEG_INT for k in ("n_startup_trials", "n_ei_candidates", "random_state")},
     "bayesianoptimization": {
         "base_estimator": ("one of GP, RF, ET, GBRT", lambda v: v in ("GP", "RF", "ET", "GBRT")),
         "n_initial_points": _NON_NEG_INT,
-        "acq_func": ("one of gp_hedge, LCB, EI, PI, EIps, PIps", lambda v: v in ("gp_hedge", "LCB", "EI", "PI", "EIps", "PIps")),
+        "acq_func": (
+            "one of gp_hedge, LCB, EI, PI, EIps, PIps",
+            lambda v: v in ("gp_hedge", "LCB", "EI", "PI", "EIps", "PIps"),
+        ),
         "acq_optimizer": ("one of auto, sampling, lbfgs", lambda v: v in ("auto", "sampling", "lbfgs")),
         "random_state": _NON_NEG_INT,
     },
@@ -106,8 +134,13 @@ def validate_experiment(body: Mapping[str, Any]) -> list[Violation]:
     out += _check_algorithm(spec)
     out += _check_early_stopping(spec.get("earlyStopping"))
     if spec.get("resumePolicy", "") not in RESUME_POLICIES:
-        out.append(Violation("spec.resumePolicy", f"invalid ResumePolicyType {spec.get('resumePolicy')!r}; "
-                             "use Never, LongRunning or FromVolume", "webhook"))
+        out.append(
+            Violation(
+                "spec.resumePolicy",
+                f"invalid ResumePolicyType {spec.get('resumePolicy')!r}; use Never, LongRunning or FromVolume",
+                "webhook",
+            )
+        )
     out += _check_trial_template(spec)
     out += _check_parameters(spec)
     out += _check_metrics_collector(spec.get("metricsCollectorSpec") or {})
@@ -124,8 +157,14 @@ def check_experiment(body: Mapping[str, Any]) -> None:
 def _check_name(name: str) -> list[Violation]:
     out = []
     if not NAME_RE.match(name):
-        out.append(Violation("metadata.name", f"{name!r} must consist of lower case alphanumerics or '-', start "
-                             "with a letter and end with an alphanumeric", "webhook"))
+        out.append(
+            Violation(
+                "metadata.name",
+                f"{name!r} must consist of lower case alphanumerics or '-', start "
+                "with a letter and end with an alphanumeric",
+                "webhook",
+            )
+        )
     if len(name) > NAME_MAX:
         out.append(Violation("metadata.name", f"{name!r} is {len(name)} characters; at most {NAME_MAX}", "webhook"))
     return out
@@ -157,12 +196,20 @@ def _check_objective(obj: Mapping[str, Any] | None) -> list[Violation]:
     if not name:
         out.append(Violation("spec.objective.objectiveMetricName", "must be specified", "webhook"))
     if name and name in (obj.get("additionalMetricNames") or []):
-        out.append(Violation("spec.objective.additionalMetricNames",
-                             f"should not contain the objective metric {name!r}", "webhook"))
+        out.append(
+            Violation(
+                "spec.objective.additionalMetricNames", f"should not contain the objective metric {name!r}", "webhook"
+            )
+        )
     for i, strategy in enumerate(obj.get("metricStrategies") or []):
         if strategy.get("value") not in METRIC_STRATEGIES:
-            out.append(Violation(f"spec.objective.metricStrategies[{i}].value",
-                                 f"{strategy.get('value')!r} is not one of min, max, latest", "project"))
+            out.append(
+                Violation(
+                    f"spec.objective.metricStrategies[{i}].value",
+                    f"{strategy.get('value')!r} is not one of min, max, latest",
+                    "project",
+                )
+            )
     return out
 
 
@@ -174,10 +221,21 @@ def _check_algorithm(spec: Mapping[str, Any]) -> list[Violation]:
     if not name:
         return [Violation("spec.algorithm.algorithmName", "must be specified", "webhook")]
     if name not in KNOWN_ALGORITHMS:
-        return [Violation("spec.algorithm.algorithmName", f"unknown algorithm {name!r} (no Suggestion config in "
-                          f"katib-config); known: {', '.join(KNOWN_ALGORITHMS)}", "webhook")]
-    out = _check_settings(algorithm.get("algorithmSettings") or [], ALGORITHM_SETTINGS.get(name),
-                          "spec.algorithm.algorithmSettings", name, "suggestion")
+        return [
+            Violation(
+                "spec.algorithm.algorithmName",
+                f"unknown algorithm {name!r} (no Suggestion config in "
+                f"katib-config); known: {', '.join(KNOWN_ALGORITHMS)}",
+                "webhook",
+            )
+        ]
+    out = _check_settings(
+        algorithm.get("algorithmSettings") or [],
+        ALGORITHM_SETTINGS.get(name),
+        "spec.algorithm.algorithmSettings",
+        name,
+        "suggestion",
+    )
     if name == "grid":
         out += _check_grid(spec)
     return out
@@ -191,8 +249,14 @@ def _check_settings(settings, allowed, path, algorithm, source) -> list[Violatio
         key, value = setting.get("name"), setting.get("value")
         if key not in allowed:
             service = SUGGESTION_SERVICES.get(algorithm, algorithm)
-            out.append(Violation(f"{path}[{i}]", f"unknown setting {key!r} for {algorithm} (served by Katib's "
-                                 f"{service} service); known: {', '.join(allowed)}", source))
+            out.append(
+                Violation(
+                    f"{path}[{i}]",
+                    f"unknown setting {key!r} for {algorithm} (served by Katib's "
+                    f"{service} service); known: {', '.join(allowed)}",
+                    source,
+                )
+            )
             continue
         expected, ok = allowed[key]
         try:
@@ -211,8 +275,13 @@ def _check_grid(spec: Mapping[str, Any]) -> list[Violation]:
         if ptype in ("categorical", "discrete"):
             sizes.append(len(space.get("list") or []))
         elif ptype == "double" and not space.get("step"):
-            return [Violation(f"spec.parameters[{i}].feasibleSpace.step", "grid needs a step for every double "
-                              "parameter (or a discrete list)", "suggestion")]
+            return [
+                Violation(
+                    f"spec.parameters[{i}].feasibleSpace.step",
+                    "grid needs a step for every double parameter (or a discrete list)",
+                    "suggestion",
+                )
+            ]
         else:
             try:
                 low, high, step = (float(space.get(k) or d) for k, d in (("min", "nan"), ("max", "nan"), ("step", 1)))
@@ -222,8 +291,13 @@ def _check_grid(spec: Mapping[str, Any]) -> list[Violation]:
     combinations = math.prod(sizes) if sizes else 0
     max_trials = spec.get("maxTrialCount")
     if max_trials is not None and max_trials > combinations:
-        return [Violation("spec.maxTrialCount", f"{max_trials} > the {combinations} grid combinations; "
-                          "lower it or add grid values", "suggestion")]
+        return [
+            Violation(
+                "spec.maxTrialCount",
+                f"{max_trials} > the {combinations} grid combinations; lower it or add grid values",
+                "suggestion",
+            )
+        ]
     return []
 
 
@@ -234,10 +308,20 @@ def _check_early_stopping(es: Mapping[str, Any] | None) -> list[Violation]:
     if not name:
         return [Violation("spec.earlyStopping.algorithmName", "must be specified", "webhook")]
     if name not in KNOWN_EARLY_STOPPING:
-        return [Violation("spec.earlyStopping.algorithmName", f"unknown early stopping algorithm {name!r}; "
-                          f"known: {', '.join(KNOWN_EARLY_STOPPING)}", "webhook")]
-    return _check_settings(es.get("algorithmSettings") or [], MEDIANSTOP_SETTINGS,
-                           "spec.earlyStopping.algorithmSettings", name, "earlystopping")
+        return [
+            Violation(
+                "spec.earlyStopping.algorithmName",
+                f"unknown early stopping algorithm {name!r}; known: {', '.join(KNOWN_EARLY_STOPPING)}",
+                "webhook",
+            )
+        ]
+    return _check_settings(
+        es.get("algorithmSettings") or [],
+        MEDIANSTOP_SETTINGS,
+        "spec.earlyStopping.algorithmSettings",
+        name,
+        "earlystopping",
+    )
 
 
 def _check_parameters(spec: Mapping[str, Any]) -> list[Violation]:
@@ -258,8 +342,11 @@ def _check_parameter(path: str, param: Mapping[str, Any]) -> list[Violation]:
     if ptype not in PARAMETER_TYPES:
         out.append(Violation(f"{path}.parameterType", f"{ptype!r} is not supported", "webhook"))
     if space.get("distribution", "") not in DISTRIBUTIONS:
-        out.append(Violation(f"{path}.feasibleSpace.distribution", f"{space.get('distribution')!r} is not supported",
-                             "webhook"))
+        out.append(
+            Violation(
+                f"{path}.feasibleSpace.distribution", f"{space.get('distribution')!r} is not supported", "webhook"
+            )
+        )
     if not any(space.get(k) not in (None, "", []) for k in ("min", "max", "step", "list", "distribution")):
         return out + [Violation(f"{path}.feasibleSpace", "feasibleSpace must be specified", "webhook")]
     if ptype in ("int", "double"):
@@ -271,7 +358,9 @@ def _check_parameter(path: str, param: Mapping[str, Any]) -> list[Violation]:
             out += _check_range(path, space)
     elif ptype in ("categorical", "discrete"):
         if any(space.get(k) for k in ("min", "max", "step")):
-            out.append(Violation(f"{path}.feasibleSpace", f"max, min and step are not supported for {ptype}", "webhook"))
+            out.append(
+                Violation(f"{path}.feasibleSpace", f"max, min and step are not supported for {ptype}", "webhook")
+            )
         if not space.get("list"):
             out.append(Violation(f"{path}.feasibleSpace.list", "empty list: nothing to search", "project"))
     return out
@@ -281,11 +370,13 @@ def _check_range(path: str, space: Mapping[str, Any]) -> list[Violation]:
     try:
         low, high = float(space["min"]), float(space["max"])
     except ValueError:
-        return [Violation(f"{path}.feasibleSpace", f"min {space['min']!r} / max {space['max']!r} are not numbers",
-                          "suggestion")]
+        return [
+            Violation(
+                f"{path}.feasibleSpace", f"min {space['min']!r} / max {space['max']!r} are not numbers", "suggestion"
+            )
+        ]
     if not low < high:
-        return [Violation(f"{path}.feasibleSpace", f"empty range: min {space['min']} >= max {space['max']}",
-                          "project")]
+        return [Violation(f"{path}.feasibleSpace", f"empty range: min {space['min']} >= max {space['max']}", "project")]
     if space.get("distribution") == "logUniform" and low <= 0:
         return [Violation(f"{path}.feasibleSpace.min", "a logUniform range needs min > 0", "project")]
     return []
@@ -323,13 +414,15 @@ def _check_trial_parameters(spec: Mapping[str, Any], trial_params: list, text: s
     for i, param in enumerate(trial_params):
         name, ref = param.get("name") or "", param.get("reference") or ""
         if not name or not ref or "{" in name or "}" in name:
-            out.append(Violation(f"{path}[{i}]", "name and reference must be set; name must not contain { or }",
-                                 "webhook"))
+            out.append(
+                Violation(f"{path}[{i}]", "name and reference must be set; name must not contain { or }", "webhook")
+            )
             continue
         if name in names or ref in refs:
             what = "name" if name in names else "reference"
-            out.append(Violation(f"{path}[{i}].{what}", f"duplicated {what} {name if what == 'name' else ref!r}",
-                                 "webhook"))
+            out.append(
+                Violation(f"{path}[{i}].{what}", f"duplicated {what} {name if what == 'name' else ref!r}", "webhook")
+            )
             continue
         names.add(name)
         refs.add(ref)
@@ -341,8 +434,9 @@ def _check_trial_parameters(spec: Mapping[str, Any], trial_params: list, text: s
         text = text.replace(PARAM_FORMAT % name, "test-value")
     left = PARAM_RE.findall(text)
     if left:
-        out.append(Violation("spec.trialTemplate.trialSpec", f"{sorted(set(left))} are not in trialParameters",
-                             "webhook"))
+        out.append(
+            Violation("spec.trialTemplate.trialSpec", f"{sorted(set(left))} are not in trialParameters", "webhook")
+        )
     return out
 
 
@@ -372,25 +466,36 @@ def _check_pytorchjob_template(template: Mapping[str, Any]) -> list[Violation]:
     path = "spec.trialTemplate"
     out = []
     if template.get("primaryContainerName") != "pytorch":
-        out.append(Violation(f"{path}.primaryContainerName", "PyTorchJob trials must name the container 'pytorch'",
-                             "project"))
+        out.append(
+            Violation(f"{path}.primaryContainerName", "PyTorchJob trials must name the container 'pytorch'", "project")
+        )
     if template.get("successCondition") != KUBEFLOW_SUCCESS or template.get("failureCondition") != KUBEFLOW_FAILURE:
-        out.append(Violation(path, f"PyTorchJob trials need successCondition {KUBEFLOW_SUCCESS} and "
-                             f"failureCondition {KUBEFLOW_FAILURE}", "project"))
+        out.append(
+            Violation(
+                path,
+                f"PyTorchJob trials need successCondition {KUBEFLOW_SUCCESS} and failureCondition {KUBEFLOW_FAILURE}",
+                "project",
+            )
+        )
     replicas = (template["trialSpec"].get("spec") or {}).get("pytorchReplicaSpecs") or {}
-    containers = ((((replicas.get("Master") or {}).get("template") or {}).get("spec") or {}).get("containers") or [])
+    containers = (((replicas.get("Master") or {}).get("template") or {}).get("spec") or {}).get("containers") or []
     if not any(c.get("name") == template.get("primaryContainerName") for c in containers):
-        out.append(Violation(f"{path}.trialSpec.spec.pytorchReplicaSpecs.Master",
-                             f"no container named {template.get('primaryContainerName')!r}: Katib could not "
-                             "collect metrics", "project"))
+        out.append(
+            Violation(
+                f"{path}.trialSpec.spec.pytorchReplicaSpecs.Master",
+                f"no container named {template.get('primaryContainerName')!r}: Katib could not collect metrics",
+                "project",
+            )
+        )
     return out
 
 
 def _check_metrics_collector(mc: Mapping[str, Any]) -> list[Violation]:
     kind = (mc.get("collector") or {}).get("kind") or "StdOut"  # the defaulter sets StdOut
     if kind not in COLLECTOR_KINDS:
-        return [Violation("spec.metricsCollectorSpec.collector.kind", f"invalid metrics collector kind {kind!r}",
-                          "webhook")]
+        return [
+            Violation("spec.metricsCollectorSpec.collector.kind", f"invalid metrics collector kind {kind!r}", "webhook")
+        ]
     # v0.19 returns before checking filters for StdOut/Push, yet the collector still needs them right.
     source = "project" if kind in ("StdOut", "Push") else "webhook"
     out = []

@@ -8,6 +8,7 @@ A group module exposes ``register(parser)`` (adds its own sub-commands) and each
 sub-command sets ``func`` (a callable taking the parsed args and returning an
 exit code) via ``parser.set_defaults(func=...)``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ EPILOG = "Run `llmft <group> --help` for the sub-commands of a group. Exit codes
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmft",
-        description="kfp-llm-finetune: raw dataset -> fine-tuned LLM adapter served by KServe + vLLM, as one Kubeflow pipeline.",
+        description=(
+            "kfp-llm-finetune: raw dataset -> fine-tuned LLM adapter served by KServe + vLLM, as one Kubeflow pipeline."
+        ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_user_error(exc: BaseException) -> bool:
     """A trainer.errors.LlmftError (bad config or data): message only, exit 1."""
-    errors = sys.modules.get("trainer.errors")
+    errors = sys.modules.get("llmft.trainer.errors")
     return errors is not None and isinstance(exc, errors.LlmftError)
 
 

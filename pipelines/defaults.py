@@ -13,6 +13,7 @@ Work folder layout (default ``runs/pipeline-local``)::
     mlflow.db            MLflow tracking + registry store; mlartifacts/ its artifacts
     run-local.log        everything the tasks printed
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,10 @@ LOCAL_DEFAULTS: dict[str, Any] = {
     "lora_dropout": 0.0,
     "learning_rate": 5e-3,
     "max_steps": 64,  # about 2.7 epochs of the sample; 3e-3 x 24 steps reached perplexity 740, this 624
-    "train_overrides": ("save_every=16 eval_every=16 log_every=8 keep_last=4 batch.global_sequences=4 "
-                        "schedule.warmup_steps=4 observe.progress_bar=false"),
+    "train_overrides": (
+        "save_every=16 eval_every=16 log_every=8 keep_last=4 batch.global_sequences=4 "
+        "schedule.warmup_steps=4 observe.progress_bar=false"
+    ),
     "training_backend": "local",
     "num_workers": 1,
     "gpus_per_worker": 0,
@@ -56,12 +59,12 @@ LOCAL_DEFAULTS: dict[str, Any] = {
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
     """name -> InputSpec of the pipeline's parameters (type and default)."""
     if pipeline is None:
-        from pipelines.llm_finetune import llm_finetune_pipeline as pipeline
+        from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     return dict(pipeline.component_spec.inputs or {})
 
 
 def _coerce(name: str, raw: str, kfp_type: str) -> Any:
-    from trainer.errors import ConfigError
+    from llmft.trainer.errors import ConfigError
 
     try:
         if kfp_type == "Boolean":
@@ -81,7 +84,7 @@ def _coerce(name: str, raw: str, kfp_type: str) -> Any:
 
 def parse_arguments(items: list[str], pipeline=None) -> dict[str, Any]:
     """``["lora_r=16", "deploy=false"]`` -> typed arguments, checked against the pipeline's parameters."""
-    from trainer.errors import ConfigError
+    from llmft.trainer.errors import ConfigError
 
     inputs = pipeline_inputs(pipeline)
     out: dict[str, Any] = {}
@@ -96,8 +99,9 @@ def parse_arguments(items: list[str], pipeline=None) -> dict[str, Any]:
     return out
 
 
-def resolve_local_arguments(overrides: dict[str, Any], work_dir: str | Path,
-                            extra_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+def resolve_local_arguments(
+    overrides: dict[str, Any], work_dir: str | Path, extra_defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """LOCAL_DEFAULTS <- extra_defaults <- overrides, with the tiny model built, the sample
     resolved and paths filled in."""
     work = Path(work_dir).resolve()
@@ -107,7 +111,7 @@ def resolve_local_arguments(overrides: dict[str, Any], work_dir: str | Path,
     if args["model"] == TINY_MODEL:
         args["model"] = str(ensure_tiny_model(data_root / "base-models" / "tiny-model"))
     if str(args["dataset"]).startswith("sample:"):
-        from trainer.data.samples import sample_path
+        from llmft.trainer.data.samples import sample_path
 
         args["dataset"] = str(sample_path(str(args["dataset"]).split(":", 1)[1]))
     args.setdefault("mlflow_tracking_uri", f"sqlite:///{work / 'mlflow.db'}")
@@ -118,6 +122,6 @@ def ensure_tiny_model(path: Path) -> Path:
     """Build the tiny model at ``path`` unless a complete one is already there (deterministic seed)."""
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
-    from trainer.tiny_model import build_tiny_model
+    from llmft.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(path)

@@ -19,19 +19,25 @@ No pipeline parameter is a secret. ``llmft pipeline compile`` writes the YAML;
 
 # No `from __future__ import annotations`: KFP reads the real parameter annotations.
 from kfp import dsl, kubernetes
-
-from components.deploy import deploy_adapter
-from components.evaluate import evaluate_perplexity
-from components.lib.params import DATA_MOUNT
-from components.prepare_dataset import prepare_dataset
-from components.promote import promote_best_checkpoint
-from components.register import register_model
-from components.tokenize_dataset import tokenize_dataset
-from components.train import train_model
+from llmft.components.deploy import deploy_adapter
+from llmft.components.evaluate import evaluate_perplexity
+from llmft.components.lib.params import DATA_MOUNT
+from llmft.components.prepare_dataset import prepare_dataset
+from llmft.components.promote import promote_best_checkpoint
+from llmft.components.register import register_model
+from llmft.components.tokenize_dataset import tokenize_dataset
+from llmft.components.train import train_model
 
 PIPELINE_NAME = "llm-finetune"
-TASK_ORDER = ("prepare-dataset", "tokenize-dataset", "train-model", "evaluate-perplexity",
-              "promote-best-checkpoint", "register-model", "deploy-adapter")
+TASK_ORDER = (
+    "prepare-dataset",
+    "tokenize-dataset",
+    "train-model",
+    "evaluate-perplexity",
+    "promote-best-checkpoint",
+    "register-model",
+    "deploy-adapter",
+)
 """The seven tasks, in the order they run."""
 
 GPU_NODE_SELECTOR = ("nvidia.com/gpu.present", "true")
@@ -62,7 +68,7 @@ STEP_SECRETS = {
 
 def secret_groups() -> dict[str, dict[str, dict[str, str]]]:
     """group -> {secret name: {key: env var}}, from the one list the PyTorchJob uses too."""
-    from components.lib.pytorchjob import DEFAULT_SECRET_ENVS
+    from llmft.components.lib.pytorchjob import DEFAULT_SECRET_ENVS
 
     groups: dict[str, dict[str, dict[str, str]]] = {SECRET_HF: {}, SECRET_MLFLOW: {}, SECRET_LANGFUSE: {}}
     for item in DEFAULT_SECRET_ENVS:
@@ -71,8 +77,9 @@ def secret_groups() -> dict[str, dict[str, dict[str, str]]]:
     return groups
 
 
-def apply_platform(task: dsl.PipelineTask, step: str, pvc_name, *, secrets: tuple[str, ...] | None = None,
-                   gpu: bool | None = None) -> dsl.PipelineTask:
+def apply_platform(
+    task: dsl.PipelineTask, step: str, pvc_name, *, secrets: tuple[str, ...] | None = None, gpu: bool | None = None
+) -> dsl.PipelineTask:
     """Mount the PVC at /data, inject the step's Secrets (optional keys), and place GPU steps
     on GPU nodes. ``secrets`` / ``gpu`` default to STEP_SECRETS / GPU_STEPS for ``step``;
     other pipelines (the HPO one) pass them for their own steps."""
@@ -106,8 +113,9 @@ def add_data_steps(params: dict) -> tuple[dsl.PipelineTask, dsl.PipelineTask]:
     return prepare, tokenize
 
 
-def add_train_step(params: dict, tokenize: dsl.PipelineTask, *, display_name: str = "train",
-                   **explicit) -> dsl.PipelineTask:
+def add_train_step(
+    params: dict, tokenize: dsl.PipelineTask, *, display_name: str = "train", **explicit
+) -> dsl.PipelineTask:
     """The train step, with its timeout and retries (each retry resumes from the newest checkpoint)."""
     train = call_component(train_model, params, tokenized=tokenize.outputs["tokenized"], **explicit)
     apply_platform(train.set_display_name(display_name), "train-model", params["pvc_name"])
@@ -119,22 +127,29 @@ def add_train_step(params: dict, tokenize: dsl.PipelineTask, *, display_name: st
 def add_release_steps(params: dict, tokenize: dsl.PipelineTask, train: dsl.PipelineTask) -> None:
     """evaluate -> promote -> register in MLflow -> deploy to KServe vLLM."""
     pvc = params["pvc_name"]
-    evaluate = call_component(evaluate_perplexity, params, tokenized=tokenize.outputs["tokenized"],
-                              run=train.outputs["run"])
+    evaluate = call_component(
+        evaluate_perplexity, params, tokenized=tokenize.outputs["tokenized"], run=train.outputs["run"]
+    )
     apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", pvc)
 
     promote = call_component(promote_best_checkpoint, params, evaluation=evaluate.outputs["evaluation"])
     apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", pvc)
 
     register = call_component(
-        register_model, params, promoted=promote.outputs["promoted"], evaluation=evaluate.outputs["evaluation"],
-        run=train.outputs["run"], tokenized=tokenize.outputs["tokenized"],
-        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
+        register_model,
+        params,
+        promoted=promote.outputs["promoted"],
+        evaluation=evaluate.outputs["evaluation"],
+        run=train.outputs["run"],
+        tokenized=tokenize.outputs["tokenized"],
+        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+    )
     apply_platform(register.set_display_name("register in MLflow"), "register-model", pvc)
     register.set_retry(num_retries=2, backoff_duration="30s")  # idempotent: a retry reuses the version
 
-    deploy_task = call_component(deploy_adapter, params, promoted=promote.outputs["promoted"],
-                                 registration=register.outputs["registration"])
+    deploy_task = call_component(
+        deploy_adapter, params, promoted=promote.outputs["promoted"], registration=register.outputs["registration"]
+    )
     apply_platform(deploy_task.set_display_name("deploy to KServe vLLM"), "deploy-adapter", pvc)
 
 

@@ -14,11 +14,10 @@ parameters. With MLflow configured the sweep is a parent run with one child run 
 
 # No `from __future__ import annotations`: KFP reads the real parameter annotations.
 from kfp import dsl, kubernetes
-
-from components.lib.params import DATA_MOUNT
-from components.lib.sweep import DEFAULT_TRIAL_OVERRIDES
-from components.sweep import sweep_hyperparameters
-from pipelines.llm_finetune import (
+from llmft.components.lib.params import DATA_MOUNT
+from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES
+from llmft.components.sweep import sweep_hyperparameters
+from llmft.pipelines.llm_finetune import (
     add_data_steps,
     add_release_steps,
     add_train_step,
@@ -27,8 +26,16 @@ from pipelines.llm_finetune import (
 )
 
 PIPELINE_NAME = "llm-finetune-hpo"
-TASK_ORDER = ("prepare-dataset", "tokenize-dataset", "sweep-hyperparameters", "train-model", "evaluate-perplexity",
-              "promote-best-checkpoint", "register-model", "deploy-adapter")
+TASK_ORDER = (
+    "prepare-dataset",
+    "tokenize-dataset",
+    "sweep-hyperparameters",
+    "train-model",
+    "evaluate-perplexity",
+    "promote-best-checkpoint",
+    "register-model",
+    "deploy-adapter",
+)
 """The eight tasks, in the order they run."""
 SWEEP_TASK_TIMEOUT_S = 4 * 24 * 3600
 """kfp.kubernetes.set_timeout of the sweep task (longer than its own wait, sweep_timeout_s)."""
@@ -42,19 +49,24 @@ HPO_LOCAL_DEFAULTS = {
     "sweep_parallel_trials": 1,
     "sweep_max_failed_trials": 1,
     "sweep_overrides": "space.lora_r.values=4,8 space.lora_alpha.values=8,16",
-    "trial_overrides": ("max_steps=8 eval_every=4 log_every=4 batch.global_sequences=4 eval.max_sequences=16 "
-                        "observe.progress_bar=false observe.tensorboard=false"),
+    "trial_overrides": (
+        "max_steps=8 eval_every=4 log_every=4 batch.global_sequences=4 eval.max_sequences=16 "
+        "observe.progress_bar=false observe.tensorboard=false"
+    ),
     # LOCAL_DEFAULTS' train_overrides without schedule.warmup_steps, which would shadow the swept warmup_ratio
-    "train_overrides": ("save_every=8 eval_every=8 log_every=4 keep_last=3 batch.global_sequences=4 "
-                        "observe.progress_bar=false"),
+    "train_overrides": (
+        "save_every=8 eval_every=8 log_every=4 keep_last=3 batch.global_sequences=4 observe.progress_bar=false"
+    ),
 }
 """What ``llmft pipeline run-local --hpo`` puts over pipelines.defaults.LOCAL_DEFAULTS: a 3-trial
 Optuna sweep in the step's process, ranks within the local max_lora_rank (8)."""
 
 
-@dsl.pipeline(name=PIPELINE_NAME,
-              description="Sweep the fine-tuning hyperparameters with Katib, then fine-tune, evaluate, register "
-                          "and serve the best adapter")
+@dsl.pipeline(
+    name=PIPELINE_NAME,
+    description="Sweep the fine-tuning hyperparameters with Katib, then fine-tune, evaluate, register "
+    "and serve the best adapter",
+)
 def llm_finetune_hpo_pipeline(
     model: str = "Qwen/Qwen2.5-7B-Instruct",
     dataset: str = "tatsu-lab/alpaca",
@@ -114,17 +126,24 @@ def llm_finetune_hpo_pipeline(
     _prepare, tokenize = add_data_steps(params)
 
     sweep = call_component(
-        sweep_hyperparameters, params, tokenized=tokenize.outputs["tokenized"], algorithm=sweep_algorithm,
-        max_trials=sweep_max_trials, parallel_trials=sweep_parallel_trials,
-        max_failed_trials=sweep_max_failed_trials, timeout_s=sweep_timeout_s)
+        sweep_hyperparameters,
+        params,
+        tokenized=tokenize.outputs["tokenized"],
+        algorithm=sweep_algorithm,
+        max_trials=sweep_max_trials,
+        parallel_trials=sweep_parallel_trials,
+        max_failed_trials=sweep_max_failed_trials,
+        timeout_s=sweep_timeout_s,
+    )
     # The same Secrets as the train step: its trials train (HF token, MLflow, Langfuse).
     apply_platform(sweep.set_display_name("sweep hyperparameters (Katib)"), "train-model", pvc_name)
     sweep.set_retry(num_retries=SWEEP_RETRIES, backoff_duration="60s", backoff_factor=2.0)
     kubernetes.set_timeout(sweep, SWEEP_TASK_TIMEOUT_S)
 
     # The sweep's best key=value overrides come after train_overrides, so they win.
-    train = add_train_step(params, tokenize, display_name="train with the best hyperparameters",
-                           train_overrides=sweep.outputs["Output"])
+    train = add_train_step(
+        params, tokenize, display_name="train with the best hyperparameters", train_overrides=sweep.outputs["Output"]
+    )
     add_release_steps(params, tokenize, train)
 
 

@@ -3,12 +3,13 @@
 ``kfp.local.SubprocessRunner(use_venv=False)`` runs each task as a subprocess of this
 Python, so the tasks import the installed package exactly as the component image would.
 Kubernetes settings (PVC, Secrets, node selectors) are ignored locally; the work folder
-stands in for the volume (see :mod:`pipelines.defaults`).
+stands in for the volume (see :mod:`llmft.pipelines.defaults`).
 
 Everything the tasks print goes to ``<work>/run-local.log``; the screen shows one line
-per task and, at the end, the summary of :mod:`components.lib.summary` (or, when a task
+per task and, at the end, the summary of :mod:`llmft.components.lib.summary` (or, when a task
 failed, its name and the last lines of its log).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,7 +90,7 @@ class LocalOutcome:
     facts: dict[str, Any] = field(default_factory=dict)
 
     def render(self, elapsed_s: float) -> str:
-        from components.lib.summary import render_summary
+        from llmft.components.lib.summary import render_summary
 
         if self.succeeded:
             return render_summary(self.facts, elapsed_s=elapsed_s, pipeline_name=self.pipeline_name)
@@ -114,17 +115,22 @@ def prepare_local_mlflow(tracking_uri: str, experiment: str, artifact_root: Path
         client.create_experiment(experiment, artifact_location=artifact_root.resolve().as_uri())
 
 
-def run_pipeline_locally(overrides: dict[str, Any], *, work_dir: str | Path, verbose: bool = False,
-                         pipeline=None, extra_defaults: dict[str, Any] | None = None) -> LocalOutcome:
+def run_pipeline_locally(
+    overrides: dict[str, Any],
+    *,
+    work_dir: str | Path,
+    verbose: bool = False,
+    pipeline=None,
+    extra_defaults: dict[str, Any] | None = None,
+) -> LocalOutcome:
     """Run the pipeline (default ``llm_finetune_pipeline``) through kfp.local with the local
     defaults (plus ``extra_defaults``); never raises for a failed task (see the outcome)."""
     from kfp import local
-
-    from components.lib.summary import collect_run_facts, latest_run_dir
-    from pipelines.defaults import resolve_local_arguments
+    from llmft.components.lib.summary import collect_run_facts, latest_run_dir
+    from llmft.pipelines.defaults import resolve_local_arguments
 
     if pipeline is None:
-        from pipelines.llm_finetune import llm_finetune_pipeline as pipeline
+        from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"work folder {work}: preparing the tiny model and MLflow store ...", flush=True)

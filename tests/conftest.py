@@ -1,5 +1,6 @@
 """Fixtures shared by every test area. Area-specific fixtures live in the
 conftest.py of each tests/<area>/ folder."""
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,6 @@ def crd_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The project's tiny offline model (tokenizer + random-init Qwen2), built once per session."""
-    from trainer.tiny_model import build_tiny_model
+    from llmft.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model")

@@ -1,10 +1,11 @@
-"""`python -m trainer [--config FILE] [key=value ...]`: what every rank runs.
+"""`python -m llmft.trainer [--config FILE] [key=value ...]`: what every rank runs.
 
 parse -> build -> run -> close. Exit codes follow the Training Operator's
 ExitCode restart policy: 0 done; 1 bad config or data, or too many non-finite
 steps (permanent); 143 preempted by SIGTERM after committing a checkpoint
 (retryable: the restarted pod resumes from it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,14 +14,18 @@ import os
 import sys
 
 EPILOG = """examples:
-  python -m trainer --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
-  torchrun --nproc-per-node 8 -m trainer --config trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
+  python -m llmft.trainer --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
+  torchrun --nproc-per-node 8 -m llmft.trainer --config trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
 exit codes: 0 ok, 1 config/data error or non-finite training, 143 preempted (checkpoint committed)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description="LLM fine-tuning trainer (one rank).",
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m llmft.trainer",
+        description="LLM fine-tuning trainer (one rank).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="YAML file mapping 1:1 onto trainer.config.TrainConfig")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, nested with dots: lora.r=16")
@@ -33,7 +38,7 @@ def _rank_prefix() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.errors import EXIT_USER_ERROR, LlmftError
+    from llmft.trainer.errors import EXIT_USER_ERROR, LlmftError
 
     args = build_parser().parse_args(argv)
     use_expandable_segments()
@@ -58,7 +63,7 @@ def use_expandable_segments() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.config import config_to_dict, load_config, validate
+    from llmft.trainer.config import config_to_dict, load_config, validate
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
@@ -67,12 +72,12 @@ def run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
     warnings = validate(cfg)
-    from trainer.loop import Preempted
+    from llmft.trainer.loop import Preempted
 
     if cfg.method == "full":
-        from trainer.full_finetune import FullFinetuneRecipe as Recipe
+        from llmft.trainer.full_finetune import FullFinetuneRecipe as Recipe
     else:
-        from trainer.lora_finetune import LoRAFinetuneRecipe as Recipe
+        from llmft.trainer.lora_finetune import LoRAFinetuneRecipe as Recipe
     recipe = Recipe(cfg, warnings)
     try:
         recipe.setup()

@@ -9,6 +9,7 @@ barrier rank 0 fsyncs, renames it to ``step-<N>`` and only then writes the
 ``COMPLETE`` marker (trainer/io.py). A directory without the marker is never
 loaded. The output directory must be shared by all nodes (an RWX volume).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from trainer.config import diff_configs
-from trainer.distributed import DistInfo, barrier
-from trainer.errors import ConfigError
-from trainer.io import atomic_write_json, atomic_write_text, is_complete
+from llmft.trainer.config import diff_configs
+from llmft.trainer.distributed import DistInfo, barrier
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.io import atomic_write_json, atomic_write_text, is_complete
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -56,8 +56,10 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
         return found[-1][1] if found else None
     path = Path(resume)
     if not is_complete(path):
-        raise ConfigError(f"resume={resume}: not a complete checkpoint (no COMPLETE marker); "
-                          "pick a step-<N> directory that has one, or use resume=auto")
+        raise ConfigError(
+            f"resume={resume}: not a complete checkpoint (no COMPLETE marker); "
+            "pick a step-<N> directory that has one, or use resume=auto"
+        )
     return path
 
 
@@ -99,8 +101,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(output_dir: str | Path, step: int, *, engine, info: DistInfo, lora: bool,
-                    state: dict, config: dict) -> Path:
+def save_checkpoint(
+    output_dir: str | Path, step: int, *, engine, info: DistInfo, lora: bool, state: dict, config: dict
+) -> Path:
     """Write step-<step> from every rank; committed (renamed + marked) by rank 0."""
     root = checkpoints_root(output_dir)
     staging, final = root / f".step-{step}.partial", root / f"step-{step}"
@@ -176,12 +179,18 @@ def load_checkpoint(path: Path, *, engine, info: DistInfo, lora: bool) -> dict:
     if not is_complete(path):
         raise ConfigError(f"{path}: checkpoint has no COMPLETE marker; it was never committed")
     if engine.backend == "deepspeed":
-        engine.wrapped.load_checkpoint(str(path / "deepspeed"), tag="ds", load_optimizer_states=True,
-                                       load_lr_scheduler_states=False, load_module_strict=False)
+        engine.wrapped.load_checkpoint(
+            str(path / "deepspeed"),
+            tag="ds",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=False,
+        )
     else:
         load_weights(engine.module, path, lora=lora)
-        engine.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=info.device,
-                                                    weights_only=False))
+        engine.optimizer.load_state_dict(
+            torch.load(path / "optimizer.pt", map_location=info.device, weights_only=False)
+        )
     engine.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng = path / "rng" / f"rank-{info.rank}.pt"
     if rng.is_file():
@@ -206,8 +215,10 @@ def load_weights(model, path: Path, *, lora: bool) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k and getattr(model.config, "tie_word_embeddings", False)}
     if unexpected or set(missing) - tied:
-        raise ConfigError(f"{path}: full weights do not match the model (missing {sorted(set(missing) - tied)[:3]}, "
-                          f"unexpected {unexpected[:3]})")
+        raise ConfigError(
+            f"{path}: full weights do not match the model (missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
 
 
 # ----------------------------------------------------------------------------- retention

@@ -6,6 +6,7 @@ fields with dots (``lora.r=16``). Unknown keys and wrongly typed values raise
 carries a one-line ``doc`` in its metadata; :func:`iter_fields` exposes them for
 the generated configuration reference.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError
 
 
 def _f(default: Any, doc: str, choices: tuple | None = None):
@@ -33,9 +33,15 @@ def _f(default: Any, doc: str, choices: tuple | None = None):
 class ModelConfig:
     name_or_path: str = _f("", "Hugging Face hub id or local directory of the base model (offline flags honoured).")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) to load; null for the default branch.")
-    dtype: str = _f("auto", "Weight/compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
-                    ("auto", "bfloat16", "float16", "float32"))
-    attn_implementation: str = _f("sdpa", "Attention kernel: sdpa, eager, flash_attention_2, flex_attention or one registered by trainer.fastpath.")
+    dtype: str = _f(
+        "auto",
+        "Weight/compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+        ("auto", "bfloat16", "float16", "float32"),
+    )
+    attn_implementation: str = _f(
+        "sdpa",
+        "Attention kernel: sdpa, eager, flash_attention_2, flex_attention or one registered by trainer.fastpath.",
+    )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (non-reentrant).")
     trust_remote_code: bool = _f(False, "Allow model code from the hub repository to run (off unless you trust it).")
 
@@ -45,7 +51,9 @@ class LoraConfig:
     r: int = _f(16, "LoRA rank.")
     alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).")
     dropout: float = _f(0.05, "Dropout on the LoRA input, in [0, 1).")
-    target_modules: tuple[str, ...] = _f(("all-linear",), "Modules to adapt; all-linear = every linear layer of the decoder except lm_head.")
+    target_modules: tuple[str, ...] = _f(
+        ("all-linear",), "Modules to adapt; all-linear = every linear layer of the decoder except lm_head."
+    )
     use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA); vLLM cannot serve DoRA adapters.")
 
 
@@ -53,8 +61,11 @@ class LoraConfig:
 class QLoraConfig:
     quant_type: str = _f("nf4", "4-bit quantization type of the frozen base weights.", ("nf4", "fp4"))
     double_quant: bool = _f(True, "Quantize the quantization constants too (saves ~0.4 bit/param).")
-    quant_storage: str = _f("bfloat16", "Storage dtype of packed 4-bit weights; bfloat16 lets DeepSpeed ZeRO-3 shard them.",
-                            ("uint8", "bfloat16", "float16", "float32"))
+    quant_storage: str = _f(
+        "bfloat16",
+        "Storage dtype of packed 4-bit weights; bfloat16 lets DeepSpeed ZeRO-3 shard them.",
+        ("uint8", "bfloat16", "float16", "float32"),
+    )
 
 
 @dataclass(frozen=True)
@@ -79,18 +90,32 @@ class ScheduleConfig:
 @dataclass(frozen=True)
 class BatchConfig:
     global_sequences: int = _f(8, "Packed sequences per optimizer step over all ranks (0 to use global_tokens).")
-    global_tokens: int = _f(0, "Token budget per optimizer step over all ranks; converted to sequences of data max_length (overrides global_sequences when > 0).")
-    micro_sequences: int = _f(1, "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived.")
+    global_tokens: int = _f(
+        0,
+        "Token budget per optimizer step over all ranks; converted to sequences of data max_length (overrides "
+        "global_sequences when > 0).",
+    )
+    micro_sequences: int = _f(
+        1, "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived."
+    )
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
     backend: str = _f("ddp", "Data-parallel engine.", ("ddp", "deepspeed"))
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage when backend=deepspeed.", (1, 2, 3))
-    comm_backend: str = _f("auto", "torch.distributed backend; auto = nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo"))
+    comm_backend: str = _f(
+        "auto", "torch.distributed backend; auto = nccl on CUDA, gloo on CPU.", ("auto", "nccl", "gloo")
+    )
     timeout_s: int = _f(1800, "Collective timeout in seconds.")
-    bucket_cap_mb: int = _f(100, "DDP gradient bucket size in MiB (fewer, larger all-reduces overlapped with backward).")
-    grad_reduce_dtype: str = _f("fp32", "DDP gradient all-reduce dtype; bf16 halves the bytes (full fine-tuning), fp32 is exact.", ("fp32", "bf16"))
+    bucket_cap_mb: int = _f(
+        100, "DDP gradient bucket size in MiB (fewer, larger all-reduces overlapped with backward)."
+    )
+    grad_reduce_dtype: str = _f(
+        "fp32",
+        "DDP gradient all-reduce dtype; bf16 halves the bytes (full fine-tuning), fp32 is exact.",
+        ("fp32", "bf16"),
+    )
 
 
 @dataclass(frozen=True)
@@ -104,18 +129,32 @@ class EvalConfig:
 class ObserveConfig:
     progress_bar: bool = _f(True, "Show a progress bar on rank 0 (stderr).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tensorboard.")
-    mlflow_experiment: str = _f("", "MLflow experiment name (else env MLFLOW_EXPERIMENT_NAME, else llmft); used only when MLFLOW_TRACKING_URI is set.")
+    mlflow_experiment: str = _f(
+        "",
+        "MLflow experiment name (else env MLFLOW_EXPERIMENT_NAME, else llmft); used only when MLFLOW_TRACKING_URI "
+        "is set.",
+    )
     run_name: str = _f("", "Run name for MLflow and Langfuse (default: the output_dir name).")
     peak_tflops: float = _f(0.0, "Peak dense bf16 TFLOP/s per GPU for MFU; 0 = detect (H100/H200 989).")
 
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    fused_loss: bool = _f(False, "Compute the loss with trainer.fastpath's fused linear cross-entropy (no full logits).")
+    fused_loss: bool = _f(
+        False, "Compute the loss with trainer.fastpath's fused linear cross-entropy (no full logits)."
+    )
     compile: bool = _f(False, "torch.compile the decoder layers in place (trainer.fastpath.apply_kernels).")
     fused_lora: bool = _f(False, "Swap PEFT's LoRA linears for trainer.fastpath's fused LoRA linear (exact).")
-    grouped_lora: bool = _f(True, "With fused_lora: q/k/v and gate/up projections (same input) run as one matmul each, fewer kernel launches (exact).")
-    compile_cache_dir: str = _f("", "Folder for torch.compile's on-disk cache (e.g. on the PVC) so a restarted or resumed job compiles warm; empty = PyTorch's default under /tmp.")
+    grouped_lora: bool = _f(
+        True,
+        "With fused_lora: q/k/v and gate/up projections (same input) run as one matmul each, fewer kernel launches "
+        "(exact).",
+    )
+    compile_cache_dir: str = _f(
+        "",
+        "Folder for torch.compile's on-disk cache (e.g. on the PVC) so a restarted or resumed job compiles warm; "
+        "empty = PyTorch's default under /tmp.",
+    )
 
 
 @dataclass(frozen=True)
@@ -149,17 +188,42 @@ class TrainConfig:
     log_every: int = _f(10, "Log loss, learning rate, grad norm, tokens/s every N steps.")
     seed: int = _f(42, "Seed of data order, LoRA init and dropout.")
     keep_last: int = _f(2, "Complete checkpoints kept besides the best one.")
-    resume: str = _f("auto", "auto = newest complete checkpoint in output_dir, never = start fresh, or a checkpoint path.")
+    resume: str = _f(
+        "auto", "auto = newest complete checkpoint in output_dir, never = start fresh, or a checkpoint path."
+    )
     force_resume: bool = _f(False, "Resume even when the checkpoint's config or dataset differs.")
-    gc_every: int = _f(50, "Run Python's garbage collector every N steps instead of at random points (an automatic collection can stall a step); 0 = automatic.")
-    max_bad_steps: int = _f(3, "Stop with exit 1 after this many consecutive non-finite steps (each update is skipped at once; the stop comes at the next log step).")
+    gc_every: int = _f(
+        50,
+        "Run Python's garbage collector every N steps instead of at random points (an automatic collection can "
+        "stall a step); 0 = automatic.",
+    )
+    max_bad_steps: int = _f(
+        3,
+        "Stop with exit 1 after this many consecutive non-finite steps (each update is skipped at once; the stop "
+        "comes at the next log step).",
+    )
 
 
 # Fields whose change does not alter the training math: allowed on resume.
 RESUME_SAFE_PREFIXES = (
-    "output_dir", "data", "eval_every", "save_every", "log_every", "keep_last", "resume", "force_resume",
-    "max_bad_steps", "gc_every", "observe.", "eval.", "debug.", "distributed.", "batch.micro_sequences", "kernels.",
-    "model.attn_implementation", "model.gradient_checkpointing",
+    "output_dir",
+    "data",
+    "eval_every",
+    "save_every",
+    "log_every",
+    "keep_last",
+    "resume",
+    "force_resume",
+    "max_bad_steps",
+    "gc_every",
+    "observe.",
+    "eval.",
+    "debug.",
+    "distributed.",
+    "batch.micro_sequences",
+    "kernels.",
+    "model.attn_implementation",
+    "model.gradient_checkpointing",
 )
 
 
@@ -372,8 +436,11 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
         ("schedule.warmup_ratio", 0.0 <= cfg.schedule.warmup_ratio < 1.0, "must be in [0, 1)"),
         ("schedule.warmup_steps", cfg.schedule.warmup_steps >= 0, "must be >= 0"),
         ("schedule.min_lr_ratio", 0.0 <= cfg.schedule.min_lr_ratio <= 1.0, "must be in [0, 1]"),
-        ("batch.global_sequences", cfg.batch.global_sequences > 0 or cfg.batch.global_tokens > 0,
-         "or batch.global_tokens must be > 0"),
+        (
+            "batch.global_sequences",
+            cfg.batch.global_sequences > 0 or cfg.batch.global_tokens > 0,
+            "or batch.global_tokens must be > 0",
+        ),
         ("batch.global_tokens", cfg.batch.global_tokens >= 0, "must be >= 0"),
         ("batch.micro_sequences", cfg.batch.micro_sequences >= 1, "must be >= 1"),
         ("eval.micro_sequences", cfg.eval.micro_sequences >= 1, "must be >= 1"),
@@ -385,8 +452,11 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
         ("keep_last", cfg.keep_last >= 1, "must be >= 1"),
         ("gc_every", cfg.gc_every >= 0, "must be >= 0"),
         ("distributed.bucket_cap_mb", cfg.distributed.bucket_cap_mb >= 1, "must be >= 1"),
-        ("distributed.grad_reduce_dtype", cfg.distributed.grad_reduce_dtype == "fp32" or cfg.distributed.backend == "ddp",
-         "applies to backend=ddp only (DeepSpeed sets its own communication dtype); leave it at fp32"),
+        (
+            "distributed.grad_reduce_dtype",
+            cfg.distributed.grad_reduce_dtype == "fp32" or cfg.distributed.backend == "ddp",
+            "applies to backend=ddp only (DeepSpeed sets its own communication dtype); leave it at fp32",
+        ),
         ("max_bad_steps", cfg.max_bad_steps >= 1, "must be >= 1"),
         ("resume", cfg.resume in ("auto", "never") or bool(cfg.resume), "must be auto, never or a checkpoint path"),
     ]
@@ -399,10 +469,16 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
             "lora.use_dora=true: vLLM cannot serve DoRA adapters, so the deploy step will refuse this adapter "
             "(merge it into the base weights, or train with use_dora=false to serve it with vLLM)"
         )
-    if cfg.method == "qlora" and cfg.distributed.backend == "deepspeed" and cfg.distributed.zero_stage == 3 \
-            and cfg.qlora.quant_storage == "uint8":
-        raise ConfigError(f"{where('qlora.quant_storage')}: ZeRO-3 cannot shard uint8-packed 4-bit weights; "
-                          "set qlora.quant_storage=bfloat16")
+    if (
+        cfg.method == "qlora"
+        and cfg.distributed.backend == "deepspeed"
+        and cfg.distributed.zero_stage == 3
+        and cfg.qlora.quant_storage == "uint8"
+    ):
+        raise ConfigError(
+            f"{where('qlora.quant_storage')}: ZeRO-3 cannot shard uint8-packed 4-bit weights; "
+            "set qlora.quant_storage=bfloat16"
+        )
     return warnings
 
 

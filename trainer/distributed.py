@@ -11,6 +11,7 @@ token-sum divided by the global target count, times the world size (both
 engines average gradients over ranks), so the update equals the single-process
 one within floating-point tolerance.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from trainer.errors import ConfigError
-from trainer.optim import clip_grad_norm
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.optim import clip_grad_norm
 
 
 @dataclass(frozen=True)
@@ -121,15 +121,18 @@ def broadcast_object(obj, src: int = 0):
 # ----------------------------------------------------------------------------- engines
 
 
-def deepspeed_config(zero_stage: int, *, accum_steps: int, world_size: int, max_grad_norm: float,
-                     bf16: bool) -> dict:
+def deepspeed_config(zero_stage: int, *, accum_steps: int, world_size: int, max_grad_norm: float, bf16: bool) -> dict:
     """DeepSpeed config for our loop: one flattened row per micro step, client optimizer,
     our own schedule; bf16 overflow check skips a non-finite step."""
-    zero: dict = {"stage": zero_stage, "overlap_comm": True, "contiguous_gradients": True,
-                  "reduce_bucket_size": 5e8}
+    zero: dict = {"stage": zero_stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 5e8}
     if zero_stage == 3:
-        zero.update({"stage3_gather_16bit_weights_on_model_save": True, "stage3_prefetch_bucket_size": 5e8,
-                     "stage3_param_persistence_threshold": 1e6})
+        zero.update(
+            {
+                "stage3_gather_16bit_weights_on_model_save": True,
+                "stage3_prefetch_bucket_size": 5e8,
+                "stage3_param_persistence_threshold": 1e6,
+            }
+        )
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": accum_steps,
@@ -146,9 +149,20 @@ def deepspeed_config(zero_stage: int, *, accum_steps: int, world_size: int, max_
 class Engine:
     """DDP or DeepSpeed behind the same calls. ``module`` is the unwrapped model."""
 
-    def __init__(self, model, optimizer, scheduler_factory, *, info: DistInfo, backend: str,
-                 max_grad_norm: float, fused_skip: bool, ds_config: dict | None = None,
-                 bucket_cap_mb: int = 100, grad_reduce_dtype: str = "fp32"):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        scheduler_factory,
+        *,
+        info: DistInfo,
+        backend: str,
+        max_grad_norm: float,
+        fused_skip: bool,
+        ds_config: dict | None = None,
+        bucket_cap_mb: int = 100,
+        grad_reduce_dtype: str = "fp32",
+    ):
         self.module, self.info, self.backend = model, info, backend
         self.max_grad_norm, self.fused_skip = max_grad_norm, fused_skip
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -215,8 +229,9 @@ class Engine:
 def _wrap_ddp(model, info: DistInfo, bucket_cap_mb: int, grad_reduce_dtype: str):
     """DDP with gradients as bucket views (one copy of them) and, optionally, bf16 all-reduce."""
     ids = [info.device.index] if info.device.type == "cuda" else None
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
-                                                    gradient_as_bucket_view=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=ids, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True
+    )
     if grad_reduce_dtype == "bf16":
         ddp.register_comm_hook(None, bf16_all_reduce_hook)
     return ddp
@@ -247,8 +262,9 @@ def import_deepspeed():
         # the `torch` attribute that deepspeed.comm re-exports (the real torch package).
         ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     except ImportError:
-        raise ConfigError("distributed.backend=deepspeed needs the deepspeed package: "
-                          "pip install 'kfp-llm-finetune[deepspeed]'") from None
+        raise ConfigError(
+            "distributed.backend=deepspeed needs the deepspeed package: pip install 'kfp-llm-finetune[deepspeed]'"
+        ) from None
     if not torch.cuda.is_available():
         # On CPU DeepSpeed falls back to gloo; skip JIT-building its shared-memory all-reduce op
         # (an inference optimisation that costs ~50 s of C++ compilation on first use).
@@ -260,6 +276,5 @@ def import_deepspeed():
 
 def _init_deepspeed(model, optimizer, ds_config: dict):
     deepspeed = import_deepspeed()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
     return engine

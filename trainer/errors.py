@@ -1,14 +1,26 @@
-"""Errors a user can fix. The CLI prints them without a traceback and exits 1
-(the Training Operator's ExitCode restart policy treats 1-127 as permanent, so a
-bad config or bad data is never retried)."""
+"""The one exit-code contract, and the errors a user can fix.
+
+Every command (``llmft ...``, ``python -m llmft.trainer``, the KFP components) maps its outcome
+to these codes. The Training Operator's ``ExitCode`` restart policy treats 1-127 as permanent
+and 128-255 as retryable, so only a bad input or configuration exits 1 and everything a
+re-run can cure exits >= 128.
+"""
+
 from __future__ import annotations
 
-EXIT_USER_ERROR = 1
-EXIT_PREEMPTED = 143  # 128 + SIGTERM: retryable under restartPolicy ExitCode
+EXIT_OK = 0
+EXIT_USER_ERROR = 1  # bad input or configuration: never retried
+EXIT_USAGE = 2  # the command line itself is wrong (argparse)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, a checkpoint was committed where a run was training
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: checkpoint committed, retryable under restartPolicy ExitCode
+EXIT_TRANSIENT = 200  # a transient fault (I/O error, full disk, unreachable server): retryable, above every signal code
 
 
 class LlmftError(Exception):
-    """Base class: the message says what is wrong, where, and how to fix it."""
+    """Base class of every error the project raises on purpose: the message says what is
+    wrong, where, and how to fix it. ``exit_code`` is what the command exits with."""
+
+    exit_code = EXIT_USER_ERROR
 
 
 class ConfigError(LlmftError):
@@ -17,3 +29,13 @@ class ConfigError(LlmftError):
 
 class DataError(LlmftError):
     """Input data is malformed or fails validation."""
+
+
+class OutputNotOursError(ConfigError):
+    """An output path holds something this program did not write (see trainer.io.check_output_target)."""
+
+
+class TransientError(LlmftError):
+    """A fault that a re-run may cure (I/O error, full disk, a server that did not answer)."""
+
+    exit_code = EXIT_TRANSIENT

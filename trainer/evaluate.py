@@ -7,6 +7,7 @@ every rank (each takes sequences rank, rank+W, ...; sums are all-reduced);
 :func:`evaluate_perplexity` loads a base model (plus an optional PEFT adapter)
 from disk, for the pipeline's evaluate step and for the base-model baseline.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,11 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from trainer.data.loader import MicroBatch, eval_micro_batches
-from trainer.data.shards import open_split
-from trainer.distributed import DistInfo, all_reduce_sum
-from trainer.loss import token_nll_sum
+from llmft.trainer.data.loader import MicroBatch, eval_micro_batches
+from llmft.trainer.data.shards import open_split
+from llmft.trainer.distributed import DistInfo, all_reduce_sum
+from llmft.trainer.loss import token_nll_sum
 
 
 def perplexity(loss: float) -> float:
@@ -37,9 +37,18 @@ def _dummy_batch() -> MicroBatch:
 
 
 @torch.no_grad()
-def evaluate_model(model, dataset_dir: str | Path, *, split: str = "val", micro_sequences: int = 4,
-                   max_sequences: int = 0, info: DistInfo | None = None, loss_fn=token_nll_sum,
-                   autocast_ctx=contextlib.nullcontext, progress: bool = False) -> dict:
+def evaluate_model(
+    model,
+    dataset_dir: str | Path,
+    *,
+    split: str = "val",
+    micro_sequences: int = 4,
+    max_sequences: int = 0,
+    info: DistInfo | None = None,
+    loss_fn=token_nll_sum,
+    autocast_ctx=contextlib.nullcontext,
+    progress: bool = False,
+) -> dict:
     """Mean NLL over all supervised targets of ``split``, over all ranks (``progress``: a bar on rank 0)."""
     rank, world = (info.rank, info.world_size) if info else (0, 1)
     device = info.device if info else next(model.parameters()).device
@@ -47,8 +56,16 @@ def evaluate_model(model, dataset_dir: str | Path, *, split: str = "val", micro_
     count = count if max_sequences <= 0 else min(count, max_sequences)
     # Every rank runs the same number of forwards (ZeRO-3 gathers weights collectively per forward).
     lockstep = math.ceil(math.ceil(count / world) / micro_sequences)
-    batches = list(eval_micro_batches(dataset_dir, split, micro_sequences=micro_sequences, rank=rank,
-                                      world_size=world, max_sequences=max_sequences))
+    batches = list(
+        eval_micro_batches(
+            dataset_dir,
+            split,
+            micro_sequences=micro_sequences,
+            rank=rank,
+            world_size=world,
+            max_sequences=max_sequences,
+        )
+    )
     batches += [_dummy_batch()] * (lockstep - len(batches))
     was_training = model.training
     model.eval()
@@ -68,35 +85,55 @@ def evaluate_model(model, dataset_dir: str | Path, *, split: str = "val", micro_
     model.train(was_training)
     total_nll, targets = sums.tolist()
     if targets == 0:
-        from trainer.errors import DataError
+        from llmft.trainer.errors import DataError
 
         raise DataError(f"{Path(dataset_dir) / split}: no supervised tokens to evaluate on")
     loss = total_nll / targets
     return {"eval_loss": loss, "perplexity": perplexity(loss), "tokens": int(targets)}
 
 
-def evaluate_perplexity(model_path: str, dataset_dir: str, *, adapter_path: str | None = None,
-                        split: str = "val", micro_sequences: int = 4, max_sequences: int = 0,
-                        device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa",
-                        trust_remote_code: bool = False, revision: str | None = None) -> dict:
+def evaluate_perplexity(
+    model_path: str,
+    dataset_dir: str,
+    *,
+    adapter_path: str | None = None,
+    split: str = "val",
+    micro_sequences: int = 4,
+    max_sequences: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> dict:
     """Load ``model_path`` (+ the PEFT adapter at ``adapter_path``) and evaluate ``split``.
     Returns {"eval_loss", "perplexity", "tokens"} (tokens = supervised targets scored)."""
+    from llmft.trainer.loss import loss_fn
+    from llmft.trainer.model import register_attention, resolve_dtype
     from transformers import AutoModelForCausalLM
-
-    from trainer.loss import loss_fn
-    from trainer.model import register_attention, resolve_dtype
 
     register_attention(attn_implementation)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=resolve_dtype(dtype, dev), attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, revision=revision, use_safetensors=True,
+        model_path,
+        dtype=resolve_dtype(dtype, dev),
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        use_safetensors=True,
     ).to(dev)
     if adapter_path:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_path)
     model.eval()
-    return evaluate_model(model, dataset_dir, split=split, micro_sequences=micro_sequences,
-                          max_sequences=max_sequences, info=DistInfo(0, 1, 0, dev),
-                          loss_fn=loss_fn(False, attn_implementation), progress=True)
+    return evaluate_model(
+        model,
+        dataset_dir,
+        split=split,
+        micro_sequences=micro_sequences,
+        max_sequences=max_sequences,
+        info=DistInfo(0, 1, 0, dev),
+        loss_fn=loss_fn(False, attn_implementation),
+        progress=True,
+    )

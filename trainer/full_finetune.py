@@ -7,14 +7,15 @@ the engine keeps float32 master weights of bf16 parameters and shards them
 output_dir/final/ hold the full weights as safetensors. FLOPs per token for
 MFU: 6N + attention per document.
 """
+
 from __future__ import annotations
 
 import functools
 
-from trainer import loop
-from trainer.config import TrainConfig
-from trainer.distributed import init_distributed
-from trainer.model import autocast, resolve_dtype
+from llmft.trainer import loop
+from llmft.trainer.config import TrainConfig
+from llmft.trainer.distributed import init_distributed
+from llmft.trainer.model import autocast, resolve_dtype
 
 
 class FullFinetuneRecipe:
@@ -31,7 +32,8 @@ class FullFinetuneRecipe:
         compute = resolve_dtype(cfg.model.dtype, info.device)
         autocast_ctx = functools.partial(autocast, info.device, compute, cfg.distributed.backend == "ddp")
         self.run, self.tokenizer, self.base_identity, counts, resume_path = loop.build_run(
-            cfg, info, lora=False, autocast_ctx=autocast_ctx)
+            cfg, info, lora=False, autocast_ctx=autocast_ctx
+        )
         loop.announce(self.run, counts, resume_path, self.warnings)
 
     def train(self) -> dict:

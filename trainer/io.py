@@ -5,6 +5,7 @@ sees the previous complete version or the new complete version, never half of
 one. Directories are built under a temporary sibling name, fsynced, renamed into
 place, and (where the caller asks) only then given a completion marker.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 COMPLETE_MARKER = "COMPLETE"
+OWNER_FILE = ".llmft-owner.json"
+"""Written into every directory this program creates as a whole (prepared data, tokenized
+shards, run directories, promoted adapters, the tiny model): ``{"kind": ..., "created": ...}``.
+Only a directory carrying it (of the same kind) is ever replaced or pruned."""
 
 
 def _umask() -> int:
@@ -30,6 +35,17 @@ def _share(path: str | os.PathLike, mode: int) -> None:
     """mkstemp/mkdtemp create 0600/0700; give the final artifact the usual umask-based
     mode so pods running as another user can read it on a shared volume."""
     os.chmod(path, mode & ~_umask())
+
+
+def share_files(directory: str | os.PathLike) -> None:
+    """Give every file under ``directory`` the umask-based mode (0644 under the usual umask 022).
+
+    safetensors creates its files 0600 whatever the umask, and ``shutil.copy2`` keeps that mode,
+    so a serving pod running under another UID could not read a promoted adapter. Call this on
+    every directory of weights before it is committed."""
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            _share(os.path.join(root, name), 0o666)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -73,20 +89,79 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def owner_kind(directory: str | os.PathLike) -> str | None:
+    """The ``kind`` this program recorded in ``directory`` (None: not written by us)."""
+    try:
+        return json.loads((Path(directory) / OWNER_FILE).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def write_owner(directory: str | os.PathLike, kind: str) -> None:
+    """Mark ``directory`` as written by this program as ``kind``."""
+    import time
+
+    atomic_write_json(
+        Path(directory) / OWNER_FILE, {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    )
+
+
+def check_output_target(
+    path: str | os.PathLike, *, kind: str, force: bool = False, inputs: tuple[str | os.PathLike, ...] = ()
+) -> None:
+    """Refuse to replace what this program did not write.
+
+    ``path`` may be absent, an empty directory, or a directory carrying our owner marker of
+    ``kind``; anything else (a file, somebody's folder, ours of another kind) raises
+    :class:`~llmft.trainer.errors.OutputNotOursError` unless ``force``. An output that is one of
+    ``inputs`` or contains one is refused even with ``force``: the input would be deleted.
+    """
+    from llmft.trainer.errors import OutputNotOursError
+
+    target = Path(path).resolve()
+    for item in inputs:
+        source = Path(item).resolve()
+        if source == target or target in source.parents:
+            raise OutputNotOursError(f"{path}: the output would replace the input {item}; choose another output path")
+    if not target.exists() and not target.is_symlink():
+        return
+    if target.is_dir() and (not any(target.iterdir()) or owner_kind(target) == kind):
+        return
+    if force:
+        return
+    what = "a file" if not target.is_dir() else f"a non-empty directory not written by llmft as {kind}"
+    raise OutputNotOursError(
+        f"{path} is {what}; refusing to replace it. Choose a new output path, or pass --force to replace it"
+    )
+
+
 @contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike, *, overwrite: bool = True, marker: bool = False) -> Iterator[Path]:
+def atomic_directory(
+    final: str | os.PathLike,
+    *,
+    kind: str,
+    overwrite: bool = True,
+    marker: bool = False,
+    force: bool = False,
+    inputs: tuple[str | os.PathLike, ...] = (),
+) -> Iterator[Path]:
     """Yield a temp dir next to ``final``; on success rename it to ``final``.
 
-    On an exception the temp dir is removed and ``final`` is untouched. With
-    ``marker=True`` a ``COMPLETE`` file is written after the rename, so readers
-    that check :func:`is_complete` never load a directory mid-write.
+    ``final`` is checked first (:func:`check_output_target`: only an absent or empty path, or a
+    directory we wrote as ``kind``, is replaced unless ``force``) and the new directory gets our
+    owner marker. On an exception the temp dir is removed and ``final`` is untouched. With
+    ``marker=True`` a ``COMPLETE`` file is written after the rename, so readers that check
+    :func:`is_complete` never load a directory mid-write.
     """
     final = Path(final)
+    if overwrite:
+        check_output_target(final, kind=kind, force=force, inputs=inputs)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     _share(tmp, 0o777)
     try:
         yield tmp
+        write_owner(tmp, kind)
         for root, _dirs, files in os.walk(tmp):
             for name in files:
                 with open(os.path.join(root, name), "rb") as fh:

@@ -6,6 +6,7 @@ when the loss or gradient norm is non-finite on any rank), then logging,
 evaluation, checkpointing and the preemption check. Host syncs happen only at
 log, eval and save steps; the per-step stop check is a CPU-only gloo collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from trainer import checkpoint as ckpt
-from trainer.data.loader import PackedLoader, StepBatch
-from trainer.distributed import (
+from llmft.trainer import checkpoint as ckpt
+from llmft.trainer.data.loader import PackedLoader, StepBatch
+from llmft.trainer.distributed import (
     DistInfo,
     Engine,
     all_reduce_sum,
@@ -30,10 +30,10 @@ from trainer.distributed import (
     close_distributed,
     ranks_with_flag,
 )
-from trainer.errors import EXIT_PREEMPTED, LlmftError
-from trainer.evaluate import evaluate_model
-from trainer.io import atomic_write_json
-from trainer.observe import Observer, peak_flops, summary_screen, train_flops
+from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError
+from llmft.trainer.evaluate import evaluate_model
+from llmft.trainer.io import atomic_write_json
+from llmft.trainer.observe import Observer, peak_flops, summary_screen, train_flops
 
 
 class Preempted(Exception):
@@ -218,8 +218,10 @@ def _log_step(run: RunState, step: int, counters: _DeviceCounters, window: dict,
 
 def _memory_metrics(device) -> dict:
     if device.type == "cuda":
-        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+        return {
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
     import resource
 
     return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -240,10 +242,16 @@ def _check_bad_streak(run: RunState, counters: _DeviceCounters) -> None:
 
 def _evaluate(run: RunState, step: int) -> None:
     cfg = run.cfg
-    metrics = evaluate_model(run.engine.module if run.engine.backend == "ddp" else run.engine.wrapped,
-                             cfg.data, split=cfg.eval.split, micro_sequences=cfg.eval.micro_sequences,
-                             max_sequences=cfg.eval.max_sequences, info=run.info, loss_fn=run.loss_fn,
-                             autocast_ctx=run.autocast_ctx)
+    metrics = evaluate_model(
+        run.engine.module if run.engine.backend == "ddp" else run.engine.wrapped,
+        cfg.data,
+        split=cfg.eval.split,
+        micro_sequences=cfg.eval.micro_sequences,
+        max_sequences=cfg.eval.max_sequences,
+        info=run.info,
+        loss_fn=run.loss_fn,
+        autocast_ctx=run.autocast_ctx,
+    )
     run.engine.train()
     run.last_eval = {**metrics, "step": step}
     run.eval_history.append(run.last_eval)
@@ -255,18 +263,37 @@ def _evaluate(run: RunState, step: int) -> None:
 def _state(run: RunState, step: int, wall: float, evaluated: bool) -> dict:
     epoch, pos = divmod(step, run.loader.steps_per_epoch)
     return {
-        "step": step, "total_steps": run.total_steps, "epoch": epoch,
-        "data_position": {"epoch": epoch, "step_in_epoch": pos, "sequences_consumed": step * run.loader.global_sequences},
-        "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps, "train_loss": run.last_train_loss,
-        "eval": run.last_eval if evaluated else None, "best": run.best, "eval_history": run.eval_history,
-        "world_size": run.info.world_size, "dataset_cache_key": run.dataset_key,
-        "wall_time_s": run.wall_time_before + wall, "mlflow_run_id": run.observer.mlflow_run_id,
+        "step": step,
+        "total_steps": run.total_steps,
+        "epoch": epoch,
+        "data_position": {
+            "epoch": epoch,
+            "step_in_epoch": pos,
+            "sequences_consumed": step * run.loader.global_sequences,
+        },
+        "tokens_seen": run.tokens_seen,
+        "skipped_steps": run.skipped_steps,
+        "train_loss": run.last_train_loss,
+        "eval": run.last_eval if evaluated else None,
+        "best": run.best,
+        "eval_history": run.eval_history,
+        "world_size": run.info.world_size,
+        "dataset_cache_key": run.dataset_key,
+        "wall_time_s": run.wall_time_before + wall,
+        "mlflow_run_id": run.observer.mlflow_run_id,
     }
 
 
 def _save(run: RunState, step: int, wall: float, evaluated: bool) -> None:
-    ckpt.save_checkpoint(run.cfg.output_dir, step, engine=run.engine, info=run.info, lora=run.lora,
-                         state=_state(run, step, wall, evaluated), config=run.config_dict)
+    ckpt.save_checkpoint(
+        run.cfg.output_dir,
+        step,
+        engine=run.engine,
+        info=run.info,
+        lora=run.lora,
+        state=_state(run, step, wall, evaluated),
+        config=run.config_dict,
+    )
     if run.info.is_main:
         ckpt.prune_checkpoints(run.cfg.output_dir, run.cfg.keep_last, _best_checkpoint_step(run))
     barrier()
@@ -304,7 +331,7 @@ def save_now(run: RunState, step: int) -> None:
 
 def write_final(run: RunState, tokenizer, base_identity: dict) -> Path:
     """output_dir/final/: weights, tokenizer + chat template, generation config, training_manifest.json."""
-    from trainer.model import save_tokenizer_and_generation
+    from llmft.trainer.model import save_tokenizer_and_generation
 
     final = Path(run.cfg.output_dir) / "final"
     staging = final.with_name(".final.partial")
@@ -327,13 +354,23 @@ def manifest(run: RunState, base_identity: dict) -> dict:
     import peft
     import transformers
 
-    final_metrics = {"train_loss": run.last_train_loss, **{k: run.last_eval.get(k) for k in ("eval_loss", "perplexity", "tokens")}}
+    final_metrics = {
+        "train_loss": run.last_train_loss,
+        **{k: run.last_eval.get(k) for k in ("eval_loss", "perplexity", "tokens")},
+    }
     return {
-        "base_model": base_identity, "method": run.cfg.method,
+        "base_model": base_identity,
+        "method": run.cfg.method,
         "dataset": {"path": str(run.cfg.data), "cache_key": run.dataset_key},
-        "config": run.config_dict, "final_metrics": final_metrics, "best": run.best,
-        "eval_history": run.eval_history, "steps": run.total_steps, "skipped_steps": run.skipped_steps,
-        "tokens_seen": run.tokens_seen, "wall_time_s": run.wall_time_before, "world_size": run.info.world_size,
+        "config": run.config_dict,
+        "final_metrics": final_metrics,
+        "best": run.best,
+        "eval_history": run.eval_history,
+        "steps": run.total_steps,
+        "skipped_steps": run.skipped_steps,
+        "tokens_seen": run.tokens_seen,
+        "wall_time_s": run.wall_time_before,
+        "world_size": run.info.world_size,
         "mlflow_run_id": run.observer.mlflow_run_id,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -343,11 +380,18 @@ def manifest(run: RunState, base_identity: dict) -> dict:
 def finish(run: RunState, final_dir: Path, base_identity: dict) -> dict:
     """Summary screen, MLflow artifacts, Langfuse trace."""
     summary = {
-        "status": "finished", "method": run.cfg.method, "base_model": base_identity.get("name_or_path"),
-        "steps": run.total_steps, "skipped_steps": run.skipped_steps, "tokens_seen": run.tokens_seen,
-        "wall_time_s": run.wall_time_before, "tokens_per_s": run.tokens_seen / max(run.wall_time_before, 1e-9),
-        "final_metrics": {"train_loss": run.last_train_loss, **run.last_eval}, "best": run.best,
-        "final_dir": str(final_dir), "config": run.config_dict,
+        "status": "finished",
+        "method": run.cfg.method,
+        "base_model": base_identity.get("name_or_path"),
+        "steps": run.total_steps,
+        "skipped_steps": run.skipped_steps,
+        "tokens_seen": run.tokens_seen,
+        "wall_time_s": run.wall_time_before,
+        "tokens_per_s": run.tokens_seen / max(run.wall_time_before, 1e-9),
+        "final_metrics": {"train_loss": run.last_train_loss, **run.last_eval},
+        "best": run.best,
+        "final_dir": str(final_dir),
+        "config": run.config_dict,
     }
     run.observer.event("final", run.total_steps, {k: v for k, v in summary.items() if isinstance(v, int | float)})
     run.observer.finish(summary, final_dir)
@@ -381,25 +425,35 @@ def seed_all(seed: int) -> None:
 
 def prepare_data(cfg, info: DistInfo) -> tuple[dict, PackedLoader, int]:
     """(dataset manifest, this rank's loader, total steps); DataError when the data is unusable."""
-    from trainer.data.loader import dataset_info, resolve_global_sequences
-    from trainer.errors import DataError
+    from llmft.trainer.data.loader import dataset_info, resolve_global_sequences
+    from llmft.trainer.errors import DataError
 
     manifest = dataset_info(cfg.data)
     for split in ("train", cfg.eval.split):
         if not (Path(cfg.data) / split / "input_ids.npy").is_file():
-            raise DataError(f"{Path(cfg.data) / split}: split missing from the tokenized dataset "
-                            f"(re-run `llmft data tokenize`, or set eval.split)")
-    sequences = resolve_global_sequences(cfg.batch.global_sequences, cfg.batch.global_tokens,
-                                         int(manifest["max_length"]))
-    loader = PackedLoader(cfg.data, "train", global_sequences=sequences, micro_sequences=cfg.batch.micro_sequences,
-                          rank=info.rank, world_size=info.world_size, seed=cfg.seed)
+            raise DataError(
+                f"{Path(cfg.data) / split}: split missing from the tokenized dataset "
+                f"(re-run `llmft data tokenize`, or set eval.split)"
+            )
+    sequences = resolve_global_sequences(
+        cfg.batch.global_sequences, cfg.batch.global_tokens, int(manifest["max_length"])
+    )
+    loader = PackedLoader(
+        cfg.data,
+        "train",
+        global_sequences=sequences,
+        micro_sequences=cfg.batch.micro_sequences,
+        rank=info.rank,
+        world_size=info.world_size,
+        seed=cfg.seed,
+    )
     return manifest, loader, loader.total_steps(cfg.max_steps, cfg.epochs)
 
 
 def choose_resume(cfg, info: DistInfo, config_dict: dict, dataset_key: str) -> Path | None:
     """Rank 0 picks the checkpoint and checks it matches; every rank gets the same answer."""
-    from trainer.distributed import broadcast_object
-    from trainer.errors import ConfigError
+    from llmft.trainer.distributed import broadcast_object
+    from llmft.trainer.errors import ConfigError
 
     path = error = None
     diffs: list[str] = []
@@ -428,10 +482,10 @@ def align_chat_template(tokenizer, manifest: dict) -> None:
 def build_run(cfg, info: DistInfo, *, lora: bool, autocast_ctx) -> tuple[RunState, object, dict, dict, Path | None]:
     """Data, resume decision, tokenizer, model, optimizer, schedule, engine and observer, in that
     order. Returns (run, tokenizer, base identity, parameter counts, resume path)."""
-    from trainer.config import config_to_dict
-    from trainer.distributed import deepspeed_config
-    from trainer.loss import loss_fn
-    from trainer.model import (
+    from llmft.trainer.config import config_to_dict
+    from llmft.trainer.distributed import deepspeed_config
+    from llmft.trainer.loss import loss_fn
+    from llmft.trainer.model import (
         attention_width,
         base_model_identity,
         load_model,
@@ -439,7 +493,7 @@ def build_run(cfg, info: DistInfo, *, lora: bool, autocast_ctx) -> tuple[RunStat
         parameter_counts,
         resolve_dtype,
     )
-    from trainer.optim import build_optimizer, build_scheduler
+    from llmft.trainer.optim import build_optimizer, build_scheduler
 
     config_dict = config_to_dict(cfg)
     manifest, loader, total_steps = prepare_data(cfg, info)
@@ -449,28 +503,59 @@ def build_run(cfg, info: DistInfo, *, lora: bool, autocast_ctx) -> tuple[RunStat
     align_chat_template(tokenizer, manifest)
     ds_config = None
     if cfg.distributed.backend == "deepspeed":
-        ds_config = deepspeed_config(cfg.distributed.zero_stage, accum_steps=loader.accum_steps,
-                                     world_size=info.world_size, max_grad_norm=cfg.optim.max_grad_norm,
-                                     bf16=resolve_dtype(cfg.model.dtype, info.device) == torch.bfloat16)
+        ds_config = deepspeed_config(
+            cfg.distributed.zero_stage,
+            accum_steps=loader.accum_steps,
+            world_size=info.world_size,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            bf16=resolve_dtype(cfg.model.dtype, info.device) == torch.bfloat16,
+        )
     model = load_model(cfg, info.device, ds_config=ds_config)
     seed_all(cfg.seed + 7919 * (info.rank + 1))  # per-rank dropout stream
     optimizer = build_optimizer(model, cfg.optim, info.device)
-    engine = Engine(model, optimizer, lambda opt: build_scheduler(opt, cfg.schedule, total_steps), info=info, backend=cfg.distributed.backend,
-                    max_grad_norm=cfg.optim.max_grad_norm, fused_skip=bool(optimizer.defaults.get("fused")),
-                    ds_config=ds_config, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-                    grad_reduce_dtype=cfg.distributed.grad_reduce_dtype)
+    engine = Engine(
+        model,
+        optimizer,
+        lambda opt: build_scheduler(opt, cfg.schedule, total_steps),
+        info=info,
+        backend=cfg.distributed.backend,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        fused_skip=bool(optimizer.defaults.get("fused")),
+        ds_config=ds_config,
+        bucket_cap_mb=cfg.distributed.bucket_cap_mb,
+        grad_reduce_dtype=cfg.distributed.grad_reduce_dtype,
+    )
     counts = parameter_counts(model)
     layers, width = attention_width(model)
     run = RunState(
-        cfg=cfg, config_dict=config_dict, info=info, engine=engine, loader=loader, observer=None,
-        loss_fn=loss_fn(cfg.kernels.fused_loss, cfg.model.attn_implementation), autocast_ctx=autocast_ctx, lora=lora,
-        total_steps=total_steps, dataset_key=manifest["cache_key"],
-        flops={"method": cfg.method, "matmul_params": counts["matmul"], "adapter_params": counts["adapter"],
-               "layers": layers, "attn_width": width},
+        cfg=cfg,
+        config_dict=config_dict,
+        info=info,
+        engine=engine,
+        loader=loader,
+        observer=None,
+        loss_fn=loss_fn(cfg.kernels.fused_loss, cfg.model.attn_implementation),
+        autocast_ctx=autocast_ctx,
+        lora=lora,
+        total_steps=total_steps,
+        dataset_key=manifest["cache_key"],
+        flops={
+            "method": cfg.method,
+            "matmul_params": counts["matmul"],
+            "adapter_params": counts["adapter"],
+            "layers": layers,
+            "attn_width": width,
+        },
     )
     mlflow_run_id = resume(run, resume_path) if resume_path else None
-    run.observer = Observer(cfg, config_dict, is_main=info.is_main, total_steps=total_steps,
-                            start_step=run.start_step, mlflow_run_id=mlflow_run_id)
+    run.observer = Observer(
+        cfg,
+        config_dict,
+        is_main=info.is_main,
+        total_steps=total_steps,
+        start_step=run.start_step,
+        mlflow_run_id=mlflow_run_id,
+    )
     return run, tokenizer, base_model_identity(cfg.model, model), counts, resume_path
 
 

@@ -6,14 +6,15 @@ checkpointed (adapter_model.safetensors + adapter_config.json) and shipped in
 output_dir/final/. FLOPs per token for MFU: 4N for the frozen matmuls (no weight
 gradients) + 6 x adapter parameters + attention per document.
 """
+
 from __future__ import annotations
 
 import contextlib
 
-from trainer import loop
-from trainer.config import TrainConfig
-from trainer.distributed import init_distributed
-from trainer.model import check_method_supported
+from llmft.trainer import loop
+from llmft.trainer.config import TrainConfig
+from llmft.trainer.distributed import init_distributed
+from llmft.trainer.model import check_method_supported
 
 
 class LoRAFinetuneRecipe:
@@ -30,7 +31,8 @@ class LoRAFinetuneRecipe:
         check_method_supported(cfg, info.device)  # QLoRA without CUDA fails here, before any loading
         # The adapter trains in float32 beside the frozen base in its compute dtype: no autocast.
         self.run, self.tokenizer, self.base_identity, counts, resume_path = loop.build_run(
-            cfg, info, lora=True, autocast_ctx=contextlib.nullcontext)
+            cfg, info, lora=True, autocast_ctx=contextlib.nullcontext
+        )
         loop.announce(self.run, counts, resume_path, self.warnings)
 
     def train(self) -> dict:

@@ -6,18 +6,18 @@ float32 tensor on the device; no host sync). Callers divide by the supervised
 target count of the whole global batch, so the result does not depend on how
 ranks and micro batches split it.
 
-``kernels.fused_loss=true`` swaps in ``trainer.fastpath.fused_token_nll_sum``,
+``kernels.fused_loss=true`` swaps in ``llmft.trainer.fastpath.fused_token_nll_sum``,
 which must have the same signature and return the same quantity without
 materialising the full [tokens, vocab] logits.
 """
+
 from __future__ import annotations
 
 import functools
 
 import torch
 import torch.nn.functional as F
-
-from trainer.data.shards import IGNORE_INDEX
+from llmft.trainer.data.shards import IGNORE_INDEX
 
 
 def forward_inputs(batch: dict, varlen: bool = False) -> dict:
@@ -26,7 +26,7 @@ def forward_inputs(batch: dict, varlen: bool = False) -> dict:
     ``varlen`` adds the document boundaries (cu_seq_lens) that varlen attention kernels read."""
     kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     if varlen:
-        from trainer.fastpath import packed_forward_kwargs
+        from llmft.trainer.fastpath import packed_forward_kwargs
 
         kwargs.update(packed_forward_kwargs(batch))
     return kwargs
@@ -47,16 +47,17 @@ def loss_fn(fused: bool = False, attn_implementation: str = "sdpa"):
     """The token-sum loss selected by ``kernels.fused_loss``; an attention registered by
     trainer.fastpath (not one of transformers' own) also gets the document boundaries."""
     if not fused:
-        from trainer.model import BUILTIN_ATTENTION
+        from llmft.trainer.model import BUILTIN_ATTENTION
 
         if attn_implementation in BUILTIN_ATTENTION:
             return token_nll_sum
         return functools.partial(token_nll_sum, varlen=True)
     try:
-        from trainer.fastpath import fused_token_nll_sum
+        from llmft.trainer.fastpath import fused_token_nll_sum
     except ImportError as exc:
-        from trainer.errors import ConfigError
+        from llmft.trainer.errors import ConfigError
 
-        raise ConfigError(f"kernels.fused_loss=true needs trainer.fastpath.fused_token_nll_sum ({exc}); "
-                          "set kernels.fused_loss=false") from None
+        raise ConfigError(
+            f"kernels.fused_loss=true needs trainer.fastpath.fused_token_nll_sum ({exc}); set kernels.fused_loss=false"
+        ) from None
     return fused_token_nll_sum

@@ -5,6 +5,7 @@ everything goes through ``AutoTokenizer`` / ``AutoModelForCausalLM`` with
 safetensors only, ``trust_remote_code`` off unless configured, and the
 HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE flags honoured by transformers itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +15,8 @@ import os
 from pathlib import Path
 
 import torch
-
-from trainer.config import LoraConfig, ModelConfig, TrainConfig
-from trainer.errors import ConfigError
+from llmft.trainer.config import LoraConfig, ModelConfig, TrainConfig
+from llmft.trainer.errors import ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -105,27 +105,39 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     if cfg.method == "full":
         model.requires_grad_(True)
     else:
-        model = apply_lora(model, cfg.lora, qlora=cfg.method == "qlora",
-                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+        model = apply_lora(
+            model, cfg.lora, qlora=cfg.method == "qlora", gradient_checkpointing=cfg.model.gradient_checkpointing
+        )
     if cfg.kernels.compile or cfg.kernels.fused_lora:
         model.llmft_fastpath = apply_fastpath_kernels(  # what was switched on, for the run log
-            model, compile_layers=cfg.kernels.compile, fuse_lora=cfg.kernels.fused_lora,
-            group_lora=cfg.kernels.grouped_lora, compile_cache_dir=cfg.kernels.compile_cache_dir or None)
+            model,
+            compile_layers=cfg.kernels.compile,
+            fuse_lora=cfg.kernels.fused_lora,
+            group_lora=cfg.kernels.grouped_lora,
+            compile_cache_dir=cfg.kernels.compile_cache_dir or None,
+        )
     model.train()
     return model
 
 
-def apply_fastpath_kernels(model, *, compile_layers: bool, fuse_lora: bool, group_lora: bool = True,
-                           compile_cache_dir: str | None = None) -> dict:
+def apply_fastpath_kernels(
+    model, *, compile_layers: bool, fuse_lora: bool, group_lora: bool = True, compile_cache_dir: str | None = None
+) -> dict:
     """kernels.compile / kernels.fused_lora: trainer.fastpath changes the model in place
     (parameter names, and so checkpoints, stay the same)."""
     try:
-        from trainer.fastpath import apply_kernels
+        from llmft.trainer.fastpath import apply_kernels
     except ImportError as exc:
-        raise ConfigError(f"kernels.compile / kernels.fused_lora need trainer.fastpath ({exc}); "
-                          "set both to false") from None
-    return apply_kernels(model, compile_layers=compile_layers, fuse_lora=fuse_lora, group_lora=group_lora,
-                         compile_cache_dir=compile_cache_dir)
+        raise ConfigError(
+            f"kernels.compile / kernels.fused_lora need trainer.fastpath ({exc}); set both to false"
+        ) from None
+    return apply_kernels(
+        model,
+        compile_layers=compile_layers,
+        fuse_lora=fuse_lora,
+        group_lora=group_lora,
+        compile_cache_dir=compile_cache_dir,
+    )
 
 
 BUILTIN_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "paged_attention")
@@ -137,17 +149,18 @@ def register_attention(name: str) -> None:
     if name in BUILTIN_ATTENTION or name.startswith("kernels-community/"):
         return
     try:
-        import trainer.fastpath  # noqa: F401 - registers its attention kernels
+        import llmft.trainer.fastpath  # noqa: F401 - registers its attention kernels
     except ImportError as exc:
-        raise ConfigError(f"model.attn_implementation={name!r} is not a transformers attention and "
-                          f"trainer.fastpath could not register it ({exc}); use sdpa") from None
+        raise ConfigError(
+            f"model.attn_implementation={name!r} is not a transformers attention and "
+            f"llmft.trainer.fastpath could not register it ({exc}); use sdpa"
+        ) from None
 
 
 def _zero3_init(ds_config: dict | None):
     """While the returned object lives, from_pretrained partitions weights over ranks (zero.Init)."""
+    from llmft.trainer.distributed import import_deepspeed
     from transformers.integrations import HfDeepSpeedConfig
-
-    from trainer.distributed import import_deepspeed
 
     import_deepspeed()
 
@@ -160,13 +173,19 @@ def apply_lora(model, lora: LoraConfig, *, qlora: bool = False, gradient_checkpo
 
     if qlora:
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     targets = "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
     peft_cfg = PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-        use_dora=lora.use_dora, bias="none", task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        use_dora=lora.use_dora,
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, peft_cfg)
@@ -210,8 +229,11 @@ def attention_width(model) -> tuple[int, int]:
 def base_model_identity(model_cfg: ModelConfig, model) -> dict:
     """Base model id plus revision (hub commit) or a content hash (local directory)."""
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
-    ident = {"name_or_path": model_cfg.name_or_path, "revision": model_cfg.revision,
-             "commit_hash": getattr(config, "_commit_hash", None)}
+    ident = {
+        "name_or_path": model_cfg.name_or_path,
+        "revision": model_cfg.revision,
+        "commit_hash": getattr(config, "_commit_hash", None),
+    }
     local = Path(model_cfg.name_or_path)
     if local.is_dir():
         ident["content_hash"], ident["content_hash_method"] = content_hash(local)

@@ -8,6 +8,7 @@ inside functions (trainer/ never imports them at module level). Unconfigured,
 each prints one info line and does nothing; a failing tracking server logs a
 warning and is switched off rather than stopping the training.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.config import flatten_dict
-from trainer.io import atomic_write_text
+from llmft.trainer.config import flatten_dict
+from llmft.trainer.io import atomic_write_text
 
 log = logging.getLogger("trainer")
+
 
 def peak_flops(device, override_tflops: float = 0.0) -> float | None:
     """Dense bf16 peak FLOP/s of one device, or None when unknown (CPU)."""
@@ -29,14 +31,14 @@ def peak_flops(device, override_tflops: float = 0.0) -> float | None:
     if device.type != "cuda":
         return None
     import torch
-
-    from trainer.fastpath.flops import peak_flops as peak_flops_by_name  # the one table of peaks
+    from llmft.trainer.fastpath.flops import peak_flops as peak_flops_by_name  # the one table of peaks
 
     return peak_flops_by_name(torch.cuda.get_device_name(device))
 
 
-def train_flops(*, method: str, matmul_params: int, adapter_params: int, tokens: int, layers: int,
-                attn_width: int, attn_sq: int) -> float:
+def train_flops(
+    *, method: str, matmul_params: int, adapter_params: int, tokens: int, layers: int, attn_width: int, attn_sq: int
+) -> float:
     """Training FLOPs of one step: 4N per token for LoRA/QLoRA (no weight grads for the frozen
     base), 6N for full, 6 x adapter params, plus causal attention 6 * layers * width * sum(L^2)."""
     per_token = (6 if method == "full" else 4) * matmul_params + (0 if method == "full" else 6 * adapter_params)
@@ -46,8 +48,16 @@ def train_flops(*, method: str, matmul_params: int, adapter_params: int, tokens:
 class Observer:
     """All outputs of a run. Every method is a no-op on ranks other than 0."""
 
-    def __init__(self, cfg, config_dict: dict, *, is_main: bool, total_steps: int, start_step: int,
-                 mlflow_run_id: str | None = None):
+    def __init__(
+        self,
+        cfg,
+        config_dict: dict,
+        *,
+        is_main: bool,
+        total_steps: int,
+        start_step: int,
+        mlflow_run_id: str | None = None,
+    ):
         self.cfg, self.active = cfg, is_main
         self.output_dir = Path(cfg.output_dir)
         self.run_name = cfg.observe.run_name or self.output_dir.resolve().name
@@ -63,13 +73,22 @@ class Observer:
         if cfg.observe.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            self._tb = SummaryWriter(
+                str(self.output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
+            )
         self._start_mlflow(config_dict, mlflow_run_id)
         if cfg.observe.progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                             file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=1.0,
+            )
 
     # ------------------------------------------------------------------ events
 
@@ -98,7 +117,7 @@ class Observer:
         """Eval lines for Katib's StdOut collector, exactly `eval_loss=<v>` and `perplexity=<v>`."""
         if not self.active:
             return
-        from trainer.evaluate import katib_lines
+        from llmft.trainer.evaluate import katib_lines
 
         self.event("eval", step, metrics)
         self.write_line(katib_lines(metrics))
@@ -139,8 +158,11 @@ class Observer:
             if resume_run_id:
                 run = mlflow.start_run(run_id=resume_run_id)
             else:
-                run = mlflow.start_run(run_name=self.run_name, parent_run_id=parent,
-                                       tags={"llmft.output_dir": str(self.output_dir.resolve())})
+                run = mlflow.start_run(
+                    run_name=self.run_name,
+                    parent_run_id=parent,
+                    tags={"llmft.output_dir": str(self.output_dir.resolve())},
+                )
                 mlflow.log_params(flatten_dict(config_dict))
             self.mlflow_run_id = run.info.run_id
             self._mlflow_ok = True
@@ -198,8 +220,11 @@ def send_langfuse_trace(run_name: str, summary: dict) -> bool:
 
         client = get_client()
         with client.start_as_current_observation(name=f"llmft-train {run_name}", as_type="span") as span:
-            span.update(input={"config": summary.get("config")}, output=summary.get("final_metrics"),
-                        metadata={k: v for k, v in summary.items() if k not in ("config",)})
+            span.update(
+                input={"config": summary.get("config")},
+                output=summary.get("final_metrics"),
+                metadata={k: v for k, v in summary.items() if k not in ("config",)},
+            )
             for name in ("eval_loss", "perplexity"):
                 value = (summary.get("final_metrics") or {}).get(name)
                 if isinstance(value, int | float):
@@ -223,7 +248,6 @@ def _truncate_events_after(path: Path, step: int) -> None:
         except json.JSONDecodeError:
             continue  # a line torn by a crash
     atomic_write_text(path, "".join(line + "\n" for line in kept))
-
 
 
 def _fmt(value) -> str:

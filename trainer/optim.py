@@ -6,13 +6,13 @@ a non-finite update on the device, so no host sync is needed per step. The
 schedule is linear warmup then cosine, linear or constant decay to
 ``min_lr_ratio`` of the peak, as a multiplier on the peak learning rate.
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
-
-from trainer.config import OptimConfig, ScheduleConfig
+from llmft.trainer.config import OptimConfig, ScheduleConfig
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -67,8 +67,7 @@ def build_scheduler(optimizer, cfg: ScheduleConfig, total_steps: int) -> torch.o
     warm = warmup_steps(cfg, total_steps)
 
     def multiplier(step: int) -> float:
-        return lr_multiplier(step, total_steps=total_steps, warmup=warm, decay=cfg.decay,
-                             min_lr_ratio=cfg.min_lr_ratio)
+        return lr_multiplier(step, total_steps=total_steps, warmup=warm, decay=cfg.decay, min_lr_ratio=cfg.min_lr_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 

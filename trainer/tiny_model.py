@@ -7,12 +7,13 @@ Qwen2 model (~2 M parameters) as safetensors. Everything that loads a model in
 this project (``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained``) then
 works unchanged on a hub id, a downloaded snapshot, or this directory.
 """
+
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
-from trainer.io import atomic_directory
+from llmft.trainer.io import atomic_directory
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -22,7 +23,9 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_SUBJECTS = "the model|a student|the cluster|our team|the pipeline|a user|the operator|the scheduler|this adapter|the dataset".split("|")
+_SUBJECTS = (
+    "the model|a student|the cluster|our team|the pipeline|a user|the operator|the scheduler|this adapter|the dataset"
+).split("|")
 _VERBS = "trains|reads|writes|checks|explains|summarizes|answers|packs|evaluates|deploys|tokenizes|improves".split("|")
 _OBJECTS = (
     "the question|a short story|every checkpoint|the validation split|a poem about rivers|the loss curve|"
@@ -41,7 +44,8 @@ _ANSWERS = (
     "Paris is the capital of France.|Use the sorted function or list.sort().|Red, blue and yellow.|"
     "Sunlight scatters off air molecules, and blue light scatters most.|Joyful.|Hola.|Four.|"
     "Red leaves drift and fall, the cold wind hums a soft song, the year turns to rest.|"
-    "It moves the weights a small step against the gradient of the loss.|It runs many arithmetic operations in parallel."
+    "It moves the weights a small step against the gradient of the loss.|It runs many arithmetic operations in "
+    "parallel."
 ).split("|")
 
 
@@ -117,7 +121,7 @@ def build_tiny_model(output: str | Path, *, seed: int = 0) -> Path:
     output = Path(output)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed)
-    with atomic_directory(output) as tmp:
+    with atomic_directory(output, kind="tiny-model") as tmp:
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
     return output

@@ -4,8 +4,9 @@ tokens, compiled decoder layers, fused AdamW. It measures what
 trainer/fastpath can do, so the project arm (the real trainer, `python -m
 trainer`) can be compared against it.
 
-python -m benchmarks.gpu.arm_fast --model qwen2.5-1.5b --method lora --json-out F
+python -m llmft.benchmarks.gpu.arm_fast --model qwen2.5-1.5b --method lora --json-out F
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,15 +14,14 @@ import sys
 import time
 
 import numpy as np
-
-from benchmarks.gpu import common
+from llmft.benchmarks.gpu import common
 
 DEVICE = "cuda"  # a CPU smoke run sets "cpu"
 
 
 def packed_micro_batches(samples: common.Samples, per_step: int, micro: int, steps: int):
     """Host-side packed rows: for each step, a list of micro-batches (dicts of numpy arrays)."""
-    from trainer.data.shards import position_ids_for
+    from llmft.trainer.data.shards import position_ids_for
 
     plan = []
     for step in range(steps):
@@ -31,18 +31,22 @@ def packed_micro_batches(samples: common.Samples, per_step: int, micro: int, ste
             lengths = samples.lengths[lo : lo + micro]
             ids = np.concatenate([samples.input_ids[i] for i in idx])
             targets = np.concatenate([common.supervised_targets(samples.labels[i]) for i in idx])
-            micros.append({
-                "input_ids": ids, "targets": targets, "position_ids": position_ids_for(lengths),
-                "lengths": lengths, "select": np.nonzero(targets != common.IGNORE_INDEX)[0],
-            })
+            micros.append(
+                {
+                    "input_ids": ids,
+                    "targets": targets,
+                    "position_ids": position_ids_for(lengths),
+                    "lengths": lengths,
+                    "select": np.nonzero(targets != common.IGNORE_INDEX)[0],
+                }
+            )
         plan.append(micros)
     return plan
 
 
 def to_device(mb: dict) -> dict:
     import torch
-
-    from trainer.fastpath.attention import packed_attention_kwargs
+    from llmft.trainer.fastpath.attention import packed_attention_kwargs
 
     def put(array, dtype):
         host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
@@ -61,9 +65,8 @@ def to_device(mb: dict) -> dict:
 
 def build(model_name: str, method: str, compile_layers: bool, fuse_lora: bool):
     import torch
-
-    from trainer.fastpath import attention, lora
-    from trainer.fastpath import compile as fp_compile
+    from llmft.trainer.fastpath import attention, lora
+    from llmft.trainer.fastpath import compile as fp_compile
 
     attention.register()
     dtype = "bfloat16" if method == "lora" else "float32"
@@ -88,15 +91,19 @@ def build(model_name: str, method: str, compile_layers: bool, fuse_lora: bool):
 
 def train_step(model, params, opt, micros_on_device, n_supervised: int, autocast: bool):
     import torch
-
-    from trainer.fastpath.loss import fused_causal_lm_loss
+    from llmft.trainer.fastpath.loss import fused_causal_lm_loss
 
     total = torch.zeros((), device=DEVICE)
     for b in micros_on_device:
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
             loss_sum = fused_causal_lm_loss(
-                model, b["input_ids"], b["targets"], reduction="sum", select=b["select"],
-                position_ids=b["position_ids"], **b["attn"],
+                model,
+                b["input_ids"],
+                b["targets"],
+                reduction="sum",
+                select=b["select"],
+                position_ids=b["position_ids"],
+                **b["attn"],
             )
         (loss_sum / n_supervised).backward()
         total += loss_sum.detach()
@@ -108,8 +115,7 @@ def train_step(model, params, opt, micros_on_device, n_supervised: int, autocast
 
 def run(a) -> dict:
     import torch
-
-    from trainer.fastpath import attention, flops, lora
+    from llmft.trainer.fastpath import attention, flops, lora
 
     if a.lora_mode:
         lora.LORA_MODE = a.lora_mode
@@ -130,10 +136,20 @@ def run(a) -> dict:
         lengths = np.concatenate([mb["lengths"] for mb in micros])
         timer.step(int(lengths.sum()), n_sup, loss.item())
         per_step_flops.append(flops.step_flops(shape, a.method, lengths))
-    result = {"arm": a.arm_name, "model": a.model, "method": a.method, "profile": a.profile,
-              "attn": "llmft_varlen", "samples_per_step": a.samples_per_step, "micro_batch": a.micro,
-              "compiled": not a.no_compile, "fused_lora": not a.no_fuse_lora, "lora_mode": lora.LORA_MODE,
-              "gqa_mode": attention.GQA_MODE, **common.device_info()}
+    result = {
+        "arm": a.arm_name,
+        "model": a.model,
+        "method": a.method,
+        "profile": a.profile,
+        "attn": "llmft_varlen",
+        "samples_per_step": a.samples_per_step,
+        "micro_batch": a.micro,
+        "compiled": not a.no_compile,
+        "fused_lora": not a.no_fuse_lora,
+        "lora_mode": lora.LORA_MODE,
+        "gqa_mode": attention.GQA_MODE,
+        **common.device_info(),
+    }
     result.update(common.summarize(timer, a.warmup, per_step_flops, flops.peak_flops(result["device"])))
     result["compile_s"] = result["warmup_s"] + compile_call_s
     result["step_times"] = timer.times
@@ -161,7 +177,9 @@ def profile(model, params, opt, plan, autocast: bool) -> list[dict]:
     for e in events:
         device_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if device_us:
-            rows.append({"name": e.key[:120], "self_device_ms": device_us / 1e3 / len(plan), "count": e.count // len(plan)})
+            rows.append(
+                {"name": e.key[:120], "self_device_ms": device_us / 1e3 / len(plan), "count": e.count // len(plan)}
+            )
     rows.sort(key=lambda r: -r["self_device_ms"])
     return rows[:60]
 

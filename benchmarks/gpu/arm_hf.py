@@ -12,16 +12,16 @@ same samples per optimizer step as the project arm (naive: micro-batches of 8
 with gradient accumulation), the same seeded random-init weights and LoRA
 init, AdamW (fused), constant LR.
 
-python -m benchmarks.gpu.arm_hf --arm naive|peer --model qwen2.5-1.5b --json-out F
+python -m llmft.benchmarks.gpu.arm_hf --arm naive|peer --model qwen2.5-1.5b --json-out F
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 
 import numpy as np
-
-from benchmarks.gpu import common
+from llmft.benchmarks.gpu import common
 
 
 def build_block_masks_eagerly() -> None:
@@ -105,28 +105,53 @@ def _trainer(arm: str, model, dataset, per_step: int, steps: int, recorder: _Rec
 
     micro = 8 if arm == "naive" else per_step
     args = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=per_step // micro,
-        max_steps=steps, learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch_fused", bf16=True, logging_steps=1, save_strategy="no", report_to=[],
-        gradient_checkpointing=(arm == "naive"), dataloader_num_workers=2, dataloader_pin_memory=True,
-        remove_unused_columns=False, disable_tqdm=True, seed=0,
+        output_dir=out_dir,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // micro,
+        max_steps=steps,
+        learning_rate=2e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch_fused",
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        gradient_checkpointing=(arm == "naive"),
+        dataloader_num_workers=2,
+        dataloader_pin_memory=True,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        seed=0,
     )
     if arm == "naive":
         args.gradient_checkpointing_kwargs = {"use_reentrant": False}
-    collate = _pad_collate if arm == "naive" else DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    collate = (
+        _pad_collate if arm == "naive" else DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    )
 
     class SequentialTrainer(Trainer):
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    return SequentialTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate, callbacks=[recorder.callback()])
+    return SequentialTrainer(
+        model=model, args=args, train_dataset=dataset, data_collator=collate, callbacks=[recorder.callback()]
+    )
 
 
-def run(arm: str, model_name: str, profile: str, per_step: int, steps: int, warmup: int, json_out: str,
-        block_mask: str = "compiled") -> dict:
+def run(
+    arm: str,
+    model_name: str,
+    profile: str,
+    per_step: int,
+    steps: int,
+    warmup: int,
+    json_out: str,
+    block_mask: str = "compiled",
+) -> dict:
     import torch
-
-    from trainer.fastpath import flops
+    from llmft.trainer.fastpath import flops
 
     if arm == "peer" and block_mask == "eager":
         build_block_masks_eagerly()
@@ -137,12 +162,19 @@ def run(arm: str, model_name: str, profile: str, per_step: int, steps: int, warm
             apply_liger_kernel_to_qwen2,
         )
 
-        patch = apply_liger_kernel_to_qwen2 if common.MODEL_SHAPES[model_name]["arch"] == "qwen2" else apply_liger_kernel_to_llama
+        patch = (
+            apply_liger_kernel_to_qwen2
+            if common.MODEL_SHAPES[model_name]["arch"] == "qwen2"
+            else apply_liger_kernel_to_llama
+        )
         patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
     attn = "sdpa" if arm == "naive" else "flex_attention"
     model = _lora(common.build_model(model_name, attn))
     samples = common.make_samples(per_step * steps, profile, common.MODEL_SHAPES[model_name]["vocab_size"])
-    dataset = [{"input_ids": ids.tolist(), "labels": lab.tolist()} for ids, lab in zip(samples.input_ids, samples.labels, strict=True)]
+    dataset = [
+        {"input_ids": ids.tolist(), "labels": lab.tolist()}
+        for ids, lab in zip(samples.input_ids, samples.labels, strict=True)
+    ]
     recorder = _Recorder(samples, per_step)
     trainer = _trainer(arm, model, dataset, per_step, steps, recorder, f"/tmp/bench-{arm}")
     torch.cuda.reset_peak_memory_stats()
@@ -151,10 +183,18 @@ def run(arm: str, model_name: str, profile: str, per_step: int, steps: int, warm
     per_step_flops = [
         flops.step_flops(shape, "lora", samples.lengths[i * per_step : (i + 1) * per_step]) for i in range(steps)
     ]
-    result = {"arm": arm, "model": model_name, "method": "lora", "profile": profile, "attn": attn,
-              "samples_per_step": per_step, "micro_batch": 8 if arm == "naive" else per_step,
-              "gradient_checkpointing": arm == "naive", "block_mask": block_mask if arm == "peer" else None,
-              **common.device_info()}
+    result = {
+        "arm": arm,
+        "model": model_name,
+        "method": "lora",
+        "profile": profile,
+        "attn": attn,
+        "samples_per_step": per_step,
+        "micro_batch": 8 if arm == "naive" else per_step,
+        "gradient_checkpointing": arm == "naive",
+        "block_mask": block_mask if arm == "peer" else None,
+        **common.device_info(),
+    }
     result.update(common.summarize(recorder.timer, warmup, per_step_flops, flops.peak_flops(result["device"])))
     result["compile_s"] = result["warmup_s"] if arm == "peer" else None
     common.write_json(json_out, result)
@@ -169,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples-per-step", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--block-mask", choices=["compiled", "eager"], default="compiled",
-                   help="peer: build transformers' flex block mask compiled (its default) or eagerly")
+    p.add_argument(
+        "--block-mask",
+        choices=["compiled", "eager"],
+        default="compiled",
+        help="peer: build transformers' flex block mask compiled (its default) or eagerly",
+    )
     p.add_argument("--json-out", required=True)
     a = p.parse_args(argv)
     result = run(a.arm, a.model, a.profile, a.samples_per_step, a.steps, a.warmup, a.json_out, a.block_mask)

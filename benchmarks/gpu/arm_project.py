@@ -1,4 +1,4 @@
-"""Arm (c) project: the project's own trainer (`python -m trainer`) on the benchmark's samples.
+"""Arm (c) project: the project's own trainer (`python -m llmft.trainer`) on the benchmark's samples.
 
 Writes the random-init model (same seed and init as the other arms) as a local
 Hugging Face directory and the synthetic samples in trainer/data/shards.py's
@@ -11,8 +11,9 @@ path switched on by config and reads its metrics.jsonl: throughput is computed
 here from the records' timestamps and the benchmark's own token counts, and
 compared with what the trainer itself logged (tokens/s, MFU).
 
-python -m benchmarks.gpu.arm_project --model qwen2.5-1.5b --method lora --json-out F
+python -m llmft.benchmarks.gpu.arm_project --model qwen2.5-1.5b --method lora --json-out F
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from benchmarks.gpu import common
+from llmft.benchmarks.gpu import common
 
 SEED = 42
 
@@ -36,8 +36,7 @@ def write_model_dir(model: str, root: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
-
-    from trainer.tiny_model import build_tokenizer
+    from llmft.trainer.tiny_model import build_tokenizer
 
     net = common.build_model(model, "sdpa", dtype="bfloat16")
     tmp = out.with_name(out.name + ".partial")
@@ -51,7 +50,7 @@ def write_model_dir(model: str, root: Path) -> Path:
 
 def write_dataset(samples: common.Samples, pack: int, out: Path, val_docs: int = 32) -> Path:
     """Shards: sequence j of the benchmark's order sits where the trainer's permutation reads it."""
-    from trainer.data.shards import write_split
+    from llmft.trainer.data.shards import write_split
 
     n_seq = len(samples.lengths) // pack
     perm = np.random.default_rng([SEED, 0]).permutation(n_seq)
@@ -61,9 +60,13 @@ def write_dataset(samples: common.Samples, pack: int, out: Path, val_docs: int =
     _write(out / "train", [samples.input_ids[i] for i in docs], [samples.labels[i] for i in docs], pack, write_split)
     val = common.make_samples(val_docs, "short", int(samples.input_ids[0].max()) + 1, seed=99)
     _write(out / "val", val.input_ids, val.labels, 8, write_split)
-    longest = max(int(samples.lengths[j * pack:(j + 1) * pack].sum()) for j in range(n_seq))
-    manifest = {"cache_key": f"bench-{out.name}", "max_length": int(longest), "packed": True,
-                "note": "synthetic benchmark data (benchmarks/gpu/arm_project.py)"}
+    longest = max(int(samples.lengths[j * pack : (j + 1) * pack].sum()) for j in range(n_seq))
+    manifest = {
+        "cache_key": f"bench-{out.name}",
+        "max_length": int(longest),
+        "packed": True,
+        "note": "synthetic benchmark data (benchmarks/gpu/arm_project.py)",
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out
 
@@ -77,18 +80,35 @@ def _write(directory: Path, ids, labels, per_seq: int, write_split) -> None:
 
 def trainer_command(a, model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:
     overrides = [
-        f"model.name_or_path={model_dir}", f"data={data_dir}", f"output_dir={out_dir}", f"method={a.method}",
-        "model.attn_implementation=llmft_varlen", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0",
-        "optim.lr=2e-4", "schedule.decay=constant", "schedule.warmup_steps=0",
-        f"batch.global_sequences={a.nproc * a.samples_per_step // a.pack}", f"batch.micro_sequences={a.micro // a.pack}",
-        f"max_steps={a.steps}", f"log_every={a.log_every}", "eval_every=0", "save_every=0", "eval.max_sequences=4",
-        "kernels.fused_loss=true", "kernels.fused_lora=true", f"kernels.compile={'false' if a.no_compile else 'true'}",
-        "observe.progress_bar=false", f"seed={SEED}", *a.override,
+        f"model.name_or_path={model_dir}",
+        f"data={data_dir}",
+        f"output_dir={out_dir}",
+        f"method={a.method}",
+        "model.attn_implementation=llmft_varlen",
+        "lora.r=16",
+        "lora.alpha=32",
+        "lora.dropout=0.0",
+        "optim.lr=2e-4",
+        "schedule.decay=constant",
+        "schedule.warmup_steps=0",
+        f"batch.global_sequences={a.nproc * a.samples_per_step // a.pack}",
+        f"batch.micro_sequences={a.micro // a.pack}",
+        f"max_steps={a.steps}",
+        f"log_every={a.log_every}",
+        "eval_every=0",
+        "save_every=0",
+        "eval.max_sequences=4",
+        "kernels.fused_loss=true",
+        "kernels.fused_lora=true",
+        f"kernels.compile={'false' if a.no_compile else 'true'}",
+        "observe.progress_bar=false",
+        f"seed={SEED}",
+        *a.override,
     ]
     if a.nproc > 1 or a.torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
-        return [*launcher, "-m", "benchmarks.gpu.trainer_entry", *overrides]
-    return [sys.executable, "-m", "benchmarks.gpu.trainer_entry", *overrides]
+        return [*launcher, "-m", "llmft.benchmarks.gpu.trainer_entry", *overrides]
+    return [sys.executable, "-m", "llmft.benchmarks.gpu.trainer_entry", *overrides]
 
 
 def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> dict:
@@ -97,7 +117,7 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
     Each train record closes a window of steps (log_every). Timing starts at the first
     record at or after step ``--warmup`` (compile and warm-up stay out of it).
     """
-    from trainer.fastpath import flops
+    from llmft.trainer.fastpath import flops
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("event") == "train"]
@@ -110,8 +130,14 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
     windows = [range(lo + 1, hi + 1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     tokens = [sum(int(samples.lengths[step_slice(s)].sum()) for s in w) for w in windows]
     wflops = [sum(flops.step_flops(shape, a.method, samples.lengths[step_slice(s)]) for s in w) for w in windows]
-    supervised = [sum(int((common.supervised_targets(lab) != common.IGNORE_INDEX).sum())
-                      for s in w for lab in samples.labels[step_slice(s)]) for w in windows]
+    supervised = [
+        sum(
+            int((common.supervised_targets(lab) != common.IGNORE_INDEX).sum())
+            for s in w
+            for lab in samples.labels[step_slice(s)]
+        )
+        for w in windows
+    ]
     first = next(i for i, r in enumerate(train) if r["step"] >= a.warmup)
     timed = range(first + 1, len(train))
     span = train[-1]["time"] - train[first]["time"]
@@ -121,33 +147,46 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
     bench_mfu = sum(wflops[i] for i in timed) / span / peak / a.nproc if peak else None
     # The trainer's own window times (its tokens / its tokens/s) weight its per-window MFU.
     logged_dt = [tokens[i] / train[i]["tokens_per_s"] for i in timed]
-    logged_mfu = (sum(train[i]["mfu"] * dt for i, dt in zip(timed, logged_dt, strict=True)) / sum(logged_dt)
-                  if "mfu" in train[-1] else None)
+    logged_mfu = (
+        sum(train[i]["mfu"] * dt for i, dt in zip(timed, logged_dt, strict=True)) / sum(logged_dt)
+        if "mfu" in train[-1]
+        else None
+    )
     step_s = [(train[i]["time"] - train[i - 1]["time"]) / len(windows[i]) for i in timed]
     return {
-        "tokens_per_s": bench_tps, "tokens_per_s_per_gpu": bench_tps / a.nproc,
-        "supervised_tokens_per_s": sum(supervised[i] for i in timed) / span, "mfu": bench_mfu,
-        "trainer_logged_tokens_per_s": logged_tps, "trainer_logged_mfu": logged_mfu,
+        "tokens_per_s": bench_tps,
+        "tokens_per_s_per_gpu": bench_tps / a.nproc,
+        "supervised_tokens_per_s": sum(supervised[i] for i in timed) / span,
+        "mfu": bench_mfu,
+        "trainer_logged_tokens_per_s": logged_tps,
+        "trainer_logged_mfu": logged_mfu,
         "logged_vs_bench_tokens_per_s": logged_tps / bench_tps - 1,
         "logged_vs_bench_mfu": (logged_mfu / bench_mfu - 1) if (logged_mfu and bench_mfu) else None,
-        "step_s_p50": float(np.percentile(step_s, 50)), "step_s_p90": float(np.percentile(step_s, 90)),
+        "step_s_p50": float(np.percentile(step_s, 50)),
+        "step_s_p90": float(np.percentile(step_s, 90)),
         "peak_mem_gib": max(r.get("peak_mem_gib", 0) for r in train),
         "reserved_mem_gib": max(r.get("peak_reserved_gib", 0) for r in train),
-        "first_losses": [r["loss"] for r in train[:5]], "steps_timed": sum(len(windows[i]) for i in timed),
+        "first_losses": [r["loss"] for r in train[:5]],
+        "steps_timed": sum(len(windows[i]) for i in timed),
         "tokens_per_step_mean": float(np.mean([t / len(w) for t, w in zip(tokens, windows, strict=True)])),
     }
 
 
 def run(a) -> dict:
-    from trainer.fastpath import flops
+    from llmft.trainer.fastpath import flops
 
     root = Path(a.work)
     vocab = common.MODEL_SHAPES[a.model]["vocab_size"]
     samples = common.make_samples(a.samples_per_step * a.nproc * a.steps, a.profile, vocab)
     model_dir = write_model_dir(a.model, root / "models")
     if a.micro % a.pack or a.samples_per_step % a.micro:
-        raise SystemExit(f"--micro {a.micro} must divide --samples-per-step {a.samples_per_step} and be a multiple of --pack {a.pack}")
-    data_dir = write_dataset(samples, a.pack, root / "data" / f"{a.model}-{a.profile}-{a.samples_per_step * a.nproc}-{a.pack}-{a.steps}")
+        raise SystemExit(
+            f"--micro {a.micro} must divide --samples-per-step {a.samples_per_step} and be a multiple of --pack "
+            f"{a.pack}"
+        )
+    data_dir = write_dataset(
+        samples, a.pack, root / "data" / f"{a.model}-{a.profile}-{a.samples_per_step * a.nproc}-{a.pack}-{a.steps}"
+    )
     out_dir = root / "runs" / f"{a.model}-{a.method}-{a.nproc}gpu-{int(time.time())}"
     cmd = trainer_command(a, model_dir, data_dir, out_dir)
     started = time.perf_counter()
@@ -160,11 +199,23 @@ def run(a) -> dict:
     metrics_path = out_dir / "metrics.jsonl"
     if metrics_path.is_file():
         Path(a.json_out).with_suffix(".metrics.jsonl").write_text(metrics_path.read_text())
-    result = {"arm": a.arm_name, "model": a.model, "method": a.method, "profile": a.profile, "attn": "llmft_varlen",
-              "samples_per_step": a.samples_per_step * a.nproc, "micro_batch": a.micro, "pack": a.pack, "gpus": a.nproc,
-              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True (trainer default)"),
-              "trainer_overrides": a.override, "steps": a.steps, "trainer_returncode": proc.returncode,
-              "trainer_wall_s": wall, **common.device_info()}
+    result = {
+        "arm": a.arm_name,
+        "model": a.model,
+        "method": a.method,
+        "profile": a.profile,
+        "attn": "llmft_varlen",
+        "samples_per_step": a.samples_per_step * a.nproc,
+        "micro_batch": a.micro,
+        "pack": a.pack,
+        "gpus": a.nproc,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True (trainer default)"),
+        "trainer_overrides": a.override,
+        "steps": a.steps,
+        "trainer_returncode": proc.returncode,
+        "trainer_wall_s": wall,
+        **common.device_info(),
+    }
     if proc.returncode == 0 and metrics_path.is_file():
         shape = flops.shape_from_config(common.hf_config(a.model))
         result.update(summarize_metrics(metrics_path, samples, a, shape))
@@ -195,7 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", required=True)
     a = p.parse_args(argv)
     result = run(a)
-    keys = ("arm", "model", "method", "tokens_per_s", "trainer_logged_tokens_per_s", "mfu", "peak_mem_gib", "first_losses")
+    keys = (
+        "arm",
+        "model",
+        "method",
+        "tokens_per_s",
+        "trainer_logged_tokens_per_s",
+        "mfu",
+        "peak_mem_gib",
+        "first_losses",
+    )
     print({k: result.get(k) for k in keys})
     return 0 if result.get("tokens_per_s") else 1
 

@@ -2,15 +2,16 @@
 references (fresh random inputs), then speed against the plain PyTorch/PEFT
 equivalent, plus the 8192^3 bf16 matmul that calibrates the MFU ceiling.
 
-python -m benchmarks.gpu.check_kernels --json-out F
+python -m llmft.benchmarks.gpu.check_kernels --json-out F
 """
+
 from __future__ import annotations
 
 import argparse
 import inspect
 import sys
 
-from benchmarks.gpu import common
+from llmft.benchmarks.gpu import common
 
 
 def rel_err(a, b) -> float:
@@ -39,7 +40,10 @@ def bench(fn, warmup: int = 3, reps: int = 10) -> float:
 def matmul_tflops(n: int = 8192) -> float:
     import torch
 
-    sets = [(torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)) for _ in range(3)]
+    sets = [
+        (torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16))
+        for _ in range(3)
+    ]
     state = {"i": 0}
 
     def one():
@@ -53,9 +57,8 @@ def matmul_tflops(n: int = 8192) -> float:
 
 def check_attention() -> dict:
     import torch
+    from llmft.trainer.fastpath.attention import _cuda_varlen, _reference_per_document, bucket_max_length
     from torch.nn.attention.varlen import varlen_attn
-
-    from trainer.fastpath.attention import _cuda_varlen, _reference_per_document, bucket_max_length
 
     lengths = [1, 17, 300, 1024, 700, 129, 64, 2048, 5, 333]
     total = sum(lengths)
@@ -74,7 +77,10 @@ def check_attention() -> dict:
             out = _cuda_varlen(q, k, v, cu, bucket_max_length(max(lengths)), None, gqa_mode=mode)
             out.backward(grad)
             fast = [out.detach(), q.grad, k.grad, v.grad]
-            errors[mode] = {name: rel_err(f, r) for name, f, r in zip(("out", "dq", "dk", "dv"), fast, [ref, q64.grad, k64.grad, v64.grad], strict=True)}
+            errors[mode] = {
+                name: rel_err(f, r)
+                for name, f, r in zip(("out", "dq", "dk", "dv"), fast, [ref, q64.grad, k64.grad, v64.grad], strict=True)
+            }
         except Exception as exc:  # noqa: BLE001
             errors[mode] = f"{type(exc).__name__}: {exc}"
     # Speed: 16k tokens of short documents, forward + backward.
@@ -87,21 +93,26 @@ def check_attention() -> dict:
     timings = {}
     for mode in ("repeat", "native"):
         for label, max_len in (("bucketed", bucket_max_length(max(docs))), ("exact", max(docs))):
+
             def step(mode=mode, max_len=max_len):
                 _cuda_varlen(q2, kv2, kv2, cu2, max_len, None, gqa_mode=mode).sum().backward()
+
             try:
                 timings[f"{mode}_{label}_ms"] = bench(step)
             except Exception as exc:  # noqa: BLE001
                 timings[f"{mode}_{label}_ms"] = f"{type(exc).__name__}: {exc}"
-    return {"varlen_signature": str(inspect.signature(varlen_attn)), "rel_err": errors, "tokens": t,
-            "fwd_bwd_16k_short_docs": timings}
+    return {
+        "varlen_signature": str(inspect.signature(varlen_attn)),
+        "rel_err": errors,
+        "tokens": t,
+        "fwd_bwd_16k_short_docs": timings,
+    }
 
 
 def check_loss() -> dict:
     import torch
     import torch.nn.functional as F
-
-    from trainer.fastpath.loss import fused_linear_cross_entropy
+    from llmft.trainer.fastpath.loss import fused_linear_cross_entropy
 
     tokens, dim, vocab = 16384, 1536, 151936
     hidden = (torch.randn(tokens, dim, device="cuda") * 0.5).bfloat16().requires_grad_()
@@ -138,9 +149,8 @@ def check_loss() -> dict:
 
 def check_lora() -> dict:
     import torch
+    from llmft.trainer.fastpath.lora import fuse_lora_linears
     from peft import LoraConfig, get_peft_model
-
-    from trainer.fastpath.lora import fuse_lora_linears
 
     class One(torch.nn.Module):
         def __init__(self):
@@ -176,8 +186,11 @@ def check_lora() -> dict:
     new = grads()
     fused_ms = bench(step)
     names = ["out", "dx", "dA", "dB"]
-    return {"rel_err": {n: rel_err(a, b) for n, a, b in zip(names, new, ref, strict=True)},
-            "peft_fwd_bwd_ms": peft_ms, "fused_fwd_bwd_ms": fused_ms}
+    return {
+        "rel_err": {n: rel_err(a, b) for n, a, b in zip(names, new, ref, strict=True)},
+        "peft_fwd_bwd_ms": peft_ms,
+        "fused_fwd_bwd_ms": fused_ms,
+    }
 
 
 def lora_breakdown() -> dict:
@@ -188,8 +201,7 @@ def lora_breakdown() -> dict:
 
 def _lora_shape_row(tokens: int, d_in: int, d_out: int) -> dict:
     import torch
-
-    from trainer.fastpath.lora import lora_linear
+    from llmft.trainer.fastpath.lora import lora_linear
 
     x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -207,6 +219,7 @@ def _lora_shape_row(tokens: int, d_in: int, d_out: int) -> dict:
 
     row = {"frozen_matmuls": bench(base), "unfused": bench(unfused)}
     for mode in ("epilogue", "concat"):
+
         def fused(mode=mode):
             x.grad = a.grad = b.grad = None
             lora_linear(x, w, None, a, b, 2.0, mode=mode).backward(g)
@@ -224,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result = {**common.device_info(), "matmul_tflops": matmul_tflops()}
     print("matmul", result["matmul_tflops"], flush=True)
-    for name, fn in (("attention", check_attention), ("loss", check_loss), ("lora", check_lora),
-                     ("lora_breakdown_ms", lora_breakdown)):
+    for name, fn in (
+        ("attention", check_attention),
+        ("loss", check_loss),
+        ("lora", check_lora),
+        ("lora_breakdown_ms", lora_breakdown),
+    ):
         try:
             result[name] = fn()
         except Exception as exc:  # noqa: BLE001 - report every check, keep going

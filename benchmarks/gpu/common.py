@@ -5,6 +5,7 @@ synthetic SFT data of issue 6, batch plans shared by every arm (same samples,
 same order, same samples per optimizer step), timing and memory summaries.
 Imports numpy at module level only; torch/transformers inside functions.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,16 +21,37 @@ IGNORE_INDEX = -100
 
 MODEL_SHAPES = {
     "qwen2.5-0.5b": dict(
-        arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
     ),
     "qwen2.5-1.5b": dict(
-        arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
     ),
     "llama-3-8b": dict(
-        arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=5e5,
+        arch="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_theta=5e5,
     ),
 }
 

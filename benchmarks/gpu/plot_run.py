@@ -1,7 +1,8 @@
 """Figures of one trainer run from its metrics.jsonl: loss, tokens/s, MFU and peak memory per logged step.
 
-python -m benchmarks.gpu.plot_run METRICS_JSONL OUT_PNG [--title TEXT]
+python -m llmft.benchmarks.gpu.plot_run METRICS_JSONL OUT_PNG [--title TEXT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     records = [json.loads(line) for line in Path(a.metrics).read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("event") == "train"]
     steps = [r["step"] for r in train]
-    panels = [("loss", "train loss", 1.0), ("tokens_per_s", "tokens/s", 1.0), ("mfu", "MFU (%)", 100.0),
-              ("peak_mem_gib", "peak allocated (GiB)", 1.0)]
+    panels = [
+        ("loss", "train loss", 1.0),
+        ("tokens_per_s", "tokens/s", 1.0),
+        ("mfu", "MFU (%)", 100.0),
+        ("peak_mem_gib", "peak allocated (GiB)", 1.0),
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
     for ax, (key, label, scale) in zip(axes.flat, panels, strict=True):
         values = [r.get(key) for r in train]

@@ -15,7 +15,7 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -c "import torch; torch
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}  # kept between calls on a warm machine
 bench() { python3 -m llmft bench train --out "$OUT" --work "$W" "$@" 2>&1 | tee -a "$OUT/bench.log"; }
 P="--steps 30"  # our trainer: 30 steps, logged every step (per-step times and the first five losses)
-fast() { local name=$1; shift; timeout "${T:-200}" python3 -m benchmarks.gpu.arm_fast --json-out "$W/$name.json" "$@" > "$W/$name.log" 2>&1; echo "[$name] rc=$? $(tail -c 600 "$W/$name.log" | tail -n 2)"; }
+fast() { local name=$1; shift; timeout "${T:-200}" python3 -m llmft.benchmarks.gpu.arm_fast --json-out "$W/$name.json" "$@" > "$W/$name.log" 2>&1; echo "[$name] rc=$? $(tail -c 600 "$W/$name.log" | tail -n 2)"; }
 case "${1:?plan}" in
   diag)
     bench --jobs "check" --deadline-s 120
@@ -25,7 +25,7 @@ case "${1:?plan}" in
     ;;
   final1)  # one GPU: arms (a) + (c) on every shape, then issue 3's GPU check (100 steps)
     bench --label final --jobs "check,naive:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora,project:qwen2.5-0.5b:lora,project:qwen2.5-1.5b:full,project:llama-3-8b:lora" --deadline-s 430 --arm-timeout-s 200
-    timeout 130 python3 -m benchmarks.gpu.arm_project --model qwen2.5-0.5b --method lora --steps 100 --warmup 10 \
+    timeout 130 python3 -m llmft.benchmarks.gpu.arm_project --model qwen2.5-0.5b --method lora --steps 100 --warmup 10 \
       --log-every 5 --arm-name gpu-check --json-out "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1; echo "[gpu-check] rc=$?"
     left=$((570 - SECONDS)); [ $left -gt 70 ] && bench --label spp128 --jobs "project:qwen2.5-0.5b:lora" --samples-per-step 128 --extra "--micro 128" --deadline-s $left --arm-timeout-s $left
     ;;

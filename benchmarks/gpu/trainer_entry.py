@@ -1,4 +1,4 @@
-"""`python -m benchmarks.gpu.trainer_entry [trainer args]`: `python -m trainer` for the benchmark.
+"""`python -m llmft.benchmarks.gpu.trainer_entry [trainer args]`: `python -m llmft.trainer` for the benchmark.
 
 It registers trainer/fastpath's attention first and wraps
 trainer.model.load_model only to print when the model is ready (compile time =
@@ -11,6 +11,7 @@ the trainer's own code path, unchanged.
 much of their wall time the GPU was busy, plus the top kernels; ``BENCH_PROFILE_OUT`` is the folder
 for the gzipped Chrome trace (default: the working directory).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -21,10 +22,10 @@ import time
 
 
 def main() -> int:
-    from trainer import model as trainer_model
-    from trainer.__main__ import main as trainer_main
-    from trainer.fastpath import apply_kernels
-    from trainer.fastpath.attention import register
+    from llmft.trainer import model as trainer_model
+    from llmft.trainer.__main__ import main as trainer_main
+    from llmft.trainer.fastpath import apply_kernels
+    from llmft.trainer.fastpath.attention import register
 
     register()
     # The trainer applies trainer.fastpath itself (kernels.compile / kernels.fused_lora) when it
@@ -35,7 +36,10 @@ def main() -> int:
     def load_model(cfg, device, **kwargs):
         model = original(cfg, device, **kwargs)
         if cfg.kernels.compile and not hooked:
-            print(f"[trainer_entry] fast path applied by the harness: {apply_kernels(model, compile_layers=True)}", flush=True)
+            print(
+                f"[trainer_entry] fast path applied by the harness: {apply_kernels(model, compile_layers=True)}",
+                flush=True,
+            )
         if device.type == "cuda":
             import torch
 
@@ -55,9 +59,8 @@ def profile_steps(spec: str, out_dir: str) -> None:
     backward, optimizer, logging). Prints how much of the wall time the GPU ran kernels (the rest
     is the GPU waiting on the host) and the top kernels; writes a Chrome trace to ``out_dir``."""
     import torch
+    from llmft.trainer import loop
     from torch.profiler import ProfilerActivity, profile
-
-    from trainer import loop
 
     first, last = (int(v) for v in spec.split(":"))
     original, state = loop.forward_backward, {}
@@ -82,8 +85,11 @@ def profile_steps(spec: str, out_dir: str) -> None:
 
 def gpu_busy_seconds(prof) -> float:
     """Union of the CUDA kernel/memcpy intervals (seconds): time the GPU was doing anything."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
     busy, cur_start, cur_end = 0.0, None, None
     for start, end in spans:
         if cur_end is None or start > cur_end:
@@ -97,8 +103,11 @@ def gpu_busy_seconds(prof) -> float:
 
 def report_profile(prof, wall: float, steps: int, out_dir: str) -> None:
     busy = gpu_busy_seconds(prof)
-    print(f"[profile] {steps} steps: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms "
-          f"({100 * busy / wall:.1f}%), GPU idle {(wall - busy) * 1e3 / steps:.1f} ms per step", flush=True)
+    print(
+        f"[profile] {steps} steps: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms "
+        f"({100 * busy / wall:.1f}%), GPU idle {(wall - busy) * 1e3 / steps:.1f} ms per step",
+        flush=True,
+    )
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90), flush=True)
     trace = os.path.join(out_dir, f"trace-{os.getpid()}.json")

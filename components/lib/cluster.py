@@ -14,6 +14,7 @@ API errors become ``ClusterError`` (an ``LlmftError``: the CLI prints it cleanly
 that names the object, the HTTP status, the server's message and the usual fix;
 ``ClusterError.status`` keeps the HTTP status (404, 409, ...) for callers.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import LlmftError
+from llmft.trainer.errors import LlmftError
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 """Where Kubernetes mounts a pod's service-account token and namespace."""
@@ -33,7 +34,7 @@ PYTORCHJOB_CONTAINER = "pytorch"
 _HINTS = {
     401: "the credentials were rejected: refresh your kubeconfig or the service-account token",
     403: "the service account lacks RBAC for this verb on this resource: grant it "
-         "(see the cluster guide's RBAC manifest) or run as a user who has it",
+    "(see the cluster guide's RBAC manifest) or run as a user who has it",
     404: "not found: check the name and namespace; on create this means the CRD is not installed",
     409: "already exists (or was changed concurrently): delete it, pick another name, or replace it",
     422: "the API server rejected the object as invalid: fix the field it names",
@@ -87,9 +88,17 @@ class Cluster:
     ``config_file`` / ``context``: kubeconfig file and context, when not in a pod.
     """
 
-    def __init__(self, namespace: str | None = None, *, api_client: Any = None, custom_api: Any = None,
-                 core_api: Any = None, config_file: str | None = None, context: str | None = None,
-                 service_account_dir: Path = SERVICE_ACCOUNT_DIR):
+    def __init__(
+        self,
+        namespace: str | None = None,
+        *,
+        api_client: Any = None,
+        custom_api: Any = None,
+        core_api: Any = None,
+        config_file: str | None = None,
+        context: str | None = None,
+        service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+    ):
         self._namespace = namespace
         self._api_client = api_client
         self._custom_api = custom_api
@@ -140,13 +149,22 @@ class Cluster:
             if in_pod:
                 config.load_incluster_config(client_configuration=configuration)
             else:
-                config.load_kube_config(config_file=self._config_file, context=self._context,
-                                        client_configuration=configuration, persist_config=False)
+                config.load_kube_config(
+                    config_file=self._config_file,
+                    context=self._context,
+                    client_configuration=configuration,
+                    persist_config=False,
+                )
         except Exception as exc:  # noqa: BLE001 - ConfigException, missing file, bad YAML
-            where = "the pod's service account" if in_pod else (self._config_file or os.environ.get(
-                "KUBECONFIG", "~/.kube/config"))
-            raise ClusterError(f"cannot load Kubernetes configuration from {where}: {exc}. "
-                               "Run inside the cluster, or set KUBECONFIG to a valid kubeconfig.") from exc
+            where = (
+                "the pod's service account"
+                if in_pod
+                else (self._config_file or os.environ.get("KUBECONFIG", "~/.kube/config"))
+            )
+            raise ClusterError(
+                f"cannot load Kubernetes configuration from {where}: {exc}. "
+                "Run inside the cluster, or set KUBECONFIG to a valid kubeconfig."
+            ) from exc
         return client.ApiClient(configuration)
 
     # -- one wrapper for every call ---------------------------------------------------------
@@ -157,67 +175,125 @@ class Cluster:
             return fn(*args, **kwargs)
         except ApiException as exc:
             hint = _HINTS.get(exc.status, "check the cluster and retry")
-            raise ClusterError(f"{what} failed: HTTP {exc.status}: {_server_message(exc)} ({hint})",
-                               status=exc.status) from exc
+            raise ClusterError(
+                f"{what} failed: HTTP {exc.status}: {_server_message(exc)} ({hint})", status=exc.status
+            ) from exc
 
     # -- custom objects ---------------------------------------------------------------------
-    def create_custom_object(self, group: str, version: str, plural: str, body: dict,
-                             namespace: str | None = None) -> dict:
+    def create_custom_object(
+        self, group: str, version: str, plural: str, body: dict, namespace: str | None = None
+    ) -> dict:
         ns = namespace or self.namespace
         name = (body.get("metadata") or {}).get("name", "?")
-        return self._call(f"create {plural}.{group}/{version} {ns}/{name}",
-                          self.custom_api.create_namespaced_custom_object, group, version, ns, plural, body)
+        return self._call(
+            f"create {plural}.{group}/{version} {ns}/{name}",
+            self.custom_api.create_namespaced_custom_object,
+            group,
+            version,
+            ns,
+            plural,
+            body,
+        )
 
-    def get_custom_object(self, group: str, version: str, plural: str, name: str,
-                          namespace: str | None = None) -> dict:
+    def get_custom_object(self, group: str, version: str, plural: str, name: str, namespace: str | None = None) -> dict:
         ns = namespace or self.namespace
-        return self._call(f"get {plural}.{group}/{version} {ns}/{name}",
-                          self.custom_api.get_namespaced_custom_object, group, version, ns, plural, name)
+        return self._call(
+            f"get {plural}.{group}/{version} {ns}/{name}",
+            self.custom_api.get_namespaced_custom_object,
+            group,
+            version,
+            ns,
+            plural,
+            name,
+        )
 
-    def list_custom_objects(self, group: str, version: str, plural: str, label_selector: str | None = None,
-                            namespace: str | None = None) -> list[dict]:
+    def list_custom_objects(
+        self, group: str, version: str, plural: str, label_selector: str | None = None, namespace: str | None = None
+    ) -> list[dict]:
         ns = namespace or self.namespace
         kwargs = {"label_selector": label_selector} if label_selector else {}
-        result = self._call(f"list {plural}.{group}/{version} in {ns}",
-                            self.custom_api.list_namespaced_custom_object, group, version, ns, plural, **kwargs)
+        result = self._call(
+            f"list {plural}.{group}/{version} in {ns}",
+            self.custom_api.list_namespaced_custom_object,
+            group,
+            version,
+            ns,
+            plural,
+            **kwargs,
+        )
         return list(result.get("items", []))
 
-    def replace_custom_object(self, group: str, version: str, plural: str, name: str, body: dict,
-                              namespace: str | None = None) -> dict:
+    def replace_custom_object(
+        self, group: str, version: str, plural: str, name: str, body: dict, namespace: str | None = None
+    ) -> dict:
         ns = namespace or self.namespace
-        return self._call(f"replace {plural}.{group}/{version} {ns}/{name}",
-                          self.custom_api.replace_namespaced_custom_object, group, version, ns, plural, name, body)
+        return self._call(
+            f"replace {plural}.{group}/{version} {ns}/{name}",
+            self.custom_api.replace_namespaced_custom_object,
+            group,
+            version,
+            ns,
+            plural,
+            name,
+            body,
+        )
 
-    def patch_custom_object(self, group: str, version: str, plural: str, name: str, patch: dict,
-                            namespace: str | None = None) -> dict:
+    def patch_custom_object(
+        self, group: str, version: str, plural: str, name: str, patch: dict, namespace: str | None = None
+    ) -> dict:
         ns = namespace or self.namespace
-        return self._call(f"patch {plural}.{group}/{version} {ns}/{name}",
-                          self.custom_api.patch_namespaced_custom_object, group, version, ns, plural, name, patch)
+        return self._call(
+            f"patch {plural}.{group}/{version} {ns}/{name}",
+            self.custom_api.patch_namespaced_custom_object,
+            group,
+            version,
+            ns,
+            plural,
+            name,
+            patch,
+        )
 
-    def delete_custom_object(self, group: str, version: str, plural: str, name: str,
-                             namespace: str | None = None) -> dict:
+    def delete_custom_object(
+        self, group: str, version: str, plural: str, name: str, namespace: str | None = None
+    ) -> dict:
         ns = namespace or self.namespace
-        return self._call(f"delete {plural}.{group}/{version} {ns}/{name}",
-                          self.custom_api.delete_namespaced_custom_object, group, version, ns, plural, name)
+        return self._call(
+            f"delete {plural}.{group}/{version} {ns}/{name}",
+            self.custom_api.delete_namespaced_custom_object,
+            group,
+            version,
+            ns,
+            plural,
+            name,
+        )
 
     # -- pods -------------------------------------------------------------------------------
     def list_pods(self, label_selector: str, namespace: str | None = None) -> list:
         """Pods (``kubernetes.client.V1Pod``) matching ``label_selector``."""
         ns = namespace or self.namespace
-        result = self._call(f"list pods {label_selector!r} in {ns}", self.core_api.list_namespaced_pod, ns,
-                            label_selector=label_selector)
+        result = self._call(
+            f"list pods {label_selector!r} in {ns}",
+            self.core_api.list_namespaced_pod,
+            ns,
+            label_selector=label_selector,
+        )
         return list(result.items or [])
 
-    def read_pod_log(self, name: str, container: str | None = None, tail_lines: int | None = None,
-                     namespace: str | None = None) -> str:
+    def read_pod_log(
+        self, name: str, container: str | None = None, tail_lines: int | None = None, namespace: str | None = None
+    ) -> str:
         ns = namespace or self.namespace
         kwargs: dict[str, Any] = {}
         if container:
             kwargs["container"] = container
         if tail_lines is not None:
             kwargs["tail_lines"] = tail_lines
-        return self._call(f"read log of pod {ns}/{name}", self.core_api.read_namespaced_pod_log,
-                          name=name, namespace=ns, **kwargs) or ""
+        return (
+            self._call(
+                f"read log of pod {ns}/{name}", self.core_api.read_namespaced_pod_log, name=name, namespace=ns, **kwargs
+            )
+            or ""
+        )
 
     # -- Training Operator ------------------------------------------------------------------
     def training_client(self, job_kind: str = "PyTorchJob"):
@@ -228,7 +304,6 @@ class Cluster:
 
         custom_api, core_api = self.custom_api, self.core_api  # loads the configuration if needed
         configuration = getattr(self._api_client, "configuration", None) or client.Configuration()
-        training = TrainingClient(client_configuration=configuration, namespace=self.namespace,
-                                  job_kind=job_kind)
+        training = TrainingClient(client_configuration=configuration, namespace=self.namespace, job_kind=job_kind)
         training.custom_api, training.core_api = custom_api, core_api
         return training

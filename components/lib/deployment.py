@@ -1,8 +1,8 @@
 """What the deploy step does, in order: servability check, InferenceService, validation, deploy.
 
 :func:`deploy_promoted` checks the promoted adapter is servable by vLLM
-(:mod:`components.lib.servability`), builds the InferenceService
-(:mod:`components.lib.serving`), writes it as YAML and validates it against the
+(:mod:`llmft.components.lib.servability`), builds the InferenceService
+(:mod:`llmft.components.lib.serving`), writes it as YAML and validates it against the
 InferenceService CRD's OpenAPI schema, then
 
 * mode ``kserve``: applies it through the cluster module, waits for Ready and smoke-tests
@@ -12,6 +12,7 @@ InferenceService CRD's OpenAPI schema, then
 
 With ``deploy=False`` it stops after the validated manifest.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from trainer.errors import ConfigError, LlmftError
+from llmft.trainer.errors import ConfigError, LlmftError
 
 CRD_FILE = "serving.kserve.io_inferenceservices.yaml"
 CRD_DIR_ENV = "LLMFT_CRD_DIR"
@@ -64,23 +64,37 @@ class DeployRequest:
 
 def serve_spec(req: DeployRequest):
     """The :class:`ServeSpec` of the request (adapter and, if there, base model from the PVC)."""
-    from components.lib.params import DataLayout
-    from components.lib.serving import ServeSpec
+    from llmft.components.lib.params import DataLayout
+    from llmft.components.lib.serving import ServeSpec
 
     layout = DataLayout(req.data_root)
     on_volume = req.base_model.startswith(layout.root.rstrip("/") + "/")
     if not on_volume and os.path.isdir(req.base_model) and req.mode == "kserve":
-        raise ConfigError(f"base model {req.base_model} is a local directory outside the data volume "
-                          f"({layout.root}): KServe cannot mount it. Put it on the PVC or use a hub id.")
+        raise ConfigError(
+            f"base model {req.base_model} is a local directory outside the data volume "
+            f"({layout.root}): KServe cannot mount it. Put it on the PVC or use a hub id."
+        )
     base = {"base_model_path": layout.relative(req.base_model)} if on_volume else {"base_model_id": req.base_model}
-    return ServeSpec(name=req.name, pvc_name=req.pvc_name, adapter_path=layout.relative(req.adapter_dir),
-                     lora_name=req.adapter_name, namespace=req.namespace or None, max_lora_rank=req.max_lora_rank,
-                     gpus=req.gpus, labels={"llmft/model-version": str(req.version)}, **base)
+    return ServeSpec(
+        name=req.name,
+        pvc_name=req.pvc_name,
+        adapter_path=layout.relative(req.adapter_dir),
+        lora_name=req.adapter_name,
+        namespace=req.namespace or None,
+        max_lora_rank=req.max_lora_rank,
+        gpus=req.gpus,
+        labels={"llmft/model-version": str(req.version)},
+        **base,
+    )
 
 
 def find_crd(crd_dir: str | None = None) -> Path | None:
     """The InferenceService CRD file: ``$LLMFT_CRD_DIR``, else ../shared/k8s-crds beside the checkout."""
-    candidates = [crd_dir, os.environ.get(CRD_DIR_ENV), str(Path(__file__).resolve().parents[3] / "shared" / "k8s-crds")]
+    candidates = [
+        crd_dir,
+        os.environ.get(CRD_DIR_ENV),
+        str(Path(__file__).resolve().parents[3] / "shared" / "k8s-crds"),
+    ]
     for folder in filter(None, candidates):
         path = Path(folder) / CRD_FILE
         if path.is_file():
@@ -102,40 +116,55 @@ def crd_schema_errors(obj: dict[str, Any], crd_path: str | Path) -> list[str]:
 
 def write_manifest(isvc_dict: dict[str, Any], path: str | Path, *, crd_dir: str | None = None) -> dict[str, Any]:
     """Write the manifest (atomically) and validate it; raises ConfigError on schema errors."""
-    from trainer.io import atomic_write_text
+    from llmft.trainer.io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(isvc_dict, sort_keys=False))
     crd = find_crd(crd_dir)
     if crd is None:
-        return {"manifest": str(path), "schema_validated": False,
-                "schema_note": f"CRD {CRD_FILE} not found (set {CRD_DIR_ENV}); checked by the SDK model and rules only"}
+        return {
+            "manifest": str(path),
+            "schema_validated": False,
+            "schema_note": f"CRD {CRD_FILE} not found (set {CRD_DIR_ENV}); checked by the SDK model and rules only",
+        }
     errors = crd_schema_errors(isvc_dict, crd)
     if errors:
-        raise ConfigError(f"{path}: the InferenceService does not match the CRD schema {crd}:\n- " + "\n- ".join(errors))
+        raise ConfigError(
+            f"{path}: the InferenceService does not match the CRD schema {crd}:\n- " + "\n- ".join(errors)
+        )
     return {"manifest": str(path), "schema_validated": True, "crd": str(crd)}
 
 
-def deploy_promoted(req: DeployRequest, *, manifest_path: str | Path, cluster=None, crd_dir: str | None = None,
-                    http_post=None) -> dict[str, Any]:
+def deploy_promoted(
+    req: DeployRequest, *, manifest_path: str | Path, cluster=None, crd_dir: str | None = None, http_post=None
+) -> dict[str, Any]:
     """Run the whole deploy step; return the facts for deployment.json."""
-    from components.lib.servability import check_vllm_servable
-    from components.lib.serving import build_inference_service, isvc_to_dict
+    from llmft.components.lib.servability import check_vllm_servable
+    from llmft.components.lib.serving import build_inference_service, isvc_to_dict
 
     if req.mode not in ("kserve", "local"):
         raise ConfigError(f"deploy_mode {req.mode!r}: use kserve or local")
     if not (Path(req.adapter_dir) / "adapter_config.json").is_file():
-        raise LlmftError(f"{req.adapter_dir} holds full model weights, not a LoRA adapter: this step serves adapters "
-                         "with vLLM's LoRA support. Set deploy=false for method=full, or train with method=lora.")
+        raise LlmftError(
+            f"{req.adapter_dir} holds full model weights, not a LoRA adapter: this step serves adapters "
+            "with vLLM's LoRA support. Set deploy=false for method=full, or train with method=lora."
+        )
     problems = check_vllm_servable(req.adapter_dir, max_lora_rank=req.max_lora_rank)
     if problems:
-        from components.lib.servability import AdapterNotServableError
+        from llmft.components.lib.servability import AdapterNotServableError
 
-        raise AdapterNotServableError(f"adapter {req.adapter_dir} cannot be served by vLLM:\n- " + "\n- ".join(problems))
+        raise AdapterNotServableError(
+            f"adapter {req.adapter_dir} cannot be served by vLLM:\n- " + "\n- ".join(problems)
+        )
     print(f"servability: {req.adapter_dir} can be served by vLLM (max LoRA rank {req.max_lora_rank})")
     isvc = build_inference_service(serve_spec(req))
     body = isvc_to_dict(isvc)
-    result: dict[str, Any] = {"mode": req.mode, "servable": True, "name": req.name, "lora_name": req.adapter_name,
-                              **write_manifest(body, manifest_path, crd_dir=crd_dir)}
+    result: dict[str, Any] = {
+        "mode": req.mode,
+        "servable": True,
+        "name": req.name,
+        "lora_name": req.adapter_name,
+        **write_manifest(body, manifest_path, crd_dir=crd_dir),
+    }
     print(f"manifest: {manifest_path} (CRD schema {'ok' if result['schema_validated'] else 'not checked'})")
     if not req.deploy:
         return {**result, "status": "manifest-only"}
@@ -145,18 +174,20 @@ def deploy_promoted(req: DeployRequest, *, manifest_path: str | Path, cluster=No
 
 
 def _local_check(req: DeployRequest) -> dict[str, Any]:
-    from components.lib.serving import local_generation_check
+    from llmft.components.lib.serving import local_generation_check
 
     samples = local_generation_check(req.base_model, req.adapter_dir, list(req.prompts))
     for s in samples:
         print(f"prompt: {s.prompt!r}\n  base:    {s.base_text!r}\n  adapter: {s.adapter_text!r}")
-    return {"status": "checked-locally",
-            "samples": [{"prompt": s.prompt, "base": s.base_text, "adapter": s.adapter_text} for s in samples]}
+    return {
+        "status": "checked-locally",
+        "samples": [{"prompt": s.prompt, "base": s.base_text, "adapter": s.adapter_text} for s in samples],
+    }
 
 
 def _deploy_to_kserve(req: DeployRequest, body: dict, cluster, http_post) -> dict[str, Any]:
-    from components.lib.cluster import Cluster
-    from components.lib.serving import deploy_inference_service, smoke_test
+    from llmft.components.lib.cluster import Cluster
+    from llmft.components.lib.serving import deploy_inference_service, smoke_test
 
     cluster = cluster or Cluster(req.namespace or None)
     served = deploy_inference_service(cluster, body, timeout_s=req.timeout_s)

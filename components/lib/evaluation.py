@@ -3,13 +3,14 @@
 :func:`evaluate_run` is the logic of the `evaluate-perplexity` step: it lists the run's
 ``checkpoints/step-N`` folders that carry a COMPLETE marker (a half-written checkpoint is
 never loaded), evaluates the base model and each checkpoint with the trainer's own
-:func:`trainer.evaluate.evaluate_perplexity` (so the numbers match what the trainer logs),
+:func:`llmft.trainer.evaluate.evaluate_perplexity` (so the numbers match what the trainer logs),
 and returns one JSON-able dict that the promote step reads.
 
 :func:`render_html` / :func:`render_markdown` turn that dict plus the run's
 ``metrics.jsonl`` into a report with an embedded loss/perplexity plot (a base64 PNG
 drawn with matplotlib), shown by the KFP UI as the step's visualization.
 """
+
 from __future__ import annotations
 
 import base64
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.io import is_complete
+from llmft.trainer.io import is_complete
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -58,13 +59,15 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate the base model and every complete checkpoint; return the evaluation dict."""
     if evaluate_fn is None:
-        from trainer.evaluate import evaluate_perplexity as evaluate_fn
+        from llmft.trainer.evaluate import evaluate_perplexity as evaluate_fn
     checkpoints = complete_checkpoints(run_dir)
     if not checkpoints:
-        from trainer.errors import DataError
+        from llmft.trainer.errors import DataError
 
-        raise DataError(f"{run_dir}/checkpoints holds no complete checkpoint (step-N with a COMPLETE marker): "
-                        "did the training step finish? Check its logs.")
+        raise DataError(
+            f"{run_dir}/checkpoints holds no complete checkpoint (step-N with a COMPLETE marker): "
+            "did the training step finish? Check its logs."
+        )
     base = evaluate_fn(base_model, str(dataset_dir), split=split, **eval_kwargs)
     results = []
     for step, path in checkpoints:
@@ -74,7 +77,10 @@ def evaluate_run(
         else:
             metrics = evaluate_fn(str(path), str(dataset_dir), split=split, **eval_kwargs)
         results.append({"name": path.name, "step": step, "path": str(path), **_numbers(metrics)})
-        print(f"evaluated {path.name}: eval_loss={metrics['eval_loss']:.4f} perplexity={metrics['perplexity']:.4f}", flush=True)
+        print(
+            f"evaluated {path.name}: eval_loss={metrics['eval_loss']:.4f} perplexity={metrics['perplexity']:.4f}",
+            flush=True,
+        )
     best = min(results, key=lambda r: (r["perplexity"], -r["step"]))
     return {
         "split": split,
@@ -131,14 +137,20 @@ def plot_png(evaluation: dict[str, Any], history: list[dict[str, Any]]) -> bytes
     if steps:
         ax_loss.plot(steps, losses, label="train loss", color="tab:blue", linewidth=1)
     ckpt_steps = [c["step"] for c in evaluation["checkpoints"]]
-    ax_loss.plot(ckpt_steps, [c["eval_loss"] for c in evaluation["checkpoints"]], "o-", color="tab:orange", label="eval loss")
+    ax_loss.plot(
+        ckpt_steps, [c["eval_loss"] for c in evaluation["checkpoints"]], "o-", color="tab:orange", label="eval loss"
+    )
     ax_loss.axhline(evaluation["base"]["eval_loss"], color="gray", linestyle="--", label="base eval loss")
     ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
     ax_loss.legend(fontsize=8)
-    ax_ppl.plot(ckpt_steps, [c["perplexity"] for c in evaluation["checkpoints"]], "o-", color="tab:green", label="checkpoint")
+    ax_ppl.plot(
+        ckpt_steps, [c["perplexity"] for c in evaluation["checkpoints"]], "o-", color="tab:green", label="checkpoint"
+    )
     ax_ppl.axhline(evaluation["base"]["perplexity"], color="gray", linestyle="--", label="base model")
     best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
-    ax_ppl.plot([best["step"]], [best["perplexity"]], "*", markersize=14, color="tab:red", label=f"best ({best['name']})")
+    ax_ppl.plot(
+        [best["step"]], [best["perplexity"]], "*", markersize=14, color="tab:red", label=f"best ({best['name']})"
+    )
     ax_ppl.set(xlabel="step", ylabel="perplexity", title="Eval perplexity", yscale="log")
     ax_ppl.legend(fontsize=8)
     fig.tight_layout()
@@ -160,10 +172,12 @@ def render_html(evaluation: dict[str, Any], history: list[dict[str, Any]], *, ti
     """A self-contained HTML page: the plot (inline PNG) and the table of checkpoints."""
     png = base64.b64encode(plot_png(evaluation, history)).decode()
     cells = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in _table_rows(evaluation))
+        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in _table_rows(evaluation)
+    )
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}</style>"
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px "
+        "8px}</style>"
         f"</head><body><h2>{html.escape(title)}</h2>"
         f"<p>Split: {html.escape(evaluation['split'])}. Best checkpoint: <b>{html.escape(evaluation['best'])}</b>.</p>"
         f"<img alt='loss and perplexity' src='data:image/png;base64,{png}'/>"
@@ -175,8 +189,15 @@ def render_html(evaluation: dict[str, Any], history: list[dict[str, Any]], *, ti
 def render_markdown(evaluation: dict[str, Any], history: list[dict[str, Any]], *, title: str = "Evaluation") -> str:
     """The same report as Markdown (for notebooks and the KFP Markdown viewer)."""
     png = base64.b64encode(plot_png(evaluation, history)).decode()
-    lines = [f"## {title}", "", f"Split: `{evaluation['split']}`. Best checkpoint: **{evaluation['best']}**.", "",
-             f"![loss and perplexity](data:image/png;base64,{png})", "",
-             "| model | step | eval loss | perplexity |", "|---|---|---|---|"]
+    lines = [
+        f"## {title}",
+        "",
+        f"Split: `{evaluation['split']}`. Best checkpoint: **{evaluation['best']}**.",
+        "",
+        f"![loss and perplexity](data:image/png;base64,{png})",
+        "",
+        "| model | step | eval loss | perplexity |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {' | '.join(row)} |" for row in _table_rows(evaluation)]
     return "\n".join(lines) + "\n"

@@ -2,9 +2,10 @@
 
 Used by ``llmft pipeline run-local`` (kfp.local) and by single-node clusters without the
 Training Operator. The command is exactly what a PyTorchJob replica runs
-(``torchrun ... -m trainer key=value ...``), only with a standalone rendezvous, so the
+(``torchrun ... -m llmft.trainer key=value ...``), only with a standalone rendezvous, so the
 two backends differ in where the processes run and nothing else.
 """
+
 from __future__ import annotations
 
 import collections
@@ -15,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from trainer.errors import LlmftError
+from llmft.trainer.errors import LlmftError
 
 METRIC_LINE = re.compile(r"^(eval_loss|perplexity)=([+-]?\d*\.?\d+(?:[eE][+-]?\d+)?)\s*$")
 LOG_TAIL_LINES = 40
@@ -26,11 +27,19 @@ class TrainingFailed(LlmftError):
 
 
 def torchrun_command(overrides: list[str], *, nproc: int = 1) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node N -m trainer <overrides>``."""
+    """``python -m torch.distributed.run --standalone --nproc-per-node N -m llmft.trainer <overrides>``."""
     if nproc < 1:
         raise LlmftError(f"nproc must be >= 1, got {nproc}")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "trainer", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "llmft.trainer",
+        *overrides,
+    ]
 
 
 def run_local_training(
@@ -51,8 +60,14 @@ def run_local_training(
     log = open(log_path, "a", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed below
     watchdog = None
     try:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
         if timeout_s:  # SIGTERM: the trainer commits a checkpoint and exits 143
             watchdog = threading.Timer(timeout_s, process.terminate)
             watchdog.start()
@@ -72,5 +87,6 @@ def run_local_training(
             log.close()
     if code != 0:
         raise TrainingFailed(
-            f"local training exited with code {code} ({' '.join(command[:6])} ...). Last log lines:\n" + "\n".join(tail))
+            f"local training exited with code {code} ({' '.join(command[:6])} ...). Last log lines:\n" + "\n".join(tail)
+        )
     return metrics

@@ -6,13 +6,14 @@ serve, or an unknown backend fails in seconds on a CPU pod, before any GPU is re
 The train step builds the trainer's command line with :func:`trainer_overrides`; both
 backends (PyTorchJob and local torchrun) pass the same list.
 """
+
 from __future__ import annotations
 
 import re
 import shlex
 from dataclasses import dataclass
 
-from trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError
 
 TRAINING_BACKENDS = ("kubeflow", "local")
 DEPLOY_MODES = ("kserve", "local")
@@ -85,7 +86,7 @@ def trainer_overrides(params: TrainingParams, *, data_dir: str, output_dir: str)
 
 def validate_training(params: TrainingParams):
     """Load the trainer config the train step will use; raises ConfigError naming the field."""
-    from trainer.config import load_config
+    from llmft.trainer.config import load_config
 
     try:
         return load_config(None, trainer_overrides(params, data_dir="<tokenized>", output_dir="<run>"))
@@ -128,7 +129,11 @@ class PipelineChecks:
 def validate_pipeline_inputs(checks: PipelineChecks, training: TrainingParams) -> list[str]:
     """Raise ConfigError on the first bad parameter; return warnings."""
     rules = [
-        ("training_backend", checks.training_backend in TRAINING_BACKENDS, f"must be one of {', '.join(TRAINING_BACKENDS)}"),
+        (
+            "training_backend",
+            checks.training_backend in TRAINING_BACKENDS,
+            f"must be one of {', '.join(TRAINING_BACKENDS)}",
+        ),
         ("deploy_mode", checks.deploy_mode in DEPLOY_MODES, f"must be one of {', '.join(DEPLOY_MODES)}"),
         ("num_workers", checks.num_workers >= 1, "must be >= 1"),
         ("gpus_per_worker", checks.gpus_per_worker >= 0, "must be >= 0"),
@@ -140,10 +145,17 @@ def validate_pipeline_inputs(checks: PipelineChecks, training: TrainingParams) -
         ("model", bool(training.model.strip()), "must name a hub id or a model directory"),
     ]
     if checks.training_backend == "kubeflow":
-        rules.append(("pvc_name", bool(DNS1123.match(checks.pvc_name)), "must be a Kubernetes name (lowercase, digits, '-')"))
+        rules.append(
+            ("pvc_name", bool(DNS1123.match(checks.pvc_name)), "must be a Kubernetes name (lowercase, digits, '-')")
+        )
     if checks.deploy and checks.deploy_mode == "kserve":
-        rules.append(("serving_name", bool(DNS1123.match(checks.serving_name)) and len(checks.serving_name) <= 45,
-                      "must be a Kubernetes name of at most 45 characters"))
+        rules.append(
+            (
+                "serving_name",
+                bool(DNS1123.match(checks.serving_name)) and len(checks.serving_name) <= 45,
+                "must be a Kubernetes name of at most 45 characters",
+            )
+        )
     for name, ok, message in rules:
         if not ok:
             raise ConfigError(f"pipeline parameter `{name}` {message}")
@@ -155,17 +167,22 @@ def _serving_checks(checks: PipelineChecks, config) -> list[str]:
     if config.method == "full":
         return []
     if config.lora.use_dora and checks.deploy:
-        raise ConfigError("pipeline parameters: lora.use_dora=true (DoRA) cannot be served by vLLM; set deploy=false "
-                          "or train a plain LoRA adapter")
-    from components.lib.servability import VLLM_MAX_LORA_RANKS
+        raise ConfigError(
+            "pipeline parameters: lora.use_dora=true (DoRA) cannot be served by vLLM; set deploy=false "
+            "or train a plain LoRA adapter"
+        )
+    from llmft.components.lib.servability import VLLM_MAX_LORA_RANKS
 
     if checks.deploy and checks.max_lora_rank not in VLLM_MAX_LORA_RANKS:
-        raise ConfigError(f"pipeline parameter `max_lora_rank`={checks.max_lora_rank}: vLLM accepts only "
-                          f"{', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
+        raise ConfigError(
+            f"pipeline parameter `max_lora_rank`={checks.max_lora_rank}: vLLM accepts only "
+            f"{', '.join(map(str, VLLM_MAX_LORA_RANKS))}"
+        )
     if config.lora.r > checks.max_lora_rank:
         raise ConfigError(
             f"pipeline parameter `lora_r`={config.lora.r} exceeds `max_lora_rank`={checks.max_lora_rank} of the "
-            "vLLM runtime: vLLM would refuse the adapter. Lower lora_r or raise max_lora_rank")
+            "vLLM runtime: vLLM would refuse the adapter. Lower lora_r or raise max_lora_rank"
+        )
     return []
 
 
@@ -206,7 +223,7 @@ class DataLayout:
         root = self.root.rstrip("/") + "/"
         if not path.startswith(root):
             raise ConfigError(f"{path} is not on the data volume mounted at {self.root}")
-        return path[len(root):]
+        return path[len(root) :]
 
     def use_hf_cache(self) -> None:
         """Point HF_HOME at the shared cache unless the environment already sets it."""

@@ -1,7 +1,7 @@
 """Pick the best checkpoint by eval perplexity and promote it to a stable location.
 
 The `promote-best-checkpoint` step reads the evaluation written by the evaluate step
-(:func:`components.lib.evaluation.evaluate_run`), and
+(:func:`llmft.components.lib.evaluation.evaluate_run`), and
 
 * picks the checkpoint with the lowest perplexity (ties go to the later step);
 * refuses unless it beats the base model by ``margin`` (relative: the best must be
@@ -12,6 +12,7 @@ The `promote-best-checkpoint` step reads the evaluation written by the evaluate 
 * records the decision and why, as JSON, both inside the promoted folder and
   beside it (``<destination>.decision.json``), so a refused run leaves its reason on the PVC too.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -20,17 +21,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import LlmftError
-from trainer.io import atomic_directory, atomic_write_json, is_complete
+from llmft.trainer.errors import LlmftError
+from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete
 
 DECISION_FILE = "promotion.json"
 # Files a server needs; optimizer/scheduler/RNG/data-position state stays behind.
 SERVABLE_PATTERNS = (
-    "adapter_model.safetensors", "adapter_config.json",
-    "model.safetensors", "model-*.safetensors", "model.safetensors.index.json", "config.json",
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "training_manifest.json", "README.md",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "model.safetensors",
+    "model-*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "training_manifest.json",
+    "README.md",
 )
 
 
@@ -79,20 +93,46 @@ def decide(evaluation: dict[str, Any], margin: float) -> PromotionDecision:
     threshold = base_ppl * (1.0 - margin)
     checkpoints = [c for c in evaluation.get("checkpoints", []) if c.get("perplexity") is not None]
     if not checkpoints:
-        return PromotionDecision(False, None, None, None, None, None, base_ppl, margin, threshold, None,
-                                 "no complete checkpoint was evaluated: nothing to promote")
+        return PromotionDecision(
+            False,
+            None,
+            None,
+            None,
+            None,
+            None,
+            base_ppl,
+            margin,
+            threshold,
+            None,
+            "no complete checkpoint was evaluated: nothing to promote",
+        )
     best = min(checkpoints, key=lambda c: (float(c["perplexity"]), -int(c.get("step") or 0)))
     ppl = float(best["perplexity"])
     improvement = 1.0 - ppl / base_ppl if base_ppl > 0 else None
     promoted = ppl < threshold
     if promoted:
-        reason = (f"{best['name']} has perplexity {ppl:.4f}, {_pct(improvement)} below the base model's "
-                  f"{base_ppl:.4f}, which beats the required margin of {margin:.1%} (threshold {threshold:.4f})")
+        reason = (
+            f"{best['name']} has perplexity {ppl:.4f}, {_pct(improvement)} below the base model's "
+            f"{base_ppl:.4f}, which beats the required margin of {margin:.1%} (threshold {threshold:.4f})"
+        )
     else:
-        reason = (f"best checkpoint {best['name']} has perplexity {ppl:.4f} but must be below {threshold:.4f} "
-                  f"(base {base_ppl:.4f} minus the {margin:.1%} margin): refusing to promote")
-    return PromotionDecision(promoted, best["name"], best.get("path"), best.get("step"), ppl,
-                             best.get("eval_loss"), base_ppl, margin, threshold, improvement, reason)
+        reason = (
+            f"best checkpoint {best['name']} has perplexity {ppl:.4f} but must be below {threshold:.4f} "
+            f"(base {base_ppl:.4f} minus the {margin:.1%} margin): refusing to promote"
+        )
+    return PromotionDecision(
+        promoted,
+        best["name"],
+        best.get("path"),
+        best.get("step"),
+        ppl,
+        best.get("eval_loss"),
+        base_ppl,
+        margin,
+        threshold,
+        improvement,
+        reason,
+    )
 
 
 def promote(evaluation: dict[str, Any], destination: str | Path, *, margin: float) -> PromotionDecision:
@@ -120,8 +160,9 @@ def copy_servable(checkpoint: Path, destination: Path, decision: PromotionDecisi
     files = servable_files(checkpoint)
     if not files:
         raise PromotionRefused(
-            f"{checkpoint} holds no adapter or model weights (looked for {', '.join(SERVABLE_PATTERNS[:3])}, ...)")
-    with atomic_directory(destination, marker=True) as tmp:
+            f"{checkpoint} holds no adapter or model weights (looked for {', '.join(SERVABLE_PATTERNS[:3])}, ...)"
+        )
+    with atomic_directory(destination, kind="promoted-adapter", marker=True) as tmp:
         for source in files:
             target = tmp / source.relative_to(checkpoint)
             target.parent.mkdir(parents=True, exist_ok=True)

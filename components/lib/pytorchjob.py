@@ -2,7 +2,8 @@
 
 ``build_pytorchjob(TrainJobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
 one Master plus ``num_nodes - 1`` Workers, each running
-``llmft train --nproc N --config FILE key=value ...`` (torchrun -m trainer underneath) in a container named ``pytorch``.
+``llmft train --nproc N --config FILE key=value ...`` (torchrun -m llmft.trainer underneath)
+in a container named ``pytorch``.
 The operator injects the rendezvous environment (MASTER_ADDR/PORT, WORLD_SIZE, RANK,
 PET_*), which torchrun reads, so the command carries no node arithmetic.
 
@@ -15,6 +16,7 @@ namespace, ready to embed as a Katib trial template (katib/ takes the dict; it n
 imports components/). ``run_pytorchjob`` submits through the TrainingClient, streams
 the master's log, and fails with the job's last log lines.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from components import images
-from components.lib.cluster import PYTORCHJOB_CONTAINER, Cluster, ClusterError
-from trainer.errors import ConfigError
+from llmft.components import images
+from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, Cluster, ClusterError
+from llmft.trainer.errors import ConfigError
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 MASTER_PORT = 23456
@@ -43,7 +45,9 @@ _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _PLAIN_ITEM = re.compile(r"^[A-Za-z0-9_./-]+$")
 _NPROC = re.compile(r"^(auto|cpu|gpu|[1-9][0-9]*)$")
-_QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+_QUANTITY = re.compile(
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -181,8 +185,10 @@ def _spec_errors(spec: TrainJobSpec) -> list[str]:
     errors = []
     longest_pod = f"{spec.name}-worker-{max(spec.num_nodes - 2, 0)}"
     if not _DNS1035.match(spec.name) or len(longest_pod) > 63:
-        errors.append(f"name {spec.name!r}: must be a DNS-1035 label (a-z, 0-9, '-', starting with a letter) "
-                      f"and short enough that pod name {longest_pod!r} fits 63 characters")
+        errors.append(
+            f"name {spec.name!r}: must be a DNS-1035 label (a-z, 0-9, '-', starting with a letter) "
+            f"and short enough that pod name {longest_pod!r} fits 63 characters"
+        )
     if spec.num_nodes < 1:
         errors.append(f"num_nodes={spec.num_nodes}: must be at least 1")
     if spec.gpus_per_node < 0:
@@ -199,8 +205,11 @@ def _spec_errors(spec: TrainJobSpec) -> list[str]:
         errors.append(f"restart_policy={spec.restart_policy!r}: must be one of {RESTART_POLICIES}")
     if spec.clean_pod_policy not in CLEAN_POD_POLICIES:
         errors.append(f"clean_pod_policy={spec.clean_pod_policy!r}: must be one of {CLEAN_POD_POLICIES}")
-    for what, value in (("backoff_limit", spec.backoff_limit), ("active_deadline_seconds", spec.active_deadline_seconds),
-                        ("ttl_seconds_after_finished", spec.ttl_seconds_after_finished)):
+    for what, value in (
+        ("backoff_limit", spec.backoff_limit),
+        ("active_deadline_seconds", spec.active_deadline_seconds),
+        ("ttl_seconds_after_finished", spec.ttl_seconds_after_finished),
+    ):
         if value is not None and value < 0:
             errors.append(f"{what}={value}: must not be negative")
     errors += _elastic_errors(spec) + _volume_and_env_errors(spec) + _override_errors(spec.overrides)
@@ -215,8 +224,10 @@ def _elastic_errors(spec: TrainJobSpec) -> list[str]:
     if spec.num_nodes < 2:
         errors.append("elastic: needs num_nodes >= 2 (the operator requires a Worker replica with an elastic policy)")
     if not 1 <= el.min_nodes <= spec.num_nodes <= el.max_nodes:
-        errors.append(f"elastic: need 1 <= min_nodes ({el.min_nodes}) <= num_nodes ({spec.num_nodes}) "
-                      f"<= max_nodes ({el.max_nodes})")
+        errors.append(
+            f"elastic: need 1 <= min_nodes ({el.min_nodes}) <= num_nodes ({spec.num_nodes}) "
+            f"<= max_nodes ({el.max_nodes})"
+        )
     if el.max_restarts < 0:
         errors.append(f"elastic.max_restarts={el.max_restarts}: must not be negative")
     return errors
@@ -279,7 +290,7 @@ def format_override_value(value: Any) -> str:
 def trainer_command(spec: TrainJobSpec) -> tuple[list[str], list[str]]:
     """(command, args) of the ``pytorch`` container.
 
-    ``llmft train --nproc N`` execs ``torchrun --nproc-per-node=N -m trainer ...``;
+    ``llmft train --nproc N`` execs ``torchrun --nproc-per-node=N -m llmft.trainer ...``;
     torchrun reads nodes, ranks and the master address from the PET_* variables the
     operator injects. The wrapper exists for one reason: torchrun itself exits 1 when
     SIGTERM stops its ranks, which the ExitCode restart policy treats as permanent;
@@ -321,15 +332,25 @@ def _resources(spec: TrainJobSpec):
 def _volumes(spec: TrainJobSpec) -> tuple[list, list]:
     from kubernetes import client as k8s
 
-    volumes = [k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory",
-                                                                               size_limit=spec.shm_size))]
+    volumes = [
+        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.shm_size))
+    ]
     mounts = [k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
     for i, pvc in enumerate(spec.pvcs):
         name = f"pvc-{i}"
-        volumes.append(k8s.V1Volume(name=name, persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-            claim_name=pvc.claim_name, read_only=pvc.read_only or None)))
-        mounts.append(k8s.V1VolumeMount(name=name, mount_path=pvc.mount_path, sub_path=pvc.sub_path or None,
-                                        read_only=pvc.read_only or None))
+        volumes.append(
+            k8s.V1Volume(
+                name=name,
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                    claim_name=pvc.claim_name, read_only=pvc.read_only or None
+                ),
+            )
+        )
+        mounts.append(
+            k8s.V1VolumeMount(
+                name=name, mount_path=pvc.mount_path, sub_path=pvc.sub_path or None, read_only=pvc.read_only or None
+            )
+        )
     return volumes, mounts
 
 
@@ -347,23 +368,35 @@ def pod_template(spec: TrainJobSpec):
     command, args = trainer_command(spec)
     volumes, mounts = _volumes(spec)
     container = k8s.V1Container(
-        name=PYTORCHJOB_CONTAINER, image=spec.image, image_pull_policy="IfNotPresent", command=command, args=args,
-        env=_env(spec) or None, resources=_resources(spec), volume_mounts=mounts,
-        ports=[k8s.V1ContainerPort(name=PORT_NAME, container_port=MASTER_PORT, protocol="TCP")])
+        name=PYTORCHJOB_CONTAINER,
+        image=spec.image,
+        image_pull_policy="IfNotPresent",
+        command=command,
+        args=args,
+        env=_env(spec) or None,
+        resources=_resources(spec),
+        volume_mounts=mounts,
+        ports=[k8s.V1ContainerPort(name=PORT_NAME, container_port=MASTER_PORT, protocol="TCP")],
+    )
     security = None
     if spec.run_as_user is not None:
-        security = k8s.V1PodSecurityContext(run_as_non_root=spec.run_as_user != 0, run_as_user=spec.run_as_user,
-                                            fs_group=spec.run_as_user)
-    labels = {"app.kubernetes.io/part-of": "kfp-llm-finetune", "app.kubernetes.io/component": "trainer",
-              **spec.labels}
+        security = k8s.V1PodSecurityContext(
+            run_as_non_root=spec.run_as_user != 0, run_as_user=spec.run_as_user, fs_group=spec.run_as_user
+        )
+    labels = {"app.kubernetes.io/part-of": "kfp-llm-finetune", "app.kubernetes.io/component": "trainer", **spec.labels}
     annotations = {"sidecar.istio.io/inject": "false", **spec.annotations}
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(labels=labels, annotations=annotations),
         spec=k8s.V1PodSpec(
-            containers=[container], volumes=volumes, node_selector=dict(spec.node_selector) or None,
-            tolerations=_tolerations(spec) or None, service_account_name=spec.service_account,
+            containers=[container],
+            volumes=volumes,
+            node_selector=dict(spec.node_selector) or None,
+            tolerations=_tolerations(spec) or None,
+            service_account_name=spec.service_account,
             image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in spec.image_pull_secrets] or None,
-            security_context=security))
+            security_context=security,
+        ),
+    )
 
 
 def build_pytorchjob(spec: TrainJobSpec):
@@ -375,26 +408,44 @@ def build_pytorchjob(spec: TrainJobSpec):
     errors = _spec_errors(spec)
     if errors:
         raise ConfigError(f"PyTorchJob {spec.name!r}: " + "; ".join(errors))
-    replicas = {"Master": models.KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=spec.restart_policy,
-                                                          template=pod_template(spec))}
+    replicas = {
+        "Master": models.KubeflowOrgV1ReplicaSpec(
+            replicas=1, restart_policy=spec.restart_policy, template=pod_template(spec)
+        )
+    }
     if spec.num_nodes > 1:
         replicas["Worker"] = models.KubeflowOrgV1ReplicaSpec(
-            replicas=spec.num_nodes - 1, restart_policy=spec.restart_policy, template=pod_template(spec))
+            replicas=spec.num_nodes - 1, restart_policy=spec.restart_policy, template=pod_template(spec)
+        )
     elastic = None
     if spec.elastic is not None:  # nprocPerNode stays at spec level: never elasticPolicy.nProcPerNode
         elastic = models.KubeflowOrgV1ElasticPolicy(
-            min_replicas=spec.elastic.min_nodes, max_replicas=spec.elastic.max_nodes,
-            max_restarts=spec.elastic.max_restarts, rdzv_backend=spec.elastic.rdzv_backend)
+            min_replicas=spec.elastic.min_nodes,
+            max_replicas=spec.elastic.max_nodes,
+            max_restarts=spec.elastic.max_restarts,
+            rdzv_backend=spec.elastic.rdzv_backend,
+        )
     run_policy = models.KubeflowOrgV1RunPolicy(
-        backoff_limit=spec.backoff_limit, active_deadline_seconds=spec.active_deadline_seconds,
-        clean_pod_policy=spec.clean_pod_policy, ttl_seconds_after_finished=spec.ttl_seconds_after_finished)
+        backoff_limit=spec.backoff_limit,
+        active_deadline_seconds=spec.active_deadline_seconds,
+        clean_pod_policy=spec.clean_pod_policy,
+        ttl_seconds_after_finished=spec.ttl_seconds_after_finished,
+    )
     job = models.KubeflowOrgV1PyTorchJob(
-        api_version=f"{GROUP}/{VERSION}", kind=KIND,
-        metadata=k8s.V1ObjectMeta(name=spec.name, namespace=spec.namespace,
-                                  labels={"app.kubernetes.io/part-of": "kfp-llm-finetune", **spec.labels}),
+        api_version=f"{GROUP}/{VERSION}",
+        kind=KIND,
+        metadata=k8s.V1ObjectMeta(
+            name=spec.name,
+            namespace=spec.namespace,
+            labels={"app.kubernetes.io/part-of": "kfp-llm-finetune", **spec.labels},
+        ),
         spec=models.KubeflowOrgV1PyTorchJobSpec(
-            nproc_per_node=resolved_nproc(spec), pytorch_replica_specs=replicas, run_policy=run_policy,
-            elastic_policy=elastic))
+            nproc_per_node=resolved_nproc(spec),
+            pytorch_replica_specs=replicas,
+            run_policy=run_policy,
+            elastic_policy=elastic,
+        ),
+    )
     problems = pytorchjob_webhook_errors(pytorchjob_to_dict(job))
     if problems:  # a bug in this builder, not in the spec
         raise ConfigError(f"PyTorchJob {spec.name!r} would be rejected by the operator: " + "; ".join(problems))
@@ -418,11 +469,16 @@ def _shell_safe(value: str) -> bool:
 def trial_pytorchjob_dict(spec: TrainJobSpec) -> dict:
     """The PyTorchJob as a Katib trial template: no metadata.name/namespace (Katib sets them),
     overrides may hold ``${trialParameters.name}`` placeholders."""
-    unsafe = [f"{k}={format_override_value(v)}" for k, v in spec.overrides.items()
-              if not _shell_safe(format_override_value(v))]
+    unsafe = [
+        f"{k}={format_override_value(v)}"
+        for k, v in spec.overrides.items()
+        if not _shell_safe(format_override_value(v))
+    ]
     if unsafe or (spec.config_path and not _shell_safe(spec.config_path)):
-        raise ConfigError(f"Katib trial {spec.name!r}: arguments {unsafe or [spec.config_path]} contain whitespace "
-                          "or shell characters, which break Katib's metrics-collector wrapper; remove them")
+        raise ConfigError(
+            f"Katib trial {spec.name!r}: arguments {unsafe or [spec.config_path]} contain whitespace "
+            "or shell characters, which break Katib's metrics-collector wrapper; remove them"
+        )
     body = pytorchjob_to_dict(build_pytorchjob(spec))
     body["metadata"].pop("name", None)
     body["metadata"].pop("namespace", None)
@@ -492,8 +548,9 @@ class MasterLogFollower:
             if pod.status is not None and pod.status.phase == "Pending":
                 continue
             try:
-                lines = self.cluster.read_pod_log(pod_name, container=PYTORCHJOB_CONTAINER,
-                                                  namespace=self.namespace).splitlines()
+                lines = self.cluster.read_pod_log(
+                    pod_name, container=PYTORCHJOB_CONTAINER, namespace=self.namespace
+                ).splitlines()
             except ClusterError:  # container not started yet
                 continue
             start = self.lines_seen.get(pod_name, 0)
@@ -522,8 +579,15 @@ def _conditions(job: Any) -> list[dict]:
     return [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message} for c in conditions]
 
 
-def run_pytorchjob(cluster: Cluster, job: Any, *, timeout_s: float, poll_s: float = 30.0, log_tail: int = 50,
-                   print_fn: Callable[[str], Any] = print) -> dict:
+def run_pytorchjob(
+    cluster: Cluster,
+    job: Any,
+    *,
+    timeout_s: float,
+    poll_s: float = 30.0,
+    log_tail: int = 50,
+    print_fn: Callable[[str], Any] = print,
+) -> dict:
     """Submit ``job`` with the TrainingClient, stream the master's log while waiting, and
     return a summary once it Succeeded. Failed -> ``TrainingJobFailed`` (a RuntimeError)
     with the job's condition and last ``log_tail`` log lines; no end within ``timeout_s``
@@ -537,21 +601,34 @@ def run_pytorchjob(cluster: Cluster, job: Any, *, timeout_s: float, poll_s: floa
     print_fn(f"created PyTorchJob {namespace}/{name}; waiting up to {timeout_s:.0f}s")
     follow = MasterLogFollower(cluster, name, namespace, print_fn)
     try:
-        final = training.wait_for_job_conditions(name, namespace=namespace, job_kind=KIND,
-                                                 expected_conditions={"Succeeded", "Failed"},
-                                                 wait_timeout=timeout_s, polling_interval=poll_s, callback=follow)
+        final = training.wait_for_job_conditions(
+            name,
+            namespace=namespace,
+            job_kind=KIND,
+            expected_conditions={"Succeeded", "Failed"},
+            wait_timeout=timeout_s,
+            polling_interval=poll_s,
+            callback=follow,
+        )
     except TimeoutError as exc:
-        raise TimeoutError(f"PyTorchJob {namespace}/{name} did not finish within {timeout_s:.0f}s; it keeps "
-                           f"running until its activeDeadlineSeconds.\n{_log_tail(training, name, namespace, log_tail)}"
-                           ) from exc
+        raise TimeoutError(
+            f"PyTorchJob {namespace}/{name} did not finish within {timeout_s:.0f}s; it keeps "
+            f"running until its activeDeadlineSeconds.\n{_log_tail(training, name, namespace, log_tail)}"
+        ) from exc
     follow(final)
     conditions = _conditions(final)
     failed = [c for c in conditions if c["type"] == "Failed" and c["status"] == "True"]
     if failed:
         reason = f"{failed[-1]['reason'] or 'Failed'}: {failed[-1]['message'] or ''}".strip()
-        raise TrainingJobFailed(f"PyTorchJob {namespace}/{name} Failed ({reason})\n"
-                                f"{_log_tail(training, name, namespace, log_tail)}")
+        raise TrainingJobFailed(
+            f"PyTorchJob {namespace}/{name} Failed ({reason})\n{_log_tail(training, name, namespace, log_tail)}"
+        )
     status = final.status
-    return {"name": name, "namespace": namespace, "succeeded": True, "conditions": conditions,
-            "start_time": str(status.start_time) if status and status.start_time else None,
-            "completion_time": str(status.completion_time) if status and status.completion_time else None}
+    return {
+        "name": name,
+        "namespace": namespace,
+        "succeeded": True,
+        "conditions": conditions,
+        "start_time": str(status.start_time) if status and status.start_time else None,
+        "completion_time": str(status.completion_time) if status and status.completion_time else None,
+    }

@@ -22,6 +22,7 @@ The tracking server comes from the environment (``MLFLOW_TRACKING_URI`` and, whe
 server needs them, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN``), which the
 pipeline fills from a Kubernetes Secret: credentials are never parameters.
 """
+
 from __future__ import annotations
 
 import math
@@ -127,8 +128,11 @@ def update_champion(client, model_name: str, version: str, perplexity: float) ->
     current_ppl = version_perplexity(current)
     if current_ppl is None or perplexity < current_ppl:
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
-        why = (f"perplexity {perplexity:.4f} beats champion v{current.version} ({current_ppl:.4f})"
-               if current_ppl is not None else f"champion v{current.version} has no recorded perplexity")
+        why = (
+            f"perplexity {perplexity:.4f} beats champion v{current.version} ({current_ppl:.4f})"
+            if current_ppl is not None
+            else f"champion v{current.version} has no recorded perplexity"
+        )
         return _alias_facts(True, version, str(current.version), current_ppl, why)
     why = f"perplexity {perplexity:.4f} does not beat champion v{current.version} ({current_ppl:.4f}); alias unchanged"
     return _alias_facts(False, str(current.version), str(current.version), current_ppl, why)
@@ -181,8 +185,9 @@ def _log_run(client, reg: Registration) -> tuple[str, str]:
     experiment_id = _experiment_id(client, reg.experiment)
     run = _find_run_by_key(client, experiment_id, reg.lineage.key)
     if run is None:
-        run = client.create_run(experiment_id, tags=reg.lineage.tags(),
-                                run_name=f"register-{reg.lineage.pipeline_run_id}"[:250])
+        run = client.create_run(
+            experiment_id, tags=reg.lineage.tags(), run_name=f"register-{reg.lineage.pipeline_run_id}"[:250]
+        )
     run_id = run.info.run_id
     params = [Param(k, _param_value(v)) for k, v in sorted(flatten(reg.params).items())]
     logged = run.data.params if run.data else {}
@@ -190,7 +195,7 @@ def _log_run(client, reg: Registration) -> tuple[str, str]:
     metrics = [Metric(k, float(v), _now_ms(), 0) for k, v in sorted(reg.metrics.items()) if _finite(v)]
     metrics.append(Metric("perplexity", float(reg.perplexity), _now_ms(), 0))
     for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
-        client.log_batch(run_id, params=params[start:start + 100])
+        client.log_batch(run_id, params=params[start : start + 100])
     client.log_batch(run_id, metrics=metrics, tags=[RunTag("llmft.step", "register")])
     client.log_artifacts(run_id, str(reg.adapter_dir), ADAPTER_ARTIFACT_PATH)
     for path in reg.extra_artifacts:
@@ -230,16 +235,16 @@ def _ensure_registered_model(client, name: str) -> None:
 
 
 def _client(tracking_uri: str | None):
+    from llmft.trainer.errors import ConfigError
     from mlflow import MlflowClient
-
-    from trainer.errors import ConfigError
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     if not uri:
         raise ConfigError(
             "MLFLOW_TRACKING_URI is not set: the register step needs an MLflow tracking server. "
             "Fix: create the Secret `mlflow-credentials` with key MLFLOW_TRACKING_URI (and MLFLOW_TRACKING_USERNAME/"
-            "MLFLOW_TRACKING_PASSWORD if the server needs them) in the pipeline's namespace, or export it for a local run."
+            "MLFLOW_TRACKING_PASSWORD if the server needs them) in the pipeline's namespace, or export it for a "
+            "local run."
         )
     return MlflowClient(tracking_uri=uri)
 
@@ -302,17 +307,35 @@ def registration_from_run(
 ) -> Registration:
     """Assemble a :class:`Registration` from the files the earlier steps wrote."""
     promoted_dir = Path(promoted_dir)
-    best = next(c for c in evaluation["checkpoints"] if c["name"] == lineage.checkpoint) \
-        if lineage.checkpoint else min(evaluation["checkpoints"], key=lambda c: c["perplexity"])
+    best = (
+        next(c for c in evaluation["checkpoints"] if c["name"] == lineage.checkpoint)
+        if lineage.checkpoint
+        else min(evaluation["checkpoints"], key=lambda c: c["perplexity"])
+    )
     base = evaluation["base"]
-    metrics = {"eval_loss": best["eval_loss"], "base_eval_loss": base["eval_loss"],
-               "base_perplexity": base["perplexity"], "step": best.get("step", 0),
-               "improvement": 1.0 - best["perplexity"] / base["perplexity"] if base["perplexity"] else float("nan")}
+    metrics = {
+        "eval_loss": best["eval_loss"],
+        "base_eval_loss": base["eval_loss"],
+        "base_perplexity": base["perplexity"],
+        "step": best.get("step", 0),
+        "improvement": 1.0 - best["perplexity"] / base["perplexity"] if base["perplexity"] else float("nan"),
+    }
     for key in ("tokens_seen", "wall_time_s"):
         if _finite(training_manifest.get(key)):
             metrics[key] = float(training_manifest[key])
-    params = {**training_manifest.get("config", {}), "dataset_source": lineage.dataset,
-              "dataset_hash": lineage.dataset_hash, "base_model": lineage.base_model}
-    return Registration(model_name=model_name, experiment=experiment, adapter_dir=promoted_dir,
-                        perplexity=float(best["perplexity"]), lineage=lineage, metrics=metrics, params=params,
-                        extra_artifacts=extra_artifacts)
+    params = {
+        **training_manifest.get("config", {}),
+        "dataset_source": lineage.dataset,
+        "dataset_hash": lineage.dataset_hash,
+        "base_model": lineage.base_model,
+    }
+    return Registration(
+        model_name=model_name,
+        experiment=experiment,
+        adapter_dir=promoted_dir,
+        perplexity=float(best["perplexity"]),
+        lineage=lineage,
+        metrics=metrics,
+        params=params,
+        extra_artifacts=extra_artifacts,
+    )

@@ -6,6 +6,7 @@ for (routers, embeddings, lm_head on current versions); it loads safetensors. Th
 seeds' users met each of these only at serving time. This module finds them from
 ``adapter_config.json`` and the safetensors header alone: no torch, no model load.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,16 +14,27 @@ import struct
 from collections.abc import Iterable
 from pathlib import Path
 
-from trainer.errors import LlmftError
+from llmft.trainer.errors import LlmftError
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """Values vLLM accepts for ``--max-lora-rank``."""
 
-SUPPORTED_TARGET_MODULES = frozenset({
-    "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",          # attention (Llama, Qwen2/3, Mistral)
-    "gate_proj", "up_proj", "down_proj", "gate_up_proj",          # dense MLP
-    "w1", "w2", "w3",                                            # Mixtral-style experts
-})
+SUPPORTED_TARGET_MODULES = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "qkv_proj",  # attention (Llama, Qwen2/3, Mistral)
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "gate_up_proj",  # dense MLP
+        "w1",
+        "w2",
+        "w3",  # Mixtral-style experts
+    }
+)
 """Leaf module names vLLM has LoRA layers for in the decoder families this project trains.
 Not included: routers (``gate`` of MoE blocks), ``embed_tokens`` and ``lm_head``."""
 
@@ -38,8 +50,10 @@ class AdapterNotServableError(LlmftError):
 def _read_config(adapter_dir: Path) -> tuple[dict | None, list[str]]:
     path = adapter_dir / CONFIG_FILE
     if not path.is_file():
-        return None, [f"{path}: missing; a PEFT adapter directory needs adapter_config.json "
-                      "(save it with model.save_pretrained(dir))"]
+        return None, [
+            f"{path}: missing; a PEFT adapter directory needs adapter_config.json "
+            "(save it with model.save_pretrained(dir))"
+        ]
     try:
         config = json.loads(path.read_text())
     except ValueError as exc:
@@ -85,11 +99,15 @@ def _config_problems(config: dict, path: Path, max_lora_rank: int) -> list[str]:
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         problems.append(f"{path}: peft_type={config.get('peft_type')!r}; vLLM serves LoRA adapters only")
     if config.get("use_dora"):
-        problems.append(f"{path}: use_dora=true; vLLM does not support DoRA: retrain with lora.use_dora=false "
-                        "(or merge the adapter into the base model and serve that)")
+        problems.append(
+            f"{path}: use_dora=true; vLLM does not support DoRA: retrain with lora.use_dora=false "
+            "(or merge the adapter into the base model and serve that)"
+        )
     if config.get("modules_to_save"):
-        problems.append(f"{path}: modules_to_save={config['modules_to_save']}; vLLM requires none: retrain "
-                        "without modules_to_save (or merge and serve the merged model)")
+        problems.append(
+            f"{path}: modules_to_save={config['modules_to_save']}; vLLM requires none: retrain "
+            "without modules_to_save (or merge and serve the merged model)"
+        )
     if config.get("bias", "none") != "none":
         problems.append(f"{path}: bias={config['bias']!r}; vLLM supports bias='none' only")
     if max_lora_rank not in VLLM_MAX_LORA_RANKS:
@@ -99,8 +117,10 @@ def _config_problems(config: dict, path: Path, max_lora_rank: int) -> list[str]:
         if not isinstance(rank, int) or rank < 1:
             problems.append(f"{path}: {where}={rank!r} is not a positive integer rank")
         elif rank > max_lora_rank:
-            problems.append(f"{path}: {where}={rank} exceeds max_lora_rank={max_lora_rank}: raise the serving "
-                            f"max LoRA rank to at least {rank} or retrain with a lower rank")
+            problems.append(
+                f"{path}: {where}={rank} exceeds max_lora_rank={max_lora_rank}: raise the serving "
+                f"max LoRA rank to at least {rank} or retrain with a lower rank"
+            )
     return problems
 
 
@@ -109,8 +129,10 @@ def _target_problems(config: dict, path: Path, supported: frozenset[str]) -> lis
     if isinstance(targets, list):
         unsupported = sorted(set(targets) - supported)
         if unsupported:
-            return [f"{path}: target_modules {unsupported} are not LoRA-servable by vLLM "
-                    f"(supported: {sorted(supported)}); retrain with lora.target_modules limited to those"]
+            return [
+                f"{path}: target_modules {unsupported} are not LoRA-servable by vLLM "
+                f"(supported: {sorted(supported)}); retrain with lora.target_modules limited to those"
+            ]
     elif targets is not None and not isinstance(targets, str):
         return [f"{path}: target_modules={targets!r} must be a list of module names"]
     return []
@@ -121,8 +143,10 @@ def _weights_problems(adapter_dir: Path, supported: frozenset[str]) -> list[str]
     pickled = sorted(p.name for p in adapter_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
     problems = []
     if pickled:
-        problems.append(f"{adapter_dir}: pickled weights {pickled}; serve safetensors only "
-                        "(save with safe_serialization=True and delete these files)")
+        problems.append(
+            f"{adapter_dir}: pickled weights {pickled}; serve safetensors only "
+            "(save with safe_serialization=True and delete these files)"
+        )
     if not weights.is_file():
         return problems + [f"{weights}: missing; the adapter weights must be saved as safetensors"]
     try:
@@ -133,19 +157,27 @@ def _weights_problems(adapter_dir: Path, supported: frozenset[str]) -> list[str]
     if any("lora_magnitude_vector" in key for key in keys):
         problems.append(f"{weights}: holds DoRA magnitude vectors; vLLM does not support DoRA")
     if full:
-        problems.append(f"{weights}: full (non-LoRA) weights for {sorted(full)}; vLLM loads only lora_A/lora_B "
-                        "tensors: retrain without modules_to_save or LoRA on embeddings/lm_head, or merge")
+        problems.append(
+            f"{weights}: full (non-LoRA) weights for {sorted(full)}; vLLM loads only lora_A/lora_B "
+            "tensors: retrain without modules_to_save or LoRA on embeddings/lm_head, or merge"
+        )
     if not modules:
         problems.append(f"{weights}: holds no LoRA weights (no lora_A/lora_B tensors)")
     unsupported = sorted(modules - supported)
     if unsupported:
-        problems.append(f"{weights}: LoRA weights on modules {unsupported}, which vLLM has no LoRA layer for "
-                        f"(supported: {sorted(supported)})")
+        problems.append(
+            f"{weights}: LoRA weights on modules {unsupported}, which vLLM has no LoRA layer for "
+            f"(supported: {sorted(supported)})"
+        )
     return problems
 
 
-def check_vllm_servable(adapter_dir: str | Path, *, max_lora_rank: int = 64,
-                        supported_target_modules: Iterable[str] = SUPPORTED_TARGET_MODULES) -> list[str]:
+def check_vllm_servable(
+    adapter_dir: str | Path,
+    *,
+    max_lora_rank: int = 64,
+    supported_target_modules: Iterable[str] = SUPPORTED_TARGET_MODULES,
+) -> list[str]:
     """Every reason vLLM would refuse the adapter in ``adapter_dir`` (empty list = servable)."""
     adapter_dir = Path(adapter_dir)
     if not adapter_dir.is_dir():
@@ -158,10 +190,15 @@ def check_vllm_servable(adapter_dir: str | Path, *, max_lora_rank: int = 64,
     return problems + _weights_problems(adapter_dir, supported)
 
 
-def require_vllm_servable(adapter_dir: str | Path, *, max_lora_rank: int = 64,
-                          supported_target_modules: Iterable[str] = SUPPORTED_TARGET_MODULES) -> None:
+def require_vllm_servable(
+    adapter_dir: str | Path,
+    *,
+    max_lora_rank: int = 64,
+    supported_target_modules: Iterable[str] = SUPPORTED_TARGET_MODULES,
+) -> None:
     """Raise ``AdapterNotServableError`` listing every problem ``check_vllm_servable`` finds."""
-    problems = check_vllm_servable(adapter_dir, max_lora_rank=max_lora_rank,
-                                   supported_target_modules=supported_target_modules)
+    problems = check_vllm_servable(
+        adapter_dir, max_lora_rank=max_lora_rank, supported_target_modules=supported_target_modules
+    )
     if problems:
         raise AdapterNotServableError(f"adapter {adapter_dir} cannot be served by vLLM:\n- " + "\n- ".join(problems))

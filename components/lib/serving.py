@@ -15,6 +15,7 @@ from a Secret; the root is the adapter directory itself).
 Clients request ``"model": "<lora_name>"`` on ``/openai/v1/completions`` to get the
 adapter, and the base ``model_name`` for the base model.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from components import images
-from components.lib.cluster import Cluster, ClusterError
-from components.lib.pytorchjob import GPU_TOLERATION, SecretEnv, Toleration
-from trainer.errors import ConfigError, LlmftError
+from llmft.components import images
+from llmft.components.lib.cluster import Cluster, ClusterError
+from llmft.components.lib.pytorchjob import GPU_TOLERATION, SecretEnv, Toleration
+from llmft.trainer.errors import ConfigError, LlmftError
 
 GROUP, VERSION, PLURAL, KIND = "serving.kserve.io", "v1beta1", "inferenceservices", "InferenceService"
 MODEL_MOUNT = "/mnt/models"
@@ -116,13 +117,21 @@ def _serve_spec_errors(spec: ServeSpec) -> list[str]:
         errors.append(f"lora_name {spec.lora_name!r}: letters, digits, '.', '_' and '-' only")
     if (spec.base_model_id is None) == (spec.base_model_path is None):
         errors.append("set exactly one of base_model_id (hub) and base_model_path (on the PVC)")
-    errors += [e for e in (_relative_path_error("adapter_path", spec.adapter_path),
-                           _relative_path_error("base_model_path", spec.base_model_path)) if e]
+    errors += [
+        e
+        for e in (
+            _relative_path_error("adapter_path", spec.adapter_path),
+            _relative_path_error("base_model_path", spec.base_model_path),
+        )
+        if e
+    ]
     if spec.max_lora_rank < 1:
         errors.append(f"max_lora_rank={spec.max_lora_rank}: must be positive")
     if not 0 <= spec.min_replicas <= spec.max_replicas or spec.max_replicas < 1:
-        errors.append(f"replicas: need 0 <= min_replicas ({spec.min_replicas}) <= max_replicas "
-                      f"({spec.max_replicas}) and max_replicas >= 1")
+        errors.append(
+            f"replicas: need 0 <= min_replicas ({spec.min_replicas}) <= max_replicas "
+            f"({spec.max_replicas}) and max_replicas >= 1"
+        )
     return errors
 
 
@@ -151,8 +160,13 @@ def server_args(spec: ServeSpec) -> list[str]:
             args.append(f"--model_revision={spec.base_model_revision}")
     else:
         args.append(f"--model_dir={base_dir}")
-    args += [f"--dtype={spec.dtype}", "--enable-lora", f"--max-lora-rank={spec.max_lora_rank}",
-             "--lora-modules", f"{spec.lora_name}={adapter_dir}"]
+    args += [
+        f"--dtype={spec.dtype}",
+        "--enable-lora",
+        f"--max-lora-rank={spec.max_lora_rank}",
+        "--lora-modules",
+        f"{spec.lora_name}={adapter_dir}",
+    ]
     if spec.max_model_len:
         args.append(f"--max_model_len={spec.max_model_len}")
     return args + list(spec.extra_args)
@@ -185,20 +199,36 @@ def build_inference_service(spec: ServeSpec):
     if spec.deployment_mode:
         annotations["serving.kserve.io/deploymentMode"] = spec.deployment_mode
     model = kserve.V1beta1ModelSpec(
-        name="kserve-container", model_format=kserve.V1beta1ModelFormat(name=images.SERVING_MODEL_FORMAT),
+        name="kserve-container",
+        model_format=kserve.V1beta1ModelFormat(name=images.SERVING_MODEL_FORMAT),
         runtime=spec.runtime,
-        storage_uri=uri, args=server_args(spec), env=_predictor_env(spec) or None,
-        resources=k8s.V1ResourceRequirements(requests=dict(amounts), limits=dict(amounts)))
+        storage_uri=uri,
+        args=server_args(spec),
+        env=_predictor_env(spec) or None,
+        resources=k8s.V1ResourceRequirements(requests=dict(amounts), limits=dict(amounts)),
+    )
     predictor = kserve.V1beta1PredictorSpec(
-        model=model, min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
-        node_selector=dict(spec.node_selector) or None, service_account_name=spec.service_account,
-        tolerations=[k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
-                     for t in tolerations] or None)
+        model=model,
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        node_selector=dict(spec.node_selector) or None,
+        service_account_name=spec.service_account,
+        tolerations=[
+            k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect) for t in tolerations
+        ]
+        or None,
+    )
     isvc = kserve.V1beta1InferenceService(
-        api_version=f"{GROUP}/{VERSION}", kind=KIND,
-        metadata=k8s.V1ObjectMeta(name=spec.name, namespace=spec.namespace, annotations=annotations or None,
-                                  labels={"app.kubernetes.io/part-of": "kfp-llm-finetune", **spec.labels}),
-        spec=kserve.V1beta1InferenceServiceSpec(predictor=predictor))
+        api_version=f"{GROUP}/{VERSION}",
+        kind=KIND,
+        metadata=k8s.V1ObjectMeta(
+            name=spec.name,
+            namespace=spec.namespace,
+            annotations=annotations or None,
+            labels={"app.kubernetes.io/part-of": "kfp-llm-finetune", **spec.labels},
+        ),
+        spec=kserve.V1beta1InferenceServiceSpec(predictor=predictor),
+    )
     problems = inference_service_errors(isvc_to_dict(isvc))
     if problems:
         raise ConfigError(f"InferenceService {spec.name!r}: " + "; ".join(problems))
@@ -229,7 +259,7 @@ def inference_service_errors(isvc: dict) -> list[str]:
         if "--enable-lora" not in args or "--lora-modules" not in args:
             errors.append("spec.predictor.model.args: --enable-lora and --lora-modules go together")
     if "--lora-modules" in args:
-        modules = args[args.index("--lora-modules") + 1:]
+        modules = args[args.index("--lora-modules") + 1 :]
         module = modules[0] if modules else ""
         if "=" not in module or not module.split("=", 1)[1].startswith(MODEL_MOUNT):
             errors.append(f"spec.predictor.model.args: --lora-modules {module!r} must be name={MODEL_MOUNT}/...")
@@ -278,8 +308,9 @@ def _create_or_replace(cluster: Cluster, body: dict, namespace: str) -> dict:
     return cluster.replace_custom_object(GROUP, VERSION, PLURAL, name, body, namespace=namespace)
 
 
-def deploy_inference_service(cluster: Cluster, isvc, *, timeout_s: float = 1800.0, poll_s: float = 10.0,
-                             print_fn: Callable[[str], Any] = print) -> dict:
+def deploy_inference_service(
+    cluster: Cluster, isvc, *, timeout_s: float = 1800.0, poll_s: float = 10.0, print_fn: Callable[[str], Any] = print
+) -> dict:
     """Create (or replace) the InferenceService and wait until it is Ready; returns
     ``{"name", "namespace", "url", "internal_url", "generation"}``. A failed model load
     raises RuntimeError at once; no Ready within ``timeout_s`` raises TimeoutError."""
@@ -297,22 +328,30 @@ def deploy_inference_service(cluster: Cluster, isvc, *, timeout_s: float = 1800.
             obj.setdefault("metadata", {}).setdefault("generation", generation)
         failure = _load_failure(obj)
         if failure:
-            raise RuntimeError(f"InferenceService {namespace}/{name} failed to load the model: {failure}. "
-                               "Check the predictor pod's log (kubectl logs -l serving.kserve.io/inferenceservice="
-                               f"{name} -c kserve-container)")
+            raise RuntimeError(
+                f"InferenceService {namespace}/{name} failed to load the model: {failure}. "
+                "Check the predictor pod's log (kubectl logs -l serving.kserve.io/inferenceservice="
+                f"{name} -c kserve-container)"
+            )
         ready, why = isvc_ready(obj)
         if ready:
             status = obj["status"]
-            return {"name": name, "namespace": namespace, "url": status["url"],
-                    "internal_url": (status.get("address") or {}).get("url"), "generation": generation}
+            return {
+                "name": name,
+                "namespace": namespace,
+                "url": status["url"],
+                "internal_url": (status.get("address") or {}).get("url"),
+                "generation": generation,
+            }
         if time.monotonic() + poll_s > deadline:
             raise TimeoutError(f"InferenceService {namespace}/{name} not Ready after {timeout_s:.0f}s: {why}")
         time.sleep(poll_s)
 
 
 def _urllib_post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
             return response.status, json.loads(response.read() or b"null")
@@ -324,9 +363,17 @@ def _urllib_post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
             return exc.code, text
 
 
-def smoke_test(url: str, model_name: str, prompt: str, *, max_tokens: int = 16, timeout_s: float = 60.0,
-               attempts: int = 3, retry_wait_s: float = 5.0,
-               http_post: Callable[[str, dict, float], tuple[int, Any]] | None = None) -> dict:
+def smoke_test(
+    url: str,
+    model_name: str,
+    prompt: str,
+    *,
+    max_tokens: int = 16,
+    timeout_s: float = 60.0,
+    attempts: int = 3,
+    retry_wait_s: float = 5.0,
+    http_post: Callable[[str, dict, float], tuple[int, Any]] | None = None,
+) -> dict:
     """POST one completion to ``<url>/openai/v1/completions`` with ``"model": model_name``
     (the adapter's LoRA name) and check the answer; returns ``{"endpoint", "model", "text"}``.
     ``http_post(url, payload, timeout_s) -> (status, parsed JSON)`` is injectable."""
@@ -366,8 +413,14 @@ class GenerationSample(NamedTuple):
     adapter_text: str
 
 
-def local_generation_check(base_model_path: str, adapter_path: str, prompts: Sequence[str], *,
-                           max_new_tokens: int = 16, min_logit_diff: float = 1e-5) -> list[GenerationSample]:
+def local_generation_check(
+    base_model_path: str,
+    adapter_path: str,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 16,
+    min_logit_diff: float = 1e-5,
+) -> list[GenerationSample]:
     """Load base + adapter with transformers/peft on CPU, generate greedily for each prompt
     (rendered with the chat template) with and without the adapter, and raise
     ``AdapterHasNoEffectError`` when the adapter moves no logit of the prompt by more than
@@ -387,8 +440,9 @@ def local_generation_check(base_model_path: str, adapter_path: str, prompts: Seq
     for prompt in prompts:
         text = prompt
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad(), model.disable_adapter():
             base_logits = model(**inputs).logits
@@ -397,17 +451,23 @@ def local_generation_check(base_model_path: str, adapter_path: str, prompts: Seq
             adapter_logits = model(**inputs).logits
             adapter_ids = _greedy(model, tokenizer, inputs, max_new_tokens)
         largest_diff = max(largest_diff, (adapter_logits - base_logits).abs().max().item())
-        samples.append(GenerationSample(prompt, tokenizer.decode(base_ids, skip_special_tokens=True),
-                                        tokenizer.decode(adapter_ids, skip_special_tokens=True)))
+        samples.append(
+            GenerationSample(
+                prompt,
+                tokenizer.decode(base_ids, skip_special_tokens=True),
+                tokenizer.decode(adapter_ids, skip_special_tokens=True),
+            )
+        )
     if largest_diff <= min_logit_diff:
         raise AdapterHasNoEffectError(
             f"adapter {adapter_path} changes nothing: the largest logit difference from base model "
             f"{base_model_path} over {len(prompts)} prompt(s) is {largest_diff:.3g} (<= {min_logit_diff}). "
-            "Its LoRA B matrices are probably all zero: was it trained (max_steps > 0, a learning rate > 0)?")
+            "Its LoRA B matrices are probably all zero: was it trained (max_steps > 0, a learning rate > 0)?"
+        )
     return samples
 
 
 def _greedy(model, tokenizer, inputs, max_new_tokens: int):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    return out[0, inputs["input_ids"].shape[1]:]
+    return out[0, inputs["input_ids"].shape[1] :]

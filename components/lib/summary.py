@@ -6,6 +6,7 @@ turns them into a few readable lines: rows accepted and rejected, base vs best
 perplexity, the promoted checkpoint, the MLflow model version and alias, the manifest
 path and a sample generation.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,15 +54,19 @@ def _data_lines(facts: dict[str, Any]) -> list[str]:
         return []
     reasons = ", ".join(f"{k}: {v}" for k, v in (data.get("reject_reasons") or {}).items()) or "none"
     splits = data.get("splits") or {}
-    lines = [f"data        {data['accepted']} rows accepted, {data['rejected']} rejected; format {data.get('format')}; "
-             f"train {splits.get('train', '?')} / val {splits.get('val', '?')}",
-             f"rejects     {reasons}"]
+    lines = [
+        f"data        {data['accepted']} rows accepted, {data['rejected']} rejected; format {data.get('format')}; "
+        f"train {splits.get('train', '?')} / val {splits.get('val', '?')}",
+        f"rejects     {reasons}",
+    ]
     tokens = facts.get("tokens")
     if tokens:
         train = (tokens.get("splits") or {}).get("train") or {}
-        lines.append(f"tokens      {train.get('sequences', '?')} sequences of <= {tokens.get('max_length')} tokens, "
-                     f"{float(train.get('packing_efficiency', 0)):.1%} packed, "
-                     f"cache {'hit' if tokens.get('cache_hit') else 'miss'} ({str(tokens.get('cache_key', ''))[:12]})")
+        lines.append(
+            f"tokens      {train.get('sequences', '?')} sequences of <= {tokens.get('max_length')} tokens, "
+            f"{float(train.get('packing_efficiency', 0)):.1%} packed, "
+            f"cache {'hit' if tokens.get('cache_hit') else 'miss'} ({str(tokens.get('cache_key', ''))[:12]})"
+        )
     return lines
 
 
@@ -72,15 +77,19 @@ def _model_lines(facts: dict[str, Any]) -> list[str]:
         best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
         base_ppl = evaluation["base"]["perplexity"]
         gain = 1.0 - best["perplexity"] / base_ppl if base_ppl else 0.0
-        lines.append(f"perplexity  base {base_ppl:.2f} -> best {best['perplexity']:.2f} ({best['name']}, "
-                     f"{gain:.1%} lower; {len(evaluation['checkpoints'])} checkpoints evaluated)")
+        lines.append(
+            f"perplexity  base {base_ppl:.2f} -> best {best['perplexity']:.2f} ({best['name']}, "
+            f"{gain:.1%} lower; {len(evaluation['checkpoints'])} checkpoints evaluated)"
+        )
     promotion = facts.get("promotion")
     if promotion:
         lines.append(f"promoted    {promotion['checkpoint']} -> {promotion.get('destination')}")
     registration = facts.get("registration")
     if registration:
-        lines.append(f"mlflow      model {registration['model_name']!r} version {registration['version']}; "
-                     f"{_alias_text(registration)}")
+        lines.append(
+            f"mlflow      model {registration['model_name']!r} version {registration['version']}; "
+            f"{_alias_text(registration)}"
+        )
     return lines
 
 
@@ -100,12 +109,16 @@ def _deploy_lines(facts: dict[str, Any]) -> list[str]:
     if not deployment:
         return []
     checked = "validated against the CRD schema" if deployment.get("schema_validated") else "schema not checked"
-    lines = [f"manifest    {facts.get('manifest_path', deployment.get('manifest'))} ({checked})",
-             f"deploy      {deployment.get('status')} ({deployment.get('mode')} mode)"]
+    lines = [
+        f"manifest    {facts.get('manifest_path', deployment.get('manifest'))} ({checked})",
+        f"deploy      {deployment.get('status')} ({deployment.get('mode')} mode)",
+    ]
     for sample in (deployment.get("samples") or [])[:1]:
-        lines += [f"sample      prompt:  {sample['prompt']}",
-                  f"            base:    {_clip(sample['base'])}",
-                  f"            adapter: {_clip(sample['adapter'])}"]
+        lines += [
+            f"sample      prompt:  {sample['prompt']}",
+            f"            base:    {_clip(sample['base'])}",
+            f"            adapter: {_clip(sample['adapter'])}",
+        ]
     return lines
 
 
@@ -114,8 +127,13 @@ def _clip(text: str, width: int = 90) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def render_summary(facts: dict[str, Any], *, elapsed_s: float | None = None, status: str = "SUCCEEDED",
-                   pipeline_name: str = "llm-finetune") -> str:
+def render_summary(
+    facts: dict[str, Any],
+    *,
+    elapsed_s: float | None = None,
+    status: str = "SUCCEEDED",
+    pipeline_name: str = "llm-finetune",
+) -> str:
     """The summary text (about 15 lines)."""
     rule = "=" * 78
     header = f"{pipeline_name} pipeline (kfp.local): {status}"

@@ -1,29 +1,33 @@
 """Tokenize onto the shared volume at a content-addressed path: ``<root>/tokenized/<cache_key>``.
 
-The key is the one ``trainer.data.tokenize`` computes (data files, tokenizer, chat template,
+The key is the one ``llmft.trainer.data.tokenize`` computes (data files, tokenizer, chat template,
 max length, packing, truncation). Computing it first lets every pipeline run and Katib
 trial with the same inputs find the same folder, where the tokenizer's own cache check
 answers ``cache hit`` and rewrites nothing.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 
-def tokenize_to_volume(input_dir: str | Path, model: str, root: str | Path, *, max_length: int,
-                       pack: bool) -> dict[str, Any]:
+def tokenize_to_volume(
+    input_dir: str | Path, model: str, root: str | Path, *, max_length: int, pack: bool
+) -> dict[str, Any]:
     """Tokenize ``input_dir`` into ``<root>/tokenized/<cache_key>``; the manifest gains ``path``."""
-    from trainer.data.tokenize import cache_key_for, tokenize_dataset
+    from llmft.trainer.data.tokenize import cache_key_for, tokenize_dataset
 
     key = cache_key_for(input_dir, model, max_length=max_length, pack=pack)
     output_dir = Path(root) / "tokenized" / key
     manifest = tokenize_dataset(input_dir, model, output_dir, max_length=max_length, pack=pack)
     if manifest["cache_key"] != key:  # the tokenizer's key definition moved: keep the folder honest
-        from trainer.errors import DataError
+        from llmft.trainer.errors import DataError
 
-        raise DataError(f"{output_dir}: cache key {manifest['cache_key']} differs from the precomputed {key}; "
-                        "trainer.data.tokenize.cache_key_for disagrees with tokenize_dataset")
+        raise DataError(
+            f"{output_dir}: cache key {manifest['cache_key']} differs from the precomputed {key}; "
+            "llmft.trainer.data.tokenize.cache_key_for disagrees with tokenize_dataset"
+        )
     return {**manifest, "path": str(output_dir)}
 
 

@@ -1,12 +1,16 @@
 """`llmft bench ...`: benchmarks (measured, with committed results; never timed tests)."""
+
 from __future__ import annotations
 
 import argparse
 import importlib
 
 BENCHES = {
-    "data": ("benchmarks.data_bench", "prepare + tokenize generated Alpaca-like rows vs the naive datasets.map path (CPU)"),
-    "train": ("benchmarks.train_bench", "training throughput arms (naive / peer / project) on a GPU"),
+    "data": (
+        "llmft.benchmarks.data_bench",
+        "prepare + tokenize generated Alpaca-like rows vs the naive datasets.map path (CPU)",
+    ),
+    "train": ("llmft.benchmarks.train_bench", "training throughput arms (naive / peer / project) on a GPU"),
 }
 
 

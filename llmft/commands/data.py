@@ -1,4 +1,5 @@
 """`llmft data ...`: prepare raw datasets into canonical JSONL; tokenize and pack them into shards."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def _add_prepare(sub) -> None:
     p.add_argument("--split", default="train", help="split to load from a hub dataset (default: train)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of rows for val.jsonl (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="seed of the hash-based train/val split")
-    p.add_argument("--max-reject-fraction", type=float, default=0.01,
-                   help="fail when more than this share of rows is rejected (default 0.01)")
+    p.add_argument(
+        "--max-reject-fraction",
+        type=float,
+        default=0.01,
+        help="fail when more than this share of rows is rejected (default 0.01)",
+    )
     p.set_defaults(func=run_prepare)
 
 
@@ -44,13 +49,24 @@ def _add_tokenize(sub) -> None:
     p.add_argument("--model", required=True, help="hub model id or local model directory (its tokenizer is used)")
     p.add_argument("--output", required=True, help="directory to write the shards (appears atomically)")
     p.add_argument("--max-length", type=int, default=2048, help="tokens per (packed) sequence (default 2048)")
-    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                   help="best-fit pack documents into sequences (default: on)")
-    p.add_argument("--truncation", default="drop", choices=TRUNCATION_CHOICES,
-                   help="documents longer than --max-length: drop (default), truncate, or error")
+    p.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="best-fit pack documents into sequences (default: on)",
+    )
+    p.add_argument(
+        "--truncation",
+        default="drop",
+        choices=TRUNCATION_CHOICES,
+        help="documents longer than --max-length: drop (default), truncate, or error",
+    )
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: CPU count, max 8)")
-    p.add_argument("--chat-template", default=None,
-                   help="fallback template when the tokenizer has none: 'chatml', a .jinja file, or Jinja text")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="fallback template when the tokenizer has none: 'chatml', a .jinja file, or Jinja text",
+    )
     p.set_defaults(func=run_tokenize)
 
 
@@ -60,14 +76,19 @@ def _fail(exc: Exception) -> int:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from trainer.data.prepare import prepare_dataset
-    from trainer.data.summary import prepare_summary
-    from trainer.errors import LlmftError
+    from llmft.trainer.data.prepare import prepare_dataset
+    from llmft.trainer.data.summary import prepare_summary
+    from llmft.trainer.errors import LlmftError
 
     try:
         report = prepare_dataset(
-            args.input, args.output, format=args.format, split=args.split, val_fraction=args.val_fraction,
-            seed=args.seed, max_reject_fraction=args.max_reject_fraction,
+            args.input,
+            args.output,
+            format=args.format,
+            split=args.split,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            max_reject_fraction=args.max_reject_fraction,
         )
     except LlmftError as exc:
         return _fail(exc)
@@ -76,14 +97,20 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
-    from trainer.data.summary import tokenize_summary
-    from trainer.data.tokenize import tokenize_dataset
-    from trainer.errors import LlmftError
+    from llmft.trainer.data.summary import tokenize_summary
+    from llmft.trainer.data.tokenize import tokenize_dataset
+    from llmft.trainer.errors import LlmftError
 
     try:
         manifest = tokenize_dataset(
-            args.input, args.model, args.output, max_length=args.max_length, pack=args.pack,
-            truncation=args.truncation, num_proc=args.num_proc, chat_template=args.chat_template,
+            args.input,
+            args.model,
+            args.output,
+            max_length=args.max_length,
+            pack=args.pack,
+            truncation=args.truncation,
+            num_proc=args.num_proc,
+            chat_template=args.chat_template,
         )
     except LlmftError as exc:
         return _fail(exc)

@@ -1,4 +1,5 @@
 """`llmft dev ...`: developer tools."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,14 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tiny_model(args: argparse.Namespace) -> int:
-    from trainer.tiny_model import build_tiny_model
+    from llmft.trainer.tiny_model import build_tiny_model
 
     path = build_tiny_model(args.output, seed=args.seed)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    print(f"tiny model written to {path} ({config.model_type}, {config.num_hidden_layers} layers, vocab {config.vocab_size})")
+    print(
+        f"tiny model written to {path} ({config.model_type}, {config.num_hidden_layers} layers, vocab "
+        f"{config.vocab_size})"
+    )
     return 0

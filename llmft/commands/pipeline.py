@@ -2,6 +2,7 @@
 
 Heavy imports (kfp, the pipeline module, mlflow) happen inside each command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     schedule = sub.add_parser("schedule", help="create a recurring run (KFP cron: six fields, seconds first)")
     _cluster_arguments(schedule)
-    schedule.add_argument("--cron", required=True, help='six-field cron, seconds first, e.g. "0 0 3 * * *" = daily 03:00')
+    schedule.add_argument(
+        "--cron", required=True, help='six-field cron, seconds first, e.g. "0 0 3 * * *" = daily 03:00'
+    )
     schedule.add_argument("--name", default="llm-finetune-nightly", help="recurring run name")
     schedule.add_argument("--max-concurrency", type=int, default=1, help="runs of this schedule at once")
     schedule.set_defaults(func=run_schedule)
@@ -52,14 +55,14 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pipeline(hpo: bool):
     """The pipeline function; the HPO one is imported only when asked for."""
-    from trainer.errors import ConfigError
+    from llmft.trainer.errors import ConfigError
 
     if not hpo:
-        from pipelines.llm_finetune import llm_finetune_pipeline
+        from llmft.pipelines.llm_finetune import llm_finetune_pipeline
 
         return llm_finetune_pipeline
     try:
-        from pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
+        from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
     except ImportError as exc:
         raise ConfigError(f"--hpo: cannot import pipelines.llm_finetune_hpo ({exc})") from None
     return llm_finetune_hpo_pipeline
@@ -67,14 +70,16 @@ def _pipeline(hpo: bool):
 
 def _guarded(func):
     """Print a user error (LlmftError) as one line and exit 1, like the rest of the CLI."""
+
     def wrapper(args: argparse.Namespace) -> int:
-        from trainer.errors import LlmftError
+        from llmft.trainer.errors import LlmftError
 
         try:
             return func(args)
         except LlmftError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+
     wrapper.__name__ = func.__name__
     wrapper.__doc__ = func.__doc__
     return wrapper
@@ -93,15 +98,19 @@ def run_compile(args: argparse.Namespace) -> int:
 
 def validate_cron(expression: str) -> str:
     """KFP's cron has six fields (seconds first); a five-field Unix cron is refused with the fix."""
-    from trainer.errors import ConfigError
+    from llmft.trainer.errors import ConfigError
 
     fields = expression.split()
     if len(fields) == 5:
-        raise ConfigError(f"--cron {expression!r} has 5 fields, but KFP cron expressions have six, seconds first. "
-                          f"Did you mean \"0 {expression}\"?")
+        raise ConfigError(
+            f"--cron {expression!r} has 5 fields, but KFP cron expressions have six, seconds first. "
+            f'Did you mean "0 {expression}"?'
+        )
     if len(fields) != 6:
-        raise ConfigError(f"--cron {expression!r} has {len(fields)} fields; KFP needs six: "
-                          "second minute hour day-of-month month day-of-week (e.g. \"0 0 3 * * *\")")
+        raise ConfigError(
+            f"--cron {expression!r} has {len(fields)} fields; KFP needs six: "
+            'second minute hour day-of-month month day-of-week (e.g. "0 0 3 * * *")'
+        )
     bad = [f for f in fields if not CRON_FIELD.match(f)]
     if bad:
         raise ConfigError(f"--cron {expression!r}: field(s) {bad} are not cron syntax (digits, * , - / ?)")
@@ -116,13 +125,19 @@ def _client(args: argparse.Namespace):
 
 @_guarded
 def run_submit(args: argparse.Namespace) -> int:
-    from pipelines.defaults import parse_arguments
+    from llmft.pipelines.defaults import parse_arguments
 
     pipeline = _pipeline(args.hpo)
     arguments = parse_arguments(args.arguments, pipeline)
     result = _client(args).create_run_from_pipeline_func(
-        pipeline, arguments=arguments, run_name=args.run_name, experiment_name=args.experiment,
-        namespace=args.namespace, service_account=args.service_account, enable_caching=False)
+        pipeline,
+        arguments=arguments,
+        run_name=args.run_name,
+        experiment_name=args.experiment,
+        namespace=args.namespace,
+        service_account=args.service_account,
+        enable_caching=False,
+    )
     print(f"submitted run {result.run_id} in experiment {args.experiment!r} on {args.host}")
     return 0
 
@@ -133,7 +148,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
     from kfp import compiler
 
-    from pipelines.defaults import parse_arguments
+    from llmft.pipelines.defaults import parse_arguments
 
     cron = validate_cron(args.cron)
     pipeline = _pipeline(args.hpo)
@@ -144,25 +159,37 @@ def run_schedule(args: argparse.Namespace) -> int:
         package = str(Path(tmp) / "pipeline.yaml")
         compiler.Compiler().compile(pipeline, package_path=package)
         job = client.create_recurring_run(
-            experiment_id=experiment.experiment_id, job_name=args.name, cron_expression=cron,
-            max_concurrency=args.max_concurrency, no_catchup=True, params=arguments,
-            pipeline_package_path=package, enable_caching=False, service_account=args.service_account)
+            experiment_id=experiment.experiment_id,
+            job_name=args.name,
+            cron_expression=cron,
+            max_concurrency=args.max_concurrency,
+            no_catchup=True,
+            params=arguments,
+            pipeline_package_path=package,
+            enable_caching=False,
+            service_account=args.service_account,
+        )
     print(f"recurring run {args.name!r} ({job.recurring_run_id}) scheduled with cron {cron!r}")
     return 0
 
 
 @_guarded
 def run_local(args: argparse.Namespace) -> int:
-    from pipelines.defaults import DEFAULT_WORK_DIR, parse_arguments
-    from pipelines.local_run import run_pipeline_locally
+    from llmft.pipelines.defaults import DEFAULT_WORK_DIR, parse_arguments
+    from llmft.pipelines.local_run import run_pipeline_locally
 
     pipeline = _pipeline(args.hpo)
     extra_defaults = {}
     if args.hpo:
-        from pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS as extra_defaults
+        from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS as extra_defaults
     overrides = parse_arguments(args.arguments, pipeline)
     started = time.perf_counter()
-    outcome = run_pipeline_locally(overrides, work_dir=args.work_dir or DEFAULT_WORK_DIR, verbose=args.verbose,
-                                   pipeline=pipeline, extra_defaults=extra_defaults)
+    outcome = run_pipeline_locally(
+        overrides,
+        work_dir=args.work_dir or DEFAULT_WORK_DIR,
+        verbose=args.verbose,
+        pipeline=pipeline,
+        extra_defaults=extra_defaults,
+    )
     print(outcome.render(time.perf_counter() - started))
     return 0 if outcome.succeeded else 1

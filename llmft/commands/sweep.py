@@ -13,21 +13,43 @@
   gpus_per_worker, method, image, data_root, mlflow_experiment;
 - fixed trainer settings of every trial: ``train.<key>=<value>`` (e.g. ``train.max_steps=300``).
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-JOB_KEYS = {"model": str, "data": str, "pvc_name": str, "num_workers": int, "gpus_per_worker": int,
-            "method": str, "image": str, "data_root": str, "mlflow_experiment": str}
-JOB_DEFAULTS = {"model": "Qwen/Qwen2.5-7B-Instruct", "pvc_name": "llmft-data", "num_workers": 1,
-                "gpus_per_worker": 1, "method": "lora"}
+JOB_KEYS = {
+    "model": str,
+    "data": str,
+    "pvc_name": str,
+    "num_workers": int,
+    "gpus_per_worker": int,
+    "method": str,
+    "image": str,
+    "data_root": str,
+    "mlflow_experiment": str,
+}
+JOB_DEFAULTS = {
+    "model": "Qwen/Qwen2.5-7B-Instruct",
+    "pvc_name": "llmft-data",
+    "num_workers": 1,
+    "gpus_per_worker": 1,
+    "method": "lora",
+}
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "katib" / "experiment_template.yaml"
 # The settings katib/experiment_template.yaml was rendered from (a test keeps the two equal).
 TEMPLATE_ARGS = ("data=/data/tokenized/CACHE_KEY",)
-LOCAL_TRIAL_DEFAULTS = ("max_steps=8", "eval_every=4", "log_every=4", "batch.global_sequences=4",
-                        "eval.max_sequences=16", "observe.progress_bar=false", "observe.tensorboard=false")
+LOCAL_TRIAL_DEFAULTS = (
+    "max_steps=8",
+    "eval_every=4",
+    "log_every=4",
+    "batch.global_sequences=4",
+    "eval.max_sequences=16",
+    "observe.progress_bar=false",
+    "observe.tensorboard=false",
+)
 """Fixed trainer settings of a local trial on the tiny model (a few seconds each on a laptop CPU)."""
 
 
@@ -57,8 +79,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     local = sub.add_parser("run-local", help="the same search space with Optuna, trials in sequence, on this machine")
     local.add_argument("settings", nargs="*", metavar="key=value", help="sweep and train.<key> settings")
     local.add_argument("--trials", type=int, required=True, help="number of trials")
-    local.add_argument("--algorithm", choices=("random", "tpe", "grid", "bayesianoptimization"), default=None,
-                       help="suggestion algorithm (default: the sweep's, tpe)")
+    local.add_argument(
+        "--algorithm",
+        choices=("random", "tpe", "grid", "bayesianoptimization"),
+        default=None,
+        help="suggestion algorithm (default: the sweep's, tpe)",
+    )
     local.add_argument("--model", help="model directory or hub id (default: build the tiny offline model)")
     local.add_argument("--data", help="tokenized dataset dir (default: the shipped sample, prepared and tokenized)")
     local.add_argument("--workdir", default="runs/sweep-local", help="trial outputs and logs (default %(default)s)")
@@ -74,10 +100,13 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_cluster(args: argparse.Namespace):
     """The one cluster module (tests replace this factory to inject a fake kubernetes client)."""
-    from components.lib.cluster import Cluster
+    from llmft.components.lib.cluster import Cluster
 
-    return Cluster(getattr(args, "namespace", None), config_file=getattr(args, "kubeconfig", None),
-                   context=getattr(args, "context", None))
+    return Cluster(
+        getattr(args, "namespace", None),
+        config_file=getattr(args, "kubeconfig", None),
+        context=getattr(args, "context", None),
+    )
 
 
 def _fail(exc: Exception) -> int:
@@ -87,9 +116,10 @@ def _fail(exc: Exception) -> int:
 
 # --- create -------------------------------------------------------------------------------------
 
+
 def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
     """``key=value`` items -> (sweep overrides, job settings, fixed train overrides)."""
-    from katib.errors import SweepError
+    from llmft.katib.errors import SweepError
 
     sweep, job, train = [], {}, []
     for item in items:
@@ -110,22 +140,23 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
 
 def build_from_settings(items: list[str]):
     """The Experiment (typed model) for ``llmft sweep create key=value ...``."""
-    from components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
-    from katib.experiment import SweepSpec, apply_overrides
+    from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
+    from llmft.katib.experiment import SweepSpec, apply_overrides
 
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)
     fixed = dict(o.split("=", 1) for o in DEFAULT_TRIAL_OVERRIDES)
     fixed.update(o.split("=", 1) for o in train)
-    return build_sweep_experiment(spec, **{**JOB_DEFAULTS, "data": "", **job},
-                                  fixed_overrides=[f"{k}={v}" for k, v in fixed.items()])
+    return build_sweep_experiment(
+        spec, **{**JOB_DEFAULTS, "data": "", **job}, fixed_overrides=[f"{k}={v}" for k, v in fixed.items()]
+    )
 
 
 def run_create(args: argparse.Namespace) -> int:
-    from katib.errors import SweepError
-    from katib.experiment import experiment_dict, load_yaml, to_yaml
-    from katib.webhook_rules import check_experiment
-    from trainer.errors import LlmftError
+    from llmft.katib.errors import SweepError
+    from llmft.katib.experiment import experiment_dict, load_yaml, to_yaml
+    from llmft.katib.webhook_rules import check_experiment
+    from llmft.trainer.errors import LlmftError
 
     try:
         if args.from_yaml:
@@ -145,24 +176,28 @@ def run_create(args: argparse.Namespace) -> int:
     if args.dry_run:
         if not args.output:
             print(text, end="")
-        print(f"dry run: Experiment {body['metadata']['name']} passes Katib's admission rules; nothing submitted",
-              file=sys.stderr)
+        print(
+            f"dry run: Experiment {body['metadata']['name']} passes Katib's admission rules; nothing submitted",
+            file=sys.stderr,
+        )
         return 0
     return _submit(args, body)
 
 
 def _submit(args: argparse.Namespace, body: dict) -> int:
-    from katib import status as katib_status
-    from katib.errors import SweepError
-    from trainer.errors import LlmftError
+    from llmft.katib import status as katib_status
+    from llmft.katib.errors import SweepError
+    from llmft.trainer.errors import LlmftError
 
     cluster = make_cluster(args)
     namespace = args.namespace or body["metadata"].get("namespace") or cluster.namespace
     name = body["metadata"]["name"]
     try:
         katib_status.submit(cluster, body, namespace=namespace)
-        print(f"created Experiment {namespace}/{name} (the namespace needs the label "
-              "katib.kubeflow.org/metrics-collector-injection=enabled for metrics to be collected)")
+        print(
+            f"created Experiment {namespace}/{name} (the namespace needs the label "
+            "katib.kubeflow.org/metrics-collector-injection=enabled for metrics to be collected)"
+        )
         if not args.wait:
             print(f"follow it with: llmft sweep status {name} --watch")
             return 0
@@ -174,17 +209,23 @@ def _submit(args: argparse.Namespace, body: dict) -> int:
 
 # --- status / best -----------------------------------------------------------------------------
 
+
 def run_status(args: argparse.Namespace) -> int:
-    from katib import status as katib_status
-    from katib.errors import SweepError
-    from trainer.errors import LlmftError
+    from llmft.katib import status as katib_status
+    from llmft.katib.errors import SweepError
+    from llmft.trainer.errors import LlmftError
 
     cluster = make_cluster(args)
     namespace = args.namespace or cluster.namespace
     try:
         if args.watch:
-            state = katib_status.wait(cluster, args.name, namespace, poll_s=args.poll_seconds,
-                                      on_update=lambda s: print(s.summary() + "\n", flush=True))
+            state = katib_status.wait(
+                cluster,
+                args.name,
+                namespace,
+                poll_s=args.poll_seconds,
+                on_update=lambda s: print(s.summary() + "\n", flush=True),
+            )
             return 0 if state.phase == "Succeeded" else 1
         state = katib_status.get_state(cluster, args.name, namespace)
     except (SweepError, LlmftError, TimeoutError) as exc:
@@ -194,8 +235,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_best(args: argparse.Namespace) -> int:
-    from katib.errors import SweepError
-    from trainer.errors import LlmftError
+    from llmft.katib.errors import SweepError
+    from llmft.trainer.errors import LlmftError
 
     cluster = make_cluster(args)
     try:
@@ -205,8 +246,8 @@ def run_best(args: argparse.Namespace) -> int:
 
 
 def _print_best(cluster, name: str, namespace: str) -> int:
-    from katib.experiment import GROUP, PLURAL, VERSION
-    from katib.status import best_overrides
+    from llmft.katib.experiment import GROUP, PLURAL, VERSION
+    from llmft.katib.status import best_overrides
 
     for line in best_overrides(cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)):
         print(line)
@@ -215,11 +256,12 @@ def _print_best(cluster, name: str, namespace: str) -> int:
 
 # --- run-local ---------------------------------------------------------------------------------
 
+
 def run_local(args: argparse.Namespace) -> int:
-    from katib.errors import SweepError
-    from katib.experiment import SweepSpec, apply_overrides
-    from katib.local_sweep import run_local_sweep
-    from trainer.errors import LlmftError
+    from llmft.katib.errors import SweepError
+    from llmft.katib.experiment import SweepSpec, apply_overrides
+    from llmft.katib.local_sweep import run_local_sweep
+    from llmft.trainer.errors import LlmftError
 
     try:
         sweep_items, job, train = split_settings(args.settings)
@@ -234,8 +276,13 @@ def run_local(args: argparse.Namespace) -> int:
         fixed.update(o.split("=", 1) for o in train)
         trainer_args = [f"model.name_or_path={model}", f"data={data}", *[f"{k}={v}" for k, v in fixed.items()]]
         print(f"local sweep: {args.trials} trials, algorithm {spec.algorithm}, model {model}, data {data}")
-        result = run_local_sweep(spec, trials=args.trials, trainer_args=trainer_args, workdir=workdir / "trials",
-                                 timeout_s=args.timeout_seconds)
+        result = run_local_sweep(
+            spec,
+            trials=args.trials,
+            trainer_args=trainer_args,
+            workdir=workdir / "trials",
+            timeout_s=args.timeout_seconds,
+        )
     except (SweepError, LlmftError) as exc:
         return _fail(exc)
     print(result.table())
@@ -248,22 +295,22 @@ def run_local(args: argparse.Namespace) -> int:
 def local_inputs(workdir: Path, model: str | None, data: str | None) -> tuple[str, str]:
     """The model and tokenized data of a local sweep: given, or built once under ``workdir`` (tiny model,
     shipped sample data prepared and tokenized; a re-run is a cache hit)."""
-    from trainer.io import is_complete
+    from llmft.trainer.io import is_complete
 
     if model is None:
         model_dir = workdir / "tiny-model"
         if not (model_dir / "config.json").is_file():
-            from trainer.tiny_model import build_tiny_model
+            from llmft.trainer.tiny_model import build_tiny_model
 
             build_tiny_model(model_dir)
         model = str(model_dir)
     if data is None:
         from importlib.resources import files
 
-        from trainer.data.prepare import prepare_dataset
-        from trainer.data.tokenize import tokenize_dataset
+        from llmft.trainer.data.prepare import prepare_dataset
+        from llmft.trainer.data.tokenize import tokenize_dataset
 
-        sample = files("trainer.assets.sample_data") / "alpaca_demo.jsonl"
+        sample = files("llmft.trainer.assets.sample_data") / "alpaca_demo.jsonl"
         prepared = workdir / "prepared"
         if not is_complete(prepared):
             prepare_dataset(str(sample), prepared)

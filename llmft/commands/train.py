@@ -8,6 +8,7 @@ itself). SIGTERM is forwarded to torchrun and, when the ranks committed their
 checkpoint, this command exits 143 (torchrun alone would exit 1 on a signal,
 which the ExitCode restart policy treats as permanent).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,18 @@ EXIT_PREEMPTED = 143
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (trainer/configs/*.yaml are examples); defaults apply without it")
-    parser.add_argument("--nproc", default=None,
-                        help="local processes (ranks) to launch through torchrun: a number, auto/gpu (one per GPU) or cpu. Inside a PyTorchJob pod torchrun is always used and reads the PET_* rendezvous")
+    parser.add_argument(
+        "--nproc",
+        default=None,
+        help=(
+            "local processes (ranks) to launch through torchrun: a number, auto/gpu (one per GPU) or cpu. "
+            "Inside a PyTorchJob pod torchrun is always used and reads the PET_* rendezvous"
+        ),
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, nested with dots: lora.r=16 optim.lr=1e-4")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, nested with dots: lora.r=16 optim.lr=1e-4"
+    )
     parser.set_defaults(func=run)
 
 
@@ -42,13 +50,13 @@ def torchrun_command(nproc: str, argv: list[str], env: dict | None = None) -> li
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if not (env.get("PET_NNODES") or env.get("PET_MASTER_ADDR")):
         cmd.append("--standalone")  # a single machine: local rendezvous on a free port
-    return cmd + ["-m", "trainer", *argv]
+    return cmd + ["-m", "llmft.trainer", *argv]
 
 
 def run(args: argparse.Namespace) -> int:
     in_job = bool(os.environ.get("PET_NNODES") or os.environ.get("PET_MASTER_ADDR"))
     if args.print_config or args.nproc is None or (args.nproc == "1" and not in_job):
-        from trainer.__main__ import main
+        from llmft.trainer.__main__ import main
 
         return main(trainer_argv(args))
     if args.nproc not in ("auto", "gpu", "cpu") and not (args.nproc.isdigit() and int(args.nproc) >= 1):

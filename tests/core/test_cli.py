@@ -1,4 +1,5 @@
 """`llmft --help` and the README's command reference must agree."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,5 @@
+from llmft.trainer.tiny_model import num_parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from trainer.tiny_model import num_parameters
 
 
 def test_tiny_model_loads_with_auto_classes(tiny_model_dir):
@@ -20,7 +19,7 @@ def test_tiny_model_loads_with_auto_classes(tiny_model_dir):
 
 
 def test_tiny_model_is_deterministic(tmp_path):
-    from trainer.tiny_model import build_tiny_model
+    from llmft.trainer.tiny_model import build_tiny_model
 
     a = build_tiny_model(tmp_path / "a")
     b = build_tiny_model(tmp_path / "b")
@@ -33,12 +32,12 @@ def test_atomic_outputs_are_readable_by_other_users(tmp_path):
     import os
     import stat
 
-    from trainer.io import atomic_directory, atomic_write_text
+    from llmft.trainer.io import atomic_directory, atomic_write_text
 
     old = os.umask(0o022)
     try:
         f = atomic_write_text(tmp_path / "a.json", "{}")
-        with atomic_directory(tmp_path / "d") as d:
+        with atomic_directory(tmp_path / "d", kind="test") as d:
             (d / "x").write_text("1")
     finally:
         os.umask(old)

@@ -1,5 +1,6 @@
 """Fixtures for the data-layer tests: JSONL writing, a real Qwen3-style tokenizer,
 a prepared copy of the shipped Alpaca sample."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +25,8 @@ def qwen_tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def prepared_sample(tmp_path_factory) -> Path:
     """The shipped alpaca_demo.jsonl prepared with the defaults."""
-    from trainer.data.prepare import prepare_dataset
-    from trainer.data.samples import sample_path
+    from llmft.trainer.data.prepare import prepare_dataset
+    from llmft.trainer.data.samples import sample_path
 
     out = tmp_path_factory.mktemp("prepared") / "alpaca"
     prepare_dataset(str(sample_path("alpaca_demo")), out)
@@ -35,11 +36,16 @@ def prepared_sample(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokenized_sample(tmp_path_factory, prepared_sample, tiny_model_dir) -> dict:
     """The prepared sample tokenized with the tiny model: packed (2 processes) and unpacked (1)."""
-    from trainer.data.tokenize import tokenize_dataset
+    from llmft.trainer.data.tokenize import tokenize_dataset
 
     root = tmp_path_factory.mktemp("tokenized")
     packed = tokenize_dataset(prepared_sample, str(tiny_model_dir), root / "packed", max_length=256, num_proc=2)
-    unpacked = tokenize_dataset(prepared_sample, str(tiny_model_dir), root / "unpacked", max_length=256,
-                                pack=False, num_proc=1)
-    return {"packed": root / "packed", "unpacked": root / "unpacked",
-            "packed_manifest": packed, "unpacked_manifest": unpacked}
+    unpacked = tokenize_dataset(
+        prepared_sample, str(tiny_model_dir), root / "unpacked", max_length=256, pack=False, num_proc=1
+    )
+    return {
+        "packed": root / "packed",
+        "unpacked": root / "unpacked",
+        "packed_manifest": packed,
+        "unpacked_manifest": unpacked,
+    }

@@ -1,4 +1,5 @@
 """Small helpers shared by the data-layer tests (unique module name: tests/*/ dirs share sys.path)."""
+
 from __future__ import annotations
 
 import json

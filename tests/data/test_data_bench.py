@@ -1,16 +1,19 @@
 """The data benchmark still runs end to end (tiny row count; no timing is asserted)."""
+
 from __future__ import annotations
 
 import argparse
 import json
 
-from benchmarks import data_bench
+from llmft.benchmarks import data_bench
 
 
 def test_data_bench_smoke(tmp_path, tiny_model_dir, capsys):
     parser = argparse.ArgumentParser()
     data_bench.add_arguments(parser)
-    args = parser.parse_args(["--rows", "300", "--model", str(tiny_model_dir), "--num-proc", "2", "--results-dir", str(tmp_path)])
+    args = parser.parse_args(
+        ["--rows", "300", "--model", str(tiny_model_dir), "--num-proc", "2", "--results-dir", str(tmp_path)]
+    )
     assert data_bench.run(args) == 0
     [json_path] = tmp_path.glob("*-cpu-data.json")
     record = json.loads(json_path.read_text())

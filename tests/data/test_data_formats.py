@@ -1,13 +1,13 @@
 """Golden conversions: every accepted format -> the canonical schema, through prepare_dataset."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 from data_helpers import read_jsonl, write_jsonl
-
-from trainer.data.formats import RowReject, convert_row, detect_format
-from trainer.data.prepare import prepare_dataset
+from llmft.trainer.data.formats import RowReject, convert_row, detect_format
+from llmft.trainer.data.prepare import prepare_dataset
 
 U, A, S = "user", "assistant", "system"
 
@@ -19,22 +19,39 @@ def _m(*pairs):
 GOLDEN = [
     (
         "messages",
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
-                      {"role": "assistant", "content": "Bye."}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "Bye."},
+            ]
+        },
         _m((S, "Be brief."), (U, "Hi"), (A, "Hello."), (U, "Bye"), (A, "Bye.")),
     ),
     (
         "messages",  # OpenAI content parts, extra keys dropped
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
-                      {"role": "assistant", "content": "Yo", "name": "bot"}], "id": 7},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+                {"role": "assistant", "content": "Yo", "name": "bot"},
+            ],
+            "id": 7,
+        },
         _m((U, "Hi there"), (A, "Yo")),
     ),
     (
         "sharegpt",
-        {"conversations": [{"from": "system", "value": "Sys"}, {"from": "human", "value": "Q1"},
-                           {"from": "gpt", "value": "A1"}, {"from": "human", "value": "Q2"},
-                           {"from": "gpt", "value": "A2"}]},
+        {
+            "conversations": [
+                {"from": "system", "value": "Sys"},
+                {"from": "human", "value": "Q1"},
+                {"from": "gpt", "value": "A1"},
+                {"from": "human", "value": "Q2"},
+                {"from": "gpt", "value": "A2"},
+            ]
+        },
         _m((S, "Sys"), (U, "Q1"), (A, "A1"), (U, "Q2"), (A, "A2")),
     ),
     ("alpaca", {"instruction": "Add.", "input": "2 and 2", "output": "4"}, _m((U, "Add.\n\n2 and 2"), (A, "4"))),
@@ -47,8 +64,10 @@ GOLDEN = [
     ("prompt_completion", {"prompt": "Hello", "completion": " World"}, _m((U, "Hello"), (A, " World"))),
     (
         "prompt_completion",  # TRL conversational prompt/completion
-        {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
-         "completion": [{"role": "assistant", "content": "A"}]},
+        {
+            "prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+            "completion": [{"role": "assistant", "content": "A"}],
+        },
         _m((S, "S"), (U, "Q"), (A, "A")),
     ),
     ("text", {"text": "Plain text to learn."}, {"text": "Plain text to learn."}),
@@ -99,9 +118,9 @@ def test_canonical_rows_are_compact_json_with_unicode_kept(tmp_path):
 
 
 def test_canonical_bytes_do_not_depend_on_orjson(monkeypatch):
-    import trainer.data.prepare as prepare_module
+    import llmft.trainer.data.prepare as prepare_module
 
-    row = _m((U, "a\"b\\c\n\t\r\b\f\x00\x1f\x7f é日本😀 \u2028 </script>"), (A, "ok"))
+    row = _m((U, 'a"b\\c\n\t\r\b\f\x00\x1f\x7f é日本😀 \u2028 </script>'), (A, "ok"))
     fast = prepare_module.canonical_line(row)
     monkeypatch.setattr(prepare_module, "_fast_dumps", None)
     assert prepare_module.canonical_line(row) == fast
@@ -109,7 +128,9 @@ def test_canonical_bytes_do_not_depend_on_orjson(monkeypatch):
 
 
 def test_lone_surrogate_is_rejected_not_crashing(tmp_path):
-    src = write_jsonl(tmp_path / "s.jsonl", [{"text": "fine"}, '{"text": "broken \\ud800 text"}', {"text": "also fine"}])
+    src = write_jsonl(
+        tmp_path / "s.jsonl", [{"text": "fine"}, '{"text": "broken \\ud800 text"}', {"text": "also fine"}]
+    )
     report = prepare_dataset(str(src), tmp_path / "out", max_reject_fraction=0.5, val_fraction=0.0)
     rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
     assert [(r["line"], r["reason"]) for r in rejects] == [(2, "invalid_json")]

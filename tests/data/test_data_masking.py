@@ -3,21 +3,24 @@
 Checked with the tiny ChatML tokenizer and with a real Qwen3 tokenizer, whose
 template renders an empty think block into the LAST assistant turn only.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from data_helpers import chat, write_jsonl
+from llmft.trainer.data.shards import IGNORE_INDEX, open_split
+from llmft.trainer.data.templates import assistant_spans, end_of_turn_marker
+from llmft.trainer.data.tokenize import tokenize_dataset
 from transformers import AutoTokenizer
 
-from trainer.data.shards import IGNORE_INDEX, open_split
-from trainer.data.templates import assistant_spans, end_of_turn_marker
-from trainer.data.tokenize import tokenize_dataset
-
 MULTI_TURN = chat(
-    "What is the capital of France?", "Paris is the capital of France.",
-    "Say Paris is the capital of France again.", "Paris is the capital of France.",
-    "Name three primary colors.", "Red, blue and yellow.",
+    "What is the capital of France?",
+    "Paris is the capital of France.",
+    "Say Paris is the capital of France again.",
+    "Paris is the capital of France.",
+    "Name three primary colors.",
+    "Red, blue and yellow.",
     system="You are a helpful assistant.",
 )
 EXPECTED = ("Paris is the capital of France.<|im_end|>" * 2) + "Red, blue and yellow.<|im_end|>"
@@ -79,8 +82,10 @@ def test_qwen3_template_last_turn_think_block_is_masked_correctly(tmp_path, qwen
 def test_qwen3_reasoning_is_supervised_where_the_template_keeps_it(tmp_path, qwen_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
     row = chat(
-        "Two plus two?", "<think>Earlier reasoning.</think>Four.",
-        "And three plus three?", "<think>Add them.</think>Six.",
+        "Two plus two?",
+        "<think>Earlier reasoning.</think>Four.",
+        "And three plus three?",
+        "<think>Add them.</think>Six.",
     )
     [(ids, labels)] = _tokenize_rows(tmp_path, qwen_tokenizer_dir, [row])
     runs = _supervised_runs(tok, ids, labels)
@@ -132,7 +137,7 @@ class _UncoveredEncoding:
 
 @pytest.mark.parametrize("which", ["tiny", "qwen"])
 def test_label_spans_follow_token_start_offsets(tiny_model_dir, qwen_tokenizer_dir, which):
-    from trainer.data.encode import _chat_labels
+    from llmft.trainer.data.encode import _chat_labels
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir if which == "tiny" else qwen_tokenizer_dir)
     text = tok.apply_chat_template(MULTI_TURN["messages"], tokenize=False) + " émoji 😀 tail  spaces"

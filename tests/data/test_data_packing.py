@@ -1,6 +1,7 @@
 """Best-fit packing, and the proof that packed documents never see each other:
 on the tiny model in fp32, a packed row's per-token losses and hidden states
 equal those of each document run on its own."""
+
 from __future__ import annotations
 
 import random
@@ -9,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from llmft.trainer.data.packing import best_fit_pack
+from llmft.trainer.data.shards import IGNORE_INDEX, open_split
 from transformers import AutoModelForCausalLM
-
-from trainer.data.packing import best_fit_pack
-from trainer.data.shards import IGNORE_INDEX, open_split
 
 
 def _reference_best_fit(lengths, capacity):
@@ -59,7 +59,8 @@ def test_packed_shards_hold_every_document_once(tokenized_sample):
         def docs(s):
             off = np.asarray(s.doc_offsets)
             return sorted(
-                (tuple(s.input_ids[a:b].tolist()), tuple(s.labels[a:b].tolist())) for a, b in zip(off[:-1], off[1:], strict=True)
+                (tuple(s.input_ids[a:b].tolist()), tuple(s.labels[a:b].tolist()))
+                for a, b in zip(off[:-1], off[1:], strict=True)
             )
 
         assert docs(packed) == docs(plain)
@@ -93,8 +94,12 @@ def test_packed_loss_equals_per_document_losses(tokenized_sample, tiny_model_dir
         seq = split[index]
         ids = torch.from_numpy(seq.input_ids.astype(np.int64))[None]
         with torch.no_grad():
-            packed = model(input_ids=ids, position_ids=torch.from_numpy(seq.position_ids.astype(np.int64))[None],
-                           use_cache=False, output_hidden_states=True)
+            packed = model(
+                input_ids=ids,
+                position_ids=torch.from_numpy(seq.position_ids.astype(np.int64))[None],
+                use_cache=False,
+                output_hidden_states=True,
+            )
             packed_losses = _token_losses(packed.logits[0], _shifted_targets(seq.labels, seq.doc_lengths))
             leaky = model(input_ids=ids, use_cache=False).logits[0]  # negative control: one causal row
             starts = np.concatenate([[0], np.cumsum(seq.doc_lengths)])
@@ -109,4 +114,6 @@ def test_packed_loss_equals_per_document_losses(tokenized_sample, tiny_model_dir
         assert abs(packed_losses[mask].mean().item() - alone[mask].mean().item()) < 1e-5
         torch.testing.assert_close(packed.hidden_states[-1][0], torch.cat(alone_hidden), atol=1e-5, rtol=0)
         later = slice(int(starts[1]), None)
-        assert (leaky[later] - packed.logits[0][later]).abs().max() > 1e-2, "control: cross-document attention must differ"
+        assert (leaky[later] - packed.logits[0][later]).abs().max() > 1e-2, (
+            "control: cross-document attention must differ"
+        )

@@ -1,18 +1,18 @@
 """prepare_dataset: deterministic split, quality gate, atomic outputs, streaming, hub sources."""
+
 from __future__ import annotations
 
 import json
 import random
 import tracemalloc
 
+import llmft.trainer.data.prepare as prepare_module
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
-
-import trainer.data.prepare as prepare_module
-from trainer.data.prepare import prepare_dataset
-from trainer.data.samples import sample_names, sample_path
-from trainer.errors import DataError
-from trainer.io import is_complete, sha256_file
+from llmft.trainer.data.prepare import prepare_dataset
+from llmft.trainer.data.samples import sample_names, sample_path
+from llmft.trainer.errors import DataError
+from llmft.trainer.io import is_complete, sha256_file
 
 
 def _rows(n: int) -> list[dict]:

@@ -1,4 +1,5 @@
 """Every reject reason, with its 1-based source line, in rejects.jsonl and report.json."""
+
 from __future__ import annotations
 
 import csv
@@ -6,9 +7,8 @@ import json
 
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
-
-from trainer.data.formats import REJECT_FIXES
-from trainer.data.prepare import prepare_dataset
+from llmft.trainer.data.formats import REJECT_FIXES
+from llmft.trainer.data.prepare import prepare_dataset
 
 GOOD = chat("What is two plus two?", "Four.")
 
@@ -18,15 +18,39 @@ BAD_ROWS = [
     ("[1, 2, 3]", "wrong_type", "<row>"),
     (json.dumps({"question": "q", "answer": "a"}), "missing_field", "<row>"),
     (json.dumps({"instruction": "Say hi."}), "missing_field", "output"),
-    (json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}), "missing_field", "messages[0].content"),
+    (
+        json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}),
+        "missing_field",
+        "messages[0].content",
+    ),
     (json.dumps({"messages": "hello"}), "wrong_type", "messages"),
-    (json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}), "wrong_type", "messages[0].content"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}),
+        "wrong_type",
+        "messages[0].content",
+    ),
     (json.dumps({"instruction": "Say hi.", "output": 3}), "wrong_type", "output"),
-    (json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}), "unknown_role", "messages[1].role"),
-    (json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "a"}]}), "unknown_role", "conversations[1].from"),
-    (json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}), "empty_assistant_content", "messages[1].content"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}),
+        "unknown_role",
+        "messages[1].role",
+    ),
+    (
+        json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "a"}]}),
+        "unknown_role",
+        "conversations[1].from",
+    ),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}),
+        "empty_assistant_content",
+        "messages[1].content",
+    ),
     (json.dumps({"prompt": "q", "completion": ""}), "empty_assistant_content", "completion"),
-    (json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}), "no_assistant_turn", "messages"),
+    (
+        json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}),
+        "no_assistant_turn",
+        "messages",
+    ),
     (json.dumps({"messages": []}), "empty_conversation", "messages"),
     (json.dumps({"conversations": []}), "empty_conversation", "conversations"),
     (json.dumps({"instruction": " ", "output": "x"}), "empty_prompt", "instruction"),

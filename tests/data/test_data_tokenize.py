@@ -1,4 +1,5 @@
 """tokenize_dataset: ids, manifest, cache hit/miss, truncation, dropped rows, templates, atomicity."""
+
 from __future__ import annotations
 
 import json
@@ -7,25 +8,50 @@ import shutil
 import numpy as np
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
+from llmft.trainer.data.shards import IGNORE_INDEX, open_split, read_manifest
+from llmft.trainer.data.tokenize import cache_key_for, tokenize_dataset
+from llmft.trainer.errors import DataError
+from llmft.trainer.io import is_complete
 from transformers import AutoTokenizer
 
-from trainer.data.shards import IGNORE_INDEX, open_split, read_manifest
-from trainer.data.tokenize import cache_key_for, tokenize_dataset
-from trainer.errors import DataError
-from trainer.io import is_complete
-
 MANIFEST_KEYS = {
-    "cache_key", "cache_hit", "splits", "max_length", "packed", "truncation", "tokenizer", "source_hash",
-    "dataset_hash", "tokenizer_hash", "chat_template_hash", "vocab_size", "eos_token_id", "pad_token_id",
+    "cache_key",
+    "cache_hit",
+    "splits",
+    "max_length",
+    "packed",
+    "truncation",
+    "tokenizer",
+    "source_hash",
+    "dataset_hash",
+    "tokenizer_hash",
+    "chat_template_hash",
+    "vocab_size",
+    "eos_token_id",
+    "pad_token_id",
 }
-SPLIT_KEYS = {"rows", "documents", "sequences", "tokens", "supervised_tokens", "packing_efficiency", "dropped",
-              "doc_length", "seq_length", "length_histogram", "truncated"}
+SPLIT_KEYS = {
+    "rows",
+    "documents",
+    "sequences",
+    "tokens",
+    "supervised_tokens",
+    "packing_efficiency",
+    "dropped",
+    "doc_length",
+    "seq_length",
+    "length_histogram",
+    "truncated",
+}
 
 
 def _docs(directory, split="train"):
     s = open_split(directory, split)
     offsets = np.asarray(s.doc_offsets)
-    return [(np.asarray(s.input_ids[a:b]), np.asarray(s.labels[a:b])) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    return [
+        (np.asarray(s.input_ids[a:b]), np.asarray(s.labels[a:b]))
+        for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+    ]
 
 
 def _prepared(tmp_path, rows, name="prep"):
@@ -79,7 +105,9 @@ def test_manifest_is_complete_and_consistent(tokenized_sample, prepared_sample):
 
 
 def test_worker_count_does_not_change_the_output(tmp_path, prepared_sample, tiny_model_dir, tokenized_sample):
-    out = tokenize_dataset(prepared_sample, str(tiny_model_dir), tmp_path / "np2", max_length=256, pack=False, num_proc=2)
+    out = tokenize_dataset(
+        prepared_sample, str(tiny_model_dir), tmp_path / "np2", max_length=256, pack=False, num_proc=2
+    )
     assert out["cache_key"] == tokenized_sample["unpacked_manifest"]["cache_key"]
     for name in ("input_ids", "labels", "doc_offsets", "seq_offsets"):
         a = np.load(tmp_path / "np2" / "train" / f"{name}.npy")
@@ -107,15 +135,25 @@ def test_cache_hit_rewrites_nothing_and_any_change_misses(tmp_path, tiny_model_d
     assert edited["cache_hit"] is False and edited["cache_key"] != first["cache_key"]
     assert "cache hit" not in capsys.readouterr().out
     keys = {edited["cache_key"]}
-    for kwargs in ({"max_length": 128}, {"max_length": 64, "pack": False}, {"max_length": 64, "truncation": "truncate"}):
+    for kwargs in (
+        {"max_length": 128},
+        {"max_length": 64, "pack": False},
+        {"max_length": 64, "truncation": "truncate"},
+    ):
         changed = tokenize_dataset(src, str(tiny_model_dir), out, num_proc=1, **kwargs)
         assert changed["cache_hit"] is False and changed["cache_key"] not in keys
         keys.add(changed["cache_key"])
-    other_template = _tokenizer_copy(tiny_model_dir, tmp_path, chat_template=AutoTokenizer.from_pretrained(
-        tiny_model_dir).chat_template.replace("'\\n'", "'\\n\\n'"))
+    other_template = _tokenizer_copy(
+        tiny_model_dir,
+        tmp_path,
+        chat_template=AutoTokenizer.from_pretrained(tiny_model_dir).chat_template.replace("'\\n'", "'\\n\\n'"),
+    )
     changed = tokenize_dataset(src, other_template, out, max_length=64, num_proc=1, truncation="truncate")
     assert changed["cache_hit"] is False and changed["cache_key"] not in keys
-    assert changed["dataset_hash"] == edited["dataset_hash"] and changed["chat_template_hash"] != edited["chat_template_hash"]
+    assert (
+        changed["dataset_hash"] == edited["dataset_hash"]
+        and changed["chat_template_hash"] != edited["chat_template_hash"]
+    )
 
 
 def test_truncation_modes(tmp_path, tiny_model_dir):
@@ -139,7 +177,9 @@ def test_truncation_modes(tmp_path, tiny_model_dir):
 def test_row_without_trainable_token_is_reported_not_trained(tmp_path, tiny_model_dir):
     long_question = " ".join(["what does the scheduler read before lunch?"] * 30)
     src = _prepared(tmp_path, [chat("Q?", "A."), chat(long_question, "Answer."), chat("Q2?", "A2.")])
-    manifest = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "out", max_length=48, truncation="truncate", num_proc=1)
+    manifest = tokenize_dataset(
+        src, str(tiny_model_dir), tmp_path / "out", max_length=48, truncation="truncate", num_proc=1
+    )
     stats = manifest["splits"]["train"]
     assert stats["documents"] == 2 and stats["dropped"] == {"no_trainable_token": 1}
     assert stats["dropped_examples"][0]["line"] == 2
@@ -167,7 +207,9 @@ def test_missing_chat_template_is_a_clear_error_and_fallback_works(tmp_path, tin
     manifest = tokenize_dataset(src, bare, tmp_path / "out", max_length=64, num_proc=1, chat_template="chatml")
     assert manifest["chat_template_source"] == "fallback:chatml" and manifest["end_of_turn"] == "<|im_end|>"
     text_only = _prepared(tmp_path, [{"text": "hello there"}], name="text")
-    assert tokenize_dataset(text_only, bare, tmp_path / "t", max_length=64, num_proc=1)["chat_template_source"] == "none"
+    assert (
+        tokenize_dataset(text_only, bare, tmp_path / "t", max_length=64, num_proc=1)["chat_template_source"] == "none"
+    )
 
 
 def test_template_errors_drop_only_the_failing_rows(tmp_path, tiny_model_dir):
@@ -179,7 +221,9 @@ def test_template_errors_drop_only_the_failing_rows(tmp_path, tiny_model_dir):
     template_file.write_text(strict)
     bare = _tokenizer_copy(tiny_model_dir, tmp_path)
     src = _prepared(tmp_path, [chat("Q?", "A."), chat("Q?", "A.", system="S"), chat("Q3?", "A3.")])
-    manifest = tokenize_dataset(src, bare, tmp_path / "out", max_length=64, num_proc=1, chat_template=str(template_file))
+    manifest = tokenize_dataset(
+        src, bare, tmp_path / "out", max_length=64, num_proc=1, chat_template=str(template_file)
+    )
     stats = manifest["splits"]["train"]
     assert stats["documents"] == 2 and stats["dropped"] == {"template_error": 1}
     assert stats["dropped_examples"][0]["line"] == 2 and "no system role" in stats["dropped_examples"][0]["detail"]
@@ -216,7 +260,7 @@ def _die_in_worker(_task):
 def test_dead_worker_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, monkeypatch):
     from concurrent.futures.process import BrokenProcessPool
 
-    import trainer.data.tokenize as tokenize_module
+    import llmft.trainer.data.tokenize as tokenize_module
 
     src = _prepared(tmp_path, [chat(f"Q{i}?", f"A{i}.") for i in range(20)])
     monkeypatch.setattr(tokenize_module, "encode_chunk", _die_in_worker)
@@ -226,7 +270,7 @@ def test_dead_worker_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, mon
 
 
 def test_chunk_and_copy_block_sizes_do_not_change_the_output(tmp_path, tiny_model_dir, monkeypatch):
-    import trainer.data.tokenize as tokenize_module
+    import llmft.trainer.data.tokenize as tokenize_module
 
     rows = [chat(f"Question {i}?", "the model trains the loss curve quickly. " * (i % 7 + 1)) for i in range(120)]
     rows[50] = chat("Q?", " ".join(["the pipeline packs every checkpoint."] * 40))  # too long: dropped
@@ -237,11 +281,19 @@ def test_chunk_and_copy_block_sizes_do_not_change_the_output(tmp_path, tiny_mode
     monkeypatch.setattr(tokenize_module, "CHUNK_BYTES", 700)
     monkeypatch.setattr(tokenize_module, "COPY_BLOCK_TOKENS", 97)
     small = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "small", max_length=128, num_proc=2)
-    small_plain = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "small_plain", max_length=128, num_proc=2, pack=False)
+    small_plain = tokenize_dataset(
+        src, str(tiny_model_dir), tmp_path / "small_plain", max_length=128, num_proc=2, pack=False
+    )
     for a, b in (("ref", "small"), ("plain", "small_plain")):
         for name in ("input_ids", "labels", "doc_offsets", "seq_offsets"):
-            assert np.array_equal(np.load(tmp_path / a / "train" / f"{name}.npy"),
-                                  np.load(tmp_path / b / "train" / f"{name}.npy")), (a, name)
+            assert np.array_equal(
+                np.load(tmp_path / a / "train" / f"{name}.npy"), np.load(tmp_path / b / "train" / f"{name}.npy")
+            ), (a, name)
     assert small["splits"]["train"]["dropped_examples"] == reference["splits"]["train"]["dropped_examples"]
     assert reference["splits"]["train"]["dropped_examples"][0]["line"] == 51 + 3
-    assert small["splits"]["train"]["rows"] == small_plain["splits"]["train"]["rows"] == plain["splits"]["train"]["rows"] == 120
+    assert (
+        small["splits"]["train"]["rows"]
+        == small_plain["splits"]["train"]["rows"]
+        == plain["splits"]["train"]["rows"]
+        == 120
+    )

@@ -1,4 +1,5 @@
 """Fixtures for the docs/, deploy/ and notebooks/ tests."""
+
 from __future__ import annotations
 
 from pathlib import Path

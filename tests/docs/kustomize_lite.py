@@ -6,6 +6,7 @@ Supported: resources (files), namespace, labels (metadata only), configMapGenera
 from env files with the local-config annotation, and replacements whose targets
 are selected by kind and name with dotted field paths.
 """
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """docs/config-reference.md is generated from trainer/config.py and never stale."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,16 +30,21 @@ def test_committed_reference_is_up_to_date():
 def test_check_fails_on_a_stale_file(tmp_path):
     stale = tmp_path / "config-reference.md"
     subprocess.run([sys.executable, str(SCRIPT), "--output", str(stale)], check=True, capture_output=True, timeout=120)
-    assert subprocess.run([sys.executable, str(SCRIPT), "--check", "--output", str(stale)],
-                          capture_output=True, timeout=120).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, str(SCRIPT), "--check", "--output", str(stale)], capture_output=True, timeout=120
+        ).returncode
+        == 0
+    )
     stale.write_text(stale.read_text().replace("LoRA rank.", "LoRA rank (edited by hand)."))
-    out = subprocess.run([sys.executable, str(SCRIPT), "--check", "--output", str(stale)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--check", "--output", str(stale)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 1 and "stale" in out.stderr
 
 
 def test_every_config_field_appears_with_its_doc_and_default(generator):
-    from trainer.config import iter_fields
+    from llmft.trainer.config import iter_fields
 
     text = generator.render_reference()
     fields = list(iter_fields())
@@ -51,15 +57,23 @@ def test_every_config_field_appears_with_its_doc_and_default(generator):
 
 
 def test_every_field_has_a_non_empty_doc():
-    from trainer.config import iter_fields
+    from llmft.trainer.config import iter_fields
 
     undocumented = [name for name, _t, _d, doc in iter_fields() if len(doc.strip()) < 5]
     assert not undocumented, f"config fields without a doc line: {undocumented}"
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    (None, "`null`"), (True, "`true`"), ("", '`""`'), ("sdpa", "`sdpa`"), (("all-linear",), "`[all-linear]`"),
-    (2e-4, "`0.0002`"), ((), "`[]`"),
-])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "`null`"),
+        (True, "`true`"),
+        ("", '`""`'),
+        ("sdpa", "`sdpa`"),
+        (("all-linear",), "`[all-linear]`"),
+        (2e-4, "`0.0002`"),
+        ((), "`[]`"),
+    ],
+)
 def test_defaults_are_written_as_yaml(generator, value, expected):
     assert generator.format_default(value) == expected

@@ -4,6 +4,7 @@ Core kinds are checked with kubernetes-validate (strict: unknown fields fail);
 the kustomization is rendered both by kustomize_lite and, where installed, by
 `kubectl kustomize`, and the two must agree.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,8 +18,17 @@ import yaml
 from kustomize_lite import read_env_file, render
 
 K8S_VERSION = "1.30"
-CORE_KINDS = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "Secret", "ConfigMap",
-              "Deployment", "Service"}
+CORE_KINDS = {
+    "Namespace",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "PersistentVolumeClaim",
+    "Secret",
+    "ConfigMap",
+    "Deployment",
+    "Service",
+}
 NAMESPACE_LABEL = ("katib.kubeflow.org/metrics-collector-injection", "enabled")
 
 # (apiGroup, resource) -> verbs the project's cluster code needs (components/lib/*, katib/).
@@ -58,8 +68,15 @@ def all_objects(deploy_dir: Path) -> list[tuple[Path, dict]]:
 
 def test_deploy_has_the_manifests_the_cluster_guide_names(deploy_dir):
     names = {p.relative_to(deploy_dir).as_posix() for p in manifest_files(deploy_dir)}
-    for expected in ["namespace.yaml", "role.yaml", "rolebinding.yaml", "pvc-data.yaml",
-                     "secrets/llmft-hf-token.yaml", "secrets/llmft-mlflow.yaml", "secrets/llmft-langfuse.yaml"]:
+    for expected in [
+        "namespace.yaml",
+        "role.yaml",
+        "rolebinding.yaml",
+        "pvc-data.yaml",
+        "secrets/llmft-hf-token.yaml",
+        "secrets/llmft-mlflow.yaml",
+        "secrets/llmft-langfuse.yaml",
+    ]:
         assert expected in names, f"deploy/{expected} is missing"
 
 
@@ -86,8 +103,7 @@ def test_every_manifest_outside_secrets_is_in_the_kustomization(deploy_dir):
     listed = set(kustomization["resources"])
     for resource in listed:
         assert (deploy_dir / resource).is_file(), f"kustomization lists missing file {resource}"
-    on_disk = {p.relative_to(deploy_dir).as_posix() for p in manifest_files(deploy_dir)
-               if p.parent == deploy_dir}
+    on_disk = {p.relative_to(deploy_dir).as_posix() for p in manifest_files(deploy_dir) if p.parent == deploy_dir}
     assert on_disk == listed, f"not applied by `kubectl apply -k deploy/`: {sorted(on_disk - listed)}"
 
 
@@ -107,7 +123,10 @@ def test_rendered_objects_take_params_and_namespace(deploy_dir, rendered):
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     subject = rendered["RoleBinding"]["subjects"][0]
     assert (subject["kind"], subject["name"], subject["namespace"]) == (
-        "ServiceAccount", params["PIPELINE_SERVICE_ACCOUNT"], namespace)
+        "ServiceAccount",
+        params["PIPELINE_SERVICE_ACCOUNT"],
+        namespace,
+    )
     assert rendered["RoleBinding"]["roleRef"]["name"] == rendered["Role"]["metadata"]["name"]
     assert rendered["Namespace"]["metadata"]["name"] == namespace
     for kind in ("Role", "RoleBinding", "PersistentVolumeClaim"):
@@ -129,7 +148,7 @@ def test_kubectl_kustomize_agrees_with_kustomize_lite(deploy_dir, folder):
 
 
 def test_tensorboard_reads_the_data_pvc_with_the_trainer_image(deploy_dir):
-    from components.images import IMAGE_REGISTRY, IMAGE_TAG
+    from llmft.components.images import IMAGE_REGISTRY, IMAGE_TAG
 
     objects = {o["kind"]: o for o in render(deploy_dir / "tensorboard")}
     pod = objects["Deployment"]["spec"]["template"]["spec"]
@@ -171,7 +190,7 @@ def test_role_grants_what_the_cluster_code_needs_and_no_more(rendered):
 
 def code_secret_keys() -> dict[str, set[str]]:
     """Secret name -> keys, as the PyTorchJob builder (and so the pipeline) reads them."""
-    from components.lib.pytorchjob import DEFAULT_SECRET_ENVS
+    from llmft.components.lib.pytorchjob import DEFAULT_SECRET_ENVS
 
     keys: dict[str, set[str]] = {}
     for item in DEFAULT_SECRET_ENVS:
@@ -180,8 +199,11 @@ def code_secret_keys() -> dict[str, set[str]]:
 
 
 def secret_templates(deploy_dir: Path) -> dict[str, set[str]]:
-    return {obj["metadata"]["name"]: set(obj["stringData"])
-            for path in sorted((deploy_dir / "secrets").glob("*.yaml")) for obj in load_objects(path)}
+    return {
+        obj["metadata"]["name"]: set(obj["stringData"])
+        for path in sorted((deploy_dir / "secrets").glob("*.yaml"))
+        for obj in load_objects(path)
+    }
 
 
 def test_secret_templates_carry_the_keys_and_no_values(deploy_dir):
@@ -199,7 +221,7 @@ def test_secret_templates_carry_the_keys_and_no_values(deploy_dir):
 
 @pytest.fixture(scope="module")
 def compiled_pipeline(tmp_path_factory) -> list[dict]:
-    from pipelines.llm_finetune import compile_pipeline
+    from llmft.pipelines.llm_finetune import compile_pipeline
 
     path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
     compile_pipeline(str(path))

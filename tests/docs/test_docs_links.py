@@ -1,5 +1,6 @@
 """Every relative link in README.md, docs/, deploy/ and the notebooks resolves
 (file exists; a `#fragment` into a Markdown file names one of its headings)."""
+
 from __future__ import annotations
 
 import json

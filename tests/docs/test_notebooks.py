@@ -5,6 +5,7 @@ Executed with nbclient on this interpreter (notebooks/execute.py), small setting
 once with kfp.local, 03 sweeps over its tokenized data and logs to its MLflow store,
 04 compares the runs from there. 02 needs no cluster: its cluster cells are guarded.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("llmft_notebooks_execute", REPO_ROOT / "notebooks" / "execute.py")
 executor = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(executor)
-NOTEBOOKS_DIR, ORDER, SMALL, execute_notebook = (executor.NOTEBOOKS_DIR, executor.ORDER, executor.SMALL,
-                                                 executor.execute_notebook)
+NOTEBOOKS_DIR, ORDER, SMALL, execute_notebook = (
+    executor.NOTEBOOKS_DIR,
+    executor.ORDER,
+    executor.SMALL,
+    executor.execute_notebook,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -94,8 +99,12 @@ def test_02_on_a_cluster_compiles_and_guards_every_cluster_call(work):
     out = text_output(nb)
     spec = next(yaml.safe_load_all((work / "llm_finetune_pipeline.yaml").read_text()))
     assert spec["pipelineInfo"]["name"] == "llm-finetune"
-    for action in ("upload the compiled pipeline", "start a run", "create a recurring run",
-                   "wait for the run and list its tasks"):
+    for action in (
+        "upload the compiled pipeline",
+        "start a run",
+        "create a recurring run",
+        "wait for the run and list its tasks",
+    ):
         assert f"would {action}" in out, f"the guarded cell for '{action}' did not explain itself"
     assert "has 5 fields" in out  # the five-field cron was refused with its fix
 

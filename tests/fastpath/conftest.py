@@ -1,4 +1,5 @@
 """Fixtures for the fast-path tests: a small random Qwen2 in fp32 on CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,9 +8,8 @@ import pytest
 @pytest.fixture()
 def small_qwen2():
     import torch
+    from llmft.trainer.fastpath.attention import register
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from trainer.fastpath.attention import register
 
     register()
     torch.manual_seed(0)

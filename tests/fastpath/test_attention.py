@@ -1,12 +1,12 @@
 """Per-document attention: a packed row equals each document run on its own."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-
-from trainer.data.shards import position_ids_for
-from trainer.fastpath.attention import (
+from llmft.trainer.data.shards import position_ids_for
+from llmft.trainer.fastpath.attention import (
     ATTENTION_NAME,
     bucket_max_length,
     cu_seqlens_from_position_ids,
@@ -70,7 +70,7 @@ def test_packed_kwargs_and_boundaries():
 
 
 def test_dropout_and_cache_are_refused(small_qwen2):
-    from trainer.fastpath.attention import varlen_attention_forward
+    from llmft.trainer.fastpath.attention import varlen_attention_forward
 
     q = torch.randn(1, 4, 6, 16)
     kv = torch.randn(1, 2, 6, 16)

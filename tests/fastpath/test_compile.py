@@ -1,13 +1,13 @@
 """compile_decoder_layers compiles in place and keeps the model's function."""
+
 from __future__ import annotations
 
 import numpy as np
 import torch
-
-from trainer.data.shards import position_ids_for
-from trainer.fastpath.attention import packed_attention_kwargs
-from trainer.fastpath.compile import compile_decoder_layers, decoder_layers
-from trainer.fastpath.loss import fused_causal_lm_loss, shift_packed_labels
+from llmft.trainer.data.shards import position_ids_for
+from llmft.trainer.fastpath.attention import packed_attention_kwargs
+from llmft.trainer.fastpath.compile import compile_decoder_layers, decoder_layers
+from llmft.trainer.fastpath.loss import fused_causal_lm_loss, shift_packed_labels
 
 
 def test_compiled_layers_give_the_same_fused_loss(small_qwen2):

@@ -1,11 +1,13 @@
 """FLOP counter arithmetic on the benchmark's model shapes."""
+
 from __future__ import annotations
 
 import pytest
+from llmft.trainer.fastpath import flops
 
-from trainer.fastpath import flops
-
-QWEN_1_5B = flops.ModelShape(n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, intermediate=8960, vocab=151936)
+QWEN_1_5B = flops.ModelShape(
+    n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, intermediate=8960, vocab=151936
+)
 
 
 def test_matmul_params_of_qwen2_5_1_5b():
@@ -17,9 +19,7 @@ def test_matmul_params_of_qwen2_5_1_5b():
 def test_full_is_6n_and_lora_is_4n_plus_adapters():
     n = flops.matmul_params(QWEN_1_5B)
     assert flops.dense_flops_per_token(QWEN_1_5B, "full") == 6 * n
-    adapters = 28 * 6 * 16 * (
-        (1536 + 1536) + 2 * (1536 + 256) + (1536 + 1536) + 2 * (1536 + 8960) + (8960 + 1536)
-    )
+    adapters = 28 * 6 * 16 * ((1536 + 1536) + 2 * (1536 + 256) + (1536 + 1536) + 2 * (1536 + 8960) + (8960 + 1536))
     assert flops.lora_adapter_flops_per_token(QWEN_1_5B, 16) == adapters
     assert flops.dense_flops_per_token(QWEN_1_5B, "lora", lora_rank=16) == 4 * n + adapters
     only_q = flops.lora_adapter_flops_per_token(QWEN_1_5B, 8, ["q_proj"])
@@ -48,8 +48,14 @@ def test_step_and_per_token_flops_and_mfu():
 
 def test_shape_from_hf_config_dict_and_errors():
     shape = flops.shape_from_config(
-        {"num_hidden_layers": 28, "hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2,
-         "intermediate_size": 8960, "vocab_size": 151936}
+        {
+            "num_hidden_layers": 28,
+            "hidden_size": 1536,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "intermediate_size": 8960,
+            "vocab_size": 151936,
+        }
     )
     assert shape == QWEN_1_5B
     with pytest.raises(ValueError, match="unknown LoRA target"):

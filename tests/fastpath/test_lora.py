@@ -1,12 +1,12 @@
 """The fused LoRA linear computes what PEFT's lora.Linear computes, forward and backward."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears
+from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections
 from peft import LoraConfig, get_peft_model
-
-from trainer.fastpath.lora import count_fused, fuse_lora_linears
-from trainer.fastpath.lora_groups import count_grouped, group_lora_projections
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -77,7 +77,7 @@ def test_disabled_adapter_falls_back(small_qwen2, grouped):
 
 
 def test_both_fused_forms_match_reference_in_float64():
-    from trainer.fastpath.lora import lora_linear
+    from llmft.trainer.fastpath.lora import lora_linear
 
     gen = torch.Generator().manual_seed(3)
     for d_in, d_out in ((12, 40), (40, 12)):

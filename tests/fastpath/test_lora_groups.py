@@ -1,13 +1,13 @@
 """Grouped sibling projections (q/k/v, gate/up) compute what PEFT's separate LoRA linears compute."""
+
 from __future__ import annotations
 
+import llmft.trainer.fastpath.lora as lora_module
 import pytest
 import torch
+from llmft.trainer.fastpath.lora import fuse_lora_linears, take_given_output
+from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections, grouped_lora_linear
 from peft import LoraConfig, get_peft_model
-
-import trainer.fastpath.lora as lora_module
-from trainer.fastpath.lora import fuse_lora_linears, take_given_output
-from trainer.fastpath.lora_groups import count_grouped, group_lora_projections, grouped_lora_linear
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -55,8 +55,13 @@ def test_grouped_function_matches_separate_projections_in_float64(with_bias):
 
     ref_in = leaves()
     xr, wr, br, ar, brr = ref_in[0], ref_in[1:4], ref_in[4:7], ref_in[7:10], ref_in[10:13]
-    ref = torch.cat([xr @ w.t() + (b if b is not None else 0) + s * (xr @ a.t()) @ bb.t()
-                     for w, b, a, bb, s in zip(wr, br, ar, brr, scalings, strict=True)], dim=-1)
+    ref = torch.cat(
+        [
+            xr @ w.t() + (b if b is not None else 0) + s * (xr @ a.t()) @ bb.t()
+            for w, b, a, bb, s in zip(wr, br, ar, brr, scalings, strict=True)
+        ],
+        dim=-1,
+    )
     ref.backward(g)
 
     mine = leaves()
@@ -90,8 +95,15 @@ def test_compiled_layers_take_the_grouped_path_without_graph_breaks(per_projecti
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    config = Qwen2Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
     model = _peft(Qwen2ForCausalLM(config).float().eval())
     input_ids = torch.randint(0, 97, (1, 10))
     ref_out, ref_grads = _loss_and_grads(model, input_ids)

@@ -1,11 +1,11 @@
 """Fused linear cross-entropy == the reference F.cross_entropy on full logits."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from trainer.fastpath.loss import IGNORE_INDEX, fused_linear_cross_entropy, shift_packed_labels
+from llmft.trainer.fastpath.loss import IGNORE_INDEX, fused_linear_cross_entropy, shift_packed_labels
 
 
 def _case(seed: int, tokens: int = 37, dim: int = 16, vocab: int = 53):
@@ -19,7 +19,9 @@ def _case(seed: int, tokens: int = 37, dim: int = 16, vocab: int = 53):
 
 def _reference(hidden, weight, targets, reduction):
     logits = hidden @ weight.t()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

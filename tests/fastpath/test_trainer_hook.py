@@ -1,12 +1,12 @@
-"""trainer.fastpath.fused_token_nll_sum is a drop-in for trainer.loss.token_nll_sum."""
+"""llmft.trainer.fastpath.fused_token_nll_sum is a drop-in for trainer.loss.token_nll_sum."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-
-from trainer.data.shards import position_ids_for
-from trainer.fastpath import apply_kernels, fused_token_nll_sum, packed_forward_kwargs
+from llmft.trainer.data.shards import position_ids_for
+from llmft.trainer.fastpath import apply_kernels, fused_token_nll_sum, packed_forward_kwargs
 
 
 def _batch(vocab: int, lengths: list[int]) -> dict:
@@ -18,13 +18,18 @@ def _batch(vocab: int, lengths: list[int]) -> dict:
     targets[0, np.cumsum(lengths)[:-1] - 1] = -100  # never across documents
     targets[0, :3] = -100
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
-    return {"input_ids": ids, "position_ids": positions, "targets": targets, "cu_seqlens": cu,
-            "max_seqlen": max(lengths)}
+    return {
+        "input_ids": ids,
+        "position_ids": positions,
+        "targets": targets,
+        "cu_seqlens": cu,
+        "max_seqlen": max(lengths),
+    }
 
 
 def test_fused_sum_equals_the_trainers_loss(small_qwen2):
-    pytest.importorskip("trainer.loss")
-    from trainer.loss import token_nll_sum
+    pytest.importorskip("llmft.trainer.loss")
+    from llmft.trainer.loss import token_nll_sum
 
     batch = _batch(small_qwen2.config.vocab_size, [6, 10, 4])
     with torch.no_grad():
@@ -51,7 +56,9 @@ def test_forward_kwargs_bucket_the_longest_document():
     batch = _batch(50, [6, 200])
     kwargs = packed_forward_kwargs(batch)
     assert kwargs["max_length_q"] == 256 and kwargs["cu_seq_lens_q"].tolist() == [0, 6, 206]
-    assert "cu_seq_lens_q" not in packed_forward_kwargs({"position_ids": batch["position_ids"], "input_ids": batch["input_ids"]})
+    assert "cu_seq_lens_q" not in packed_forward_kwargs(
+        {"position_ids": batch["position_ids"], "input_ids": batch["input_ids"]}
+    )
 
 
 def test_apply_kernels_on_a_plain_model_only_compiles(small_qwen2):

@@ -1,5 +1,6 @@
 """Fixtures of the Kubernetes-facing tests: real CRD schemas, a Pod validator
 (kubernetes-validate), and a Cluster wired to fakes at the kubernetes-client boundary."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,8 +10,7 @@ import jsonschema
 import pytest
 import yaml
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
-
-from components.lib.cluster import Cluster
+from llmft.components.lib.cluster import Cluster
 
 KUBERNETES_VERSION = "1.30.0"
 """Core schemas to validate pod pieces against (kubernetes client 30.x = Kubernetes 1.30)."""

@@ -6,6 +6,7 @@ API objects, and support ``async_req=True`` the way the TrainingClient calls the
 Bodies sent as SDK models are serialized with the real kubernetes ApiClient, i.e.
 exactly what would go over the wire.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,10 @@ from kubernetes.client.rest import ApiException
 
 
 def api_error(status: int, message: str) -> ApiException:
-    exc = ApiException(status=status, reason={400: "BadRequest", 403: "Forbidden", 404: "NotFound",
-                                              409: "Conflict"}.get(status, "Error"))
+    exc = ApiException(
+        status=status,
+        reason={400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict"}.get(status, "Error"),
+    )
     exc.body = json.dumps({"kind": "Status", "status": "Failure", "message": message, "code": status})
     return exc
 
@@ -77,8 +80,9 @@ class FakeCustomObjectsApi:
         if key in self.objects:
             raise api_error(409, f'{plural}.{group} "{key[-1]}" already exists')
         stored = copy.deepcopy(body)
-        stored["metadata"].update(namespace=namespace, resourceVersion=self._next_version(), generation=1,
-                                  uid=f"uid-{key[-1]}")
+        stored["metadata"].update(
+            namespace=namespace, resourceVersion=self._next_version(), generation=1, uid=f"uid-{key[-1]}"
+        )
         self.objects[key] = stored
         return copy.deepcopy(stored)
 
@@ -96,9 +100,12 @@ class FakeCustomObjectsApi:
     @_maybe_async
     def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
         self.calls.append(("list", group, version, namespace, plural, label_selector))
-        items = [copy.deepcopy(o) for (g, v, ns, p, _n), o in self.objects.items()
-                 if (g, v, ns, p) == (group, version, namespace, plural)
-                 and _labels_match(o["metadata"].get("labels") or {}, label_selector)]
+        items = [
+            copy.deepcopy(o)
+            for (g, v, ns, p, _n), o in self.objects.items()
+            if (g, v, ns, p) == (group, version, namespace, plural)
+            and _labels_match(o["metadata"].get("labels") or {}, label_selector)
+        ]
         return {"items": items}
 
     @_maybe_async
@@ -112,9 +119,11 @@ class FakeCustomObjectsApi:
         if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
             raise api_error(409, "the object has been modified; please apply your changes to the latest version")
         stored = copy.deepcopy(body)
-        stored["metadata"].update(resourceVersion=self._next_version(), uid=current["metadata"]["uid"],
-                                  generation=current["metadata"]["generation"]
-                                  + (body.get("spec") != current.get("spec")))
+        stored["metadata"].update(
+            resourceVersion=self._next_version(),
+            uid=current["metadata"]["uid"],
+            generation=current["metadata"]["generation"] + (body.get("spec") != current.get("spec")),
+        )
         stored["status"] = current.get("status", {})
         self.objects[key] = stored
         return copy.deepcopy(stored)
@@ -165,8 +174,10 @@ class FakeCoreV1Api:
         self.log_reads: list[dict] = []
 
     def add_pod(self, namespace: str, name: str, labels: dict, phase: str = "Running", log: str = "") -> None:
-        pod = client.V1Pod(metadata=client.V1ObjectMeta(name=name, namespace=namespace, labels=labels),
-                           status=client.V1PodStatus(phase=phase))
+        pod = client.V1Pod(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace, labels=labels),
+            status=client.V1PodStatus(phase=phase),
+        )
         self.pods.setdefault(namespace, []).append(pod)
         self.logs[(namespace, name)] = log
 

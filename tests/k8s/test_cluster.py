@@ -1,23 +1,30 @@
 """The thin cluster module: namespace discovery, lazy configuration, calls and errors."""
+
 from __future__ import annotations
 
 import pytest
 import yaml
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
-
-from components.lib.cluster import Cluster, ClusterError, current_namespace
-from trainer.errors import LlmftError
+from llmft.components.lib.cluster import Cluster, ClusterError, current_namespace
+from llmft.trainer.errors import LlmftError
 
 G, V, P = "kubeflow.org", "v1beta1", "experiments"
 
 
 def _kubeconfig(path, namespace=None):
     context = {"cluster": "c", "user": "u", **({"namespace": namespace} if namespace else {})}
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "ctx",
-        "clusters": [{"name": "c", "cluster": {"server": "https://10.0.0.1:6443"}}],
-        "contexts": [{"name": "ctx", "context": context}],
-        "users": [{"name": "u", "user": {"token": "not-a-real-token"}}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "ctx",
+                "clusters": [{"name": "c", "cluster": {"server": "https://10.0.0.1:6443"}}],
+                "contexts": [{"name": "ctx", "context": context}],
+                "users": [{"name": "u", "user": {"token": "not-a-real-token"}}],
+            }
+        )
+    )
     return path
 
 
@@ -37,8 +44,9 @@ def test_namespace_falls_back_to_kubeconfig_context_then_default(tmp_path):
 
 
 def test_configuration_is_loaded_lazily_from_kubeconfig(tmp_path):
-    cluster = Cluster(config_file=str(_kubeconfig(tmp_path / "config", namespace="ml-team")),
-                      service_account_dir=tmp_path / "absent")
+    cluster = Cluster(
+        config_file=str(_kubeconfig(tmp_path / "config", namespace="ml-team")), service_account_dir=tmp_path / "absent"
+    )
     assert cluster._api_client is None, "nothing is loaded at construction"
     assert cluster.namespace == "ml-team"
     assert cluster.api_client.configuration.host == "https://10.0.0.1:6443"
@@ -53,8 +61,12 @@ def test_missing_configuration_is_a_clear_error(tmp_path):
 
 
 def test_custom_object_round_trip_uses_default_and_explicit_namespace(fake_cluster, fake_custom_api):
-    body = {"apiVersion": f"{G}/{V}", "kind": "Experiment", "metadata": {"name": "sweep", "labels": {"a": "b"}},
-            "spec": {"maxTrialCount": 4}}
+    body = {
+        "apiVersion": f"{G}/{V}",
+        "kind": "Experiment",
+        "metadata": {"name": "sweep", "labels": {"a": "b"}},
+        "spec": {"maxTrialCount": 4},
+    }
     created = fake_cluster.create_custom_object(G, V, P, body)
     assert created["metadata"]["namespace"] == "team-a"
     assert fake_cluster.get_custom_object(G, V, P, "sweep")["spec"] == {"maxTrialCount": 4}
@@ -68,8 +80,7 @@ def test_custom_object_round_trip_uses_default_and_explicit_namespace(fake_clust
     assert fake_custom_api.objects == {}
 
 
-@pytest.mark.parametrize("status, hint", [(404, "CRD is not installed"), (409, "already exists"),
-                                          (403, "RBAC")])
+@pytest.mark.parametrize("status, hint", [(404, "CRD is not installed"), (409, "already exists"), (403, "RBAC")])
 def test_api_errors_become_cluster_errors_with_status_and_fix(status, hint):
     from k8s_fakes import api_error
 

@@ -1,5 +1,6 @@
 """Images are pinned in one module, overridable by pinned references only, and the
 Dockerfiles agree with it (extras, tag, non-root user, torch first, nothing at start)."""
+
 from __future__ import annotations
 
 import configparser
@@ -8,9 +9,8 @@ import re
 import shlex
 
 import pytest
-
-from components import images
-from trainer.errors import ConfigError
+from llmft.components import images
+from llmft.trainer.errors import ConfigError
 
 
 def _reload_with(monkeypatch, **env):
@@ -21,8 +21,12 @@ def _reload_with(monkeypatch, **env):
 
 @pytest.fixture(autouse=True)
 def _restore_images_module(monkeypatch):
-    for name in (images.TRAINER_IMAGE_ENV, images.PIPELINE_IMAGE_ENV, images.KATIB_IMAGE_ENV,
-                 images.SERVING_RUNTIME_ENV):
+    for name in (
+        images.TRAINER_IMAGE_ENV,
+        images.PIPELINE_IMAGE_ENV,
+        images.KATIB_IMAGE_ENV,
+        images.SERVING_RUNTIME_ENV,
+    ):
         monkeypatch.delenv(name, raising=False)
     importlib.reload(images)
     yield
@@ -46,16 +50,21 @@ def test_image_tag_is_the_package_version(repo_root):
 
 def test_environment_overrides_by_tag_or_digest(monkeypatch):
     digest = "registry.example.com/ml/llmft-trainer@sha256:" + "0123456789abcdef" * 4
-    module = _reload_with(monkeypatch, LLMFT_TRAINER_IMAGE=digest,
-                          LLMFT_PIPELINE_IMAGE="localhost:5000/llmft-pipeline:2026.11.1",
-                          LLMFT_SERVING_RUNTIME="my-vllm-runtime")
+    module = _reload_with(
+        monkeypatch,
+        LLMFT_TRAINER_IMAGE=digest,
+        LLMFT_PIPELINE_IMAGE="localhost:5000/llmft-pipeline:2026.11.1",
+        LLMFT_SERVING_RUNTIME="my-vllm-runtime",
+    )
     assert module.TRAINER_IMAGE == digest
     assert module.PIPELINE_IMAGE == module.KATIB_IMAGE == "localhost:5000/llmft-pipeline:2026.11.1"
     assert module.SERVING_RUNTIME == "my-vllm-runtime"
 
 
-@pytest.mark.parametrize("reference", ["registry.example.com/ml/llmft-trainer", "llmft-trainer:latest",
-                                       "Registry/Trainer:1", "trainer@sha256:short"])
+@pytest.mark.parametrize(
+    "reference",
+    ["registry.example.com/ml/llmft-trainer", "llmft-trainer:latest", "Registry/Trainer:1", "trainer@sha256:short"],
+)
 def test_unpinned_or_malformed_overrides_are_refused(monkeypatch, reference):
     with pytest.raises(ConfigError, match="LLMFT_TRAINER_IMAGE"):
         _reload_with(monkeypatch, LLMFT_TRAINER_IMAGE=reference)
@@ -120,6 +129,9 @@ def test_constraints_pin_every_requirement_the_images_install(repo_root):
             pins[name.lower().replace("_", "-")] = version
     assert "torch" not in pins, "torch is pinned by ARG TORCH_VERSION and installed first, alone"
     assert sorted(wanted - set(pins)) == [], "every install requirement must be pinned"
-    trainer_steps = " ".join(shlex.split(args)[-1] for op, args in _instructions(repo_root / "docker/Dockerfile.trainer")
-                             if op == "RUN" and "deepspeed==" in args)
+    trainer_steps = " ".join(
+        shlex.split(args)[-1]
+        for op, args in _instructions(repo_root / "docker/Dockerfile.trainer")
+        if op == "RUN" and "deepspeed==" in args
+    )
     assert f"deepspeed=={pins['deepspeed']}" in trainer_steps

@@ -1,13 +1,13 @@
 """Every PyTorchJob variant the builder makes is admitted: the real CRD schema, the
 operator's webhook rules, and kubernetes-validate for the pod template."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
-
-from components import images
-from components.lib.pytorchjob import (
+from llmft.components import images
+from llmft.components.lib.pytorchjob import (
     DEFAULT_SECRET_ENVS,
     ElasticSpec,
     PvcMount,
@@ -20,25 +20,49 @@ from components.lib.pytorchjob import (
     trainer_command,
     trial_pytorchjob_dict,
 )
-from trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError
 
 DATA = PvcMount("llmft-data", "/mnt/data")
 VARIANTS = {
     "one-node-cpu": TrainJobSpec(name="ft-cpu", overrides={"max_steps": 5}),
-    "one-node-gpu": TrainJobSpec(name="ft-1x8", gpus_per_node=8, cpu="32", memory="256Gi", pvcs=(DATA,),
-                                 config_path="/mnt/data/configs/qwen7b.yaml", overrides={"lora.r": 16}),
-    "multi-node": TrainJobSpec(name="ft-2x8", num_nodes=4, gpus_per_node=8, memory="512Gi", pvcs=(
-        DATA, PvcMount("hf-cache", "/mnt/hf", sub_path="cache", read_only=True)),
+    "one-node-gpu": TrainJobSpec(
+        name="ft-1x8",
+        gpus_per_node=8,
+        cpu="32",
+        memory="256Gi",
+        pvcs=(DATA,),
+        config_path="/mnt/data/configs/qwen7b.yaml",
+        overrides={"lora.r": 16},
+    ),
+    "multi-node": TrainJobSpec(
+        name="ft-2x8",
+        num_nodes=4,
+        gpus_per_node=8,
+        memory="512Gi",
+        pvcs=(DATA, PvcMount("hf-cache", "/mnt/hf", sub_path="cache", read_only=True)),
         node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
         tolerations=(Toleration("nvidia.com/gpu"), Toleration("dedicated", "Equal", "ml", "NoExecute")),
-        env={"NCCL_DEBUG": "WARN"}, labels={"kueue.x-k8s.io/queue-name": "gpu"}),
-    "elastic": TrainJobSpec(name="ft-elastic", num_nodes=3, gpus_per_node=4,
-                            elastic=ElasticSpec(min_nodes=2, max_nodes=4, max_restarts=5)),
-    "no-secrets": TrainJobSpec(name="ft-nosecret", secret_envs=(), run_as_user=None,
-                               active_deadline_seconds=None, clean_pod_policy="All",
-                               ttl_seconds_after_finished=3600, nproc_per_node="auto"),
-    "custom-secret": TrainJobSpec(name="ft-secret", secret_envs=(SecretEnv("HF_TOKEN", "my-hf", "token", False),),
-                                  image_pull_secrets=("regcred",), service_account="pipeline-runner"),
+        env={"NCCL_DEBUG": "WARN"},
+        labels={"kueue.x-k8s.io/queue-name": "gpu"},
+    ),
+    "elastic": TrainJobSpec(
+        name="ft-elastic", num_nodes=3, gpus_per_node=4, elastic=ElasticSpec(min_nodes=2, max_nodes=4, max_restarts=5)
+    ),
+    "no-secrets": TrainJobSpec(
+        name="ft-nosecret",
+        secret_envs=(),
+        run_as_user=None,
+        active_deadline_seconds=None,
+        clean_pod_policy="All",
+        ttl_seconds_after_finished=3600,
+        nproc_per_node="auto",
+    ),
+    "custom-secret": TrainJobSpec(
+        name="ft-secret",
+        secret_envs=(SecretEnv("HF_TOKEN", "my-hf", "token", False),),
+        image_pull_secrets=("regcred",),
+        service_account="pipeline-runner",
+    ),
 }
 
 
@@ -60,8 +84,10 @@ def test_every_pod_template_is_a_valid_core_pod(variant, validate_pod):
         validate_pod(replica["template"]["metadata"], replica["template"]["spec"])
 
 
-@pytest.mark.parametrize("field, value", [("resources", {"limits": {"memory": ["64Gi"]}}),
-                                          ("imagePullPolicy", 3), ("imagePullPolicyy", "Always")])
+@pytest.mark.parametrize(
+    "field, value",
+    [("resources", {"limits": {"memory": ["64Gi"]}}), ("imagePullPolicy", 3), ("imagePullPolicyy", "Always")],
+)
 def test_pod_validation_rejects_bad_and_unknown_fields(validate_pod, field, value):
     import kubernetes_validate
 
@@ -108,49 +134,69 @@ def test_secrets_are_secret_key_refs_and_optional():
     for secret in DEFAULT_SECRET_ENVS:
         entry = by_name[secret.env_name]
         assert "value" not in entry, "a credential must never be a literal value"
-        assert entry["valueFrom"]["secretKeyRef"] == {"name": secret.secret_name, "key": secret.key,
-                                                      "optional": True}
+        assert entry["valueFrom"]["secretKeyRef"] == {"name": secret.secret_name, "key": secret.key, "optional": True}
     no_secrets = pytorchjob_to_dict(build_pytorchjob(VARIANTS["no-secrets"]))
     assert "env" not in no_secrets["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
 
 
 def test_elastic_policy_never_carries_nproc():
     job = pytorchjob_to_dict(build_pytorchjob(VARIANTS["elastic"]))
-    assert job["spec"]["elasticPolicy"] == {"minReplicas": 2, "maxReplicas": 4, "maxRestarts": 5,
-                                            "rdzvBackend": "c10d"}
+    assert job["spec"]["elasticPolicy"] == {"minReplicas": 2, "maxReplicas": 4, "maxRestarts": 5, "rdzvBackend": "c10d"}
     assert job["spec"]["nprocPerNode"] == "4"
     assert "Worker" in job["spec"]["pytorchReplicaSpecs"]
 
 
 def test_overrides_render_as_yaml_values_in_order():
-    spec = TrainJobSpec(name="x", config_path="/c.yaml", overrides={
-        "lr": 2e-4, "lora.r": 16, "gradient_checkpointing": False, "lora.target_modules": ["q_proj", "v_proj"],
-        "resume": None, "data": "/mnt/data/tok"})
+    spec = TrainJobSpec(
+        name="x",
+        config_path="/c.yaml",
+        overrides={
+            "lr": 2e-4,
+            "lora.r": 16,
+            "gradient_checkpointing": False,
+            "lora.target_modules": ["q_proj", "v_proj"],
+            "resume": None,
+            "data": "/mnt/data/tok",
+        },
+    )
     command, args = trainer_command(spec)
     assert command == ["llmft"]
-    assert args == ["train", "--nproc", "1", "--config", "/c.yaml", "lr=0.0002", "lora.r=16",
-                    "gradient_checkpointing=false", "lora.target_modules=[q_proj,v_proj]", "resume=null",
-                    "data=/mnt/data/tok"]
+    assert args == [
+        "train",
+        "--nproc",
+        "1",
+        "--config",
+        "/c.yaml",
+        "lr=0.0002",
+        "lora.r=16",
+        "gradient_checkpointing=false",
+        "lora.target_modules=[q_proj,v_proj]",
+        "resume=null",
+        "data=/mnt/data/tok",
+    ]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"name": "Bad_Name"}, "DNS-1035"),
-    ({"name": "a" * 60, "num_nodes": 2}, "63 characters"),
-    ({"num_nodes": 0}, "num_nodes"),
-    ({"nproc_per_node": "two"}, "nproc_per_node"),
-    ({"gpus_per_node": 2, "nproc_per_node": "4"}, "exceeds gpus_per_node"),
-    ({"memory": "lots"}, "memory"),
-    ({"restart_policy": "Sometimes"}, "restart_policy"),
-    ({"clean_pod_policy": "Some"}, "clean_pod_policy"),
-    ({"backoff_limit": -1}, "backoff_limit"),
-    ({"elastic": ElasticSpec(1, 2)}, "num_nodes >= 2"),
-    ({"num_nodes": 3, "elastic": ElasticSpec(4, 5)}, "min_nodes"),
-    ({"pvcs": (PvcMount("data", "relative/path"),)}, "absolute"),
-    ({"pvcs": (PvcMount("data", "/dev/shm"),)}, "distinct"),
-    ({"env": {"HF_TOKEN": "x"}}, "set twice"),
-    ({"overrides": {"bad key": 1}}, "dotted name"),
-    ({"overrides": {"prompt": "a\nb"}}, "newline"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"name": "Bad_Name"}, "DNS-1035"),
+        ({"name": "a" * 60, "num_nodes": 2}, "63 characters"),
+        ({"num_nodes": 0}, "num_nodes"),
+        ({"nproc_per_node": "two"}, "nproc_per_node"),
+        ({"gpus_per_node": 2, "nproc_per_node": "4"}, "exceeds gpus_per_node"),
+        ({"memory": "lots"}, "memory"),
+        ({"restart_policy": "Sometimes"}, "restart_policy"),
+        ({"clean_pod_policy": "Some"}, "clean_pod_policy"),
+        ({"backoff_limit": -1}, "backoff_limit"),
+        ({"elastic": ElasticSpec(1, 2)}, "num_nodes >= 2"),
+        ({"num_nodes": 3, "elastic": ElasticSpec(4, 5)}, "min_nodes"),
+        ({"pvcs": (PvcMount("data", "relative/path"),)}, "absolute"),
+        ({"pvcs": (PvcMount("data", "/dev/shm"),)}, "distinct"),
+        ({"env": {"HF_TOKEN": "x"}}, "set twice"),
+        ({"overrides": {"bad key": 1}}, "dotted name"),
+        ({"overrides": {"prompt": "a\nb"}}, "newline"),
+    ],
+)
 def test_bad_specs_fail_before_the_cluster_with_the_field_named(change, message):
     spec = TrainJobSpec(**{"name": "ok", **change})
     with pytest.raises(ConfigError, match=message):
@@ -161,24 +207,44 @@ def _valid_job() -> dict:
     return pytorchjob_to_dict(build_pytorchjob(VARIANTS["multi-node"]))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda j: j["spec"]["pytorchReplicaSpecs"].update(Chief=copy.deepcopy(j["spec"]["pytorchReplicaSpecs"]["Worker"])),
-     "Master or Worker"),
-    (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2), "exactly one Master"),
-    (lambda j: j["spec"]["pytorchReplicaSpecs"]["Worker"].update(replicas=0), "at least 1"),
-    (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].update(name="main"),
-     "named 'pytorch'"),
-    (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].pop("image"),
-     "image"),
-    (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"].update(containers=[]),
-     "must be specified"),
-    (lambda j: j["spec"].update(nprocPerNode=8), "must be a string"),
-    (lambda j: j["spec"].update(elasticPolicy={"nProcPerNode": 8}), "must not be used with spec.nprocPerNode"),
-    (lambda j: (j["spec"].update(elasticPolicy={"minReplicas": 1}), j["spec"]["pytorchReplicaSpecs"].pop("Worker")),
-     "required with an elastic policy"),
-    (lambda j: j["metadata"].update(name="Not.A.Label"), "DNS-1035"),
-    (lambda j: j["spec"].pop("pytorchReplicaSpecs"), "required"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda j: j["spec"]["pytorchReplicaSpecs"].update(
+                Chief=copy.deepcopy(j["spec"]["pytorchReplicaSpecs"]["Worker"])
+            ),
+            "Master or Worker",
+        ),
+        (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2), "exactly one Master"),
+        (lambda j: j["spec"]["pytorchReplicaSpecs"]["Worker"].update(replicas=0), "at least 1"),
+        (
+            lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].update(
+                name="main"
+            ),
+            "named 'pytorch'",
+        ),
+        (
+            lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].pop("image"),
+            "image",
+        ),
+        (
+            lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"].update(containers=[]),
+            "must be specified",
+        ),
+        (lambda j: j["spec"].update(nprocPerNode=8), "must be a string"),
+        (lambda j: j["spec"].update(elasticPolicy={"nProcPerNode": 8}), "must not be used with spec.nprocPerNode"),
+        (
+            lambda j: (
+                j["spec"].update(elasticPolicy={"minReplicas": 1}),
+                j["spec"]["pytorchReplicaSpecs"].pop("Worker"),
+            ),
+            "required with an elastic policy",
+        ),
+        (lambda j: j["metadata"].update(name="Not.A.Label"), "DNS-1035"),
+        (lambda j: j["spec"].pop("pytorchReplicaSpecs"), "required"),
+    ],
+)
 def test_webhook_rules_reject_what_the_operator_rejects(mutate, message):
     job = _valid_job()
     assert pytorchjob_webhook_errors(job) == []
@@ -196,10 +262,18 @@ def test_crd_schema_catches_type_errors(pytorchjob_crd_errors):
 
 
 def test_trial_template_has_no_name_and_keeps_katib_placeholders(pytorchjob_crd_errors):
-    spec = TrainJobSpec(name="trial", num_nodes=2, gpus_per_node=1, pvcs=(DATA,),
-                        config_path="/mnt/data/configs/sweep.yaml",
-                        overrides={"lr": "${trialParameters.learningRate}", "lora.r": "${trialParameters.loraRank}",
-                                   "output_dir": "/mnt/data/sweeps/${trialSpec.Name}"})
+    spec = TrainJobSpec(
+        name="trial",
+        num_nodes=2,
+        gpus_per_node=1,
+        pvcs=(DATA,),
+        config_path="/mnt/data/configs/sweep.yaml",
+        overrides={
+            "lr": "${trialParameters.learningRate}",
+            "lora.r": "${trialParameters.loraRank}",
+            "output_dir": "/mnt/data/sweeps/${trialSpec.Name}",
+        },
+    )
     trial = trial_pytorchjob_dict(spec)
     assert "name" not in trial["metadata"] and "namespace" not in trial["metadata"]
     args = trial["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"]

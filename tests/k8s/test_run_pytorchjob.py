@@ -1,10 +1,10 @@
 """run_pytorchjob through the real TrainingClient, against fakes at the kubernetes-client
 boundary: what is submitted, how Succeeded / Failed / timeout end, what the logs show."""
+
 from __future__ import annotations
 
 import pytest
-
-from components.lib.pytorchjob import (
+from llmft.components.lib.pytorchjob import (
     TrainingJobFailed,
     TrainJobSpec,
     build_pytorchjob,
@@ -13,15 +13,22 @@ from components.lib.pytorchjob import (
 )
 
 NS = "team-a"
-SPEC = TrainJobSpec(name="ft-run", num_nodes=2, gpus_per_node=8, config_path="/mnt/data/c.yaml",
-                    overrides={"max_steps": 100})
+SPEC = TrainJobSpec(
+    name="ft-run", num_nodes=2, gpus_per_node=8, config_path="/mnt/data/c.yaml", overrides={"max_steps": 100}
+)
 MASTER, WORKER = "ft-run-master-0", "ft-run-worker-0"
 LABELS = {"training.kubeflow.org/job-name": "ft-run"}
 
 
 def _condition(kind: str, status: str = "True", reason: str = "", message: str = "") -> dict:
-    return {"type": kind, "status": status, "reason": reason or f"PyTorchJob{kind}", "message": message,
-            "lastTransitionTime": "2026-11-26T10:00:00Z", "lastUpdateTime": "2026-11-26T10:00:00Z"}
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason or f"PyTorchJob{kind}",
+        "message": message,
+        "lastTransitionTime": "2026-11-26T10:00:00Z",
+        "lastUpdateTime": "2026-11-26T10:00:00Z",
+    }
 
 
 def _controller(core, outcome: str, *, fail_log_lines: int = 0):
@@ -32,8 +39,9 @@ def _controller(core, outcome: str, *, fail_log_lines: int = 0):
         if count == 1:
             status["conditions"] = [_condition("Created")]
             core.add_pod(NS, MASTER, {**LABELS, "training.kubeflow.org/job-role": "master"}, phase="Pending")
-            core.add_pod(NS, WORKER, {**LABELS, "training.kubeflow.org/replica-type": "worker"},
-                         log="worker says hello\n")
+            core.add_pod(
+                NS, WORKER, {**LABELS, "training.kubeflow.org/replica-type": "worker"}, log="worker says hello\n"
+            )
         elif count == 2:
             status["conditions"].append(_condition("Running"))
             status["startTime"] = "2026-11-26T10:00:05Z"
@@ -47,17 +55,25 @@ def _controller(core, outcome: str, *, fail_log_lines: int = 0):
             core.append_log(NS, MASTER, "saved final adapter\n")
         elif count == 4 and outcome == "Failed":
             lines = "".join(f"noise line {i}\n" for i in range(fail_log_lines))
-            core.append_log(NS, MASTER, lines + "Traceback (most recent call last):\n"
-                            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+            core.append_log(
+                NS,
+                MASTER,
+                lines + "Traceback (most recent call last):\n"
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n",
+            )
             core.set_phase(NS, MASTER, "Failed")
-            status["conditions"].append(_condition(
-                "Failed", reason="PyTorchJobFailed", message="PyTorchJob ft-run is failed because 1 Master replica(s) failed."))
+            status["conditions"].append(
+                _condition(
+                    "Failed",
+                    reason="PyTorchJobFailed",
+                    message="PyTorchJob ft-run is failed because 1 Master replica(s) failed.",
+                )
+            )
 
     return on_get
 
 
-def test_succeeded_job_submits_the_intended_body_and_streams_master_log(fake_cluster, fake_custom_api,
-                                                                        fake_core_api):
+def test_succeeded_job_submits_the_intended_body_and_streams_master_log(fake_cluster, fake_custom_api, fake_core_api):
     fake_custom_api.on_get = _controller(fake_core_api, "Succeeded")
     printed: list[str] = []
     result = run_pytorchjob(fake_cluster, build_pytorchjob(SPEC), timeout_s=5, poll_s=0.01, print_fn=printed.append)
@@ -73,8 +89,12 @@ def test_succeeded_job_submits_the_intended_body_and_streams_master_log(fake_clu
     assert [c["type"] for c in result["conditions"]] == ["Created", "Running", "Succeeded"]
     assert result["completion_time"].startswith("2026-11-26 11:00:00")
     log_lines = [p for p in printed if p.startswith(f"[{MASTER}]")]
-    assert log_lines == [f"[{MASTER}] step 1 loss=2.50", f"[{MASTER}] step 2 loss=2.10",
-                         f"[{MASTER}] eval_loss=2.05", f"[{MASTER}] saved final adapter"], "each line once, in order"
+    assert log_lines == [
+        f"[{MASTER}] step 1 loss=2.50",
+        f"[{MASTER}] step 2 loss=2.10",
+        f"[{MASTER}] eval_loss=2.05",
+        f"[{MASTER}] saved final adapter",
+    ], "each line once, in order"
     assert not any("worker says hello" in p for p in printed), "only the master's log is streamed"
     assert {r["container"] for r in fake_core_api.log_reads} == {"pytorch"}
 
@@ -82,8 +102,9 @@ def test_succeeded_job_submits_the_intended_body_and_streams_master_log(fake_clu
 def test_failed_job_raises_with_reason_and_last_log_lines(fake_cluster, fake_custom_api, fake_core_api):
     fake_custom_api.on_get = _controller(fake_core_api, "Failed", fail_log_lines=80)
     with pytest.raises(TrainingJobFailed) as failure:
-        run_pytorchjob(fake_cluster, build_pytorchjob(SPEC), timeout_s=5, poll_s=0.01, log_tail=10,
-                       print_fn=lambda _: None)
+        run_pytorchjob(
+            fake_cluster, build_pytorchjob(SPEC), timeout_s=5, poll_s=0.01, log_tail=10, print_fn=lambda _: None
+        )
     message = str(failure.value)
     assert isinstance(failure.value, RuntimeError)
     assert f"{NS}/ft-run Failed" in message and "1 Master replica(s) failed" in message
@@ -100,8 +121,9 @@ def test_job_that_never_finishes_times_out_with_its_log(fake_cluster, fake_custo
 
 
 def test_submit_conflict_is_reported_not_swallowed(fake_cluster, fake_custom_api):
-    fake_custom_api.create_namespaced_custom_object("kubeflow.org", "v1", NS, "pytorchjobs",
-                                                    pytorchjob_to_dict(build_pytorchjob(SPEC)))
+    fake_custom_api.create_namespaced_custom_object(
+        "kubeflow.org", "v1", NS, "pytorchjobs", pytorchjob_to_dict(build_pytorchjob(SPEC))
+    )
     with pytest.raises(RuntimeError, match="already exists"):
         run_pytorchjob(fake_cluster, build_pytorchjob(SPEC), timeout_s=1, poll_s=0.01, print_fn=lambda _: None)
 

@@ -1,20 +1,20 @@
 """vLLM servability of real PEFT adapters saved from the tiny model, and the local
 generation check (base vs base + adapter) that proves an adapter changes the model."""
+
 from __future__ import annotations
 
 import json
 import shutil
 
 import pytest
-
-from components.lib.servability import (
+from llmft.components.lib.servability import (
     AdapterNotServableError,
     check_vllm_servable,
     lora_module_names,
     require_vllm_servable,
     safetensors_keys,
 )
-from components.lib.serving import AdapterHasNoEffectError, local_generation_check
+from llmft.components.lib.serving import AdapterHasNoEffectError, local_generation_check
 
 PROMPTS = ["What is two plus two?", "Name three primary colors."]
 
@@ -26,9 +26,15 @@ def _save_adapter(base_dir, out_dir, *, nonzero_b: bool, **lora_kwargs):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=lora_kwargs.pop("r", 8), lora_alpha=16, target_modules=lora_kwargs.pop(
-        "target_modules", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-        task_type="CAUSAL_LM", **lora_kwargs)
+    config = LoraConfig(
+        r=lora_kwargs.pop("r", 8),
+        lora_alpha=16,
+        target_modules=lora_kwargs.pop(
+            "target_modules", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        ),
+        task_type="CAUSAL_LM",
+        **lora_kwargs,
+    )
     peft_model = get_peft_model(model, config)
     if nonzero_b:
         with torch.no_grad():
@@ -69,15 +75,18 @@ def test_plain_lora_adapter_is_servable(trained_adapter):
     assert lora_module_names(keys) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
-@pytest.mark.parametrize("changes, expected", [
-    ({"use_dora": True}, "DoRA"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"r": 128}, "r=128 exceeds max_lora_rank=64"),
-    ({"rank_pattern": {"q_proj": 96}}, "rank_pattern[q_proj]=96 exceeds"),
-    ({"bias": "all"}, "bias='none'"),
-    ({"peft_type": "IA3"}, "LoRA adapters only"),
-    ({"target_modules": ["q_proj", "gate"]}, "['gate'] are not LoRA-servable"),
-])
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"r": 128}, "r=128 exceeds max_lora_rank=64"),
+        ({"rank_pattern": {"q_proj": 96}}, "rank_pattern[q_proj]=96 exceeds"),
+        ({"bias": "all"}, "bias='none'"),
+        ({"peft_type": "IA3"}, "LoRA adapters only"),
+        ({"target_modules": ["q_proj", "gate"]}, "['gate'] are not LoRA-servable"),
+    ],
+)
 def test_config_problems_are_found_and_named(adapter_copy, changes, expected):
     _edit_config(adapter_copy, **changes)
     problems = check_vllm_servable(adapter_copy)

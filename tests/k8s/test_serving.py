@@ -1,12 +1,12 @@
 """InferenceService: built objects pass the real CRD schema, the vLLM/LoRA wiring is right,
 deploy waits for Ready through the cluster module, the smoke test checks the answer."""
+
 from __future__ import annotations
 
 import pytest
-
-from components import images
-from components.lib.pytorchjob import Toleration
-from components.lib.serving import (
+from llmft.components import images
+from llmft.components.lib.pytorchjob import Toleration
+from llmft.components.lib.serving import (
     ServeSpec,
     build_inference_service,
     deploy_inference_service,
@@ -16,17 +16,32 @@ from components.lib.serving import (
     smoke_test,
     storage_layout,
 )
-from trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError
 
 NS = "team-a"
-PVC_BASE = ServeSpec(name="demo-lora", pvc_name="llmft-data", adapter_path="runs/demo/promoted/adapter",
-                     lora_name="demo", base_model_path="runs/demo/base-model", max_lora_rank=32)
-HUB_BASE = ServeSpec(name="qwen7b-sft", pvc_name="llmft-data", adapter_path="runs/r1/promoted/adapter",
-                     lora_name="sft-v3", base_model_id="Qwen/Qwen2.5-7B-Instruct", base_model_revision="a09a354",
-                     max_model_len=8192, gpus=2, memory="80Gi", deployment_mode="RawDeployment",
-                     node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                     tolerations=(Toleration("nvidia.com/gpu"), Toleration("dedicated", "Equal", "serving")),
-                     extra_args=("--gpu-memory-utilization=0.85",))
+PVC_BASE = ServeSpec(
+    name="demo-lora",
+    pvc_name="llmft-data",
+    adapter_path="runs/demo/promoted/adapter",
+    lora_name="demo",
+    base_model_path="runs/demo/base-model",
+    max_lora_rank=32,
+)
+HUB_BASE = ServeSpec(
+    name="qwen7b-sft",
+    pvc_name="llmft-data",
+    adapter_path="runs/r1/promoted/adapter",
+    lora_name="sft-v3",
+    base_model_id="Qwen/Qwen2.5-7B-Instruct",
+    base_model_revision="a09a354",
+    max_model_len=8192,
+    gpus=2,
+    memory="80Gi",
+    deployment_mode="RawDeployment",
+    node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    tolerations=(Toleration("nvidia.com/gpu"), Toleration("dedicated", "Equal", "serving")),
+    extra_args=("--gpu-memory-utilization=0.85",),
+)
 VARIANTS = {"pvc-base": PVC_BASE, "hub-base": HUB_BASE}
 
 
@@ -38,8 +53,10 @@ def test_variants_pass_crd_schema_and_serving_rules(name, isvc_crd_errors, valid
     predictor = isvc["spec"]["predictor"]
     model = predictor["model"]
     container = {k: model[k] for k in ("name", "args", "env", "resources") if k in model}
-    pod_spec = {"containers": [{**container, "image": "kserve/huggingfaceserver:v0.20.0"}],
-                **{k: predictor[k] for k in ("nodeSelector", "tolerations") if k in predictor}}
+    pod_spec = {
+        "containers": [{**container, "image": "kserve/huggingfaceserver:v0.20.0"}],
+        **{k: predictor[k] for k in ("nodeSelector", "tolerations") if k in predictor},
+    }
     validate_pod({"labels": isvc["metadata"]["labels"]}, pod_spec)
 
 
@@ -51,9 +68,16 @@ def test_pvc_base_model_shares_one_mount_with_the_adapter():
     model = isvc["spec"]["predictor"]["model"]
     assert model["storageUri"] == uri and model["modelFormat"] == {"name": "huggingface"}
     assert model["runtime"] == images.SERVING_RUNTIME
-    assert model["args"] == ["--model_name=demo-lora", "--backend=vllm", "--model_dir=/mnt/models/base-model",
-                             "--dtype=bfloat16", "--enable-lora", "--max-lora-rank=32", "--lora-modules",
-                             "demo=/mnt/models/promoted/adapter"]
+    assert model["args"] == [
+        "--model_name=demo-lora",
+        "--backend=vllm",
+        "--model_dir=/mnt/models/base-model",
+        "--dtype=bfloat16",
+        "--enable-lora",
+        "--max-lora-rank=32",
+        "--lora-modules",
+        "demo=/mnt/models/promoted/adapter",
+    ]
     assert model["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
     assert model["resources"]["limits"]["nvidia.com/gpu"] == "1" == model["resources"]["requests"]["nvidia.com/gpu"]
 
@@ -68,40 +92,52 @@ def test_hub_base_model_uses_model_id_and_hf_token_secret():
     assert "--max_model_len=8192" in args and args[-1] == "--gpu-memory-utilization=0.85"
     isvc = isvc_to_dict(build_inference_service(HUB_BASE))
     (env,) = isvc["spec"]["predictor"]["model"]["env"]
-    assert env == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "llmft-hf-token", "key": "HF_TOKEN",
-                                                                      "optional": True}}}
+    assert env == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "llmft-hf-token", "key": "HF_TOKEN", "optional": True}},
+    }
     assert isvc["metadata"]["annotations"] == {"serving.kserve.io/deploymentMode": "RawDeployment"}
     assert len(isvc["spec"]["predictor"]["tolerations"]) == 2
 
 
 def test_disjoint_pvc_paths_mount_the_whole_claim():
-    spec = ServeSpec(name="x", pvc_name="data", adapter_path="runs/a/adapter", lora_name="a",
-                     base_model_path="models/base")
+    spec = ServeSpec(
+        name="x", pvc_name="data", adapter_path="runs/a/adapter", lora_name="a", base_model_path="models/base"
+    )
     assert storage_layout(spec) == ("pvc://data", "/mnt/models/runs/a/adapter", "/mnt/models/models/base")
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"name": "Demo_LoRA"}, "DNS-1035"),
-    ({"lora_name": "my lora"}, "lora_name"),
-    ({"base_model_id": "Qwen/Qwen2.5-0.5B"}, "exactly one"),
-    ({"base_model_path": None}, "exactly one"),
-    ({"adapter_path": "/abs/adapter"}, "relative"),
-    ({"adapter_path": "../escape"}, "relative"),
-    ({"min_replicas": 3, "max_replicas": 1}, "replicas"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"name": "Demo_LoRA"}, "DNS-1035"),
+        ({"lora_name": "my lora"}, "lora_name"),
+        ({"base_model_id": "Qwen/Qwen2.5-0.5B"}, "exactly one"),
+        ({"base_model_path": None}, "exactly one"),
+        ({"adapter_path": "/abs/adapter"}, "relative"),
+        ({"adapter_path": "../escape"}, "relative"),
+        ({"min_replicas": 3, "max_replicas": 1}, "replicas"),
+    ],
+)
 def test_bad_serve_specs_are_refused(change, message):
     spec = ServeSpec(**{**PVC_BASE.__dict__, **change})
     with pytest.raises(ConfigError, match=message):
         build_inference_service(spec)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda m: m["args"].remove("--backend=vllm"), "--backend=vllm"),
-    (lambda m: m["args"].remove("--enable-lora"), "go together"),
-    (lambda m: m["args"].__setitem__(m["args"].index("--lora-modules") + 1, "demo=/data/adapter"), "name=/mnt/models"),
-    (lambda m: m["resources"]["limits"].update({"nvidia.com/gpu": "2"}), "requests and limits"),
-    (lambda m: m.pop("modelFormat"), "modelFormat.name"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda m: m["args"].remove("--backend=vllm"), "--backend=vllm"),
+        (lambda m: m["args"].remove("--enable-lora"), "go together"),
+        (
+            lambda m: m["args"].__setitem__(m["args"].index("--lora-modules") + 1, "demo=/data/adapter"),
+            "name=/mnt/models",
+        ),
+        (lambda m: m["resources"]["limits"].update({"nvidia.com/gpu": "2"}), "requests and limits"),
+        (lambda m: m.pop("modelFormat"), "modelFormat.name"),
+    ],
+)
 def test_serving_rules_catch_broken_wiring(mutate, message):
     isvc = isvc_to_dict(build_inference_service(PVC_BASE))
     mutate(isvc["spec"]["predictor"]["model"])
@@ -124,10 +160,16 @@ def _ready_after(count_needed: int, url: str = "http://demo-lora.team-a.example.
 
 def test_deploy_creates_and_waits_until_ready(fake_cluster, fake_custom_api, isvc_crd_errors):
     fake_custom_api.on_get = _ready_after(3)
-    result = deploy_inference_service(fake_cluster, build_inference_service(PVC_BASE), timeout_s=5, poll_s=0.001,
-                                      print_fn=lambda _: None)
-    assert result == {"name": "demo-lora", "namespace": NS, "url": "http://demo-lora.team-a.example.com",
-                      "internal_url": "http://demo-lora-predictor.team-a.svc.cluster.local", "generation": 1}
+    result = deploy_inference_service(
+        fake_cluster, build_inference_service(PVC_BASE), timeout_s=5, poll_s=0.001, print_fn=lambda _: None
+    )
+    assert result == {
+        "name": "demo-lora",
+        "namespace": NS,
+        "url": "http://demo-lora.team-a.example.com",
+        "internal_url": "http://demo-lora-predictor.team-a.svc.cluster.local",
+        "generation": 1,
+    }
     (sent,) = fake_custom_api.created("inferenceservices")
     assert isvc_crd_errors(sent) == [] and sent["metadata"]["namespace"] == NS
     assert sum(1 for c in fake_custom_api.calls if c[0] == "get") == 3
@@ -135,8 +177,9 @@ def test_deploy_creates_and_waits_until_ready(fake_cluster, fake_custom_api, isv
 
 def test_redeploy_replaces_and_waits_for_the_new_generation(fake_cluster, fake_custom_api):
     fake_custom_api.on_get = _ready_after(1)
-    deploy_inference_service(fake_cluster, build_inference_service(PVC_BASE), timeout_s=5, poll_s=0.001,
-                             print_fn=lambda _: None)
+    deploy_inference_service(
+        fake_cluster, build_inference_service(PVC_BASE), timeout_s=5, poll_s=0.001, print_fn=lambda _: None
+    )
     key = ("serving.kserve.io", "v1beta1", NS, "inferenceservices", "demo-lora")
     old_version = fake_custom_api.objects[key]["metadata"]["resourceVersion"]
     fake_custom_api.gets.clear()
@@ -148,8 +191,9 @@ def test_redeploy_replaces_and_waits_for_the_new_generation(fake_cluster, fake_c
 
     fake_custom_api.on_get = stale_then_ready
     newer = ServeSpec(**{**PVC_BASE.__dict__, "max_lora_rank": 64})
-    result = deploy_inference_service(fake_cluster, build_inference_service(newer), timeout_s=5, poll_s=0.001,
-                                      print_fn=lambda _: None)
+    result = deploy_inference_service(
+        fake_cluster, build_inference_service(newer), timeout_s=5, poll_s=0.001, print_fn=lambda _: None
+    )
     replace = next(c for c in fake_custom_api.calls if c[0] == "replace")
     assert replace[-1]["metadata"]["resourceVersion"] == old_version
     assert "--max-lora-rank=64" in fake_custom_api.objects[key]["spec"]["predictor"]["model"]["args"]
@@ -158,20 +202,29 @@ def test_redeploy_replaces_and_waits_for_the_new_generation(fake_cluster, fake_c
 
 def test_failed_model_load_fails_fast_with_the_reason(fake_cluster, fake_custom_api):
     def failing(obj: dict, count: int) -> None:
-        obj["status"] = {"modelStatus": {"transitionStatus": "BlockedByFailedLoad", "lastFailureInfo": {
-            "reason": "ModelLoadFailed", "message": "vLLM only supports modules_to_save being None."}}}
+        obj["status"] = {
+            "modelStatus": {
+                "transitionStatus": "BlockedByFailedLoad",
+                "lastFailureInfo": {
+                    "reason": "ModelLoadFailed",
+                    "message": "vLLM only supports modules_to_save being None.",
+                },
+            }
+        }
 
     fake_custom_api.on_get = failing
     with pytest.raises(RuntimeError, match="modules_to_save being None"):
-        deploy_inference_service(fake_cluster, build_inference_service(PVC_BASE), timeout_s=5, poll_s=0.001,
-                                 print_fn=lambda _: None)
+        deploy_inference_service(
+            fake_cluster, build_inference_service(PVC_BASE), timeout_s=5, poll_s=0.001, print_fn=lambda _: None
+        )
 
 
 def test_never_ready_times_out_with_the_last_reason(fake_cluster, fake_custom_api):
     fake_custom_api.on_get = _ready_after(10**9)
     with pytest.raises(TimeoutError, match="not Ready after.*RevisionMissing"):
-        deploy_inference_service(fake_cluster, build_inference_service(PVC_BASE), timeout_s=0.05, poll_s=0.001,
-                                 print_fn=lambda _: None)
+        deploy_inference_service(
+            fake_cluster, build_inference_service(PVC_BASE), timeout_s=0.05, poll_s=0.001, print_fn=lambda _: None
+        )
 
 
 def test_smoke_test_requests_the_adapter_by_its_lora_name():
@@ -182,14 +235,20 @@ def test_smoke_test_requests_the_adapter_by_its_lora_name():
         return 200, {"id": "cmpl-1", "model": payload["model"], "choices": [{"index": 0, "text": " Paris."}]}
 
     out = smoke_test("http://demo-lora.team-a.example.com/", "demo", "Capital of France?", http_post=http_post)
-    assert out == {"endpoint": "http://demo-lora.team-a.example.com/openai/v1/completions", "model": "demo",
-                   "text": " Paris."}
+    assert out == {
+        "endpoint": "http://demo-lora.team-a.example.com/openai/v1/completions",
+        "model": "demo",
+        "text": " Paris.",
+    }
     assert seen[0][1] == {"model": "demo", "prompt": "Capital of France?", "max_tokens": 16, "temperature": 0}
 
 
 def test_smoke_test_retries_while_the_route_settles_then_reports_errors():
-    answers = [OSError("connection refused"), (503, "upstream connect error"), (200, {
-        "model": "demo", "choices": [{"text": "ok"}]})]
+    answers = [
+        OSError("connection refused"),
+        (503, "upstream connect error"),
+        (200, {"model": "demo", "choices": [{"text": "ok"}]}),
+    ]
 
     def flaky(url, payload, timeout_s):
         answer = answers.pop(0)
@@ -199,8 +258,13 @@ def test_smoke_test_retries_while_the_route_settles_then_reports_errors():
 
     assert smoke_test("http://h", "demo", "hi", http_post=flaky, retry_wait_s=0)["text"] == "ok"
     with pytest.raises(RuntimeError, match="HTTP 404.*does not exist"):
-        smoke_test("http://h", "demo", "hi", retry_wait_s=0,
-                   http_post=lambda *a: (404, {"message": "The model `demo` does not exist."}))
+        smoke_test(
+            "http://h",
+            "demo",
+            "hi",
+            retry_wait_s=0,
+            http_post=lambda *a: (404, {"message": "The model `demo` does not exist."}),
+        )
     with pytest.raises(RuntimeError, match="answered by 'base'"):
         smoke_test("http://h", "demo", "hi", http_post=lambda *a: (200, {"model": "base", "choices": [{"text": "x"}]}))
     with pytest.raises(RuntimeError, match="no completion text"):

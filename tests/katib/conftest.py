@@ -1,4 +1,5 @@
 """Fixtures of the Katib tests (helpers live in katib_helpers.py)."""
+
 from __future__ import annotations
 
 import copy
@@ -8,8 +9,7 @@ import jsonschema
 import pytest
 import yaml
 from katib_helpers import build_body
-
-from katib.experiment import ALGORITHMS
+from llmft.katib.experiment import ALGORITHMS
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +27,9 @@ def body(bodies) -> dict:
 @pytest.fixture(scope="session")
 def pytorchjob_schema_errors(crd_dir) -> Callable[[dict], list[str]]:
     """PyTorchJob dict -> violations of the real kubeflow.org/v1 PyTorchJob CRD schema."""
-    crd = yaml.load((crd_dir / "kubeflow.org_pytorchjobs.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader",
-                                                                                             yaml.SafeLoader))
+    crd = yaml.load(
+        (crd_dir / "kubeflow.org_pytorchjobs.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    )
     schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == "v1")
     jsonschema.Draft7Validator.check_schema(schema)
     validator = jsonschema.Draft7Validator(schema)

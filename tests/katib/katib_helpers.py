@@ -1,20 +1,20 @@
 """Helpers of the Katib tests: Experiment builders, and a fake ``CustomObjectsApi`` at the
 kubernetes-client boundary that plays Katib's controller."""
+
 from __future__ import annotations
 
 import copy
 import json
 
 from kubernetes.client.rest import ApiException
-
-from katib.experiment import SweepSpec, apply_overrides, experiment_dict
+from llmft.katib.experiment import SweepSpec, apply_overrides, experiment_dict
 
 JOB = {"model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY", "pvc_name": "llmft-data"}
 
 
 def build_body(*overrides: str, **job) -> dict:
     """An Experiment dict built by the real composition (katib + components.lib.pytorchjob)."""
-    from components.lib.sweep import build_sweep_experiment
+    from llmft.components.lib.sweep import build_sweep_experiment
 
     spec = apply_overrides(SweepSpec(), list(overrides))
     return experiment_dict(build_sweep_experiment(spec, **{**JOB, **job}))
@@ -56,30 +56,62 @@ class FakeKatibApi:
         return copy.deepcopy(obj)
 
 
-def katib_status(phase: str, *, best: dict | None = None, reason: str = "", message: str = "",
-                 trials: dict | None = None) -> dict:
+def katib_status(
+    phase: str, *, best: dict | None = None, reason: str = "", message: str = "", trials: dict | None = None
+) -> dict:
     """An Experiment status as Katib 0.19 writes it."""
-    conditions = [{"type": "Created", "status": "True", "reason": "ExperimentCreated",
-                   "message": "Experiment is created", "lastUpdateTime": "2026-11-26T10:00:00Z"}]
+    conditions = [
+        {
+            "type": "Created",
+            "status": "True",
+            "reason": "ExperimentCreated",
+            "message": "Experiment is created",
+            "lastUpdateTime": "2026-11-26T10:00:00Z",
+        }
+    ]
     if phase != "Created":
-        conditions.append({"type": "Running", "status": "False" if phase in ("Succeeded", "Failed") else "True",
-                           "reason": "ExperimentRunning", "message": "Experiment is running",
-                           "lastUpdateTime": "2026-11-26T10:01:00Z"})
+        conditions.append(
+            {
+                "type": "Running",
+                "status": "False" if phase in ("Succeeded", "Failed") else "True",
+                "reason": "ExperimentRunning",
+                "message": "Experiment is running",
+                "lastUpdateTime": "2026-11-26T10:01:00Z",
+            }
+        )
     if phase in ("Succeeded", "Failed"):
-        conditions.append({"type": phase, "status": "True", "reason": reason, "message": message,
-                           "lastUpdateTime": "2026-11-26T11:00:00Z"})
+        conditions.append(
+            {
+                "type": phase,
+                "status": "True",
+                "reason": reason,
+                "message": message,
+                "lastUpdateTime": "2026-11-26T11:00:00Z",
+            }
+        )
     status = {"conditions": conditions, "startTime": "2026-11-26T10:00:00Z", **(trials or {})}
     if best:
         status["currentOptimalTrial"] = {
             "bestTrialName": best["trial"],
             "parameterAssignments": [{"name": k, "value": v} for k, v in best["params"].items()],
-            "observation": {"metrics": [{"name": k, "min": str(v), "max": str(v + 1), "latest": str(v + 0.5)}
-                                        for k, v in best["metrics"].items()]},
+            "observation": {
+                "metrics": [
+                    {"name": k, "min": str(v), "max": str(v + 1), "latest": str(v + 0.5)}
+                    for k, v in best["metrics"].items()
+                ]
+            },
         }
     return status
 
 
-BEST = {"trial": "llmft-sweep-x7k2p9qd",
-        "params": {"learning_rate": "0.00031", "lora_r": "32", "lora_alpha": "64", "lora_dropout": "0.02",
-                   "warmup_ratio": "0.05"},
-        "metrics": {"eval_loss": 1.25, "perplexity": 3.49}}
+BEST = {
+    "trial": "llmft-sweep-x7k2p9qd",
+    "params": {
+        "learning_rate": "0.00031",
+        "lora_r": "32",
+        "lora_alpha": "64",
+        "lora_dropout": "0.02",
+        "warmup_ratio": "0.05",
+    },
+    "metrics": {"eval_loss": 1.25, "perplexity": 3.49},
+}

@@ -1,4 +1,5 @@
 """The Experiment builder: typed models, Katib's rules, the embedded PyTorchJob, the YAML."""
+
 from __future__ import annotations
 
 import copy
@@ -7,10 +8,9 @@ import re
 import pytest
 import yaml
 from katib_helpers import JOB, build_body
-
-from components.lib.pytorchjob import pytorchjob_webhook_errors
-from katib.errors import SweepError
-from katib.experiment import (
+from llmft.components.lib.pytorchjob import pytorchjob_webhook_errors
+from llmft.katib.errors import SweepError
+from llmft.katib.experiment import (
     ALGORITHMS,
     FAILURE_CONDITION,
     SUCCESS_CONDITION,
@@ -21,8 +21,8 @@ from katib.experiment import (
     parse_experiment,
     to_yaml,
 )
-from katib.metrics import METRICS_FILTER
-from katib.webhook_rules import validate_experiment
+from llmft.katib.metrics import METRICS_FILTER
+from llmft.katib.webhook_rules import validate_experiment
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -45,38 +45,62 @@ def test_every_algorithm_parses_and_passes_katib_rules(bodies, algorithm, pytorc
 def test_objective_and_collector(body):
     spec = body["spec"]
     assert spec["objective"] == {
-        "type": "minimize", "objectiveMetricName": "eval_loss", "additionalMetricNames": ["perplexity"],
-        "metricStrategies": [{"name": "eval_loss", "value": "min"}, {"name": "perplexity", "value": "min"}]}
-    assert spec["metricsCollectorSpec"] == {"collector": {"kind": "StdOut"},
-                                            "source": {"filter": {"metricsFormat": [METRICS_FILTER]}}}
+        "type": "minimize",
+        "objectiveMetricName": "eval_loss",
+        "additionalMetricNames": ["perplexity"],
+        "metricStrategies": [{"name": "eval_loss", "value": "min"}, {"name": "perplexity", "value": "min"}],
+    }
+    assert spec["metricsCollectorSpec"] == {
+        "collector": {"kind": "StdOut"},
+        "source": {"filter": {"metricsFormat": [METRICS_FILTER]}},
+    }
     assert spec["earlyStopping"]["algorithmName"] == "medianstop"
     assert (spec["maxTrialCount"], spec["parallelTrialCount"], spec["maxFailedTrialCount"]) == (12, 3, 3)
     assert spec["resumePolicy"] == "Never"
 
 
 def test_search_space_is_keyed_by_trainer_config_names(body):
-    from trainer.config import load_config
+    from llmft.trainer.config import load_config
 
-    assert override_bindings(body) == {"learning_rate": "optim.lr", "lora_r": "lora.r", "lora_alpha": "lora.alpha",
-                                       "lora_dropout": "lora.dropout", "warmup_ratio": "schedule.warmup_ratio"}
+    assert override_bindings(body) == {
+        "learning_rate": "optim.lr",
+        "lora_r": "lora.r",
+        "lora_alpha": "lora.alpha",
+        "lora_dropout": "lora.dropout",
+        "warmup_ratio": "schedule.warmup_ratio",
+    }
     lr = next(p for p in body["spec"]["parameters"] if p["name"] == "learning_rate")
-    assert lr == {"name": "learning_rate", "parameterType": "double",
-                  "feasibleSpace": {"distribution": "logUniform", "min": "1e-05", "max": "0.001"}}
+    assert lr == {
+        "name": "learning_rate",
+        "parameterType": "double",
+        "feasibleSpace": {"distribution": "logUniform", "min": "1e-05", "max": "0.001"},
+    }
     # every bound key exists in the trainer's config and takes a value of the feasible space
-    samples = {"optim.lr": "0.0003", "lora.r": "64", "lora.alpha": "16", "lora.dropout": "0.07",
-               "schedule.warmup_ratio": "0.1"}
+    samples = {
+        "optim.lr": "0.0003",
+        "lora.r": "64",
+        "lora.alpha": "16",
+        "lora.dropout": "0.07",
+        "schedule.warmup_ratio": "0.1",
+    }
     cfg = load_config(None, ["model.name_or_path=m", "data=d"] + [f"{k}={v}" for k, v in samples.items()])
-    assert (cfg.optim.lr, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.schedule.warmup_ratio) == \
-        (0.0003, 64, 16.0, 0.07, 0.1)
+    assert (cfg.optim.lr, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.schedule.warmup_ratio) == (
+        0.0003,
+        64,
+        16.0,
+        0.07,
+        0.1,
+    )
 
 
 def test_trials_reuse_the_tokenized_shards_and_get_their_own_output_dir(body):
-    container = body["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"][
-        "spec"]["containers"][0]
+    container = body["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"
+    ][0]
     args = container["args"]
     assert container["command"] == ["llmft"] and args[:2] == ["train", "--nproc"]
     assert f"data={JOB['data']}" in args
-    assert not any(a in ("tokenize", "trainer.data.tokenize", "prepare") for a in container["command"] + args)
+    assert not any(a in ("tokenize", "llmft.trainer.data.tokenize", "prepare") for a in container["command"] + args)
     assert "output_dir=/data/sweeps/llmft-sweep/${trialParameters.trial_name}" in args
     trial_name = next(p for p in body["spec"]["trialTemplate"]["trialParameters"] if p["name"] == "trial_name")
     assert trial_name["reference"] == "${trialSpec.Name}"
@@ -85,18 +109,33 @@ def test_trials_reuse_the_tokenized_shards_and_get_their_own_output_dir(body):
 def test_grid_uses_discrete_lists_and_counts_combinations(bodies):
     params = bodies["grid"]["spec"]["parameters"]
     assert all(p["parameterType"] == "discrete" and p["feasibleSpace"].keys() == {"list"} for p in params)
-    too_many = build_body("algorithm=grid", "space.lora_r.grid=8", "space.lora_alpha.grid=16",
-                          "space.lora_dropout.grid=0.0", "space.warmup_ratio.grid=0.0", "max_trials=5",
-                          "parallel_trials=2")
+    too_many = build_body(
+        "algorithm=grid",
+        "space.lora_r.grid=8",
+        "space.lora_alpha.grid=16",
+        "space.lora_dropout.grid=0.0",
+        "space.warmup_ratio.grid=0.0",
+        "max_trials=5",
+        "parallel_trials=2",
+    )
     problems = validate_experiment(too_many)
     assert [(p.path, p.source) for p in problems] == [("spec.maxTrialCount", "suggestion")]
     assert "4 grid combinations" in problems[0].message
 
 
 def test_overrides_edit_the_sweep_and_the_space():
-    spec = apply_overrides(SweepSpec(), ["algorithm=random", "max_trials=20", "parallel_trials=4",
-                                         "early_stopping=false", "space.lora_r.values=4,8",
-                                         "space.warmup_ratio=off", "namespace=team-a"])
+    spec = apply_overrides(
+        SweepSpec(),
+        [
+            "algorithm=random",
+            "max_trials=20",
+            "parallel_trials=4",
+            "early_stopping=false",
+            "space.lora_r.values=4,8",
+            "space.warmup_ratio=off",
+            "namespace=team-a",
+        ],
+    )
     assert (spec.algorithm, spec.max_trials, spec.parallel_trials, spec.early_stopping) == ("random", 20, 4, False)
     assert [p.name for p in spec.search_space] == ["learning_rate", "lora_r", "lora_alpha", "lora_dropout"]
     assert spec.search_space[1].values == ("4", "8")
@@ -105,17 +144,20 @@ def test_overrides_edit_the_sweep_and_the_space():
     assert "warmup_ratio" not in override_bindings(body)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algorithm=hyperband", "choose one of random, tpe, grid, bayesianoptimization"),
-    ("max_trials=many", "max_trials=many: expected int"),
-    ("early_stopping=maybe", "expected bool"),
-    ("colour=blue", "unknown sweep setting 'colour'"),
-    ("space.lora_r.min=3", "min do not apply to a discrete parameter"),
-    ("space.learning_rate.min=0.01", "empty range"),
-    ("space.learning_rate.min=0", "logUniform range needs min > 0"),
-    ("space.batch.values=1", "no searched parameter 'batch'"),
-    ("space.lora_r.colour=red", "unknown field 'colour'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm=hyperband", "choose one of random, tpe, grid, bayesianoptimization"),
+        ("max_trials=many", "max_trials=many: expected int"),
+        ("early_stopping=maybe", "expected bool"),
+        ("colour=blue", "unknown sweep setting 'colour'"),
+        ("space.lora_r.min=3", "min do not apply to a discrete parameter"),
+        ("space.learning_rate.min=0.01", "empty range"),
+        ("space.learning_rate.min=0", "logUniform range needs min > 0"),
+        ("space.batch.values=1", "no searched parameter 'batch'"),
+        ("space.lora_r.colour=red", "unknown field 'colour'"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(SweepError, match=message):
         apply_overrides(SweepSpec(), [override])
@@ -155,8 +197,10 @@ class Yaml12Loader(yaml.SafeLoader):
 
 
 Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
-    list("-+0123456789."))
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
+    list("-+0123456789."),
+)
 
 
 def test_yaml_reads_back_the_same_object_in_yaml_1_1_and_1_2(body):

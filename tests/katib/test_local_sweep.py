@@ -1,5 +1,6 @@
 """The local sweep's machinery (samplers, search-space mapping, table, failure budget, MLflow) with a
 stand-in trainer process; test_local_sweep_real.py runs the real trainer."""
+
 from __future__ import annotations
 
 import json
@@ -11,20 +12,19 @@ from pathlib import Path
 
 import optuna
 import pytest
-
-from katib import search_space as ss
-from katib.errors import ExperimentFailed, SweepError
-from katib.experiment import SweepSpec, apply_overrides
-from katib.local_sweep import grid_combinations, optuna_distributions, run_local_sweep
+from llmft.katib import search_space as ss
+from llmft.katib.errors import ExperimentFailed, SweepError
+from llmft.katib.experiment import SweepSpec, apply_overrides
+from llmft.katib.local_sweep import grid_combinations, optuna_distributions, run_local_sweep
 
 FAKE = Path(__file__).with_name("fake_trainer.py")
 
 
 @pytest.fixture
 def fake_python(tmp_path) -> str:
-    """An executable that behaves like `python` for `-m trainer` (runs fake_trainer.py)."""
+    """An executable that behaves like `python` for `-m llmft.trainer` (runs fake_trainer.py)."""
     script = tmp_path / "python"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return str(script)
 
@@ -35,9 +35,16 @@ def expected_loss(overrides: list[str]) -> float:
 
 
 def test_distributions_follow_katibs_optuna_service():
-    spec = apply_overrides(SweepSpec(), ["space.lora_alpha.type=int", "space.lora_alpha.values=",
-                                         "space.lora_alpha.min=8", "space.lora_alpha.max=64",
-                                         "space.lora_alpha.step=8"])
+    spec = apply_overrides(
+        SweepSpec(),
+        [
+            "space.lora_alpha.type=int",
+            "space.lora_alpha.values=",
+            "space.lora_alpha.min=8",
+            "space.lora_alpha.max=64",
+            "space.lora_alpha.step=8",
+        ],
+    )
     dists = optuna_distributions(ss.parameter_specs(spec.search_space, "tpe"))
     assert dists["learning_rate"] == optuna.distributions.FloatDistribution(1e-05, 0.001, log=True)
     assert dists["lora_r"] == optuna.distributions.CategoricalDistribution(["8", "16", "32", "64"])
@@ -57,15 +64,24 @@ def test_grid_combinations_follow_katibs_convert_to_combinations():
 
 def test_random_sweep_picks_the_lowest_eval_loss(tmp_path, fake_python, capsys):
     spec = apply_overrides(SweepSpec(algorithm="random"), ["space.lora_r.values=8,16,32"])
-    result = run_local_sweep(spec, trials=5, trainer_args=["model.name_or_path=m", "data=d"], workdir=tmp_path,
-                             python=fake_python)
+    result = run_local_sweep(
+        spec, trials=5, trainer_args=["model.name_or_path=m", "data=d"], workdir=tmp_path, python=fake_python
+    )
     assert [t.status for t in result.trials] == ["Succeeded"] * 5
     for trial in result.trials:  # eval_loss is the min over the three evals, as Katib's "min" strategy
         assert trial.metrics["eval_loss"] == pytest.approx(expected_loss(trial.overrides), abs=1e-5)
-        assert [o.split("=")[0] for o in trial.overrides] == ["optim.lr", "lora.r", "lora.alpha", "lora.dropout",
-                                                               "schedule.warmup_ratio"]
-        assert Path(trial.log_path).read_text().startswith(
-            f"args resume=never model.name_or_path=m data=d output_dir={result.run_dir}/trial-")
+        assert [o.split("=")[0] for o in trial.overrides] == [
+            "optim.lr",
+            "lora.r",
+            "lora.alpha",
+            "lora.dropout",
+            "schedule.warmup_ratio",
+        ]
+        assert (
+            Path(trial.log_path)
+            .read_text()
+            .startswith(f"args resume=never model.name_or_path=m data=d output_dir={result.run_dir}/trial-")
+        )
     best = min(result.trials, key=lambda t: t.metrics["eval_loss"])
     assert result.best is best
     table = result.table()
@@ -92,13 +108,23 @@ def test_model_based_samplers_run(tmp_path, fake_python, algorithm):
 
 
 def test_grid_visits_every_combination_once(tmp_path, fake_python):
-    spec = apply_overrides(SweepSpec(algorithm="grid"), [
-        "space.learning_rate.grid=0.0001,0.001", "space.lora_r.grid=8,16", "space.lora_alpha=off",
-        "space.lora_dropout=off", "space.warmup_ratio=off"])
+    spec = apply_overrides(
+        SweepSpec(algorithm="grid"),
+        [
+            "space.learning_rate.grid=0.0001,0.001",
+            "space.lora_r.grid=8,16",
+            "space.lora_alpha=off",
+            "space.lora_dropout=off",
+            "space.warmup_ratio=off",
+        ],
+    )
     result = run_local_sweep(spec, trials=4, trainer_args=[], workdir=tmp_path, python=fake_python)
     assert sorted(tuple(t.overrides) for t in result.trials) == [
-        ("optim.lr=0.0001", "lora.r=16"), ("optim.lr=0.0001", "lora.r=8"),
-        ("optim.lr=0.001", "lora.r=16"), ("optim.lr=0.001", "lora.r=8")]
+        ("optim.lr=0.0001", "lora.r=16"),
+        ("optim.lr=0.0001", "lora.r=8"),
+        ("optim.lr=0.001", "lora.r=16"),
+        ("optim.lr=0.001", "lora.r=8"),
+    ]
     with pytest.raises(SweepError, match="--trials 5 > the 4 grid combinations"):
         run_local_sweep(spec, trials=5, trainer_args=[], workdir=tmp_path, python=fake_python)
 
@@ -124,8 +150,9 @@ def test_mlflow_parent_run_and_trial_env(tmp_path, fake_python, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     spec = apply_overrides(SweepSpec(algorithm="random", name="mlf"), ["space.lora_r.values=8"])
-    result = run_local_sweep(spec, trials=2, trainer_args=[], workdir=tmp_path / "w", python=fake_python,
-                             mlflow_experiment="sweeps-test")
+    result = run_local_sweep(
+        spec, trials=2, trainer_args=[], workdir=tmp_path / "w", python=fake_python, mlflow_experiment="sweeps-test"
+    )
     assert result.parent_run_id
     for trial in result.trials:  # every trial's trainer was told its parent run
         assert f"parent_run={result.parent_run_id}" in Path(trial.log_path).read_text()

@@ -1,21 +1,28 @@
 """A local sweep of 3 trials running the REAL trainer on the tiny model: the collector's filter
 reads the trainer's stdout, the best trial is the lowest eval loss, and with MLflow configured
 every trial's run is a child of the sweep's parent run."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
-
-from katib.experiment import SweepSpec, apply_overrides
-from katib.local_sweep import run_local_sweep
-from katib.metrics import parse_metric_lines
+from llmft.katib.experiment import SweepSpec, apply_overrides
+from llmft.katib.local_sweep import run_local_sweep
+from llmft.katib.metrics import parse_metric_lines
 
 pytestmark = pytest.mark.slow
 
-TRIAL_ARGS = ["max_steps=4", "eval_every=2", "log_every=2", "batch.global_sequences=2", "eval.max_sequences=8",
-              "observe.progress_bar=false", "observe.tensorboard=false"]
+TRIAL_ARGS = [
+    "max_steps=4",
+    "eval_every=2",
+    "log_every=2",
+    "batch.global_sequences=2",
+    "eval.max_sequences=8",
+    "observe.progress_bar=false",
+    "observe.tensorboard=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +38,14 @@ def real_sweep(tiny_model_dir, tmp_path_factory):
     old = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = uri
     try:
-        result = run_local_sweep(spec, trials=3, trainer_args=[f"model.name_or_path={model}", f"data={data}",
-                                                               *TRIAL_ARGS],
-                                 workdir=work / "trials", mlflow_experiment="sweep-test", timeout_s=600)
+        result = run_local_sweep(
+            spec,
+            trials=3,
+            trainer_args=[f"model.name_or_path={model}", f"data={data}", *TRIAL_ARGS],
+            workdir=work / "trials",
+            mlflow_experiment="sweep-test",
+            timeout_s=600,
+        )
     finally:
         if old is None:
             os.environ.pop("MLFLOW_TRACKING_URI")
@@ -59,13 +71,15 @@ def test_the_filter_parses_the_real_trainer_stdout(real_sweep):
     result, _, _ = real_sweep
     for trial in result.trials:
         stdout = Path(trial.log_path).read_text()
-        evals = [json.loads(line) for line in (_trial_dir(trial) / "metrics.jsonl").read_text().splitlines()
-                 if '"eval"' in line]
+        evals = [
+            json.loads(line)
+            for line in (_trial_dir(trial) / "metrics.jsonl").read_text().splitlines()
+            if '"eval"' in line
+        ]
         parsed = parse_metric_lines(stdout, ["eval_loss", "perplexity"])
         # one eval_loss and one perplexity per evaluation the trainer recorded, same values, same order
         assert [v for n, v in parsed if n == "eval_loss"] == pytest.approx([e["eval_loss"] for e in evals], abs=1e-6)
-        assert [v for n, v in parsed if n == "perplexity"] == pytest.approx([e["perplexity"] for e in evals],
-                                                                            rel=1e-6)
+        assert [v for n, v in parsed if n == "perplexity"] == pytest.approx([e["perplexity"] for e in evals], rel=1e-6)
         assert len(evals) == 2
         manifest = json.loads((_trial_dir(trial) / "final" / "training_manifest.json").read_text())
         assert trial.metrics["eval_loss"] == pytest.approx(manifest["best"]["eval_loss"], abs=1e-6)
@@ -88,8 +102,9 @@ def test_trials_are_mlflow_children_of_the_sweep_run(real_sweep):
     result, _, uri = real_sweep
     client = MlflowClient(uri)
     parent = client.get_run(result.parent_run_id)
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
+    )
     manifests = [json.loads((_trial_dir(t) / "final" / "training_manifest.json").read_text()) for t in result.trials]
     assert sorted(r.info.run_id for r in children) == sorted(m["mlflow_run_id"] for m in manifests)
     assert parent.data.metrics["best_eval_loss"] == pytest.approx(result.best.metrics["eval_loss"])

@@ -1,22 +1,27 @@
 """Submit, status and best, through the real Cluster with a fake at the kubernetes-client boundary."""
+
 from __future__ import annotations
 
 import pytest
 from katib_helpers import BEST, FakeKatibApi, katib_status
+from llmft.components.lib.cluster import Cluster
+from llmft.katib import status as katib_status_mod
+from llmft.katib.errors import ExperimentFailed, SweepError
+from llmft.katib.status import parse_state
 
-from components.lib.cluster import Cluster
-from katib import status as katib_status_mod
-from katib.errors import ExperimentFailed, SweepError
-from katib.status import parse_state
 from llmft.cli import main as llmft_main
 
 EXPECTED_BEST = ["optim.lr=0.00031", "lora.r=32", "lora.alpha=64", "lora.dropout=0.02", "schedule.warmup_ratio=0.05"]
 
 
 def test_parse_state_succeeded(body):
-    body["status"] = katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached",
-                                  message="Experiment has succeeded because max trial count has reached",
-                                  trials={"trials": 12, "trialsSucceeded": 11, "trialsFailed": 1})
+    body["status"] = katib_status(
+        "Succeeded",
+        best=BEST,
+        reason="ExperimentMaxTrialsReached",
+        message="Experiment has succeeded because max trial count has reached",
+        trials={"trials": 12, "trialsSucceeded": 11, "trialsFailed": 1},
+    )
     state = parse_state(body)
     assert (state.phase, state.reason, state.done) == ("Succeeded", "ExperimentMaxTrialsReached", True)
     assert state.trials["succeeded"] == 11 and state.trials["failed"] == 1 and state.trials["total"] == 12
@@ -44,8 +49,11 @@ def test_an_assignment_bound_to_no_trainer_key_is_refused(body):
 
 
 def test_failed_beats_an_older_running_condition(body):
-    body["status"] = katib_status("Failed", reason="ExperimentMaxFailedTrialsReached",
-                                  message="Experiment has failed because max failed count has reached")
+    body["status"] = katib_status(
+        "Failed",
+        reason="ExperimentMaxFailedTrialsReached",
+        message="Experiment has failed because max failed count has reached",
+    )
     state = parse_state(body)
     assert state.phase == "Failed" and "max failed count" in state.message
 
@@ -56,8 +64,13 @@ def _fake_cluster(statuses):
 
 
 def test_submit_wait_best_through_the_cluster(body):
-    cluster, api = _fake_cluster([katib_status("Created"), katib_status("Running"),
-                                  katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached")])
+    cluster, api = _fake_cluster(
+        [
+            katib_status("Created"),
+            katib_status("Running"),
+            katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached"),
+        ]
+    )
     katib_status_mod.submit(cluster, body)
     namespace, sent = api.created[0]
     assert namespace == "team-a" and sent["spec"] == body["spec"]
@@ -65,13 +78,21 @@ def test_submit_wait_best_through_the_cluster(body):
     state = katib_status_mod.wait(cluster, "llmft-sweep", poll_s=7, on_update=seen.append, sleep=sleeps.append)
     assert state.phase == "Succeeded" and [s.phase for s in seen] == ["Created", "Running", "Succeeded"]
     assert sleeps == [7, 7]
-    assert katib_status_mod.best_overrides(cluster.get_custom_object("kubeflow.org", "v1beta1", "experiments",
-                                                                     "llmft-sweep")) == EXPECTED_BEST
+    assert (
+        katib_status_mod.best_overrides(
+            cluster.get_custom_object("kubeflow.org", "v1beta1", "experiments", "llmft-sweep")
+        )
+        == EXPECTED_BEST
+    )
 
 
 def test_wait_raises_on_failed_and_on_timeout(body):
-    cluster, _ = _fake_cluster([katib_status("Running"), katib_status(
-        "Failed", reason="ExperimentMaxFailedTrialsReached", message="max failed count has reached")])
+    cluster, _ = _fake_cluster(
+        [
+            katib_status("Running"),
+            katib_status("Failed", reason="ExperimentMaxFailedTrialsReached", message="max failed count has reached"),
+        ]
+    )
     katib_status_mod.submit(cluster, body)
     with pytest.raises(ExperimentFailed, match="ExperimentMaxFailedTrialsReached") as err:
         katib_status_mod.wait(cluster, "llmft-sweep", sleep=lambda s: None)
@@ -80,8 +101,9 @@ def test_wait_raises_on_failed_and_on_timeout(body):
     katib_status_mod.submit(cluster, body)
     clock = iter(range(0, 10_000, 60))
     with pytest.raises(TimeoutError, match="still Running after 300s"):
-        katib_status_mod.wait(cluster, "llmft-sweep", timeout_s=300, poll_s=60, sleep=lambda s: None,
-                              clock=lambda: next(clock))
+        katib_status_mod.wait(
+            cluster, "llmft-sweep", timeout_s=300, poll_s=60, sleep=lambda s: None, clock=lambda: next(clock)
+        )
 
 
 def test_resubmitting_the_same_experiment_is_idempotent(body):
@@ -109,15 +131,33 @@ def cli_cluster(monkeypatch):
 
 
 def test_cli_create_status_best(cli_cluster, capsys, tmp_path):
-    api = cli_cluster([katib_status("Running", trials={"trials": 2, "trialsRunning": 2}),
-                       katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached")])
+    api = cli_cluster(
+        [
+            katib_status("Running", trials={"trials": 2, "trialsRunning": 2}),
+            katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached"),
+        ]
+    )
     out = tmp_path / "exp.yaml"
-    assert llmft_main(["sweep", "create", "data=/data/tokenized/abc", "algorithm=random", "max_trials=6",
-                       "train.max_steps=50", "--output", str(out)]) == 0
+    assert (
+        llmft_main(
+            [
+                "sweep",
+                "create",
+                "data=/data/tokenized/abc",
+                "algorithm=random",
+                "max_trials=6",
+                "train.max_steps=50",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     namespace, sent = api.created[0]
     assert namespace == "team-a" and sent["spec"]["algorithm"]["algorithmName"] == "random"
     args = sent["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
-        "containers"][0]["args"]
+        "containers"
+    ][0]["args"]
     assert "max_steps=50" in args and "max_steps=200" not in args and "data=/data/tokenized/abc" in args
     assert out.read_text().startswith("# Katib Experiment")
     assert llmft_main(["sweep", "status", "llmft-sweep"]) == 0
@@ -127,8 +167,16 @@ def test_cli_create_status_best(cli_cluster, capsys, tmp_path):
 
 
 def test_cli_failed_experiment(cli_cluster, capsys):
-    cli_cluster([katib_status("Failed", reason="ExperimentMaxFailedTrialsReached", message="max failed count",
-                              trials={"trials": 4, "trialsFailed": 4})])
+    cli_cluster(
+        [
+            katib_status(
+                "Failed",
+                reason="ExperimentMaxFailedTrialsReached",
+                message="max failed count",
+                trials={"trials": 4, "trialsFailed": 4},
+            )
+        ]
+    )
     assert llmft_main(["sweep", "create", "data=/data/tokenized/abc", "--wait"]) == 1
     err = capsys.readouterr().err
     assert "experiment llmft-sweep failed: ExperimentMaxFailedTrialsReached" in err and "failed 4" in err

@@ -1,5 +1,6 @@
 """The KFP sweep component and the HPO pipeline: compiled structure, and the component's logic
 against the real Cluster with a fake at the kubernetes-client boundary."""
+
 from __future__ import annotations
 
 import shlex
@@ -8,16 +9,14 @@ import pytest
 import yaml
 from katib_helpers import BEST, FakeKatibApi, katib_status
 from kfp import dsl
+from llmft.components.images import KATIB_IMAGE
+from llmft.components.lib import sweep as sweep_lib
+from llmft.components.lib.cluster import Cluster
+from llmft.components.sweep import sweep_hyperparameters
+from llmft.katib.errors import ExperimentFailed
+from llmft.pipelines.llm_finetune_hpo import TASK_ORDER, compile_pipeline
 
-from components.images import KATIB_IMAGE
-from components.lib import sweep as sweep_lib
-from components.lib.cluster import Cluster
-from components.sweep import sweep_hyperparameters
-from katib.errors import ExperimentFailed
-from pipelines.llm_finetune_hpo import TASK_ORDER, compile_pipeline
-
-BEST_OVERRIDES = ["optim.lr=0.00031", "lora.r=32", "lora.alpha=64", "lora.dropout=0.02",
-                  "schedule.warmup_ratio=0.05"]
+BEST_OVERRIDES = ["optim.lr=0.00031", "lora.r=32", "lora.alpha=64", "lora.dropout=0.02", "schedule.warmup_ratio=0.05"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,8 @@ def test_hpo_pipeline_chains_the_sweep_between_tokenize_and_train(compiled):
     assert _deps(tasks, "sweep-hyperparameters") == {"tokenize-dataset"}
     assert {"sweep-hyperparameters", "tokenize-dataset"} <= _deps(tasks, "train-model")
     assert tasks["train-model"]["inputs"]["parameters"]["train_overrides"] == {
-        "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "sweep-hyperparameters"}}
+        "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "sweep-hyperparameters"}
+    }
     assert "train-model" in _deps(tasks, "evaluate-perplexity")
     executor = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-sweep-hyperparameters"]
     assert executor["pvcMount"][0]["mountPath"] == "/data"
@@ -54,26 +54,55 @@ def test_hpo_pipeline_chains_the_sweep_between_tokenize_and_train(compiled):
 def _run_step(tmp_path, statuses, **kw):
     api = FakeKatibApi(statuses)
     cluster = Cluster("team-a", custom_api=api, core_api=object())
-    args = dict(tokenized_dir="/data/tokenized/abc123", model="Qwen/Qwen2.5-7B-Instruct", method="lora",
-                backend="katib", sweep_overrides=["algorithm=random", "max_trials=6"], trial_overrides=[],
-                max_lora_rank=64, num_workers=2, gpus_per_worker=8, pvc_name="llmft-data", data_root="/data",
-                run_id="run-0001", mlflow_tracking_uri="", mlflow_experiment="", timeout_s=3600,
-                output_dir=str(tmp_path / "out"), cluster=cluster, poll_s=0.001)
+    args = dict(
+        tokenized_dir="/data/tokenized/abc123",
+        model="Qwen/Qwen2.5-7B-Instruct",
+        method="lora",
+        backend="katib",
+        sweep_overrides=["algorithm=random", "max_trials=6"],
+        trial_overrides=[],
+        max_lora_rank=64,
+        num_workers=2,
+        gpus_per_worker=8,
+        pvc_name="llmft-data",
+        data_root="/data",
+        run_id="run-0001",
+        mlflow_tracking_uri="",
+        mlflow_experiment="",
+        timeout_s=3600,
+        output_dir=str(tmp_path / "out"),
+        cluster=cluster,
+        poll_s=0.001,
+    )
     args.update(kw)
     return sweep_lib.run_sweep_step(**args), api
 
 
 def test_step_creates_waits_and_returns_the_best(tmp_path):
-    result, api = _run_step(tmp_path, [katib_status("Running"), katib_status(
-        "Succeeded", best=BEST, reason="ExperimentMaxTrialsReached", trials={"trials": 6, "trialsSucceeded": 6})])
+    result, api = _run_step(
+        tmp_path,
+        [
+            katib_status("Running"),
+            katib_status(
+                "Succeeded", best=BEST, reason="ExperimentMaxTrialsReached", trials={"trials": 6, "trialsSucceeded": 6}
+            ),
+        ],
+    )
     assert result["best_overrides"] == BEST_OVERRIDES
-    assert result["metrics"] == {"best_eval_loss": 1.25, "best_perplexity": 3.49, "trials_total": 6,
-                                 "trials_succeeded": 6, "trials_failed": 0}
+    assert result["metrics"] == {
+        "best_eval_loss": 1.25,
+        "best_perplexity": 3.49,
+        "trials_total": 6,
+        "trials_succeeded": 6,
+        "trials_failed": 0,
+    }
     namespace, created = api.created[0]
     assert namespace == "team-a" and created["metadata"]["name"] == sweep_lib.experiment_name("run-0001")
     replicas = created["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Worker"]["replicas"] == 1 and created["spec"]["trialTemplate"]["trialSpec"]["spec"][
-        "nprocPerNode"] == "8"
+    assert (
+        replicas["Worker"]["replicas"] == 1
+        and created["spec"]["trialTemplate"]["trialSpec"]["spec"]["nprocPerNode"] == "8"
+    )
     args = replicas["Master"]["template"]["spec"]["containers"][0]["args"]
     assert "data=/data/tokenized/abc123" in args and "max_steps=200" in args
     assert (tmp_path / "out" / "best.txt").read_text().split() == BEST_OVERRIDES
@@ -90,50 +119,82 @@ def test_a_retried_step_reattaches_to_its_experiment(tmp_path):
 
 def test_a_failed_experiment_fails_the_step(tmp_path):
     with pytest.raises(ExperimentFailed, match="ExperimentMaxFailedTrialsReached"):
-        _run_step(tmp_path, [katib_status("Failed", reason="ExperimentMaxFailedTrialsReached",
-                                          message="max failed count has reached")])
+        _run_step(
+            tmp_path,
+            [katib_status("Failed", reason="ExperimentMaxFailedTrialsReached", message="max failed count has reached")],
+        )
 
 
 def test_ranks_vllm_would_refuse_are_rejected_before_any_trial(tmp_path):
-    from trainer.errors import ConfigError
+    from llmft.trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="lora.r up to 64 but max_lora_rank=32"):
         _run_step(tmp_path, [{}], max_lora_rank=32)
-    result, _ = _run_step(tmp_path, [katib_status("Succeeded", best=BEST)], max_lora_rank=32,
-                          sweep_overrides=["space.lora_r.values=8,16,32"])
+    result, _ = _run_step(
+        tmp_path,
+        [katib_status("Succeeded", best=BEST)],
+        max_lora_rank=32,
+        sweep_overrides=["space.lora_r.values=8,16,32"],
+    )
     assert result["best_overrides"][1] == "lora.r=32"
 
 
 def test_component_output_feeds_the_train_step(tmp_path, monkeypatch):
     best = {**BEST, "params": {k: v for k, v in BEST["params"].items() if k != "warmup_ratio"}}
     api = FakeKatibApi([katib_status("Succeeded", best=best, reason="ExperimentMaxTrialsReached")])
-    monkeypatch.setattr("components.lib.cluster.Cluster", lambda namespace=None: Cluster(
-        "team-a", custom_api=api, core_api=object()))
+    monkeypatch.setattr(
+        "llmft.components.lib.cluster.Cluster",
+        lambda namespace=None: Cluster("team-a", custom_api=api, core_api=object()),
+    )
     tokenized = dsl.Dataset(uri=str(tmp_path / "tok"), metadata={"path": "/data/tokenized/abc"})
     artifact, metrics = dsl.Artifact(uri=str(tmp_path / "sweep")), dsl.Metrics(uri=str(tmp_path / "m"))
     output = sweep_hyperparameters.python_func(
-        tokenized=tokenized, model="m", method="lora", sweep_backend="katib", algorithm="tpe", max_trials=4,
-        parallel_trials=2, max_failed_trials=1, sweep_overrides="space.warmup_ratio=off",
-        trial_overrides="max_steps=100 eval_every=20", train_overrides="save_every=50 lora.r=8", max_lora_rank=64,
-        num_workers=1, gpus_per_worker=1, pvc_name="llmft-data", data_root="/data", run_id="r1",
-        mlflow_tracking_uri="", mlflow_experiment="", timeout_s=60, sweep=artifact, metrics=metrics)
-    from components.lib.params import extra_override_list
+        tokenized=tokenized,
+        model="m",
+        method="lora",
+        sweep_backend="katib",
+        algorithm="tpe",
+        max_trials=4,
+        parallel_trials=2,
+        max_failed_trials=1,
+        sweep_overrides="space.warmup_ratio=off",
+        trial_overrides="max_steps=100 eval_every=20",
+        train_overrides="save_every=50 lora.r=8",
+        max_lora_rank=64,
+        num_workers=1,
+        gpus_per_worker=1,
+        pvc_name="llmft-data",
+        data_root="/data",
+        run_id="r1",
+        mlflow_tracking_uri="",
+        mlflow_experiment="",
+        timeout_s=60,
+        sweep=artifact,
+        metrics=metrics,
+    )
+    from llmft.components.lib.params import extra_override_list
 
     items = extra_override_list(output)  # what the train step does with it
     assert items[:2] == ["save_every=50", "lora.r=8"] and items[2:] == BEST_OVERRIDES[:4]  # the best come last
     created = api.created[0][1]
-    assert [p["name"] for p in created["spec"]["parameters"]] == ["learning_rate", "lora_r", "lora_alpha",
-                                                                   "lora_dropout"]
-    args = created["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"][
-        "spec"]["containers"][0]["args"]
+    assert [p["name"] for p in created["spec"]["parameters"]] == [
+        "learning_rate",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+    ]
+    args = created["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
     assert "max_steps=100" in args and "eval_every=20" in args
     assert artifact.metadata["best_overrides"] == " ".join(BEST_OVERRIDES[:4])
     assert shlex.split(output) == items
 
 
 def test_final_overrides_warn_about_shadowed_values(capsys):
-    out = sweep_lib.final_train_overrides("schedule.warmup_steps=10 lora.r=8", ["lora.r=32",
-                                                                             "schedule.warmup_ratio=0.05"])
+    out = sweep_lib.final_train_overrides(
+        "schedule.warmup_steps=10 lora.r=8", ["lora.r=32", "schedule.warmup_ratio=0.05"]
+    )
     assert shlex.split(out) == ["schedule.warmup_steps=10", "lora.r=8", "lora.r=32", "schedule.warmup_ratio=0.05"]
     printed = capsys.readouterr().out
     assert "the sweep's lora.r=32 replaces it" in printed
@@ -142,7 +203,7 @@ def test_final_overrides_warn_about_shadowed_values(capsys):
 
 
 def test_trial_overrides_may_not_set_what_the_sweep_sets(tmp_path):
-    from trainer.errors import ConfigError
+    from llmft.trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"trial overrides \['optim.lr=0.1'\]"):
         _run_step(tmp_path, [{}], trial_overrides=["optim.lr=0.1"])
@@ -151,7 +212,7 @@ def test_trial_overrides_may_not_set_what_the_sweep_sets(tmp_path):
 
 
 def test_experiment_names_are_katib_valid_and_stable():
-    from katib.webhook_rules import NAME_MAX, NAME_RE
+    from llmft.katib.webhook_rules import NAME_MAX, NAME_RE
 
     for run_id in ("run-0001", "3f2a9c1e-77d1-4c55-9f0b-1e2d3c4b5a69", "{{$.pipeline_job_uuid}}", "UPPER_case"):
         name = sweep_lib.experiment_name(run_id)
@@ -167,10 +228,17 @@ def test_the_step_logic_imports_in_the_kfp_executor_runtime():
     import subprocess
     import sys
 
-    code = ("import kfp.dsl as d; assert not hasattr(d, 'component'); "
-            "from components.lib.sweep import run_sweep_step; print('ok')")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "_KFP_RUNTIME": "true"}, timeout=120)
+    code = (
+        "import kfp.dsl as d; assert not hasattr(d, 'component'); "
+        "from components.lib.sweep import run_sweep_step; print('ok')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "_KFP_RUNTIME": "true"},
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
@@ -183,11 +251,16 @@ def test_with_mlflow_the_sweep_is_a_parent_run_of_its_trials(tmp_path, monkeypat
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # restored (unset) after the test
     global_uri = mlflow.get_tracking_uri()
-    result, api = _run_step(tmp_path, [katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached")],
-                            mlflow_tracking_uri=uri, mlflow_experiment="sweeps")
+    result, api = _run_step(
+        tmp_path,
+        [katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached")],
+        mlflow_tracking_uri=uri,
+        mlflow_experiment="sweeps",
+    )
     assert os.environ.pop("MLFLOW_TRACKING_URI") == uri  # the step exports its parameter for its own process
     container = api.created[0][1]["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"][
-        "template"]["spec"]["containers"][0]
+        "template"
+    ]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"] == uri and "observe.mlflow_experiment=sweeps" in container["args"]
     client = MlflowClient(uri)

@@ -1,11 +1,12 @@
 """katib/experiment_template.yaml (what a user edits) is the builder's output (the same object)."""
+
 from __future__ import annotations
 
 import yaml
+from llmft.components import images
+from llmft.katib.experiment import experiment_dict, load_yaml, parse_experiment
+from llmft.katib.webhook_rules import validate_experiment
 
-from components import images
-from katib.experiment import experiment_dict, load_yaml, parse_experiment
-from katib.webhook_rules import validate_experiment
 from llmft.cli import main as llmft_main
 from llmft.commands.sweep import TEMPLATE_ARGS, TEMPLATE_PATH, build_from_settings
 
@@ -16,8 +17,10 @@ DEFAULT_IMAGE = f"{images.IMAGE_REGISTRY}/llmft-trainer:{images.IMAGE_TAG}"
 def test_template_equals_builder_output():
     built = experiment_dict(build_from_settings([*TEMPLATE_ARGS, f"image={DEFAULT_IMAGE}"]))
     template = yaml.safe_load(TEMPLATE_PATH.read_text())
-    assert template == built, ("katib/experiment_template.yaml is stale: regenerate with `llmft sweep create "
-                               "--dry-run --output ...` and carry its comments over")
+    assert template == built, (
+        "katib/experiment_template.yaml is stale: regenerate with `llmft sweep create "
+        "--dry-run --output ...` and carry its comments over"
+    )
 
 
 def test_template_parses_and_passes_katib_rules():
@@ -32,7 +35,10 @@ def test_edited_template_goes_through_create(tmp_path, capsys):
     path.write_text(edited)
     assert llmft_main(["sweep", "create", "--from-yaml", str(path), "--dry-run"]) == 1
     assert "spec.parallelTrialCount: 3 should be <= spec.maxTrialCount 2" in capsys.readouterr().err
-    path.write_text(edited.replace("parallelTrialCount: 3", "parallelTrialCount: 2").replace(
-        "maxFailedTrialCount: 3", "maxFailedTrialCount: 1"))
+    path.write_text(
+        edited.replace("parallelTrialCount: 3", "parallelTrialCount: 2").replace(
+            "maxFailedTrialCount: 3", "maxFailedTrialCount: 1"
+        )
+    )
     assert llmft_main(["sweep", "create", "--from-yaml", str(path), "--dry-run"]) == 0
     assert "maxTrialCount: 2" in capsys.readouterr().out

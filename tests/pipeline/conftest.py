@@ -1,5 +1,6 @@
 """Fixtures of the pipeline tests: a real `mlflow server` on loopback, the one shared kfp.local
 run of the whole pipeline, and the Kubernetes fakes of tests/k8s (reused, not copied)."""
+
 from __future__ import annotations
 
 import os
@@ -46,9 +47,22 @@ def mlflow_server(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     log = root / "server.log"
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-               "--artifacts-destination", str(root / "mlartifacts"), "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "mlartifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job consumers
     with open(log, "w") as fh:
         process = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -75,7 +89,7 @@ def _stop_group(process: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def local_run(tmp_path_factory):
     """The whole pipeline through kfp.local on the tiny model, run once and shared."""
-    from pipelines.local_run import run_pipeline_locally
+    from llmft.pipelines.local_run import run_pipeline_locally
 
     work = tmp_path_factory.mktemp("pipeline-local")
     started = time.perf_counter()

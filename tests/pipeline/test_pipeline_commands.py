@@ -1,4 +1,5 @@
 """`llmft pipeline compile|submit|schedule` (the KFP API faked at kfp.Client) and the summary."""
+
 from __future__ import annotations
 
 import types
@@ -6,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from llmft.components.lib.summary import render_summary
+from llmft.trainer.errors import ConfigError
 
-from components.lib.summary import render_summary
 from llmft.cli import main
 from llmft.commands.pipeline import validate_cron
-from trainer.errors import ConfigError
 
 
 class FakeKfpClient:
@@ -48,8 +49,21 @@ def fake_kfp(monkeypatch):
 
 
 def test_submit_passes_typed_arguments_and_never_caches(fake_kfp, capsys):
-    code = main(["pipeline", "submit", "--host", "https://kfp.example.com", "--experiment", "exp",
-                 "--namespace", "team-a", "dataset=org/data", "lora_r=32", "deploy=false"])
+    code = main(
+        [
+            "pipeline",
+            "submit",
+            "--host",
+            "https://kfp.example.com",
+            "--experiment",
+            "exp",
+            "--namespace",
+            "team-a",
+            "dataset=org/data",
+            "lora_r=32",
+            "deploy=false",
+        ]
+    )
     assert code == 0 and "run-123" in capsys.readouterr().out
     (client,) = fake_kfp
     ((kind, pipeline, kwargs),) = client.calls
@@ -59,8 +73,9 @@ def test_submit_passes_typed_arguments_and_never_caches(fake_kfp, capsys):
 
 
 def test_schedule_creates_a_recurring_run_from_the_compiled_pipeline(fake_kfp):
-    code = main(["pipeline", "schedule", "--host", "http://kfp", "--cron", "0 30 2 * * *", "--name", "nightly",
-                 "max_steps=100"])
+    code = main(
+        ["pipeline", "schedule", "--host", "http://kfp", "--cron", "0 30 2 * * *", "--name", "nightly", "max_steps=100"]
+    )
     assert code == 0
     experiment, (_, recurring) = fake_kfp[0].calls
     assert experiment[:2] == ("experiment", "llm-finetune")
@@ -95,17 +110,42 @@ def test_compile_writes_the_pipeline(tmp_path):
 
 
 def test_summary_of_a_run_whose_version_is_not_champion():
-    facts = {"run_dir": "/w/kfp/run",
-             "data": {"accepted": 10, "rejected": 0, "reject_reasons": {}, "format": "messages",
-                      "splits": {"train": 9, "val": 1}},
-             "evaluation": {"base": {"perplexity": 50.0, "eval_loss": 3.9}, "best": "step-4",
-                            "checkpoints": [{"name": "step-4", "step": 4, "perplexity": 40.0, "eval_loss": 3.7}]},
-             "registration": {"model_name": "m", "version": "7", "is_champion": False, "champion_version": "5",
-                              "previous_champion_version": "5", "alias_reason": "does not beat champion v5"},
-             "deployment": {"status": "checked-locally", "mode": "local", "schema_validated": True,
-                            "manifest": "/w/isvc.yaml", "samples": [{"prompt": "p", "base": "", "adapter": "a"}]}}
+    facts = {
+        "run_dir": "/w/kfp/run",
+        "data": {
+            "accepted": 10,
+            "rejected": 0,
+            "reject_reasons": {},
+            "format": "messages",
+            "splits": {"train": 9, "val": 1},
+        },
+        "evaluation": {
+            "base": {"perplexity": 50.0, "eval_loss": 3.9},
+            "best": "step-4",
+            "checkpoints": [{"name": "step-4", "step": 4, "perplexity": 40.0, "eval_loss": 3.7}],
+        },
+        "registration": {
+            "model_name": "m",
+            "version": "7",
+            "is_champion": False,
+            "champion_version": "5",
+            "previous_champion_version": "5",
+            "alias_reason": "does not beat champion v5",
+        },
+        "deployment": {
+            "status": "checked-locally",
+            "mode": "local",
+            "schema_validated": True,
+            "manifest": "/w/isvc.yaml",
+            "samples": [{"prompt": "p", "base": "", "adapter": "a"}],
+        },
+    }
     text = render_summary(facts, elapsed_s=61.2)
-    assert "SUCCEEDED in 61 s" in text and "10 rows accepted, 0 rejected; format messages" in text and "rejects     none" in text
+    assert (
+        "SUCCEEDED in 61 s" in text
+        and "10 rows accepted, 0 rejected; format messages" in text
+        and "rejects     none" in text
+    )
     assert "base 50.00 -> best 40.00 (step-4, 20.0% lower" in text
     assert "version 7; alias champion stays on v5 (not beaten)" in text
     assert "base:    (empty)" in text

@@ -1,12 +1,12 @@
 """The compiled pipeline: seven tasks in order, and its Kubernetes platform section."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 import yaml
-
-from pipelines.llm_finetune import GPU_STEPS, TASK_ORDER, TRAIN_RETRIES, TRAIN_TASK_TIMEOUT_S
+from llmft.pipelines.llm_finetune import GPU_STEPS, TASK_ORDER, TRAIN_RETRIES, TRAIN_TASK_TIMEOUT_S
 
 SECRET_LOOKING = re.compile(r"token|key|password|secret|credential", re.IGNORECASE)
 
@@ -44,8 +44,13 @@ def test_every_step_mounts_the_pvc_from_the_parameter(compiled):
     _, executors = compiled
     for task in TASK_ORDER:
         mounts = executors[f"exec-{task}"]["pvcMount"]
-        assert mounts == [{"componentInputParameter": "pvc_name", "mountPath": "/data",
-                           "pvcNameParameter": {"componentInputParameter": "pvc_name"}}], task
+        assert mounts == [
+            {
+                "componentInputParameter": "pvc_name",
+                "mountPath": "/data",
+                "pvcNameParameter": {"componentInputParameter": "pvc_name"},
+            }
+        ], task
 
 
 def _secret_envs(executor: dict) -> dict[str, tuple[str, bool]]:
@@ -95,7 +100,7 @@ def test_no_parameter_is_or_holds_a_secret(compiled):
 
 
 def test_components_pin_images_and_install_nothing_at_start(compiled):
-    from components import images
+    from llmft.components import images
 
     spec, _ = compiled
     for name, executor in spec["deploymentSpec"]["executors"].items():

@@ -1,4 +1,5 @@
 """The deploy step's logic: servability first, a CRD-valid manifest, then local check or KServe."""
+
 from __future__ import annotations
 
 import json
@@ -7,12 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
-
-from components.lib.cluster import Cluster
-from components.lib.deployment import DeployRequest, crd_schema_errors, deploy_promoted
-from components.lib.servability import AdapterNotServableError
-from components.lib.serving import AdapterHasNoEffectError
-from trainer.errors import ConfigError
+from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.deployment import DeployRequest, crd_schema_errors, deploy_promoted
+from llmft.components.lib.servability import AdapterNotServableError
+from llmft.components.lib.serving import AdapterHasNoEffectError
+from llmft.trainer.errors import ConfigError
 
 
 def _adapter(tiny_model_dir: Path, out: Path, *, trained: bool, dora: bool = False) -> Path:
@@ -46,10 +46,22 @@ def volume(tmp_path_factory, tiny_model_dir):
 
 
 def request(volume: Path, adapter: str, **change) -> DeployRequest:
-    fields = dict(adapter_dir=str(volume / "models" / "m" / adapter), base_model=str(volume / "base-models" / "tiny"),
-                  adapter_name="m", version="3", deploy=True, mode="local", name="m-serve", namespace="team-a",
-                  gpus=1, max_lora_rank=8, pvc_name="llmft-data", data_root=str(volume), timeout_s=5,
-                  prompts=("What is the capital of France?",))
+    fields = dict(
+        adapter_dir=str(volume / "models" / "m" / adapter),
+        base_model=str(volume / "base-models" / "tiny"),
+        adapter_name="m",
+        version="3",
+        deploy=True,
+        mode="local",
+        name="m-serve",
+        namespace="team-a",
+        gpus=1,
+        max_lora_rank=8,
+        pvc_name="llmft-data",
+        data_root=str(volume),
+        timeout_s=5,
+        prompts=("What is the capital of France?",),
+    )
     return DeployRequest(**{**fields, **change})
 
 
@@ -92,8 +104,12 @@ def test_kserve_mode_applies_waits_for_ready_and_smoke_tests(volume, tmp_path, c
     custom = FakeCustomObjectsApi()
 
     def ready(obj: dict, count: int) -> None:
-        obj["status"] = {"url": "http://m-serve.team-a.example.com", "address": {"url": "http://m-serve.team-a.svc"},
-                         "conditions": [{"type": "Ready", "status": "True"}], "observedGeneration": 1}
+        obj["status"] = {
+            "url": "http://m-serve.team-a.example.com",
+            "address": {"url": "http://m-serve.team-a.svc"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "observedGeneration": 1,
+        }
 
     custom.on_get = ready
     posts = []
@@ -104,22 +120,35 @@ def test_kserve_mode_applies_waits_for_ready_and_smoke_tests(volume, tmp_path, c
 
     cluster = Cluster("team-a", custom_api=custom, core_api=FakeCoreV1Api())
     path = tmp_path / "isvc.yaml"
-    result = deploy_promoted(request(volume, "trained", mode="kserve"), manifest_path=path, cluster=cluster,
-                             http_post=http_post, crd_dir=str(crd_dir))
+    result = deploy_promoted(
+        request(volume, "trained", mode="kserve"),
+        manifest_path=path,
+        cluster=cluster,
+        http_post=http_post,
+        crd_dir=str(crd_dir),
+    )
     assert result["status"] == "deployed" and result["smoke_test"]["text"] == " Paris."
     (applied,) = custom.created("inferenceservices")
     written = yaml.safe_load(path.read_text())
     assert applied["spec"] == written["spec"]  # what was validated is what was applied
-    assert posts == [("http://m-serve.team-a.svc/openai/v1/completions",
-                      {"model": "m", "prompt": "What is the capital of France?", "max_tokens": 16, "temperature": 0})]
+    assert posts == [
+        (
+            "http://m-serve.team-a.svc/openai/v1/completions",
+            {"model": "m", "prompt": "What is the capital of France?", "max_tokens": 16, "temperature": 0},
+        )
+    ]
     json.dumps(result)  # deployment.json must be serialisable
 
 
 def test_kserve_mode_needs_the_base_model_on_the_volume_or_the_hub(volume, tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="outside the data volume"):
-        deploy_promoted(request(volume, "trained", mode="kserve", base_model=str(tiny_model_dir)),
-                        manifest_path=tmp_path / "isvc.yaml")
-    hub = deploy_promoted(request(volume, "trained", mode="kserve", base_model="Qwen/Qwen2.5-7B-Instruct",
-                                  deploy=False), manifest_path=tmp_path / "hub.yaml")
+        deploy_promoted(
+            request(volume, "trained", mode="kserve", base_model=str(tiny_model_dir)),
+            manifest_path=tmp_path / "isvc.yaml",
+        )
+    hub = deploy_promoted(
+        request(volume, "trained", mode="kserve", base_model="Qwen/Qwen2.5-7B-Instruct", deploy=False),
+        manifest_path=tmp_path / "hub.yaml",
+    )
     args = yaml.safe_load((tmp_path / "hub.yaml").read_text())["spec"]["predictor"]["model"]["args"]
     assert hub["status"] == "manifest-only" and "--model_id=Qwen/Qwen2.5-7B-Instruct" in args

@@ -1,14 +1,14 @@
 """The whole pipeline through kfp.local on the tiny model (one shared run), and a bad-data run
 that must stop in the prepare step."""
+
 from __future__ import annotations
 
 import json
 
 import yaml
-
-from components.lib.summary import render_summary
-from pipelines.llm_finetune import TASK_ORDER
-from trainer.io import is_complete
+from llmft.components.lib.summary import render_summary
+from llmft.pipelines.llm_finetune import TASK_ORDER
+from llmft.trainer.io import is_complete
 
 
 def test_every_task_ran_and_left_its_artifacts(local_run):
@@ -64,13 +64,20 @@ def test_summary_fits_one_screen_and_names_every_fact(local_run):
     text = render_summary(local_run.facts, elapsed_s=local_run.elapsed_s)
     assert len(text.splitlines()) <= 24
     assert all(len(line) <= 100 for line in text.splitlines() if "/" not in line)  # paths may be long
-    for needle in ("500 rows accepted, 3 rejected", "perplexity  base", "promoted    step-", "version 1;",
-                   "alias champion -> this version", "inferenceservice.yaml", "sample      prompt:"):
+    for needle in (
+        "500 rows accepted, 3 rejected",
+        "perplexity  base",
+        "promoted    step-",
+        "version 1;",
+        "alias champion -> this version",
+        "inferenceservice.yaml",
+        "sample      prompt:",
+    ):
         assert needle in text, needle
 
 
 def test_bad_data_fails_in_the_prepare_step(tmp_path, tiny_model_dir):
-    from pipelines.local_run import run_pipeline_locally
+    from llmft.pipelines.local_run import run_pipeline_locally
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "hi", "output": "hello"}\n' + "not json\n" * 5)

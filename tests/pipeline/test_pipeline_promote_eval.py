@@ -1,4 +1,5 @@
 """Logic of the evaluate and promote steps on hand-made run directories."""
+
 from __future__ import annotations
 
 import base64
@@ -8,15 +9,14 @@ import re
 from pathlib import Path
 
 import pytest
-
-from components.lib.evaluation import (
+from llmft.components.lib.evaluation import (
     complete_checkpoints,
     evaluate_run,
     render_html,
     render_markdown,
 )
-from components.lib.promote import PromotionRefused, decide, promote
-from trainer.io import is_complete
+from llmft.components.lib.promote import PromotionRefused, decide, promote
+from llmft.trainer.io import is_complete
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -40,12 +40,23 @@ def make_checkpoint(run_dir: Path, step: int, *, complete: bool = True, lora: bo
 
 
 def evaluation(base_ppl: float, *ppls: float, run_dir: Path | None = None) -> dict:
-    checkpoints = [{"name": f"step-{10 * (i + 1)}", "step": 10 * (i + 1), "eval_loss": 1.0 + i, "perplexity": p,
-                    "path": str(run_dir / "checkpoints" / f"step-{10 * (i + 1)}") if run_dir else None}
-                   for i, p in enumerate(ppls)]
+    checkpoints = [
+        {
+            "name": f"step-{10 * (i + 1)}",
+            "step": 10 * (i + 1),
+            "eval_loss": 1.0 + i,
+            "perplexity": p,
+            "path": str(run_dir / "checkpoints" / f"step-{10 * (i + 1)}") if run_dir else None,
+        }
+        for i, p in enumerate(ppls)
+    ]
     best = min(checkpoints, key=lambda c: (c["perplexity"], -c["step"]))["name"]
-    return {"split": "val", "base": {"name": "base", "eval_loss": 5.0, "perplexity": base_ppl},
-            "checkpoints": checkpoints, "best": best}
+    return {
+        "split": "val",
+        "base": {"name": "base", "eval_loss": 5.0, "perplexity": base_ppl},
+        "checkpoints": checkpoints,
+        "best": best,
+    }
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -71,8 +82,11 @@ def test_evaluate_run_scores_base_and_each_checkpoint_with_its_adapter(tmp_path)
         return {"eval_loss": math.log(ppl), "perplexity": ppl, "tokens": 123}
 
     result = evaluate_run(tmp_path, "base-model", "/data/tok", evaluate_fn=fake_evaluate)
-    assert calls == [("base-model", None, "val"), ("base-model", str(tmp_path / "checkpoints/step-10"), "val"),
-                     ("base-model", str(tmp_path / "checkpoints/step-20"), "val")]
+    assert calls == [
+        ("base-model", None, "val"),
+        ("base-model", str(tmp_path / "checkpoints/step-10"), "val"),
+        ("base-model", str(tmp_path / "checkpoints/step-20"), "val"),
+    ]
     assert result["best"] == "step-20" and result["base"]["perplexity"] == 100.0
     assert [c["step"] for c in result["checkpoints"]] == [10, 20]
 
@@ -80,8 +94,14 @@ def test_evaluate_run_scores_base_and_each_checkpoint_with_its_adapter(tmp_path)
 def test_full_weight_checkpoints_are_loaded_as_the_model(tmp_path):
     make_checkpoint(tmp_path, 5, lora=False)
     seen = []
-    evaluate_run(tmp_path, "base", "d", evaluate_fn=lambda m, d, adapter_path=None, split="val":
-                 seen.append((m, adapter_path)) or {"eval_loss": 1.0, "perplexity": 2.7})
+    evaluate_run(
+        tmp_path,
+        "base",
+        "d",
+        evaluate_fn=lambda m, d, adapter_path=None, split="val": (
+            seen.append((m, adapter_path)) or {"eval_loss": 1.0, "perplexity": 2.7}
+        ),
+    )
     assert seen[1] == (str(tmp_path / "checkpoints/step-5"), None)
 
 

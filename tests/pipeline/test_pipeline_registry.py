@@ -1,11 +1,11 @@
 """MLflow registration against a real `mlflow server` (SQLite backend, loopback)."""
+
 from __future__ import annotations
 
 import uuid
 
 import pytest
-
-from components.lib.registry import (
+from llmft.components.lib.registry import (
     CHAMPION_ALIAS,
     KEY_TAG,
     Lineage,
@@ -33,11 +33,23 @@ def adapter_dir(tmp_path):
 
 
 def registration(model_name: str, adapter_dir, run_id: str, perplexity: float) -> Registration:
-    lineage = Lineage(pipeline_run_id=run_id, task="register-model", dataset_hash="d" * 64, base_model="org/base",
-                      dataset="org/data", checkpoint="step-20")
-    return Registration(model_name=model_name, experiment="llmft-tests", adapter_dir=adapter_dir,
-                        perplexity=perplexity, lineage=lineage, metrics={"eval_loss": 1.5, "base_perplexity": 90.0},
-                        params={"lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}, "optim": {"lr": 1e-3}})
+    lineage = Lineage(
+        pipeline_run_id=run_id,
+        task="register-model",
+        dataset_hash="d" * 64,
+        base_model="org/base",
+        dataset="org/data",
+        checkpoint="step-20",
+    )
+    return Registration(
+        model_name=model_name,
+        experiment="llmft-tests",
+        adapter_dir=adapter_dir,
+        perplexity=perplexity,
+        lineage=lineage,
+        metrics={"eval_loss": 1.5, "base_perplexity": 90.0},
+        params={"lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}, "optim": {"lr": 1e-3}},
+    )
 
 
 def test_version_is_created_with_lineage_params_metrics_and_the_adapter(client, adapter_dir):
@@ -83,21 +95,31 @@ def test_a_retried_task_reuses_its_run_and_version(client, adapter_dir):
 
 
 def test_registration_from_run_files(tmp_path, adapter_dir):
-    evaluation = {"base": {"eval_loss": 4.0, "perplexity": 54.6},
-                  "checkpoints": [{"name": "step-10", "step": 10, "eval_loss": 3.0, "perplexity": 20.1},
-                                  {"name": "step-20", "step": 20, "eval_loss": 2.5, "perplexity": 12.2}],
-                  "best": "step-20"}
+    evaluation = {
+        "base": {"eval_loss": 4.0, "perplexity": 54.6},
+        "checkpoints": [
+            {"name": "step-10", "step": 10, "eval_loss": 3.0, "perplexity": 20.1},
+            {"name": "step-20", "step": 20, "eval_loss": 2.5, "perplexity": 12.2},
+        ],
+        "best": "step-20",
+    }
     manifest = {"config": {"lora": {"r": 8}}, "tokens_seen": 1000, "wall_time_s": 12.5}
     lineage = Lineage("run-x", "register-model", "abc", "base", checkpoint="step-20")
-    reg = registration_from_run(promoted_dir=adapter_dir, evaluation=evaluation, training_manifest=manifest,
-                                model_name="m", experiment="e", lineage=lineage)
+    reg = registration_from_run(
+        promoted_dir=adapter_dir,
+        evaluation=evaluation,
+        training_manifest=manifest,
+        model_name="m",
+        experiment="e",
+        lineage=lineage,
+    )
     assert reg.perplexity == 12.2 and reg.metrics["base_perplexity"] == 54.6
     assert reg.metrics["tokens_seen"] == 1000 and reg.metrics["improvement"] == pytest.approx(1 - 12.2 / 54.6)
     assert reg.params["lora"] == {"r": 8} and reg.params["dataset_hash"] == "abc"
 
 
 def test_missing_tracking_uri_is_a_clear_error(adapter_dir, monkeypatch):
-    from trainer.errors import ConfigError
+    from llmft.trainer.errors import ConfigError
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI is not set"):

@@ -1,28 +1,37 @@
 """The train step's two backends: `kubeflow` (PyTorchJob through the TrainingClient, against
 fakes at the kubernetes-client boundary) and `local` (real torchrun subprocesses)."""
+
 from __future__ import annotations
 
 import pytest
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
-
-from components.lib.cluster import Cluster
-from components.lib.deployment import crd_schema_errors
-from components.lib.local_train import TrainingFailed, run_local_training, torchrun_command
-from components.lib.params import TrainingParams, trainer_overrides
-from components.lib.pytorchjob import TrainingJobFailed
-from components.lib.train_job import job_name, run_on_cluster
+from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.deployment import crd_schema_errors
+from llmft.components.lib.local_train import TrainingFailed, run_local_training, torchrun_command
+from llmft.components.lib.params import TrainingParams, trainer_overrides
+from llmft.components.lib.pytorchjob import TrainingJobFailed
+from llmft.components.lib.train_job import job_name, run_on_cluster
 
 NS = "team-a"
 RUN_ID = "0f8e6a2c-1d2b-4c3e-9f00-123456789abc"
-OVERRIDES = trainer_overrides(TrainingParams(model="Qwen/Qwen2.5-7B-Instruct", lora_r=16, max_steps=100),
-                              data_dir="/data/tokenized/abc", output_dir=f"/data/runs/{RUN_ID}")
+OVERRIDES = trainer_overrides(
+    TrainingParams(model="Qwen/Qwen2.5-7B-Instruct", lora_r=16, max_steps=100),
+    data_dir="/data/tokenized/abc",
+    output_dir=f"/data/runs/{RUN_ID}",
+)
 NAME = job_name(RUN_ID)
 MASTER = f"{NAME}-master-0"
 
 
 def _condition(kind: str, message: str = "") -> dict:
-    return {"type": kind, "status": "True", "reason": f"PyTorchJob{kind}", "message": message,
-            "lastTransitionTime": "2026-11-26T10:00:00Z", "lastUpdateTime": "2026-11-26T10:00:00Z"}
+    return {
+        "type": kind,
+        "status": "True",
+        "reason": f"PyTorchJob{kind}",
+        "message": message,
+        "lastTransitionTime": "2026-11-26T10:00:00Z",
+        "lastUpdateTime": "2026-11-26T10:00:00Z",
+    }
 
 
 def _operator(core: FakeCoreV1Api, outcome: str):
@@ -36,8 +45,12 @@ def _operator(core: FakeCoreV1Api, outcome: str):
             core.add_pod(NS, MASTER, labels, log="step 10 loss=2.1\n")
         elif count == 2:
             if outcome == "Failed":
-                core.append_log(NS, MASTER, "Traceback (most recent call last):\n"
-                                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB\n")
+                core.append_log(
+                    NS,
+                    MASTER,
+                    "Traceback (most recent call last):\n"
+                    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB\n",
+                )
             else:
                 core.append_log(NS, MASTER, "eval_loss=1.9\nperplexity=6.7\n")
             status["conditions"].append(_condition(outcome, f"PyTorchJob {NAME} {outcome.lower()}"))
@@ -53,8 +66,17 @@ def fakes():
 
 
 def _run(cluster, **kwargs):
-    return run_on_cluster(OVERRIDES, run_id=RUN_ID, num_workers=2, gpus_per_worker=8, pvc_name="llmft-data",
-                          timeout_s=5, poll_s=0.01, cluster=cluster, **kwargs)
+    return run_on_cluster(
+        OVERRIDES,
+        run_id=RUN_ID,
+        num_workers=2,
+        gpus_per_worker=8,
+        pvc_name="llmft-data",
+        timeout_s=5,
+        poll_s=0.01,
+        cluster=cluster,
+        **kwargs,
+    )
 
 
 def test_succeeded_job_is_the_intended_pytorchjob(fakes, crd_dir):
@@ -92,8 +114,12 @@ def test_tracking_uri_parameter_replaces_the_secret_key(fakes):
     cluster, custom, core = fakes
     custom.on_get = _operator(core, "Succeeded")
     _run(cluster, mlflow_tracking_uri="http://mlflow.mlflow:5000")
-    env = {e["name"]: e for e in custom.created("pytorchjobs")[0]["spec"]["pytorchReplicaSpecs"]["Master"]
-           ["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e
+        for e in custom.created("pytorchjobs")[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+            "containers"
+        ][0]["env"]
+    }
     assert env["MLFLOW_TRACKING_URI"] == {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.mlflow:5000"}
 
 
@@ -120,10 +146,20 @@ def test_job_names_are_stable_valid_and_distinct():
 
 def test_local_backend_is_torchrun_of_the_same_trainer(tmp_path):
     command = torchrun_command(["lora.r=8"], nproc=2)
-    assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
-                           "lora.r=8"]
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "llmft.trainer",
+        "lora.r=8",
+    ]
     with pytest.raises(TrainingFailed) as error:  # a real torchrun + trainer, refusing a bad config
-        run_local_training(["lora.r=0", "model.name_or_path=x", "data=y", f"output_dir={tmp_path}"],
-                           log_path=tmp_path / "train.log", timeout_s=120)
+        run_local_training(
+            ["lora.r=0", "model.name_or_path=x", "data=y", f"output_dir={tmp_path}"],
+            log_path=tmp_path / "train.log",
+            timeout_s=120,
+        )
     assert "exited with code" in str(error.value) and "lora.r" in str(error.value)
     assert "lora.r" in (tmp_path / "train.log").read_text()

@@ -1,4 +1,5 @@
 """The GPU benchmark's data plan, checked on CPU before any device time is spent."""
+
 from __future__ import annotations
 
 import json
@@ -6,23 +7,36 @@ from argparse import Namespace
 
 import numpy as np
 import pytest
-
-from benchmarks import train_bench
-from benchmarks.gpu import common
-from benchmarks.gpu.arm_project import write_dataset
-from trainer.data.loader import PackedLoader
+from llmft.benchmarks import train_bench
+from llmft.benchmarks.gpu import common
+from llmft.benchmarks.gpu.arm_project import write_dataset
+from llmft.trainer.data.loader import PackedLoader
 
 
 def test_project_arm_trains_each_step_on_the_benchmarks_samples(tmp_path):
     per_gpu, pack, gpus, steps = 64, 8, 2, 3
     samples = common.make_samples(per_gpu * gpus * steps, "short", vocab=1000)
     data = write_dataset(samples, pack, tmp_path / "data")
-    ranks = [PackedLoader(data, "train", global_sequences=gpus * per_gpu // pack, micro_sequences=per_gpu // pack,
-                          rank=r, world_size=gpus, seed=42) for r in range(gpus)]
+    ranks = [
+        PackedLoader(
+            data,
+            "train",
+            global_sequences=gpus * per_gpu // pack,
+            micro_sequences=per_gpu // pack,
+            rank=r,
+            world_size=gpus,
+            seed=42,
+        )
+        for r in range(gpus)
+    ]
     for step in range(1, steps + 1):
         batches = [loader.batch(step) for loader in ranks]
-        got = sorted(tuple(doc) for b in batches for m in b.micro_batches
-                     for doc in np.split(m.input_ids, np.cumsum(m.doc_lengths)[:-1]))
+        got = sorted(
+            tuple(doc)
+            for b in batches
+            for m in b.micro_batches
+            for doc in np.split(m.input_ids, np.cumsum(m.doc_lengths)[:-1])
+        )
         lo = (step - 1) * per_gpu * gpus
         want = sorted(tuple(ids) for ids in samples.input_ids[lo : lo + per_gpu * gpus])
         assert got == want
@@ -33,8 +47,16 @@ def test_project_arm_trains_each_step_on_the_benchmarks_samples(tmp_path):
 
 def test_results_file_is_named_date_device(tmp_path):
     args = Namespace(out=str(tmp_path), merge_from="", profile="short", samples_per_step=64)
-    arm = {"job": "project:qwen2.5-1.5b:lora", "label": "", "arm": "project", "model": "qwen2.5-1.5b",
-           "method": "lora", "tokens_per_s": 1.0, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11"}
+    arm = {
+        "job": "project:qwen2.5-1.5b:lora",
+        "label": "",
+        "arm": "project",
+        "model": "qwen2.5-1.5b",
+        "method": "lora",
+        "tokens_per_s": 1.0,
+        "device": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11",
+    }
     train_bench._write_outputs(args, {"matmul_tflops": 780.0, "device": "NVIDIA H100 80GB HBM3"}, [arm])
     (result,) = tmp_path.glob("*.json")
     assert result.name.endswith("-h100.json")
@@ -44,8 +66,8 @@ def test_results_file_is_named_date_device(tmp_path):
 
 
 def test_trainer_logged_mfu_is_time_weighted_like_the_benchmarks(tmp_path, monkeypatch):
-    from benchmarks.gpu import arm_project
-    from trainer.fastpath import flops
+    from llmft.benchmarks.gpu import arm_project
+    from llmft.trainer.fastpath import flops
 
     monkeypatch.setattr(common, "device_info", lambda: {"device": "NVIDIA H100 80GB HBM3"})
     steps, per_step = 8, 4
@@ -57,9 +79,18 @@ def test_trainer_logged_mfu_is_time_weighted_like_the_benchmarks(tmp_path, monke
         lengths = samples.lengths[(step - 1) * per_step : step * per_step]
         dt = 2.0 if step == 6 else 0.1  # one stalled step
         now += dt
-        lines.append(json.dumps({"event": "train", "step": step, "time": now, "loss": 1.0,
-                                 "tokens_per_s": int(lengths.sum()) / dt,
-                                 "mfu": flops.step_flops(shape, "lora", lengths) / dt / peak}))
+        lines.append(
+            json.dumps(
+                {
+                    "event": "train",
+                    "step": step,
+                    "time": now,
+                    "loss": 1.0,
+                    "tokens_per_s": int(lengths.sum()) / dt,
+                    "mfu": flops.step_flops(shape, "lora", lengths) / dt / peak,
+                }
+            )
+        )
     (tmp_path / "m.jsonl").write_text("\n".join(lines))
     args = Namespace(samples_per_step=per_step, nproc=1, warmup=2, method="lora")
     result = arm_project.summarize_metrics(tmp_path / "m.jsonl", samples, args, shape)
@@ -69,9 +100,8 @@ def test_trainer_logged_mfu_is_time_weighted_like_the_benchmarks(tmp_path, monke
 
 
 def test_peer_variant_builds_the_flex_block_mask_uncompiled(monkeypatch):
+    from llmft.benchmarks.gpu.arm_hf import build_block_masks_eagerly
     from transformers import masking_utils
-
-    from benchmarks.gpu.arm_hf import build_block_masks_eagerly
 
     seen = []
     monkeypatch.setattr(masking_utils, "create_block_mask", lambda *a, **k: seen.append(k) or "mask")
@@ -88,12 +118,18 @@ def test_profiler_gpu_busy_time_is_the_union_of_kernel_intervals():
     """Overlapping kernels count once; CPU events and gaps do not count (the gap is GPU idle time)."""
     from types import SimpleNamespace as NS
 
-    from benchmarks.gpu.trainer_entry import gpu_busy_seconds
+    from llmft.benchmarks.gpu.trainer_entry import gpu_busy_seconds
 
     def event(kind, start_us, end_us):
         return NS(device_type=NS(name=kind), time_range=NS(start=start_us, end=end_us))
 
-    events = [event("CUDA", 0, 100), event("CUDA", 50, 150), event("CPU", 0, 10_000),
-              event("CUDA", 1_000, 1_200), event("CUDA", 1_200, 1_300), event("CUDA", 5, 5)]
+    events = [
+        event("CUDA", 0, 100),
+        event("CUDA", 50, 150),
+        event("CPU", 0, 10_000),
+        event("CUDA", 1_000, 1_200),
+        event("CUDA", 1_200, 1_300),
+        event("CUDA", 5, 5),
+    ]
     assert gpu_busy_seconds(NS(events=lambda: events)) == pytest.approx(450e-6)
     assert gpu_busy_seconds(NS(events=lambda: [])) == 0.0

@@ -1,4 +1,5 @@
 """Config tree: shipped configs, errors that name file/line/key, overrides, docs, schedule."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from trainer.config import (
+from llmft.trainer.config import (
     TrainConfig,
     config_from_dict,
     config_to_dict,
@@ -16,7 +16,7 @@ from trainer.config import (
     load_config,
     validate,
 )
-from trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "trainer" / "configs").glob("*.yaml"))
 
@@ -53,12 +53,13 @@ def test_shipped_configs_describe_the_intended_runs():
 
 
 def test_deepspeed_config_for_the_two_node_run():
-    from trainer.distributed import deepspeed_config
+    from llmft.trainer.distributed import deepspeed_config
 
     moe = load_config(str(next(p for p in CONFIGS if p.name.startswith("qwen3"))), [])
     accum = moe.batch.global_sequences // 16 // moe.batch.micro_sequences
-    ds = deepspeed_config(moe.distributed.zero_stage, accum_steps=accum, world_size=16,
-                          max_grad_norm=moe.optim.max_grad_norm, bf16=True)
+    ds = deepspeed_config(
+        moe.distributed.zero_stage, accum_steps=accum, world_size=16, max_grad_norm=moe.optim.max_grad_norm, bf16=True
+    )
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 16
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True} and ds["gradient_clipping"] == 1.0
@@ -91,9 +92,19 @@ def test_wrong_types_and_values_are_rejected_with_the_field(tmp_path):
 
 
 def test_overrides_nest_and_coerce():
-    cfg = load_config(None, ["model.name_or_path=m", "data=d", "lora.r=32", "optim.lr=2e-5",
-                             "lora.target_modules=q_proj,v_proj", "debug.nan_steps=[3,4]",
-                             "model.gradient_checkpointing=true", "model.revision=null"])
+    cfg = load_config(
+        None,
+        [
+            "model.name_or_path=m",
+            "data=d",
+            "lora.r=32",
+            "optim.lr=2e-5",
+            "lora.target_modules=q_proj,v_proj",
+            "debug.nan_steps=[3,4]",
+            "model.gradient_checkpointing=true",
+            "model.revision=null",
+        ],
+    )
     assert cfg.lora.r == 32 and cfg.optim.lr == 2e-5 and cfg.model.gradient_checkpointing is True
     assert cfg.lora.target_modules == ("q_proj", "v_proj") and cfg.debug.nan_steps == (3, 4)
     assert cfg.model.revision is None and cfg.model.attn_implementation == "sdpa"
@@ -132,13 +143,24 @@ def test_dora_warns_that_vllm_cannot_serve_it():
 
 def test_resume_diff_ignores_operational_fields():
     old = config_to_dict(load_config(None, ["model.name_or_path=m", "data=d"]))
-    new = config_to_dict(load_config(None, ["model.name_or_path=m", "data=/elsewhere", "log_every=1",
-                                            "eval_every=5", "debug.kill_at_step=3", "optim.lr=1e-3"]))
+    new = config_to_dict(
+        load_config(
+            None,
+            [
+                "model.name_or_path=m",
+                "data=/elsewhere",
+                "log_every=1",
+                "eval_every=5",
+                "debug.kill_at_step=3",
+                "optim.lr=1e-3",
+            ],
+        )
+    )
     assert diff_configs(old, new) == ["optim.lr: 0.0002 -> 0.001"]
 
 
 def test_lr_schedule_warmup_then_cosine_and_linear():
-    from trainer.optim import lr_multiplier
+    from llmft.trainer.optim import lr_multiplier
 
     cosine = [lr_multiplier(s, total_steps=10, warmup=2, decay="cosine", min_lr_ratio=0.1) for s in range(10)]
     assert cosine[:2] == [0.5, 1.0] and cosine[2] == 1.0

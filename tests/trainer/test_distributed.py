@@ -1,5 +1,6 @@
 """Real torchrun processes on CPU (gloo): rank-count independence, DeepSpeed ZeRO,
 non-finite steps on one rank, SIGTERM through `llmft train --nproc`."""
+
 from __future__ import annotations
 
 import signal
@@ -9,9 +10,8 @@ import time
 
 import pytest
 import torch
+from llmft.trainer.io import is_complete
 from trainer_helpers import REPO, adapter_tensors, clean_env, events, run_trainer, train_in_process
-
-from trainer.io import is_complete
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,23 @@ def one_rank(tmp_path_factory, tiny_model_dir, tokenized_dir):
 
 
 def _overrides(model, data, out, *extra) -> list[str]:
-    return [f"model.name_or_path={model}", f"data={data}", f"output_dir={out}", "lora.r=4", "lora.alpha=8",
-            "lora.dropout=0.0", "optim.lr=5e-3", "batch.global_sequences=4", "batch.micro_sequences=1",
-            "eval.max_sequences=4", "observe.progress_bar=false", "max_steps=3", "log_every=1", "seed=5", *extra]
+    return [
+        f"model.name_or_path={model}",
+        f"data={data}",
+        f"output_dir={out}",
+        "lora.r=4",
+        "lora.alpha=8",
+        "lora.dropout=0.0",
+        "optim.lr=5e-3",
+        "batch.global_sequences=4",
+        "batch.micro_sequences=1",
+        "eval.max_sequences=4",
+        "observe.progress_bar=false",
+        "max_steps=3",
+        "log_every=1",
+        "seed=5",
+        *extra,
+    ]
 
 
 def test_two_ranks_equal_one_rank(one_rank, tiny_model_dir, tokenized_dir, tmp_path):
@@ -52,8 +66,12 @@ def test_two_ranks_equal_one_rank(one_rank, tiny_model_dir, tokenized_dir, tmp_p
 
 def test_bf16_gradient_all_reduce_stays_close_to_one_rank(one_rank, tiny_model_dir, tokenized_dir, tmp_path):
     out = tmp_path / "bf16"
-    result = run_trainer(_overrides(tiny_model_dir, tokenized_dir, out, "distributed.grad_reduce_dtype=bf16",
-                                    "distributed.bucket_cap_mb=1"), nproc=2)
+    result = run_trainer(
+        _overrides(
+            tiny_model_dir, tokenized_dir, out, "distributed.grad_reduce_dtype=bf16", "distributed.bucket_cap_mb=1"
+        ),
+        nproc=2,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [e["loss"] for e in events(out, "train")]
     reference = [e["loss"] for e in events(one_rank, "train")]
@@ -67,8 +85,10 @@ def test_bf16_gradient_all_reduce_stays_close_to_one_rank(one_rank, tiny_model_d
 
 def test_deepspeed_zero2_on_cpu_matches_ddp(one_rank, tiny_model_dir, tokenized_dir, tmp_path):
     out = tmp_path / "zero2"
-    result = run_trainer(_overrides(tiny_model_dir, tokenized_dir, out, "distributed.backend=deepspeed",
-                                    "distributed.zero_stage=2"), nproc=2)
+    result = run_trainer(
+        _overrides(tiny_model_dir, tokenized_dir, out, "distributed.backend=deepspeed", "distributed.zero_stage=2"),
+        nproc=2,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_adapters_close(out / "final", one_rank / "final")
     assert (out / "checkpoints" / "step-3" / "deepspeed").is_dir()
@@ -76,9 +96,20 @@ def test_deepspeed_zero2_on_cpu_matches_ddp(one_rank, tiny_model_dir, tokenized_
 
 def test_nan_on_one_rank_skips_updates_then_aborts_naming_step_and_rank(tiny_model_dir, tokenized_dir, tmp_path):
     out = tmp_path / "nan"
-    result = run_trainer(_overrides(tiny_model_dir, tokenized_dir, out, "max_steps=6", "save_every=1",
-                                    "keep_last=10", "max_bad_steps=3", "debug.nan_steps=[2,3,4]",
-                                    "debug.nan_rank=1"), nproc=2)
+    result = run_trainer(
+        _overrides(
+            tiny_model_dir,
+            tokenized_dir,
+            out,
+            "max_steps=6",
+            "save_every=1",
+            "keep_last=10",
+            "max_bad_steps=3",
+            "debug.nan_steps=[2,3,4]",
+            "debug.nan_rank=1",
+        ),
+        nproc=2,
+    )
     assert result.returncode == 1
     assert "step 4: 3 consecutive steps with a non-finite loss" in result.stderr
     assert "rank(s) [1]" in result.stderr
@@ -93,10 +124,18 @@ def test_nan_on_one_rank_skips_updates_then_aborts_naming_step_and_rank(tiny_mod
 def test_sigterm_to_llmft_train_nproc_commits_and_exits_143(tiny_model_dir, tokenized_dir, tmp_path):
     """Kubernetes sends SIGTERM to the container's main process: `llmft train --nproc 2`."""
     out = tmp_path / "preempted"
-    cmd = [sys.executable, "-m", "llmft", "train", "--nproc", "2",
-           *_overrides(tiny_model_dir, tokenized_dir, out, "max_steps=500")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmft",
+        "train",
+        "--nproc",
+        "2",
+        *_overrides(tiny_model_dir, tokenized_dir, out, "max_steps=500"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     deadline = time.monotonic() + 180
     lines = []
     for line in proc.stdout:

@@ -1,4 +1,5 @@
 """Batches that do not depend on the number of ranks; CLI entry points and clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,9 @@ import os
 
 import numpy as np
 import pytest
+from llmft.trainer.data.loader import PackedLoader, balanced_shares, shift_targets
+from llmft.trainer.data.shards import IGNORE_INDEX, open_split
 from trainer_helpers import train_in_process
-
-from trainer.data.loader import PackedLoader, balanced_shares, shift_targets
-from trainer.data.shards import IGNORE_INDEX, open_split
 
 
 def _sequences_of(loader: PackedLoader, step: int) -> list[tuple]:
@@ -20,10 +20,13 @@ def _sequences_of(loader: PackedLoader, step: int) -> list[tuple]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_shares_union_to_the_single_process_batch(tokenized_dir, world):
     single = PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=8, rank=0, world_size=1, seed=1)
-    ranks = [PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=1, rank=r, world_size=world,
-                          seed=1) for r in range(world)]
-    single_by_sequence = [PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=1, rank=0,
-                                       world_size=1, seed=1)]
+    ranks = [
+        PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=1, rank=r, world_size=world, seed=1)
+        for r in range(world)
+    ]
+    single_by_sequence = [
+        PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=1, rank=0, world_size=1, seed=1)
+    ]
     for step in (1, 2, single.steps_per_epoch + 1):  # also the first step of epoch 2 (a new permutation)
         whole = single.batch(step)
         parts = [loader.batch(step) for loader in ranks]
@@ -53,8 +56,10 @@ def test_rank_shares_balance_tokens_with_equal_counts():
 
 
 def test_rank_token_totals_are_balanced_on_real_batches(tokenized_dir):
-    ranks = [PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=4, rank=r, world_size=2,
-                          seed=3) for r in range(2)]
+    ranks = [
+        PackedLoader(tokenized_dir, "train", global_sequences=8, micro_sequences=4, rank=r, world_size=2, seed=3)
+        for r in range(2)
+    ]
     for step in (1, 2, 3):
         indices = ranks[0].global_indices(step)[1]
         lengths = ranks[0].split.sequence_lengths(indices).tolist()
@@ -90,7 +95,7 @@ def test_micro_batch_tensors_carry_the_supervised_positions(tokenized_dir):
 
 
 def test_uneven_split_over_ranks_is_a_data_error(tokenized_dir):
-    from trainer.errors import DataError
+    from llmft.trainer.errors import DataError
 
     with pytest.raises(DataError, match="multiple of 4"):
         PackedLoader(tokenized_dir, "train", global_sequences=6, micro_sequences=1, rank=0, world_size=4, seed=0)
@@ -99,8 +104,14 @@ def test_uneven_split_over_ranks_is_a_data_error(tokenized_dir):
 
 
 def test_qlora_without_cuda_fails_fast_with_a_clear_error(tiny_model_dir, tokenized_dir, tmp_path, capsys):
-    code, _ = train_in_process([f"model.name_or_path={tiny_model_dir}", f"data={tokenized_dir}",
-                                f"output_dir={tmp_path / 'q'}", "method=qlora"])
+    code, _ = train_in_process(
+        [
+            f"model.name_or_path={tiny_model_dir}",
+            f"data={tokenized_dir}",
+            f"output_dir={tmp_path / 'q'}",
+            "method=qlora",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "method=qlora" in err and "CUDA" in err and "method=lora on CPU" in err
@@ -108,8 +119,9 @@ def test_qlora_without_cuda_fails_fast_with_a_clear_error(tiny_model_dir, tokeni
 
 
 def test_missing_dataset_is_exit_1_naming_the_path(tiny_model_dir, tmp_path, capsys):
-    code, _ = train_in_process([f"model.name_or_path={tiny_model_dir}", f"data={tmp_path / 'nowhere'}",
-                                f"output_dir={tmp_path / 'o'}"])
+    code, _ = train_in_process(
+        [f"model.name_or_path={tiny_model_dir}", f"data={tmp_path / 'nowhere'}", f"output_dir={tmp_path / 'o'}"]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "nowhere" in err and "llmft data tokenize" in err
@@ -130,10 +142,20 @@ def test_llmft_train_runs_the_shipped_tiny_config(repo_root, tiny_model_dir, tok
 
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        code = main(["train", "--config", str(repo_root / "trainer/configs/tiny-cpu.yaml"),
-                     f"model.name_or_path={tiny_model_dir}", f"data={tokenized_dir}",
-                     f"output_dir={tmp_path / 'tiny'}", "max_steps=2", "eval_every=0", "save_every=0",
-                     "observe.progress_bar=false"])
+        code = main(
+            [
+                "train",
+                "--config",
+                str(repo_root / "trainer/configs/tiny-cpu.yaml"),
+                f"model.name_or_path={tiny_model_dir}",
+                f"data={tokenized_dir}",
+                f"output_dir={tmp_path / 'tiny'}",
+                "max_steps=2",
+                "eval_every=0",
+                "save_every=0",
+                "observe.progress_bar=false",
+            ]
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == 0
@@ -149,33 +171,36 @@ def test_print_config_and_torchrun_command(capsys):
     assert main(["train", "--print-config", "model.name_or_path=m", "data=d", "lora.r=7"]) == 0
     assert "r: 7" in capsys.readouterr().out
     local = torchrun_command("2", ["lora.r=7"], env={})
-    assert "--standalone" in local and local[-3:] == ["-m", "trainer", "lora.r=7"]
+    assert "--standalone" in local and local[-3:] == ["-m", "llmft.trainer", "lora.r=7"]
     assert "--nproc-per-node=2" in local
     pod = torchrun_command("8", [], env={"PET_NNODES": "2", "PET_MASTER_ADDR": "job-master-0"})
     assert "--standalone" not in pod and "--nproc-per-node=8" in pod  # torchrun reads PET_* itself
 
 
-def test_full_finetune_checkpoint_and_final_load_with_from_pretrained(base_overrides, tiny_model_dir,
-                                                                      tokenized_dir, tmp_path):
-    from trainer.evaluate import evaluate_perplexity
+def test_full_finetune_checkpoint_and_final_load_with_from_pretrained(
+    base_overrides, tiny_model_dir, tokenized_dir, tmp_path
+):
+    from llmft.trainer.evaluate import evaluate_perplexity
 
-    code, stdout = train_in_process(base_overrides("full", method="full", optim__lr=1e-4, max_steps=2, save_every=1,
-                                                   eval_every=0, eval__max_sequences=0))
+    code, stdout = train_in_process(
+        base_overrides(
+            "full", method="full", optim__lr=1e-4, max_steps=2, save_every=1, eval_every=0, eval__max_sequences=0
+        )
+    )
     assert code == 0 and "full:" in stdout
     run = tmp_path / "full"
     for step_dir in (run / "checkpoints" / "step-1", run / "final"):
         assert (step_dir / "model.safetensors").is_file() and not (step_dir / "adapter_config.json").exists()
     final = evaluate_perplexity(str(run / "final"), str(tokenized_dir))
     reported = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert final["eval_loss"] == pytest.approx([e for e in reported if e["event"] == "eval"][-1]["eval_loss"],
-                                               rel=1e-5)
+    assert final["eval_loss"] == pytest.approx([e for e in reported if e["event"] == "eval"][-1]["eval_loss"], rel=1e-5)
     first = evaluate_perplexity(str(run / "checkpoints" / "step-1"), str(tokenized_dir))
     base = evaluate_perplexity(str(tiny_model_dir), str(tokenized_dir))
     assert base["eval_loss"] > first["eval_loss"] > final["eval_loss"]
 
 
 def test_trainer_defaults_the_cuda_allocator_to_expandable_segments(monkeypatch):
-    from trainer.__main__ import use_expandable_segments
+    from llmft.trainer.__main__ import use_expandable_segments
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
@@ -193,7 +218,7 @@ def test_trainer_defaults_the_cuda_allocator_to_expandable_segments(monkeypatch)
 def test_garbage_collection_is_scheduled_during_training(monkeypatch):
     import gc
 
-    from trainer.loop import collect_garbage, scheduled_gc
+    from llmft.trainer.loop import collect_garbage, scheduled_gc
 
     calls = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)

@@ -1,4 +1,5 @@
 """A LoRA run in-process: learning, frozen weights, outputs, stdout contract, perplexity."""
+
 from __future__ import annotations
 
 import json
@@ -9,22 +10,37 @@ import signal
 import numpy as np
 import pytest
 import torch
+from llmft.trainer.config import load_config, validate
+from llmft.trainer.lora_finetune import LoRAFinetuneRecipe
 from trainer_helpers import KATIB_REGEX, adapter_tensors, events
-
-from trainer.config import load_config, validate
-from trainer.lora_finetune import LoRAFinetuneRecipe
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_model_dir, tokenized_dir):
     """6 steps, eval and checkpoint every 3; returns (cfg, output dir, captured stdout, param snapshots)."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    cfg = load_config(None, [
-        f"model.name_or_path={tiny_model_dir}", f"data={tokenized_dir}", f"output_dir={out}",
-        "lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "optim.lr=5e-3", "schedule.warmup_steps=1",
-        "batch.global_sequences=4", "batch.micro_sequences=2", "observe.progress_bar=false",
-        "max_steps=6", "eval_every=3", "save_every=3", "log_every=1", "seed=3", "keep_last=1",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_model_dir}",
+            f"data={tokenized_dir}",
+            f"output_dir={out}",
+            "lora.r=4",
+            "lora.alpha=8",
+            "lora.dropout=0.0",
+            "optim.lr=5e-3",
+            "schedule.warmup_steps=1",
+            "batch.global_sequences=4",
+            "batch.micro_sequences=2",
+            "observe.progress_bar=false",
+            "max_steps=6",
+            "eval_every=3",
+            "save_every=3",
+            "log_every=1",
+            "seed=3",
+            "keep_last=1",
+        ],
+    )
     previous = signal.getsignal(signal.SIGTERM)
     recipe = LoRAFinetuneRecipe(cfg, validate(cfg))
     import contextlib
@@ -59,8 +75,15 @@ def test_loss_falls_and_only_adapter_weights_change(lora_run):
 def test_outputs_manifest_checkpoints_and_tensorboard(lora_run, tiny_model_dir, tokenized_dir):
     cfg, out, _, _, after, _ = lora_run
     final = out / "final"
-    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "training_manifest.json", "COMPLETE"):
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "training_manifest.json",
+        "COMPLETE",
+    ):
         assert (final / name).is_file(), name
     assert "im_start" in (final / "chat_template.jinja").read_text()
     manifest = json.loads((final / "training_manifest.json").read_text())
@@ -76,7 +99,9 @@ def test_outputs_manifest_checkpoints_and_tensorboard(lora_run, tiny_model_dir, 
     expected = {"step-6"} | ({"step-3"} if manifest["best"]["step"] == 3 else set())
     assert set(kept) == expected
     final_adapter = adapter_tensors(final)
-    assert torch.equal(final_adapter[next(iter(final_adapter))], adapter_tensors(out / "checkpoints/step-6")[next(iter(final_adapter))])
+    assert torch.equal(
+        final_adapter[next(iter(final_adapter))], adapter_tensors(out / "checkpoints/step-6")[next(iter(final_adapter))]
+    )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(out / "tensorboard"))
@@ -93,10 +118,10 @@ def test_stdout_has_katib_lines_and_summary(lora_run):
     ppl_lines = [line for line in lines if line.startswith("perplexity=")]
     assert len(loss_lines) == len(ppl_lines) == len(eval_events) == 2
     for line, event in zip(loss_lines, eval_events, strict=True):
-        (name, value, *_), = re.findall(KATIB_REGEX, line)
+        ((name, value, *_),) = re.findall(KATIB_REGEX, line)
         assert name == "eval_loss" and float(value) == pytest.approx(event["eval_loss"], rel=1e-5)
     for line in ppl_lines:
-        (name, value, *_), = re.findall(KATIB_REGEX, line)
+        ((name, value, *_),) = re.findall(KATIB_REGEX, line)
         assert name == "perplexity" and float(value) > 1
     for line in lines:  # every name=value pair anywhere on stdout has a numeric value
         for name, value, *_ in re.findall(KATIB_REGEX, line):
@@ -107,11 +132,10 @@ def test_stdout_has_katib_lines_and_summary(lora_run):
 def test_perplexity_matches_independent_reference_loop(lora_run, tiny_model_dir, tokenized_dir):
     """exp(mean token NLL), computed document by document without packing, equals what the
     trainer reported and what evaluate_perplexity returns."""
+    from llmft.trainer.data.shards import open_split
+    from llmft.trainer.evaluate import evaluate_perplexity
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from trainer.data.shards import open_split
-    from trainer.evaluate import evaluate_perplexity
 
     _, out, _, _, _, _ = lora_run
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

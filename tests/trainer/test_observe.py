@@ -1,5 +1,6 @@
 """MLflow (a real SQLite-backed tracking store, parent/child runs) and Langfuse (its real
 client against a loopback HTTP endpoint that records what it receives)."""
+
 from __future__ import annotations
 
 import gzip
@@ -8,9 +9,8 @@ import json
 import threading
 
 import pytest
+from llmft.trainer.observe import send_langfuse_trace, summary_screen, train_flops
 from trainer_helpers import train_in_process
-
-from trainer.observe import send_langfuse_trace, summary_screen, train_flops
 
 
 @pytest.fixture
@@ -33,8 +33,9 @@ def test_mlflow_child_run_gets_params_metrics_and_final_artifacts(base_overrides
     experiment = mlflow.create_experiment("sweep", artifact_location=str(tmp_path / "artifacts"))
     parent = MlflowClient(mlflow_uri).create_run(experiment).info.run_id
     monkeypatch.setenv("LLMFT_MLFLOW_PARENT_RUN_ID", parent)
-    code, stdout = train_in_process(base_overrides("tracked", max_steps=2, eval_every=1,
-                                                   observe__mlflow_experiment="sweep"))
+    code, stdout = train_in_process(
+        base_overrides("tracked", max_steps=2, eval_every=1, observe__mlflow_experiment="sweep")
+    )
     assert code == 0 and "mlflow: logging to run" in stdout
     client = MlflowClient(mlflow_uri)
     (run,) = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
@@ -93,10 +94,12 @@ def test_langfuse_and_mlflow_unconfigured_are_single_info_lines(monkeypatch, cap
 
 
 def test_flops_count_4n_for_lora_6n_for_full_plus_attention():
-    lora = train_flops(method="lora", matmul_params=1000, adapter_params=10, tokens=100, layers=2, attn_width=8,
-                       attn_sq=50 * 50 * 2)
-    full = train_flops(method="full", matmul_params=1000, adapter_params=0, tokens=100, layers=2, attn_width=8,
-                       attn_sq=50 * 50 * 2)
+    lora = train_flops(
+        method="lora", matmul_params=1000, adapter_params=10, tokens=100, layers=2, attn_width=8, attn_sq=50 * 50 * 2
+    )
+    full = train_flops(
+        method="full", matmul_params=1000, adapter_params=0, tokens=100, layers=2, attn_width=8, attn_sq=50 * 50 * 2
+    )
     attention = 6 * 2 * 8 * 5000
     assert lora == 4 * 1000 * 100 + 6 * 10 * 100 + attention
     assert full == 6 * 1000 * 100 + attention

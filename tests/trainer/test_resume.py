@@ -1,4 +1,5 @@
-"""Checkpoints, resume and preemption with real trainer processes (`python -m trainer`)."""
+"""Checkpoints, resume and preemption with real trainer processes (`python -m llmft.trainer`)."""
+
 from __future__ import annotations
 
 import shutil
@@ -6,9 +7,8 @@ import signal
 
 import pytest
 import torch
+from llmft.trainer.io import is_complete
 from trainer_helpers import adapter_tensors, events, run_trainer, train_in_process
-
-from trainer.io import is_complete
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,26 @@ def uninterrupted(tmp_path_factory, tiny_model_dir, tokenized_dir):
 
 
 def _overrides(model, data, out, *extra) -> list[str]:
-    return [f"model.name_or_path={model}", f"data={data}", f"output_dir={out}", "lora.r=4", "lora.alpha=8",
-            "lora.dropout=0.1", "optim.lr=5e-3", "batch.global_sequences=4", "batch.micro_sequences=2",
-            "eval.max_sequences=4", "observe.progress_bar=false", "max_steps=6", "save_every=2", "eval_every=2",
-            "log_every=1", "keep_last=5", "seed=11", *extra]
+    return [
+        f"model.name_or_path={model}",
+        f"data={data}",
+        f"output_dir={out}",
+        "lora.r=4",
+        "lora.alpha=8",
+        "lora.dropout=0.1",
+        "optim.lr=5e-3",
+        "batch.global_sequences=4",
+        "batch.micro_sequences=2",
+        "eval.max_sequences=4",
+        "observe.progress_bar=false",
+        "max_steps=6",
+        "save_every=2",
+        "eval_every=2",
+        "log_every=1",
+        "keep_last=5",
+        "seed=11",
+        *extra,
+    ]
 
 
 def test_sigkill_then_resume_equals_uninterrupted_and_skips_unmarked(uninterrupted, tmp_path):

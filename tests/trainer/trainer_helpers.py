@@ -1,5 +1,6 @@
 """Helpers for the trainer tests: run the trainer as a subprocess or through torchrun,
 read metrics.jsonl and adapters."""
+
 from __future__ import annotations
 
 import json
@@ -13,19 +14,23 @@ KATIB_REGEX = r"([\w|-]+)\s*=\s*([+-]?\d*(\.\d+)?([Ee][+-]?\d+)?)"
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MLFLOW_", "LANGFUSE_", "LLMFT_", "PET_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MLFLOW_", "LANGFUSE_", "LLMFT_", "PET_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra})
     return env
 
 
-def run_trainer(overrides: list[str], *, nproc: int = 1, timeout: int = 240, env: dict | None = None,
-                config: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m trainer ...` (nproc 1) or `llmft train --nproc N ...` (torchrun), captured."""
+def run_trainer(
+    overrides: list[str], *, nproc: int = 1, timeout: int = 240, env: dict | None = None, config: str | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m llmft.trainer ...` (nproc 1) or `llmft train --nproc N ...` (torchrun), captured."""
     head = ["--config", config] if config else []
     if nproc == 1:
-        cmd = [sys.executable, "-m", "trainer", *head, *overrides]
+        cmd = [sys.executable, "-m", "llmft.trainer", *head, *overrides]
     else:
         cmd = [sys.executable, "-m", "llmft", "train", "--nproc", str(nproc), *head, *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
@@ -49,7 +54,7 @@ def train_in_process(overrides: list[str]) -> tuple[object, str]:
     import io
     import signal
 
-    from trainer.__main__ import main
+    from llmft.trainer.__main__ import main
 
     previous = signal.getsignal(signal.SIGTERM)
     stdout = io.StringIO()

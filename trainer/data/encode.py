@@ -4,8 +4,9 @@ token ids, unshifted labels (-100 outside assistant turns) and document lengths.
 Runs in each worker process of the pool (or inline with one process). A chunk's
 conversations are rendered with the chat template in one call and tokenized in
 one fast-tokenizer batch; labels come from the tokenizer's character offsets
-and the supervised spans of :func:`trainer.data.templates.assistant_spans`.
+and the supervised spans of :func:`llmft.trainer.data.templates.assistant_spans`.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from trainer.data.shards import IGNORE_INDEX
-from trainer.data.templates import TemplateMismatch, assistant_spans, batch_renderer, render
-from trainer.errors import DataError
+from llmft.trainer.data.shards import IGNORE_INDEX
+from llmft.trainer.data.templates import TemplateMismatch, assistant_spans, batch_renderer, render
+from llmft.trainer.errors import DataError
 
 try:  # optional fast path; identical results
     from orjson import loads as _loads

@@ -13,6 +13,7 @@ Canonical rows: ``{"messages": [{"role", "content"}, ...]}`` for every
 conversational format, ``{"text": "..."}`` for plain text. A row that breaks its
 format raises :class:`RowReject` with a reason from :data:`REJECT_FIXES`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,7 +24,9 @@ FORMAT_CHOICES = ("auto", *FORMATS)
 # reason -> how to fix it (shown in error messages and rejects.jsonl)
 REJECT_FIXES: dict[str, str] = {
     "invalid_json": "make the line one complete JSON object (JSON Lines: one object per line)",
-    "wrong_type": "give the field the documented type (messages: list of {role, content} objects; other fields: strings)",
+    "wrong_type": (
+        "give the field the documented type (messages: list of {role, content} objects; other fields: strings)"
+    ),
     "missing_field": "add the field, or pass --format to pick the format the rows are written in",
     "unknown_role": "use the roles system/user/assistant (ShareGPT: system/human/gpt)",
     "empty_assistant_content": "give every assistant turn non-empty content, or drop the turn",
@@ -115,23 +118,30 @@ def _content_text(value: Any, field: str) -> str:
         return value
     if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
-    raise RowReject("wrong_type", field, f"`{field}` must be a string (or a list of text parts), got {_type_name(value)}")
+    raise RowReject(
+        "wrong_type", field, f"`{field}` must be a string (or a list of text parts), got {_type_name(value)}"
+    )
 
 
 def _message(item: Any, field: str) -> dict:
     if not isinstance(item, dict):
-        raise RowReject("wrong_type", field, f"`{field}` must be an object with role and content, got {_type_name(item)}")
+        raise RowReject(
+            "wrong_type", field, f"`{field}` must be an object with role and content, got {_type_name(item)}"
+        )
     role_key, content_key = ("role", "content") if "role" in item or "content" in item else ("from", "value")
     for key in (role_key, content_key):
         if key not in item:
             raise RowReject("missing_field", f"{field}.{key}", f"message `{field}` has no `{key}`")
     role_raw = item[role_key]
     if not isinstance(role_raw, str):
-        raise RowReject("wrong_type", f"{field}.{role_key}", f"`{field}.{role_key}` must be a string, got {_type_name(role_raw)}")
+        raise RowReject(
+            "wrong_type", f"{field}.{role_key}", f"`{field}.{role_key}` must be a string, got {_type_name(role_raw)}"
+        )
     role = ROLE_ALIASES.get(role_raw.strip().lower())
     if role is None:
         raise RowReject(
-            "unknown_role", f"{field}.{role_key}",
+            "unknown_role",
+            f"{field}.{role_key}",
             f"unknown role {role_raw!r} in `{field}`; accepted: {', '.join(sorted(ROLE_ALIASES))}",
         )
     content = item[content_key]

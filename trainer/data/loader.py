@@ -16,6 +16,7 @@ document boundary. Every rank also counts the supervised targets of the WHOLE
 global batch from the memory-mapped labels, so the loss can be normalised by
 that count without a collective or a host sync.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from trainer.data.shards import IGNORE_INDEX, TokenizedSplit, open_split, read_manifest
-from trainer.errors import DataError
+from llmft.trainer.data.shards import IGNORE_INDEX, TokenizedSplit, open_split, read_manifest
+from llmft.trainer.errors import DataError
 
 
 @dataclass
@@ -142,8 +142,17 @@ def resolve_global_sequences(global_sequences: int, global_tokens: int, max_leng
 class PackedLoader:
     """Per-rank view of the training split, addressed by global step number."""
 
-    def __init__(self, dataset_dir: str | Path, split: str, *, global_sequences: int, micro_sequences: int,
-                 rank: int, world_size: int, seed: int):
+    def __init__(
+        self,
+        dataset_dir: str | Path,
+        split: str,
+        *,
+        global_sequences: int,
+        micro_sequences: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+    ):
         self.split = open_split(dataset_dir, split)
         self.global_sequences = global_sequences
         self.micro_sequences = micro_sequences
@@ -186,8 +195,10 @@ class PackedLoader:
         epoch, indices = self.global_indices(step)
         targets, tokens, attn_sq = count_targets(self.split, indices)
         mine = indices[balanced_shares(self.split.sequence_lengths(indices), self.world_size)[self.rank]]
-        micro = [build_micro_batch(self.split, mine[i : i + self.micro_sequences])
-                 for i in range(0, len(mine), self.micro_sequences)]
+        micro = [
+            build_micro_batch(self.split, mine[i : i + self.micro_sequences])
+            for i in range(0, len(mine), self.micro_sequences)
+        ]
         return StepBatch(step, epoch, micro, targets, tokens, attn_sq)
 
     def iter_steps(self, first_step: int, last_step: int):
@@ -205,8 +216,15 @@ class PackedLoader:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def eval_micro_batches(dataset_dir: str | Path, split: str, *, micro_sequences: int, rank: int = 0,
-                       world_size: int = 1, max_sequences: int = 0):
+def eval_micro_batches(
+    dataset_dir: str | Path,
+    split: str,
+    *,
+    micro_sequences: int,
+    rank: int = 0,
+    world_size: int = 1,
+    max_sequences: int = 0,
+):
     """This rank's evaluation micro batches: sequences rank, rank+W, ... in order."""
     data = open_split(dataset_dir, split)
     count = len(data) if max_sequences <= 0 else min(len(data), max_sequences)
@@ -223,5 +241,7 @@ def dataset_info(dataset_dir: str | Path) -> dict:
         raise DataError(str(exc)) from None
     for key in ("cache_key", "max_length"):
         if key not in manifest:
-            raise DataError(f"{Path(dataset_dir) / 'manifest.json'}: field `{key}` missing; re-run `llmft data tokenize`")
+            raise DataError(
+                f"{Path(dataset_dir) / 'manifest.json'}: field `{key}` missing; re-run `llmft data tokenize`"
+            )
     return manifest

@@ -5,8 +5,9 @@ space is the smallest that still fits it, or opens a new sequence. Open
 sequences are kept in a sorted list keyed by (free space, sequence id), so each
 placement is a binary search: 100k documents pack in well under a second.
 Documents are never split, so every document keeps its own positions and
-boundaries (see :func:`trainer.data.shards.position_ids_for`).
+boundaries (see :func:`llmft.trainer.data.shards.position_ids_for`).
 """
+
 from __future__ import annotations
 
 import bisect

@@ -6,6 +6,7 @@ most ``window`` chunks are in flight, so memory stays bounded however large the
 input is. A worker that dies (an OOM kill) raises ``BrokenProcessPool`` instead
 of hanging the run.
 """
+
 from __future__ import annotations
 
 import contextlib

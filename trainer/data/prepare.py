@@ -1,7 +1,7 @@
 """``llmft data prepare``: any dataset -> validated JSONL in one canonical schema.
 
-Reads a source row by row (see :mod:`trainer.data.sources`), validates and
-converts each row (:mod:`trainer.data.formats`), and writes, all inside one
+Reads a source row by row (see :mod:`llmft.trainer.data.sources`), validates and
+converts each row (:mod:`llmft.trainer.data.formats`), and writes, all inside one
 temporary directory that is renamed into place only when everything passed::
 
     DIR/train.jsonl     canonical rows ({"messages": [...]} or {"text": ...})
@@ -13,6 +13,7 @@ The split is decided per row by a salted hash of its canonical JSON, so it does
 not depend on row order or on the size of the file, and duplicate rows always
 land on the same side (no train/val leakage through duplicates).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,12 +26,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trainer.data.formats import FORMAT_CHOICES, RowReject, convert_row
-from trainer.data.parallel import default_num_proc, ordered_map, worker_pool
-from trainer.data.progress import progress
-from trainer.data.sources import Source, open_source
-from trainer.errors import DataError
-from trainer.io import atomic_directory, atomic_write_json
+from llmft.trainer.data.formats import FORMAT_CHOICES, RowReject, convert_row
+from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
+from llmft.trainer.data.progress import progress
+from llmft.trainer.data.sources import Source, open_source
+from llmft.trainer.errors import DataError
+from llmft.trainer.io import atomic_directory, atomic_write_json
 
 try:  # optional: several times faster; same results and bytes as the json calls below
     import orjson
@@ -66,10 +67,12 @@ def prepare_dataset(
     _check_arguments(format, val_fraction, max_reject_fraction)
     src = open_source(str(source), split, exclude=Path(output_dir))
     started = time.perf_counter()
-    with atomic_directory(Path(output_dir), marker=True) as tmp:
+    with atomic_directory(Path(output_dir), kind="prepared-dataset", marker=True, inputs=(source,)) as tmp:
         tally = _Tally()
-        with _SplitWriter(tmp, val_fraction, seed) as splits, \
-                open(tmp / REJECTS_FILE, "w", encoding="utf-8", errors="backslashreplace") as rejects:
+        with (
+            _SplitWriter(tmp, val_fraction, seed) as splits,
+            open(tmp / REJECTS_FILE, "w", encoding="utf-8", errors="backslashreplace") as rejects,
+        ):
             for file, line, fmt, data, reject, raw, value in _converted_rows(src, format):
                 if reject is None:
                     splits.add(data)
@@ -89,8 +92,11 @@ def _converted_rows(src: Source, fmt: str) -> Iterator[tuple]:
 
     Large JSONL inputs are converted by a pool of processes (chunks of raw lines go
     out, canonical bytes come back); other sources and small files run inline."""
-    parallel = src.kind != "hub" and all(p.suffix.lower() == ".jsonl" for p in src.files) \
+    parallel = (
+        src.kind != "hub"
+        and all(p.suffix.lower() == ".jsonl" for p in src.files)
         and sum(p.stat().st_size for p in src.files) >= PARALLEL_MIN_BYTES
+    )
     num_proc = default_num_proc() if parallel else 1
     bar = progress(desc="prepare", unit="rows")
     with worker_pool(num_proc) as pool:
@@ -193,7 +199,11 @@ class _Tally:
 
 
 def _snippet(raw: bytes | None, value: Any) -> str:
-    text = raw.decode("utf-8", "replace").strip() if raw is not None else json.dumps(value, default=str, ensure_ascii=False)
+    text = (
+        raw.decode("utf-8", "replace").strip()
+        if raw is not None
+        else json.dumps(value, default=str, ensure_ascii=False)
+    )
     return text if len(text) <= _RAW_SNIPPET else text[:_RAW_SNIPPET] + "..."
 
 
@@ -265,8 +275,16 @@ def _describe(reject: dict) -> str:
     )
 
 
-def _report(src: Source, tally: _Tally, counts: dict, fmt: str, split: str, val_fraction: float,
-            seed: int, max_reject_fraction: float) -> dict:
+def _report(
+    src: Source,
+    tally: _Tally,
+    counts: dict,
+    fmt: str,
+    split: str,
+    val_fraction: float,
+    seed: int,
+    max_reject_fraction: float,
+) -> dict:
     detected = fmt if fmt != "auto" else (next(iter(tally.formats)) if len(tally.formats) == 1 else "mixed")
     return {
         "source": src.spec,

@@ -3,6 +3,7 @@
 On a terminal the bar refreshes twice a second; in a pod log (no TTY) it prints
 a line every 15 s instead of flooding the log. ``LLMFT_PROGRESS=0`` turns bars off.
 """
+
 from __future__ import annotations
 
 import os

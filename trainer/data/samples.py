@@ -5,6 +5,7 @@
   so a demo shows rejections while staying under the default 1% reject limit.
 - ``chat_demo.jsonl``: multi-turn OpenAI ``messages`` conversations with system turns.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

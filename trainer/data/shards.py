@@ -16,6 +16,7 @@ documents per sequence (at most ``max_length`` tokens); position ids restart at
 Arrays are opened with ``mmap_mode="r"``: every rank of a job maps the same
 files and reads only its own sequences.
 """
+
 from __future__ import annotations
 
 import json
@@ -109,7 +110,9 @@ def write_split(directory: str | Path, input_ids, labels, doc_offsets, seq_offse
 def read_manifest(dataset_dir: str | Path) -> dict:
     path = Path(dataset_dir) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; `{dataset_dir}` is not a tokenized dataset (run `llmft data tokenize`)")
+        raise FileNotFoundError(
+            f"{path}: missing; `{dataset_dir}` is not a tokenized dataset (run `llmft data tokenize`)"
+        )
     return json.loads(path.read_text())
 
 

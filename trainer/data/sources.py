@@ -14,6 +14,7 @@ not a crash), ``value`` an already-decoded row otherwise. ``line`` is the
 1-based line of the file (JSONL, CSV) or the 1-based row number (JSON array,
 Parquet, hub).
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,8 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import DataError
-from trainer.io import sha256_file
+from llmft.trainer.errors import DataError
+from llmft.trainer.io import sha256_file
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -39,8 +40,9 @@ Row = tuple[str, int, "bytes | None", Any]
 class Source:
     """Rows of one input plus a content hash, computed while the rows stream by."""
 
-    def __init__(self, spec: str, *, kind: str, files: list[Path] | None = None, root: Path | None = None,
-                 split: str = "train"):
+    def __init__(
+        self, spec: str, *, kind: str, files: list[Path] | None = None, root: Path | None = None, split: str = "train"
+    ):
         self.spec = spec
         self.kind = kind  # "file" | "folder" | "hub"
         self.files = files or []
@@ -120,8 +122,10 @@ def open_source(spec: str, split: str = "train", *, exclude: Path | None = None)
     if path.is_dir():
         skip = exclude.resolve() if exclude is not None else None
         files = sorted(
-            p for p in path.rglob("*")
-            if p.is_file() and p.suffix.lower() in SUFFIXES
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in SUFFIXES
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
             and not (skip is not None and p.resolve().is_relative_to(skip))
         )
@@ -141,7 +145,11 @@ def load_hub_dataset(dataset_id: str, split: str):
     """
     import datasets
 
-    offline = bool(datasets.config.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "0") in ("1", "true", "TRUE")
+    offline = bool(datasets.config.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "0") in (
+        "1",
+        "true",
+        "TRUE",
+    )
     token = os.environ.get("HF_TOKEN") or None
     try:
         return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)

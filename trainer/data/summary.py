@@ -1,4 +1,5 @@
 """One-screen summaries printed at the end of ``llmft data prepare`` / ``tokenize``."""
+
 from __future__ import annotations
 
 

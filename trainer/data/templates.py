@@ -15,12 +15,13 @@ rendered text is exact for those: whatever the template adds around a turn
 (think blocks, headers) stays unsupervised, and the content is supervised
 exactly once, where it really appears.
 """
+
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-from trainer.errors import DataError
+from llmft.trainer.errors import DataError
 
 # Fallback templates for tokenizers without their own (``--chat-template NAME``).
 FALLBACK_TEMPLATES = {
@@ -119,7 +120,7 @@ def end_of_turn_marker(tokenizer, template: str) -> str:
     at = text.rfind(_PROBE_ANSWER)
     if at < 0:
         return ""
-    tail = text[at + len(_PROBE_ANSWER):].lstrip(" \t")
+    tail = text[at + len(_PROBE_ANSWER) :].lstrip(" \t")
     marker = tail.split("\n", 1)[0].strip()
     return marker if len(marker) <= _MAX_END_OF_TURN else ""
 

@@ -6,13 +6,14 @@ tokenized in batches by the fast tokenizer across ``num_proc`` processes, masked
 to the assistant turns (text rows train on every token), cut to ``max_length``
 by ``truncation``, and, with ``pack``, best-fit packed into sequences of at most
 ``max_length`` tokens. The result is the on-disk format of
-:mod:`trainer.data.shards` plus ``manifest.json``; the directory appears
+:mod:`llmft.trainer.data.shards` plus ``manifest.json``; the directory appears
 atomically, with a completion marker.
 
 The cache key hashes the data files, the tokenizer (vocabulary, merges, added
 and special tokens), the chat template, max length, packing and truncation. A
 complete output directory with the same key is left untouched (``cache hit``).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -26,20 +27,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-
-from trainer.data.encode import EncodePlan, encode_chunk, init_worker
-from trainer.data.packing import best_fit_pack, packing_efficiency
-from trainer.data.parallel import default_num_proc, ordered_map, worker_pool
-from trainer.data.progress import progress
-from trainer.data.shards import MANIFEST
-from trainer.data.templates import (
+from llmft.trainer.data.encode import EncodePlan, encode_chunk, init_worker
+from llmft.trainer.data.packing import best_fit_pack, packing_efficiency
+from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
+from llmft.trainer.data.progress import progress
+from llmft.trainer.data.shards import MANIFEST
+from llmft.trainer.data.templates import (
     end_of_turn_marker,
     missing_template_error,
     resolve_chat_template,
     template_hash,
 )
-from trainer.errors import DataError
-from trainer.io import atomic_directory, atomic_write_json, is_complete, sha256_file
+from llmft.trainer.errors import DataError
+from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete, sha256_file
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -63,7 +63,12 @@ def tokenize_dataset(
     """Tokenize every split of a prepared dataset; return the manifest (``cache_hit`` set)."""
     output_dir = Path(output_dir)
     split_files, tokenizer, plan, identity = _resolve_inputs(
-        input_dir, model, max_length=max_length, pack=pack, truncation=truncation, num_proc=num_proc,
+        input_dir,
+        model,
+        max_length=max_length,
+        pack=pack,
+        truncation=truncation,
+        num_proc=num_proc,
         chat_template=chat_template,
     )
     cached = cached_manifest(output_dir, identity["cache_key"])
@@ -71,7 +76,7 @@ def tokenize_dataset(
         print(f"cache hit: {output_dir} already holds cache key {identity['cache_key'][:16]}; nothing rewritten")
         return {**cached, "cache_hit": True}
     started = time.perf_counter()
-    with atomic_directory(output_dir, marker=True) as tmp:
+    with atomic_directory(output_dir, kind="tokenized-dataset", marker=True) as tmp:
         splits = _tokenize_splits(split_files, tmp, tokenizer, plan, pack, num_proc or default_num_proc())
         manifest = {**identity, "cache_hit": False, "splits": splits}
         manifest["created_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")  # noqa: UP017 - py3.10
@@ -92,8 +97,15 @@ def cache_key_for(
     """The cache key ``tokenize_dataset`` gives these inputs, without tokenizing anything
     (loads the tokenizer and hashes the data files). Lets a pipeline pick a content-addressed
     output folder before calling ``tokenize_dataset``."""
-    return _resolve_inputs(input_dir, model, max_length=max_length, pack=pack, truncation=truncation,
-                           num_proc=None, chat_template=chat_template)[3]["cache_key"]
+    return _resolve_inputs(
+        input_dir,
+        model,
+        max_length=max_length,
+        pack=pack,
+        truncation=truncation,
+        num_proc=None,
+        chat_template=chat_template,
+    )[3]["cache_key"]
 
 
 def _resolve_inputs(input_dir, model, *, max_length, pack, truncation, num_proc, chat_template):
@@ -134,7 +146,9 @@ def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model, token=os.environ.get("HF_TOKEN") or None, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model, token=os.environ.get("HF_TOKEN") or None, trust_remote_code=False
+        )
     except Exception as exc:  # noqa: BLE001 - surface any loader failure as a user error
         raise DataError(
             f"cannot load the tokenizer of {model!r}: {type(exc).__name__}: {exc}. Fix: check the model id or "
@@ -203,7 +217,9 @@ def cached_manifest(output_dir: Path, key: str) -> dict | None:
     if manifest.get("cache_key") != key:
         return None
     for split in manifest.get("splits", {}):
-        if not all((output_dir / split / f"{a}.npy").is_file() for a in ("input_ids", "labels", "doc_offsets", "seq_offsets")):
+        if not all(
+            (output_dir / split / f"{a}.npy").is_file() for a in ("input_ids", "labels", "doc_offsets", "seq_offsets")
+        ):
             return None
     return manifest
 
@@ -225,7 +241,9 @@ def _tokenize_splits(split_files, out_dir: Path, tokenizer, plan: EncodePlan, pa
 
 
 def _empty_train_message(path: Path, stats: dict) -> str:
-    examples = "\n".join(f"  {e['file']}:{e['line']}: {e['reason']}: {e['detail']}" for e in stats["dropped_examples"][:5])
+    examples = "\n".join(
+        f"  {e['file']}:{e['line']}: {e['reason']}: {e['detail']}" for e in stats["dropped_examples"][:5]
+    )
     return (
         f"{path}: no trainable document left after tokenization (dropped: {stats['dropped']}). First ones:\n"
         f"{examples}\nFix: raise --max-length, use --truncation truncate, or check the chat template."
@@ -285,11 +303,15 @@ def _write_split(split_dir: Path, ids_path: Path, labels_path: Path, doc_lengths
     order = np.concatenate([np.asarray(s, np.int64) for s in sequences]) if sequences else np.arange(len(doc_lengths))
     seq_sizes = [len(s) for s in sequences] if sequences is not None else np.ones(len(doc_lengths), np.int64)
     total = int(doc_lengths.sum())
-    outs = [np.lib.format.open_memmap(split_dir / f"{name}.npy", mode="w+", dtype=np.int32, shape=(total,))
-            for name in ("input_ids", "labels")]
+    outs = [
+        np.lib.format.open_memmap(split_dir / f"{name}.npy", mode="w+", dtype=np.int32, shape=(total,))
+        for name in ("input_ids", "labels")
+    ]
     if total:
         # plain ndarray views: slicing the np.memmap subclass is slow
-        srcs = [np.memmap(p, dtype=np.int32, mode="r", shape=(total,)).view(np.ndarray) for p in (ids_path, labels_path)]
+        srcs = [
+            np.memmap(p, dtype=np.int32, mode="r", shape=(total,)).view(np.ndarray) for p in (ids_path, labels_path)
+        ]
         _copy_in_order(srcs, [o.view(np.ndarray) for o in outs], doc_lengths, order, identity=sequences is None)
         del srcs
     for out in outs:

@@ -15,6 +15,7 @@
 Importing the package registers ``llmft_varlen`` with transformers (when it is
 installed), so ``model.attn_implementation=llmft_varlen`` resolves at load time.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,7 @@ import logging
 _log = logging.getLogger(__name__)
 
 try:  # register the attention on import (trainer.model imports this package for non-builtin names)
-    from trainer.fastpath.attention import register as _register_attention
+    from llmft.trainer.fastpath.attention import register as _register_attention
 
     _register_attention()
 except ImportError as _exc:  # transformers missing: the pure-Python pieces (flops) still work
@@ -31,31 +32,37 @@ except ImportError as _exc:  # transformers missing: the pure-Python pieces (flo
 
 def prepare_attention(attn_implementation: str) -> None:
     """Register the fast path's attention with transformers when the config names it (before loading)."""
-    from trainer.fastpath.attention import ATTENTION_NAME, register
+    from llmft.trainer.fastpath.attention import ATTENTION_NAME, register
 
     if attn_implementation == ATTENTION_NAME:
         register()
 
 
-def apply_kernels(model, *, compile_layers: bool, fuse_lora: bool = True, group_lora: bool = True,
-                  compile_cache_dir: str | None = None) -> dict:
+def apply_kernels(
+    model,
+    *,
+    compile_layers: bool,
+    fuse_lora: bool = True,
+    group_lora: bool = True,
+    compile_cache_dir: str | None = None,
+) -> dict:
     """Switch on the model-level fast path: fused LoRA linears (exact; PEFT models only), grouped
     sibling projections, and compiled decoder layers. Returns what was done, for the run log."""
     report: dict = {"fused_lora": 0, "lora_kept": {}, "grouped_lora": 0, "compiled_layers": 0}
     if fuse_lora and hasattr(model, "peft_config"):
-        from trainer.fastpath.lora import count_fused, fuse_lora_linears
+        from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears
 
         report["lora_kept"] = fuse_lora_linears(model)
         report["fused_lora"] = count_fused(model)
         if group_lora:
-            from trainer.fastpath.lora_groups import count_grouped, group_lora_projections
+            from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections
 
             ungrouped = group_lora_projections(model)
             report["grouped_lora"] = count_grouped(model)
             if ungrouped:
                 report["lora_ungrouped"] = ungrouped
     if compile_layers:
-        from trainer.fastpath.compile import compile_decoder_layers
+        from llmft.trainer.fastpath.compile import compile_decoder_layers
 
         report["compiled_layers"] = compile_decoder_layers(model, cache_dir=compile_cache_dir)
     return report
@@ -64,20 +71,30 @@ def apply_kernels(model, *, compile_layers: bool, fuse_lora: bool = True, group_
 def packed_forward_kwargs(batch: dict) -> dict:
     """Model kwargs of a packed micro batch (trainer.data.loader's to_torch dict): positions plus
     the document boundaries that ``llmft_varlen`` (and flash-attention) read; others ignore them."""
-    from trainer.fastpath.attention import bucket_max_length
+    from llmft.trainer.fastpath.attention import bucket_max_length
 
     kwargs = {"position_ids": batch["position_ids"]}
     if batch.get("cu_seqlens") is not None:
         longest = bucket_max_length(int(batch.get("max_seqlen") or batch["input_ids"].shape[-1]))
-        kwargs.update(cu_seq_lens_q=batch["cu_seqlens"], cu_seq_lens_k=batch["cu_seqlens"],
-                      max_length_q=longest, max_length_k=longest)
+        kwargs.update(
+            cu_seq_lens_q=batch["cu_seqlens"],
+            cu_seq_lens_k=batch["cu_seqlens"],
+            max_length_q=longest,
+            max_length_k=longest,
+        )
     return kwargs
 
 
 def fused_token_nll_sum(model, batch: dict):
     """Drop-in for trainer.loss.token_nll_sum: the SUM of next-token NLL over supervised targets
     (0-d float32), through the fused linear cross-entropy (no full-vocab logits)."""
-    from trainer.fastpath.loss import fused_causal_lm_loss
+    from llmft.trainer.fastpath.loss import fused_causal_lm_loss
 
-    return fused_causal_lm_loss(model, batch["input_ids"], batch["targets"], reduction="sum",
-                                select=batch.get("supervised"), **packed_forward_kwargs(batch)).float()
+    return fused_causal_lm_loss(
+        model,
+        batch["input_ids"],
+        batch["targets"],
+        reduction="sum",
+        select=batch.get("supervised"),
+        **packed_forward_kwargs(batch),
+    ).float()

@@ -21,6 +21,7 @@ reference the CUDA path is checked against.
 transformers builds no mask for an attention name that is not in its mask
 interface, so no dense (L x L) mask is ever created for this implementation.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -14,6 +14,7 @@ shapes) and later steps reuse that graph. ``cache_dir`` points Inductor's
 on-disk cache at a persistent folder (e.g. on the PVC) so a restarted job
 compiles warm.
 """
+
 from __future__ import annotations
 
 import os

@@ -21,6 +21,7 @@ logs share, so their MFU figures agree by construction:
 
 ``peak_flops`` gives the dense bf16 datasheet peak used as MFU's denominator.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

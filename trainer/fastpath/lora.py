@@ -21,6 +21,7 @@ parameters and its state-dict keys untouched, so saving and loading adapters is
 unchanged. Others keep PEFT's forward. Not for DeepSpeed ZeRO-3 (its
 partitioned base weights are gathered by hooks on the base layer this skips).
 """
+
 from __future__ import annotations
 
 import types
@@ -148,7 +149,9 @@ def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or name is None:
         return self._llmft_peft_forward(x, *args, **kwargs)
     base = self.get_base_layer()
-    return lora_linear(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+    return lora_linear(
+        x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+    )
 
 
 def _why_not_fusable(module) -> str | None:

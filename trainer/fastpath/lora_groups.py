@@ -20,13 +20,13 @@ calls the original forward; a child called with that same input tensor
 returns its slice, with any other input it computes as before. Same sums as
 the per-projection path, so the result is exact up to rounding order.
 """
+
 from __future__ import annotations
 
 import types
 
 import torch
-
-from trainer.fastpath.lora import adapter_in_use
+from llmft.trainer.fastpath.lora import adapter_in_use
 
 # (parent attribute names) that transformers' decoder layers call with one shared input.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -43,7 +43,7 @@ class _GroupedLoraFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scalings, *tensors):
         n = len(scalings)
-        weights, biases, lora_as, lora_bs = (tensors[i * n:(i + 1) * n] for i in range(4))
+        weights, biases, lora_as, lora_bs = (tensors[i * n : (i + 1) * n] for i in range(4))
         in_shape = x.shape
         x2 = x.reshape(-1, in_shape[-1])
         a = torch.cat([la.to(x.dtype) for la in lora_as])
@@ -72,8 +72,8 @@ class _GroupedLoraFunction(torch.autograd.Function):
         grads = [None] * (4 * n)
         rows = _offsets([w.shape[0] for w in weights])
         ranks = _offsets([b.shape[1] for b in lora_bs])
-        grad_a = dh.t() @ xh[:, :d_in] if any(needs[2 * n:3 * n]) else None
-        grad_b = g.t() @ xh[:, d_in:] if any(needs[3 * n:]) else None
+        grad_a = dh.t() @ xh[:, :d_in] if any(needs[2 * n : 3 * n]) else None
+        grad_b = g.t() @ xh[:, d_in:] if any(needs[3 * n :]) else None
         for i in range(n):
             (r0, r1), (k0, k1) = rows[i], ranks[i]
             if needs[i]:  # a trained base weight (not LoRA's case, kept exact anyway)
@@ -112,14 +112,16 @@ def _grouped_forward(self, *args, **kwargs):
         return self._llmft_forward(*args, **kwargs)
     bases = [m.get_base_layer() for m in members]
     out = grouped_lora_linear(
-        x, [b.weight for b in bases], [b.bias for b in bases],
+        x,
+        [b.weight for b in bases],
+        [b.bias for b in bases],
         [m.lora_A[n].weight for m, n in zip(members, names, strict=True)],
         [m.lora_B[n].weight for m, n in zip(members, names, strict=True)],
         [m.scaling[n] for m, n in zip(members, names, strict=True)],
     )
     start = 0
     for member, base in zip(members, bases, strict=True):
-        member._llmft_given = (x, out[..., start:start + base.weight.shape[0]])
+        member._llmft_given = (x, out[..., start : start + base.weight.shape[0]])
         start += base.weight.shape[0]
     try:
         return self._llmft_forward(*args, **kwargs)

@@ -16,6 +16,7 @@ forward pass. Peak extra memory: one chunk of logits plus its gradient.
 final hidden states in place of logits, so the loss can be fused while the
 forward still goes through every wrapper's hooks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,7 +84,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, select, chunk_size, mean, compile_chunk):
         device_type = hidden.device.type
-        compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        compute_dtype = (
+            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        )
         with torch.autocast(device_type, enabled=False):
             loss, grad_rows, weight_grad, select = _forward_chunks(
                 hidden.to(compute_dtype), weight, targets, select, chunk_size, mean, compile_chunk

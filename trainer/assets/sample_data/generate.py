@@ -1,19 +1,20 @@
 """Regenerate the shipped sample datasets (deterministic):
 
-    python -m trainer.assets.sample_data.generate
+    python -m llmft.trainer.assets.sample_data.generate
 
 Rows use the word lists the tiny tokenizer is trained on (trainer/tiny_model.py),
 so the tiny model tokenizes them compactly and can learn their patterns in a
 few dozen steps: fixed question/answer pairs, and small tasks whose answer is
 read off the input (repeat a sentence, name its subject, verb or number).
 """
+
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
 
-from trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS
+from llmft.trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS
 
 HERE = Path(__file__).resolve().parent
 ALPACA_ROWS = 500
