@@ -6,7 +6,11 @@ Arms, each in its own process (clean memory, one failure never hides the rest):
            (peer-eagermask, the default: the same with transformers' flex block mask built
            uncompiled; compiled, its first forward did not finish in 530 s on torch 2.11)
   fastpath trainer/fastpath alone in a minimal loop (benchmarks/gpu/arm_fast.py)
-  project  the project's trainer itself (`python -m llmft.trainer`, benchmarks/gpu/arm_project.py)
+  project  the project's trainer itself (`python -m llmft.trainer`, benchmarks/gpu/arm_project.py),
+           the fast path forced on by overrides, the micro batch sized by the harness ("tuned")
+  project-product
+           what a user runs: `llmft train --config <shipped config>` with only the model, data,
+           step count and output folder set (benchmarks/gpu/arm_product.py; issue 13)
 plus the 8192^3 bf16 matmul calibration and kernel checks (benchmarks/gpu/check_kernels.py).
 
 Every arm sees the same seeded synthetic samples in the same order, the same
@@ -34,6 +38,13 @@ DEFAULT_MICRO = {  # samples per packed micro-batch (64 per optimizer step), siz
     ("qwen2.5-0.5b", "full"): 64,
     ("qwen2.5-1.5b", "full"): 32,
     ("llama-3-8b", "full"): 8,
+    # llmft F20 (issue 20): QLoRA rows and the MoE shape (top-8 of 128 experts: eight expert rows per token)
+    ("qwen2.5-1.5b", "qlora"): 16,
+    ("llama-3-8b", "qlora"): 16,
+    ("qwen3-30b-a3b", "lora"): 32,
+    ("qwen3-30b-a3b", "qlora"): 16,
+    ("qwen3-30b-a3b-4layers", "lora"): 64,
+    ("qwen3-30b-a3b-4layers", "qlora"): 64,
 }
 
 
@@ -41,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs",
         default="check,naive:qwen2.5-1.5b:lora,peer-eagermask:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora",
-        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|peer-eagermask|fastpath|project; "
+        help="comma list of 'check' and ARM:MODEL:METHOD (ARM naive|peer|peer-eagermask|fastpath|project|"
+        "project-product; "
         "plain 'peer' keeps transformers' compiled flex block mask, which compiled for 400+ s "
         "on torch 2.11 without finishing)",
     )
@@ -78,6 +90,8 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
         steps = args.naive_steps if arm == "naive" else args.steps
         warmup = 2 if arm == "naive" else args.warmup
         mask = ["--block-mask", "eager"] if arm == "peer-eagermask" else []
+        if arm != "naive":  # llmft F20: the peer takes the project arm's method and micro batch
+            mask += ["--method", method, "--micro", str(DEFAULT_MICRO.get((model, method), args.samples_per_step))]
         return [
             py,
             "-m",
@@ -91,6 +105,9 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
             *mask,
             *common,
         ]
+    if arm == "project-product":  # the shipped config decides everything else: no --extra, no micro batch
+        run = ["--model", model, "--method", method, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        return [py, "-m", "llmft.benchmarks.gpu.arm_product", *run, "--profile", args.profile, *common[-2:]]
     micro = DEFAULT_MICRO.get((model, method), 32)
     module = "llmft.benchmarks.gpu.arm_fast" if arm == "fastpath" else "llmft.benchmarks.gpu.arm_project"
     return [

@@ -7,18 +7,9 @@ from llmft.components.images import PIPELINE_IMAGE
 
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
 def deploy_adapter(
+    plan: Input[Artifact],
     promoted: Input[Model],
     registration: Input[Artifact],
-    model: str,
-    deploy: bool,
-    deploy_mode: str,
-    serving_name: str,
-    serving_namespace: str,
-    serving_gpus: int,
-    max_lora_rank: int,
-    pvc_name: str,
-    data_root: str,
-    deploy_timeout_s: int,
     manifest: Output[Artifact],
     deployment: Output[Artifact],
 ):
@@ -41,24 +32,34 @@ def deploy_adapter(
     import json
     import os
 
+    from llmft.components.lib.plan import read_plan
+
+    run_plan = read_plan(plan.path)
+    run_plan.layout.use_hf_cache()  # deploy_mode=local loads the base model: before transformers is imported
     from llmft.components.lib.deployment import DeployRequest, deploy_promoted
 
+    serving = run_plan.serving
     with open(os.path.join(registration.path, "registration.json")) as fh:
         registered = json.load(fh)
     request = DeployRequest(
         adapter_dir=promoted.metadata["path"],
-        base_model=model,
+        base_model=run_plan.trainer.model,
         adapter_name=registered["model_name"],
         version=str(registered["version"]),
-        deploy=deploy,
-        mode=deploy_mode,
-        name=serving_name,
-        namespace=serving_namespace,
-        gpus=serving_gpus,
-        max_lora_rank=max_lora_rank,
-        pvc_name=pvc_name,
-        data_root=data_root,
-        timeout_s=deploy_timeout_s,
+        deploy=serving.deploy,
+        mode=serving.mode,
+        name=serving.name,
+        namespace=serving.namespace,
+        gpus=serving.gpus,
+        max_lora_rank=serving.max_lora_rank,
+        pvc_name=serving.pvc_name,
+        data_root=run_plan.layout.root,
+        timeout_s=serving.timeout_s,
+        cpu=serving.resources.cpu,
+        memory=serving.resources.memory,
+        runtime=serving.runtime,
+        node_selector=serving.node_selector,
+        hf_secret=serving.hf_secret,
     )
     os.makedirs(manifest.path, exist_ok=True)
     result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))
@@ -66,6 +67,6 @@ def deploy_adapter(
     os.makedirs(deployment.path, exist_ok=True)
     with open(os.path.join(deployment.path, "deployment.json"), "w") as fh:
         json.dump(result, fh, indent=2, sort_keys=True, default=str)
-    deployment.metadata.update({"mode": deploy_mode, "status": result["status"]})
-    manifest.metadata.update({"name": serving_name, "path": os.path.join(manifest.path, "inferenceservice.yaml")})
-    print(f"deploy ({deploy_mode}): {result['status']}")
+    deployment.metadata.update({"mode": serving.mode, "status": result["status"]})
+    manifest.metadata.update({"name": serving.name, "path": os.path.join(manifest.path, "inferenceservice.yaml")})
+    print(f"deploy ({serving.mode}): {result['status']}")

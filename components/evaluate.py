@@ -7,10 +7,9 @@ from llmft.components.images import TRAINER_IMAGE
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
 def evaluate_perplexity(
+    plan: Input[Artifact],
     tokenized: Input[Dataset],
     run: Input[Model],
-    model: str,
-    data_root: str,
     evaluation: Output[Artifact],
     report: Output[HTML],
     metrics: Output[Metrics],
@@ -27,12 +26,14 @@ def evaluate_perplexity(
     import json
     import os
 
-    from llmft.components.lib.evaluation import evaluate_run, read_metrics_history, render_html
-    from llmft.components.lib.params import DataLayout
+    from llmft.components.lib.plan import read_plan
 
-    DataLayout(data_root).use_hf_cache()
+    run_plan = read_plan(plan.path)
+    run_plan.layout.use_hf_cache()  # before transformers is imported
+    from llmft.components.lib.evaluation import evaluate_run, read_metrics_history, render_html
+
     run_dir = run.metadata["path"]
-    result = evaluate_run(run_dir, model, tokenized.metadata["path"])
+    result = evaluate_run(run_dir, run_plan.trainer.model, tokenized.metadata["path"])
 
     os.makedirs(evaluation.path, exist_ok=True)
     with open(os.path.join(evaluation.path, "evaluation.json"), "w") as fh:

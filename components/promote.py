@@ -7,18 +7,15 @@ from llmft.components.images import PIPELINE_IMAGE
 
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
 def promote_best_checkpoint(
+    plan: Input[Artifact],
     evaluation: Input[Artifact],
-    promote_margin: float,
-    data_root: str,
-    mlflow_model_name: str,
-    run_id: str,
     promoted: Output[Model],
 ):
     """Pick the checkpoint with the lowest eval perplexity and copy it to a stable place.
 
     Refuses (the step fails, so nothing is registered or deployed) unless the best
-    checkpoint's perplexity is below ``base * (1 - promote_margin)``. Otherwise copies its
-    servable files (adapter or weights, tokenizer, manifest; not optimizer state)
+    checkpoint's perplexity is below ``base * (1 - promote_margin)`` (the plan's). Otherwise copies
+    its servable files (adapter or weights, tokenizer, manifest; not optimizer state)
     atomically to ``<data_root>/models/<mlflow_model_name>/<run_id>`` with a COMPLETE marker.
     The decision and its reason are written as JSON beside that folder in both cases.
 
@@ -27,13 +24,15 @@ def promote_best_checkpoint(
     import json
     import os
 
-    from llmft.components.lib.params import DataLayout
-    from llmft.components.lib.promote import promote
+    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.promote import promote_to_volume, promoted_destination
 
+    run_plan = read_plan(plan.path)
+    root, name, run_id = run_plan.layout.root, run_plan.registry.model_name, run_plan.run_id
     with open(os.path.join(evaluation.path, "evaluation.json")) as fh:
         result = json.load(fh)
-    destination = DataLayout(data_root).promoted(mlflow_model_name, run_id)
-    decision = promote(result, destination, margin=promote_margin)
+    destination = str(promoted_destination(root, name, run_id))
+    decision = promote_to_volume(result, root, name, run_id, margin=run_plan.registry.promote_margin)
 
     os.makedirs(promoted.path, exist_ok=True)
     with open(os.path.join(promoted.path, "promotion.json"), "w") as fh:

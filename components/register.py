@@ -7,16 +7,11 @@ from llmft.components.images import PIPELINE_IMAGE
 
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
 def register_model(
+    plan: Input[Artifact],
     promoted: Input[Model],
     evaluation: Input[Artifact],
     run: Input[Model],
     tokenized: Input[Dataset],
-    model: str,
-    dataset: str,
-    mlflow_tracking_uri: str,
-    mlflow_experiment: str,
-    mlflow_model_name: str,
-    run_id: str,
     task_name: str,
     registration: Output[Artifact],
 ):
@@ -27,8 +22,8 @@ def register_model(
     beats the current champion's. A retried task reuses the run and version it created before
     (tag ``llmft.registration_key = <run_id>/<task_name>``), so retries never duplicate.
 
-    The tracking server is ``mlflow_tracking_uri`` when set, else ``MLFLOW_TRACKING_URI`` from
-    the environment; credentials come only from the ``mlflow-credentials`` Secret.
+    The tracking server is the plan's ``mlflow_tracking_uri`` when set, else ``MLFLOW_TRACKING_URI``
+    from the environment; credentials come only from the Secret named by ``mlflow_secret``.
 
     Outputs: ``registration`` (registration.json; metadata ``version``, ``is_champion``).
     """
@@ -36,18 +31,22 @@ def register_model(
     import os
     from pathlib import Path
 
+    from llmft.components.lib.plan import read_plan
     from llmft.components.lib.registry import Lineage, register_adapter, registration_from_run
+
+    run_plan = read_plan(plan.path)
+    registry = run_plan.registry
 
     def read(artifact, name):
         with open(os.path.join(artifact.path, name)) as fh:
             return json.load(fh)
 
     lineage = Lineage(
-        pipeline_run_id=run_id,
+        pipeline_run_id=run_plan.run_id,
         task=task_name,
         dataset_hash=str(tokenized.metadata["cache_key"]),
-        base_model=model,
-        dataset=dataset,
+        base_model=run_plan.trainer.model,
+        dataset=run_plan.data.dataset,
         checkpoint=str(promoted.metadata["checkpoint"]),
     )
     extras = (
@@ -59,12 +58,12 @@ def register_model(
         promoted_dir=promoted.metadata["path"],
         evaluation=read(evaluation, "evaluation.json"),
         training_manifest=read(run, "training_manifest.json"),
-        model_name=mlflow_model_name,
-        experiment=mlflow_experiment,
+        model_name=registry.model_name,
+        experiment=registry.experiment,
         lineage=lineage,
         extra_artifacts=extras,
     )
-    facts = register_adapter(reg, tracking_uri=mlflow_tracking_uri or None)
+    facts = register_adapter(reg, tracking_uri=registry.tracking_uri or None)
 
     os.makedirs(registration.path, exist_ok=True)
     with open(os.path.join(registration.path, "registration.json"), "w") as fh:

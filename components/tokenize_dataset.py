@@ -1,17 +1,14 @@
 """Step 2: tokenize and pack the prepared JSONL onto the shared volume (content-addressed)."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Metrics, Output
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Output
 from llmft.components.images import TRAINER_IMAGE
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
 def tokenize_dataset(
+    plan: Input[Artifact],
     prepared: Input[Dataset],
-    model: str,
-    max_length: int,
-    packing: bool,
-    data_root: str,
     tokenized: Output[Dataset],
     metrics: Output[Metrics],
 ):
@@ -27,12 +24,20 @@ def tokenize_dataset(
     import json
     import os
 
-    from llmft.components.lib.params import DataLayout
+    from llmft.components.lib.plan import read_plan
+
+    run_plan = read_plan(plan.path)
+    run_plan.layout.use_hf_cache()  # before transformers is imported
     from llmft.components.lib.tokenized import manifest_metrics, tokenize_to_volume
 
-    layout = DataLayout(data_root)
-    layout.use_hf_cache()
-    manifest = tokenize_to_volume(prepared.metadata["path"], model, layout.root, max_length=max_length, pack=packing)
+    data = run_plan.data
+    manifest = tokenize_to_volume(
+        prepared.metadata["path"],
+        run_plan.trainer.model,
+        run_plan.layout.root,
+        max_length=data.max_length,
+        pack=data.packing,
+    )
     output_dir = manifest["path"]
 
     os.makedirs(tokenized.path, exist_ok=True)

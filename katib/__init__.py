@@ -1,11 +1,13 @@
-"""Katib hyperparameter sweeps of the training step (a leaf package: imports nothing of ours).
+"""Katib hyperparameter sweeps of the training step (a leaf package: of ours it imports only
+``llmft.trainer.errors``, the error root).
 
 - ``experiment``: ``SweepSpec`` and ``build_experiment(spec, trial_job_dict)`` -> ``V1beta1Experiment``
   (kubeflow-katib-api models); ``trial_overrides``, ``override_bindings``, ``parse_experiment``,
   ``to_yaml``/``load_yaml``; ``experiment_template.yaml`` is its output for the defaults.
 - ``search_space``: the searched hyperparameters, keyed by the trainer's dotted config names.
 - ``webhook_rules``: Katib's admission rules (``validate_experiment``, ``check_experiment``).
-- ``metrics``: the StdOut collector's filter and the same parse in Python.
+- ``metrics``: the StdOut collector's filter and the same parse in Python: the one parser of the
+  trainer's ``eval_loss=`` lines (the local sweep and the local training backend use it too).
 - ``status``: Experiment status -> phase, counts and best ``key=value`` lines; submit / wait
   against any client with ``create_custom_object`` / ``get_custom_object``.
 - ``local_sweep``: the same search space with Optuna, the real trainer as subprocesses.

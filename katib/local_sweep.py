@@ -6,7 +6,7 @@ uses Optuna samplers of the same algorithm family, configured like those service
 :func:`make_sampler`), on the same ``spec.parameters`` models the Experiment carries, each
 parameter mapped to an Optuna distribution the way Katib's Optuna service maps it.
 
-Each trial runs the trainer as a subprocess (``python -m llmft.trainer ...`` with the
+Each trial runs the trainer as a subprocess (``python -m llmft train ...`` with the
 trial's overrides), stdout and stderr merged the way Katib's StdOut collector
 captures them, and is parsed with the collector's own filter
 (:mod:`llmft.katib.metrics`). A trial that exits non-zero is Failed; one that exits 0
@@ -243,7 +243,7 @@ def run_local_sweep(
         f"sweep-{spec.name}", mlflow_experiment, params=params, tags={"llmft.sweep.algorithm": spec.algorithm}
     ) as parent:
         # resume=never first (the caller's args may override it): a trial never picks up old checkpoints
-        command = [python, "-m", "llmft.trainer", "resume=never", *trainer_args]
+        command = [python, "-m", "llmft", "train", "resume=never", *trainer_args]  # what a pod runs
         sweep = _Sweep(
             spec,
             optuna_distributions(parameters),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kubeflow_katib_api.models import V1beta1ExperimentStatus
-from llmft.katib.errors import ExperimentFailed, SweepError
+from llmft.katib.errors import ExperimentFailed, SweepError, SweepTimeout
 from llmft.katib.experiment import GROUP, PLURAL, VERSION, experiment_dict, override_bindings
 
 TERMINAL = ("Succeeded", "Failed")
@@ -198,7 +198,8 @@ def wait(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> ExperimentState:
-    """Poll until Succeeded (returned) or Failed (:class:`ExperimentFailed`); TimeoutError after ``timeout_s``."""
+    """Poll until Succeeded (returned) or Failed (:class:`ExperimentFailed`); :class:`SweepTimeout`
+    (a TimeoutError) after ``timeout_s``."""
     deadline = clock() + timeout_s
     last_summary = None
     while True:
@@ -213,5 +214,5 @@ def wait(
         if state.phase == "Succeeded":
             return state
         if clock() >= deadline:
-            raise TimeoutError(f"experiment {name} still {state.phase} after {timeout_s:.0f}s\n{state.summary()}")
+            raise SweepTimeout(f"experiment {name} still {state.phase} after {timeout_s:.0f}s\n{state.summary()}")
         sleep(poll_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # group name -> (module, one-line help). Order is the order shown in --help.
@@ -21,11 +22,21 @@ GROUPS: dict[str, tuple[str, str]] = {
     "train": ("llmft.commands.train", "run the trainer (one process, or --nproc N through torchrun)"),
     "pipeline": ("llmft.commands.pipeline", "compile, run locally (kfp.local), submit or schedule the KFP pipeline"),
     "sweep": ("llmft.commands.sweep", "Katib hyperparameter sweeps: create, status, best, run-local"),
+    "export": ("llmft.commands.export", "merge an adapter into its base model (or bundle it) for serving"),
     "dev": ("llmft.commands.dev", "developer tools: build the tiny offline model"),
     "bench": ("llmft.commands.bench", "benchmarks: data preparation and training throughput"),
 }
 
-EPILOG = "Run `llmft <group> --help` for the sub-commands of a group. Exit codes: 0 ok, 1 bad input or config, 2 usage."
+
+def _epilog() -> str:
+    from llmft.trainer.errors import EXIT_CODE_MEANINGS
+
+    codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODE_MEANINGS.items())
+    return (
+        "Run `llmft <group> --help` for the sub-commands of a group.\n\n"
+        f"Exit codes:\n{codes}\n\n"
+        "Every error is one line on stderr; set LLMFT_DEBUG=1 to see the Python traceback instead."
+    )
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -34,7 +45,7 @@ def _top_parser() -> argparse.ArgumentParser:
         description=(
             "kfp-llm-finetune: raw dataset -> fine-tuned LLM adapter served by KServe + vLLM, as one Kubeflow pipeline."
         ),
-        epilog=EPILOG,
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -75,19 +86,49 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
+    return run_command(func, args)
+
+
+def run_command(func, args) -> int:
+    """Run one sub-command; turn whatever it raises into one line on stderr and its exit code.
+
+    LlmftError -> its ``exit_code`` (1 bad input, 200 transient); OSError (full or read-only disk,
+    I/O error) -> 200; KeyboardInterrupt -> 130; anything else -> 3 (a bug). ``LLMFT_DEBUG=1``
+    re-raises instead, so the traceback shows."""
     try:
         return int(func(args) or 0)
-    except Exception as exc:  # noqa: BLE001 - user errors print cleanly, others re-raise
-        if _is_user_error(exc):
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        raise
+    except BaseException as exc:
+        if os.environ.get("LLMFT_DEBUG", "") not in ("", "0") or isinstance(exc, SystemExit | GeneratorExit):
+            raise
+        code, message = describe_failure(exc)
+        print(f"error: {message}", file=sys.stderr)
+        return code
 
 
-def _is_user_error(exc: BaseException) -> bool:
-    """A trainer.errors.LlmftError (bad config or data): message only, exit 1."""
-    errors = sys.modules.get("llmft.trainer.errors")
-    return errors is not None and isinstance(exc, errors.LlmftError)
+def describe_failure(exc: BaseException) -> tuple[int, str]:
+    """(exit code, one-line message) for an exception that reached the command line."""
+    from llmft.trainer import errors
+
+    if isinstance(exc, errors.LlmftError):
+        return exc.exit_code, _one_line(str(exc), keep_lines=True)
+    if isinstance(exc, KeyboardInterrupt):
+        return errors.EXIT_INTERRUPTED, "interrupted (Ctrl-C)"
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        what = exc.strerror or str(exc) or type(exc).__name__
+        return errors.EXIT_TRANSIENT, _one_line(
+            f"{where}{what} ({type(exc).__name__}, errno {exc.errno}). An I/O fault (full or read-only disk, "
+            "permissions, network storage): fix it and re-run; exit 200 is retried by the pipeline"
+        )
+    return errors.EXIT_INTERNAL, _one_line(
+        f"internal error: {type(exc).__name__}: {exc}. This is a bug; re-run with LLMFT_DEBUG=1 for the traceback "
+        "and report it"
+    )
+
+
+def _one_line(text: str, *, keep_lines: bool = False) -> str:
+    """Messages written as a list of offending lines (prepare's rejects) keep them; others are one line."""
+    return text.strip() if keep_lines else " ".join(text.split())
 
 
 if __name__ == "__main__":

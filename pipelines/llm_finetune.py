@@ -1,35 +1,50 @@
-"""`llm_finetune_pipeline`: raw dataset -> validated JSONL -> packed shards -> fine-tune ->
+"""`llm_finetune_pipeline`: plan -> raw dataset -> validated JSONL -> packed shards -> fine-tune ->
 evaluate -> promote -> register in MLflow -> deploy to KServe vLLM.
 
-Every step is one component of ``components/`` (thin; the logic lives in the package). The
-platform settings are applied here, once:
+The parameter list is not written here: it is the signature of the plan component
+(``plan_run`` in components/plan.py), copied onto the pipeline function by :func:`build_pipeline`
+(KFP's decorator reads ``inspect.signature`` and the docstring's Args, so the types, defaults and
+descriptions reach the compiled YAML and the KFP UI). The first task, ``plan-run``, checks them all
+and writes plan.json; every later task takes the plan plus its data artifacts.
 
-* the data/checkpoint PVC (``pvc_name``) is mounted at ``/data`` in every step
-  (``kfp.kubernetes.mount_pvc``); the PyTorchJob replicas mount it at the same path;
-* credentials come only from Kubernetes Secrets as environment variables
-  (``kfp.kubernetes.use_secret_as_env``, all optional): the HF token where models or data
-  are loaded, MLflow credentials where MLflow is written, Langfuse keys for training;
-* the GPU step (evaluate) requests a GPU and gets a GPU node selector and toleration; the
-  PyTorchJob's replicas get theirs from the train step;
-* the train step has a timeout and retries (it resumes from the newest checkpoint).
+The platform settings are applied here, once:
+
+* the data/checkpoint PVC (``pvc_name``) is mounted at ``/data`` in every task;
+* CPU and memory requests and limits of every task come from the ``step_*``, ``data_*`` and
+  ``eval_*`` parameters (resolved by the KFP backend at run time, 2.4 onwards);
+* the Secrets named by ``hf_token_secret`` / ``mlflow_secret`` are mounted as environment
+  variables into the tasks that need them, without ``optional`` (ignored by KFP backends before
+  2.15, kubeflow/pipelines#12216); like the evaluate task's ``gpu_node_selector`` they are fixed
+  when compiling (``llmft pipeline compile ... hf_token_secret=NAME``), because backends before
+  2.5 cannot take a Secret name or a node selector from a parameter;
+* the train task has a timeout and retries (it resumes from the newest checkpoint).
 
 No pipeline parameter is a secret. ``llmft pipeline compile`` writes the YAML;
 ``llmft pipeline run-local`` runs it here through kfp.local.
 """
 
 # No `from __future__ import annotations`: KFP reads the real parameter annotations.
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
 from kfp import dsl, kubernetes
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
-from llmft.components.lib.params import DATA_MOUNT
+from llmft.components.lib.plan import DATA_MOUNT, SWEEP_PREFIX
+from llmft.components.lib.plan_checks import TASK_RESOURCE_GROUPS, TASK_SECRET_KINDS, compiled_settings, parse_secret
+from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_run
 from llmft.components.prepare_dataset import prepare_dataset
 from llmft.components.promote import promote_best_checkpoint
 from llmft.components.register import register_model
+from llmft.components.sweep import sweep_hyperparameters
 from llmft.components.tokenize_dataset import tokenize_dataset
 from llmft.components.train import train_model
 
 PIPELINE_NAME = "llm-finetune"
+DESCRIPTION = "Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM"
 TASK_ORDER = (
+    "plan-run",
     "prepare-dataset",
     "tokenize-dataset",
     "train-model",
@@ -38,182 +53,182 @@ TASK_ORDER = (
     "register-model",
     "deploy-adapter",
 )
-"""The seven tasks, in the order they run."""
+"""The eight tasks, in the order they run."""
 
-GPU_NODE_SELECTOR = ("nvidia.com/gpu.present", "true")
-"""Label NVIDIA GPU feature discovery sets on GPU nodes."""
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 """GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule."""
 GPU_STEPS = ("evaluate-perplexity",)
 """Tasks that run model forward passes on a GPU in their own pod."""
+TASK_GROUPS = {"prepare-dataset": "data", "tokenize-dataset": "data", "evaluate-perplexity": "eval"}
+"""Resource group of each task (TASK_RESOURCE_GROUPS); the others are light "step" tasks."""
 
 TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
 """kfp.kubernetes.set_timeout of the train task (longer than the job's own wait, job_timeout_s)."""
 TRAIN_RETRIES = 2
 """Retries of the train task; each resumes from the newest complete checkpoint."""
-
-SECRET_HF = "hf"
-SECRET_MLFLOW = "mlflow"
-SECRET_LANGFUSE = "langfuse"
-STEP_SECRETS = {
-    "prepare-dataset": (SECRET_HF,),
-    "tokenize-dataset": (SECRET_HF,),
-    "train-model": (SECRET_HF, SECRET_MLFLOW, SECRET_LANGFUSE),
-    "evaluate-perplexity": (SECRET_HF,),
-    "register-model": (SECRET_MLFLOW,),
-    "deploy-adapter": (SECRET_HF,),
-}
-"""Which credential groups each step sees (promote needs none)."""
+SWEEP_TASK_TIMEOUT_S = 4 * 24 * 3600
+"""kfp.kubernetes.set_timeout of the sweep task (longer than its own wait, sweep_timeout_s)."""
+SWEEP_RETRIES = 2
+"""Retries of the sweep task; a retry re-attaches to the same Experiment (its name derives from the run id)."""
 
 
-def secret_groups() -> dict[str, dict[str, dict[str, str]]]:
-    """group -> {secret name: {key: env var}}, from the one list the PyTorchJob uses too."""
-    from llmft.components.lib.pytorchjob import DEFAULT_SECRET_ENVS
-
-    groups: dict[str, dict[str, dict[str, str]]] = {SECRET_HF: {}, SECRET_MLFLOW: {}, SECRET_LANGFUSE: {}}
-    for item in DEFAULT_SECRET_ENVS:
-        group = next(g for g in groups if item.env_name.lower().startswith(g))
-        groups[group].setdefault(item.secret_name, {})[item.key] = item.env_name
-    return groups
+# --- the parameter list, derived from the plan component -----------------------------------
 
 
-def apply_platform(
-    task: dsl.PipelineTask, step: str, pvc_name, *, secrets: tuple[str, ...] | None = None, gpu: bool | None = None
-) -> dsl.PipelineTask:
-    """Mount the PVC at /data, inject the step's Secrets (optional keys), and place GPU steps
-    on GPU nodes. ``secrets`` / ``gpu`` default to STEP_SECRETS / GPU_STEPS for ``step``;
-    other pipelines (the HPO one) pass them for their own steps."""
-    kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=DATA_MOUNT)
-    groups = secret_groups()
-    for group in STEP_SECRETS.get(step, ()) if secrets is None else secrets:
-        for secret_name, key_to_env in groups[group].items():
-            kubernetes.use_secret_as_env(task, secret_name=secret_name, secret_key_to_env=key_to_env, optional=True)
-    if (step in GPU_STEPS) if gpu is None else gpu:
+def pipeline_signature(*, hpo: bool, defaults: Mapping[str, Any] | None = None) -> inspect.Signature:
+    """plan_run's parameters (without ``sweep_*`` unless ``hpo``), with the compile-time defaults
+    (images; anything in ``defaults``) in place of its literal ones."""
+    overrides = {**compile_time_defaults(), **(defaults or {})}
+    params = []
+    for name, param in inspect.signature(plan_run.python_func).parameters.items():
+        if name in INTERNAL_INPUTS or (name.startswith(SWEEP_PREFIX) and not hpo):
+            continue
+        default = overrides.get(name, param.default)
+        if not isinstance(default, param.annotation):  # an int given for a float parameter
+            default = param.annotation(default)
+        params.append(param.replace(default=default))
+    unknown = set(defaults or {}) - {p.name for p in params}
+    if unknown:
+        from llmft.trainer.errors import ConfigError
+
+        raise ConfigError(f"unknown pipeline parameter(s) {sorted(unknown)}")
+    return inspect.Signature(params)
+
+
+def pipeline_docstring(description: str, signature: inspect.Signature) -> str:
+    """``description`` plus an Args section with plan_run's description of each parameter (KFP
+    parses it into the compiled YAML's parameter descriptions)."""
+    import docstring_parser
+
+    described = {p.arg_name: p.description for p in docstring_parser.parse(plan_run.python_func.__doc__).params}
+    lines = [description, "", "Args:"]
+    lines += [f"    {name}: {' '.join((described.get(name) or name).split())}" for name in signature.parameters]
+    return "\n".join(lines) + "\n"
+
+
+def build_pipeline(*, hpo: bool = False, defaults: Mapping[str, Any] | None = None):
+    """The pipeline (a KFP GraphComponent). ``defaults`` replace parameter defaults; for the
+    parameters its own tasks apply (COMPILED_PARAMETERS: Secrets, the evaluate node selector)
+    they also decide what the compiled YAML mounts."""
+    signature = pipeline_signature(hpo=hpo, defaults=defaults)
+    name = f"{PIPELINE_NAME}-hpo" if hpo else PIPELINE_NAME
+    description = HPO_DESCRIPTION if hpo else DESCRIPTION
+    static = {n: p.default for n, p in signature.parameters.items()}
+
+    def pipeline(*args, **kwargs):
+        values = signature.bind(*args, **kwargs).arguments  # name -> pipeline channel
+        add_steps(values, static, pipeline_name=name, hpo=hpo)
+
+    pipeline.__signature__ = signature
+    pipeline.__doc__ = pipeline_docstring(description, signature)
+    pipeline.__name__ = pipeline.__qualname__ = name.replace("-", "_") + "_pipeline"
+    return dsl.pipeline(name=name, description=description)(pipeline)
+
+
+# --- the steps --------------------------------------------------------------------------------
+
+
+def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: Mapping) -> dsl.PipelineTask:
+    """Mount the PVC at /data, set CPU/memory requests and limits from the step's parameters,
+    mount the step's Secrets (compile-time names, required keys), and place GPU steps on GPU nodes."""
+    kubernetes.mount_pvc(task, pvc_name=values["pvc_name"], mount_path=DATA_MOUNT)
+    cpu, memory = TASK_RESOURCE_GROUPS[TASK_GROUPS.get(step, "step")]
+    task.set_cpu_request(values[cpu]).set_cpu_limit(values[cpu])
+    task.set_memory_request(values[memory]).set_memory_limit(values[memory])
+    for secret in task_secrets(step, static):
+        kubernetes.use_secret_as_env(task, secret_name=secret.name, secret_key_to_env={k: k for k in secret.keys})
+    if step in GPU_STEPS:
+        from llmft.components.lib.plan_checks import parse_node_selector
+
         task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
-        kubernetes.add_node_selector(task, *GPU_NODE_SELECTOR)
+        for key, value in parse_node_selector(static["gpu_node_selector"]).items():
+            kubernetes.add_node_selector(task, key, value)
         kubernetes.add_toleration(task, **GPU_TOLERATION)
     task.set_caching_options(False)  # our own content-addressed caches decide reuse
     return task
 
 
-def call_component(component, params: dict, **explicit) -> dsl.PipelineTask:
-    """Call ``component``, taking each input it declares from ``explicit`` or else from the
-    pipeline parameter of the same name in ``params`` (every input is named after one)."""
-    names = component.component_spec.inputs or {}
-    args = {name: params[name] for name in names if name in params and name not in explicit}
-    return component(**args, **explicit)
+def task_secrets(step: str, static: Mapping) -> list:
+    """The Secrets (SecretMount) the compiled pipeline mounts into ``step``."""
+    from llmft.components.lib.plan_checks import SECRET_PARAMETERS
+
+    mounts = [parse_secret(kind, static[SECRET_PARAMETERS[kind]]) for kind in TASK_SECRET_KINDS.get(step, ())]
+    return [m for m in mounts if m is not None]
 
 
-def add_data_steps(params: dict) -> tuple[dsl.PipelineTask, dsl.PipelineTask]:
-    """prepare (validates every input, fails fast on bad data) -> tokenize onto the PVC."""
-    prepare = call_component(prepare_dataset, params)
-    apply_platform(prepare.set_display_name("prepare dataset"), "prepare-dataset", params["pvc_name"])
-    tokenize = call_component(tokenize_dataset, params, prepared=prepare.outputs["prepared"])
-    apply_platform(tokenize.set_display_name("tokenize to PVC"), "tokenize-dataset", params["pvc_name"])
-    return prepare, tokenize
+def add_steps(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool) -> None:
+    """plan -> prepare -> tokenize [-> sweep] -> train -> evaluate -> promote -> register -> deploy."""
+    plan_task = plan_run(
+        **values, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, compiled=compiled_settings(pipeline_name, static)
+    )
+    plan = apply_platform(plan_task.set_display_name("plan the run"), "plan-run", values, static).outputs["plan"]
 
+    prepare = prepare_dataset(plan=plan)
+    apply_platform(prepare.set_display_name("prepare dataset"), "prepare-dataset", values, static)
+    tokenize = tokenize_dataset(plan=plan, prepared=prepare.outputs["prepared"])
+    apply_platform(tokenize.set_display_name("tokenize to PVC"), "tokenize-dataset", values, static)
+    tokenized = tokenize.outputs["tokenized"]
 
-def add_train_step(
-    params: dict, tokenize: dsl.PipelineTask, *, display_name: str = "train", **explicit
-) -> dsl.PipelineTask:
-    """The train step, with its timeout and retries (each retry resumes from the newest checkpoint)."""
-    train = call_component(train_model, params, tokenized=tokenize.outputs["tokenized"], **explicit)
-    apply_platform(train.set_display_name(display_name), "train-model", params["pvc_name"])
+    best = add_sweep_step(plan, tokenized, values, static).outputs["Output"] if hpo else ""
+    train = train_model(plan=plan, tokenized=tokenized, sweep_best=best)
+    apply_platform(
+        train.set_display_name("train" + (" with the best hyperparameters" if hpo else "")),
+        "train-model",
+        values,
+        static,
+    )
     train.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="60s", backoff_factor=2.0)
     kubernetes.set_timeout(train, TRAIN_TASK_TIMEOUT_S)
-    return train
+    add_release_steps(plan, tokenized, train.outputs["run"], values, static)
 
 
-def add_release_steps(params: dict, tokenize: dsl.PipelineTask, train: dsl.PipelineTask) -> None:
+def add_sweep_step(plan, tokenized, values: Mapping, static: Mapping) -> dsl.PipelineTask:
+    """The HPO pipeline's sweep task; its output (the best key=value overrides) goes to train."""
+    sweep = sweep_hyperparameters(plan=plan, tokenized=tokenized)
+    apply_platform(sweep.set_display_name("sweep hyperparameters (Katib)"), "sweep-hyperparameters", values, static)
+    sweep.set_retry(num_retries=SWEEP_RETRIES, backoff_duration="60s", backoff_factor=2.0)
+    kubernetes.set_timeout(sweep, SWEEP_TASK_TIMEOUT_S)
+    return sweep
+
+
+def add_release_steps(plan, tokenized, run, values: Mapping, static: Mapping) -> None:
     """evaluate -> promote -> register in MLflow -> deploy to KServe vLLM."""
-    pvc = params["pvc_name"]
-    evaluate = call_component(
-        evaluate_perplexity, params, tokenized=tokenize.outputs["tokenized"], run=train.outputs["run"]
-    )
-    apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", pvc)
+    evaluate = evaluate_perplexity(plan=plan, tokenized=tokenized, run=run)
+    apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", values, static)
+    evaluation = evaluate.outputs["evaluation"]
 
-    promote = call_component(promote_best_checkpoint, params, evaluation=evaluate.outputs["evaluation"])
-    apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", pvc)
+    promote = promote_best_checkpoint(plan=plan, evaluation=evaluation)
+    apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", values, static)
 
-    register = call_component(
-        register_model,
-        params,
+    register = register_model(
+        plan=plan,
         promoted=promote.outputs["promoted"],
-        evaluation=evaluate.outputs["evaluation"],
-        run=train.outputs["run"],
-        tokenized=tokenize.outputs["tokenized"],
+        evaluation=evaluation,
+        run=run,
+        tokenized=tokenized,
         task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
     )
-    apply_platform(register.set_display_name("register in MLflow"), "register-model", pvc)
+    apply_platform(register.set_display_name("register in MLflow"), "register-model", values, static)
     register.set_retry(num_retries=2, backoff_duration="30s")  # idempotent: a retry reuses the version
 
-    deploy_task = call_component(
-        deploy_adapter, params, promoted=promote.outputs["promoted"], registration=register.outputs["registration"]
+    deploy = deploy_adapter(
+        plan=plan, promoted=promote.outputs["promoted"], registration=register.outputs["registration"]
     )
-    apply_platform(deploy_task.set_display_name("deploy to KServe vLLM"), "deploy-adapter", pvc)
+    apply_platform(deploy.set_display_name("deploy to KServe vLLM"), "deploy-adapter", values, static)
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM")
-def llm_finetune_pipeline(
-    model: str = "Qwen/Qwen2.5-7B-Instruct",
-    dataset: str = "tatsu-lab/alpaca",
-    dataset_format: str = "auto",
-    dataset_split: str = "train",
-    val_fraction: float = 0.05,
-    max_reject_fraction: float = 0.01,
-    max_length: int = 2048,
-    packing: bool = True,
-    method: str = "lora",
-    lora_r: int = 16,
-    lora_alpha: float = 32.0,
-    lora_dropout: float = 0.05,
-    lora_target_modules: str = "all-linear",
-    learning_rate: float = 2e-4,
-    epochs: float = 1.0,
-    max_steps: int = 0,
-    seed: int = 42,
-    train_overrides: str = "",
-    training_backend: str = "kubeflow",
-    num_workers: int = 1,
-    gpus_per_worker: int = 1,
-    job_timeout_s: int = 2 * 24 * 3600,
-    pvc_name: str = "llmft-data",
-    data_root: str = DATA_MOUNT,
-    mlflow_tracking_uri: str = "",
-    mlflow_experiment: str = "llm-finetune",
-    mlflow_model_name: str = "llm-adapter",
-    promote_margin: float = 0.01,
-    deploy: bool = True,
-    deploy_mode: str = "kserve",
-    serving_name: str = "llm-adapter",
-    serving_namespace: str = "",
-    serving_gpus: int = 1,
-    max_lora_rank: int = 64,
-    deploy_timeout_s: int = 1800,
-):
-    """Parameters (none is a secret; credentials come from Kubernetes Secrets):
+HPO_DESCRIPTION = (
+    "Sweep the fine-tuning hyperparameters with Katib, then fine-tune, evaluate, register and serve the best adapter"
+)
 
-    model: base model, hub id or directory. dataset / dataset_format / dataset_split: the raw
-    data (hub id or a path on the volume) and how to read it. val_fraction,
-    max_reject_fraction: split and tolerated bad rows. max_length, packing: tokenization.
-    method, lora_*: lora | qlora | full and the adapter shape. learning_rate, epochs or
-    max_steps (> 0 wins), seed, train_overrides ("key=value ..." for any other trainer
-    setting). training_backend: kubeflow (PyTorchJob) | local (torchrun in the step).
-    num_workers, gpus_per_worker: PyTorchJob size. pvc_name: the RWX data/checkpoint PVC;
-    data_root: where it is mounted (keep /data on a cluster). mlflow_*: tracking URI (empty =
-    from the mlflow Secret), experiment and registered model name. promote_margin: relative
-    perplexity gain over the base model required to promote. deploy, deploy_mode (kserve |
-    local), serving_*: the InferenceService; max_lora_rank: the vLLM runtime's limit.
-    """
-    params = {**locals(), "run_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
-    _prepare, tokenize = add_data_steps(params)
-    train = add_train_step(params, tokenize)
-    add_release_steps(params, tokenize, train)
+llm_finetune_pipeline = build_pipeline()
+"""The pipeline with the defaults of this environment (images from components/images.py)."""
 
 
-def compile_pipeline(output: str) -> str:
-    """Compile ``llm_finetune_pipeline`` to ``output`` (YAML) and return the path."""
+def compile_pipeline(output: str, *, hpo: bool = False, defaults: Mapping[str, Any] | None = None) -> str:
+    """Compile the pipeline (``defaults`` replace parameter defaults) to ``output`` (YAML); return the path."""
     from kfp import compiler
 
-    compiler.Compiler().compile(llm_finetune_pipeline, package_path=output)
+    pipeline = build_pipeline(hpo=hpo, defaults=defaults) if (hpo or defaults) else llm_finetune_pipeline
+    compiler.Compiler().compile(pipeline, package_path=output)
     return output

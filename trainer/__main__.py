@@ -1,9 +1,11 @@
 """`python -m llmft.trainer [--config FILE] [key=value ...]`: what every rank runs.
 
-parse -> build -> run -> close. Exit codes follow the Training Operator's
-ExitCode restart policy: 0 done; 1 bad config or data, or too many non-finite
-steps (permanent); 143 preempted by SIGTERM after committing a checkpoint
-(retryable: the restarted pod resumes from it).
+parse -> build -> train -> close (the run itself is trainer/train.py). Users and pods run it
+through `llmft train` (one process) or `llmft train --nproc N` (torchrun, one process per rank).
+Exit codes follow the Training Operator's ExitCode restart policy: 0 done; 1 bad config or data,
+too many non-finite steps, or the restart budget spent (permanent); 3 an internal error (a bug,
+permanent); 130 Ctrl-C and 143 SIGTERM after committing a checkpoint (143 is retried and the
+restarted pod resumes from it); 200 a transient I/O fault (retried).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import os
 import sys
 
 EPILOG = """examples:
-  python -m llmft.trainer --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
-  torchrun --nproc-per-node 8 -m llmft.trainer --config trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
-exit codes: 0 ok, 1 config/data error or non-finite training, 143 preempted (checkpoint committed)"""
+  llmft train --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
+  llmft train --nproc 8 --config trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
+exit codes: 0 ok, 1 config/data error or non-finite training, 3 internal error, 130 Ctrl-C and
+143 SIGTERM (checkpoint committed), 200 transient I/O fault"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,16 +41,42 @@ def _rank_prefix() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llmft.trainer.errors import EXIT_USER_ERROR, LlmftError
+    from llmft.trainer.distributed import write_rank_exit
 
     args = build_parser().parse_args(argv)
     use_expandable_segments()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return run(args)
-    except LlmftError as exc:
-        print(f"{_rank_prefix()}error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        code = run(args)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) or os.environ.get("LLMFT_DEBUG", "") not in ("", "0"):
+            raise
+        code, message = describe_failure(exc)
+        print(f"{_rank_prefix()}error: {message}", file=sys.stderr, flush=True)
+    write_rank_exit(code)
+    return code
+
+
+def describe_failure(exc: BaseException) -> tuple[int, str]:
+    """(exit code, message) for what ended a run: a user error keeps its lines (a resume diff),
+    anything else is one line."""
+    from llmft.trainer import errors
+
+    if isinstance(exc, errors.LlmftError):
+        return exc.exit_code, str(exc).strip()
+    if isinstance(exc, KeyboardInterrupt):
+        return errors.EXIT_INTERRUPTED, "interrupted by a second Ctrl-C: stopped without a checkpoint"
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return errors.EXIT_TRANSIENT, (
+            f"{where}{exc.strerror or exc} ({type(exc).__name__}). An I/O fault (full or read-only disk, "
+            "network storage): fix it and re-run; the run resumes from its newest checkpoint"
+        )
+    text = " ".join(str(exc).split())
+    return errors.EXIT_INTERNAL, (
+        f"internal error: {type(exc).__name__}: {text}. This is a bug: re-run with LLMFT_DEBUG=1 for the "
+        "traceback and report it"
+    )
 
 
 def use_expandable_segments() -> None:
@@ -63,6 +92,7 @@ def use_expandable_segments() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Parse, then one :class:`~llmft.trainer.train.Trainer`: build -> train -> close."""
     from llmft.trainer.config import config_to_dict, load_config, validate
 
     cfg = load_config(args.config, args.overrides)
@@ -71,22 +101,22 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
-    warnings = validate(cfg)
-    from llmft.trainer.loop import Preempted
+    from llmft.trainer.errors import EXIT_OK
+    from llmft.trainer.train import Stopped, Trainer
 
-    if cfg.method == "full":
-        from llmft.trainer.full_finetune import FullFinetuneRecipe as Recipe
-    else:
-        from llmft.trainer.lora_finetune import LoRAFinetuneRecipe as Recipe
-    recipe = Recipe(cfg, warnings)
+    trainer = Trainer(cfg, validate(cfg))
+    code = EXIT_OK
     try:
-        recipe.setup()
-        recipe.train()
-    except Preempted as exc:
-        return exc.exit_code
+        trainer.build()
+        trainer.train()
+    except Stopped as exc:
+        code = exc.exit_code
+    except BaseException as exc:
+        code = describe_failure(exc)[0]
+        raise
     finally:
-        recipe.cleanup()
-    return 0
+        trainer.close(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,22 +1,28 @@
 """Checkpoints under ``output_dir/checkpoints/step-<N>/`` and resuming from them.
 
-A checkpoint holds the weights as safetensors (the PEFT adapter, or full
-weights), ``optimizer.pt`` and ``scheduler.pt`` (DDP) or a ``deepspeed/`` folder
-(ZeRO shards), ``rng/rank-<r>.pt`` for every rank, ``trainer_state.json``
-(step, data position, tokens seen, metrics, best) and ``train_config.json`` (the
-resolved config). Every rank writes its part into ``.step-<N>.partial``; after a
-barrier rank 0 fsyncs, renames it to ``step-<N>`` and only then writes the
-``COMPLETE`` marker (trainer/io.py). A directory without the marker is never
-loaded. The output directory must be shared by all nodes (an RWX volume).
+A checkpoint holds the weights as safetensors (the PEFT adapter, or full weights),
+``optimizer.pt`` (DDP; loaded with ``weights_only=True``) or a ``deepspeed/`` folder (ZeRO
+shards), ``scheduler.json``, ``rng/rank-<r>.json`` for every rank, ``trainer_state.json`` (step,
+data position, tokens seen, metrics, best, the run's ``run_id``) and ``train_config.json`` (the
+resolved config). Nothing is unpickled beyond plain tensors: the checkpoints live on a shared
+volume, and a tampered file must not run code in a pod that holds credentials.
+
+Every rank writes its part into ``.step-<N>.partial``; after a barrier rank 0 gives the files the
+umask-based mode, fsyncs, renames it to ``step-<N>`` and only then writes the ``COMPLETE`` marker.
+A directory without the marker is never loaded. Pruning only touches checkpoints whose
+``run_id`` is this run's. The output directory must be shared by all nodes (an RWX volume).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,27 +30,48 @@ import torch
 from llmft.trainer.config import diff_configs
 from llmft.trainer.distributed import DistInfo, barrier
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.io import atomic_write_json, atomic_write_text, is_complete
+from llmft.trainer.io import atomic_write_json, atomic_write_text, is_complete, share_files
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "train_config.json"  # not config.json: full weights carry the HF model config.json
+SCHEDULER_FILE = "scheduler.json"
+# What a DeepSpeed checkpoint may reference besides plain tensors (torch's weights_only set): the
+# globals of the ZeRO-1/2/3 checkpoints DeepSpeed 0.19 writes (listed with
+# torch.serialization.get_unsafe_globals_in_checkpoint), and the dynamic loss scaler of fp16 runs.
+DEEPSPEED_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint carrying its marker, oldest first."""
+def complete_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[tuple[int, Path]]:
+    """(step, path) of every trainer checkpoint carrying its marker (of run ``run_id`` when given),
+    oldest first. A ``step-N`` folder without ``trainer_state.json`` is not one of ours."""
     root = checkpoints_root(output_dir)
     found = []
     if root.is_dir():
         for path in root.iterdir():
             match = STEP_DIR.match(path.name)
-            if match and path.is_dir() and is_complete(path):
-                found.append((int(match.group(1)), path))
+            if match and path.is_dir() and is_complete(path) and (path / STATE_FILE).is_file():
+                if run_id is None or _run_id_of(path) == run_id:
+                    found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def _run_id_of(path: Path) -> str | None:
+    try:
+        return read_state(path).get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
@@ -78,27 +105,48 @@ def check_compatible(path: Path, config: dict, dataset_key: str, force: bool) ->
         raise ConfigError(
             f"cannot resume from {path}: the run's settings differ from the checkpoint's:\n  "
             + "\n  ".join(lines)
-            + "\nUse a new output_dir, set resume=never to start over, or force_resume=true to continue anyway."
+            + "\nUse a new output_dir to start over, or force_resume=true to continue anyway."
         )
     return lines
 
 
-# ----------------------------------------------------------------------------- saving
+# ----------------------------------------------------------------------------- RNG state as JSON
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    """Python, NumPy, torch (and CUDA) generator states as JSON-serialisable values."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_from_b64(state["torch"]) if isinstance(state["torch"], str) else state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        cuda = state["cuda"]
+        torch.cuda.set_rng_state(_from_b64(cuda) if isinstance(cuda, str) else cuda)
+
+
+# ----------------------------------------------------------------------------- saving
 
 
 def save_checkpoint(
@@ -111,14 +159,14 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     barrier()
-    torch.save(_rng_state(), _mkparent(staging / "rng" / f"rank-{info.rank}.pt"))
+    atomic_write_json(staging / "rng" / f"rank-{info.rank}.json", rng_state())
     save_weights(engine, staging, lora=lora, info=info)
     if engine.backend == "deepspeed":
         engine.wrapped.save_checkpoint(str(staging / "deepspeed"), tag="ds", save_latest=False)
     elif info.is_main:
         torch.save(engine.optimizer.state_dict(), staging / "optimizer.pt")
     if info.is_main:
-        torch.save(engine.scheduler.state_dict(), staging / "scheduler.pt")
+        atomic_write_json(staging / SCHEDULER_FILE, engine.scheduler.state_dict())
         atomic_write_json(staging / STATE_FILE, state)
         atomic_write_json(staging / CONFIG_FILE, config)
     barrier()
@@ -128,19 +176,32 @@ def save_checkpoint(
     return final
 
 
-def _mkparent(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+def write_final(output_dir: str | Path, *, engine, info: DistInfo, lora: bool, extras) -> Path:
+    """``output_dir/final/``: the weights from every rank, then ``extras(staging)`` on rank 0 (tokenizer,
+    manifest), committed like a checkpoint."""
+    final = Path(output_dir) / "final"
+    staging = final.with_name(".final.partial")
+    if info.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    barrier()
+    save_weights(engine, staging, lora=lora, info=info)
+    if info.is_main:
+        extras(staging)
+        commit_directory(staging, final)
+    barrier()
+    return final
 
 
 def commit_directory(staging: Path, final: Path) -> None:
-    """fsync every file, rename ``staging`` to ``final``, fsync the parent, then write COMPLETE."""
+    """Share the files (umask mode), fsync them, rename ``staging`` to ``final``, fsync the parent,
+    then write COMPLETE."""
+    share_files(staging)
     for dirpath, _dirs, files in os.walk(staging):
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as fh:
                 os.fsync(fh.fileno())
-    if final.exists():  # a step-N left without its marker by a crash
-        shutil.rmtree(final)
+    _clear_target(final)
     os.replace(staging, final)
     fd = os.open(final.parent, os.O_RDONLY)
     try:
@@ -148,6 +209,20 @@ def commit_directory(staging: Path, final: Path) -> None:
     finally:
         os.close(fd)
     atomic_write_text(final / "COMPLETE", "ok\n")
+
+
+def _clear_target(final: Path) -> None:
+    """Make room for ``final``: ours (a step-N or final/ a crash left without its marker) is
+    deleted; a folder of that name that the trainer did not write (in an output_dir used with
+    force_output_dir) is kept, renamed to ``<name>.kept-<time>``."""
+    if not final.exists():
+        return
+    if (final / STATE_FILE).is_file() or (final / "training_manifest.json").is_file():
+        shutil.rmtree(final)
+        return
+    aside = final.with_name(f"{final.name}.kept-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(final, aside)
+    print(f"[llmft] warning: {final} was not written by the trainer; kept as {aside}", flush=True)
 
 
 def save_weights(engine, directory: Path, *, lora: bool, info: DistInfo) -> None:
@@ -174,11 +249,12 @@ def save_weights(engine, directory: Path, *, lora: bool, info: DistInfo) -> None
 # ----------------------------------------------------------------------------- loading
 
 
-def load_checkpoint(path: Path, *, engine, info: DistInfo, lora: bool) -> dict:
-    """Restore weights, optimizer, scheduler and this rank's RNG; return trainer_state."""
+def load_checkpoint(path: Path, *, engine, info: DistInfo, lora: bool) -> tuple[dict, list[str]]:
+    """Restore weights, optimizer, scheduler and this rank's RNG; return (trainer_state, warnings)."""
     if not is_complete(path):
         raise ConfigError(f"{path}: checkpoint has no COMPLETE marker; it was never committed")
     if engine.backend == "deepspeed":
+        check_deepspeed_files(path / "deepspeed")
         engine.wrapped.load_checkpoint(
             str(path / "deepspeed"),
             tag="ds",
@@ -188,14 +264,68 @@ def load_checkpoint(path: Path, *, engine, info: DistInfo, lora: bool) -> dict:
         )
     else:
         load_weights(engine.module, path, lora=lora)
-        engine.optimizer.load_state_dict(
-            torch.load(path / "optimizer.pt", map_location=info.device, weights_only=False)
-        )
-    engine.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rng = path / "rng" / f"rank-{info.rank}.pt"
-    if rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
-    return read_state(path)
+        engine.optimizer.load_state_dict(load_tensors(path / "optimizer.pt", map_location=info.device))
+    engine.scheduler.load_state_dict(_scheduler_state(path))
+    rng = _rng_of_rank(path, info.rank)
+    if rng is None:
+        saved = len(list((path / "rng").glob("rank-*"))) if (path / "rng").is_dir() else 0
+        return read_state(path), [
+            f"rank {info.rank}: {path}/rng has no rank-{info.rank}.json (saved by {saved} rank(s)); this rank's "
+            "random streams (dropout) start from the seed, so the run will not repeat an uninterrupted one exactly"
+        ]
+    set_rng_state(rng)
+    return read_state(path), []
+
+
+def load_tensors(path: Path, map_location=None, allowed: tuple = ()):
+    """``torch.load(weights_only=True)``: plain tensors and containers only (plus ``allowed``
+    globals); anything else is refused with a ConfigError naming the file."""
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) (\S+)", str(exc))
+        what = f"it references {found.group(1)}" if found else str(exc).splitlines()[0]
+        raise ConfigError(
+            f"{path}: refused to load: not a plain tensor file ({what}); it may have been tampered with. "
+            "Resume from another checkpoint (resume=<path>) or start in a new output_dir"
+        ) from None
+
+
+def _scheduler_state(path: Path) -> dict:
+    if (path / SCHEDULER_FILE).is_file():
+        return json.loads((path / SCHEDULER_FILE).read_text())
+    return load_tensors(path / "scheduler.pt")  # written by llmft before scheduler.json
+
+
+def _rng_of_rank(path: Path, rank: int) -> dict | None:
+    current, legacy = path / "rng" / f"rank-{rank}.json", path / "rng" / f"rank-{rank}.pt"
+    if current.is_file():
+        return json.loads(current.read_text())
+    if legacy.is_file():  # written by llmft before the JSON format: NumPy's state needs these types
+        numpy_types = (np.ndarray, np.dtype, type(np.dtype(np.uint32)), _numpy_reconstruct())
+        return load_tensors(legacy, allowed=numpy_types)
+    return None
+
+
+def _numpy_reconstruct():
+    core = getattr(np, "_core", None) or np.core
+    return core.multiarray._reconstruct
+
+
+def check_deepspeed_files(folder: Path) -> None:
+    """DeepSpeed loads its files with weights_only=False: list what each references first and
+    refuse anything beyond plain tensors and DeepSpeed's own checkpoint types."""
+    for file in sorted(folder.rglob("*.pt")):
+        try:
+            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file)))
+        except (RuntimeError, ValueError, pickle.UnpicklingError) as exc:
+            raise ConfigError(f"{file}: unreadable DeepSpeed checkpoint file ({exc})") from None
+        if unsafe - DEEPSPEED_GLOBALS:
+            raise ConfigError(
+                f"{file}: refused to load: it references {sorted(unsafe - DEEPSPEED_GLOBALS)}, which no DeepSpeed "
+                "checkpoint needs; it may have been tampered with. Resume from another checkpoint or a new output_dir"
+            )
 
 
 def load_weights(model, path: Path, *, lora: bool) -> None:
@@ -224,19 +354,21 @@ def load_weights(model, path: Path, *, lora: bool) -> None:
 # ----------------------------------------------------------------------------- retention
 
 
-def prune_checkpoints(output_dir: str | Path, keep_last: int, best_step: int | None) -> list[Path]:
-    """Delete complete checkpoints beyond the last ``keep_last`` (never the best) and any
-    uncommitted leftovers. Rank 0 only. Returns what was removed."""
+def prune_checkpoints(output_dir: str | Path, keep_last: int, best_step: int | None, run_id: str) -> list[Path]:
+    """Delete this run's complete checkpoints beyond the last ``keep_last`` (never the best) and any
+    uncommitted leftovers of ours (``.step-N.partial``, ``step-N`` without its marker). Checkpoints
+    of another run are never touched. Rank 0 only. Returns what was removed."""
     root = checkpoints_root(output_dir)
-    complete = complete_checkpoints(output_dir)
-    keep = {step for step, _ in complete[-keep_last:]}
+    ours = complete_checkpoints(output_dir, run_id)
+    keep = {step for step, _ in ours[-keep_last:]}
     if best_step is not None:
         keep.add(best_step)
-    removed = [path for step, path in complete if step not in keep]
+    removed = [path for step, path in ours if step not in keep]
     if root.is_dir():
         for path in root.iterdir():
+            ours = path.name.endswith(".partial") or _run_id_of(path) == run_id
             uncommitted = path.name.endswith(".partial") or (STEP_DIR.match(path.name) and not is_complete(path))
-            if uncommitted and path.is_dir():
+            if uncommitted and ours and path.is_dir():
                 removed.append(path)
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)

@@ -10,6 +10,7 @@ the generated configuration reference.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterator
@@ -19,6 +20,9 @@ from typing import Any
 
 import yaml
 from llmft.trainer.errors import ConfigError
+
+Auto = typing.Literal["auto"]
+"""The value of a setting the trainer decides for itself (kernels.*, gradient checkpointing, micro batch)."""
 
 
 def _f(default: Any, doc: str, choices: tuple | None = None):
@@ -39,10 +43,15 @@ class ModelConfig:
         ("auto", "bfloat16", "float16", "float32"),
     )
     attn_implementation: str = _f(
-        "sdpa",
-        "Attention kernel: sdpa, eager, flash_attention_2, flex_attention or one registered by trainer.fastpath.",
+        "auto",
+        "Attention kernel; auto = llmft_varlen (per-document FlashAttention varlen over packed rows) on CUDA where "
+        "the model allows it, else sdpa; or sdpa, eager, flash_attention_2, flex_attention, llmft_varlen.",
     )
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (non-reentrant).")
+    gradient_checkpointing: Auto | bool = _f(
+        "auto",
+        "Recompute activations in backward (non-reentrant); auto = only when the micro batch would not fit the "
+        "GPU otherwise, on as few decoder layers as that needs (trainer.fastpath.memory; off on CPU).",
+    )
     trust_remote_code: bool = _f(False, "Allow model code from the hub repository to run (off unless you trust it).")
 
 
@@ -52,7 +61,10 @@ class LoraConfig:
     alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).")
     dropout: float = _f(0.05, "Dropout on the LoRA input, in [0, 1).")
     target_modules: tuple[str, ...] = _f(
-        ("all-linear",), "Modules to adapt; all-linear = every linear layer of the decoder except lm_head."
+        ("all-linear",),
+        "Modules to adapt; all-linear = every linear layer of the decoder except lm_head. On mixture-of-experts "
+        "models all-linear is the attention projections; add `experts` for LoRA on the fused expert weights "
+        "(needs dropout 0; vLLM serving: docs/moe.md); the router is never adapted.",
     )
     use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA); vLLM cannot serve DoRA adapters.")
 
@@ -95,8 +107,10 @@ class BatchConfig:
         "Token budget per optimizer step over all ranks; converted to sequences of data max_length (overrides "
         "global_sequences when > 0).",
     )
-    micro_sequences: int = _f(
-        1, "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived."
+    micro_sequences: Auto | int = _f(
+        "auto",
+        "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived. "
+        "auto = as many as fit the GPU's free memory (trainer.fastpath.memory), 1 on CPU.",
     )
 
 
@@ -140,15 +154,23 @@ class ObserveConfig:
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    fused_loss: bool = _f(
-        False, "Compute the loss with trainer.fastpath's fused linear cross-entropy (no full logits)."
+    fused_loss: Auto | bool = _f(
+        "auto",
+        "Fused linear cross-entropy over the supervised tokens only (no full logits); auto = on on CUDA (under "
+        "DeepSpeed ZeRO-3 too, gathering lm_head), off on CPU.",
     )
-    compile: bool = _f(False, "torch.compile the decoder layers in place (trainer.fastpath.apply_kernels).")
-    fused_lora: bool = _f(False, "Swap PEFT's LoRA linears for trainer.fastpath's fused LoRA linear (exact).")
-    grouped_lora: bool = _f(
-        True,
-        "With fused_lora: q/k/v and gate/up projections (same input) run as one matmul each, fewer kernel launches "
-        "(exact).",
+    compile: Auto | bool = _f(
+        "auto", "torch.compile the decoder layers in place; auto = on on CUDA except under DeepSpeed ZeRO-3."
+    )
+    fused_lora: Auto | bool = _f(
+        "auto",
+        "PEFT's LoRA linears run as one fused node each (exact, LoRA dropout included); auto = on on CUDA for every "
+        "LoRA linear with a plain nn.Linear base (not 4-bit, DoRA or ZeRO-3 partitioned ones).",
+    )
+    grouped_lora: Auto | bool = _f(
+        "auto",
+        "q/k/v and gate/up projections (same input) run as one fused matmul each, fewer kernel launches (exact); "
+        "auto = wherever fused_lora is on.",
     )
     compile_cache_dir: str = _f(
         "",
@@ -202,6 +224,16 @@ class TrainConfig:
         "Stop with exit 1 after this many consecutive non-finite steps (each update is skipped at once; the stop "
         "comes at the next log step).",
     )
+    force_output_dir: bool = _f(
+        False,
+        "Use an output_dir that is not empty and not marked as an llmft training run (another program's folder); "
+        "without it such a directory is refused, so nothing of it is pruned or overwritten.",
+    )
+    max_restarts_without_progress: int = _f(
+        3,
+        "Exit 1 when the run starts this many times more after dying (OOM kill, NCCL abort, crash, preemption) "
+        "without committing a new checkpoint in between; counted in output_dir/restarts.json. 0 = no limit.",
+    )
 
 
 # Fields whose change does not alter the training math: allowed on resume.
@@ -215,6 +247,8 @@ RESUME_SAFE_PREFIXES = (
     "resume",
     "force_resume",
     "max_bad_steps",
+    "force_output_dir",
+    "max_restarts_without_progress",
     "gc_every",
     "observe.",
     "eval.",
@@ -257,6 +291,8 @@ def iter_sections(cls=TrainConfig, prefix: str = "") -> Iterator[tuple[str, str]
 
 
 def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(map(str, typing.get_args(tp)))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is tuple:
@@ -287,7 +323,7 @@ def _compose_yaml(path: Path, source: _Source) -> dict:
     try:
         node = yaml.compose(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
     if node is None:
@@ -297,14 +333,35 @@ def _compose_yaml(path: Path, source: _Source) -> dict:
     return _node_to_dict(node, "", source)
 
 
+PLAIN_TAGS = frozenset(
+    "tag:yaml.org,2002:" + t for t in ("str", "int", "float", "bool", "null", "timestamp", "map", "seq")
+)
+
+
+def _check_plain(node: yaml.Node, source: _Source) -> None:
+    """Only plain values, lists and mappings: a tag such as ``!!python/object`` is refused (it
+    would construct an object, which a config never needs)."""
+    if node.tag not in PLAIN_TAGS:
+        raise ConfigError(
+            f"{source.path}, line {node.start_mark.line + 1}: YAML tag {node.tag.replace('tag:yaml.org,2002:', '!!')} "
+            "is not allowed; a config holds plain values, lists and mappings only"
+        )
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_plain(item, source)
+
+
 def _node_to_dict(node: yaml.MappingNode, prefix: str, source: _Source) -> dict:
+    _check_plain(node, source)
     out: dict[str, Any] = {}
     for key_node, value_node in node.value:
+        _check_plain(key_node, source)
         key = prefix + str(key_node.value)
         source.lines[key] = key_node.start_mark.line + 1
         if isinstance(value_node, yaml.MappingNode):
             out[str(key_node.value)] = _node_to_dict(value_node, key + ".", source)
         else:
+            _check_plain(value_node, source)
             out[str(key_node.value)] = yaml.safe_load(yaml.serialize(value_node))
     return out
 
@@ -314,7 +371,10 @@ def _apply_override(tree: dict, text: str, source: _Source) -> None:
         raise ConfigError(f"override `{text}`: expected key=value (for example lora.r=16)")
     key, raw = text.split("=", 1)
     key = key.strip()
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override `{text}`: not a plain YAML value ({' '.join(str(exc).split())})") from None
     node = tree
     parts = key.split(".")
     for part in parts[:-1]:
@@ -384,7 +444,15 @@ def _coerce(value: Any, tp, key: str, source: _Source) -> Any:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        tp = next(a for a in args if a is not type(None))
+        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if isinstance(value, str) and value.strip().lower() in words:
+            return value.strip().lower()
+        tp = next(a for a in args if a is not type(None) and typing.get_origin(a) is not typing.Literal)
+        if words:  # auto | bool, auto | int: the word, or a value of the other type
+            try:
+                return _coerce(value, tp, key, source)
+            except ConfigError:
+                raise _type_error(key, value, " or ".join([*words, tp.__name__]), source) from None
     if typing.get_origin(tp) is tuple:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -423,6 +491,7 @@ def _type_error(key: str, value: Any, expected: str, source: _Source) -> ConfigE
 def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
     """Raise ConfigError on an invalid value or combination; return warnings to log."""
     _check_choices(cfg, "", where)
+    _check_finite(cfg, "", where)
     checks = [
         ("model.name_or_path", bool(cfg.model.name_or_path), "is required (a hub id or a local model directory)"),
         ("data", bool(cfg.data), "is required (a directory written by `llmft data tokenize`)"),
@@ -432,6 +501,10 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
         ("lora.dropout", 0.0 <= cfg.lora.dropout < 1.0, "must be in [0, 1)"),
         ("lora.target_modules", len(cfg.lora.target_modules) > 0, "must name at least one module (or all-linear)"),
         ("optim.lr", cfg.optim.lr > 0, "must be > 0"),
+        ("optim.weight_decay", cfg.optim.weight_decay >= 0, "must be >= 0"),
+        ("optim.beta1", 0.0 <= cfg.optim.beta1 < 1.0, "must be in [0, 1)"),
+        ("optim.beta2", 0.0 <= cfg.optim.beta2 < 1.0, "must be in [0, 1)"),
+        ("optim.eps", cfg.optim.eps > 0, "must be > 0"),
         ("optim.max_grad_norm", cfg.optim.max_grad_norm >= 0, "must be >= 0 (0 disables clipping)"),
         ("schedule.warmup_ratio", 0.0 <= cfg.schedule.warmup_ratio < 1.0, "must be in [0, 1)"),
         ("schedule.warmup_steps", cfg.schedule.warmup_steps >= 0, "must be >= 0"),
@@ -442,7 +515,11 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
             "or batch.global_tokens must be > 0",
         ),
         ("batch.global_tokens", cfg.batch.global_tokens >= 0, "must be >= 0"),
-        ("batch.micro_sequences", cfg.batch.micro_sequences >= 1, "must be >= 1"),
+        (
+            "batch.micro_sequences",
+            cfg.batch.micro_sequences == "auto" or cfg.batch.micro_sequences >= 1,
+            "must be >= 1",
+        ),
         ("eval.micro_sequences", cfg.eval.micro_sequences >= 1, "must be >= 1"),
         ("max_steps", cfg.max_steps >= 0, "must be >= 0"),
         ("epochs", cfg.max_steps > 0 or cfg.epochs > 0, "must be > 0 when max_steps is 0"),
@@ -458,6 +535,7 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
             "applies to backend=ddp only (DeepSpeed sets its own communication dtype); leave it at fp32",
         ),
         ("max_bad_steps", cfg.max_bad_steps >= 1, "must be >= 1"),
+        ("max_restarts_without_progress", cfg.max_restarts_without_progress >= 0, "must be >= 0 (0 = no limit)"),
         ("resume", cfg.resume in ("auto", "never") or bool(cfg.resume), "must be auto, never or a checkpoint path"),
     ]
     for key, ok, message in checks:
@@ -480,6 +558,17 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
             "set qlora.quant_storage=bfloat16"
         )
     return warnings
+
+
+def _check_finite(cfg, prefix: str, where) -> None:
+    """No NaN or infinity anywhere (``optim.lr=.inf`` parses as a float)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, prefix + f.name + ".", where)
+        elif isinstance(value, float) and not math.isfinite(value):
+            key = prefix + f.name
+            raise ConfigError(f"{where(key)}: `{key}` is {value}; it must be a finite number")
 
 
 def _check_choices(cfg, prefix: str, where) -> None:

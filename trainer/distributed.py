@@ -5,7 +5,7 @@ RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, or the PET_*
 variables (one process per node) when those are absent.
 
 :class:`Engine` hides the difference between DDP and DeepSpeed behind the calls
-the training loops make: ``accumulating(last)``, ``backward(loss)`` and
+the trainer makes: ``accumulating(last)``, ``backward(loss)`` and
 ``step() -> (grad_norm, skipped)``. The loss each rank back-propagates is its
 token-sum divided by the global target count, times the world size (both
 engines average gradients over ranks), so the update equals the single-process
@@ -88,13 +88,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any rank (CPU/gloo: no device sync)."""
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` of all ranks, on every rank (CPU/gloo: no device sync). The trainer
+    agrees on its stop signal with it once per step."""
     if not dist.is_initialized() or dist.get_world_size() == 1:  # one rank (DeepSpeed may init nccl alone)
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_STOP_GROUP)
-    return bool(t.item())
+    return int(t.item())
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,6 +111,31 @@ def ranks_with_flag(flag: torch.Tensor, info: DistInfo) -> list[int]:
     return [i for i, v in enumerate(all_reduce_sum(vec).tolist()) if v > 0]
 
 
+EXIT_DIR_ENV = "LLMFT_EXIT_DIR"
+"""Set by `llmft train --nproc N`: each rank writes its exit code there, so the launcher can tell
+a failed rank from one stopped by a signal (torchrun reports any rank's failure as 1)."""
+
+
+def write_rank_exit(code: int) -> None:
+    directory = os.environ.get(EXIT_DIR_ENV)
+    if directory and os.path.isdir(directory):
+        rank = _env_int("RANK", default=0)
+        with open(os.path.join(directory, f"rank-{rank}"), "w") as fh:
+            fh.write(f"{code}\n")
+
+
+def read_rank_exits(directory: str) -> dict[int, int]:
+    """{rank: exit code} of the ranks that recorded one (a rank killed by a signal records none)."""
+    codes = {}
+    for name in os.listdir(directory):
+        try:
+            with open(os.path.join(directory, name)) as fh:
+                codes[int(name.removeprefix("rank-"))] = int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+    return codes
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized():
         return obj
@@ -122,7 +148,7 @@ def broadcast_object(obj, src: int = 0):
 
 
 def deepspeed_config(zero_stage: int, *, accum_steps: int, world_size: int, max_grad_norm: float, bf16: bool) -> dict:
-    """DeepSpeed config for our loop: one flattened row per micro step, client optimizer,
+    """DeepSpeed config for the trainer: one flattened row per micro step, client optimizer,
     our own schedule; bf16 overflow check skips a non-finite step."""
     zero: dict = {"stage": zero_stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 5e8}
     if zero_stage == 3:

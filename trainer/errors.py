@@ -13,7 +13,20 @@ EXIT_USER_ERROR = 1  # bad input or configuration: never retried
 EXIT_USAGE = 2  # the command line itself is wrong (argparse)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, a checkpoint was committed where a run was training
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: checkpoint committed, retryable under restartPolicy ExitCode
+EXIT_INTERNAL = 3  # an unexpected error (a bug): one line on stderr, LLMFT_DEBUG=1 shows the traceback; not retried
 EXIT_TRANSIENT = 200  # a transient fault (I/O error, full disk, unreachable server): retryable, above every signal code
+
+EXIT_CODE_MEANINGS: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_USER_ERROR: "bad input or configuration (the message names the file, line or key, and the fix); never retried",
+    EXIT_USAGE: "usage: the command line itself is wrong",
+    EXIT_INTERNAL: "internal error (a bug: please report it; LLMFT_DEBUG=1 shows the traceback); not retried",
+    EXIT_INTERRUPTED: "interrupted by Ctrl-C (SIGINT); a training run commits a checkpoint first",
+    EXIT_PREEMPTED: "stopped by SIGTERM (preemption): a training run commits a checkpoint first, a data step "
+    "writes nothing; retried",
+    EXIT_TRANSIENT: "transient fault: I/O error, full or read-only disk, unreachable server; retried",
+}
+"""What each exit code means: ``llmft --help`` and the README's table are written from this."""
 
 
 class LlmftError(Exception):

@@ -9,11 +9,16 @@ place, and (where the caller asks) only then given a completion marker.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
+import logging
 import os
+import secrets
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,11 @@ OWNER_FILE = ".llmft-owner.json"
 """Written into every directory this program creates as a whole (prepared data, tokenized
 shards, run directories, promoted adapters, the tiny model): ``{"kind": ..., "created": ...}``.
 Only a directory carrying it (of the same kind) is ever replaced or pruned."""
+STALE_TEMP_SECONDS = 24 * 3600
+"""A temporary sibling (``.NAME.*.tmp``) written by another host is removed after this long; one
+written on this host is removed as soon as the process that wrote it is gone."""
+
+log = logging.getLogger(__name__)
 
 
 def _umask() -> int:
@@ -99,8 +109,6 @@ def owner_kind(directory: str | os.PathLike) -> str | None:
 
 def write_owner(directory: str | os.PathLike, kind: str) -> None:
     """Mark ``directory`` as written by this program as ``kind``."""
-    import time
-
     atomic_write_json(
         Path(directory) / OWNER_FILE, {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     )
@@ -114,7 +122,8 @@ def check_output_target(
     ``path`` may be absent, an empty directory, or a directory carrying our owner marker of
     ``kind``; anything else (a file, somebody's folder, ours of another kind) raises
     :class:`~llmft.trainer.errors.OutputNotOursError` unless ``force``. An output that is one of
-    ``inputs`` or contains one is refused even with ``force``: the input would be deleted.
+    ``inputs`` or contains one, or that is the current directory or contains it, is refused even
+    with ``force``: the input (or the folder the user stands in) would be deleted.
     """
     from llmft.trainer.errors import OutputNotOursError
 
@@ -123,6 +132,15 @@ def check_output_target(
         source = Path(item).resolve()
         if source == target or target in source.parents:
             raise OutputNotOursError(f"{path}: the output would replace the input {item}; choose another output path")
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the current directory was deleted: nothing to protect
+        cwd = None
+    if cwd is not None and (target == cwd or target in cwd.parents):
+        raise OutputNotOursError(
+            f"{path} is the current directory (or holds it); replacing it would delete it. "
+            "Choose a new folder for the output, e.g. ./out"
+        )
     if not target.exists() and not target.is_symlink():
         return
     if target.is_dir() and (not any(target.iterdir()) or owner_kind(target) == kind):
@@ -133,6 +151,61 @@ def check_output_target(
     raise OutputNotOursError(
         f"{path} is {what}; refusing to replace it. Choose a new output path, or pass --force to replace it"
     )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _writer_record(kind: str) -> dict:
+    return {"kind": kind, "partial": True, "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+
+
+def _is_stale(path: Path, record: dict, now: float) -> bool:
+    """Whether a temp dir is abandoned: its writer (same host) is gone, or it is older than the bound."""
+    pid, host = record.get("pid"), record.get("host")
+    if isinstance(pid, int) and host == socket.gethostname():
+        return pid != os.getpid() and not _pid_alive(pid)
+    started = record.get("started")
+    if not isinstance(started, int | float):
+        try:
+            started = path.stat().st_mtime
+        except OSError:
+            return False
+    return now - started > STALE_TEMP_SECONDS
+
+
+def remove_stale_temps(final: str | os.PathLike, *, kind: str) -> list[Path]:
+    """Remove the abandoned ``.NAME.*.tmp`` siblings of ``final`` (a killed run's half-written
+    output): only those carrying our owner record of ``kind`` and only when stale (see
+    :data:`STALE_TEMP_SECONDS`). Returns what was removed."""
+    final = Path(final)
+    removed = []
+    now = time.time()
+    try:
+        candidates = sorted(final.parent.glob(f".{glob.escape(final.name)}.*.tmp"))
+    except OSError:
+        return removed
+    for path in candidates:
+        try:
+            record = json.loads((path / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours (or not a directory): never touched
+        if not isinstance(record, dict) or record.get("kind") != kind or not _is_stale(path, record, now):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            log.warning(
+                "removed %s: a temporary %s left by process %s on %s", path, kind, record.get("pid"), record.get("host")
+            )
+    return removed
 
 
 @contextlib.contextmanager
@@ -149,30 +222,32 @@ def atomic_directory(
 
     ``final`` is checked first (:func:`check_output_target`: only an absent or empty path, or a
     directory we wrote as ``kind``, is replaced unless ``force``) and the new directory gets our
-    owner marker. On an exception the temp dir is removed and ``final`` is untouched. With
-    ``marker=True`` a ``COMPLETE`` file is written after the rename, so readers that check
-    :func:`is_complete` never load a directory mid-write.
+    owner marker. Abandoned temp dirs of earlier, killed runs are removed first
+    (:func:`remove_stale_temps`). Every file gets the umask-based mode (:func:`share_files`). On an
+    exception the temp dir is removed and ``final`` is untouched. With ``marker=True`` a
+    ``COMPLETE`` file is written after the rename, so readers that check :func:`is_complete`
+    never load a directory mid-write.
     """
-    final = Path(final)
+    final = Path(os.path.abspath(final))  # "." or "x/.." have no name to build a sibling from
     if overwrite:
         check_output_target(final, kind=kind, force=force, inputs=inputs)
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(final, kind=kind)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     _share(tmp, 0o777)
     try:
+        atomic_write_json(tmp / OWNER_FILE, _writer_record(kind))  # lets a later run tell ours, and stale
         yield tmp
         write_owner(tmp, kind)
+        share_files(tmp)
         for root, _dirs, files in os.walk(tmp):
             for name in files:
                 with open(os.path.join(root, name), "rb") as fh:
                     os.fsync(fh.fileno())
-        if final.exists():
+        if final.exists() or final.is_symlink():
             if not overwrite:
                 raise FileExistsError(f"{final} already exists")
-            trash = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
+            _replace(final, tmp, kind)
         else:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
@@ -181,6 +256,22 @@ def atomic_directory(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _replace(final: Path, tmp: Path, kind: str) -> None:
+    """Swap ``tmp`` in for the existing ``final``; the old one goes to a ``.NAME.old-*.tmp`` sibling
+    (marked as ours, so a later run removes it if this one dies before it does)."""
+    trash = final.with_name(f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    os.replace(final, trash)
+    if trash.is_dir() and not trash.is_symlink():
+        with contextlib.suppress(OSError):
+            atomic_write_json(trash / OWNER_FILE, _writer_record(kind))
+    os.replace(tmp, final)
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            trash.unlink()
 
 
 def is_complete(directory: str | os.PathLike) -> bool:

@@ -6,9 +6,10 @@ float32 tensor on the device; no host sync). Callers divide by the supervised
 target count of the whole global batch, so the result does not depend on how
 ranks and micro batches split it.
 
-``kernels.fused_loss=true`` swaps in ``llmft.trainer.fastpath.fused_token_nll_sum``,
-which must have the same signature and return the same quantity without
-materialising the full [tokens, vocab] logits.
+A fused loss (``kernels.fused_loss``, ``auto`` = on on CUDA; :func:`loss_fn_for` reads the
+resolved choice from ``model.llmft_fastpath``) swaps in
+``llmft.trainer.fastpath.fused_token_nll_sum``, which has the same signature and returns
+the same quantity without materialising the full [tokens, vocab] logits.
 """
 
 from __future__ import annotations
@@ -45,7 +46,24 @@ def token_nll_sum(model, batch: dict, *, varlen: bool = False) -> torch.Tensor:
 
 def loss_fn(fused: bool = False, attn_implementation: str = "sdpa"):
     """The token-sum loss selected by ``kernels.fused_loss``; an attention registered by
-    trainer.fastpath (not one of transformers' own) also gets the document boundaries."""
+    trainer.fastpath (not one of transformers' own) also gets the document boundaries. On an MoE
+    model whose config asks for it, training forwards also carry the load-balancing loss's gradient
+    (per document, per supervised token: trainer/fastpath/moe_aux.py); the value stays the NLL sum."""
+    from llmft.trainer.fastpath.moe_aux import with_router_aux_loss  # llmft F20 hook
+
+    return with_router_aux_loss(_select_loss_fn(fused, attn_implementation))
+
+
+def loss_fn_for(fast_path: dict | None):
+    """The loss the model's resolved fast path (``model.llmft_fastpath``, trainer.fastpath.resolve)
+    selects: fused when ``fused_loss`` is on, document boundaries for the attention it runs."""
+    if not fast_path:
+        return loss_fn(False, "sdpa")
+    fused = bool(fast_path.get("fused_loss", {}).get("on"))
+    return loss_fn(fused, fast_path.get("attention", {}).get("value", "sdpa"))
+
+
+def _select_loss_fn(fused: bool, attn_implementation: str):
     if not fused:
         from llmft.trainer.model import BUILTIN_ATTENTION
 

@@ -51,11 +51,11 @@ def load_tokenizer(model_cfg: ModelConfig):
     )
 
 
-def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zero3: bool) -> dict:
+def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zero3: bool, attention: str) -> dict:
     kwargs = {
         "revision": cfg.model.revision,
         "trust_remote_code": cfg.model.trust_remote_code,
-        "attn_implementation": cfg.model.attn_implementation,
+        "attn_implementation": attention,
         "dtype": dtype,
         "use_safetensors": True,
     }
@@ -80,44 +80,77 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     For full fine-tuning under DDP the weights stay float32 (bf16 autocast does the
     compute); LoRA/QLoRA keep the frozen base in the compute dtype and the adapter
     in float32. Under DeepSpeed ZeRO-3, weights are partitioned while loading.
+
+    The ``auto`` settings (attention, kernels.*, gradient checkpointing) are resolved first
+    (trainer.fastpath.settings: from config.json, no weights; a ``true`` that cannot apply fails
+    here), and the model carries what was switched on and why as ``model.llmft_fastpath``.
     """
-    from transformers import AutoModelForCausalLM
+    from llmft.trainer.fp8 import load_base_model  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
 
     check_method_supported(cfg, device)
-    register_attention(cfg.model.attn_implementation)
+    from llmft.trainer.fastpath import moe  # llmft F20 hook: MoE LoRA targets checked from config.json first
+
+    moe.check_lora_config(cfg)
+    from llmft.trainer.fastpath.settings import run_settings
+
+    settings = run_settings(cfg, device)
+    fast = settings.fast
+    register_attention(fast.attention)
     compute = resolve_dtype(cfg.model.dtype, device)
     deepspeed = cfg.distributed.backend == "deepspeed"
     weights = torch.float32 if (cfg.method == "full" and not deepspeed) else compute
     zero3 = deepspeed and cfg.distributed.zero_stage == 3
     keep_alive = _zero3_init(ds_config) if zero3 else None  # must live through from_pretrained
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.name_or_path, **_load_kwargs(cfg, device, weights, zero3)
+        model = load_base_model(
+            cfg.model.name_or_path,
+            cfg.model.revision,
+            cfg.method,
+            _load_kwargs(cfg, device, weights, zero3, fast.attention),
         )
     except OSError as exc:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: cannot load ({exc})") from None
     del keep_alive
     model.config.use_cache = False
+    if cfg.method == "qlora" and not zero3:  # llmft F20 hook: bnb leaves fused 3-D MoE experts in bf16
+        moe.quantize_experts_4bit(model, quant_type=cfg.qlora.quant_type, double_quant=cfg.qlora.double_quant)
     if cfg.method != "qlora" and not zero3:
         model.to(device)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from llmft.trainer.fastpath.settings import enable_checkpointing
+
+    checkpointed = enable_checkpointing(model, settings.memory.checkpointed_layers)
     if cfg.method == "full":
         model.requires_grad_(True)
     else:
-        model = apply_lora(
-            model, cfg.lora, qlora=cfg.method == "qlora", gradient_checkpointing=cfg.model.gradient_checkpointing
-        )
-    if cfg.kernels.compile or cfg.kernels.fused_lora:
-        model.llmft_fastpath = apply_fastpath_kernels(  # what was switched on, for the run log
+        model = apply_lora(model, cfg.lora, qlora=cfg.method == "qlora")
+    applied = {}
+    if fast.compile.on or fast.fused_lora.on:
+        applied = apply_fastpath_kernels(
             model,
-            compile_layers=cfg.kernels.compile,
-            fuse_lora=cfg.kernels.fused_lora,
-            group_lora=cfg.kernels.grouped_lora,
+            compile_layers=fast.compile.on,
+            fuse_lora=fast.fused_lora.on,
+            group_lora=fast.grouped_lora.on,
             compile_cache_dir=cfg.kernels.compile_cache_dir or None,
         )
+    model.llmft_fastpath = fast_path_dict(
+        cfg, fast, applied, {**settings.memory.as_dict(), "checkpointed_layers": checkpointed}
+    )
+    moe_report = moe.apply_moe(model, fuse_lora=cfg.kernels.fused_lora is not False, freeze_router=cfg.method != "full")
+    if moe_report is not None:  # llmft F20 hook: frozen router, grouped experts, load-balancing loss
+        model.llmft_fastpath = {**(getattr(model, "llmft_fastpath", None) or {}), "moe": moe_report}
     model.train()
     return model
+
+
+def fast_path_dict(cfg: TrainConfig, fast, applied: dict, memory: dict) -> dict:
+    """What the run uses for speed and why anything is off (trainer.fastpath.resolve's report);
+    ``kernels.fused_lora=true`` that no LoRA linear could take is a ConfigError."""
+    from llmft.trainer.fastpath.resolve import fast_path_report
+
+    report = fast_path_report(fast, applied, memory)
+    if cfg.kernels.fused_lora is True and not report["fused_lora"]["on"]:
+        raise ConfigError(f"kernels.fused_lora=true: {report['fused_lora']['why']}; set it to auto or false")
+    return report
 
 
 def apply_fastpath_kernels(
@@ -167,22 +200,29 @@ def _zero3_init(ds_config: dict | None):
     return HfDeepSpeedConfig(ds_config)
 
 
-def apply_lora(model, lora: LoraConfig, *, qlora: bool = False, gradient_checkpointing: bool = False):
+def apply_lora(model, lora: LoraConfig, *, qlora: bool = False):
+    """PEFT LoRA on the frozen base (checkpointing, when planned, is already on: settings.enable_checkpointing).
+
+    QLoRA: the base is only frozen. PEFT's ``prepare_model_for_kbit_training`` would also cast every
+    bf16 parameter that is not 4-bit (embeddings, norms, lm_head) to float32 (peft 0.21,
+    peft/utils/other.py lines 204-209), which makes every activation float32 from the embeddings on
+    (issue 20's float32 [tokens, 8960] buffers); QLoRA computes in bf16 end to end, like LoRA."""
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
     if qlora:
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+        model.requires_grad_(False)
     targets = "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
+    targets = {"target_modules": targets}
+    from llmft.trainer.fastpath import moe  # llmft F20 hook: on MoE models, router never, experts opt-in
+
+    if moe.is_moe(model):
+        targets = moe.peft_targets(lora.target_modules, model, lora.dropout)
     peft_cfg = PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=targets,
+        **targets,
         use_dora=lora.use_dora,
         bias="none",
         task_type="CAUSAL_LM",

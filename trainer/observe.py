@@ -11,6 +11,7 @@ warning and is switched off rather than stopping the training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,13 +37,113 @@ def peak_flops(device, override_tflops: float = 0.0) -> float | None:
     return peak_flops_by_name(torch.cuda.get_device_name(device))
 
 
-def train_flops(
-    *, method: str, matmul_params: int, adapter_params: int, tokens: int, layers: int, attn_width: int, attn_sq: int
-) -> float:
-    """Training FLOPs of one step: 4N per token for LoRA/QLoRA (no weight grads for the frozen
-    base), 6N for full, 6 x adapter params, plus causal attention 6 * layers * width * sum(L^2)."""
-    per_token = (6 if method == "full" else 4) * matmul_params + (0 if method == "full" else 6 * adapter_params)
-    return per_token * tokens + 6.0 * layers * attn_width * attn_sq
+def step_flops_counter(model, method: str, lora_rank: int):
+    """``doc_lengths -> model FLOPs of one step``, by trainer/fastpath/flops.py (the formula the
+    benchmark uses), or None when the model's shape or adapted modules are not ones it knows."""
+    from llmft.trainer.fastpath import flops
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    targets = sorted(
+        {name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if ".lora_A." in name}
+    )
+    try:
+        shape = flops.shape_from_config(base.config)
+        flops.dense_flops_per_token(shape, method, lora_rank, targets)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        log.warning("MFU not reported: %s", exc)
+        return None
+    return lambda doc_lengths: flops.step_flops(shape, method, doc_lengths, lora_rank, targets)
+
+
+def memory_metrics(device) -> dict:
+    import torch
+
+    if device.type == "cuda":
+        return {
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    import resource
+
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+class SpeedMeter:
+    """Where this process's wall time went, so that tokens/s and MFU describe training alone.
+
+    ``load``: from the start of the build to the model, optimizer and resumed state being ready.
+    ``warm-up``: the first ``WARMUP_STEPS`` steps (torch.compile compiles there, the allocator
+    grows). ``steady``: every later step, without the time spent evaluating and checkpointing
+    (:meth:`pause`). Each boundary synchronises the device once, so queued kernels are counted
+    in the phase that launched them."""
+
+    WARMUP_STEPS = 2
+
+    def __init__(self, device, peak: float | None, world_size: int, clock=time.perf_counter):
+        self.device, self.peak, self.world_size, self.clock = device, peak, world_size, clock
+        self.t_start = clock()
+        self.load_s = 0.0
+        self.t_train = self.t_warm = None
+        self.steps, self.paused, self.paused_at_warm = 0, 0.0, 0.0
+        self.tokens = {"warmup": 0, "steady": 0}
+        self.flops: dict = {"warmup": 0.0, "steady": 0.0}
+
+    def _now(self) -> float:
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        return self.clock()
+
+    def loaded(self) -> None:
+        self.t_train = self._now()
+        self.load_s = self.t_train - self.t_start
+
+    def step(self, tokens: int, flops: float | None) -> None:
+        self.steps += 1
+        phase = "warmup" if self.steps <= self.WARMUP_STEPS else "steady"
+        self.tokens[phase] += tokens
+        self.flops[phase] = None if flops is None or self.flops[phase] is None else self.flops[phase] + flops
+        if self.steps == self.WARMUP_STEPS:
+            self.t_warm, self.paused_at_warm = self._now(), self.paused
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time inside is evaluation or checkpointing: not training."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.paused += self._now() - start
+
+    def report(self) -> dict:
+        """The speed section of the summary, training_manifest.json and the final metrics event."""
+        now = self._now()
+        t_train = self.t_train if self.t_train is not None else self.t_start
+        steady = self.steps > self.WARMUP_STEPS
+        warm_end, warm_paused = (self.t_warm, self.paused_at_warm) if steady else (now, self.paused)
+        warmup_s = warm_end - t_train - warm_paused
+        if steady:
+            seconds, tokens, flops = (
+                now - self.t_warm - (self.paused - self.paused_at_warm),
+                self.tokens["steady"],
+                self.flops["steady"],
+            )
+        else:  # too few steps for a steady state: every step of this process
+            seconds, tokens, flops = warmup_s, self.tokens["warmup"], self.flops["warmup"]
+        seconds = max(seconds, 1e-9)
+        return {
+            "load_s": self.load_s,
+            "warmup_s": warmup_s,
+            "warmup_steps": min(self.steps, self.WARMUP_STEPS),
+            "steady_steps": max(self.steps - self.WARMUP_STEPS, 0) if steady else 0,
+            "steady_s": seconds if steady else 0.0,
+            "eval_and_save_s": self.paused,
+            "tokens_per_s": tokens / seconds,
+            "tokens_per_s_per_device": tokens / seconds / self.world_size,
+            "mfu": flops / seconds / (self.peak * self.world_size) if (self.peak and flops is not None) else None,
+            "steady_state": steady,
+        }
 
 
 class Observer:
@@ -263,7 +364,7 @@ def _fmt(value) -> str:
 def summary_screen(summary: dict) -> str:
     """The one-screen summary printed at the end of training (no name=value pairs,
     so Katib's collector reads only the eval lines)."""
-    final, best = summary.get("final_metrics") or {}, summary.get("best") or {}
+    final, best, speed = summary.get("final_metrics") or {}, summary.get("best") or {}, summary.get("speed") or {}
     rows = [
         ("status", summary.get("status", "")),
         ("method", summary.get("method", "")),
@@ -271,7 +372,7 @@ def summary_screen(summary: dict) -> str:
         ("steps", f"{summary.get('steps', 0)} ({summary.get('skipped_steps', 0)} skipped)"),
         ("tokens seen", f"{summary.get('tokens_seen', 0):,}"),
         ("wall time", f"{summary.get('wall_time_s', 0.0):.1f} s"),
-        ("tokens/s", f"{summary.get('tokens_per_s', 0.0):,.0f}"),
+        *_speed_rows(speed),
         ("final train loss", _fmt(final.get("train_loss", float("nan")))),
         ("final eval loss", _fmt(final.get("eval_loss", float("nan")))),
         ("final perplexity", _fmt(final.get("perplexity", float("nan")))),
@@ -282,3 +383,21 @@ def summary_screen(summary: dict) -> str:
     line = "=" * 64
     body = "\n".join(f"  {k.ljust(width)} : {v}" for k, v in rows)
     return f"{line}\n  llmft train: summary\n{line}\n{body}\n{line}"
+
+
+def _speed_rows(speed: dict) -> list[tuple[str, str]]:
+    """Model load and warm-up on their own lines; tokens/s and MFU of the steady state."""
+    if not speed:
+        return []
+    if speed.get("steady_state"):
+        scope = f"steady state: the last {speed['steady_steps']} steps, without eval and checkpoints"
+    else:
+        scope = f"all {speed.get('warmup_steps', 0)} steps: too few for a steady state"
+    mfu = speed.get("mfu")
+    return [
+        ("model load", f"{speed.get('load_s', 0.0):.1f} s"),
+        ("warm-up", f"{speed.get('warmup_s', 0.0):.1f} s (first {speed.get('warmup_steps', 0)} steps: compilation)"),
+        ("eval + checkpoints", f"{speed.get('eval_and_save_s', 0.0):.1f} s"),
+        ("tokens/s", f"{speed.get('tokens_per_s', 0.0):,.0f} ({scope})"),
+        ("MFU", f"{mfu:.1%}" if mfu is not None else "n/a (peak FLOP/s of this device unknown: observe.peak_tflops)"),
+    ]

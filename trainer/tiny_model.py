@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from llmft.trainer.io import atomic_directory
+from llmft.trainer.io import atomic_directory, check_output_target
 
+TINY_MODEL_KIND = "tiny-model"
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -116,12 +117,16 @@ def build_model(tokenizer, *, hidden_size: int = 128, layers: int = 4, seed: int
     return model
 
 
-def build_tiny_model(output: str | Path, *, seed: int = 0) -> Path:
-    """Build tokenizer + model and save both atomically to ``output``."""
+def build_tiny_model(output: str | Path, *, seed: int = 0, force: bool = False) -> Path:
+    """Build tokenizer + model and save both atomically to ``output``.
+
+    ``output`` may be absent, empty or an earlier tiny model; anything else is refused unless
+    ``force`` (:func:`llmft.trainer.io.check_output_target`), before any work is done."""
     output = Path(output)
+    check_output_target(output, kind=TINY_MODEL_KIND, force=force)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed)
-    with atomic_directory(output, kind="tiny-model") as tmp:
+    with atomic_directory(output, kind=TINY_MODEL_KIND, force=force) as tmp:
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
     return output

@@ -46,8 +46,51 @@ def build_block_masks_eagerly() -> None:
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    # llmft F20: on transformers-5 MoE models PEFT turns "all-linear" into the router and both expert tensors;
+    # the project's all-linear there is the attention projections, so the peer adapts the same modules.
+    moe = getattr(model.config, "num_experts", 0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if moe else "all-linear"
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def _qlora_base(model_name: str, attn: str, work: str):
+    """llmft F20: QLoRA as people run it: HF + bitsandbytes NF4 (double quant, bf16 compute) from the same
+    random-init checkpoint the project arm trains, then PEFT's prepare_model_for_kbit_training."""
+    from pathlib import Path
+
+    import torch
+    from llmft.benchmarks.gpu.arm_project import write_model_dir
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    path = write_model_dir(model_name, Path(work) / "models")
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    net = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=quant, dtype=torch.bfloat16, attn_implementation=attn, device_map={"": 0}
+    )
+    return prepare_model_for_kbit_training(net, use_gradient_checkpointing=False)
+
+
+def _liger(model_name: str) -> str:
+    """Liger's patch for the shape's family; SwiGLU off for MoE (transformers 5 fuses the experts)."""
+    from liger_kernel import transformers as liger
+
+    arch = common.MODEL_SHAPES[model_name]["arch"]
+    kwargs = dict(rope=True, rms_norm=True, swiglu=arch != "qwen3_moe", cross_entropy=False)
+    patch = getattr(liger, f"apply_liger_kernel_to_{arch}")  # qwen2, llama, qwen3_moe
+    try:
+        patch(fused_linear_cross_entropy=True, **kwargs)
+    except (AttributeError, ImportError, TypeError) as exc:  # liger's MoE patch and transformers 5: unchecked
+        if arch != "qwen3_moe":
+            raise
+        return f"none ({type(exc).__name__}: {exc})"
+    return patch.__name__
 
 
 def _pad_collate(features):
@@ -99,11 +142,11 @@ class _Recorder:
         return Callback()
 
 
-def _trainer(arm: str, model, dataset, per_step: int, steps: int, recorder: _Recorder, out_dir: str):
+def _trainer(arm: str, model, dataset, per_step: int, steps: int, recorder: _Recorder, out_dir: str, micro: int = 0):
     import torch
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    micro = 8 if arm == "naive" else per_step
+    micro = 8 if arm == "naive" else (micro or per_step)
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=micro,
@@ -149,48 +192,41 @@ def run(
     warmup: int,
     json_out: str,
     block_mask: str = "compiled",
+    method: str = "lora",
+    micro: int = 0,
+    work: str = "/tmp/llmft-project",
 ) -> dict:
     import torch
     from llmft.trainer.fastpath import flops
 
     if arm == "peer" and block_mask == "eager":
         build_block_masks_eagerly()
-
-    if arm == "peer":
-        from liger_kernel.transformers import (
-            apply_liger_kernel_to_llama,
-            apply_liger_kernel_to_qwen2,
-        )
-
-        patch = (
-            apply_liger_kernel_to_qwen2
-            if common.MODEL_SHAPES[model_name]["arch"] == "qwen2"
-            else apply_liger_kernel_to_llama
-        )
-        patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    liger = _liger(model_name) if arm == "peer" else None
     attn = "sdpa" if arm == "naive" else "flex_attention"
-    model = _lora(common.build_model(model_name, attn))
+    base = _qlora_base(model_name, attn, work) if method == "qlora" else common.build_model(model_name, attn)
+    model = _lora(base)
     samples = common.make_samples(per_step * steps, profile, common.MODEL_SHAPES[model_name]["vocab_size"])
     dataset = [
         {"input_ids": ids.tolist(), "labels": lab.tolist()}
         for ids, lab in zip(samples.input_ids, samples.labels, strict=True)
     ]
     recorder = _Recorder(samples, per_step)
-    trainer = _trainer(arm, model, dataset, per_step, steps, recorder, f"/tmp/bench-{arm}")
+    trainer = _trainer(arm, model, dataset, per_step, steps, recorder, f"/tmp/bench-{arm}", micro)
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     shape = flops.shape_from_config(common.hf_config(model_name))
     per_step_flops = [
-        flops.step_flops(shape, "lora", samples.lengths[i * per_step : (i + 1) * per_step]) for i in range(steps)
+        flops.step_flops(shape, method, samples.lengths[i * per_step : (i + 1) * per_step]) for i in range(steps)
     ]
     result = {
         "arm": arm,
         "model": model_name,
-        "method": "lora",
+        "method": method,
+        "liger": liger,
         "profile": profile,
         "attn": attn,
         "samples_per_step": per_step,
-        "micro_batch": 8 if arm == "naive" else per_step,
+        "micro_batch": 8 if arm == "naive" else (micro or per_step),
         "gradient_checkpointing": arm == "naive",
         "block_mask": block_mask if arm == "peer" else None,
         **common.device_info(),
@@ -215,9 +251,24 @@ def main(argv: list[str] | None = None) -> int:
         default="compiled",
         help="peer: build transformers' flex block mask compiled (its default) or eagerly",
     )
+    p.add_argument("--method", default="lora", choices=["lora", "qlora"], help="qlora: bitsandbytes NF4 base")
+    p.add_argument("--micro", type=int, default=0, help="peer: samples per forward (0 = all of the step)")
+    p.add_argument("--work", default="/tmp/llmft-project", help="qlora: where the shared checkpoint is written")
     p.add_argument("--json-out", required=True)
     a = p.parse_args(argv)
-    result = run(a.arm, a.model, a.profile, a.samples_per_step, a.steps, a.warmup, a.json_out, a.block_mask)
+    result = run(
+        a.arm,
+        a.model,
+        a.profile,
+        a.samples_per_step,
+        a.steps,
+        a.warmup,
+        a.json_out,
+        a.block_mask,
+        method=a.method,
+        micro=a.micro,
+        work=a.work,
+    )
     print({k: result[k] for k in ("arm", "model", "tokens_per_s", "mfu", "peak_mem_gib", "first_losses")})
     return 0
 

@@ -99,8 +99,9 @@ def trainer_command(a, model_dir: Path, data_dir: Path, out_dir: Path) -> list[s
         "save_every=0",
         "eval.max_sequences=4",
         "kernels.fused_loss=true",
-        "kernels.fused_lora=true",
+        *(["kernels.fused_lora=true"] if a.method == "lora" else []),  # true where it cannot apply is an error
         f"kernels.compile={'false' if a.no_compile else 'true'}",
+        "model.gradient_checkpointing=false",  # the tuned arm: the harness sizes the micro batch, no recompute
         "observe.progress_bar=false",
         f"seed={SEED}",
         *a.override,

@@ -53,7 +53,28 @@ MODEL_SHAPES = {
         tie_word_embeddings=False,
         rope_theta=5e5,
     ),
+    # llmft F20 (issue 20): Qwen/Qwen3-30B-A3B's config.json; 30.5B parameters, 3.3B active per token.
+    "qwen3-30b-a3b": dict(
+        arch="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+    ),
 }
+# llmft F20: 4 of its 48 layers, for checks on one-GPU machines (a 7 GB checkpoint instead of 61 GB).
+MODEL_SHAPES["qwen3-30b-a3b-4layers"] = {**MODEL_SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 4}
 
 # Length profiles of issue 6: log-normal lengths, first 35% of each sample masked from the loss.
 PROFILES = {
@@ -65,11 +86,11 @@ PROMPT_FRACTION = 0.35
 
 def hf_config(model: str, attn_implementation: str | None = None):
     """A transformers config of the named shape."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     spec = dict(MODEL_SHAPES[model])
     arch = spec.pop("arch")
-    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
     config = cls(max_position_embeddings=8192, rms_norm_eps=1e-6, use_cache=False, **spec)
     if attn_implementation:
         config._attn_implementation = attn_implementation
@@ -215,7 +236,7 @@ def _jsonable(value):
 def add_arm_arguments(parser, micro_help: str) -> None:
     """Command-line options every packed arm (fastpath, project) takes."""
     parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODEL_SHAPES))
-    parser.add_argument("--method", default="lora", choices=["lora", "full"])
+    parser.add_argument("--method", default="lora", choices=["lora", "qlora", "full"])
     parser.add_argument("--profile", default="short", choices=sorted(PROFILES))
     parser.add_argument("--samples-per-step", type=int, default=64)
     parser.add_argument("--micro", type=int, default=64, help=micro_help)

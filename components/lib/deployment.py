@@ -16,7 +16,8 @@ With ``deploy=False`` it stops after the validated manifest.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,22 @@ class DeployRequest:
     """How long to wait for Ready."""
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     """Prompts of the local generation check and the smoke test."""
+    cpu: str = "4"
+    """CPU request and limit of the predictor."""
+    memory: str = "32Gi"
+    """Memory request and limit of the predictor."""
+    runtime: str = ""
+    """(Cluster)ServingRuntime ('' = components/images.py's default in this process; the plan always names it)."""
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    """Node labels the predictor must match."""
+    hf_secret: Any = None
+    """The plan's SecretMount of the HF token (its HF_TOKEN key, required), or None."""
 
 
 def serve_spec(req: DeployRequest):
     """The :class:`ServeSpec` of the request (adapter and, if there, base model from the PVC)."""
-    from llmft.components.lib.params import DataLayout
+    from llmft.components.lib.plan import DataLayout
+    from llmft.components.lib.pytorchjob import SecretEnv
     from llmft.components.lib.serving import ServeSpec
 
     layout = DataLayout(req.data_root)
@@ -75,6 +87,11 @@ def serve_spec(req: DeployRequest):
             f"({layout.root}): KServe cannot mount it. Put it on the PVC or use a hub id."
         )
     base = {"base_model_path": layout.relative(req.base_model)} if on_volume else {"base_model_id": req.base_model}
+    secret = req.hf_secret
+    hf = (
+        SecretEnv("HF_TOKEN", secret.name, "HF_TOKEN", optional=False) if secret and "HF_TOKEN" in secret.keys else None
+    )
+    extra = {"runtime": req.runtime} if req.runtime else {}
     return ServeSpec(
         name=req.name,
         pvc_name=req.pvc_name,
@@ -83,8 +100,13 @@ def serve_spec(req: DeployRequest):
         namespace=req.namespace or None,
         max_lora_rank=req.max_lora_rank,
         gpus=req.gpus,
+        cpu=req.cpu,
+        memory=req.memory,
+        node_selector=dict(req.node_selector),
+        hf_token_secret=hf,
         labels={"llmft/model-version": str(req.version)},
         **base,
+        **extra,
     )
 
 

@@ -1,16 +1,16 @@
-"""The `local` training backend: the same trainer, launched with torchrun as subprocesses.
+"""The `local` training backend: the same trainer, launched as subprocesses of the train step.
 
-Used by ``llmft pipeline run-local`` (kfp.local) and by single-node clusters without the
-Training Operator. The command is exactly what a PyTorchJob replica runs
-(``torchrun ... -m llmft.trainer key=value ...``), only with a standalone rendezvous, so the
-two backends differ in where the processes run and nothing else.
+Used by ``llmft pipeline run-local`` (kfp.local); the plan step refuses it on a cluster. The
+command is exactly what a PyTorchJob replica runs, ``llmft train --nproc N key=value ...``
+(``python -m llmft train``): the one launcher, which forwards SIGTERM to torchrun's ranks and
+exits 143 once they committed a checkpoint. So the two backends differ in where the processes
+run and nothing else.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -18,28 +18,19 @@ from pathlib import Path
 
 from llmft.trainer.errors import LlmftError
 
-METRIC_LINE = re.compile(r"^(eval_loss|perplexity)=([+-]?\d*\.?\d+(?:[eE][+-]?\d+)?)\s*$")
 LOG_TAIL_LINES = 40
+METRICS = ("eval_loss", "perplexity")
 
 
 class TrainingFailed(LlmftError):
     """The training processes exited non-zero; the message carries their last log lines."""
 
 
-def torchrun_command(overrides: list[str], *, nproc: int = 1) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node N -m llmft.trainer <overrides>``."""
+def train_command(overrides: list[str], *, nproc: int = 1) -> list[str]:
+    """``python -m llmft train --nproc N <overrides>``: the command of a PyTorchJob replica, run here."""
     if nproc < 1:
         raise LlmftError(f"nproc must be >= 1, got {nproc}")
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "llmft.trainer",
-        *overrides,
-    ]
+    return [sys.executable, "-m", "llmft", "train", "--nproc", str(nproc), *overrides]
 
 
 def run_local_training(
@@ -50,13 +41,16 @@ def run_local_training(
     env: dict[str, str] | None = None,
     timeout_s: float | None = None,
 ) -> dict[str, float]:
-    """Run the trainer through torchrun; stream its output; return the last eval metrics printed.
+    """Run the trainer; stream its output; return the last eval metrics it printed.
 
+    On ``timeout_s`` the launcher gets SIGTERM (the trainer commits a checkpoint and exits 143).
     Raises :class:`TrainingFailed` with the exit code and the last log lines on failure.
     """
-    command = torchrun_command(overrides, nproc=nproc)
+    from llmft.katib.metrics import parse_metric_lines, summarize
+
+    command = train_command(overrides, nproc=nproc)
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
-    metrics: dict[str, float] = {}
+    observations: list[tuple[str, float]] = []
     log = open(log_path, "a", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed below
     watchdog = None
     try:
@@ -68,7 +62,7 @@ def run_local_training(
             bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-        if timeout_s:  # SIGTERM: the trainer commits a checkpoint and exits 143
+        if timeout_s:
             watchdog = threading.Timer(timeout_s, process.terminate)
             watchdog.start()
         for line in process.stdout:
@@ -76,9 +70,7 @@ def run_local_training(
             tail.append(line.rstrip("\n"))
             if log:
                 log.write(line)
-            match = METRIC_LINE.match(line.strip())
-            if match:
-                metrics[match.group(1)] = float(match.group(2))
+            observations += parse_metric_lines([line], METRICS)
         code = process.wait()
     finally:
         if watchdog is not None:
@@ -87,6 +79,7 @@ def run_local_training(
             log.close()
     if code != 0:
         raise TrainingFailed(
-            f"local training exited with code {code} ({' '.join(command[:6])} ...). Last log lines:\n" + "\n".join(tail)
+            f"local training exited with code {code} ({' '.join(command[1:6])} ...). Last log lines:\n"
+            + "\n".join(tail)
         )
-    return metrics
+    return summarize(observations, {name: "latest" for name in METRICS})

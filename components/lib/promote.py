@@ -11,6 +11,12 @@ The `promote-best-checkpoint` step reads the evaluation written by the evaluate 
   completion marker, and
 * records the decision and why, as JSON, both inside the promoted folder and
   beside it (``<destination>.decision.json``), so a refused run leaves its reason on the PVC too.
+
+The destination on the volume is ``<data_root>/models/<model name>/<run id>``
+(:func:`promoted_destination`): both parameters must be single plain path components
+and the resolved result must stay under ``<data_root>/models``, so a parameter such as
+``mlflow_model_name=../runs`` is refused before anything is written. The copied files get
+the umask-based mode (safetensors writes 0600), so a serving pod under another UID reads them.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmft.trainer.errors import LlmftError
+from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete
+from llmft.trainer.names import check_path_component, path_under
 
 DECISION_FILE = "promotion.json"
+PROMOTED_KIND = "promoted-adapter"
+MODELS_FOLDER = "models"
 # Files a server needs; optimizer/scheduler/RNG/data-position state stays behind.
 SERVABLE_PATTERNS = (
     "adapter_model.safetensors",
@@ -135,13 +144,33 @@ def decide(evaluation: dict[str, Any], margin: float) -> PromotionDecision:
     )
 
 
-def promote(evaluation: dict[str, Any], destination: str | Path, *, margin: float) -> PromotionDecision:
+def promoted_destination(data_root: str | Path, model_name: str, run_id: str) -> Path:
+    """``<data_root>/models/<model_name>/<run_id>``, resolved; ConfigError naming the pipeline parameter
+    when either is not one plain path component or the result leaves ``<data_root>/models``."""
+    check_path_component(model_name, "mlflow_model_name")
+    check_path_component(run_id, "run_id")
+    return path_under(Path(data_root) / MODELS_FOLDER, model_name, run_id)
+
+
+def promote_to_volume(
+    evaluation: dict[str, Any], data_root: str | Path, model_name: str, run_id: str, *, margin: float
+) -> PromotionDecision:
+    """:func:`promote` into :func:`promoted_destination` (what the promote step calls)."""
+    destination = promoted_destination(data_root, model_name, run_id)
+    return promote(evaluation, destination, margin=margin, root=Path(data_root) / MODELS_FOLDER)
+
+
+def promote(
+    evaluation: dict[str, Any], destination: str | Path, *, margin: float, root: str | Path | None = None
+) -> PromotionDecision:
     """Decide, then copy the best checkpoint to ``destination`` atomically.
 
     The decision JSON is written to ``<destination>.decision.json`` in every case;
     :class:`PromotionRefused` is raised (after writing it) when nothing may be promoted.
+    ``destination`` may not climb out of its folder (no ``..``); with ``root`` it must resolve
+    under ``root``. Both are checked before anything is written.
     """
-    destination = Path(destination)
+    destination = _checked_destination(Path(destination), root)
     decision = decide(evaluation, margin)
     record_path = destination.with_name(destination.name + ".decision.json")
     if not decision.promoted:
@@ -153,6 +182,19 @@ def promote(evaluation: dict[str, Any], destination: str | Path, *, margin: floa
     return decision
 
 
+def _checked_destination(destination: Path, root: str | Path | None) -> Path:
+    if ".." in destination.parts:
+        raise ConfigError(
+            f"promote destination {destination} climbs out of its folder ('..'): a name used in the path is not a "
+            "plain folder name; use letters, digits, '.', '_' and '-' only (check mlflow_model_name and run_id)"
+        )
+    if root is not None:
+        base, target = Path(root).resolve(), destination.resolve()
+        if base not in target.parents:
+            raise ConfigError(f"promote destination {destination} resolves to {target}, outside {base}; refusing")
+    return destination
+
+
 def copy_servable(checkpoint: Path, destination: Path, decision: PromotionDecision) -> list[str]:
     """Copy the servable files of ``checkpoint`` into ``destination`` (atomic, with marker)."""
     if not is_complete(checkpoint):
@@ -162,7 +204,7 @@ def copy_servable(checkpoint: Path, destination: Path, decision: PromotionDecisi
         raise PromotionRefused(
             f"{checkpoint} holds no adapter or model weights (looked for {', '.join(SERVABLE_PATTERNS[:3])}, ...)"
         )
-    with atomic_directory(destination, kind="promoted-adapter", marker=True) as tmp:
+    with atomic_directory(destination, kind=PROMOTED_KIND, marker=True) as tmp:  # files get the umask mode
         for source in files:
             target = tmp / source.relative_to(checkpoint)
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from typing import Any
 from llmft.components import images
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, Cluster, ClusterError
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.names import is_k8s_name
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 MASTER_PORT = 23456
@@ -38,8 +39,6 @@ JOB_ROLE_LABEL = "training.kubeflow.org/job-role"
 
 RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -143,6 +142,8 @@ class TrainJobSpec:
     """Processes per pod (a string: digits, auto, cpu or gpu); None = gpus_per_node, or 1 on CPU."""
     cpu: str | None = None
     """CPU request per pod, e.g. ``"8"`` (None = unset)."""
+    cpu_limit: str | None = None
+    """CPU limit per pod (None = unset)."""
     memory: str | None = None
     """Memory request and limit per pod, e.g. ``"64Gi"`` (None = unset)."""
     shm_size: str = "8Gi"
@@ -184,7 +185,7 @@ class TrainJobSpec:
 def _spec_errors(spec: TrainJobSpec) -> list[str]:
     errors = []
     longest_pod = f"{spec.name}-worker-{max(spec.num_nodes - 2, 0)}"
-    if not _DNS1035.match(spec.name) or len(longest_pod) > 63:
+    if not is_k8s_name(spec.name, kind="dns1035") or len(longest_pod) > 63:
         errors.append(
             f"name {spec.name!r}: must be a DNS-1035 label (a-z, 0-9, '-', starting with a letter) "
             f"and short enough that pod name {longest_pod!r} fits 63 characters"
@@ -198,7 +199,12 @@ def _spec_errors(spec: TrainJobSpec) -> list[str]:
         errors.append(f"nproc_per_node={nproc!r}: must be a positive integer string, 'auto', 'cpu' or 'gpu'")
     elif nproc.isdigit() and spec.gpus_per_node and int(nproc) > spec.gpus_per_node:
         errors.append(f"nproc_per_node={nproc} exceeds gpus_per_node={spec.gpus_per_node}: one process per GPU")
-    for what, value in (("cpu", spec.cpu), ("memory", spec.memory), ("shm_size", spec.shm_size)):
+    for what, value in (
+        ("cpu", spec.cpu),
+        ("cpu_limit", spec.cpu_limit),
+        ("memory", spec.memory),
+        ("shm_size", spec.shm_size),
+    ):
         if value is not None and not _QUANTITY.match(str(value)):
             errors.append(f"{what}={value!r}: not a Kubernetes quantity (e.g. '8', '500m', '64Gi')")
     if spec.restart_policy not in RESTART_POLICIES:
@@ -237,7 +243,7 @@ def _volume_and_env_errors(spec: TrainJobSpec) -> list[str]:
     errors = []
     paths = [p.mount_path for p in spec.pvcs] + ["/dev/shm"]
     for pvc in spec.pvcs:
-        if not _DNS1123_SUBDOMAIN.match(pvc.claim_name):
+        if not is_k8s_name(pvc.claim_name, kind="subdomain"):
             errors.append(f"pvcs: claim name {pvc.claim_name!r} is not a valid PVC name")
         if not pvc.mount_path.startswith("/"):
             errors.append(f"pvcs: mount path {pvc.mount_path!r} of {pvc.claim_name!r} must be absolute")
@@ -245,7 +251,9 @@ def _volume_and_env_errors(spec: TrainJobSpec) -> list[str]:
         errors.append(f"pvcs: mount paths must be distinct (and not /dev/shm): {paths}")
     names = [s.env_name for s in spec.secret_envs] + list(spec.env)
     for s in spec.secret_envs:
-        if not (_ENV_NAME.match(s.env_name) and _DNS1123_SUBDOMAIN.match(s.secret_name) and _SECRET_KEY.match(s.key)):
+        if not (
+            _ENV_NAME.match(s.env_name) and is_k8s_name(s.secret_name, kind="subdomain") and _SECRET_KEY.match(s.key)
+        ):
             errors.append(f"secret_envs: {s} has an invalid env name, Secret name or key")
     for name in spec.env:
         if not _ENV_NAME.match(name):
@@ -310,7 +318,7 @@ def _env(spec: TrainJobSpec) -> list:
 
     env = [k8s.V1EnvVar(name=name, value=str(value)) for name, value in spec.env.items()]
     for s in spec.secret_envs:
-        ref = k8s.V1SecretKeySelector(name=s.secret_name, key=s.key, optional=s.optional)
+        ref = k8s.V1SecretKeySelector(name=s.secret_name, key=s.key, optional=s.optional or None)
         env.append(k8s.V1EnvVar(name=s.env_name, value_from=k8s.V1EnvVarSource(secret_key_ref=ref)))
     return env
 
@@ -322,6 +330,8 @@ def _resources(spec: TrainJobSpec):
     limits: dict[str, str] = {}
     if spec.cpu:
         requests["cpu"] = str(spec.cpu)
+    if spec.cpu_limit:
+        limits["cpu"] = str(spec.cpu_limit)
     if spec.memory:
         requests["memory"] = limits["memory"] = str(spec.memory)
     if spec.gpus_per_node:
@@ -492,7 +502,7 @@ def pytorchjob_webhook_errors(job: dict) -> list[str]:
     when present (a Katib trial template has none)."""
     errors = []
     name = (job.get("metadata") or {}).get("name")
-    if name is not None and (not _DNS1035.match(name) or len(name) > 63):
+    if name is not None and not is_k8s_name(name, kind="dns1035"):
         errors.append(f"metadata.name {name!r}: must be a DNS-1035 label")
     spec = job.get("spec") or {}
     replicas = spec.get("pytorchReplicaSpecs")

@@ -21,6 +21,10 @@ reuses them instead of creating a second run or version.
 The tracking server comes from the environment (``MLFLOW_TRACKING_URI`` and, where the
 server needs them, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN``), which the
 pipeline fills from a Kubernetes Secret: credentials are never parameters.
+
+A dead server fails fast: :func:`llmft.trainer.mlflow_settings.prepare_mlflow` checks it once
+(a few seconds) and raises TransientError (exit 200), and caps MLflow's own retries, so the
+KFP retry policy is the one place a dead server is retried.
 """
 
 from __future__ import annotations
@@ -236,6 +240,7 @@ def _ensure_registered_model(client, name: str) -> None:
 
 def _client(tracking_uri: str | None):
     from llmft.trainer.errors import ConfigError
+    from llmft.trainer.mlflow_settings import prepare_mlflow
     from mlflow import MlflowClient
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
@@ -246,6 +251,7 @@ def _client(tracking_uri: str | None):
             "MLFLOW_TRACKING_PASSWORD if the server needs them) in the pipeline's namespace, or export it for a "
             "local run."
         )
+    prepare_mlflow(uri)
     return MlflowClient(tracking_uri=uri)
 
 

@@ -5,6 +5,18 @@ a rank above ``--max-lora-rank``, or LoRA weights on modules it has no LoRA laye
 for (routers, embeddings, lm_head on current versions); it loads safetensors. The
 seeds' users met each of these only at serving time. This module finds them from
 ``adapter_config.json`` and the safetensors header alone: no torch, no model load.
+
+Mixture-of-experts adapters, checked against vLLM 0.24.0 (:data:`VLLM_VERSION_CHECKED`):
+LoRA on the attention projections is served as on dense models. LoRA on the experts as PEFT
+saves it for transformers 5.x models (``target_parameters``: one fused 3-D tensor pair per layer,
+keys ``...mlp.experts.base_layer.lora_*`` = gate_up_proj and ``...mlp.experts.lora_*`` =
+down_proj) is loaded only by models vLLM flags ``is_3d_moe_weight`` or by a server started with
+``--enable-mixed-moe-lora-format`` and the adapter given as ``--lora-modules
+'{"name": ..., "path": ..., "is_3d_lora_weight": true}'`` (``vllm/lora/model_manager.py``
+``_convert_3d_to_2d_moe_lora``). ``Qwen3MoeForCausalLM`` is not flagged, and without that flag
+``FusedMoEWithLoRA.set_lora`` asserts on the fused tensors, so the adapter fails when it loads.
+The deploy step starts vLLM with ``--lora-modules name=path``: expert adapters are refused here
+unless the caller says the server runs the mixed format. The router (``gate``) has no LoRA layer.
 """
 
 from __future__ import annotations
@@ -18,6 +30,15 @@ from llmft.trainer.errors import LlmftError
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """Values vLLM accepts for ``--max-lora-rank``."""
+
+VLLM_VERSION_CHECKED = "0.24.0"
+"""The vLLM these rules were read from: the one KServe v0.20.0's huggingfaceserver image installs
+(kserve ``python/kserve/pyproject.toml`` llm extra ``vllm==0.24.0``;
+``python/huggingface_server.Dockerfile`` ``ARG VLLM_VERSION=0.24.0``). Fused-MoE LoRA arrived in
+vLLM 0.11.2 (PR 21229); the mixed 2-D/3-D MoE adapter format is in 0.24.0."""
+
+EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
+"""PEFT ``target_parameters`` of a fused-expert adapter (what ``lora.target_modules: [..., experts]`` saves)."""
 
 SUPPORTED_TARGET_MODULES = frozenset(
     {
@@ -83,15 +104,39 @@ def non_lora_module_names(keys: Iterable[str]) -> set[str]:
 
 
 def lora_module_names(keys: Iterable[str]) -> set[str]:
-    """Leaf names of the modules carrying LoRA weights, e.g. ``...self_attn.q_proj.lora_A.weight`` -> q_proj."""
+    """Leaf names of the modules carrying LoRA weights, e.g. ``...self_attn.q_proj.lora_A.weight`` -> q_proj
+    (PEFT's nested ``ParamWrapper`` keys ``...experts.base_layer.lora_A.weight`` -> experts)."""
     names = set()
     for key in keys:
-        parts = key.split(".")
+        parts = [p for p in key.split(".") if p != "base_layer"]
         for i, part in enumerate(parts):
             if part in _LORA_PARTS and i > 0:
                 names.add(parts[i - 1])
                 break
     return names
+
+
+def _moe_problems(config: dict, keys: list[str], path: Path, moe_3d_lora_format: bool) -> list[str]:
+    """Fused (3-D) expert LoRA: servable only with vLLM's mixed MoE LoRA format, and only as the pair."""
+    targets = set(config.get("target_parameters") or ()) if config else set()
+    fused = {t for t in targets if t.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")}
+    if not fused and not any(".experts.lora_" in k or ".experts.base_layer.lora_" in k for k in keys):
+        return []
+    if not moe_3d_lora_format:
+        return [
+            f"{path}: LoRA on the fused MoE expert tensors (target_parameters {sorted(fused) or 'experts'}); vLLM "
+            f"{VLLM_VERSION_CHECKED} (KServe 0.20) loads these for Qwen3-MoE only with --enable-mixed-moe-lora-format "
+            'and --lora-modules \'{"name": ..., "path": ..., "is_3d_lora_weight": true}\', which this '
+            "deployment does not set: retrain with LoRA on the attention projections only (lora.target_modules "
+            "without `experts`), or merge the adapter and serve the merged model"
+        ]
+    missing = sorted(t for t in EXPERT_TENSORS if not any(f.endswith(t) for f in fused))
+    if missing:
+        return [
+            f"{path}: expert LoRA without {missing}: vLLM {VLLM_VERSION_CHECKED} converts fused expert adapters only "
+            "with both gate_up_proj and down_proj adapted; retrain with lora.target_modules including `experts`"
+        ]
+    return []
 
 
 def _config_problems(config: dict, path: Path, max_lora_rank: int) -> list[str]:
@@ -135,6 +180,12 @@ def _target_problems(config: dict, path: Path, supported: frozenset[str]) -> lis
             ]
     elif targets is not None and not isinstance(targets, str):
         return [f"{path}: target_modules={targets!r} must be a list of module names"]
+    router = sorted(t for t in config.get("target_parameters") or () if t.split(".")[-2:-1] == ["gate"] or t == "gate")
+    if router:
+        return [
+            f"{path}: target_parameters {router} adapt the MoE router, which vLLM has no LoRA layer for; retrain "
+            "without them (the trainer keeps the router frozen)"
+        ]
     return []
 
 
@@ -163,7 +214,7 @@ def _weights_problems(adapter_dir: Path, supported: frozenset[str]) -> list[str]
         )
     if not modules:
         problems.append(f"{weights}: holds no LoRA weights (no lora_A/lora_B tensors)")
-    unsupported = sorted(modules - supported)
+    unsupported = sorted(modules - supported - {"experts"})  # fused experts: _moe_problems
     if unsupported:
         problems.append(
             f"{weights}: LoRA weights on modules {unsupported}, which vLLM has no LoRA layer for "
@@ -177,8 +228,11 @@ def check_vllm_servable(
     *,
     max_lora_rank: int = 64,
     supported_target_modules: Iterable[str] = SUPPORTED_TARGET_MODULES,
+    moe_3d_lora_format: bool = False,
 ) -> list[str]:
-    """Every reason vLLM would refuse the adapter in ``adapter_dir`` (empty list = servable)."""
+    """Every reason vLLM would refuse the adapter in ``adapter_dir`` (empty list = servable).
+    ``moe_3d_lora_format``: the server runs ``--enable-mixed-moe-lora-format`` and is given this adapter
+    with ``"is_3d_lora_weight": true`` (the project's deploy step does neither)."""
     adapter_dir = Path(adapter_dir)
     if not adapter_dir.is_dir():
         return [f"{adapter_dir}: not a directory"]
@@ -187,7 +241,12 @@ def check_vllm_servable(
     if config is not None:
         path = adapter_dir / CONFIG_FILE
         problems += _config_problems(config, path, max_lora_rank) + _target_problems(config, path, supported)
-    return problems + _weights_problems(adapter_dir, supported)
+    problems += _weights_problems(adapter_dir, supported)
+    try:
+        keys = safetensors_keys(adapter_dir / WEIGHTS_FILE)
+    except (OSError, ValueError, struct.error):
+        keys = []  # reported above
+    return problems + _moe_problems(config or {}, keys, adapter_dir / WEIGHTS_FILE, moe_3d_lora_format)
 
 
 def require_vllm_servable(
@@ -195,10 +254,14 @@ def require_vllm_servable(
     *,
     max_lora_rank: int = 64,
     supported_target_modules: Iterable[str] = SUPPORTED_TARGET_MODULES,
+    moe_3d_lora_format: bool = False,
 ) -> None:
     """Raise ``AdapterNotServableError`` listing every problem ``check_vllm_servable`` finds."""
     problems = check_vllm_servable(
-        adapter_dir, max_lora_rank=max_lora_rank, supported_target_modules=supported_target_modules
+        adapter_dir,
+        max_lora_rank=max_lora_rank,
+        supported_target_modules=supported_target_modules,
+        moe_3d_lora_format=moe_3d_lora_format,
     )
     if problems:
         raise AdapterNotServableError(f"adapter {adapter_dir} cannot be served by vLLM:\n- " + "\n- ".join(problems))

@@ -33,12 +33,12 @@ from llmft.components import images
 from llmft.components.lib.cluster import Cluster, ClusterError
 from llmft.components.lib.pytorchjob import GPU_TOLERATION, SecretEnv, Toleration
 from llmft.trainer.errors import ConfigError, LlmftError
+from llmft.trainer.names import is_k8s_name
 
 GROUP, VERSION, PLURAL, KIND = "serving.kserve.io", "v1beta1", "inferenceservices", "InferenceService"
 MODEL_MOUNT = "/mnt/models"
 """Where KServe mounts the storageUri in the predictor container."""
 HF_TOKEN_SECRET = SecretEnv("HF_TOKEN", "llmft-hf-token", "HF_TOKEN")
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -111,7 +111,7 @@ def _relative_path_error(what: str, path: str | None) -> str | None:
 
 def _serve_spec_errors(spec: ServeSpec) -> list[str]:
     errors = []
-    if not _DNS1035.match(spec.name) or len(spec.name) > 63:
+    if not is_k8s_name(spec.name, kind="dns1035"):
         errors.append(f"name {spec.name!r}: must be a DNS-1035 label of at most 63 characters")
     if not _LORA_NAME.match(spec.lora_name):
         errors.append(f"lora_name {spec.lora_name!r}: letters, digits, '.', '_' and '-' only")
@@ -180,7 +180,7 @@ def _predictor_env(spec: ServeSpec) -> list:
     if spec.hf_token_secret is None:
         return []
     s = spec.hf_token_secret
-    ref = k8s.V1SecretKeySelector(name=s.secret_name, key=s.key, optional=s.optional)
+    ref = k8s.V1SecretKeySelector(name=s.secret_name, key=s.key, optional=s.optional or None)
     return [k8s.V1EnvVar(name=s.env_name, value_from=k8s.V1EnvVarSource(secret_key_ref=ref))]
 
 
@@ -247,7 +247,7 @@ def inference_service_errors(isvc: dict) -> list[str]:
     format, and the vLLM/LoRA wiring of the Hugging Face runtime). Empty list = fine."""
     errors = []
     name = (isvc.get("metadata") or {}).get("name", "")
-    if not _DNS1035.match(name) or len(name) > 63:
+    if not is_k8s_name(name, kind="dns1035"):
         errors.append(f"metadata.name {name!r}: must be a DNS-1035 label of at most 63 characters")
     model = ((isvc.get("spec") or {}).get("predictor") or {}).get("model") or {}
     if not (model.get("modelFormat") or {}).get("name"):

@@ -2,7 +2,7 @@
 
 :func:`collect_run_facts` reads the artifacts a kfp.local run left under its run folder
 (``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``); :func:`render_summary`
-turns them into a few readable lines: rows accepted and rejected, base vs best
+turns them into a few readable lines: the plan (backend, trainer image), rows accepted and rejected, base vs best
 perplexity, the promoted checkpoint, the MLflow model version and alias, the manifest
 path and a sample generation.
 """
@@ -15,6 +15,7 @@ from typing import Any
 
 # (task folder, output folder, file) of each fact source
 SOURCES = {
+    "plan": ("plan-run", "plan", "plan.json"),
     "data": ("prepare-dataset", "prepared", "report.json"),
     "tokens": ("tokenize-dataset", "tokenized", "manifest.json"),
     "training": ("train-model", "run", "training_manifest.json"),
@@ -46,6 +47,17 @@ def collect_run_facts(run_dir: str | Path) -> dict[str, Any]:
     if manifest.is_file():
         facts["manifest_path"] = str(manifest)
     return facts
+
+
+def _plan_lines(facts: dict[str, Any]) -> list[str]:
+    plan = facts.get("plan")
+    if not plan:
+        return []
+    job = plan["job"]
+    return [
+        f"plan        run {plan['run_id']}: training {job['backend']} "
+        f"({job['num_workers']} x {job['gpus_per_worker']} GPU), image {job['image']}"
+    ]
 
 
 def _data_lines(facts: dict[str, Any]) -> list[str]:
@@ -139,7 +151,7 @@ def render_summary(
     header = f"{pipeline_name} pipeline (kfp.local): {status}"
     if elapsed_s is not None:
         header += f" in {elapsed_s:.0f} s"
-    lines = [rule, header, rule, *_data_lines(facts), *_model_lines(facts), *_deploy_lines(facts)]
+    lines = [rule, header, rule, *_plan_lines(facts), *_data_lines(facts), *_model_lines(facts), *_deploy_lines(facts)]
     if facts.get("report_path"):
         lines.append(f"report      {facts['report_path']} (HTML: loss and perplexity plot)")
     lines += [f"artifacts   {facts['run_dir']}", rule]

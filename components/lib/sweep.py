@@ -22,10 +22,10 @@ import hashlib
 import re
 from collections.abc import Sequence
 
-SWEEP_BACKENDS = ("katib", "local")
 PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"  # = katib.tracking.PARENT_RUN_ENV (what the trainer reads)
 DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "eval.max_sequences=512")
-"""Fixed trainer settings of every trial: short runs, several evals (medianstop needs start_step of them)."""
+"""Fixed trainer settings of every trial when ``sweep_trial_overrides`` is empty: short runs,
+several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
 
@@ -37,27 +37,35 @@ def experiment_name(run_id: str) -> str:
     return f"llmft-sweep-{cleaned}-{digest}" if cleaned else f"llmft-sweep-{digest}"
 
 
+def check_trial_overrides(sweep, fixed_overrides: Sequence[str]) -> None:
+    """Refuse fixed trial settings that set a key the sweep sets itself (searched or per trial)."""
+    from llmft.trainer.errors import ConfigError
+
+    searched = {p.config_key for p in sweep.search_space}
+    clashes = [o for o in fixed_overrides if o.split("=", 1)[0] in searched | set(TRIAL_OWNED_KEYS)]
+    if clashes:
+        raise ConfigError(
+            f"trial overrides {clashes} set keys the sweep sets itself (searched or per trial); "
+            "drop them, or change the search space with space.<name>.<field>=..."
+        )
+
+
 def sweep_trial_job(
     sweep,
     *,
+    job,
     model: str,
     data: str,
-    pvc_name: str,
-    num_workers: int = 1,
-    gpus_per_worker: int = 1,
     method: str = "lora",
     fixed_overrides: Sequence[str] = DEFAULT_TRIAL_OVERRIDES,
-    data_root: str | None = None,
     mlflow_parent_run_id: str = "",
     mlflow_experiment: str = "",
-    mlflow_tracking_uri: str = "",
-    image: str | None = None,
 ) -> dict:
-    """The trial's PyTorchJob as a dict: the trainer on the existing tokenized shards ``data``
-    (never re-tokenized), each trial in ``<data_root>/sweeps/<experiment>/<trial name>``."""
-    from llmft.components.lib.params import DATA_MOUNT
+    """The trial's PyTorchJob as a dict: ``job`` (the plan's JobPlan: image, resources, Secrets,
+    node selector) running the trainer on the existing tokenized shards ``data`` (never
+    re-tokenized), each trial in ``<volume>/sweeps/<experiment>/<trial name>``."""
     from llmft.components.lib.pytorchjob import trial_pytorchjob_dict
-    from llmft.components.lib.train_job import build_train_job_spec
+    from llmft.components.lib.train_job import build_train_job_spec, job_name
     from llmft.katib.experiment import TRIAL_NAME_PLACEHOLDER, trial_overrides
     from llmft.trainer.errors import ConfigError
 
@@ -66,19 +74,12 @@ def sweep_trial_job(
             "data= is required: the tokenized shards on the PVC written by `llmft data tokenize` "
             "(e.g. data=/data/tokenized/<cache key>); trials never tokenize"
         )
-    searched = {p.config_key for p in sweep.search_space}
-    clashes = [o for o in fixed_overrides if o.split("=", 1)[0] in searched | set(TRIAL_OWNED_KEYS)]
-    if clashes:
-        raise ConfigError(
-            f"trial overrides {clashes} set keys the sweep sets itself (searched or per trial); "
-            "drop them, or change the search space with space.<name>.<field>=..."
-        )
-    root = data_root or DATA_MOUNT
+    check_trial_overrides(sweep, fixed_overrides)
     overrides = [
         f"model.name_or_path={model}",
         f"data={data}",
         f"method={method}",
-        f"output_dir={root}/sweeps/{sweep.name}/{TRIAL_NAME_PLACEHOLDER}",
+        f"output_dir={job.mount_path}/sweeps/{sweep.name}/{TRIAL_NAME_PLACEHOLDER}",
         "resume=auto",
         f"observe.run_name={TRIAL_NAME_PLACEHOLDER}",
         *fixed_overrides,
@@ -86,21 +87,10 @@ def sweep_trial_job(
     ]
     if mlflow_experiment:
         overrides.append(f"observe.mlflow_experiment={mlflow_experiment}")
-    spec = build_train_job_spec(
-        overrides,
-        run_id=sweep.name,
-        num_workers=num_workers,
-        gpus_per_worker=gpus_per_worker,
-        pvc_name=pvc_name,
-        namespace=sweep.namespace,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-    )
-    changes: dict = {}
+    spec = build_train_job_spec(job, overrides, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
-        changes["env"] = {**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id}
-    if image:
-        changes["image"] = image
-    return trial_pytorchjob_dict(dataclasses.replace(spec, **changes))
+        spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
+    return trial_pytorchjob_dict(spec)
 
 
 def build_sweep_experiment(sweep, **job):
@@ -129,15 +119,11 @@ SHADOWING_KEYS = {"schedule.warmup_ratio": "schedule.warmup_steps"}
 """searched key -> trainer key that, when > 0, takes precedence over it."""
 
 
-def final_train_overrides(train_overrides: str, best: list[str]) -> str:
-    """The train step's ``train_overrides``: the user's, then the sweep's best (which win).
-
-    Prints a warning for a user setting the sweep's value replaces, or one that would make a
-    swept value ineffective (``schedule.warmup_steps`` > 0 overrides ``schedule.warmup_ratio``)."""
-    import shlex
-
-    user = shlex.split(train_overrides or "")
-    user_keys = {item.split("=", 1)[0]: item.split("=", 1)[-1] for item in user}
+def warn_shadowed(user_overrides: Sequence[str], best: Sequence[str]) -> None:
+    """The train step appends the sweep's best after the plan's overrides, so the best win. Print a
+    warning for a ``train_overrides`` setting a best value replaces, or one that would make a swept
+    value ineffective (``schedule.warmup_steps`` > 0 overrides ``schedule.warmup_ratio``)."""
+    user_keys = {item.split("=", 1)[0]: item.split("=", 1)[-1] for item in user_overrides}
     for item in best:
         key = item.split("=", 1)[0]
         if key in user_keys:
@@ -148,31 +134,10 @@ def final_train_overrides(train_overrides: str, best: list[str]) -> str:
                 f"warning: train_overrides sets {shadow}={user_keys[shadow]}, which takes precedence over the "
                 f"swept {item}; drop it to train with the sweep's value"
             )
-    return shlex.join([*user, *best])
 
 
-def run_sweep_step(
-    *,
-    tokenized_dir: str,
-    model: str,
-    method: str,
-    backend: str,
-    sweep_overrides: list[str],
-    trial_overrides: list[str],
-    max_lora_rank: int,
-    num_workers: int,
-    gpus_per_worker: int,
-    pvc_name: str,
-    data_root: str,
-    run_id: str,
-    mlflow_tracking_uri: str,
-    mlflow_experiment: str,
-    timeout_s: float,
-    output_dir: str,
-    cluster=None,
-    poll_s: float = 30.0,
-) -> dict:
-    """The component's logic (importable, testable): build, run and summarise one sweep.
+def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, poll_s: float = 30.0) -> dict:
+    """The sweep component's logic (importable, testable): build, run and summarise the plan's sweep.
 
     Returns ``{"experiment", "best_overrides", "metrics"}``; raises ``ExperimentFailed`` when
     the sweep fails or no trial reports the objective."""
@@ -180,45 +145,38 @@ def run_sweep_step(
     from pathlib import Path
 
     from llmft.katib.experiment import SweepSpec, apply_overrides
-    from llmft.trainer.errors import ConfigError
 
-    if backend not in SWEEP_BACKENDS:
-        raise ConfigError(f"sweep_backend={backend!r}: use one of {', '.join(SWEEP_BACKENDS)}")
-    spec = apply_overrides(SweepSpec(name=experiment_name(run_id)), sweep_overrides)
-    check_servable_ranks(spec, max_lora_rank)
-    fixed = trial_overrides or list(DEFAULT_TRIAL_OVERRIDES)
-    if mlflow_tracking_uri:  # the parameter wins over the Secret's key, as in the train step
-        os.environ["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
+    sweep, trainer = plan.sweep, plan.trainer
+    spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
+    fixed = list(sweep.trial_overrides)
+    if plan.registry.tracking_uri:  # the parameter wins over the Secret's key, as in the train step
+        os.environ["MLFLOW_TRACKING_URI"] = plan.registry.tracking_uri
     os.makedirs(output_dir, exist_ok=True)
-    if backend == "local":  # run_local_sweep opens the MLflow parent run itself
-        result = _run_local(
-            spec, tokenized_dir, model, method, fixed, f"{data_root}/sweeps/{spec.name}", mlflow_experiment
-        )
+    experiment = plan.registry.experiment
+    if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
+        result = _run_local(spec, tokenized_dir, trainer.model, trainer.method, fixed, sweep.workdir, experiment)
     else:
         from llmft.katib.tracking import ParentRun
 
-        with ParentRun(f"sweep-{spec.name}", mlflow_experiment, params={"algorithm": spec.algorithm}) as parent:
+        with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:
             result = _run_katib(
                 spec,
                 cluster,
-                timeout_s,
+                sweep.timeout_s,
                 poll_s,
                 Path(output_dir),
-                model=model,
+                job=plan.job,
+                model=trainer.model,
                 data=tokenized_dir,
-                pvc_name=pvc_name,
-                num_workers=num_workers,
-                gpus_per_worker=gpus_per_worker,
-                method=method,
+                method=trainer.method,
                 fixed_overrides=fixed,
-                data_root=data_root,
                 mlflow_parent_run_id=parent.run_id or "",
-                mlflow_experiment=parent.experiment if parent.run_id else mlflow_experiment,
-                mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_experiment=parent.experiment if parent.run_id else experiment,
             )
             _log_parent_result(parent, result)
     Path(output_dir, "best.txt").write_text("\n".join(result["best_overrides"]) + "\n")
     print("best hyperparameters:\n  " + "\n  ".join(result["best_overrides"]), flush=True)
+    warn_shadowed(trainer.user_overrides, result["best_overrides"])
     return result
 
 

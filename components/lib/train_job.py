@@ -1,8 +1,9 @@
 """The `kubeflow` training backend as the train step uses it, and reading a finished run.
 
-:func:`run_on_cluster` turns the trainer overrides into a :class:`TrainJobSpec` (the data
-PVC at the same mount path as the pipeline's pods, GPU node placement, credentials from
-Secrets), then runs it with :func:`llmft.components.lib.pytorchjob.run_pytorchjob`.
+:func:`build_train_job_spec` turns the plan's :class:`~llmft.components.lib.plan.JobPlan` and the
+trainer overrides into a :class:`TrainJobSpec` (the image, resources, node selector and Secrets
+the plan names; the data PVC at the plan's mount path); :func:`run_on_cluster` runs it with
+:func:`llmft.components.lib.pytorchjob.run_pytorchjob`. Katib trials are built by the same function.
 
 Retries are safe: the job name derives from the pipeline run id, so a retried task finds
 the job its previous attempt created. A Succeeded job is not run again; any other is
@@ -19,11 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.params import DATA_MOUNT
-
-GPU_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
-"""Node label that NVIDIA's GPU feature discovery puts on GPU nodes."""
-
 
 def job_name(run_id: str) -> str:
     """A DNS-1035 PyTorchJob name, stable for a pipeline run (so retries find it)."""
@@ -33,68 +29,45 @@ def job_name(run_id: str) -> str:
 
 
 def overrides_mapping(overrides: list[str]) -> dict[str, str]:
-    """``["lora.r=16", ...]`` -> ``{"lora.r": "16", ...}`` (the form TrainJobSpec takes)."""
+    """``["lora.r=16", ...]`` -> ``{"lora.r": "16", ...}`` (the form TrainJobSpec takes; a later key wins)."""
     return dict(item.split("=", 1) for item in overrides)
 
 
-def build_train_job_spec(
-    overrides: list[str],
-    *,
-    run_id: str,
-    num_workers: int,
-    gpus_per_worker: int,
-    pvc_name: str,
-    mlflow_tracking_uri: str = "",
-    namespace: str | None = None,
-):
-    """The PyTorchJob spec of one pipeline run's training."""
-    from llmft.components.lib.pytorchjob import DEFAULT_SECRET_ENVS, PvcMount, TrainJobSpec
+def build_train_job_spec(job, overrides: list[str], *, name: str | None = None, namespace: str | None = None):
+    """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer with ``overrides``.
 
-    env = {"HF_HOME": f"{DATA_MOUNT}/hf-cache"}
-    secret_envs = DEFAULT_SECRET_ENVS
-    if mlflow_tracking_uri:  # the parameter wins over the Secret's key
-        env["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
-        secret_envs = tuple(s for s in secret_envs if s.env_name != "MLFLOW_TRACKING_URI")
+    Every Secret key the plan names is a required reference (no ``optional``): a missing one is
+    named by the plan step's preflight, not discovered by a pod stuck in CreateContainerConfigError."""
+    from llmft.components.lib.pytorchjob import PvcMount, SecretEnv, TrainJobSpec
+
+    secret_envs = tuple(SecretEnv(key, s.name, key, optional=False) for s in job.secrets for key in s.keys)
     return TrainJobSpec(
-        name=job_name(run_id),
+        name=name or job.name,
         namespace=namespace or None,
+        image=job.image,
         overrides=overrides_mapping(overrides),
-        num_nodes=num_workers,
-        gpus_per_node=gpus_per_worker,
-        pvcs=(PvcMount(pvc_name, DATA_MOUNT),),
+        num_nodes=job.num_workers,
+        gpus_per_node=job.gpus_per_worker,
+        cpu=job.resources.cpu,
+        cpu_limit=job.resources.cpu,
+        memory=job.resources.memory,
+        pvcs=(PvcMount(job.pvc_name, job.mount_path),),
         secret_envs=secret_envs,
-        env=env,
-        node_selector=GPU_NODE_SELECTOR if gpus_per_worker else {},
-        labels={"pipelines.kubeflow.org/run-id": re.sub(r"[^A-Za-z0-9_.-]", "", run_id)[:63]},
+        env=dict(job.env),
+        node_selector=dict(job.node_selector),
+        labels=dict(job.labels),
     )
 
 
-def run_on_cluster(
-    overrides: list[str],
-    *,
-    run_id: str,
-    num_workers: int,
-    gpus_per_worker: int,
-    pvc_name: str,
-    timeout_s: float,
-    poll_s: float = 30.0,
-    mlflow_tracking_uri: str = "",
-    cluster=None,
-) -> dict:
-    """Submit (or re-attach to) the run's PyTorchJob and wait for it; raises on Failed."""
+def run_on_cluster(job, overrides: list[str], *, poll_s: float = 30.0, cluster=None) -> dict:
+    """Submit (or re-attach to) the run's PyTorchJob and wait up to ``job.timeout_s``; raises on Failed."""
     from llmft.components.lib.cluster import Cluster
     from llmft.components.lib.pytorchjob import build_pytorchjob, run_pytorchjob
 
     cluster = cluster or Cluster()
-    spec = build_train_job_spec(
-        overrides,
-        run_id=run_id,
-        num_workers=num_workers,
-        gpus_per_worker=gpus_per_worker,
-        pvc_name=pvc_name,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-    )
-    job = build_pytorchjob(spec)
+    timeout_s = float(job.timeout_s)
+    spec = build_train_job_spec(job, overrides)
+    pytorchjob = build_pytorchjob(spec)
     previous = _previous_job(cluster, spec.name)
     if previous is not None and _condition(previous, "Succeeded"):
         print(f"PyTorchJob {spec.name} already Succeeded (an earlier attempt of this task): not running it again")
@@ -105,7 +78,7 @@ def run_on_cluster(
             "newest complete checkpoint"
         )
         _delete_and_wait(cluster, spec.name, timeout_s=min(timeout_s, 300.0), poll_s=min(poll_s, 5.0))
-    return run_pytorchjob(cluster, job, timeout_s=timeout_s, poll_s=poll_s)
+    return run_pytorchjob(cluster, pytorchjob, timeout_s=timeout_s, poll_s=poll_s)
 
 
 def _previous_job(cluster, name: str) -> dict | None:

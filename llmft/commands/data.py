@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+# The defaults live in the library (one place); the CLI only shows them. trainer/data/limits.py imports
+# nothing, so `llmft data --help` stays fast.
+from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 
 FORMAT_CHOICES = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 TRUNCATION_CHOICES = ("drop", "truncate", "error")
@@ -23,7 +26,7 @@ def _add_prepare(sub) -> None:
         "into canonical JSONL. Exit 1 when no row is valid or too many rows are rejected.",
     )
     p.add_argument("--input", required=True, help="hub dataset id, or a local file or folder")
-    p.add_argument("--output", required=True, help="directory to write (appears atomically)")
+    _add_output(p)
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="row format (default: detect per row)")
     p.add_argument("--split", default="train", help="split to load from a hub dataset (default: train)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of rows for val.jsonl (default 0.05)")
@@ -31,8 +34,15 @@ def _add_prepare(sub) -> None:
     p.add_argument(
         "--max-reject-fraction",
         type=float,
-        default=0.01,
-        help="fail when more than this share of rows is rejected (default 0.01)",
+        default=DEFAULT_MAX_REJECT_FRACTION,
+        help=f"fail when more than this share of rows is rejected (default {DEFAULT_MAX_REJECT_FRACTION})",
+    )
+    p.add_argument(
+        "--max-row-bytes",
+        type=int,
+        default=DEFAULT_MAX_ROW_BYTES,
+        help="reject a row larger than this: bytes of a JSONL line (measured while read, never held whole), "
+        f"characters of text for other formats (default {DEFAULT_MAX_ROW_BYTES:,} = 8 MiB)",
     )
     p.set_defaults(func=run_prepare)
 
@@ -47,7 +57,7 @@ def _add_tokenize(sub) -> None:
     )
     p.add_argument("--input", required=True, help="directory written by `llmft data prepare`")
     p.add_argument("--model", required=True, help="hub model id or local model directory (its tokenizer is used)")
-    p.add_argument("--output", required=True, help="directory to write the shards (appears atomically)")
+    _add_output(p)
     p.add_argument("--max-length", type=int, default=2048, help="tokens per (packed) sequence (default 2048)")
     p.add_argument(
         "--pack",
@@ -59,7 +69,15 @@ def _add_tokenize(sub) -> None:
         "--truncation",
         default="drop",
         choices=TRUNCATION_CHOICES,
-        help="documents longer than --max-length: drop (default), truncate, or error",
+        help="documents longer than --max-length: drop (default), truncate (a cut reply stays supervised "
+        "without its end-of-turn token), or error",
+    )
+    p.add_argument(
+        "--max-drop-fraction",
+        type=float,
+        default=DEFAULT_MAX_DROP_FRACTION,
+        help="fail (exit 1, with the reasons counted) when more than this share of rows is dropped: too long, "
+        f"no trainable token, template errors (default {DEFAULT_MAX_DROP_FRACTION})",
     )
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: CPU count, max 8)")
     p.add_argument(
@@ -70,28 +88,52 @@ def _add_tokenize(sub) -> None:
     p.set_defaults(func=run_tokenize)
 
 
-def _fail(exc: Exception) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return 1
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--output",
+        required=True,
+        help="directory to write (appears atomically); an existing one is replaced only when llmft wrote it",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --output even when it holds files llmft did not write (never the input itself)",
+    )
+
+
+def _stop_cleanly_on_sigterm() -> None:
+    """SIGTERM (a pod evicted or preempted) raises in the main thread like Ctrl-C does, so the
+    half-written temporary folder is removed and the command exits 143 (retried) with one line."""
+    import signal
+
+    from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError
+
+    class Terminated(LlmftError):
+        exit_code = EXIT_PREEMPTED
+
+    def stop(_signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+        raise Terminated("stopped by SIGTERM; nothing was written (the temporary folder was removed); re-run")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
     from llmft.trainer.data.prepare import prepare_dataset
     from llmft.trainer.data.summary import prepare_summary
-    from llmft.trainer.errors import LlmftError
 
-    try:
-        report = prepare_dataset(
-            args.input,
-            args.output,
-            format=args.format,
-            split=args.split,
-            val_fraction=args.val_fraction,
-            seed=args.seed,
-            max_reject_fraction=args.max_reject_fraction,
-        )
-    except LlmftError as exc:
-        return _fail(exc)
+    _stop_cleanly_on_sigterm()
+    report = prepare_dataset(
+        args.input,
+        args.output,
+        format=args.format,
+        split=args.split,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        max_reject_fraction=args.max_reject_fraction,
+        max_row_bytes=args.max_row_bytes,
+        force=args.force,
+    )
     print(prepare_summary(report, args.output))
     return 0
 
@@ -99,20 +141,19 @@ def run_prepare(args: argparse.Namespace) -> int:
 def run_tokenize(args: argparse.Namespace) -> int:
     from llmft.trainer.data.summary import tokenize_summary
     from llmft.trainer.data.tokenize import tokenize_dataset
-    from llmft.trainer.errors import LlmftError
 
-    try:
-        manifest = tokenize_dataset(
-            args.input,
-            args.model,
-            args.output,
-            max_length=args.max_length,
-            pack=args.pack,
-            truncation=args.truncation,
-            num_proc=args.num_proc,
-            chat_template=args.chat_template,
-        )
-    except LlmftError as exc:
-        return _fail(exc)
+    _stop_cleanly_on_sigterm()
+    manifest = tokenize_dataset(
+        args.input,
+        args.model,
+        args.output,
+        max_length=args.max_length,
+        pack=args.pack,
+        truncation=args.truncation,
+        num_proc=args.num_proc,
+        chat_template=args.chat_template,
+        max_drop_fraction=args.max_drop_fraction,
+        force=args.force,
+    )
     print(tokenize_summary(manifest, args.output))
     return 0

@@ -11,15 +11,29 @@ def register(parser: argparse.ArgumentParser) -> None:
         "tiny-model",
         help="build a tiny tokenizer + random-init Qwen2 model (HF format, safetensors) with no network",
     )
-    tiny.add_argument("--output", required=True, help="directory to write (replaced atomically)")
+    tiny.add_argument(
+        "--output",
+        required=True,
+        help="directory to write (appears atomically); an existing one is replaced only when llmft wrote it",
+    )
+    tiny.add_argument(
+        "--force", action="store_true", help="replace --output even when it holds files llmft did not write"
+    )
     tiny.add_argument("--seed", type=int, default=0, help="weight-init seed")
+    tiny.add_argument(
+        "--fp8",
+        action="store_true",
+        help="store the Linear weights in fine-grained FP8, as FP8 releases do (trainer/fp8.py)",
+    )
     tiny.set_defaults(func=run_tiny_model)
 
 
 def run_tiny_model(args: argparse.Namespace) -> int:
     from llmft.trainer.tiny_model import build_tiny_model
 
-    path = build_tiny_model(args.output, seed=args.seed)
+    if getattr(args, "fp8", False):
+        from llmft.trainer.fp8 import build_tiny_fp8_model as build_tiny_model
+    path = build_tiny_model(args.output, seed=args.seed, force=args.force)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)

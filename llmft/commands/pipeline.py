@@ -1,13 +1,17 @@
 """`llmft pipeline ...`: compile, run locally (kfp.local), submit, or schedule the KFP pipeline.
 
-Heavy imports (kfp, the pipeline module, mlflow) happen inside each command.
+Every command takes pipeline parameters as ``key=value`` (typed by the plan component's signature).
+``compile`` makes them the compiled pipeline's defaults; ``submit`` and ``schedule`` pass them as
+the run's arguments and compile with them too, so the parameters the pipeline's own tasks apply
+(hf_token_secret, mlflow_secret, gpu_node_selector) mount what the run names. Errors reach the
+CLI, which prints them as one line with their exit code. Heavy imports (kfp, the pipeline module,
+mlflow) happen inside each command.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +22,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
 
     compile_ = sub.add_parser("compile", help="compile the pipeline to a YAML file")
+    compile_.add_argument(
+        "arguments",
+        nargs="*",
+        metavar="key=value",
+        help="parameter defaults of the compiled pipeline (e.g. "
+        "mlflow_secret=llmft-mlflow); Secrets and gpu_node_selector are fixed here",
+    )
     compile_.add_argument("--output", required=True, help="YAML file to write")
     compile_.add_argument("--hpo", action="store_true", help="compile llm_finetune_hpo_pipeline (Katib sweep) instead")
     compile_.set_defaults(func=run_compile)
@@ -53,43 +64,31 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hpo", action="store_true", help="use llm_finetune_hpo_pipeline (Katib sweep)")
 
 
-def _pipeline(hpo: bool):
-    """The pipeline function; the HPO one is imported only when asked for."""
+def _pipeline(hpo: bool, defaults: dict | None = None):
+    """The pipeline (GraphComponent); with ``defaults``, built with them as parameter defaults."""
     from llmft.trainer.errors import ConfigError
 
-    if not hpo:
-        from llmft.pipelines.llm_finetune import llm_finetune_pipeline
-
-        return llm_finetune_pipeline
     try:
+        from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline
         from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
     except ImportError as exc:
-        raise ConfigError(f"--hpo: cannot import pipelines.llm_finetune_hpo ({exc})") from None
-    return llm_finetune_hpo_pipeline
+        raise ConfigError(f"cannot import the pipelines ({exc}); install the `pipeline` extra") from None
+    if defaults:
+        return build_pipeline(hpo=hpo, defaults=defaults)
+    return llm_finetune_hpo_pipeline if hpo else llm_finetune_pipeline
 
 
-def _guarded(func):
-    """Print a user error (LlmftError) as one line and exit 1, like the rest of the CLI."""
+def _arguments(args: argparse.Namespace) -> dict:
+    """The ``key=value`` arguments, typed by the pipeline's parameters."""
+    from llmft.pipelines.defaults import parse_arguments
 
-    def wrapper(args: argparse.Namespace) -> int:
-        from llmft.trainer.errors import LlmftError
-
-        try:
-            return func(args)
-        except LlmftError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-
-    wrapper.__name__ = func.__name__
-    wrapper.__doc__ = func.__doc__
-    return wrapper
+    return parse_arguments(args.arguments, _pipeline(args.hpo))
 
 
-@_guarded
 def run_compile(args: argparse.Namespace) -> int:
     from kfp import compiler
 
-    pipeline = _pipeline(args.hpo)
+    pipeline = _pipeline(args.hpo, _arguments(args))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(pipeline, package_path=args.output)
     print(f"compiled {pipeline.name} to {args.output}")
@@ -119,16 +118,23 @@ def validate_cron(expression: str) -> str:
 
 def _client(args: argparse.Namespace):
     import kfp
+    import urllib3
 
-    return kfp.Client(host=args.host, namespace=args.namespace or "kubeflow")
+    from llmft.trainer.errors import TransientError
+
+    try:
+        return kfp.Client(host=args.host, namespace=args.namespace or "kubeflow")
+    except urllib3.exceptions.HTTPError as exc:  # MaxRetryError: nothing answered the health check at --host
+        reason = getattr(exc, "reason", None) or exc
+        raise TransientError(
+            f"--host {args.host}: the KFP API did not answer ({type(reason).__name__}: {reason}). Check the URL "
+            "and that the KFP API is reachable from here (ingress, VPN or a kubectl port-forward)"
+        ) from None
 
 
-@_guarded
 def run_submit(args: argparse.Namespace) -> int:
-    from llmft.pipelines.defaults import parse_arguments
-
-    pipeline = _pipeline(args.hpo)
-    arguments = parse_arguments(args.arguments, pipeline)
+    arguments = _arguments(args)
+    pipeline = _pipeline(args.hpo, arguments)
     result = _client(args).create_run_from_pipeline_func(
         pipeline,
         arguments=arguments,
@@ -142,17 +148,14 @@ def run_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
 def run_schedule(args: argparse.Namespace) -> int:
     import tempfile
 
     from kfp import compiler
 
-    from llmft.pipelines.defaults import parse_arguments
-
     cron = validate_cron(args.cron)
-    pipeline = _pipeline(args.hpo)
-    arguments = parse_arguments(args.arguments, pipeline)
+    arguments = _arguments(args)
+    pipeline = _pipeline(args.hpo, arguments)
     client = _client(args)
     experiment = client.create_experiment(args.experiment, namespace=args.namespace)
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,16 +176,15 @@ def run_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
 def run_local(args: argparse.Namespace) -> int:
-    from llmft.pipelines.defaults import DEFAULT_WORK_DIR, parse_arguments
+    from llmft.pipelines.defaults import DEFAULT_WORK_DIR
     from llmft.pipelines.local_run import run_pipeline_locally
 
     pipeline = _pipeline(args.hpo)
     extra_defaults = {}
     if args.hpo:
         from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS as extra_defaults
-    overrides = parse_arguments(args.arguments, pipeline)
+    overrides = _arguments(args)
     started = time.perf_counter()
     outcome = run_pipeline_locally(
         overrides,

@@ -9,9 +9,14 @@
 - the sweep (katib.experiment.SweepSpec): name, namespace, algorithm, max_trials, parallel_trials,
   max_failed_trials, resume_policy, early_stopping, seed, ...; the search space as
   ``space.<param>.<field>=<value>`` (e.g. ``space.lora_r.values=8,16``, ``space.warmup_ratio=off``);
-- the trial job (create only): model, data (tokenized shards on the PVC), pvc_name, num_workers,
-  gpus_per_worker, method, image, data_root, mlflow_experiment;
+- the trial job (create only): ``data`` (tokenized shards on the PVC) and the pipeline parameters of
+  the training job (JOB_PARAMETERS: model, method, pvc_name, num_workers, gpus_per_worker, worker_cpu,
+  worker_memory, gpu_node_selector, trainer_image (or image), data_root, the Secrets, ...), built by the
+  plan's own ``job_plan`` from the pipeline's defaults;
 - fixed trainer settings of every trial: ``train.<key>=<value>`` (e.g. ``train.max_steps=300``).
+
+Errors (a SweepError is an LlmftError) reach the CLI, which prints one line and exits with the
+error's code (1; 200 for a wait that timed out).
 """
 
 from __future__ import annotations
@@ -20,27 +25,33 @@ import argparse
 import sys
 from pathlib import Path
 
-JOB_KEYS = {
-    "model": str,
-    "data": str,
-    "pvc_name": str,
-    "num_workers": int,
-    "gpus_per_worker": int,
-    "method": str,
-    "image": str,
-    "data_root": str,
-    "mlflow_experiment": str,
-}
-JOB_DEFAULTS = {
-    "model": "Qwen/Qwen2.5-7B-Instruct",
-    "pvc_name": "llmft-data",
-    "num_workers": 1,
-    "gpus_per_worker": 1,
-    "method": "lora",
-}
+JOB_PARAMETERS = (
+    "model",
+    "method",
+    "pvc_name",
+    "num_workers",
+    "gpus_per_worker",
+    "worker_cpu",
+    "worker_memory",
+    "gpu_node_selector",
+    "trainer_image",
+    "data_root",
+    "mlflow_experiment",
+    "mlflow_tracking_uri",
+    "hf_token_secret",
+    "mlflow_secret",
+    "langfuse_secret",
+)
+"""Pipeline parameters `llmft sweep create` accepts for the trial job (defaults: the pipeline's)."""
+ALIASES = {"image": "trainer_image"}
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "katib" / "experiment_template.yaml"
 # The settings katib/experiment_template.yaml was rendered from (a test keeps the two equal).
-TEMPLATE_ARGS = ("data=/data/tokenized/CACHE_KEY",)
+TEMPLATE_ARGS = (
+    "data=/data/tokenized/CACHE_KEY",
+    "hf_token_secret=llmft-hf-token",
+    "mlflow_secret=llmft-mlflow",
+    "langfuse_secret=llmft-langfuse",
+)
 LOCAL_TRIAL_DEFAULTS = (
     "max_steps=8",
     "eval_every=4",
@@ -109,11 +120,6 @@ def make_cluster(args: argparse.Namespace):
     )
 
 
-def _fail(exc: Exception) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return 1
-
-
 # --- create -------------------------------------------------------------------------------------
 
 
@@ -126,16 +132,36 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
         key, sep, value = item.partition("=")
         if not sep:
             raise SweepError(f"{item!r}: expected key=value")
+        key = ALIASES.get(key, key)
         if key.startswith("train."):
             train.append(f"{key[6:]}={value}")
-        elif key in JOB_KEYS:
-            try:
-                job[key] = JOB_KEYS[key](value)
-            except ValueError:
-                raise SweepError(f"{key}={value}: expected {JOB_KEYS[key].__name__}") from None
+        elif key == "data" or key in JOB_PARAMETERS:
+            job[key] = value
         else:
             sweep.append(item)
     return sweep, job, train
+
+
+def trial_job(settings: dict, name: str):
+    """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
+    the plan's own job builder (so a trial gets what the pipeline's trials get)."""
+    from llmft.components.lib.plan import DataLayout, Images, Parameters, job_plan
+    from llmft.components.lib.plan_checks import SECRET_PARAMETERS, check_image, parse_secret
+    from llmft.components.plan import parameter_defaults
+    from llmft.katib.errors import SweepError
+
+    defaults = parameter_defaults()
+    values = dict(defaults)
+    for key, raw in settings.items():
+        kind = type(defaults[key])
+        try:
+            values[key] = kind(raw)
+        except ValueError:
+            raise SweepError(f"{key}={raw}: expected {kind.__name__}") from None
+    p = Parameters(values)
+    images = Images(trainer=check_image(p.trainer_image), serving_runtime=p.serving_runtime)
+    secrets = {kind: parse_secret(kind, getattr(p, param)) for kind, param in SECRET_PARAMETERS.items()}
+    return job_plan(p, DataLayout(p.data_root), name, images, secrets), p
 
 
 def build_from_settings(items: list[str]):
@@ -147,8 +173,16 @@ def build_from_settings(items: list[str]):
     spec = apply_overrides(SweepSpec(), sweep_items)
     fixed = dict(o.split("=", 1) for o in DEFAULT_TRIAL_OVERRIDES)
     fixed.update(o.split("=", 1) for o in train)
+    data = job.pop("data", "")
+    plan_job, p = trial_job(job, spec.name)
     return build_sweep_experiment(
-        spec, **{**JOB_DEFAULTS, "data": "", **job}, fixed_overrides=[f"{k}={v}" for k, v in fixed.items()]
+        spec,
+        job=plan_job,
+        model=p.model,
+        method=p.method,
+        data=data,
+        fixed_overrides=[f"{k}={v}" for k, v in fixed.items()],
+        mlflow_experiment=job.get("mlflow_experiment", ""),
     )
 
 
@@ -156,18 +190,14 @@ def run_create(args: argparse.Namespace) -> int:
     from llmft.katib.errors import SweepError
     from llmft.katib.experiment import experiment_dict, load_yaml, to_yaml
     from llmft.katib.webhook_rules import check_experiment
-    from llmft.trainer.errors import LlmftError
 
-    try:
-        if args.from_yaml:
-            if args.settings:
-                raise SweepError("--from-yaml submits the file as it is; edit the file instead of passing key=value")
-            body = load_yaml(args.from_yaml)
-        else:
-            body = experiment_dict(build_from_settings(args.settings))
-        check_experiment(body)
-    except (SweepError, LlmftError) as exc:
-        return _fail(exc)
+    if args.from_yaml:
+        if args.settings:
+            raise SweepError("--from-yaml submits the file as it is; edit the file instead of passing key=value")
+        body = load_yaml(args.from_yaml)
+    else:
+        body = experiment_dict(build_from_settings(args.settings))
+    check_experiment(body)
     text = to_yaml(body, header="Katib Experiment built by `llmft sweep create`; apply with kubectl apply -f")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -186,25 +216,20 @@ def run_create(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace, body: dict) -> int:
     from llmft.katib import status as katib_status
-    from llmft.katib.errors import SweepError
-    from llmft.trainer.errors import LlmftError
 
     cluster = make_cluster(args)
     namespace = args.namespace or body["metadata"].get("namespace") or cluster.namespace
     name = body["metadata"]["name"]
-    try:
-        katib_status.submit(cluster, body, namespace=namespace)
-        print(
-            f"created Experiment {namespace}/{name} (the namespace needs the label "
-            "katib.kubeflow.org/metrics-collector-injection=enabled for metrics to be collected)"
-        )
-        if not args.wait:
-            print(f"follow it with: llmft sweep status {name} --watch")
-            return 0
-        katib_status.wait(cluster, name, namespace, on_update=lambda s: print(s.summary(), flush=True))
-        return _print_best(cluster, name, namespace)
-    except (SweepError, LlmftError, TimeoutError) as exc:
-        return _fail(exc)
+    katib_status.submit(cluster, body, namespace=namespace)
+    print(
+        f"created Experiment {namespace}/{name} (the namespace needs the label "
+        "katib.kubeflow.org/metrics-collector-injection=enabled for metrics to be collected)"
+    )
+    if not args.wait:
+        print(f"follow it with: llmft sweep status {name} --watch")
+        return 0
+    katib_status.wait(cluster, name, namespace, on_update=lambda s: print(s.summary(), flush=True))
+    return _print_best(cluster, name, namespace)
 
 
 # --- status / best -----------------------------------------------------------------------------
@@ -212,37 +237,26 @@ def _submit(args: argparse.Namespace, body: dict) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from llmft.katib import status as katib_status
-    from llmft.katib.errors import SweepError
-    from llmft.trainer.errors import LlmftError
 
     cluster = make_cluster(args)
     namespace = args.namespace or cluster.namespace
-    try:
-        if args.watch:
-            state = katib_status.wait(
-                cluster,
-                args.name,
-                namespace,
-                poll_s=args.poll_seconds,
-                on_update=lambda s: print(s.summary() + "\n", flush=True),
-            )
-            return 0 if state.phase == "Succeeded" else 1
-        state = katib_status.get_state(cluster, args.name, namespace)
-    except (SweepError, LlmftError, TimeoutError) as exc:
-        return _fail(exc)
+    if args.watch:
+        state = katib_status.wait(
+            cluster,
+            args.name,
+            namespace,
+            poll_s=args.poll_seconds,
+            on_update=lambda s: print(s.summary() + "\n", flush=True),
+        )
+        return 0 if state.phase == "Succeeded" else 1
+    state = katib_status.get_state(cluster, args.name, namespace)
     print(state.summary())
     return 1 if state.phase == "Failed" else 0
 
 
 def run_best(args: argparse.Namespace) -> int:
-    from llmft.katib.errors import SweepError
-    from llmft.trainer.errors import LlmftError
-
     cluster = make_cluster(args)
-    try:
-        return _print_best(cluster, args.name, args.namespace or cluster.namespace)
-    except (SweepError, LlmftError) as exc:
-        return _fail(exc)
+    return _print_best(cluster, args.name, args.namespace or cluster.namespace)
 
 
 def _print_best(cluster, name: str, namespace: str) -> int:
@@ -261,30 +275,26 @@ def run_local(args: argparse.Namespace) -> int:
     from llmft.katib.errors import SweepError
     from llmft.katib.experiment import SweepSpec, apply_overrides
     from llmft.katib.local_sweep import run_local_sweep
-    from llmft.trainer.errors import LlmftError
 
-    try:
-        sweep_items, job, train = split_settings(args.settings)
-        if job:
-            raise SweepError(f"{', '.join(job)}: cluster job settings do not apply to run-local; use --model/--data")
-        if args.algorithm:
-            sweep_items.append(f"algorithm={args.algorithm}")
-        spec = apply_overrides(SweepSpec(name="local-sweep"), sweep_items)
-        workdir = Path(args.workdir)
-        model, data = local_inputs(workdir, args.model, args.data)
-        fixed = dict(o.split("=", 1) for o in LOCAL_TRIAL_DEFAULTS)
-        fixed.update(o.split("=", 1) for o in train)
-        trainer_args = [f"model.name_or_path={model}", f"data={data}", *[f"{k}={v}" for k, v in fixed.items()]]
-        print(f"local sweep: {args.trials} trials, algorithm {spec.algorithm}, model {model}, data {data}")
-        result = run_local_sweep(
-            spec,
-            trials=args.trials,
-            trainer_args=trainer_args,
-            workdir=workdir / "trials",
-            timeout_s=args.timeout_seconds,
-        )
-    except (SweepError, LlmftError) as exc:
-        return _fail(exc)
+    sweep_items, job, train = split_settings(args.settings)
+    if job:
+        raise SweepError(f"{', '.join(job)}: cluster job settings do not apply to run-local; use --model/--data")
+    if args.algorithm:
+        sweep_items.append(f"algorithm={args.algorithm}")
+    spec = apply_overrides(SweepSpec(name="local-sweep"), sweep_items)
+    workdir = Path(args.workdir)
+    model, data = local_inputs(workdir, args.model, args.data)
+    fixed = dict(o.split("=", 1) for o in LOCAL_TRIAL_DEFAULTS)
+    fixed.update(o.split("=", 1) for o in train)
+    trainer_args = [f"model.name_or_path={model}", f"data={data}", *[f"{k}={v}" for k, v in fixed.items()]]
+    print(f"local sweep: {args.trials} trials, algorithm {spec.algorithm}, model {model}, data {data}")
+    result = run_local_sweep(
+        spec,
+        trials=args.trials,
+        trainer_args=trainer_args,
+        workdir=workdir / "trials",
+        timeout_s=args.timeout_seconds,
+    )
     print(result.table())
     print(f"trial folders and logs: {result.run_dir}")
     if result.parent_run_id:

@@ -1,23 +1,31 @@
 """`llmft train [--config FILE] [--nproc N] [key=value ...]`: run the trainer.
 
-One process runs in this interpreter. ``--nproc N`` (or ``auto``: one per GPU)
-launches N local ranks through torchrun: standalone on a workstation, or, inside
-a PyTorchJob pod, with the PET_NNODES / PET_NODE_RANK / PET_MASTER_ADDR /
-PET_MASTER_PORT rendezvous the Training Operator sets (torchrun reads them
-itself). SIGTERM is forwarded to torchrun and, when the ranks committed their
-checkpoint, this command exits 143 (torchrun alone would exit 1 on a signal,
-which the ExitCode restart policy treats as permanent).
+One process runs in this interpreter. ``--nproc N`` (or ``auto``: one per GPU) launches N local
+ranks through torchrun: standalone on a workstation, or, inside a PyTorchJob pod, with the
+PET_NNODES / PET_NODE_RANK / PET_MASTER_ADDR / PET_MASTER_PORT rendezvous the Training Operator
+sets (torchrun reads them itself). Before any rank starts, the config is validated and the run
+planned here (trainer/rundir.py, reading only): a bad config, dataset or output_dir is one line
+on stderr, not one per rank plus torchrun's report.
+
+Signals: SIGTERM (preemption) and SIGINT (Ctrl-C) are forwarded to torchrun, which passes them to
+the ranks; they commit a checkpoint and exit 143 / 130. torchrun runs in its own session, so a
+terminal's Ctrl-C reaches this process only and is forwarded once; a second Ctrl-C stops the
+ranks without a checkpoint. Exit code: a rank that failed otherwise (1 bad config or data, 3 a
+bug, 200 an I/O fault) wins; else 143 / 130 when this command was signalled; else torchrun's.
+(torchrun alone exits 1 on a signal, which the ExitCode restart policy treats as permanent.)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
-EXIT_PREEMPTED = 143
+STOP_CODES = (0, 130, 143)  # a rank that finished, or stopped by a signal after its checkpoint
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +41,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides, nested with dots: lora.r=16 optim.lr=1e-4"
+    )
+    parser.epilog = (
+        "Ctrl-C (SIGINT) finishes the step in flight, commits a checkpoint and exits 130; SIGTERM does the same and "
+        "exits 143 (retried; the run resumes). A second Ctrl-C stops at once without a checkpoint."
     )
     parser.set_defaults(func=run)
 
@@ -62,25 +74,68 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc not in ("auto", "gpu", "cpu") and not (args.nproc.isdigit() and int(args.nproc) >= 1):
         print(f"llmft train: --nproc must be a positive number, auto, gpu or cpu; got {args.nproc!r}", file=sys.stderr)
         return 2
+    preflight(args)
     return launch(torchrun_command(args.nproc, trainer_argv(args)))
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """Validate the config and plan the run before any rank starts (raises LlmftError)."""
+    from llmft.trainer.config import config_to_dict, load_config, validate
+    from llmft.trainer.rundir import plan_run
+
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg)
+    plan_run(cfg, config_to_dict(cfg))
+
+
 def launch(cmd: list[str]) -> int:
-    """Run torchrun; forward SIGTERM/SIGINT; map a preemption to exit 143."""
-    proc = subprocess.Popen(cmd)
-    got_signal: list[int] = []
+    """Run torchrun in its own session; forward SIGTERM/SIGINT; return :func:`launch_outcome`."""
+    from llmft.trainer.distributed import EXIT_DIR_ENV, read_rank_exits
 
-    def forward(signum, _frame):
-        got_signal.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    exit_dir = tempfile.mkdtemp(prefix="llmft-ranks-")
     try:
-        code = proc.wait()
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, EXIT_DIR_ENV: exit_dir}, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        got_signal: list[int] = []
+
+        def forward(signum, _frame):
+            got_signal.append(signum)
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return launch_outcome(code, read_rank_exits(exit_dir), got_signal)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if signal.SIGTERM in got_signal:
-        return EXIT_PREEMPTED
-    return code if code >= 0 else 128 - code
+        shutil.rmtree(exit_dir, ignore_errors=True)
+
+
+def launch_outcome(torchrun_code: int, rank_codes: dict[int, int], signals: list[int]) -> int:
+    """The exit code of `llmft train --nproc N`: a failed rank wins over a signal."""
+    failed = [code for _, code in sorted(rank_codes.items()) if code not in STOP_CODES]
+    if failed:
+        return failed[0]
+    if signals:
+        return 128 + signals[0]
+    if torchrun_code == 0:
+        return 0
+    stopped = [code for code in rank_codes.values() if code in (130, 143)]
+    if stopped:  # the ranks were signalled directly (torchrun reports that as a failure)
+        return max(stopped)
+    return torchrun_code if torchrun_code > 0 else 128 - torchrun_code
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when this launcher dies (it runs in its own session, so a kill of
+    the launcher's process group would not reach it). Linux only; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

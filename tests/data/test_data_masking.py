@@ -1,7 +1,8 @@
 """Assistant-only loss masking: decode the supervised tokens of multi-turn rows.
 
 Checked with the tiny ChatML tokenizer and with a real Qwen3 tokenizer, whose
-template renders an empty think block into the LAST assistant turn only.
+template renders an empty think block into the LAST assistant turn only. The
+property over random conversations and six real templates is in test_masking_property.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ import numpy as np
 import pytest
 from data_helpers import chat, write_jsonl
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split
-from llmft.trainer.data.templates import assistant_spans, end_of_turn_marker
+from llmft.trainer.data.templates import (
+    ReplyLocator,
+    TemplateMismatch,
+    batch_renderer,
+    end_of_turn_marker,
+    special_token_texts,
+)
 from llmft.trainer.data.tokenize import tokenize_dataset
 from transformers import AutoTokenizer
 
@@ -106,11 +113,70 @@ def test_qwen3_many_rows_match_apply_chat_template(tmp_path, qwen_tokenizer_dir,
         assert tok.decode(ids[labels != IGNORE_INDEX]) == "".join(answers)
 
 
-def test_answer_repeated_inside_the_question_is_found_at_its_own_turn():
-    text = "<|im_start|>user\nSay: Yes.<|im_end|>\n<|im_start|>assistant\nYes.<|im_end|>\n"
-    spans = assistant_spans(text, chat("Say: Yes.", "Yes.")["messages"], "<|im_end|>")
-    assert [text[a:b] for a, b in spans] == ["Yes.<|im_end|>"]
-    assert spans[0][0] == text.index("assistant\nYes.") + len("assistant\n")
+def _locator(tok, template: str) -> ReplyLocator:
+    return ReplyLocator(batch_renderer(tok, template), end_of_turn_marker(tok, template), special_token_texts(tok))
+
+
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("answer", ["Yes.", "a", "im", "assistant", "user", "<|im_end|>", "\n"])
+def test_answer_that_also_occurs_in_the_template_or_question_is_found_at_its_own_turn(tiny_model_dir, answer):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = chat(f"Say: {answer}", answer)["messages"]
+    text = tok.apply_chat_template(messages, chat_template=CHATML, tokenize=False)
+    [span] = _locator(tok, CHATML).locate(text, messages)
+    header = "<|im_start|>assistant\n"
+    assert span.start == text.index(header) + len(header)
+    assert text[span.start : span.stop] == answer + "<|im_end|>" and span.end == span.stop - len("<|im_end|>")
+
+
+@pytest.mark.parametrize(
+    ("template", "reply"),
+    [  # contents the template rewrites: the user's (layout of this row), every one (difference)
+        (
+            CHATML.replace("m['content'] }}", "m['content'] if m['role'] == 'assistant' else m['content'] | trim }}"),
+            " a ",
+        ),
+        (CHATML.replace("m['content'] }}", "m['content'] | trim }}"), "a"),
+    ],
+)
+def test_reply_is_located_when_the_template_rewrites_contents(tiny_model_dir, template, reply):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = chat("  a  ", " a ", " assistant ", " a ")["messages"]
+    text = tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+    spans = _locator(tok, template).locate(text, messages)
+    assert [text[s.start : s.stop] for s in spans] == [reply + "<|im_end|>"] * 2
+    assert [s.message for s in spans] == [1, 3]
+
+
+def test_reply_the_template_renders_as_nothing_is_rejected_by_name(tiny_model_dir):
+    """A template that skips empty messages (as GLM-4's first template does): no turn, no silent loss.
+    Runs the tokenize worker (``init_worker`` + ``encode_chunk``); the count and the example go to the
+    split's ``dropped`` / ``dropped_examples`` in manifest.json and the tokenize summary."""
+    import json
+
+    from llmft.trainer.data.encode import EncodePlan, encode_chunk, init_worker
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    skipping = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m['content'] %}").replace(
+        "{% endfor %}", "{% endif %}{% endfor %}"
+    )
+    init_worker(tok, EncodePlan(skipping, end_of_turn_marker(tok, skipping), 512, "drop"))
+    rows = [chat("Q1?", "A1.", "Q2?", ""), chat("Q?", "Fine.")]
+    result = encode_chunk(("train.jsonl", 7, "\n".join(json.dumps(r) for r in rows).encode()))
+    assert len(result.lengths) == 1 and dict(result.dropped) == {"empty_assistant_reply": 1}
+    [example] = result.examples
+    assert example["line"] == 7 and example["detail"].startswith("assistant turn 2 (message 3) maps to zero tokens")
+
+
+def test_template_that_renders_a_reply_twice_is_a_named_mismatch(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    twice = CHATML.replace("<|im_end|>\n{% endfor %}", "<|im_end|>\n{% endfor %}{{ messages[-1]['content'] }}")
+    messages = chat("Q?", "A.")["messages"]
+    text = tok.apply_chat_template(messages, chat_template=twice, tokenize=False)
+    with pytest.raises(TemplateMismatch, match="assistant message 1"):
+        _locator(tok, twice).locate(text, messages)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +184,8 @@ def test_answer_repeated_inside_the_question_is_found_at_its_own_turn():
     [
         ("{% for m in messages %}<|start|>{{ m['content'] }}<|eot_id|>{% endfor %}", "<|eot_id|>"),
         ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n\n{% endfor %}", ""),
+        ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n<|EOT|>\n{% endfor %}", "\n<|EOT|>"),
+        ("{% for m in messages %}[INST] {{ m['content'] }} </s>{% endfor %}", " </s>"),
     ],
 )
 def test_end_of_turn_marker_is_read_from_the_template(tiny_model_dir, template, marker):
@@ -125,29 +193,29 @@ def test_end_of_turn_marker_is_read_from_the_template(tiny_model_dir, template, 
     assert end_of_turn_marker(tok, template) == marker
 
 
-class _UncoveredEncoding:
-    """An encoding whose characters no token covers (forces the full-offsets fallback)."""
-
-    def __init__(self, real):
-        self.ids, self.offsets = real.ids, real.offsets
-
-    def char_to_token(self, _pos):
-        return None
-
-
 @pytest.mark.parametrize("which", ["tiny", "qwen"])
-def test_label_spans_follow_token_start_offsets(tiny_model_dir, qwen_tokenizer_dir, which):
-    from llmft.trainer.data.encode import _chat_labels
+def test_whole_text_path_supervises_every_token_overlapping_a_reply(tiny_model_dir, qwen_tokenizer_dir, which):
+    """The path for tokenizers that tokenize a piece differently on its own (checked against brute force)."""
+    from llmft.trainer.data.encode import _overlapping
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir if which == "tiny" else qwen_tokenizer_dir)
     text = tok.apply_chat_template(MULTI_TURN["messages"], tokenize=False) + " émoji 😀 tail  spaces"
-    encoding = tok.backend_tokenizer.encode(text, add_special_tokens=False)
-    starts = np.array([o[0] for o in encoding.offsets])
+    offsets = np.asarray(tok.backend_tokenizer.encode(text, add_special_tokens=False).offsets).reshape(-1, 2)
     rng = np.random.default_rng(0)
     for _ in range(200):
         begin, end = sorted(rng.integers(0, len(text) + 1, size=2).tolist())
-        expected = (starts >= begin) & (starts < end)
-        for enc in (encoding, _UncoveredEncoding(encoding)):
-            ids, labels = _chat_labels(enc, len(text), [(begin, end)])
-            assert np.array_equal(labels != IGNORE_INDEX, expected), (begin, end)
-            assert np.array_equal(labels[expected], ids[expected])
+        expected = [(a < end and b > begin) if a < b else begin <= a < end for a, b in offsets.tolist()]
+        assert _overlapping(offsets, begin, end).tolist() == expected, (begin, end)
+
+
+def test_pieces_probe_accepts_byte_level_tokenizers(tiny_model_dir, qwen_tokenizer_dir):
+    from llmft.trainer.data.encode import pieces_encode_alone
+
+    no_system = CHATML.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}",
+    )
+    for directory in (tiny_model_dir, qwen_tokenizer_dir):
+        tok = AutoTokenizer.from_pretrained(directory)
+        for template in (tok.chat_template, no_system):  # a template refusing a system message (Gemma) too
+            assert pieces_encode_alone(tok, _locator(tok, template))

@@ -12,6 +12,11 @@ from llmft.trainer.data.prepare import prepare_dataset
 
 GOOD = chat("What is two plus two?", "Four.")
 
+
+def _msgs(*roles: str) -> dict:
+    return {"messages": [{"role": role, "content": f"{role} {i}"} for i, role in enumerate(roles)]}
+
+
 # (raw line, reason, field) — each written between good rows
 BAD_ROWS = [
     ('{"messages": [{"role": "user", "content": "hi"}', "invalid_json", "<line>"),
@@ -55,6 +60,24 @@ BAD_ROWS = [
     (json.dumps({"conversations": []}), "empty_conversation", "conversations"),
     (json.dumps({"instruction": " ", "output": "x"}), "empty_prompt", "instruction"),
     (json.dumps({"text": ""}), "empty_text", "text"),
+    (json.dumps({"text": "x" * 5000}), "row_too_large", "<row>"),  # the test passes max_row_bytes=4096
+    (json.dumps(_msgs("user", "assistant", "system")), "misplaced_system", "messages[2].role"),
+    (json.dumps(_msgs("system", "user", "system", "assistant")), "misplaced_system", "messages[2].role"),
+    (json.dumps(_msgs("assistant", "user", "assistant")), "assistant_first", "messages[0].role"),
+    (json.dumps(_msgs("system", "assistant")), "assistant_first", "messages[1].role"),
+    (json.dumps(_msgs("user", "user", "assistant")), "roles_not_alternating", "messages[1].role"),
+    (json.dumps(_msgs("user", "assistant", "assistant")), "roles_not_alternating", "messages[2].role"),
+    (
+        json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "q"}]}),
+        "no_assistant_turn",
+        "conversations",
+    ),
+    (
+        json.dumps({"conversations": [{"from": "human", "value": "q"}] * 2 + [{"from": "gpt", "value": "a"}]}),
+        "roles_not_alternating",
+        "conversations[1].from",
+    ),
+    (json.dumps(_msgs("user", "assistant", "user")), "last_turn_not_assistant", "messages[2].role"),
 ]
 
 
@@ -66,13 +89,14 @@ def test_every_reason_is_reported_with_its_line(tmp_path):
         lines.append(raw)
         expected.append((len(lines), reason, field))
     src = write_jsonl(tmp_path / "bad.jsonl", lines)
-    report = prepare_dataset(str(src), tmp_path / "out", max_reject_fraction=1.0, val_fraction=0.0)
+    report = prepare_dataset(str(src), tmp_path / "out", max_reject_fraction=1.0, val_fraction=0.0, max_row_bytes=4096)
     rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
     assert [(r["line"], r["reason"], r["field"]) for r in rejects] == expected
     assert all(r["file"] == str(src) and r["fix"] == REJECT_FIXES[r["reason"]] and r["message"] for r in rejects)
     assert set(REJECT_FIXES) == {reason for _, reason, _ in BAD_ROWS}, "a reason is untested"
     assert report["accepted"] == len(BAD_ROWS) and report["rejected"] == len(BAD_ROWS)
     assert report["reject_reasons"]["unknown_role"] == 2 and report["reject_reasons"]["missing_field"] == 3
+    assert report["reject_reasons"]["roles_not_alternating"] == 3 and report["max_row_bytes"] == 4096
     assert rejects[0]["raw"].startswith('{"messages": [{"role": "user"')
 
 

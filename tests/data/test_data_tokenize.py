@@ -117,7 +117,7 @@ def test_worker_count_does_not_change_the_output(tmp_path, prepared_sample, tiny
 
 def test_cache_hit_rewrites_nothing_and_any_change_misses(tmp_path, tiny_model_dir, capsys):
     src = _prepared(tmp_path, [chat(f"Question {i}?", f"Answer {i}.") for i in range(40)])
-    out = tmp_path / "tok"
+    out = tmp_path / "shards"  # not tmp_path / "tok": _tokenizer_copy writes the model there, an input
     first = tokenize_dataset(src, str(tiny_model_dir), out, max_length=64, num_proc=1)
     assert cache_key_for(src, str(tiny_model_dir), max_length=64) == first["cache_key"]
     assert first["chat_template"] == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
@@ -159,7 +159,9 @@ def test_cache_hit_rewrites_nothing_and_any_change_misses(tmp_path, tiny_model_d
 def test_truncation_modes(tmp_path, tiny_model_dir):
     long_answer = " ".join(["the model trains the loss curve quickly."] * 30)
     src = _prepared(tmp_path, [chat("Q?", "Short."), chat("Q?", long_answer), chat("Q?", "Fine.")])
-    dropped = tokenize_dataset(src, str(tiny_model_dir), tmp_path / "drop", max_length=64, num_proc=1)
+    dropped = tokenize_dataset(
+        src, str(tiny_model_dir), tmp_path / "drop", max_length=64, num_proc=1, max_drop_fraction=0.5
+    )
     stats = dropped["splits"]["train"]
     assert stats["documents"] == 2 and stats["dropped"] == {"too_long": 1}
     assert stats["dropped_examples"][0]["line"] == 2 and stats["dropped_examples"][0]["file"] == "train.jsonl"
@@ -178,7 +180,13 @@ def test_row_without_trainable_token_is_reported_not_trained(tmp_path, tiny_mode
     long_question = " ".join(["what does the scheduler read before lunch?"] * 30)
     src = _prepared(tmp_path, [chat("Q?", "A."), chat(long_question, "Answer."), chat("Q2?", "A2.")])
     manifest = tokenize_dataset(
-        src, str(tiny_model_dir), tmp_path / "out", max_length=48, truncation="truncate", num_proc=1
+        src,
+        str(tiny_model_dir),
+        tmp_path / "out",
+        max_length=48,
+        truncation="truncate",
+        num_proc=1,
+        max_drop_fraction=0.5,
     )
     stats = manifest["splits"]["train"]
     assert stats["documents"] == 2 and stats["dropped"] == {"no_trainable_token": 1}
@@ -222,7 +230,7 @@ def test_template_errors_drop_only_the_failing_rows(tmp_path, tiny_model_dir):
     bare = _tokenizer_copy(tiny_model_dir, tmp_path)
     src = _prepared(tmp_path, [chat("Q?", "A."), chat("Q?", "A.", system="S"), chat("Q3?", "A3.")])
     manifest = tokenize_dataset(
-        src, bare, tmp_path / "out", max_length=64, num_proc=1, chat_template=str(template_file)
+        src, bare, tmp_path / "out", max_length=64, num_proc=1, chat_template=str(template_file), max_drop_fraction=0.5
     )
     stats = manifest["splits"]["train"]
     assert stats["documents"] == 2 and stats["dropped"] == {"template_error": 1}
@@ -258,14 +266,14 @@ def _die_in_worker(_task):
 
 
 def test_dead_worker_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, monkeypatch):
-    from concurrent.futures.process import BrokenProcessPool
-
     import llmft.trainer.data.tokenize as tokenize_module
+    from llmft.trainer.errors import EXIT_TRANSIENT, TransientError
 
     src = _prepared(tmp_path, [chat(f"Q{i}?", f"A{i}.") for i in range(20)])
     monkeypatch.setattr(tokenize_module, "encode_chunk", _die_in_worker)
-    with pytest.raises(BrokenProcessPool):
+    with pytest.raises(TransientError, match="worker process died") as failure:
         tokenize_dataset(src, str(tiny_model_dir), tmp_path / "out", max_length=64, num_proc=2)
+    assert failure.value.exit_code == EXIT_TRANSIENT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prep"], "partial output or temp dir left behind"
 
 

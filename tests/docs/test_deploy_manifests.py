@@ -221,10 +221,13 @@ def test_secret_templates_carry_the_keys_and_no_values(deploy_dir):
 
 @pytest.fixture(scope="module")
 def compiled_pipeline(tmp_path_factory) -> list[dict]:
+    """The HPO pipeline compiled with every Secret the templates hold (Secrets are mounted only when named)."""
     from llmft.pipelines.llm_finetune import compile_pipeline
 
     path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
-    compile_pipeline(str(path))
+    mlflow = "llmft-mlflow:MLFLOW_TRACKING_URI,MLFLOW_TRACKING_USERNAME,MLFLOW_TRACKING_PASSWORD"
+    secrets = {"hf_token_secret": "llmft-hf-token", "mlflow_secret": mlflow, "langfuse_secret": "llmft-langfuse"}
+    compile_pipeline(str(path), hpo=True, defaults=secrets)
     return list(yaml.safe_load_all(path.read_text()))
 
 

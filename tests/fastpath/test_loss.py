@@ -64,7 +64,10 @@ def test_bf16_close_to_fp32_reference():
     ref = _reference(hidden, weight, targets, "mean")
     new = fused_linear_cross_entropy(hidden.bfloat16(), weight.bfloat16(), targets, chunk_size=16)
     assert new.dtype == torch.float32
-    assert abs(new.item() - ref.item()) / ref.item() < 1e-2
+    # bf16 rounding of both factors moves a logit by at most eps_bf16·Σ|h·w| (2 x half an ulp each); the
+    # mean of log-sum-exp minus the target logit moves by at most twice the largest logit change
+    bound = 2 * torch.finfo(torch.bfloat16).eps * float((hidden.abs() @ weight.abs().T).max())
+    assert abs(new.item() - ref.item()) <= bound
 
 
 def test_shift_packed_labels_never_crosses_documents():

@@ -137,3 +137,60 @@ def test_local_generation_check_accepts_an_adapter_that_changes_the_model(tiny_m
 def test_local_generation_check_refuses_a_zero_adapter(tiny_model_dir, zero_adapter):
     with pytest.raises(AdapterHasNoEffectError, match="changes nothing.*largest logit difference"):
         local_generation_check(str(tiny_model_dir), str(zero_adapter), PROMPTS, max_new_tokens=4)
+
+
+# ----------------------------------------------------------------------------- mixture of experts (issue 20)
+
+
+def _save_moe_adapter(out_dir, **lora_kwargs):
+    """A real PEFT adapter on a tiny random Qwen3-MoE (transformers 5.x fused experts), as the trainer saves it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    get_peft_model(model, LoraConfig(r=8, lora_alpha=16, **lora_kwargs)).save_pretrained(out_dir)
+    return out_dir
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def test_moe_attention_lora_is_servable(tmp_path):
+    adapter = _save_moe_adapter(tmp_path / "attention", target_modules=ATTENTION)
+    assert check_vllm_servable(adapter) == []
+
+
+def test_moe_expert_lora_is_refused_unless_the_server_runs_the_mixed_format(tmp_path):
+    both = ["experts.gate_up_proj", "experts.down_proj"]
+    adapter = _save_moe_adapter(tmp_path / "experts", target_modules=ATTENTION, target_parameters=both)
+    keys = safetensors_keys(adapter / "adapter_model.safetensors")
+    assert any(".mlp.experts.base_layer.lora_A." in k for k in keys)  # PEFT's nested ParamWrapper layout
+    assert lora_module_names(keys) == {*ATTENTION, "experts"}
+    problems = check_vllm_servable(adapter)
+    assert len(problems) == 1 and "vLLM 0.24.0" in problems[0] and "is_3d_lora_weight" in problems[0], problems
+    with pytest.raises(AdapterNotServableError, match="fused MoE expert tensors"):
+        require_vllm_servable(adapter)
+    assert check_vllm_servable(adapter, moe_3d_lora_format=True) == []
+    one = _save_moe_adapter(tmp_path / "down", target_modules=ATTENTION, target_parameters=["experts.down_proj"])
+    assert any("without ['experts.gate_up_proj']" in p for p in check_vllm_servable(one, moe_3d_lora_format=True))
+
+
+def test_moe_router_lora_is_refused(tmp_path):
+    adapter = _save_moe_adapter(tmp_path / "router", target_modules=ATTENTION, target_parameters=["gate.weight"])
+    problems = check_vllm_servable(adapter, moe_3d_lora_format=True)
+    assert any("adapt the MoE router" in p for p in problems), problems
+    assert any("LoRA weights on modules ['gate']" in p for p in problems), problems

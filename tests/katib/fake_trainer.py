@@ -1,5 +1,5 @@
-"""A stand-in for `python -m llmft.trainer` used by the fast local-sweep tests (the real trainer is
-exercised in test_local_sweep_real.py). Run as ``fake_trainer.py -m llmft.trainer key=value ...``.
+"""A stand-in for `python -m llmft train` used by the fast local-sweep tests (the real trainer is
+exercised in test_local_sweep_real.py). Run as ``fake_trainer.py -m llmft train key=value ...``.
 
 eval_loss is a known function of the overrides, printed at three "evals" the way the trainer
 prints it; ``lora.r=64`` exits 1 (a crashing trial); FAKE_SILENT=1 prints no metric."""
@@ -12,9 +12,9 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    assert argv[:2] == ["-m", "llmft.trainer"], argv
-    overrides = dict(a.split("=", 1) for a in argv[2:])
-    print(f"args {' '.join(argv[2:])}")
+    assert argv[:3] == ["-m", "llmft", "train"], argv
+    overrides = dict(a.split("=", 1) for a in argv[3:])
+    print(f"args {' '.join(argv[3:])}")
     print(f"parent_run={os.environ.get('LLMFT_MLFLOW_PARENT_RUN_ID', '')}")
     if overrides.get("lora.r") == "64":
         print("RuntimeError: CUDA out of memory", file=sys.stderr)

@@ -7,17 +7,30 @@ import copy
 import json
 
 from kubernetes.client.rest import ApiException
-from llmft.katib.experiment import SweepSpec, apply_overrides, experiment_dict
+from llmft.katib.experiment import experiment_dict
 
 JOB = {"model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY", "pvc_name": "llmft-data"}
 
 
 def build_body(*overrides: str, **job) -> dict:
-    """An Experiment dict built by the real composition (katib + components.lib.pytorchjob)."""
-    from llmft.components.lib.sweep import build_sweep_experiment
+    """An Experiment dict built by the real composition (katib + the plan's job + components.lib.pytorchjob),
+    the way `llmft sweep create` builds it."""
+    from llmft.commands.sweep import build_from_settings
 
-    spec = apply_overrides(SweepSpec(), list(overrides))
-    return experiment_dict(build_sweep_experiment(spec, **{**JOB, **job}))
+    settings = [*overrides, *(f"{k}={v}" for k, v in {**JOB, **job}.items())]
+    return experiment_dict(build_from_settings(settings))
+
+
+def sweep_plan(*, run_id: str = "run-0001", environ: dict | None = None, **changes):
+    """The HPO pipeline's plan with ``changes`` over its parameter defaults (the real plan builder)."""
+    from llmft.components.lib.plan import build_plan
+    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.plan import parameter_defaults
+
+    values = {**parameter_defaults(), **changes}
+    environ = {"MLFLOW_TRACKING_URI": "unused-by-the-plan"} if environ is None else environ
+    compiled = compiled_settings("llm-finetune-hpo", values)
+    return build_plan(values, run_id=run_id, compiled=compiled, environ=environ)
 
 
 def api_error(status: int, message: str) -> ApiException:

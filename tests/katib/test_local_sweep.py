@@ -22,7 +22,7 @@ FAKE = Path(__file__).with_name("fake_trainer.py")
 
 @pytest.fixture
 def fake_python(tmp_path) -> str:
-    """An executable that behaves like `python` for `-m llmft.trainer` (runs fake_trainer.py)."""
+    """An executable that behaves like `python` for `-m llmft train` (runs fake_trainer.py)."""
     script = tmp_path / "python"
     script.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)

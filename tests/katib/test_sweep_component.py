@@ -7,11 +7,12 @@ import shlex
 
 import pytest
 import yaml
-from katib_helpers import BEST, FakeKatibApi, katib_status
+from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan
 from kfp import dsl
 from llmft.components.images import KATIB_IMAGE
 from llmft.components.lib import sweep as sweep_lib
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.plan import write_plan
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.katib.errors import ExperimentFailed
 from llmft.pipelines.llm_finetune_hpo import TASK_ORDER, compile_pipeline
@@ -34,48 +35,35 @@ def test_hpo_pipeline_chains_the_sweep_between_tokenize_and_train(compiled):
     spec, platform = compiled
     tasks = spec["root"]["dag"]["tasks"]
     assert set(tasks) == set(TASK_ORDER)
-    assert _deps(tasks, "sweep-hyperparameters") == {"tokenize-dataset"}
+    assert _deps(tasks, "sweep-hyperparameters") == {"plan-run", "tokenize-dataset"}
     assert {"sweep-hyperparameters", "tokenize-dataset"} <= _deps(tasks, "train-model")
-    assert tasks["train-model"]["inputs"]["parameters"]["train_overrides"] == {
+    assert tasks["train-model"]["inputs"]["parameters"]["sweep_best"] == {
         "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "sweep-hyperparameters"}
     }
+    assert tasks["sweep-hyperparameters"]["inputs"]["artifacts"]["plan"]["taskOutputArtifact"]["producerTask"] == (
+        "plan-run"
+    )
     assert "train-model" in _deps(tasks, "evaluate-perplexity")
     executor = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-sweep-hyperparameters"]
     assert executor["pvcMount"][0]["mountPath"] == "/data"
-    secrets = {s["secretName"] for s in executor["secretAsEnv"]}
-    assert secrets == {"llmft-hf-token", "llmft-mlflow", "llmft-langfuse"}
+    assert "secretAsEnv" not in executor  # compiled without mlflow_secret: nothing mounted, nothing optional
     image = spec["deploymentSpec"]["executors"]["exec-sweep-hyperparameters"]["container"]["image"]
     assert image == KATIB_IMAGE
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert {"sweep_backend", "sweep_algorithm", "sweep_max_trials", "trial_overrides"} <= set(params)
-    assert not [p for p in params if any(w in p.lower() for w in ("token", "password", "secret", "key"))]
+    assert {"sweep_backend", "sweep_algorithm", "sweep_max_trials", "sweep_trial_overrides"} <= set(params)
+    names = ("hf_token_secret", "mlflow_secret", "langfuse_secret")  # Secret names, never credentials
+    assert not [p for p in params if p not in names and any(w in p.lower() for w in ("token", "password", "key"))]
 
 
-def _run_step(tmp_path, statuses, **kw):
+def _run_step(tmp_path, statuses, *, cluster=None, tokenized_dir="/data/tokenized/abc123", **changes):
     api = FakeKatibApi(statuses)
-    cluster = Cluster("team-a", custom_api=api, core_api=object())
-    args = dict(
-        tokenized_dir="/data/tokenized/abc123",
-        model="Qwen/Qwen2.5-7B-Instruct",
-        method="lora",
-        backend="katib",
-        sweep_overrides=["algorithm=random", "max_trials=6"],
-        trial_overrides=[],
-        max_lora_rank=64,
-        num_workers=2,
-        gpus_per_worker=8,
-        pvc_name="llmft-data",
-        data_root="/data",
-        run_id="run-0001",
-        mlflow_tracking_uri="",
-        mlflow_experiment="",
-        timeout_s=3600,
-        output_dir=str(tmp_path / "out"),
-        cluster=cluster,
-        poll_s=0.001,
+    cluster = cluster or Cluster("team-a", custom_api=api, core_api=object())
+    parameters = dict(sweep_algorithm="random", sweep_max_trials=6, num_workers=2, gpus_per_worker=8)
+    plan = sweep_plan(**{**parameters, **changes})
+    result = sweep_lib.run_sweep_step(
+        plan, tokenized_dir=tokenized_dir, output_dir=str(tmp_path / "out"), cluster=cluster, poll_s=0.001
     )
-    args.update(kw)
-    return sweep_lib.run_sweep_step(**args), api
+    return result, api
 
 
 def test_step_creates_waits_and_returns_the_best(tmp_path):
@@ -103,8 +91,10 @@ def test_step_creates_waits_and_returns_the_best(tmp_path):
         replicas["Worker"]["replicas"] == 1
         and created["spec"]["trialTemplate"]["trialSpec"]["spec"]["nprocPerNode"] == "8"
     )
-    args = replicas["Master"]["template"]["spec"]["containers"][0]["args"]
+    container = replicas["Master"]["template"]["spec"]["containers"][0]
+    args = container["args"]
     assert "data=/data/tokenized/abc123" in args and "max_steps=200" in args
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "8", "memory": "64Gi"}
     assert (tmp_path / "out" / "best.txt").read_text().split() == BEST_OVERRIDES
     assert yaml.safe_load((tmp_path / "out" / "experiment.yaml").read_text())["spec"] == created["spec"]
 
@@ -134,7 +124,7 @@ def test_ranks_vllm_would_refuse_are_rejected_before_any_trial(tmp_path):
         tmp_path,
         [katib_status("Succeeded", best=BEST)],
         max_lora_rank=32,
-        sweep_overrides=["space.lora_r.values=8,16,32"],
+        sweep_overrides="space.lora_r.values=8,16,32",
     )
     assert result["best_overrides"][1] == "lora.r=32"
 
@@ -146,36 +136,24 @@ def test_component_output_feeds_the_train_step(tmp_path, monkeypatch):
         "llmft.components.lib.cluster.Cluster",
         lambda namespace=None: Cluster("team-a", custom_api=api, core_api=object()),
     )
+    plan = sweep_plan(
+        run_id="r1",
+        sweep_max_trials=4,
+        sweep_parallel_trials=2,
+        sweep_max_failed_trials=1,
+        sweep_overrides="space.warmup_ratio=off",
+        sweep_trial_overrides="max_steps=100 eval_every=20",
+        train_overrides="save_every=50 lora.r=8",
+    )
+    plan_artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
+    write_plan(plan, plan_artifact.path)
     tokenized = dsl.Dataset(uri=str(tmp_path / "tok"), metadata={"path": "/data/tokenized/abc"})
     artifact, metrics = dsl.Artifact(uri=str(tmp_path / "sweep")), dsl.Metrics(uri=str(tmp_path / "m"))
-    output = sweep_hyperparameters.python_func(
-        tokenized=tokenized,
-        model="m",
-        method="lora",
-        sweep_backend="katib",
-        algorithm="tpe",
-        max_trials=4,
-        parallel_trials=2,
-        max_failed_trials=1,
-        sweep_overrides="space.warmup_ratio=off",
-        trial_overrides="max_steps=100 eval_every=20",
-        train_overrides="save_every=50 lora.r=8",
-        max_lora_rank=64,
-        num_workers=1,
-        gpus_per_worker=1,
-        pvc_name="llmft-data",
-        data_root="/data",
-        run_id="r1",
-        mlflow_tracking_uri="",
-        mlflow_experiment="",
-        timeout_s=60,
-        sweep=artifact,
-        metrics=metrics,
-    )
-    from llmft.components.lib.params import extra_override_list
-
-    items = extra_override_list(output)  # what the train step does with it
-    assert items[:2] == ["save_every=50", "lora.r=8"] and items[2:] == BEST_OVERRIDES[:4]  # the best come last
+    output = sweep_hyperparameters.python_func(plan=plan_artifact, tokenized=tokenized, sweep=artifact, metrics=metrics)
+    assert shlex.split(output) == BEST_OVERRIDES[:4]
+    # what the train step does with it: the plan's overrides (train_overrides last), data, then the best
+    command = plan.trainer.command_overrides("/data/tokenized/abc", shlex.split(output))
+    assert command.index("lora.r=8") < command.index("lora.r=32") and command[-4:] == BEST_OVERRIDES[:4]
     created = api.created[0][1]
     assert [p["name"] for p in created["spec"]["parameters"]] == [
         "learning_rate",
@@ -188,25 +166,22 @@ def test_component_output_feeds_the_train_step(tmp_path, monkeypatch):
     ][0]["args"]
     assert "max_steps=100" in args and "eval_every=20" in args
     assert artifact.metadata["best_overrides"] == " ".join(BEST_OVERRIDES[:4])
-    assert shlex.split(output) == items
 
 
-def test_final_overrides_warn_about_shadowed_values(capsys):
-    out = sweep_lib.final_train_overrides(
-        "schedule.warmup_steps=10 lora.r=8", ["lora.r=32", "schedule.warmup_ratio=0.05"]
-    )
-    assert shlex.split(out) == ["schedule.warmup_steps=10", "lora.r=8", "lora.r=32", "schedule.warmup_ratio=0.05"]
+def test_shadowed_user_values_are_warned_about(capsys):
+    sweep_lib.warn_shadowed(["schedule.warmup_steps=10", "lora.r=8"], ["lora.r=32", "schedule.warmup_ratio=0.05"])
     printed = capsys.readouterr().out
     assert "the sweep's lora.r=32 replaces it" in printed
     assert "schedule.warmup_steps=10, which takes precedence over the swept schedule.warmup_ratio=0.05" in printed
-    assert sweep_lib.final_train_overrides("", ["optim.lr=0.001"]) == "optim.lr=0.001"
+    sweep_lib.warn_shadowed([], ["optim.lr=0.001"])
+    assert capsys.readouterr().out == ""
 
 
 def test_trial_overrides_may_not_set_what_the_sweep_sets(tmp_path):
     from llmft.trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"trial overrides \['optim.lr=0.1'\]"):
-        _run_step(tmp_path, [{}], trial_overrides=["optim.lr=0.1"])
+        _run_step(tmp_path, [{}], sweep_trial_overrides="optim.lr=0.1")
     with pytest.raises(ConfigError, match="data= is required"):
         _run_step(tmp_path, [{}], tokenized_dir="")
 
@@ -230,7 +205,8 @@ def test_the_step_logic_imports_in_the_kfp_executor_runtime():
 
     code = (
         "import kfp.dsl as d; assert not hasattr(d, 'component'); "
-        "from components.lib.sweep import run_sweep_step; print('ok')"
+        "from llmft.components.lib.sweep import run_sweep_step; from llmft.components.lib.plan import read_plan; "
+        "print('ok')"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],

@@ -81,7 +81,7 @@ def test_schedule_creates_a_recurring_run_from_the_compiled_pipeline(fake_kfp):
     assert experiment[:2] == ("experiment", "llm-finetune")
     assert recurring["cron_expression"] == "0 30 2 * * *" and recurring["job_name"] == "nightly"
     assert recurring["experiment_id"] == "exp-1" and recurring["params"] == {"max_steps": 100}
-    assert len(recurring["package_tasks"]) == 7 and recurring["max_concurrency"] == 1
+    assert len(recurring["package_tasks"]) == 8 and recurring["max_concurrency"] == 1
 
 
 def test_five_field_cron_is_refused_with_the_six_field_fix(fake_kfp, capsys):
@@ -103,10 +103,21 @@ def test_unknown_parameter_is_a_clear_error(capsys):
     assert "unknown pipeline parameter `lora_rank`" in capsys.readouterr().err
 
 
-def test_compile_writes_the_pipeline(tmp_path):
+def test_compile_writes_the_pipeline_with_the_given_defaults(tmp_path):
     out = tmp_path / "sub" / "p.yaml"
-    assert main(["pipeline", "compile", "--output", str(out)]) == 0
-    assert next(yaml.safe_load_all(out.read_text()))["pipelineInfo"]["name"] == "llm-finetune"
+    assert main(["pipeline", "compile", "--output", str(out), "lora_r=32", "hf_token_secret=llmft-hf-token"]) == 0
+    spec, platform = yaml.safe_load_all(out.read_text())
+    assert spec["pipelineInfo"]["name"] == "llm-finetune"
+    assert spec["root"]["inputDefinitions"]["parameters"]["lora_r"]["defaultValue"] == 32
+    prepare = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-prepare-dataset"]
+    assert [s["secretName"] for s in prepare["secretAsEnv"]] == ["llmft-hf-token"]
+
+
+def test_submit_mounts_the_secrets_the_run_names(fake_kfp):
+    assert main(["pipeline", "submit", "--host", "http://kfp", "mlflow_secret=team-mlflow"]) == 0
+    ((_, pipeline, kwargs),) = fake_kfp[0].calls
+    assert kwargs["arguments"] == {"mlflow_secret": "team-mlflow"}
+    assert pipeline.component_spec.inputs["mlflow_secret"].default == "team-mlflow"  # compiled with it: mounted
 
 
 def test_summary_of_a_run_whose_version_is_not_champion():

@@ -1,24 +1,117 @@
-"""The compiled pipeline: seven tasks in order, and its Kubernetes platform section."""
+"""The compiled pipelines: tasks in order, the platform section (PVC, resources, Secrets, GPU
+placement), the frozen parameter lists, and images that reach the launched jobs."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import yaml
+from llmft.components.lib.plan_checks import TASK_SECRET_KINDS
 from llmft.pipelines.llm_finetune import GPU_STEPS, TASK_ORDER, TRAIN_RETRIES, TRAIN_TASK_TIMEOUT_S
 
-SECRET_LOOKING = re.compile(r"token|key|password|secret|credential", re.IGNORECASE)
+SECRET_LOOKING = re.compile(r"token|key|password|credential", re.IGNORECASE)
+SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret")
+"""Parameters that hold a Secret's name (never a credential)."""
+
+# The parameter lists, frozen: name -> (KFP type, default). Changing one is a user-facing change
+# (README, docs/cluster-guide.md); the images' defaults depend on LLMFT_* and are checked apart.
+FINETUNE_PARAMETERS = {
+    "model": ("STRING", "Qwen/Qwen2.5-7B-Instruct"),
+    "dataset": ("STRING", "tatsu-lab/alpaca"),
+    "dataset_format": ("STRING", "auto"),
+    "dataset_split": ("STRING", "train"),
+    "val_fraction": ("NUMBER_DOUBLE", 0.05),
+    "max_reject_fraction": ("NUMBER_DOUBLE", 0.01),
+    "max_length": ("NUMBER_INTEGER", 2048),
+    "packing": ("BOOLEAN", True),
+    "method": ("STRING", "lora"),
+    "lora_r": ("NUMBER_INTEGER", 16),
+    "lora_alpha": ("NUMBER_DOUBLE", 32.0),
+    "lora_dropout": ("NUMBER_DOUBLE", 0.05),
+    "lora_target_modules": ("STRING", "all-linear"),
+    "learning_rate": ("NUMBER_DOUBLE", 0.0002),
+    "epochs": ("NUMBER_DOUBLE", 1.0),
+    "max_steps": ("NUMBER_INTEGER", 0),
+    "seed": ("NUMBER_INTEGER", 42),
+    "train_overrides": ("STRING", ""),
+    "training_backend": ("STRING", "kubeflow"),
+    "num_workers": ("NUMBER_INTEGER", 1),
+    "gpus_per_worker": ("NUMBER_INTEGER", 1),
+    "worker_cpu": ("STRING", "8"),
+    "worker_memory": ("STRING", "64Gi"),
+    "gpu_node_selector": ("STRING", ""),
+    "job_timeout_s": ("NUMBER_INTEGER", 172800),
+    "trainer_image": ("STRING", None),
+    "pvc_name": ("STRING", "llmft-data"),
+    "data_root": ("STRING", "/data"),
+    "hf_token_secret": ("STRING", ""),
+    "mlflow_secret": ("STRING", ""),
+    "langfuse_secret": ("STRING", ""),
+    "step_cpu": ("STRING", "1"),
+    "step_memory": ("STRING", "2Gi"),
+    "data_cpu": ("STRING", "4"),
+    "data_memory": ("STRING", "16Gi"),
+    "eval_cpu": ("STRING", "8"),
+    "eval_memory": ("STRING", "64Gi"),
+    "mlflow_tracking_uri": ("STRING", ""),
+    "mlflow_experiment": ("STRING", "llm-finetune"),
+    "mlflow_model_name": ("STRING", "llm-adapter"),
+    "promote_margin": ("NUMBER_DOUBLE", 0.01),
+    "deploy": ("BOOLEAN", True),
+    "deploy_mode": ("STRING", "kserve"),
+    "serving_name": ("STRING", "llm-adapter"),
+    "serving_namespace": ("STRING", ""),
+    "serving_gpus": ("NUMBER_INTEGER", 1),
+    "serving_cpu": ("STRING", "4"),
+    "serving_memory": ("STRING", "32Gi"),
+    "serving_runtime": ("STRING", None),
+    "max_lora_rank": ("NUMBER_INTEGER", 64),
+    "deploy_timeout_s": ("NUMBER_INTEGER", 1800),
+}
+SWEEP_PARAMETERS = {
+    "sweep_backend": ("STRING", "katib"),
+    "sweep_algorithm": ("STRING", "tpe"),
+    "sweep_max_trials": ("NUMBER_INTEGER", 12),
+    "sweep_parallel_trials": ("NUMBER_INTEGER", 3),
+    "sweep_max_failed_trials": ("NUMBER_INTEGER", 3),
+    "sweep_overrides": ("STRING", ""),
+    "sweep_trial_overrides": ("STRING", ""),
+    "sweep_timeout_s": ("NUMBER_INTEGER", 259200),
+}
+
+
+def _compile(tmp_path_factory, *arguments: str, hpo: bool = False):
+    from llmft.cli import main
+
+    path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
+    assert main(["pipeline", "compile", "--output", str(path), *(["--hpo"] if hpo else []), *arguments]) == 0
+    text = path.read_text()
+    spec, platform = list(yaml.safe_load_all(text))
+    return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"], text
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    from llmft.cli import main
+    spec, executors, _ = _compile(tmp_path_factory)
+    return spec, executors
 
-    path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
-    assert main(["pipeline", "compile", "--output", str(path)]) == 0
-    spec, platform = list(yaml.safe_load_all(path.read_text()))
-    return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+@pytest.fixture(scope="module")
+def compiled_with_secrets(tmp_path_factory):
+    return _compile(
+        tmp_path_factory,
+        "hf_token_secret=llmft-hf-token",
+        "mlflow_secret=llmft-mlflow:MLFLOW_TRACKING_URI,MLFLOW_TRACKING_USERNAME,MLFLOW_TRACKING_PASSWORD",
+        "langfuse_secret=llmft-langfuse",
+        "gpu_node_selector=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
+        hpo=True,
+    )
 
 
 def _topological(tasks: dict) -> list[str]:
@@ -31,17 +124,23 @@ def _topological(tasks: dict) -> list[str]:
     return order
 
 
-def test_seven_tasks_run_in_order(compiled):
+def test_eight_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
     spec, _ = compiled
     tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == set(TASK_ORDER) and len(tasks) == 7
+    assert set(tasks) == set(TASK_ORDER) and len(tasks) == 8
     assert _topological(tasks) == list(TASK_ORDER)
     for before, after in zip(TASK_ORDER, TASK_ORDER[1:], strict=False):  # a chain: each waits for the previous
         assert before in tasks[after]["dependentTasks"], f"{after} does not wait for {before}"
+    for name in TASK_ORDER[1:]:
+        plan = tasks[name]["inputs"]["artifacts"]["plan"]["taskOutputArtifact"]
+        assert plan == {"outputArtifactKey": "plan", "producerTask": "plan-run"}, name
+        # nothing knob-like: the component takes the plan plus data artifacts (and KFP placeholders)
+        declared = spec["components"][tasks[name]["componentRef"]["name"]]["inputDefinitions"]
+        assert set(declared.get("parameters", {})) <= {"task_name", "sweep_best"}, name
 
 
-def test_every_step_mounts_the_pvc_from_the_parameter(compiled):
-    _, executors = compiled
+def test_every_task_mounts_the_pvc_and_has_cpu_and_memory_from_parameters(compiled):
+    spec, executors = compiled
     for task in TASK_ORDER:
         mounts = executors[f"exec-{task}"]["pvcMount"]
         assert mounts == [
@@ -51,36 +150,68 @@ def test_every_step_mounts_the_pvc_from_the_parameter(compiled):
                 "pvcNameParameter": {"componentInputParameter": "pvc_name"},
             }
         ], task
+        resources = spec["deploymentSpec"]["executors"][f"exec-{task}"]["container"]["resources"]
+        group = {"prepare-dataset": "data", "tokenize-dataset": "data", "evaluate-perplexity": "eval"}.get(task, "step")
+        cpu, memory = (f"{{{{$.inputs.parameters['pipelinechannel--{group}_{kind}']}}}}" for kind in ("cpu", "memory"))
+        assert (resources["resourceCpuRequest"], resources["resourceCpuLimit"]) == (cpu, cpu), task  # not BestEffort
+        assert (resources["resourceMemoryRequest"], resources["resourceMemoryLimit"]) == (memory, memory), task
 
 
-def _secret_envs(executor: dict) -> dict[str, tuple[str, bool]]:
-    found = {}
-    for entry in executor.get("secretAsEnv", []):
-        for pair in entry["keyToEnv"]:
-            found[pair["envVar"]] = (entry["secretName"], entry.get("optional", False))
-    return found
+def _secret_mounts(executor: dict) -> dict[str, set[str]]:
+    return {
+        entry["secretName"]: {pair["envVar"] for pair in entry["keyToEnv"]} for entry in executor.get("secretAsEnv", [])
+    }
 
 
-def test_credentials_come_from_secrets_as_env(compiled):
+def test_by_default_no_secret_is_mounted_and_nothing_is_optional(compiled):
     _, executors = compiled
-    train = _secret_envs(executors["exec-train-model"])
-    assert {"HF_TOKEN", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_PASSWORD", "LANGFUSE_SECRET_KEY"} <= set(train)
-    assert all(optional for _, optional in train.values())
-    assert "MLFLOW_TRACKING_PASSWORD" in _secret_envs(executors["exec-register-model"])
-    for task in ("prepare-dataset", "tokenize-dataset", "evaluate-perplexity", "deploy-adapter"):
-        assert "HF_TOKEN" in _secret_envs(executors[f"exec-{task}"]), task
-    assert "secretAsEnv" not in executors["exec-promote-best-checkpoint"]  # promote needs no credential
+    assert all("secretAsEnv" not in e for e in executors.values())
 
 
-def test_gpu_steps_are_placed_on_gpu_nodes(compiled):
+def test_named_secrets_are_mounted_exactly_where_needed_and_never_optional(compiled_with_secrets):
+    spec, executors, text = compiled_with_secrets
+    assert "optional: true" not in text  # KFP backends before 2.15 drop `optional` (kubeflow/pipelines#12216)
+    for entry in (e for executor in executors.values() for e in executor.get("secretAsEnv", [])):
+        assert entry.get("optional", False) is False
+    hf, mlflow = (
+        {"llmft-hf-token": {"HF_TOKEN"}},
+        {"llmft-mlflow": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}},
+    )
+    expected = {task: {} for task in (*TASK_ORDER, "sweep-hyperparameters")}
+    for task, kinds in TASK_SECRET_KINDS.items():
+        for kind in kinds:
+            expected[task].update(hf if kind == "hf" else mlflow)
+    assert {task: _secret_mounts(executors[f"exec-{task}"]) for task in expected} == expected
+    # langfuse only reaches the training pods, through the plan (not a KFP task)
+    assert "llmft-langfuse" not in text.split("platforms:")[1]
+
+
+def test_gpu_steps_get_a_gpu_and_the_compiled_node_selector(compiled, compiled_with_secrets):
     spec, executors = compiled
     for task in GPU_STEPS:
         platform = executors[f"exec-{task}"]
-        assert platform["nodeSelector"]["labels"] == {"nvidia.com/gpu.present": "true"}
+        assert "nodeSelector" not in platform  # default: the GPU request alone places the pod
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in platform["tolerations"]
         resources = spec["deploymentSpec"]["executors"][f"exec-{task}"]["container"]["resources"]
         assert resources["accelerator"]["resourceType"] == "nvidia.com/gpu"
-    assert "nodeSelector" not in executors["exec-prepare-dataset"]  # validation must not wait for a GPU
+    _, executors, _ = compiled_with_secrets
+    selector = executors["exec-evaluate-perplexity"]["nodeSelector"]["labels"]
+    assert selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert "nodeSelector" not in executors["exec-plan-run"]  # validation must not wait for a GPU
+
+
+def test_the_compiled_yaml_parses_into_the_kfp_protos(compiled_with_secrets):
+    """Both documents validate against KFP's own protos (strict: an unknown field is an error)."""
+    from google.protobuf import json_format
+    from kfp.kubernetes import kubernetes_executor_config_pb2
+    from kfp.pipeline_spec import pipeline_spec_pb2
+
+    _, executors, text = compiled_with_secrets
+    spec, platform = yaml.safe_load_all(text)
+    json_format.ParseDict(spec, pipeline_spec_pb2.PipelineSpec())
+    json_format.ParseDict(platform, pipeline_spec_pb2.PlatformSpec())
+    for executor in executors.values():
+        json_format.ParseDict(executor, kubernetes_executor_config_pb2.KubernetesExecutorConfig())
 
 
 def test_train_has_timeout_and_retries(compiled):
@@ -90,10 +221,36 @@ def test_train_has_timeout_and_retries(compiled):
     assert retry["maxRetryCount"] == TRAIN_RETRIES and retry["backoffDuration"] == "60s"
 
 
+def _parameters(spec: dict) -> dict[str, tuple[str, object]]:
+    out = {}
+    for name, definition in spec["root"]["inputDefinitions"]["parameters"].items():
+        default = definition.get("defaultValue")
+        if definition["parameterType"] == "NUMBER_INTEGER":
+            default = int(default)
+        out[name] = (definition["parameterType"], None if name in ("trainer_image", "serving_runtime") else default)
+    return out
+
+
+def test_the_parameter_lists_are_frozen_and_the_pipelines_agree(compiled, compiled_with_secrets):
+    spec, _ = compiled
+    hpo_spec, _, _ = compiled_with_secrets
+    assert _parameters(spec) == FINETUNE_PARAMETERS
+    hpo = _parameters(hpo_spec)
+    assert set(hpo) == set(FINETUNE_PARAMETERS) | set(SWEEP_PARAMETERS)
+    compiled_here = {"hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector"}  # set when compiling
+    assert {n: v for n, v in hpo.items() if n not in compiled_here} == {
+        **{n: v for n, v in FINETUNE_PARAMETERS.items() if n not in compiled_here},
+        **SWEEP_PARAMETERS,
+    }
+    for name, definition in hpo_spec["root"]["inputDefinitions"]["parameters"].items():
+        assert len(definition.get("description", "")) > 10, f"{name} has no description for the KFP UI"
+    assert "LoRA rank" in spec["root"]["inputDefinitions"]["parameters"]["lora_r"]["description"]
+
+
 def test_no_parameter_is_or_holds_a_secret(compiled):
     spec, _ = compiled
     parameters = spec["root"]["inputDefinitions"]["parameters"]
-    assert not [name for name in parameters if SECRET_LOOKING.search(name)]
+    assert not [name for name in parameters if SECRET_LOOKING.search(name) and name not in SECRET_NAME_PARAMETERS]
     for name, definition in parameters.items():
         default = str(definition.get("defaultValue", ""))
         assert not re.search(r"hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9]{10,}", default), name
@@ -109,9 +266,66 @@ def test_components_pin_images_and_install_nothing_at_start(compiled):
         assert "pip install" not in " ".join(container["command"]), name
 
 
-def test_run_id_placeholder_reaches_the_steps_that_need_a_stable_location(compiled):
+def test_run_id_placeholder_reaches_the_plan(compiled):
     spec, _ = compiled
     tasks = spec["root"]["dag"]["tasks"]
-    for task in ("prepare-dataset", "train-model", "promote-best-checkpoint", "register-model"):
-        run_id = tasks[task]["inputs"]["parameters"]["run_id"]
-        assert run_id == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}, task
+    assert tasks["plan-run"]["inputs"]["parameters"]["run_id"] == {
+        "runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}
+    }
+
+
+BUILD_FROM_COMPILED = textwrap.dedent(
+    """
+    import json, os, sys, yaml
+    assert not [k for k in os.environ if k.startswith("LLMFT_")], "the launcher pod has no LLMFT_* variable"
+    from llmft.components.lib.deployment import DeployRequest, serve_spec
+    from llmft.components.lib.plan import build_plan
+    from llmft.components.lib.pytorchjob import build_pytorchjob, pytorchjob_to_dict
+    from llmft.components.lib.serving import build_inference_service, isvc_to_dict
+    from llmft.components.lib.sweep import sweep_trial_job
+    from llmft.components.lib.train_job import build_train_job_spec
+    from llmft.katib.experiment import SweepSpec, apply_overrides
+
+    spec = next(yaml.safe_load_all(open(sys.argv[1])))
+    values = {n: d.get("defaultValue") for n, d in spec["root"]["inputDefinitions"]["parameters"].items()}
+    values = {n: int(v) if d["parameterType"] == "NUMBER_INTEGER" else v
+              for (n, v), d in zip(values.items(), spec["root"]["inputDefinitions"]["parameters"].values())}
+    values["mlflow_tracking_uri"] = "http://mlflow:5000"
+    compiled = spec["root"]["dag"]["tasks"]["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
+    plan = build_plan(values, run_id="run-1", compiled=compiled, environ={"KFP_POD_NAME": "p"})
+    job = pytorchjob_to_dict(build_pytorchjob(build_train_job_spec(plan.job, plan.trainer.command_overrides("/d"))))
+    sweep = apply_overrides(SweepSpec(name=plan.sweep.experiment), list(plan.sweep.settings))
+    trial = sweep_trial_job(sweep, job=plan.job, model=plan.trainer.model, data="/data/tokenized/k")
+    request = DeployRequest(adapter_dir="/data/models/m/run-1", base_model="org/m", adapter_name="m", version="1",
+        deploy=True, mode="kserve", name="m", namespace="", gpus=1, max_lora_rank=64, pvc_name="llmft-data",
+        data_root="/data", runtime=plan.serving.runtime)
+    isvc = isvc_to_dict(build_inference_service(serve_spec(request)))
+    container = lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    print(json.dumps({"job": container(job)["image"], "trial": container(trial)["image"],
+                      "runtime": isvc["spec"]["predictor"]["model"]["runtime"]}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_compiled_images_reach_the_job_the_trials_and_the_inference_service(tmp_path):
+    """Compile with LLMFT_* set; build the jobs where no LLMFT_* variable exists (the launcher pod)."""
+    image = "registry.example.com/ml/llmft-trainer:9.9.9"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMFT_")}
+    compile_env = {**clean, "LLMFT_TRAINER_IMAGE": image, "LLMFT_SERVING_RUNTIME": "my-vllm-runtime"}
+    package = tmp_path / "hpo.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "llmft", "pipeline", "compile", "--hpo", "--output", str(package)],
+        env=compile_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    script = tmp_path / "build.py"
+    script.write_text(BUILD_FROM_COMPILED)
+    built = subprocess.run(
+        [sys.executable, str(script), str(package)], env=clean, capture_output=True, text=True, timeout=300
+    )
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout) == {"job": image, "trial": image, "runtime": "my-vllm-runtime"}

@@ -14,8 +14,11 @@ from llmft.trainer.io import is_complete
 def test_every_task_ran_and_left_its_artifacts(local_run):
     tasks = {p.name for p in local_run.run_dir.iterdir() if p.is_dir()}
     assert set(TASK_ORDER) <= tasks
-    for key in ("data", "tokens", "training", "evaluation", "promotion", "registration", "deployment"):
+    for key in ("plan", "data", "tokens", "training", "evaluation", "promotion", "registration", "deployment"):
         assert key in local_run.facts, key
+    plan = local_run.facts["plan"]
+    assert plan["on_cluster"] is False and plan["job"]["backend"] == "local"
+    assert f"lora.r={local_run.arguments['lora_r']}" in plan["trainer"]["overrides"]
 
 
 def test_data_steps_report_rejects_and_shards(local_run):
@@ -65,6 +68,7 @@ def test_summary_fits_one_screen_and_names_every_fact(local_run):
     assert len(text.splitlines()) <= 24
     assert all(len(line) <= 100 for line in text.splitlines() if "/" not in line)  # paths may be long
     for needle in (
+        "plan        run ",
         "500 rows accepted, 3 rejected",
         "perplexity  base",
         "promoted    step-",
@@ -86,3 +90,12 @@ def test_bad_data_fails_in_the_prepare_step(tmp_path, tiny_model_dir):
     assert any("rows rejected" in line for line in outcome.failure_tail), outcome.failure_tail
     assert not (outcome.run_dir / "tokenize-dataset").exists()  # nothing after prepare ran
     assert "FAILED" in outcome.render(1.0) and "prepare-dataset" in outcome.render(1.0)
+
+
+def test_a_bad_parameter_fails_in_the_plan_step_before_any_data_is_read(tmp_path, tiny_model_dir):
+    from llmft.pipelines.local_run import run_pipeline_locally
+
+    outcome = run_pipeline_locally({"model": str(tiny_model_dir), "lora_r": 64}, work_dir=tmp_path / "work")
+    assert not outcome.succeeded and outcome.failed_task == "plan-run"
+    assert any("exceeds `max_lora_rank`=8" in line for line in outcome.failure_tail), outcome.failure_tail
+    assert not (outcome.run_dir / "prepare-dataset").exists()

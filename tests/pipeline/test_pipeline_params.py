@@ -1,103 +1,33 @@
-"""Fail-fast validation of pipeline parameters, trainer overrides, the data layout, and
+"""The pipelines' parameter list (derived from the plan component), the data layout, and
 `key=value` parsing of the CLI."""
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 
 import pytest
-from llmft.components.lib.params import (
-    DataLayout,
-    PipelineChecks,
-    TrainingParams,
-    trainer_overrides,
-    validate_pipeline_inputs,
-)
-from llmft.pipelines.defaults import LOCAL_DEFAULTS, parse_arguments
-from llmft.trainer.config import load_config
+from llmft.components.lib.plan import DataLayout
+from llmft.components.plan import INTERNAL_INPUTS, plan_run
+from llmft.pipelines.defaults import LOCAL_DEFAULTS, parse_arguments, pipeline_inputs
+from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline, pipeline_signature
+from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS, llm_finetune_hpo_pipeline
 from llmft.trainer.errors import ConfigError
 
-CHECKS = PipelineChecks(
-    training_backend="kubeflow",
-    num_workers=2,
-    gpus_per_worker=8,
-    max_length=2048,
-    val_fraction=0.05,
-    max_reject_fraction=0.01,
-    promote_margin=0.01,
-    pvc_name="llmft-data",
-    mlflow_model_name="m",
-    deploy=True,
-    deploy_mode="kserve",
-    serving_name="llm-adapter",
-    max_lora_rank=64,
-)
-TRAINING = TrainingParams(model="Qwen/Qwen2.5-7B-Instruct")
+
+def test_the_pipelines_take_exactly_the_plan_components_parameters():
+    plan_inputs = [n for n in inspect.signature(plan_run.python_func).parameters if n not in INTERNAL_INPUTS]
+    assert list(pipeline_inputs(llm_finetune_hpo_pipeline)) == plan_inputs
+    assert list(pipeline_inputs(llm_finetune_pipeline)) == [n for n in plan_inputs if not n.startswith("sweep_")]
+    for name, spec in pipeline_inputs(llm_finetune_pipeline).items():
+        assert spec.type == llm_finetune_hpo_pipeline.component_spec.inputs[name].type, name
 
 
-def test_valid_inputs_pass():
-    assert validate_pipeline_inputs(CHECKS, TRAINING) == []
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"training_backend": "slurm"}, "training_backend"),
-        ({"deploy_mode": "seldon"}, "deploy_mode"),
-        ({"num_workers": 0}, "num_workers"),
-        ({"val_fraction": 0.0}, "val_fraction"),
-        ({"promote_margin": 1.5}, "promote_margin"),
-        ({"pvc_name": "Data_PVC"}, "pvc_name"),
-        ({"serving_name": "Bad Name"}, "serving_name"),
-        ({"max_lora_rank": 48}, "max_lora_rank"),
-        ({"max_lora_rank": 8}, "exceeds `max_lora_rank`=8"),
-    ],
-)
-def test_bad_pipeline_parameter_is_named(change, message):
-    with pytest.raises(ConfigError, match=message):
-        validate_pipeline_inputs(dataclasses.replace(CHECKS, **change), TRAINING)
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"learning_rate": -1.0}, "optim.lr"),
-        ({"method": "prefix"}, "method"),
-        ({"lora_dropout": 1.5}, "lora.dropout"),
-        ({"extra_overrides": "no_such_key=1"}, "unknown key `no_such_key`"),
-        ({"extra_overrides": "output_dir=/elsewhere"}, "set by the pipeline"),
-        ({"extra_overrides": "lora.use_dora=true"}, "DoRA"),
-        ({"model": " "}, "model"),
-    ],
-)
-def test_bad_training_parameter_fails_before_any_data_is_read(change, message):
-    with pytest.raises(ConfigError, match=message):
-        validate_pipeline_inputs(CHECKS, dataclasses.replace(TRAINING, **change))
-
-
-def test_full_finetuning_skips_lora_serving_checks():
-    full = dataclasses.replace(TRAINING, method="full", lora_r=512)
-    assert validate_pipeline_inputs(dataclasses.replace(CHECKS, max_lora_rank=8), full) == []
-
-
-def test_overrides_load_into_the_trainer_config():
-    params = TrainingParams(
-        model="m",
-        lora_r=8,
-        lora_alpha=16,
-        lora_target_modules="q_proj,v_proj",
-        learning_rate=1e-4,
-        max_steps=0,
-        epochs=2,
-        extra_overrides="save_every=50 eval_every=25",
-    )
-    cfg = load_config(None, trainer_overrides(params, data_dir="/data/tokenized/k", output_dir="/data/runs/r"))
-    assert (cfg.model.name_or_path, cfg.data, cfg.output_dir) == ("m", "/data/tokenized/k", "/data/runs/r")
-    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (8, 16.0, ("q_proj", "v_proj"))
-    assert (cfg.optim.lr, cfg.max_steps, cfg.epochs, cfg.save_every, cfg.eval_every) == (1e-4, 0, 2.0, 50, 25)
-    assert cfg.resume == "auto"
-    steps = load_config(None, trainer_overrides(dataclasses.replace(params, max_steps=7), data_dir="d", output_dir="o"))
-    assert steps.max_steps == 7
+def test_compile_time_defaults_replace_the_signatures():
+    signature = pipeline_signature(hpo=False, defaults={"lora_r": 32, "learning_rate": 1})
+    assert signature.parameters["lora_r"].default == 32 and signature.parameters["learning_rate"].default == 1.0
+    assert build_pipeline(defaults={"deploy": False}).component_spec.inputs["deploy"].default is False
+    with pytest.raises(ConfigError, match="unknown pipeline parameter"):
+        pipeline_signature(hpo=False, defaults={"sweep_max_trials": 3})
 
 
 def test_data_layout_paths_and_volume_relative_paths():
@@ -121,6 +51,5 @@ def test_cli_arguments_are_typed_by_the_pipeline_signature():
 
 
 def test_local_defaults_name_only_real_parameters():
-    from llmft.pipelines.defaults import pipeline_inputs
-
     assert set(LOCAL_DEFAULTS) <= set(pipeline_inputs())
+    assert set(HPO_LOCAL_DEFAULTS) <= set(pipeline_inputs(llm_finetune_hpo_pipeline))

@@ -147,7 +147,13 @@ def test_promote_copies_servable_files_atomically_and_records_why(tmp_path):
     decision = promote(evaluation(100.0, 30.0, 20.0, run_dir=run), destination, margin=0.01)
     assert decision.checkpoint == "step-20" and is_complete(destination)
     names = sorted(p.name for p in destination.iterdir())
-    assert names == ["COMPLETE", "adapter_config.json", "adapter_model.safetensors", "promotion.json"]
+    assert names == [
+        ".llmft-owner.json",
+        "COMPLETE",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "promotion.json",
+    ]
     assert (destination / "adapter_model.safetensors").read_bytes() == b"weights-20"
     recorded = json.loads((tmp_path / "models" / "m" / "run-1.decision.json").read_text())
     assert recorded["promoted"] and "beats the required margin" in recorded["reason"]

@@ -7,18 +7,25 @@ import pytest
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.deployment import crd_schema_errors
-from llmft.components.lib.local_train import TrainingFailed, run_local_training, torchrun_command
-from llmft.components.lib.params import TrainingParams, trainer_overrides
+from llmft.components.lib.local_train import TrainingFailed, run_local_training, train_command
 from llmft.components.lib.pytorchjob import TrainingJobFailed
 from llmft.components.lib.train_job import job_name, run_on_cluster
+from plan_helpers import RUN_ID, make_plan
 
 NS = "team-a"
-RUN_ID = "0f8e6a2c-1d2b-4c3e-9f00-123456789abc"
-OVERRIDES = trainer_overrides(
-    TrainingParams(model="Qwen/Qwen2.5-7B-Instruct", lora_r=16, max_steps=100),
-    data_dir="/data/tokenized/abc",
-    output_dir=f"/data/runs/{RUN_ID}",
+PLAN = make_plan(
+    num_workers=2,
+    gpus_per_worker=8,
+    max_steps=100,
+    job_timeout_s=5,
+    hf_token_secret="llmft-hf-token",
+    langfuse_secret="llmft-langfuse",
+    worker_cpu="30",
+    worker_memory="500Gi",
+    gpu_node_selector="nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
+    trainer_image="registry.example.com/ml/llmft-trainer:1.2.3",
 )
+OVERRIDES = PLAN.trainer.command_overrides("/data/tokenized/abc")
 NAME = job_name(RUN_ID)
 MASTER = f"{NAME}-master-0"
 
@@ -65,18 +72,8 @@ def fakes():
     return Cluster(NS, custom_api=custom, core_api=core), custom, core
 
 
-def _run(cluster, **kwargs):
-    return run_on_cluster(
-        OVERRIDES,
-        run_id=RUN_ID,
-        num_workers=2,
-        gpus_per_worker=8,
-        pvc_name="llmft-data",
-        timeout_s=5,
-        poll_s=0.01,
-        cluster=cluster,
-        **kwargs,
-    )
+def _run(cluster, plan=PLAN):
+    return run_on_cluster(plan.job, plan.trainer.command_overrides("/data/tokenized/abc"), poll_s=0.01, cluster=cluster)
 
 
 def test_succeeded_job_is_the_intended_pytorchjob(fakes, crd_dir):
@@ -91,15 +88,19 @@ def test_succeeded_job_is_the_intended_pytorchjob(fakes, crd_dir):
     assert master["restartPolicy"] == "ExitCode"
     pod = master["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"] == ["llmft"]
+    assert container["command"] == ["llmft"] and container["image"] == "registry.example.com/ml/llmft-trainer:1.2.3"
     assert container["args"][:2] == ["train", "--nproc"] and set(OVERRIDES) <= set(container["args"])
     assert {"name": "pvc-0", "mountPath": "/data"} in container["volumeMounts"]
     assert {"name": "pvc-0", "persistentVolumeClaim": {"claimName": "llmft-data"}} in pod["volumes"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["HF_HOME"]["value"] == "/data/hf-cache"
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True  # a Secret, never a value
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert env["HF_HOME"]["value"] == "/data/hf-cache" and env["HF_HUB_CACHE"]["value"] == "/data/hf-cache/hub"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "llmft-hf-token", "key": "HF_TOKEN"}  # required
+    assert env["LANGFUSE_SECRET_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "llmft-langfuse"
+    assert not [e for e in env.values() if e.get("valueFrom", {}).get("secretKeyRef", {}).get("optional")]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    resources = container["resources"]
+    assert resources["limits"] == {"nvidia.com/gpu": "8", "cpu": "30", "memory": "500Gi"}
+    assert resources["requests"] == {"nvidia.com/gpu": "8", "cpu": "30", "memory": "500Gi"}
 
 
 def test_failed_job_fails_the_step_with_the_masters_last_log_lines(fakes):
@@ -113,7 +114,10 @@ def test_failed_job_fails_the_step_with_the_masters_last_log_lines(fakes):
 def test_tracking_uri_parameter_replaces_the_secret_key(fakes):
     cluster, custom, core = fakes
     custom.on_get = _operator(core, "Succeeded")
-    _run(cluster, mlflow_tracking_uri="http://mlflow.mlflow:5000")
+    _run(
+        cluster,
+        make_plan(job_timeout_s=5, mlflow_secret="llmft-mlflow", mlflow_tracking_uri="http://mlflow.mlflow:5000"),
+    )
     env = {
         e["name"]: e
         for e in custom.created("pytorchjobs")[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
@@ -144,17 +148,10 @@ def test_job_names_are_stable_valid_and_distinct():
     assert job_name("12345678").startswith("llmft-")
 
 
-def test_local_backend_is_torchrun_of_the_same_trainer(tmp_path):
-    command = torchrun_command(["lora.r=8"], nproc=2)
-    assert command[1:] == [
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "llmft.trainer",
-        "lora.r=8",
-    ]
+def test_the_local_backend_runs_the_command_of_a_job_replica(tmp_path):
+    """`llmft train --nproc N`: the one launcher (SIGTERM -> 143), exactly what the PyTorchJob runs."""
+    command = train_command(["lora.r=8"], nproc=2)
+    assert command[1:] == ["-m", "llmft", "train", "--nproc", "2", "lora.r=8"]
     with pytest.raises(TrainingFailed) as error:  # a real torchrun + trainer, refusing a bad config
         run_local_training(
             ["lora.r=0", "model.name_or_path=x", "data=y", f"output_dir={tmp_path}"],

@@ -133,3 +133,82 @@ def test_profiler_gpu_busy_time_is_the_union_of_kernel_intervals():
     ]
     assert gpu_busy_seconds(NS(events=lambda: events)) == pytest.approx(450e-6)
     assert gpu_busy_seconds(NS(events=lambda: [])) == 0.0
+
+
+def test_product_arm_is_llmft_train_with_a_shipped_config_and_only_model_data_steps_output(tmp_path):
+    """Issue 13: the product row runs exactly what a user runs; --extra overrides never reach it."""
+    import sys
+    from pathlib import Path
+
+    from llmft.benchmarks.gpu import arm_product
+    from llmft.trainer.config import load_config
+
+    from llmft.cli import build_group_parser
+
+    repo = Path(__file__).resolve().parents[2]
+    args = Namespace(profile="short", samples_per_step=64, naive_steps=6, steps=30, warmup=4, extra="--micro 8")
+    job = train_bench._job_command("project-product:qwen2.5-1.5b:lora", args, tmp_path / "x.json")
+    assert job[1:3] == ["-m", "llmft.benchmarks.gpu.arm_product"] and "--micro" not in job
+    assert job[job.index("--model") + 1] == "qwen2.5-1.5b" and job[job.index("--steps") + 1] == "30"
+    shipped = {p.resolve() for p in (repo / "trainer" / "configs").glob("*.yaml")}
+    speed_keys = ("kernels.", "batch.micro_sequences", "model.attn_implementation", "model.gradient_checkpointing")
+    for (model, method), (relative, _max_length) in arm_product.PRODUCT_CONFIGS.items():
+        config, _ = arm_product.product_config(model, method)
+        assert config.resolve() in shipped, relative
+        cmd = arm_product.product_command(relative, tmp_path / "m", tmp_path / "d", tmp_path / "o", 30)
+        assert cmd[:6] == [sys.executable, "-m", "llmft", "train", "--config", relative]
+        overrides = cmd[6:]
+        assert [o.split("=", 1)[0] for o in overrides] == list(arm_product.PRODUCT_KEYS)
+        assert not any(o.startswith(speed_keys) for o in overrides)
+        parsed = build_group_parser("train").parse_args(cmd[4:])  # what `llmft train` itself parses
+        assert parsed.config == relative and parsed.overrides == overrides and parsed.nproc is None
+        cfg = load_config(str(config), overrides)
+        assert (cfg.method, cfg.max_steps, cfg.data) == (method, 30, str(tmp_path / "d"))
+        assert cfg.kernels.fused_loss == "auto" and cfg.batch.micro_sequences == "auto"  # the fast path by default
+
+
+def test_product_dataset_is_packed_like_llmft_data_tokenize(tmp_path):
+    """Every sample that fits once (longer ones dropped, tokenize's default), in sequences of at most
+    max_length filled by best-fit packing; the trainer's loader reads it and the arm counts each step's
+    tokens from it."""
+    from llmft.benchmarks.gpu import arm_product
+    from llmft.trainer.config import load_config
+    from llmft.trainer.data.shards import open_split
+
+    samples = arm_product.samples_for(steps=3, global_sequences=4, max_length=1024, profile="short", vocab=500)
+    data = arm_product.write_product_dataset(samples, 1024, tmp_path / "data")
+    train = open_split(data, "train")
+    lengths = train.sequence_lengths(np.arange(len(train)))
+    fitting = samples.lengths <= 1024
+    assert 0 < (~fitting).sum() and lengths.max() <= 1024 and lengths.sum() == samples.lengths[fitting].sum()
+    assert lengths.sum() / (1024 * len(train)) > 0.95  # best-fit fills the sequences
+    stored = sorted(
+        tuple(np.asarray(train.input_ids[int(a) : int(b)]))
+        for a, b in zip(train.doc_offsets[:-1], train.doc_offsets[1:], strict=True)
+    )
+    assert stored == sorted(tuple(ids) for ids, fits in zip(samples.input_ids, fitting, strict=True) if fits)
+    cfg = load_config(None, ["model.name_or_path=m", f"data={data}", "batch.global_sequences=4", "seed=7"])
+    docs = arm_product.step_documents(data, cfg, 3)
+    assert sorted(docs) == [1, 2, 3] and all(0 < d.sum() <= 4 * 1024 for d in docs.values())
+
+
+def test_product_throughput_comes_from_record_times_and_the_loaders_tokens(tmp_path):
+    from llmft.benchmarks.gpu import arm_product
+    from llmft.trainer.fastpath import flops
+
+    shape = flops.shape_from_config(common.hf_config("qwen2.5-0.5b"))
+    docs = {s: np.array([100 * s, 50]) for s in range(1, 31)}
+    records = [{"event": "fast_path", "fast_path": {"compile": {"on": True, "why": "auto"}}}]
+    now = 5.0
+    for step in (10, 20, 30):
+        now += 2.0 if step > 10 else 30.0  # the first window holds compilation
+        records.append({"event": "train", "step": step, "time": now, "loss": 1.0, "peak_mem_gib": 3.0})
+    records.append({"event": "final", "tokens_per_s": 1.01 * sum(d.sum() for s, d in docs.items() if s > 10) / 4.0})
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    result = arm_product.summarize(tmp_path / "m.jsonl", docs, shape, "lora", warmup=4, peak=989e12)
+    tokens = sum(int(docs[s].sum()) for s in range(11, 31))
+    assert result["steps_timed"] == 20 and result["tokens_per_s"] == pytest.approx(tokens / 4.0)
+    assert result["logged_vs_bench_tokens_per_s"] == pytest.approx(0.01)
+    assert result["step_s_p50"] == pytest.approx(0.2) and result["fast_path"]["compile"]["on"]
+    too_short = arm_product.summarize(tmp_path / "m.jsonl", docs, shape, "lora", warmup=25, peak=None)
+    assert "too few train records" in too_short["error"]

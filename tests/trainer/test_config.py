@@ -55,7 +55,7 @@ def test_shipped_configs_describe_the_intended_runs():
 def test_deepspeed_config_for_the_two_node_run():
     from llmft.trainer.distributed import deepspeed_config
 
-    moe = load_config(str(next(p for p in CONFIGS if p.name.startswith("qwen3"))), [])
+    moe = load_config(str(next(p for p in CONFIGS if p.name == "qwen3-30b-a3b-qlora-2x8xh100.yaml")), [])
     accum = moe.batch.global_sequences // 16 // moe.batch.micro_sequences
     ds = deepspeed_config(
         moe.distributed.zero_stage, accum_steps=accum, world_size=16, max_grad_norm=moe.optim.max_grad_norm, bf16=True
@@ -107,7 +107,7 @@ def test_overrides_nest_and_coerce():
     )
     assert cfg.lora.r == 32 and cfg.optim.lr == 2e-5 and cfg.model.gradient_checkpointing is True
     assert cfg.lora.target_modules == ("q_proj", "v_proj") and cfg.debug.nan_steps == (3, 4)
-    assert cfg.model.revision is None and cfg.model.attn_implementation == "sdpa"
+    assert cfg.model.revision is None and cfg.model.attn_implementation == "auto"  # the default
     assert cfg.model.trust_remote_code is False and cfg.resume == "auto"
     import dataclasses
 
@@ -123,7 +123,17 @@ def test_every_field_has_a_doc_line():
     assert set(names) == set(flat)
     for name, type_name, _default, doc in fields:
         assert doc and "\n" not in doc and doc.endswith("."), name
-        assert type_name in ("str", "int", "float", "bool", "str | null", "list[str]", "list[int]"), (name, type_name)
+        assert type_name in (
+            "str",
+            "int",
+            "float",
+            "bool",
+            "str | null",
+            "list[str]",
+            "list[int]",
+            "auto | bool",
+            "auto | int",
+        ), (name, type_name)
     assert ("method", "str", "lora") == tuple(next(f for f in fields if f[0] == "method")[:3])
     assert "One of: lora, qlora, full." in dict((f[0], f[3]) for f in fields)["method"]
 
@@ -169,3 +179,35 @@ def test_lr_schedule_warmup_then_cosine_and_linear():
     linear = [lr_multiplier(s, total_steps=4, warmup=0, decay="linear", min_lr_ratio=0.0) for s in range(4)]
     assert linear == [1.0, 0.75, 0.5, 0.25]
     assert lr_multiplier(7, total_steps=10, warmup=2, decay="constant", min_lr_ratio=0.0) == 1.0
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan", "-.inf", "-1e-4", "0"])
+def test_learning_rate_must_be_a_finite_positive_number(value):
+    with pytest.raises(ConfigError, match=r"optim\.lr") as err:
+        load_config(None, ["model.name_or_path=m", "data=d", f"optim.lr={value}"])
+    assert "\n" not in str(err.value)
+
+
+def test_no_float_setting_accepts_infinity_or_nan():
+    for key in ("lora.alpha", "optim.max_grad_norm", "epochs", "schedule.min_lr_ratio", "observe.peak_tflops"):
+        with pytest.raises(ConfigError, match="finite"):
+            load_config(None, ["model.name_or_path=m", "data=d", f"{key}=.nan"])
+
+
+def test_python_yaml_tags_are_a_one_line_error_and_never_run(tmp_path):
+    marker = tmp_path / "ran"
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"model:\n  name_or_path: m\nseed: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(config), ["data=d"])
+    message = str(err.value)
+    assert f"{config}, line 3" in message and "!!python/object/apply:os.system" in message and "\n" not in message
+    with pytest.raises(ConfigError, match="not a plain YAML value"):
+        load_config(
+            None, ["model.name_or_path=m", "data=d", f"seed=!!python/object/apply:os.system ['touch {marker}']"]
+        )
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("lora:\n  target_modules:\n    - q_proj\n    - !!python/name:os.system\n")
+    with pytest.raises(ConfigError, match=r"line 4"):
+        load_config(str(nested), [])
+    assert not marker.exists()

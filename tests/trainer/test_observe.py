@@ -9,8 +9,8 @@ import json
 import threading
 
 import pytest
-from llmft.trainer.observe import send_langfuse_trace, summary_screen, train_flops
-from trainer_helpers import train_in_process
+from llmft.trainer.observe import SpeedMeter, send_langfuse_trace, summary_screen
+from trainer_helpers import events, train_in_process
 
 
 @pytest.fixture
@@ -93,15 +93,53 @@ def test_langfuse_and_mlflow_unconfigured_are_single_info_lines(monkeypatch, cap
     assert capsys.readouterr().out.count("\n") == 1
 
 
-def test_flops_count_4n_for_lora_6n_for_full_plus_attention():
-    lora = train_flops(
-        method="lora", matmul_params=1000, adapter_params=10, tokens=100, layers=2, attn_width=8, attn_sq=50 * 50 * 2
-    )
-    full = train_flops(
-        method="full", matmul_params=1000, adapter_params=0, tokens=100, layers=2, attn_width=8, attn_sq=50 * 50 * 2
-    )
-    attention = 6 * 2 * 8 * 5000
-    assert lora == 4 * 1000 * 100 + 6 * 10 * 100 + attention
-    assert full == 6 * 1000 * 100 + attention
-    screen = summary_screen({"status": "finished", "final_metrics": {"eval_loss": 1.0}})
+def test_trainer_mfu_is_the_benchmarks_flop_formula(base_overrides, tiny_model_dir, tokenized_dir, tmp_path):
+    """Every logged MFU is trainer/fastpath/flops.py's step_flops (what the benchmark counts) for that
+    step's documents, over the step's time, against the configured peak."""
+    from llmft.trainer.data.loader import PackedLoader
+    from llmft.trainer.fastpath import flops
+    from transformers import AutoConfig
+
+    peak_tflops = 1e-3
+    code, _ = train_in_process(base_overrides("mfu", max_steps=3, observe__peak_tflops=peak_tflops))
+    assert code == 0
+    shape = flops.shape_from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    loader = PackedLoader(tokenized_dir, "train", global_sequences=4, micro_sequences=2, rank=0, world_size=1, seed=3)
+    seen = 0
+    for event in events(tmp_path / "mfu", "train"):
+        step_tokens, seen = event["tokens_seen"] - seen, event["tokens_seen"]
+        lengths = loader.batch(event["step"]).global_doc_lengths
+        assert step_tokens == int(lengths.sum())
+        expected = flops.step_flops(shape, "lora", lengths, 4, flops.ALL_LINEAR) / (step_tokens / event["tokens_per_s"])
+        assert event["mfu"] == pytest.approx(expected / (peak_tflops * 1e12), rel=1e-9)
+    manifest = json.loads((tmp_path / "mfu" / "final" / "training_manifest.json").read_text())
+    assert manifest["speed"]["mfu"] > 0 and manifest["speed"]["steady_steps"] == 1
+
+
+def test_speed_meter_excludes_load_warmup_and_pauses():
+    """A fake clock: 10 s of loading, a 5 s first step (compilation), then 0.5 s steps with a 2 s
+    evaluation between them. Steady tokens/s and MFU see only the 0.5 s steps."""
+    now = [0.0]
+    meter = SpeedMeter(None, peak=1000.0, world_size=2, clock=lambda: now[0])
+    now[0] = 10.0
+    meter.loaded()
+    for seconds in (5.0, 1.0, 0.5, 0.5, 0.5):
+        now[0] += seconds
+        meter.step(tokens=1000, flops=400.0)
+        if meter.steps == 3:
+            with meter.pause():
+                now[0] += 2.0
+    report = meter.report()
+    assert report["load_s"] == 10.0 and report["warmup_s"] == 6.0 and report["eval_and_save_s"] == 2.0
+    assert report["steady_steps"] == 3 and report["steady_s"] == pytest.approx(1.5)
+    assert report["tokens_per_s"] == pytest.approx(3000 / 1.5) and report["tokens_per_s_per_device"] == 1000
+    assert report["mfu"] == pytest.approx(1200 / 1.5 / (1000.0 * 2))
+    screen = summary_screen({"status": "finished", "final_metrics": {"eval_loss": 1.0}, "speed": report})
     assert "=" * 64 in screen and "final eval loss" in screen
+    assert "2,000 (steady state: the last 3 steps" in screen and "10.0 s" in screen and "40.0%" in screen
+    short = SpeedMeter(None, peak=None, world_size=1, clock=lambda: now[0])
+    short.loaded()
+    now[0] += 1.0
+    short.step(tokens=10, flops=None)
+    assert short.report()["steady_state"] is False and short.report()["tokens_per_s"] == pytest.approx(10.0)
+    assert "too few for a steady state" in summary_screen({"speed": short.report()})

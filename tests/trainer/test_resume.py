@@ -100,3 +100,95 @@ def test_sigterm_commits_a_checkpoint_and_exits_143(tiny_model_dir, tokenized_di
 
     state = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["data_position"]["sequences_consumed"] == 12
+
+
+class _Payload:
+    """A pickle that runs a shell command when it is unpickled (what a tampered file on the shared
+    volume would carry)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _copy_run(reference, tmp_path, name):
+    out = tmp_path / name
+    shutil.copytree(reference, out)
+    return out
+
+
+def test_checkpoints_hold_no_pickles_beyond_tensors_and_tampered_ones_are_refused(uninterrupted, tmp_path, capsys):
+    """scheduler state and RNG are JSON; optimizer.pt and files of the earlier pickle format load with
+    weights_only=True (plus NumPy's types for the old RNG files): a planted payload never runs."""
+    reference, overrides = uninterrupted
+    step = reference / "checkpoints" / "step-6"
+    assert (step / "scheduler.json").is_file() and (step / "rng" / "rank-0.json").is_file()
+    assert not (step / "scheduler.pt").exists() and not list((step / "rng").glob("*.pt"))
+    marker = tmp_path / "payload-ran"
+    torch.save(_Payload(marker), tmp_path / "payload.pt")
+    torch.load(tmp_path / "payload.pt", weights_only=False)  # the payload is live when unpickled
+    assert marker.exists()
+    marker.unlink()
+    for target, replaced in (
+        ("optimizer.pt", None),
+        ("scheduler.pt", "scheduler.json"),  # a checkpoint of the earlier format
+        ("rng/rank-0.pt", "rng/rank-0.json"),
+    ):
+        out = _copy_run(reference, tmp_path, target.replace("/", "-"))
+        ckpt = out / "checkpoints" / "step-6"
+        if replaced:
+            (ckpt / replaced).unlink()
+        torch.save({"state": _Payload(marker)}, ckpt / target)
+        code, _ = train_in_process([o.replace(str(reference), str(out)) for o in overrides])
+        err = capsys.readouterr().err
+        assert code == 1 and "refused to load" in err and target in err and "posix.system" in err, err
+        assert not marker.exists(), target
+        assert [line for line in err.splitlines() if "error" in line] == [err[err.index("error: ") :].strip()]
+
+
+def test_checkpoint_of_the_earlier_pickle_format_still_resumes(uninterrupted, tmp_path, capsys):
+    """scheduler.pt and rng/rank-<r>.pt as llmft wrote them before (torch.save of the state dict and of
+    Python/NumPy/torch generator states) load through the allow-list, warning-free."""
+    import json
+    import random
+
+    import numpy as np
+
+    reference, overrides = uninterrupted
+    out = _copy_run(reference, tmp_path, "legacy")
+    ckpt = out / "checkpoints" / "step-6"
+    torch.save(json.loads((ckpt / "scheduler.json").read_text()), ckpt / "scheduler.pt")
+    (ckpt / "scheduler.json").unlink()
+    torch.save(
+        {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        ckpt / "rng" / "rank-0.pt",
+    )
+    (ckpt / "rng" / "rank-0.json").unlink()
+    code, stdout = train_in_process([o.replace(str(reference), str(out)) for o in overrides])
+    assert code == 0, capsys.readouterr().err
+    assert "resuming from" in stdout and "warning" not in stdout
+
+
+def test_resume_without_a_ranks_rng_state_warns(uninterrupted, tmp_path):
+    reference, overrides = uninterrupted
+    out = _copy_run(reference, tmp_path, "no-rng")
+    (out / "checkpoints" / "step-6" / "rng" / "rank-0.json").unlink()
+    code, stdout = train_in_process([o.replace(str(reference), str(out)) for o in overrides])
+    assert code == 0
+    assert "warning: rank 0:" in stdout and "has no rank-0.json" in stdout and "start from the seed" in stdout
+
+
+def test_force_resume_with_max_steps_below_the_checkpoint_is_a_clear_error(uninterrupted, tmp_path, capsys):
+    reference, overrides = uninterrupted
+    out = _copy_run(reference, tmp_path, "shorter")
+    before = (out / "final" / "training_manifest.json").read_text()
+    code, _ = train_in_process(
+        [o.replace(str(reference), str(out)) for o in overrides] + ["max_steps=4", "force_resume=true"]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and "step-6 is at step 6, past this run's 4 steps" in err and "Raise max_steps" in err
+    assert (out / "final" / "training_manifest.json").read_text() == before

@@ -12,6 +12,16 @@ Accepted input rows (one JSON object each):
 Canonical rows: ``{"messages": [{"role", "content"}, ...]}`` for every
 conversational format, ``{"text": "..."}`` for plain text. A row that breaks its
 format raises :class:`RowReject` with a reason from :data:`REJECT_FIXES`.
+
+Conversation structure (:func:`check_structure`), the shape every common chat template
+renders and the strict ones (Llama 2, Mistral, Gemma: "roles must alternate") demand:
+
+1. at most one system message, and only as the first message (``misplaced_system``);
+2. then a user turn first: an assistant never opens the conversation (``assistant_first``);
+3. user and assistant turns alternate (``roles_not_alternating``: two users or two
+   assistants in a row);
+4. the last message is an assistant turn, the answer the model learns
+   (``last_turn_not_assistant``).
 """
 
 from __future__ import annotations
@@ -34,6 +44,11 @@ REJECT_FIXES: dict[str, str] = {
     "empty_conversation": "give the row at least one user and one assistant message",
     "empty_prompt": "give the instruction/prompt some text",
     "empty_text": "give the text field some text, or drop the row",
+    "row_too_large": "split the row into smaller conversations, or raise --max-row-bytes if such rows are intended",
+    "misplaced_system": "keep one system message, as the first message (merge several into one)",
+    "assistant_first": "start with a user turn (after an optional system message): an assistant turn answers it",
+    "roles_not_alternating": "alternate user and assistant turns: merge consecutive turns of the same role",
+    "last_turn_not_assistant": "end the conversation with the assistant's answer: drop the trailing turns",
 }
 
 # Accepted role names (lower-cased) -> canonical role. Covers OpenAI, ShareGPT and Gemma names.
@@ -150,8 +165,9 @@ def _message(item: Any, field: str) -> dict:
     return {"role": role, "content": _content_text(content, f"{field}.{content_key}")}
 
 
-def canonical_messages(value: Any, field: str) -> list[dict]:
-    """Validate a list of messages; return ``[{"role", "content"}, ...]``."""
+def canonical_messages(value: Any, field: str, *, structure: bool = True) -> list[dict]:
+    """Validate a list of messages; return ``[{"role", "content"}, ...]``. With ``structure``, the
+    order of roles is checked too (:func:`check_structure`)."""
     if not isinstance(value, list):
         raise RowReject("wrong_type", field, f"`{field}` must be a list of messages, got {_type_name(value)}")
     if not value:
@@ -162,7 +178,38 @@ def canonical_messages(value: Any, field: str) -> list[dict]:
             raise RowReject("empty_assistant_content", f"{field}[{i}].content", f"assistant turn {field}[{i}] is empty")
     if not any(m["role"] == "assistant" for m in messages):
         raise RowReject("no_assistant_turn", field, f"`{field}` has no assistant turn ({len(messages)} messages)")
+    if structure:
+        role_key = "role" if any("role" in item or "content" in item for item in value) else "from"
+        check_structure(messages, field, role_key)
     return messages
+
+
+def check_structure(messages: list[dict], field: str, role_key: str = "role") -> None:
+    """Raise RowReject unless ``messages`` is [system], user, assistant, user, assistant, ..., assistant."""
+
+    def at(i: int) -> str:
+        return f"{field}[{i}].{role_key}"
+
+    for i, msg in enumerate(messages):
+        if msg["role"] == "system" and i > 0:
+            where = "after the last turn" if i == len(messages) - 1 else f"at position {i}"
+            raise RowReject("misplaced_system", at(i), f"system message {where}; only the first message may be one")
+    first = 1 if messages[0]["role"] == "system" else 0
+    if first < len(messages) and messages[first]["role"] == "assistant":
+        raise RowReject("assistant_first", at(first), "the conversation opens with an assistant turn, not a user one")
+    for i in range(first + 1, len(messages)):
+        if messages[i]["role"] == messages[i - 1]["role"]:
+            raise RowReject(
+                "roles_not_alternating",
+                at(i),
+                f"two {messages[i]['role']} turns in a row ({field}[{i - 1}] and {field}[{i}])",
+            )
+    if messages[-1]["role"] != "assistant":
+        raise RowReject(
+            "last_turn_not_assistant",
+            at(len(messages) - 1),
+            f"the conversation ends with a {messages[-1]['role']} turn that no assistant turn answers",
+        )
 
 
 def _from_messages(row: dict) -> dict:
@@ -194,7 +241,7 @@ def _from_prompt_completion(row: dict) -> dict:
     prompt = _require(row, "prompt", "prompt_completion")
     completion = _require(row, "completion", "prompt_completion")
     if isinstance(prompt, list) and isinstance(completion, list):  # TRL conversational prompt/completion
-        canonical_messages(completion, "completion")  # the completion itself must hold the assistant turn
+        canonical_messages(completion, "completion", structure=False)  # it must hold the assistant turn
         return {"messages": canonical_messages(prompt + completion, "prompt+completion")}
     prompt, completion = _string(prompt, "prompt"), _string(completion, "completion")
     if not prompt.strip():

@@ -75,7 +75,7 @@ class StepBatch:
     micro_batches: list[MicroBatch]
     global_targets: int  # supervised targets in the whole global batch (all ranks)
     global_tokens: int  # real tokens in the whole global batch (all ranks)
-    global_attn_sq: int  # sum over documents of length^2 (attention FLOPs)
+    global_doc_lengths: np.ndarray  # length of every document of the global batch (model FLOPs)
 
 
 def build_micro_batch(split: TokenizedSplit, indices) -> MicroBatch:
@@ -97,9 +97,9 @@ def shift_targets(labels: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
     return targets
 
 
-def count_targets(split: TokenizedSplit, indices) -> tuple[int, int, int]:
-    """(supervised targets, tokens, sum of squared doc lengths) of sequences ``indices``."""
-    targets = tokens = attn_sq = 0
+def count_targets(split: TokenizedSplit, indices) -> tuple[int, int, np.ndarray]:
+    """(supervised targets, tokens, every document's length) of sequences ``indices``."""
+    targets, lengths = 0, []
     for i in indices:
         d0, d1 = int(split.seq_offsets[i]), int(split.seq_offsets[i + 1])
         offsets = np.asarray(split.doc_offsets[d0 : d1 + 1], dtype=np.int64)
@@ -107,10 +107,16 @@ def count_targets(split: TokenizedSplit, indices) -> tuple[int, int, int]:
         supervised = labels != IGNORE_INDEX
         supervised[offsets[:-1] - offsets[0]] = False  # a document's first token is nobody's target
         targets += int(supervised.sum())
-        lengths = np.diff(offsets)
-        tokens += int(lengths.sum())
-        attn_sq += int((lengths * lengths).sum())
-    return targets, tokens, attn_sq
+        lengths.append(np.diff(offsets))
+    doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    return targets, int(doc_lengths.sum()), doc_lengths
+
+
+def has_supervised_targets(dataset_dir: str | Path, split: str, max_sequences: int = 0) -> bool:
+    """True when the first ``max_sequences`` sequences of ``split`` (0 = all) have a supervised target."""
+    data = open_split(dataset_dir, split)
+    count = len(data) if max_sequences <= 0 else min(len(data), max_sequences)
+    return any(count_targets(data, [i])[0] > 0 for i in range(count))
 
 
 def balanced_shares(lengths, world_size: int) -> list[np.ndarray]:
@@ -185,21 +191,30 @@ class PackedLoader:
             self._perm_epoch = epoch
         return self._perm
 
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, steps done in it) once 1-based ``step`` has trained: the epoch is the one that
+        step's batch came from (0-based), so step ``steps_per_epoch`` ends epoch 0."""
+        if step <= 0:
+            return 0, 0
+        epoch, pos = divmod(step - 1, self.steps_per_epoch)
+        return epoch, pos + 1
+
     def global_indices(self, step: int) -> tuple[int, np.ndarray]:
         """(epoch, sequence indices) of 1-based ``step`` over all ranks."""
-        epoch, pos = divmod(step - 1, self.steps_per_epoch)
+        epoch, done = self.position(step)
+        pos = done - 1
         perm = self._permutation(epoch)
         return epoch, perm[pos * self.global_sequences : (pos + 1) * self.global_sequences]
 
     def batch(self, step: int) -> StepBatch:
         epoch, indices = self.global_indices(step)
-        targets, tokens, attn_sq = count_targets(self.split, indices)
+        targets, tokens, doc_lengths = count_targets(self.split, indices)
         mine = indices[balanced_shares(self.split.sequence_lengths(indices), self.world_size)[self.rank]]
         micro = [
             build_micro_batch(self.split, mine[i : i + self.micro_sequences])
             for i in range(0, len(mine), self.micro_sequences)
         ]
-        return StepBatch(step, epoch, micro, targets, tokens, attn_sq)
+        return StepBatch(step, epoch, micro, targets, tokens, doc_lengths)
 
     def iter_steps(self, first_step: int, last_step: int):
         """Yield StepBatch for steps first..last, building the next one in a background thread."""

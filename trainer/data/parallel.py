@@ -3,8 +3,14 @@
 Workers are forked (on Linux) so they inherit what the parent already loaded (a
 tokenizer) instead of unpickling it. Results come back in input order, and at
 most ``window`` chunks are in flight, so memory stays bounded however large the
-input is. A worker that dies (an OOM kill) raises ``BrokenProcessPool`` instead
-of hanging the run.
+input is. A worker that dies (an OOM kill) fails the run at once with a one-line
+:class:`~llmft.trainer.errors.TransientError` instead of hanging it.
+
+Workers die with their parent: a parent killed with SIGKILL (or OOM-killed) would
+otherwise leave them blocked forever on the task queue, whose write end every
+worker inherited. On Linux each worker asks the kernel for SIGKILL when its
+parent exits (``prctl(PR_SET_PDEATHSIG)``); elsewhere a thread watches the
+parent's pid.
 """
 
 from __future__ import annotations
@@ -12,10 +18,16 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def default_num_proc() -> int:
@@ -32,11 +44,50 @@ def worker_pool(num_proc: int, initializer: Callable | None = None, initargs: tu
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker is one core already
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    pool = ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=initializer, initargs=initargs)
+    pool = ProcessPoolExecutor(
+        num_proc, mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(), initializer, initargs)
+    )
     try:
         yield pool
+    except BaseException:  # an error, Ctrl-C or SIGTERM: stop the workers now, not after their chunks
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _init_worker(parent: int, initializer: Callable | None, initargs: tuple) -> None:
+    """Runs first in every worker: die with the parent; leave Ctrl-C to the parent, which stops the pool
+    (a worker's own KeyboardInterrupt would print a traceback); die quietly on SIGTERM (a forked worker
+    inherits the parent's Python handlers); then the caller's initializer."""
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process exit when ``parent`` does (PR_SET_PDEATHSIG on Linux, else a watchdog thread)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != parent:  # the parent died before the request took effect
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="llmft-parent-watch").start()
+
+
+def _watch_parent(parent: int, interval: float = 1.0) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(1)
 
 
 def ordered_map(pool, fn: Callable, tasks: Iterable, window: int) -> Iterator:
@@ -45,9 +96,17 @@ def ordered_map(pool, fn: Callable, tasks: Iterable, window: int) -> Iterator:
         yield from map(fn, tasks)
         return
     pending: deque = deque()
-    for task in tasks:
-        pending.append(pool.submit(fn, task))
-        if len(pending) >= window:
+    try:
+        for task in tasks:
+            pending.append(pool.submit(fn, task))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
             yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
+    except BrokenProcessPool as exc:
+        from llmft.trainer.errors import TransientError
+
+        raise TransientError(
+            "a worker process died (killed by the OS, most likely out of memory); nothing was written. "
+            "Fix: lower --num-proc, or give the step more memory, and re-run"
+        ) from exc

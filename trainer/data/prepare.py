@@ -12,6 +12,11 @@ temporary directory that is renamed into place only when everything passed::
 The split is decided per row by a salted hash of its canonical JSON, so it does
 not depend on row order or on the size of the file, and duplicate rows always
 land on the same side (no train/val leakage through duplicates).
+
+Nothing is lost: ``output_dir`` is replaced only when it is absent, empty or an
+earlier prepared dataset (our owner marker), unless ``force``; the input itself,
+or a folder holding it, is never the output. A row above ``max_row_bytes`` is
+rejected (``row_too_large``) without being held in memory.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from llmft.trainer.data.formats import FORMAT_CHOICES, RowReject, convert_row
+from llmft.trainer.data.limits import DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
-from llmft.trainer.data.sources import Source, open_source
+from llmft.trainer.data.sources import OversizedRow, Source, open_source
 from llmft.trainer.errors import DataError
-from llmft.trainer.io import atomic_directory, atomic_write_json
+from llmft.trainer.io import atomic_directory, atomic_write_json, check_output_target
 
 try:  # optional: several times faster; same results and bytes as the json calls below
     import orjson
@@ -46,6 +52,7 @@ REPORT_FILE = "report.json"
 MAX_LISTED_REJECTS = 5
 CHUNK_ROWS = 256
 PARALLEL_MIN_BYTES = 8 << 20  # smaller inputs convert faster inline than through a pool
+PREPARED_KIND = "prepared-dataset"
 _RAW_SNIPPET = 200
 
 
@@ -57,17 +64,22 @@ def prepare_dataset(
     split: str = "train",
     val_fraction: float = 0.05,
     seed: int = 0,
-    max_reject_fraction: float = 0.01,
+    max_reject_fraction: float = DEFAULT_MAX_REJECT_FRACTION,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    force: bool = False,
 ) -> dict:
     """Validate and convert ``source`` into ``output_dir``; return the report (also report.json).
 
     Raises DataError (nothing written) when no row is valid or the rejected
-    fraction exceeds ``max_reject_fraction``.
+    fraction exceeds ``max_reject_fraction``; OutputNotOursError when ``output_dir``
+    holds something llmft did not write (unless ``force``) or would replace the input.
     """
-    _check_arguments(format, val_fraction, max_reject_fraction)
-    src = open_source(str(source), split, exclude=Path(output_dir))
+    _check_arguments(format, val_fraction, max_reject_fraction, max_row_bytes)
+    inputs = (source,) if Path(source).expanduser().exists() else ()  # a hub id is no local input
+    check_output_target(output_dir, kind=PREPARED_KIND, force=force, inputs=inputs)
+    src = open_source(str(source), split, exclude=Path(output_dir), max_row_bytes=max_row_bytes)
     started = time.perf_counter()
-    with atomic_directory(Path(output_dir), kind="prepared-dataset", marker=True, inputs=(source,)) as tmp:
+    with atomic_directory(Path(output_dir), kind=PREPARED_KIND, marker=True, force=force, inputs=inputs) as tmp:
         tally = _Tally()
         with (
             _SplitWriter(tmp, val_fraction, seed) as splits,
@@ -82,6 +94,7 @@ def prepare_dataset(
                     rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
         _check_quality(src, tally, max_reject_fraction)
         report = _report(src, tally, splits.counts, format, split, val_fraction, seed, max_reject_fraction)
+        report["max_row_bytes"] = max_row_bytes
         report["seconds"] = round(time.perf_counter() - started, 3)
         atomic_write_json(tmp / REPORT_FILE, report)
     return report
@@ -98,12 +111,11 @@ def _converted_rows(src: Source, fmt: str) -> Iterator[tuple]:
         and sum(p.stat().st_size for p in src.files) >= PARALLEL_MIN_BYTES
     )
     num_proc = default_num_proc() if parallel else 1
-    bar = progress(desc="prepare", unit="rows")
-    with worker_pool(num_proc) as pool:
-        for results in ordered_map(pool, partial(_convert_chunk, fmt), _chunks(src.rows()), 2 * num_proc + 2):
+    with progress(desc="prepare", unit="rows") as bar, worker_pool(num_proc) as pool:  # the bar clears on errors too
+        convert = partial(_convert_chunk, fmt, src.max_row_bytes)
+        for results in ordered_map(pool, convert, _chunks(src.rows()), 2 * num_proc + 2):
             bar.update(len(results))
             yield from results
-    bar.close()
 
 
 def _chunks(rows: Iterator[tuple], size: int = CHUNK_ROWS) -> Iterator[list[tuple]]:
@@ -117,11 +129,16 @@ def _chunks(rows: Iterator[tuple], size: int = CHUNK_ROWS) -> Iterator[list[tupl
         yield chunk
 
 
-def _convert_chunk(fmt: str, rows: list[tuple]) -> list[tuple]:
+def _convert_chunk(fmt: str, max_row_bytes: int, rows: list[tuple]) -> list[tuple]:
     """Validate and convert one chunk (runs in a worker for large inputs)."""
     out = []
     for file, line, raw, value in rows:
         try:
+            if isinstance(value, OversizedRow):
+                size, raw, value = value.size, value.head, None
+                raise _too_large(f"the line has {size:,} bytes", max_row_bytes)
+            if raw is None and _text_chars(value, max_row_bytes) > max_row_bytes:
+                raise _too_large(f"the row holds more than {max_row_bytes:,} characters of text", max_row_bytes)
             row_format, row = convert_row(_parse_json(raw) if raw is not None else value, fmt)
             out.append((file, line, row_format, canonical_line(row), None, None, None))
         except RowReject as reject:
@@ -129,13 +146,34 @@ def _convert_chunk(fmt: str, rows: list[tuple]) -> list[tuple]:
     return out
 
 
-def _check_arguments(fmt: str, val_fraction: float, max_reject_fraction: float) -> None:
+def _too_large(what: str, max_row_bytes: int) -> RowReject:
+    return RowReject("row_too_large", "<row>", f"{what}, above --max-row-bytes {max_row_bytes:,}")
+
+
+def _text_chars(value: Any, limit: int) -> int:
+    """Characters of text in a decoded row (strings, keys included), counting stops past ``limit``."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total
+
+
+def _check_arguments(fmt: str, val_fraction: float, max_reject_fraction: float, max_row_bytes: int) -> None:
     if fmt not in FORMAT_CHOICES:
         raise DataError(f"--format {fmt!r} is not a known format; choose one of {', '.join(FORMAT_CHOICES)}")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1): some rows must stay in train")
     if not 0.0 <= max_reject_fraction <= 1.0:
         raise DataError(f"--max-reject-fraction {max_reject_fraction} must be in [0, 1]")
+    if max_row_bytes < 1024:
+        raise DataError(f"--max-row-bytes {max_row_bytes} must be at least 1024")
 
 
 def canonical_line(row: dict) -> bytes:

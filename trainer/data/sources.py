@@ -13,6 +13,12 @@ bytes of a JSONL line (the caller parses it, so invalid JSON becomes a reject,
 not a crash), ``value`` an already-decoded row otherwise. ``line`` is the
 1-based line of the file (JSONL, CSV) or the 1-based row number (JSON array,
 Parquet, hub).
+
+Rows are bounded: a JSONL line longer than ``max_row_bytes`` is never held in memory; it comes
+out as an :class:`OversizedRow` (its size and first bytes) that prepare rejects as
+``row_too_large``. A file that cannot be read as its format (a corrupt Parquet file, a CSV that
+is not UTF-8, a CSV field above the limit) raises a one-line :class:`DataError` naming the file
+(and line where there is one).
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import sha256_file
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# Suffixes that name a local file, never a hub dataset (`nope.txt` is a missing file, not a hub id)
+FILE_SUFFIXES = (*SUFFIXES, ".txt", ".tsv", ".xlsx", ".xls", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".yaml")
+_HEAD_BYTES = 200
+_READ_BLOCK = 1 << 20
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # CSV cells that usually hold JSON-encoded lists
 _JSON_CELLS = ("messages", "conversations", "prompt", "completion")
@@ -37,13 +48,28 @@ _JSON_CELLS = ("messages", "conversations", "prompt", "completion")
 Row = tuple[str, int, "bytes | None", Any]
 
 
+class OversizedRow(NamedTuple):
+    """Stands in for a JSONL line above the size limit: its size and first bytes, not the line."""
+
+    size: int
+    head: bytes
+
+
 class Source:
     """Rows of one input plus a content hash, computed while the rows stream by."""
 
     def __init__(
-        self, spec: str, *, kind: str, files: list[Path] | None = None, root: Path | None = None, split: str = "train"
+        self,
+        spec: str,
+        *,
+        kind: str,
+        files: list[Path] | None = None,
+        root: Path | None = None,
+        split: str = "train",
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
     ):
         self.spec = spec
+        self.max_row_bytes = max_row_bytes
         self.kind = kind  # "file" | "folder" | "hub"
         self.files = files or []
         self.root = root
@@ -91,16 +117,22 @@ class Source:
         if suffix == ".json":
             yield from _json_array_rows(path, label)
         elif suffix == ".csv":
-            yield from _csv_rows(path, label)
+            yield from _csv_rows(path, label, self.max_row_bytes)
         else:
             yield from _parquet_rows(path, label)
 
     def _jsonl_rows(self, path: Path, label: str) -> Iterator[Row]:
         h = hashlib.sha256()
+        limit = self.max_row_bytes
         with open(path, "rb") as fh:
-            for number, line in enumerate(fh, 1):
+            number = 0
+            while line := fh.readline(limit + 2):  # room for the line's own "\r\n"
+                number += 1
                 h.update(line)
-                if line.strip():
+                if len(line) > limit and len(line.rstrip(b"\r\n")) > limit:
+                    size = _skip_rest_of_line(fh, line, h)
+                    yield label, number, None, OversizedRow(size, line[:_HEAD_BYTES])
+                elif line.strip():
                     yield label, number, line, None
         self._file_hashes[label] = h.hexdigest()
 
@@ -111,14 +143,16 @@ class Source:
             yield self.label, number, None, row
 
 
-def open_source(spec: str, split: str = "train", *, exclude: Path | None = None) -> Source:
+def open_source(
+    spec: str, split: str = "train", *, exclude: Path | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+) -> Source:
     """Resolve ``spec`` to a local file, a local folder or a hub dataset id. Files under
     ``exclude`` (the output directory, when it sits inside the input folder) are skipped."""
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:
             raise DataError(f"{spec}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
-        return Source(spec, kind="file", files=[path], split=split)
+        return Source(spec, kind="file", files=[path], split=split, max_row_bytes=max_row_bytes)
     if path.is_dir():
         skip = exclude.resolve() if exclude is not None else None
         files = sorted(
@@ -131,10 +165,24 @@ def open_source(spec: str, split: str = "train", *, exclude: Path | None = None)
         )
         if not files:
             raise DataError(f"{spec}: folder holds no {'/'.join(SUFFIXES)} files; point --input at the data files")
-        return Source(spec, kind="folder", files=files, root=path, split=split)
-    if path.suffix.lower() in SUFFIXES or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
-        raise DataError(f"{spec}: no such file or folder (and not a hub dataset id like `tatsu-lab/alpaca`)")
-    return Source(spec, kind="hub", split=split)
+        return Source(spec, kind="folder", files=files, root=path, split=split, max_row_bytes=max_row_bytes)
+    if _looks_local(spec, path):
+        raise DataError(
+            f"{spec}: no such file or folder (and not a hub dataset id like `tatsu-lab/alpaca`); "
+            f"local data must be a {'/'.join(SUFFIXES)} file or a folder of them"
+        )
+    return Source(spec, kind="hub", split=split, max_row_bytes=max_row_bytes)
+
+
+def _looks_local(spec: str, path: Path) -> bool:
+    """A spec that can only mean a local path: a file suffix, a path prefix, a dotted name without an
+    owner (`nope.txt`; hub ids without an owner, like `imdb`, have no dot), or not a hub id at all."""
+    return (
+        path.suffix.lower() in FILE_SUFFIXES
+        or spec.startswith((".", "/", "~"))
+        or ("/" not in spec and "." in spec)
+        or not _HUB_ID.match(spec)
+    )
 
 
 def load_hub_dataset(dataset_id: str, split: str):
@@ -177,12 +225,36 @@ def _json_array_rows(path: Path, label: str) -> Iterator[Row]:
         yield label, number, None, row
 
 
-def _csv_rows(path: Path, label: str) -> Iterator[Row]:
+def _csv_rows(path: Path, label: str, max_row_bytes: int) -> Iterator[Row]:
+    csv.field_size_limit(max(max_row_bytes, 1 << 17))
     with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
-        for record in reader:
-            row = {k: _maybe_json(k, v) for k, v in record.items() if k is not None}
-            yield label, reader.line_num, None, row
+        try:
+            for record in reader:
+                row = {k: _maybe_json(k, v) for k, v in record.items() if k is not None}
+                yield label, reader.line_num, None, row
+        except UnicodeDecodeError as exc:
+            line = _first_undecodable_line(path)
+            raise DataError(
+                f"{label}:{line}: not UTF-8 text ({exc.reason} at byte 0x{exc.object[exc.start]:02x}); "
+                "re-save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+            ) from None
+        except csv.Error as exc:
+            raise DataError(
+                f"{label}:{reader.line_num + 1}: unreadable CSV record ({exc}); a field above --max-row-bytes "
+                f"{max_row_bytes} or an unclosed quote. Fix the record, or raise --max-row-bytes"
+            ) from None
+
+
+def _first_undecodable_line(path: Path) -> int:
+    """1-based number of the first line of ``path`` that is not valid UTF-8."""
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 0
 
 
 def _maybe_json(key: str, value: Any) -> Any:
@@ -195,10 +267,31 @@ def _maybe_json(key: str, value: Any) -> Any:
 
 
 def _parquet_rows(path: Path, label: str) -> Iterator[Row]:
+    import pyarrow
     import pyarrow.parquet as pq
 
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            number += 1
-            yield label, number, None, row
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield label, number, None, row
+    except pyarrow.ArrowException as exc:
+        where = f"{label}: after row {number}" if number else label
+        raise DataError(
+            f"{where}: not a readable Parquet file ({type(exc).__name__}: {' '.join(str(exc).split())}); "
+            "re-export it, or remove it from the input folder"
+        ) from None
+
+
+def _skip_rest_of_line(fh, head: bytes, h) -> int:
+    """Read (and hash) the rest of an oversized line in blocks; return its size without the newline."""
+    size = len(head)
+    last = head
+    while not last.endswith(b"\n"):
+        last = fh.readline(_READ_BLOCK)
+        if not last:
+            break
+        h.update(last)
+        size += len(last)
+    return size - (2 if last.endswith(b"\r\n") else 1 if last.endswith(b"\n") else 0)

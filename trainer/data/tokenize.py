@@ -12,6 +12,12 @@ atomically, with a completion marker.
 The cache key hashes the data files, the tokenizer (vocabulary, merges, added
 and special tokens), the chat template, max length, packing and truncation. A
 complete output directory with the same key is left untouched (``cache hit``).
+
+Nothing silent: when more than ``max_drop_fraction`` of the rows (all splits
+together) are dropped (too long, no trainable token, template errors) the run
+fails with the counts per reason, cache hit or not. A document whose character
+count alone proves it longer than ``max_length`` tokens is dropped without being
+tokenized. ``output_dir`` is replaced only when llmft wrote it (or ``force``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 from llmft.trainer.data.encode import EncodePlan, encode_chunk, init_worker
+from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, NORMALIZER_SLACK
 from llmft.trainer.data.packing import best_fit_pack, packing_efficiency
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
@@ -39,14 +46,15 @@ from llmft.trainer.data.templates import (
     template_hash,
 )
 from llmft.trainer.errors import DataError
-from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete, sha256_file
+from llmft.trainer.io import atomic_directory, atomic_write_json, check_output_target, is_complete, sha256_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: replies located in their own turn and tokenized as their own pieces (new labels)
 SPLITS = ("train", "val", "test")
 TRUNCATION_CHOICES = ("drop", "truncate", "error")
 CHUNK_BYTES = 1 << 19  # ~500 rows of Alpaca-sized JSON per worker task
 COPY_BLOCK_TOKENS = 1 << 22  # tokens per block copy when writing unpacked shards
 MAX_EXAMPLES = 10
+TOKENIZED_KIND = "tokenized-dataset"
 
 
 def tokenize_dataset(
@@ -59,9 +67,14 @@ def tokenize_dataset(
     truncation: str = "drop",
     num_proc: int | None = None,
     chat_template: str | None = None,
+    max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
+    force: bool = False,
 ) -> dict:
     """Tokenize every split of a prepared dataset; return the manifest (``cache_hit`` set)."""
     output_dir = Path(output_dir)
+    _check_drop_fraction(max_drop_fraction)
+    inputs = (input_dir, *([model] if Path(model).exists() else []))
+    check_output_target(output_dir, kind=TOKENIZED_KIND, force=force, inputs=inputs)
     split_files, tokenizer, plan, identity = _resolve_inputs(
         input_dir,
         model,
@@ -73,16 +86,42 @@ def tokenize_dataset(
     )
     cached = cached_manifest(output_dir, identity["cache_key"])
     if cached is not None:
+        check_dropped(cached, max_drop_fraction)
         print(f"cache hit: {output_dir} already holds cache key {identity['cache_key'][:16]}; nothing rewritten")
         return {**cached, "cache_hit": True}
     started = time.perf_counter()
-    with atomic_directory(output_dir, kind="tokenized-dataset", marker=True) as tmp:
+    with atomic_directory(output_dir, kind=TOKENIZED_KIND, marker=True, force=force, inputs=inputs) as tmp:
         splits = _tokenize_splits(split_files, tmp, tokenizer, plan, pack, num_proc or default_num_proc())
         manifest = {**identity, "cache_hit": False, "splits": splits}
+        check_dropped(manifest, max_drop_fraction)
         manifest["created_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")  # noqa: UP017 - py3.10
         manifest["seconds"] = round(time.perf_counter() - started, 3)
         atomic_write_json(tmp / MANIFEST, manifest)
     return manifest
+
+
+def check_dropped(manifest: dict, max_drop_fraction: float) -> None:
+    """DataError when more than ``max_drop_fraction`` of all rows were dropped, with counts per reason."""
+    splits = manifest.get("splits") or {}
+    rows = sum(int(s.get("rows", 0)) for s in splits.values())
+    dropped = {name: Counter(s.get("dropped") or {}) for name, s in splits.items()}
+    total = sum(sum(c.values()) for c in dropped.values())
+    if rows == 0 or total / rows <= max_drop_fraction:
+        return
+    reasons = sum(dropped.values(), Counter())
+    by_reason = ", ".join(f"{reason} {count}" for reason, count in reasons.most_common())
+    examples = [e for s in splits.values() for e in s.get("dropped_examples", [])][:3]
+    first = "; ".join(f"{e['file']}:{e['line']}: {e['reason']}: {e['detail']}" for e in examples)
+    raise DataError(
+        f"{total} of {rows} rows dropped ({total / rows:.2%}), above --max-drop-fraction {max_drop_fraction:.2%}: "
+        f"{by_reason}. First: {first}. Fix: raise --max-length or use --truncation truncate for too_long rows, "
+        "fix the rows, or raise --max-drop-fraction if dropping them is intended"
+    )
+
+
+def _check_drop_fraction(value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise DataError(f"--max-drop-fraction {value} must be in [0, 1]")
 
 
 def cache_key_for(
@@ -118,7 +157,9 @@ def _resolve_inputs(input_dir, model, *, max_length, pack, truncation, num_proc,
     template, template_source = resolve_chat_template(tokenizer, chat_template)
     if template is None and any(_has_conversations(p) for p in split_files.values()):
         raise missing_template_error(model)
-    plan = EncodePlan(template, end_of_turn_marker(tokenizer, template) if template else "", max_length, truncation)
+    end_of_turn = _checked_end_of_turn(tokenizer, template, template_source) if template else ""
+    max_chars = max_length * longest_token_chars(tokenizer) * NORMALIZER_SLACK
+    plan = EncodePlan(template, end_of_turn, max_length, truncation, max_chars)
     identity = _identity(input_dir, split_files, model, tokenizer, plan, template_source, pack)
     return split_files, tokenizer, plan, identity
 
@@ -130,6 +171,34 @@ def _check_arguments(max_length: int, truncation: str, num_proc: int | None) -> 
         raise DataError(f"--max-length {max_length} must be at least 2")
     if num_proc is not None and num_proc < 1:
         raise DataError(f"--num-proc {num_proc} must be at least 1")
+
+
+def _checked_end_of_turn(tokenizer, template: str, source: str) -> str:
+    """Compile the chat template and render a probe conversation with it; a template that is not valid
+    Jinja, or fails on a plain user/assistant exchange, is a one-line DataError naming where it came from."""
+    import jinja2
+
+    where = "the tokenizer's chat template" if source == "tokenizer" else f"--chat-template ({source})"
+    try:
+        return end_of_turn_marker(tokenizer, template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise DataError(
+            f"{where} is not valid Jinja: line {exc.lineno}: {exc.message}. Fix the template text"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - raise_exception(...), undefined names, type errors in the template
+        raise DataError(
+            f"{where} fails on a plain user/assistant conversation: {type(exc).__name__}: {str(exc).rstrip('.')}. "
+            "Fix the template"
+        ) from None
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Most characters one token stands for (vocabulary and added tokens; WordPiece maps a whole unknown
+    word of up to ``max_input_chars_per_word`` characters to one token). Byte-level vocabularies store one
+    character per byte, so this over-counts: a safe bound."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    per_word = getattr(tokenizer.backend_tokenizer.model, "max_input_chars_per_word", 0) or 0
+    return max(longest, int(per_word), 1)
 
 
 def find_split_files(input_dir: Path) -> dict[str, Path]:
@@ -280,8 +349,8 @@ def _count_rows(path: Path) -> int:
 def _tokenize_split(split, path, split_dir, work, pool, num_proc, plan, pack) -> dict:
     ids_path, labels_path = work / f"{split}.ids.bin", work / f"{split}.labels.bin"
     lengths, totals, dropped, examples = [], Counter(), Counter(), []
-    with open(ids_path, "wb") as ids_out, open(labels_path, "wb") as labels_out:
-        bar = progress(desc=f"tokenize {split}", unit="rows", total=_count_rows(path))
+    bar = progress(desc=f"tokenize {split}", unit="rows", total=_count_rows(path))
+    with open(ids_path, "wb") as ids_out, open(labels_path, "wb") as labels_out, bar:  # the bar clears on errors
         for result in ordered_map(pool, encode_chunk, _read_chunks(path), window=2 * num_proc + 2):
             result.input_ids.tofile(ids_out)
             result.labels.tofile(labels_out)
@@ -290,7 +359,6 @@ def _tokenize_split(split, path, split_dir, work, pool, num_proc, plan, pack) ->
             dropped.update(result.dropped)
             examples.extend(result.examples[: MAX_EXAMPLES - len(examples)])
             bar.update(result.rows)
-        bar.close()
     doc_lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
     sequences = best_fit_pack(doc_lengths, plan.max_length) if pack else None
     _write_split(split_dir, ids_path, labels_path, doc_lengths, sequences)

@@ -1,16 +1,20 @@
-"""The trainer's fast path on GPU (issue 6). Each piece is opt-in and exact:
+"""The trainer's fast path on GPU (issues 6, 13). Each piece is exact, and on by default on CUDA:
 
 - ``attention``: ``llmft_varlen`` per-document causal attention for packed rows
   (FlashAttention varlen kernel on CUDA; per-document SDPA elsewhere),
   registered with transformers' AttentionInterface.
 - ``loss``: fused linear cross-entropy over supervised positions only, chunked,
-  never materializing full-vocab logits.
-- ``lora``: a fused LoRA linear swapped into PEFT's lora.Linear modules.
+  never materializing full-vocab logits (the lm_head gathered under DeepSpeed ZeRO-3).
+- ``lora``: a fused LoRA linear (LoRA dropout included) swapped into PEFT's lora.Linear modules.
 - ``lora_groups``: q/k/v and gate/up (one shared input) as one fused node each.
 - ``compile``: torch.compile of the decoder layers in place.
+- ``resolve``: ``auto`` settings -> which pieces apply to this device, method and model, and why
+  not; the ``model.llmft_fastpath`` report and its ``fast path:`` log line.
+- ``memory``: the memory model of a step; the micro batch and checkpointed layers that fit.
+- ``settings``: both of the above resolved once per run (config.json, data manifest, free memory).
 - ``flops``: model FLOPs per step (LoRA 4N + adapters, full 6N, causal attention
   per document) for tokens/s -> MFU, shared by the benchmark and the step logs.
-- ``apply``: one call that switches the pieces on for a model, from config flags.
+- ``apply``: one call that switches the model-level pieces on for a model.
 
 Importing the package registers ``llmft_varlen`` with transformers (when it is
 installed), so ``model.attn_implementation=llmft_varlen`` resolves at load time.

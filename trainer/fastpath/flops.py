@@ -18,6 +18,9 @@ logs share, so their MFU figures agree by construction:
   2 L (L + 1) head_dim heads per layer forward; backward is twice that, for
   both methods (attention has no weights, so LoRA saves nothing there).
 - Recomputation (gradient checkpointing) is never counted: MFU is model FLOPs.
+- Mixture of experts (issue 20): an MoE layer's N counts the router (E x hidden) and the top-k
+  experts each token runs, not all E (MFU over active parameters); an expert adapter's work
+  counts top-k times too.
 
 ``peak_flops`` gives the dense bf16 datasheet peak used as MFU's denominator.
 """
@@ -59,6 +62,30 @@ class ModelShape:
     """Width of the gated MLP (gate/up output, down input)."""
     vocab: int
     """Vocabulary size (rows of lm_head)."""
+    # --- mixture of experts (issue 20; llmft F20): 0 for dense models
+    n_experts: int = 0
+    """Routed experts per MoE layer."""
+    experts_per_token: int = 0
+    """Experts each token runs (top-k)."""
+    moe_intermediate: int = 0
+    """Width of one expert's gated MLP."""
+    moe_layers: int = 0
+    """Layers whose MLP is the sparse MoE block; the other layers have the dense ``intermediate`` MLP."""
+
+    def moe_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """(d_in, d_out, times per token) of the matmuls of one MoE layer: the attention projections,
+        the router (E x hidden) and the fused expert tensors, each run by top-k experts per token."""
+        shapes = {n: (*io, 1) for n, io in self.linear_shapes().items() if n in ALL_LINEAR[:4]}
+        shapes["router"] = (self.hidden, self.n_experts, 1)
+        shapes["experts.gate_up_proj"] = (self.hidden, 2 * self.moe_intermediate, self.experts_per_token)
+        shapes["experts.down_proj"] = (self.moe_intermediate, self.hidden, self.experts_per_token)
+        return shapes
+
+    def layer_groups(self) -> list[tuple[int, dict[str, tuple[int, int, int]]]]:
+        """(number of layers, their matmul shapes) for the dense layers and the MoE layers."""
+        dense = {n: (*io, 1) for n, io in self.linear_shapes().items()}
+        groups = [(self.n_layers - self.moe_layers, dense), (self.moe_layers, self.moe_shapes())]
+        return [(layers, shapes) for layers, shapes in groups if layers]
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of every linear of one decoder layer, by module name."""
@@ -88,23 +115,50 @@ def shape_from_config(config) -> ModelShape:
         head_dim=int(get("head_dim") or hidden // n_heads),
         intermediate=int(get("intermediate_size")),
         vocab=int(get("vocab_size")),
+        **_moe_fields(get),
     )
 
 
+def _moe_fields(get) -> dict:
+    """MoE sizes of a Qwen3-MoE / Qwen2-MoE / Mixtral-style config (num_experts or num_local_experts)."""
+    experts = int(get("num_experts", 0) or get("num_local_experts", 0) or 0)
+    if not experts:
+        return {}
+    layers, step, dense = int(get("num_hidden_layers")), int(get("decoder_sparse_step", 1) or 1), get("mlp_only_layers")
+    return {
+        "n_experts": experts,
+        "experts_per_token": int(get("num_experts_per_tok")),
+        "moe_intermediate": int(get("moe_intermediate_size", 0) or get("intermediate_size")),
+        "moe_layers": sum(1 for i in range(layers) if i not in (dense or ()) and (i + 1) % step == 0),
+    }
+
+
 def matmul_params(shape: ModelShape) -> int:
-    """N: weights of every matmul of the decoder plus lm_head."""
-    per_layer = sum(d_in * d_out for d_in, d_out in shape.linear_shapes().values())
-    return shape.n_layers * per_layer + shape.vocab * shape.hidden
+    """N: weights of every matmul of the decoder plus lm_head (MoE layers: the weights one token
+    uses, i.e. the router and top-k experts: MFU over active parameters)."""
+    per_layers = sum(layers * sum(i * o * k for i, o, k in ls.values()) for layers, ls in shape.layer_groups())
+    return per_layers + shape.vocab * shape.hidden
+
+
+# LoRA target names as the trainer finds them in adapter parameter names (llmft F20): PEFT's
+# ParamWrappers sit at `experts` (outer) and `experts.base_layer` (inner) when both tensors are adapted.
+_EXPERT_ALIASES = {"experts": ("experts.gate_up_proj", "experts.down_proj"), "base_layer": ()}
 
 
 def lora_adapter_flops_per_token(shape: ModelShape, rank: int, targets: Iterable[str] = ALL_LINEAR) -> int:
-    """Forward + backward FLOPs of the LoRA adapters for one token: 6 r (d_in + d_out) each."""
-    linears = shape.linear_shapes()
-    unknown = sorted(set(targets) - set(linears))
+    """Forward + backward FLOPs of the LoRA adapters for one token: 6 r (d_in + d_out) each (an
+    expert adapter: times the experts a token runs). ``ALL_LINEAR`` (all-linear) on an MoE layer
+    means its attention projections, as trainer.fastpath.moe resolves it."""
+    targets = set(targets)
+    known = {name for _, shapes in shape.layer_groups() for name in shapes} | set(_EXPERT_ALIASES)
+    unknown = sorted(targets - known - (set(ALL_LINEAR) if targets == set(ALL_LINEAR) else set()))
     if unknown:
-        raise ValueError(f"unknown LoRA target module(s) {unknown}; known: {sorted(linears)}")
-    per_layer = sum(6 * rank * (linears[t][0] + linears[t][1]) for t in set(targets))
-    return shape.n_layers * per_layer
+        raise ValueError(f"unknown LoRA target module(s) {unknown}; known: {sorted(known)}")
+    names = {n for t in targets for n in _EXPERT_ALIASES.get(t, (t,))}
+    return sum(
+        layers * sum(6 * rank * (i + o) * k for name, (i, o, k) in shapes.items() if name in names)
+        for layers, shapes in shape.layer_groups()
+    )
 
 
 def attention_flops(shape: ModelShape, doc_lengths: Iterable[int]) -> float:

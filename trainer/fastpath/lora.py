@@ -1,4 +1,4 @@
-"""A fused LoRA linear for PEFT models: ``y = x W^T + b + s (x A^T) B^T`` in one
+"""A fused LoRA linear for PEFT models: ``y = x W^T + b + s (drop(x) A^T) B^T`` in one
 autograd node with fewer passes over the activations.
 
 PEFT's ``lora.Linear`` runs the base layer, then ``lora_B(lora_A(dropout(x)))``,
@@ -6,20 +6,30 @@ then multiplies by the scaling and adds: the (tokens x d_out) LoRA output is
 written, read back, scaled and summed into a third tensor, and the adapters,
 kept in fp32 by PEFT, pull the activations up to fp32 for their matmuls. Here:
 
-- forward: ``h = x A^T`` (tokens x r, tiny) and the base matmul, then
+- forward: ``h = drop(x) A^T`` (tokens x r, tiny) and the base matmul, then
   ``out.addmm_(h, B^T, alpha=s)``: cuBLAS adds the rank-r product into the base
   output in its epilogue (one read + write of ``out`` instead of four passes);
-- backward: ``g = s (dy B)`` (tokens x r), ``dx = dy W`` then ``dx.addmm_(g, A)``,
-  ``dA = g^T x``, ``dB = s dy^T h``: no (tokens x d_out) temporaries at all;
+- backward: ``g = s (dy B)`` (tokens x r), ``dx = dy W`` then ``dx += drop'(g A)``,
+  ``dA = g^T drop(x)``, ``dB = s dy^T h``: no (tokens x d_out) temporaries at all;
 - matmuls in the activations' dtype (bf16) with fp32 accumulation; gradients are
   returned in the adapters' own dtype (fp32 master weights stay fp32).
 
+LoRA dropout keeps PEFT's semantics: in training mode the adapter path sees
+``drop(x) = x * mask / (1 - p)`` with a Bernoulli(1 - p) mask (``torch.native_dropout``,
+the kernel ``nn.Dropout`` runs, drawn in the same order as PEFT draws it: one mask per
+adapted linear, when that linear runs); the base path sees ``x`` itself. The boolean mask
+is saved for the backward (1 byte per input element) and ``drop(x)`` is rebuilt from
+``x`` there, instead of keeping PEFT's fp32 copy of the dropped input (4 bytes). In eval
+mode (or ``p = 0``) there is no mask and no extra memory.
+
 :func:`fuse_lora_linears` swaps this forward into every PEFT ``lora.Linear``
-that it covers exactly (one active adapter, no dropout, no DoRA or other
-variant, unmerged, a plain ``nn.Linear`` base), leaving the module, its
-parameters and its state-dict keys untouched, so saving and loading adapters is
-unchanged. Others keep PEFT's forward. Not for DeepSpeed ZeRO-3 (its
-partitioned base weights are gathered by hooks on the base layer this skips).
+that it covers exactly (one active adapter, no DoRA or other variant, unmerged,
+a plain ``nn.Linear`` base, dropout an ``nn.Dropout`` or none), leaving the module,
+its parameters and its state-dict keys untouched, so saving and loading adapters is
+unchanged. PEFT's ``lora.Linear4bit`` over a bitsandbytes 4-bit base (QLoRA) takes the same
+forward with the base weight dequantized inside (qlora.py). Others keep PEFT's forward. Not for
+DeepSpeed ZeRO-3 (its partitioned base weights are gathered by hooks on the base layer
+this skips).
 """
 
 from __future__ import annotations
@@ -29,40 +39,56 @@ import types
 import torch
 
 
+def drop_input(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``x`` with inverted dropout ``p`` applied, its boolean keep-mask); ``(x, None)`` when p is 0."""
+    if p <= 0.0:
+        return x, None
+    return torch.native_dropout(x, p, True)
+
+
+def redrop(x: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
+    """``drop(x)`` rebuilt from its mask (the backward's copy of what the forward computed)."""
+    return x if mask is None else x * mask * (1.0 / (1.0 - p))
+
+
 class _LoraLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, p):
         in_shape = x.shape
         x2 = x.reshape(-1, in_shape[-1])
         a = lora_a.to(x.dtype)
         b = lora_b.to(x.dtype)
-        h = x2 @ a.t()
+        xd, mask = drop_input(x2, p)
+        h = xd @ a.t()
         out = torch.addmm(bias.to(x.dtype), x2, weight.t()) if bias is not None else x2 @ weight.t()
         out.addmm_(h, b.t(), alpha=scaling)
-        ctx.save_for_backward(x2, weight, a, b, h)
-        ctx.scaling = scaling
+        ctx.save_for_backward(x2, weight, a, b, h, mask)
+        ctx.scaling, ctx.p = scaling, p
         ctx.in_shape = in_shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.view(*in_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, weight, a, b, h = ctx.saved_tensors
+        x2, weight, a, b, h, mask = ctx.saved_tensors
         a_dtype, b_dtype, w_dtype, bias_dtype = ctx.dtypes
         g_out = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
         g_h = (g_out @ b) * ctx.scaling
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = g_out @ weight.to(x2.dtype)
-            grad_x.addmm_(g_h, a)
+            if mask is None:
+                grad_x.addmm_(g_h, a)
+            else:
+                grad_x += redrop(g_h @ a, mask, ctx.p)
             grad_x = grad_x.view(ctx.in_shape)
         if ctx.needs_input_grad[1]:
             grad_w = (g_out.t() @ x2).to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = g_out.sum(0).to(bias_dtype)
-        grad_a = (g_h.t() @ x2).to(a_dtype) if ctx.needs_input_grad[3] else None
+        grad_a = (g_h.t() @ redrop(x2, mask, ctx.p)).to(a_dtype) if ctx.needs_input_grad[3] else None
         grad_b = ((g_out.t() @ h) * ctx.scaling).to(b_dtype) if ctx.needs_input_grad[4] else None
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None
 
 
 class _LoraLinearConcatFunction(torch.autograd.Function):
@@ -72,23 +98,24 @@ class _LoraLinearConcatFunction(torch.autograd.Function):
     where every extra pass over the (tokens x d_out) output costs most."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, p):
         in_shape = x.shape
         x2 = x.reshape(-1, in_shape[-1])
         a = lora_a.to(x.dtype)
-        h = x2 @ a.t()
+        xd, mask = drop_input(x2, p)
+        h = xd @ a.t()
         xh = torch.cat([x2, h], dim=1)
         wb = torch.cat([weight.to(x.dtype), lora_b.to(x.dtype) * scaling], dim=1)
         out = torch.addmm(bias.to(x.dtype), xh, wb.t()) if bias is not None else xh @ wb.t()
-        ctx.save_for_backward(xh, weight, a, lora_b)
-        ctx.scaling = scaling
+        ctx.save_for_backward(xh, weight, a, lora_b, mask)
+        ctx.scaling, ctx.p = scaling, p
         ctx.in_shape = in_shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.view(*in_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        xh, weight, a, lora_b = ctx.saved_tensors
+        xh, weight, a, lora_b, mask = ctx.saved_tensors
         a_dtype, b_dtype, w_dtype, bias_dtype = ctx.dtypes
         d_in = weight.shape[1]
         g_out = grad_out.reshape(-1, grad_out.shape[-1]).to(xh.dtype)
@@ -97,14 +124,21 @@ class _LoraLinearConcatFunction(torch.autograd.Function):
         g_h = both[:, d_in:]
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.addmm(both[:, :d_in], g_h, a).view(ctx.in_shape)
+            if mask is None:
+                grad_x = torch.addmm(both[:, :d_in], g_h, a)
+            else:
+                grad_x = both[:, :d_in] + redrop(g_h @ a, mask, ctx.p)
+            grad_x = grad_x.view(ctx.in_shape)
         if ctx.needs_input_grad[1]:
             grad_w = (g_out.t() @ xh[:, :d_in]).to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = g_out.sum(0).to(bias_dtype)
-        grad_a = (g_h.t() @ xh[:, :d_in]).to(a_dtype) if ctx.needs_input_grad[3] else None
+        if ctx.needs_input_grad[3]:
+            grad_a = (g_h.t() @ redrop(xh[:, :d_in], mask, ctx.p)).to(a_dtype)
+        else:
+            grad_a = None
         grad_b = ((g_out.t() @ xh[:, d_in:]) * ctx.scaling).to(b_dtype) if ctx.needs_input_grad[4] else None
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None
 
 
 # Which form each fused linear uses: "epilogue" (addmm into the base output),
@@ -112,13 +146,22 @@ class _LoraLinearConcatFunction(torch.autograd.Function):
 LORA_MODE = "auto"
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, mode: str | None = None) -> torch.Tensor:
-    """``x W^T + b + scaling * (x A^T) B^T`` as one autograd node (see module doc)."""
+def lora_linear(
+    x, weight, bias, lora_a, lora_b, scaling: float, mode: str | None = None, dropout: float = 0.0
+) -> torch.Tensor:
+    """``x W^T + b + scaling * (drop(x) A^T) B^T`` as one autograd node (see module doc);
+    ``dropout`` is the LoRA dropout probability of a module in training mode (0 in eval mode)."""
     mode = mode or LORA_MODE
     if mode == "auto":
         mode = "concat" if weight.shape[0] > weight.shape[1] else "epilogue"
     fn = _LoraLinearConcatFunction if mode == "concat" else _LoraLinearFunction
-    return fn.apply(x, weight, bias, lora_a, lora_b, float(scaling))
+    return fn.apply(x, weight, bias, lora_a, lora_b, float(scaling), float(dropout))
+
+
+def dropout_p(module, adapter: str) -> float:
+    """The LoRA dropout probability ``module`` applies to ``adapter`` now (0 in eval mode or without dropout)."""
+    drop = module.lora_dropout[adapter]
+    return float(drop.p) if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
 
 
 def adapter_in_use(module) -> str | None:
@@ -149,8 +192,19 @@ def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or name is None:
         return self._llmft_peft_forward(x, *args, **kwargs)
     base = self.get_base_layer()
+    if type(base) is not torch.nn.Linear:  # a 4-bit base (_why_not_fusable admitted nothing else)
+        from llmft.trainer.fastpath.qlora import lora_4bit_linear
+
+        lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
+        return lora_4bit_linear(x, [base], [lora_a], [lora_b], [self.scaling[name]], [dropout_p(self, name)])
     return lora_linear(
-        x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+        x,
+        base.weight,
+        base.bias,
+        self.lora_A[name].weight,
+        self.lora_B[name].weight,
+        self.scaling[name],
+        dropout=dropout_p(self, name),
     )
 
 
@@ -158,32 +212,45 @@ def _why_not_fusable(module) -> str | None:
     """None when the module's LoRA can take the fused forward, else the reason."""
     base = module.get_base_layer()
     if type(base) is not torch.nn.Linear:
-        return f"base layer is {type(base).__name__}, not nn.Linear"
+        from llmft.trainer.fastpath.qlora import why_not_4bit
+
+        reason = why_not_4bit(base)
+        if reason is not None:
+            return reason
     if hasattr(base.weight, "ds_id"):
         return "DeepSpeed ZeRO-3 partitioned weight"
     if getattr(module, "lora_variant", None):
         return "a LoRA variant (DoRA, ...) is active"
     if any(getattr(module, "use_dora", {}).values()):
         return "DoRA"
+    if any(getattr(module, "lora_bias", {}).values()):
+        return "a bias on lora_B (lora_bias) is not reproduced"
     for dropout in module.lora_dropout.values():
-        if not isinstance(dropout, torch.nn.Identity) and getattr(dropout, "p", 0.0) > 0.0:
-            return f"LoRA dropout {dropout.p} > 0"
+        if type(dropout) not in (torch.nn.Identity, torch.nn.Dropout):
+            return f"LoRA dropout module {type(dropout).__name__} (only nn.Dropout is reproduced)"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out weights"
     return None
 
 
+def is_lora_linear(module) -> bool:
+    """PEFT's ``lora.Linear``, or its ``lora.Linear4bit`` (a bitsandbytes 4-bit base; peft/tuners/lora/bnb.py
+    defines it only where bitsandbytes imports, and it is no subclass of ``lora.Linear``)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    cls = type(module)
+    return isinstance(module, LoraLinear) or (cls.__name__ == "Linear4bit" and cls.__module__ == "peft.tuners.lora.bnb")
+
+
 def fuse_lora_linears(model: torch.nn.Module) -> dict[str, str]:
-    """Swap the fused forward into every PEFT lora.Linear it covers exactly.
+    """Swap the fused forward into every PEFT lora.Linear (or lora.Linear4bit) it covers exactly.
 
     Returns ``{module name: reason}`` for the LoRA linears left on PEFT's forward
     (empty when every one was fused). Idempotent.
     """
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
     skipped: dict[str, str] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, LoraLinear) or hasattr(module, "_llmft_peft_forward"):
+        if not is_lora_linear(module) or hasattr(module, "_llmft_peft_forward"):
             continue
         reason = _why_not_fusable(module)
         if reason is not None:

@@ -19,6 +19,16 @@ each child its column slice together with the input it was computed from, then
 calls the original forward; a child called with that same input tensor
 returns its slice, with any other input it computes as before. Same sums as
 the per-projection path, so the result is exact up to rounding order.
+
+LoRA dropout (PEFT's semantics, lora.py): each sibling draws its own mask over
+the shared input, in the order the layer calls them (q, k, v; gate, up), and its
+adapter reads its own dropped input; the base matmul reads the input itself.
+With dropout on, ``h`` takes one thin matmul per sibling instead of one for the
+group, and the backward rebuilds each dropped input from its boolean mask.
+
+4-bit siblings (QLoRA) group when they share one quantization layout (input width, block size,
+quant type, double quantization, storage dtype): qlora.py dequantizes them into one stacked
+weight and runs the same concat form; otherwise each runs its own fused 4-bit node.
 """
 
 from __future__ import annotations
@@ -26,7 +36,8 @@ from __future__ import annotations
 import types
 
 import torch
-from llmft.trainer.fastpath.lora import adapter_in_use
+from llmft.trainer.fastpath.lora import adapter_in_use, drop_input, dropout_p, redrop
+from llmft.trainer.fastpath.qlora import is_4bit, layout, lora_4bit_linear, out_features
 
 # (parent attribute names) that transformers' decoder layers call with one shared input.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -41,50 +52,75 @@ def _stacked_weight(weights, lora_bs, scalings, dtype) -> torch.Tensor:
 
 class _GroupedLoraFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, scalings, *tensors):
+    def forward(ctx, x, scalings, dropouts, *tensors):
         n = len(scalings)
         weights, biases, lora_as, lora_bs = (tensors[i * n : (i + 1) * n] for i in range(4))
         in_shape = x.shape
         x2 = x.reshape(-1, in_shape[-1])
         a = torch.cat([la.to(x.dtype) for la in lora_as])
-        xh = torch.cat([x2, x2 @ a.t()], dim=1)
+        if any(dropouts):  # PEFT: one mask per sibling, drawn in call order
+            dropped = [drop_input(x2, p) for p in dropouts]
+            masks = [mask for _, mask in dropped]
+            ranks = _offsets([la.shape[0] for la in lora_as])
+            h = torch.cat([xd @ a[k0:k1].t() for (xd, _), (k0, k1) in zip(dropped, ranks, strict=True)], dim=1)
+        else:
+            masks = [None] * n
+            h = x2 @ a.t()
+        xh = torch.cat([x2, h], dim=1)
         wb = _stacked_weight(weights, lora_bs, scalings, x.dtype)
         if biases[0] is not None:
             out = torch.addmm(torch.cat([b.to(x.dtype) for b in biases]), xh, wb.t())
         else:
             out = xh @ wb.t()
-        ctx.save_for_backward(xh, a, *weights, *lora_bs)
-        ctx.scalings, ctx.in_shape = scalings, in_shape
+        ctx.save_for_backward(xh, a, *weights, *lora_bs, *masks)
+        ctx.scalings, ctx.dropouts, ctx.in_shape = scalings, dropouts, in_shape
         ctx.dtypes = [t.dtype if t is not None else None for t in tensors]
         return out.view(*in_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         xh, a, *rest = ctx.saved_tensors
-        scalings, n = ctx.scalings, len(ctx.scalings)
-        weights, lora_bs = rest[:n], rest[n:]
+        scalings, dropouts, n = ctx.scalings, ctx.dropouts, len(ctx.scalings)
+        weights, lora_bs, masks = rest[:n], rest[n : 2 * n], rest[2 * n :]
         d_in = ctx.in_shape[-1]
+        x2 = xh[:, :d_in]
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(xh.dtype)
         both = g @ _stacked_weight(weights, lora_bs, scalings, xh.dtype)  # [dx through W | dh]
         dh = both[:, d_in:]
-        needs = ctx.needs_input_grad[2:]
-        grad_x = torch.addmm(both[:, :d_in], dh, a).view(ctx.in_shape) if ctx.needs_input_grad[0] else None
-        grads = [None] * (4 * n)
+        needs = ctx.needs_input_grad[3:]
         rows = _offsets([w.shape[0] for w in weights])
         ranks = _offsets([b.shape[1] for b in lora_bs])
-        grad_a = dh.t() @ xh[:, :d_in] if any(needs[2 * n : 3 * n]) else None
+        dropped = any(dropouts)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if not dropped:
+                grad_x = torch.addmm(both[:, :d_in], dh, a)
+            else:
+                grad_x = both[:, :d_in].clone()
+                for (k0, k1), mask, p in zip(ranks, masks, dropouts, strict=True):
+                    grad_x += redrop(dh[:, k0:k1] @ a[k0:k1], mask, p)
+            grad_x = grad_x.view(ctx.in_shape)
+        grads = [None] * (4 * n)
+        if not any(needs[2 * n : 3 * n]):
+            grad_a = None
+        elif not dropped:
+            grad_a = dh.t() @ x2
+        else:
+            grad_a = torch.cat(
+                [dh[:, k0:k1].t() @ redrop(x2, m, p) for (k0, k1), m, p in zip(ranks, masks, dropouts, strict=True)]
+            )
         grad_b = g.t() @ xh[:, d_in:] if any(needs[3 * n :]) else None
         for i in range(n):
             (r0, r1), (k0, k1) = rows[i], ranks[i]
             if needs[i]:  # a trained base weight (not LoRA's case, kept exact anyway)
-                grads[i] = (g[:, r0:r1].t() @ xh[:, :d_in]).to(ctx.dtypes[i])
+                grads[i] = (g[:, r0:r1].t() @ x2).to(ctx.dtypes[i])
             if needs[n + i]:
                 grads[n + i] = g[:, r0:r1].sum(0).to(ctx.dtypes[n + i])
             if needs[2 * n + i]:
                 grads[2 * n + i] = grad_a[k0:k1].to(ctx.dtypes[2 * n + i])
             if needs[3 * n + i]:
                 grads[3 * n + i] = (grad_b[r0:r1, k0:k1] * scalings[i]).to(ctx.dtypes[3 * n + i])
-        return (grad_x, None, *grads)
+        return (grad_x, None, None, *grads)
 
 
 def _offsets(sizes) -> list[tuple[int, int]]:
@@ -95,12 +131,15 @@ def _offsets(sizes) -> list[tuple[int, int]]:
     return out
 
 
-def grouped_lora_linear(x, weights, biases, lora_as, lora_bs, scalings) -> torch.Tensor:
-    """``[x W_i^T + b_i + s_i (x A_i^T) B_i^T for each i]`` side by side in one (..., sum d_out) tensor.
-    ``biases``: all tensors or all None."""
+def grouped_lora_linear(x, weights, biases, lora_as, lora_bs, scalings, dropouts=None) -> torch.Tensor:
+    """``[x W_i^T + b_i + s_i (drop_i(x) A_i^T) B_i^T for each i]`` side by side in one (..., sum d_out)
+    tensor. ``biases``: all tensors or all None; ``dropouts``: each sibling's LoRA dropout (default none)."""
     if len({b is None for b in biases}) != 1:
         raise ValueError("grouped LoRA projections need all biases or none")
-    return _GroupedLoraFunction.apply(x, tuple(float(s) for s in scalings), *weights, *biases, *lora_as, *lora_bs)
+    drops = tuple(float(p) for p in (dropouts or [0.0] * len(weights)))
+    return _GroupedLoraFunction.apply(
+        x, tuple(float(s) for s in scalings), drops, *weights, *biases, *lora_as, *lora_bs
+    )
 
 
 def _grouped_forward(self, *args, **kwargs):
@@ -111,18 +150,19 @@ def _grouped_forward(self, *args, **kwargs):
     if x is None or None in names:
         return self._llmft_forward(*args, **kwargs)
     bases = [m.get_base_layer() for m in members]
-    out = grouped_lora_linear(
-        x,
-        [b.weight for b in bases],
-        [b.bias for b in bases],
-        [m.lora_A[n].weight for m, n in zip(members, names, strict=True)],
-        [m.lora_B[n].weight for m, n in zip(members, names, strict=True)],
-        [m.scaling[n] for m, n in zip(members, names, strict=True)],
-    )
+    lora_as = [m.lora_A[n].weight for m, n in zip(members, names, strict=True)]
+    lora_bs = [m.lora_B[n].weight for m, n in zip(members, names, strict=True)]
+    scalings = [m.scaling[n] for m, n in zip(members, names, strict=True)]
+    dropouts = [dropout_p(m, n) for m, n in zip(members, names, strict=True)]
+    if is_4bit(bases[0]):  # QLoRA: one stacked dequantized weight (qlora.py)
+        out = lora_4bit_linear(x, bases, lora_as, lora_bs, scalings, dropouts)
+    else:
+        weights, biases = [b.weight for b in bases], [b.bias for b in bases]
+        out = grouped_lora_linear(x, weights, biases, lora_as, lora_bs, scalings, dropouts)
     start = 0
     for member, base in zip(members, bases, strict=True):
-        member._llmft_given = (x, out[..., start : start + base.weight.shape[0]])
-        start += base.weight.shape[0]
+        member._llmft_given = (x, out[..., start : start + out_features(base)])
+        start += out_features(base)
     try:
         return self._llmft_forward(*args, **kwargs)
     finally:
@@ -134,7 +174,12 @@ def _why_not_groupable(members) -> str | None:
     bases = [m.get_base_layer() for m in members]
     if not all(hasattr(m, "_llmft_peft_forward") for m in members):
         return "not every projection runs the fused LoRA forward"
-    if len({b.weight.shape[1] for b in bases}) != 1 or len({(b.weight.dtype, b.weight.device) for b in bases}) != 1:
+    four_bit = {is_4bit(b) for b in bases}
+    if len(four_bit) != 1:
+        return "some projections are 4-bit and some are not"
+    if four_bit == {True} and len({layout(b) for b in bases}) != 1:
+        return "4-bit projections differ in input width or quantization layout (block size, type, storage)"
+    if len({b.in_features for b in bases}) != 1 or len({(b.weight.dtype, b.weight.device) for b in bases}) != 1:
         return "projections differ in input width, dtype or device"
     if len({b.bias is None for b in bases}) != 1:
         return "some projections have a bias and some do not"

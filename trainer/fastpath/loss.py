@@ -15,6 +15,11 @@ forward pass. Peak extra memory: one chunk of logits plus its gradient.
 :func:`lm_head_bypassed` lets a model wrapped in PEFT and/or DDP return its
 final hidden states in place of logits, so the loss can be fused while the
 forward still goes through every wrapper's hooks.
+
+Under DeepSpeed ZeRO-3 the head's weight is a partition on each rank; the loss
+gathers it (``deepspeed.zero.GatheredParameters``) for the length of the fused
+loss's forward only: that forward already computes every gradient the backward
+hands out, so the full weight is never needed again and is released at once.
 """
 
 from __future__ import annotations
@@ -160,10 +165,10 @@ def _return_input(hidden_states: torch.Tensor) -> torch.Tensor:
 def lm_head_bypassed(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block, the model's output head returns its input (final hidden states).
 
-    Yields the head module, whose ``.weight`` is what the fused loss needs. Works
-    through PEFT and DDP wrappers (the forward still runs through them). Refuses
-    heads it cannot bypass exactly: biased or adapter-wrapped heads, and
-    DeepSpeed ZeRO-3 partitioned weights (use the plain loss there).
+    Yields the head module, whose ``.weight`` is what the fused loss needs (gather it
+    with :func:`gathered_weight` under DeepSpeed ZeRO-3). Works through PEFT and DDP
+    wrappers (the forward still runs through them). Refuses heads it cannot bypass
+    exactly: biased or adapter-wrapped heads.
     """
     head = _output_head(model)
     if type(head) is not torch.nn.Linear or head.bias is not None:
@@ -171,13 +176,21 @@ def lm_head_bypassed(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             f"fused loss needs a plain bias-free nn.Linear output head, found {type(head).__name__}; "
             "set kernels.fused_loss=false (or keep lm_head out of the LoRA target modules)"
         )
-    if hasattr(head.weight, "ds_id") or head.weight.numel() == 0:
-        raise ValueError("fused loss does not support DeepSpeed ZeRO-3 partitioned heads; set kernels.fused_loss=false")
     head.forward = _return_input
     try:
         yield head
     finally:
         del head.forward
+
+
+def gathered_weight(weight: torch.Tensor):
+    """Context in which a DeepSpeed ZeRO-3 partitioned ``weight`` holds its full value on every rank
+    (read-only; released on exit); a no-op for an ordinary tensor."""
+    if not hasattr(weight, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -205,6 +218,7 @@ def fused_causal_lm_loss(
     """
     with lm_head_bypassed(model) as head:
         hidden = model(input_ids=input_ids, use_cache=False, **forward_kwargs).logits
-    return fused_linear_cross_entropy(
-        hidden, head.weight, targets, reduction=reduction, select=select, chunk_size=chunk_size
-    )
+    with gathered_weight(head.weight):
+        return fused_linear_cross_entropy(
+            hidden, head.weight, targets, reduction=reduction, select=select, chunk_size=chunk_size
+        )

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 19 on one host of 4 GPUs (nvidia-h100-x4), one call, by priority with absolute deadlines (bash SECONDS):
+#   1. Llama-3-8B shape LoRA DDP: 1 GPU (GPU 0) beside 2 GPUs (GPUs 2,3) at the same time, then 4 GPUs
+#      (weak scaling: 64 samples per GPU per step, the tuned project arm);
+#   2. the multi-node path: two torchrun "nodes" of 2 GPUs (benchmarks/gpu/multinode.py) against one node
+#      of 4, then SIGTERM to one node and a restart of both;
+#   3. Llama-3-8B full fine-tuning with DeepSpeed ZeRO-3 on 4 GPUs, then 2, as time allows.
+# usage (repo root on the GPU machine): bash benchmarks/gpu/scaleout.sh   (writes under $OUT)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+OUT=${OUT:-/tmp/out}; W=/tmp/wb; mkdir -p "$OUT" "$W"
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+(DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+  .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1; echo "deepspeed install rc=$?" >> "$W/ds_install.log") &
+nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m | head -8
+bench() { python3 -m llmft bench train --work "$W" "$@" 2>&1 | tee -a "$OUT/bench.log"; }
+left() { echo $(( $1 - SECONDS )); }
+
+# The 8B checkpoint once, before two arms read it at the same time.
+CUDA_VISIBLE_DEVICES=0 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \
+write_model_dir('llama-3-8b', Path('/tmp/llmft-project/models'))" && echo "8B checkpoint written at ${SECONDS}s"
+
+# 1. 8B LoRA: 1 GPU and 2 GPUs side by side (separate result folders, merged below), then 4 GPUs.
+(CUDA_VISIBLE_DEVICES=2,3 python3 -m llmft bench train --work "$W/x2" --out "$W/x2out" --label ddp-2gpu \
+  --jobs "project:llama-3-8b:lora" --steps 14 --warmup 4 --extra "--nproc 2" \
+  --deadline-s $(left 200) --arm-timeout-s $(left 200) > "$W/x2.log" 2>&1) &
+X2=$!
+CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label 1gpu --jobs "check,project:llama-3-8b:lora" --steps 14 --warmup 4 \
+  --deadline-s $(left 200) --arm-timeout-s $(left 200)
+wait $X2; bench --out "$OUT" --jobs "" --merge-from "$W/x2out"
+bench --out "$OUT" --label ddp-4gpu --jobs "project:llama-3-8b:lora" --steps 14 --warmup 4 --extra "--nproc 4" \
+  --deadline-s $(left 300) --arm-timeout-s $(left 300)
+
+# 2. The multi-node path (Qwen2.5-0.5B shape, uncompiled: correctness and the restart, not speed).
+timeout $(left 420) python3 -m llmft.benchmarks.gpu.multinode --model qwen2.5-0.5b --gpus-per-node 2 --steps 30 \
+  --preempt-at 10 --timeout 90 --logs "$W/multinode-logs" --json-out "$OUT/multinode.json" 2>&1 | tail -n 40
+echo "multinode done at ${SECONDS}s"
+
+# 3. ZeRO-3 full fine-tuning of the 8B shape (fused loss with the gathered head; layers uncompiled).
+wait; cat "$W/ds_install.log"
+Z3="--override distributed.backend=deepspeed --override distributed.zero_stage=3 --no-compile"
+bench --out "$OUT" --label zero3-4gpu --jobs "project:llama-3-8b:full" --steps 10 --warmup 4 --extra "--nproc 4 $Z3" \
+  --deadline-s $(left 500) --arm-timeout-s $(left 500)
+[ $(left 560) -gt 60 ] && CUDA_VISIBLE_DEVICES=0,1 bench --out "$OUT" --label zero3-2gpu --jobs "project:llama-3-8b:full" \
+  --steps 8 --warmup 3 --extra "--nproc 2 $Z3" --deadline-s $(left 570) --arm-timeout-s $(left 570)
+tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' --exclude='./x2/models' --exclude='./x2/data' .
+echo "done at ${SECONDS}s"

@@ -1,0 +1,331 @@
+"""The checks of the plan step (:func:`llmft.components.lib.plan.build_plan`), and its Secret preflight.
+
+Each check raises ConfigError naming the pipeline parameter and the fix, so a mistake costs
+seconds on a CPU pod instead of a GPU job. :func:`preflight_secrets` reads the Secrets the plan
+names through the Kubernetes API (on a cluster only) and names every missing Secret or key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from llmft.components.lib.plan import (
+    COMPILED_PARAMETERS,
+    DATA_MOUNT,
+    DEPLOY_MODES,
+    KFP_POD_ENV,
+    PIPELINE_OWNED_KEYS,
+    SWEEP_BACKENDS,
+    TRAINING_BACKENDS,
+    Resources,
+    SecretMount,
+)
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.names import check_k8s_name, check_path_component
+
+SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "hf": (("HF_TOKEN",), ("HF_TOKEN",)),
+    "mlflow": (
+        ("MLFLOW_TRACKING_URI",),
+        ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"),
+    ),
+    "langfuse": (
+        ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"),
+        ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST", "LANGFUSE_BASE_URL"),
+    ),
+}
+"""kind -> (keys mounted when the parameter names only the Secret, keys it may list). A key is
+also the environment variable's name."""
+SECRET_PARAMETERS = {"hf": "hf_token_secret", "mlflow": "mlflow_secret", "langfuse": "langfuse_secret"}
+"""kind -> the pipeline parameter that names its Secret ('' = none)."""
+TASK_SECRET_KINDS = {
+    "prepare-dataset": ("hf",),
+    "tokenize-dataset": ("hf",),
+    "evaluate-perplexity": ("hf",),
+    "register-model": ("mlflow",),
+    "sweep-hyperparameters": ("mlflow",),
+}
+"""Which Secrets the compiled pipeline mounts into which of its own tasks (the training job and
+every trial get hf, mlflow and langfuse; the InferenceService hf)."""
+TASK_RESOURCE_GROUPS = {"step": ("step_cpu", "step_memory"), "data": ("data_cpu", "data_memory")}
+TASK_RESOURCE_GROUPS["eval"] = ("eval_cpu", "eval_memory")
+"""group -> (cpu parameter, memory parameter) of the KFP tasks (see pipelines/llm_finetune.py)."""
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _fail(name: str, value: Any, message: str) -> ConfigError:
+    return ConfigError(f"pipeline parameter `{name}`={value!r}: {message}")
+
+
+def check_run_id(run_id: str) -> str:
+    if not run_id or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", run_id):
+        raise ConfigError(f"run id {run_id!r}: expected the KFP run id (letters, digits, '-', '_', '.')")
+    return run_id
+
+
+def check_general(p, on_cluster: bool) -> None:
+    """The scalar parameters, and what cannot run on a cluster."""
+    rules = [
+        ("training_backend", p.training_backend in TRAINING_BACKENDS, f"use one of {', '.join(TRAINING_BACKENDS)}"),
+        ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
+        ("num_workers", p.num_workers >= 1, "must be >= 1"),
+        ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),
+        ("serving_gpus", p.serving_gpus >= 0, "must be >= 0"),
+        ("max_length", p.max_length >= 16, "must be >= 16 tokens"),
+        ("val_fraction", 0.0 < p.val_fraction < 1.0, "must be in (0, 1)"),
+        ("max_reject_fraction", 0.0 <= p.max_reject_fraction <= 1.0, "must be in [0, 1]"),
+        ("promote_margin", 0.0 <= p.promote_margin < 1.0, "must be in [0, 1), e.g. 0.01 for 1%"),
+        ("model", bool(p.model.strip()), "must name a hub id or a model directory"),
+        ("dataset", bool(p.dataset.strip()), "must name a hub dataset or a file/folder on the volume"),
+        ("job_timeout_s", p.job_timeout_s > 0, "must be > 0"),
+        ("deploy_timeout_s", p.deploy_timeout_s > 0, "must be > 0"),
+    ]
+    for name, ok, message in rules:
+        if not ok:
+            raise _fail(name, getattr(p, name), message)
+    check_path_component(p.mlflow_model_name, "mlflow_model_name")
+    check_k8s_name(p.pvc_name, "pvc_name", kind="subdomain")
+    if p.serving_namespace:
+        check_k8s_name(p.serving_namespace, "serving_namespace")
+    if p.deploy and p.deploy_mode == "kserve":
+        check_k8s_name(p.serving_name, "serving_name", kind="dns1035", max_length=45)
+    if on_cluster:
+        _check_cluster_only(p)
+
+
+def _check_cluster_only(p) -> None:
+    """`local` backends need torch and transformers, which the pipeline image lacks; and every
+    task mounts the volume at DATA_MOUNT."""
+    local = [("training_backend", p.training_backend, "kubeflow")]
+    if p.deploy:
+        local.append(("deploy_mode", p.deploy_mode, "kserve"))
+    for name, value, use in local:
+        if value == "local":
+            raise _fail(
+                name,
+                value,
+                f"`local` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
+                f"({KFP_POD_ENV} is set), whose pipeline image has no torch: use {name}={use}",
+            )
+    if p.data_root != DATA_MOUNT:
+        raise _fail(
+            "data_root", p.data_root, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
+        )
+
+
+def check_compiled(p, settings: Mapping[str, Any]) -> None:
+    """On a cluster: the parameters the YAML applied statically must still have their compiled values."""
+    compiled = settings.get("compiled") or {}
+    for name in COMPILED_PARAMETERS:
+        value = getattr(p, name)
+        if name in compiled and value != compiled[name]:
+            raise _fail(
+                name,
+                value,
+                f"this pipeline was compiled with {name}={compiled[name]!r}, which its own tasks use (KFP backends "
+                f"before 2.5 cannot take it from a parameter). Recompile: llmft pipeline compile --output FILE "
+                f"{name}={shlex.quote(str(value))}",
+            )
+
+
+def check_image(reference: str) -> str:
+    from llmft.components.images import check_pinned
+
+    return check_pinned(reference, source="pipeline parameter `trainer_image`")
+
+
+def check_runtime(name: str) -> str:
+    return check_k8s_name(name, "serving_runtime", kind="subdomain")
+
+
+def parse_secret(kind: str, text: str):
+    """``NAME`` or ``NAME:KEY,KEY`` -> SecretMount ('' -> None)."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    param = SECRET_PARAMETERS[kind]
+    default_keys, allowed = SECRET_KINDS[kind]
+    name, _, key_text = text.partition(":")
+    check_k8s_name(name, param, kind="subdomain")
+    keys = tuple(k.strip() for k in key_text.split(",") if k.strip()) if key_text else default_keys
+    unknown = [k for k in keys if k not in allowed]
+    if unknown or not keys:
+        raise _fail(
+            param, text, f"keys {unknown or '(none)'}: use NAME or NAME:KEY,KEY with keys from {', '.join(allowed)}"
+        )
+    return SecretMount(kind=kind, name=name, keys=tuple(dict.fromkeys(keys)))
+
+
+def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
+    """Split free-form ``key=value`` overrides, refusing keys the plan sets itself."""
+    items = shlex.split(text or "")
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item:
+            raise ConfigError(f"{what}: `{item}` is not key=value (e.g. save_every=50)")
+        if key in PIPELINE_OWNED_KEYS:
+            raise ConfigError(f"{what}: `{key}` is set by the pipeline; use the pipeline parameter instead")
+    return items
+
+
+def check_training(trainer):
+    """Load the trainer config the train step will use; raises ConfigError naming the field."""
+    from llmft.trainer.config import load_config
+
+    try:
+        return load_config(None, trainer.command_overrides("<tokenized>"))
+    except ConfigError as exc:
+        raise ConfigError(f"pipeline training parameters: {exc}") from None
+
+
+def check_resources(group: str, cpu: str, memory: str):
+    """``<group>_cpu`` / ``<group>_memory`` as Kubernetes quantities above zero."""
+    from kubernetes.utils import parse_quantity
+
+    for suffix, value, example in (("cpu", cpu, "'4' or '500m'"), ("memory", memory, "'16Gi'")):
+        try:
+            ok = parse_quantity(str(value)) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise _fail(f"{group}_{suffix}", value, f"not a positive Kubernetes quantity (e.g. {example})")
+    return Resources(cpu=str(cpu), memory=str(memory))
+
+
+def task_resources(p) -> dict:
+    return {
+        group: check_resources(group, getattr(p, cpu), getattr(p, mem))
+        for group, (cpu, mem) in TASK_RESOURCE_GROUPS.items()
+    }
+
+
+def parse_node_selector(text: str) -> dict[str, str]:
+    """``key=value[,key=value]`` -> labels ('' = no node selector)."""
+    labels: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = (part.strip() for part in item.partition("="))
+        prefix, _, name = key.rpartition("/")
+        valid_key = bool(name) and _LABEL_NAME.match(name) and (not prefix or _LABEL_PREFIX.match(prefix))
+        if not sep or not valid_key or len(value) > 63 or not _LABEL_NAME.match(value):
+            raise _fail(
+                "gpu_node_selector",
+                text,
+                "expected label=value pairs separated by commas (e.g. nvidia.com/gpu.present=true); '' = none",
+            )
+        labels[key] = value
+    return labels
+
+
+def check_tracking(p, on_cluster: bool, environ: Mapping[str, str]) -> None:
+    """Register needs an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
+    MLFLOW_TRACKING_URI in the environment."""
+    if p.mlflow_tracking_uri:
+        return
+    secret = parse_secret("mlflow", p.mlflow_secret)
+    if secret is not None and "MLFLOW_TRACKING_URI" in secret.keys:
+        return
+    if not on_cluster and environ.get("MLFLOW_TRACKING_URI"):
+        return
+    raise _fail(
+        "mlflow_tracking_uri",
+        "",
+        "no MLflow server: set mlflow_tracking_uri=http://... or mlflow_secret=<Secret> "
+        "(a Secret with the key MLFLOW_TRACKING_URI)",
+    )
+
+
+def check_serving(plan, config) -> None:
+    """What vLLM can serve: a plain LoRA adapter of rank <= max_lora_rank (a vLLM-accepted value)."""
+    if config.method == "full" or not plan.serving.deploy:
+        return
+    if config.lora.use_dora:
+        raise ConfigError(
+            "pipeline parameters: lora.use_dora=true (DoRA) cannot be served by vLLM; set deploy=false "
+            "or train a plain LoRA adapter"
+        )
+    from llmft.components.lib.servability import VLLM_MAX_LORA_RANKS
+
+    rank = plan.serving.max_lora_rank
+    if rank not in VLLM_MAX_LORA_RANKS:
+        raise _fail("max_lora_rank", rank, f"vLLM accepts only {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
+    if config.lora.r > rank:
+        raise ConfigError(
+            f"pipeline parameter `lora_r`={config.lora.r} exceeds `max_lora_rank`={rank} of the vLLM runtime: "
+            "vLLM would refuse the adapter. Lower lora_r or raise max_lora_rank"
+        )
+
+
+def check_sweep(plan, max_lora_rank: int) -> None:
+    """The sweep spec parses, its ranks are servable, and its fixed trial settings clash with nothing."""
+    from llmft.components.lib.sweep import check_servable_ranks, check_trial_overrides
+    from llmft.katib.experiment import SweepSpec, apply_overrides
+
+    sweep = plan.sweep
+    if sweep.backend not in SWEEP_BACKENDS:
+        raise _fail("sweep_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
+    if sweep.backend == "local" and plan.on_cluster:
+        raise _fail(
+            "sweep_backend",
+            "local",
+            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use sweep_backend=katib",
+        )
+    spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
+    if plan.serving.deploy and plan.trainer.method != "full":
+        check_servable_ranks(spec, max_lora_rank)
+    check_trial_overrides(spec, sweep.trial_overrides)
+
+
+def preflight_secrets(plan, cluster=None) -> list[str]:
+    """On a cluster: read every Secret the run mounts (tasks, job, InferenceService); raise ConfigError
+    naming each missing Secret or key. Returns notes for what could not be checked (no RBAC to read Secrets)."""
+    from llmft.components.lib.cluster import Cluster
+
+    cluster = cluster or Cluster()
+    wanted: dict[tuple[str, str], set[str]] = {}
+    for secret in (*plan.task_secrets, *plan.job.secrets):
+        wanted.setdefault((secret.name, cluster.namespace), set()).update(secret.keys)
+    if plan.serving.deploy and plan.serving.mode == "kserve" and plan.serving.hf_secret is not None:
+        namespace = plan.serving.namespace or cluster.namespace
+        wanted.setdefault((plan.serving.hf_secret.name, namespace), set()).update(plan.serving.hf_secret.keys)
+    missing, notes = [], []
+    for (name, namespace), keys in sorted(wanted.items()):
+        try:
+            secret = cluster.core_api.read_namespaced_secret(name, namespace)
+        except Exception as exc:  # noqa: BLE001 - kubernetes ApiException or a transport error
+            status = getattr(exc, "status", None)
+            if status == 404:
+                missing.append(f"Secret {namespace}/{name} does not exist (keys {', '.join(sorted(keys))})")
+            else:
+                notes.append(f"could not read Secret {namespace}/{name} ({_reason(exc)}): not checked")
+            continue
+        present = set(getattr(secret, "data", None) or {}) | set(getattr(secret, "string_data", None) or {})
+        absent = sorted(keys - present)
+        if absent:
+            missing.append(f"Secret {namespace}/{name} lacks key(s) {', '.join(absent)}")
+    if missing:
+        raise ConfigError(
+            "the Secrets this run mounts are incomplete (a pod would hang in CreateContainerConfigError):\n- "
+            + "\n- ".join(missing)
+            + "\nCreate them (deploy/secrets/README.md), or name other Secrets/keys with hf_token_secret, "
+            "mlflow_secret, langfuse_secret (NAME or NAME:KEY,KEY)"
+        )
+    return notes
+
+
+def _reason(exc: Exception) -> str:
+    status = getattr(exc, "status", None)
+    if status == 403:
+        return "HTTP 403: the pipeline's service account may not read Secrets; deploy/role.yaml grants none on purpose"
+    return f"HTTP {status}" if status else type(exc).__name__
+
+
+def compiled_settings(pipeline: str, values: Mapping[str, Any]) -> str:
+    """The ``compiled`` JSON the pipeline passes to the plan step."""
+    return json.dumps({"pipeline": pipeline, "compiled": {name: values[name] for name in COMPILED_PARAMETERS}})

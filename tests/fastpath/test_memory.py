@@ -1,0 +1,118 @@
+"""The memory model (trainer/fastpath/memory.py) on the benchmark's real shapes (transformers config
+classes, no weights): it reproduces the GPU peaks measured in benchmarks/results, and the plan it
+makes keeps every measured run inside the card with the margin it documents."""
+
+from __future__ import annotations
+
+import pytest
+from llmft.trainer.fastpath import memory
+from llmft.trainer.fastpath.flops import shape_from_config
+
+GiB = memory.GiB
+H100_FREE = 78.5 * GiB  # an 80 GB H100's free memory before a process allocates (79.1 GiB total)
+
+
+def _setup(model: str, method: str = "lora", **kw) -> memory.Setup:
+    from llmft.benchmarks.gpu.common import hf_config
+
+    config = hf_config(model)
+    return memory.Setup(
+        shape=shape_from_config(config), method=method, tied_embeddings=config.tie_word_embeddings, **kw
+    )
+
+
+PLAIN = dict(varlen=False, fused_loss=False, fused_lora=False, compile=False, lora_dropout=0.05)
+
+# (setup, largest micro batch in tokens, measured peak GiB): benchmarks/results/2026-11-26-{h100,h200}.json
+MEASURED = [
+    (_setup("qwen2.5-1.5b"), 18447, 46.3),
+    (_setup("qwen2.5-1.5b", grouped_lora=False), 18447, 47.6),
+    (_setup("qwen2.5-0.5b"), 18447, 23.2),
+    (_setup("qwen2.5-0.5b", grouped_lora=False), 34103, 39.9),
+    (_setup("llama-3-8b"), 5897, 52.9),
+    (_setup("llama-3-8b", grouped_lora=False), 9880, 72.2),
+    (_setup("qwen2.5-1.5b", "full"), 9880, 49.3),
+    (_setup("qwen2.5-1.5b", "full", zero_stage=3, fused_loss=False, compile=False), 9880, 68.9),
+]
+
+
+@pytest.mark.parametrize("setup, tokens, measured", MEASURED, ids=lambda v: getattr(v, "method", v))
+def test_estimate_reproduces_the_measured_peaks(setup, tokens, measured):
+    estimate = memory.estimate(setup, tokens).total / GiB
+    assert -0.05 <= estimate / measured - 1 <= 0.02, estimate  # the error the module doc states
+    # what plan() allows for an estimate still fits the card: estimate <= budget => measured <= free
+    assert measured <= (estimate + memory.MARGIN_BYTES / GiB) / (1 - memory.MARGIN_FRACTION)
+
+
+def test_old_defaults_run_out_at_64_samples_and_fit_at_16():
+    """Issue 13's table: sdpa, PEFT LoRA with dropout 0.05, plain loss: > 78 GiB at 64 samples, ran at 16."""
+    budget = memory.budget_bytes(H100_FREE)
+    plain = _setup("qwen2.5-1.5b", **PLAIN)
+    assert memory.estimate(plain, 18447).total > H100_FREE
+    assert memory.estimate(plain, 5897).total < budget
+    fast = _setup("qwen2.5-1.5b", lora_dropout=0.05)
+    assert memory.estimate(fast, 18447).total < budget  # the fast path fits 64 samples, dropout and all
+
+
+def test_activations_are_the_derived_per_token_count():
+    """Fast path: b (8H + 3I) per token and layer (Qwen2.5-1.5B: 78,336 bytes); dropout adds one mask byte
+    per adapted input element (6H + I); PEFT eager keeps fp32 copies: 40H + 10I."""
+    shape = _setup("qwen2.5-1.5b").shape
+    h, i = shape.hidden, shape.intermediate
+    assert memory.activation_bytes_per_token(_setup("qwen2.5-1.5b"), 1000) == 2 * (8 * h + 3 * i) == 78336
+    dropout = _setup("qwen2.5-1.5b", lora_dropout=0.1)
+    assert memory.activation_bytes_per_token(dropout, 1000) == 78336 + 6 * h + i
+    eager = _setup("qwen2.5-1.5b", **{**PLAIN, "lora_dropout": 0.0})
+    assert memory.activation_bytes_per_token(eager, 1000) == 40 * h + 10 * i + 2 * 1000  # + sdpa's T x T bias
+
+
+def test_plan_fills_the_card_without_recomputation():
+    setup = _setup("qwen2.5-1.5b", lora_dropout=0.05)
+    plan = memory.plan(setup, free_bytes=H100_FREE, max_length=2048, per_rank_sequences=8)
+    assert plan.micro_sequences == 8 and plan.checkpointed_layers == 0
+    assert "fit" in plan.micro_why and plan.estimate_gib <= plan.budget_gib
+    big = memory.plan(setup, free_bytes=H100_FREE, max_length=2048, per_rank_sequences=64)
+    assert 8 < big.micro_sequences < 64 and big.checkpointed_layers == 0
+    steps = -(-64 // big.micro_sequences)
+    fewer_steps = memory.estimate(setup, -(-64 // (steps - 1)) * 2048).total
+    assert fewer_steps > memory.budget_bytes(H100_FREE)  # one micro step less would not have fit
+    eight_b = memory.plan(_setup("llama-3-8b"), free_bytes=H100_FREE, max_length=4096, per_rank_sequences=32)
+    assert eight_b.micro_sequences >= 1 and eight_b.checkpointed_layers == 0
+
+
+def test_checkpointing_only_when_one_sequence_does_not_fit_and_on_as_few_layers_as_needed():
+    setup = _setup("llama-3-8b")
+    plan = memory.plan(setup, free_bytes=H100_FREE, max_length=32768, per_rank_sequences=4)
+    assert plan.micro_sequences == 1 and 0 < plan.checkpointed_layers < setup.shape.n_layers
+    budget = memory.budget_bytes(H100_FREE)
+    assert memory.estimate(setup, 32768, plan.checkpointed_layers).total <= budget
+    assert memory.estimate(setup, 32768, plan.checkpointed_layers - 1).total > budget
+    assert "fewest" in plan.checkpointing_why
+
+
+def test_explicit_settings_are_kept():
+    setup = _setup("qwen2.5-1.5b")
+    plan = memory.plan(setup, free_bytes=H100_FREE, max_length=2048, per_rank_sequences=8, micro=2, checkpointing=True)
+    assert plan.micro_sequences == 2 and plan.checkpointed_layers == 28
+    assert plan.micro_why == "set by batch.micro_sequences" and plan.checkpointing_why == "set true: every layer"
+    forced = memory.plan(setup, free_bytes=H100_FREE, max_length=2048, per_rank_sequences=64, checkpointing=True)
+    free = memory.plan(setup, free_bytes=H100_FREE, max_length=2048, per_rank_sequences=64)
+    assert forced.micro_sequences > free.micro_sequences  # recomputing every layer leaves room for more tokens
+    tight = memory.plan(setup, free_bytes=20 * GiB, max_length=2048, per_rank_sequences=64, checkpointing=False)
+    assert tight.checkpointed_layers == 0 and tight.micro_sequences >= 1
+
+
+def test_micro_batches_stay_even():
+    """10 sequences and room for 6 per forward: 2 micro steps of 5 (not 6 + 4)."""
+    setup = _setup("qwen2.5-0.5b")
+    per_token = memory.estimate(setup, 2 * 1024).total - memory.estimate(setup, 1024).total
+    fixed = memory.estimate(setup, 1024).total - per_token
+    free_for = lambda n: (fixed + per_token * n + memory.MARGIN_BYTES + 1) / (1 - memory.MARGIN_FRACTION)  # noqa: E731
+    plan = memory.plan(setup, free_bytes=free_for(6), max_length=1024, per_rank_sequences=10)
+    assert plan.micro_sequences == 5
+
+
+def test_cpu_plan_is_todays_behaviour():
+    assert memory.cpu_plan("auto", "auto", 4).micro_sequences == 1
+    assert memory.cpu_plan("auto", "auto", 4).checkpointed_layers == 0
+    assert memory.cpu_plan(3, True, 4).micro_sequences == 3 and memory.cpu_plan(3, True, 4).checkpointed_layers == 4

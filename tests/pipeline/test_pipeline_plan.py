@@ -1,0 +1,236 @@
+"""The plan step: every parameter checked once, one typed plan.json, a knob's whole route."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from llmft.components.lib.plan import PLAN_SCHEMA_VERSION, DataLayout, Parameters, RunPlan, build_plan, read_plan
+from llmft.components.lib.plan_checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
+from llmft.components.plan import parameter_defaults, plan_run
+from llmft.trainer.config import load_config
+from llmft.trainer.errors import ConfigError
+from plan_helpers import CLUSTER, RUN_ID, make_plan, parameters
+
+
+def test_the_builder_reads_every_parameter_of_the_signature():
+    """Adding a knob = the signature + the builder: a parameter nobody reads fails here."""
+    values = Parameters(parameters())
+    build_plan(values, run_id=RUN_ID, compiled=compiled_settings("llm-finetune-hpo", parameters()), environ={})
+    assert values.read == set(parameter_defaults())
+
+
+def test_plan_round_trips_through_plan_json(tmp_path):
+    plan = make_plan(hpo=True, hf_token_secret="llmft-hf-token", langfuse_secret="lf", gpu_node_selector="a/b=c")
+    plan_dir = tmp_path / "plan"
+    from llmft.components.lib.plan import write_plan
+
+    write_plan(plan, plan_dir)
+    again = read_plan(plan_dir)
+    assert again == plan and isinstance(again.job.secrets[0].keys, tuple)
+    assert (
+        isinstance(again.task_resources["data"].cpu, str) and again.sweep.trial_overrides == plan.sweep.trial_overrides
+    )
+    data = json.loads((plan_dir / "plan.json").read_text())
+    data["schema_version"] = PLAN_SCHEMA_VERSION + 1
+    with pytest.raises(ConfigError, match="schema version"):
+        RunPlan.from_json(json.dumps(data))
+
+
+def test_lora_r_becomes_lora_r_in_one_place_and_reaches_the_trainer():
+    plan = make_plan(
+        lora_r=8, lora_alpha=16.0, learning_rate=1e-4, max_steps=0, epochs=2.0, train_overrides="save_every=50"
+    )
+    command = plan.trainer.command_overrides("/data/tokenized/k", ["lora.r=32"])
+    assert "lora.r=8" in plan.trainer.overrides and command[-2:] == ["data=/data/tokenized/k", "lora.r=32"]
+    cfg = load_config(None, command)
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.optim.lr, cfg.epochs, cfg.save_every) == (32, 16.0, 1e-4, 2.0, 50)
+    assert (cfg.model.name_or_path, cfg.output_dir, cfg.resume) == (
+        "Qwen/Qwen2.5-7B-Instruct",
+        plan.trainer.run_dir,
+        "auto",
+    )
+    assert load_config(None, make_plan(max_steps=7).trainer.command_overrides("d")).max_steps == 7
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"training_backend": "slurm"}, "training_backend"),
+        ({"deploy_mode": "seldon"}, "deploy_mode"),
+        ({"num_workers": 0}, "num_workers"),
+        ({"val_fraction": 0.0}, "val_fraction"),
+        ({"promote_margin": 1.5}, "promote_margin"),
+        ({"pvc_name": "Data_PVC"}, "pvc_name"),
+        ({"serving_name": "Bad Name"}, "serving_name"),
+        ({"mlflow_model_name": "../runs"}, "mlflow_model_name"),
+        ({"max_lora_rank": 48}, "max_lora_rank"),
+        ({"max_lora_rank": 8}, "exceeds `max_lora_rank`=8"),
+        ({"learning_rate": -1.0}, "optim.lr"),
+        ({"method": "prefix"}, "method"),
+        ({"lora_dropout": 1.5}, "lora.dropout"),
+        ({"train_overrides": "no_such_key=1"}, "unknown key `no_such_key`"),
+        ({"train_overrides": "output_dir=/elsewhere"}, "set by the pipeline"),
+        ({"train_overrides": "lora.use_dora=true"}, "DoRA"),
+        ({"model": " "}, "model"),
+        ({"trainer_image": "registry.example.com/llmft-trainer"}, "not pinned"),
+        ({"trainer_image": "ghcr.io/x/y:latest"}, "trainer_image"),
+        ({"worker_memory": "lots"}, "worker_memory"),
+        ({"step_cpu": "0"}, "step_cpu"),
+        ({"gpu_node_selector": "no-equals-sign"}, "gpu_node_selector"),
+        ({"hf_token_secret": "Bad_Name"}, "hf_token_secret"),
+        ({"mlflow_secret": "llmft-mlflow:PASSWORD"}, "mlflow_secret"),
+        ({"mlflow_tracking_uri": ""}, "no MLflow server"),
+    ],
+)
+def test_a_bad_parameter_is_named_before_any_work(change, message):
+    with pytest.raises(ConfigError, match=message):
+        make_plan(**change)
+
+
+def test_full_finetuning_skips_the_lora_serving_checks():
+    assert make_plan(method="full", lora_r=512, max_lora_rank=8).trainer.method == "full"
+
+
+@pytest.mark.parametrize(("name", "use"), [("training_backend", "kubeflow"), ("deploy_mode", "kserve")])
+def test_local_backends_are_refused_on_a_cluster_and_fine_under_kfp_local(name, use):
+    assert make_plan(**{name: "local"}).on_cluster is False
+    with pytest.raises(ConfigError, match=f"`{name}`='local'.*kfp.local.*use {name}={use}"):
+        make_plan(environ=CLUSTER, **{name: "local"})
+    assert make_plan(environ=CLUSTER, **{name: use}).on_cluster is True
+
+
+def test_a_local_sweep_is_refused_on_a_cluster():
+    assert make_plan(hpo=True, sweep_backend="local").sweep.backend == "local"
+    with pytest.raises(ConfigError, match="sweep_backend"):
+        make_plan(hpo=True, sweep_backend="local", environ=CLUSTER)
+
+
+def test_a_value_the_compiled_tasks_apply_cannot_change_at_run_time():
+    values = parameters(hf_token_secret="llmft-hf-token")
+    compiled = compiled_settings("llm-finetune", values)
+    run = {**values, "hf_token_secret": "other-token"}
+    with pytest.raises(
+        ConfigError, match="compiled with hf_token_secret='llmft-hf-token'.*hf_token_secret=other-token"
+    ):
+        build_plan(run, run_id=RUN_ID, compiled=compiled, environ=CLUSTER)
+    assert build_plan(run, run_id=RUN_ID, compiled=compiled, environ={}).job.secrets[0].name == "other-token"
+
+
+def test_secret_parameters_name_the_secret_and_its_keys():
+    assert parse_secret("hf", "") is None
+    assert parse_secret("hf", "llmft-hf-token").keys == ("HF_TOKEN",)
+    assert parse_secret("mlflow", "llmft-mlflow").keys == ("MLFLOW_TRACKING_URI",)
+    auth = parse_secret("mlflow", "llmft-mlflow:MLFLOW_TRACKING_USERNAME,MLFLOW_TRACKING_PASSWORD")
+    assert (auth.name, auth.keys) == ("llmft-mlflow", ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"))
+    plan = make_plan(mlflow_secret="llmft-mlflow:MLFLOW_TRACKING_URI,MLFLOW_TRACKING_PASSWORD", langfuse_secret="lf")
+    mounted = {s.name: s.keys for s in plan.job.secrets}
+    # the mlflow_tracking_uri parameter wins over the Secret's URI key (one variable, set once)
+    assert mounted == {"llmft-mlflow": ("MLFLOW_TRACKING_PASSWORD",), "lf": parse_secret("langfuse", "lf").keys}
+    assert plan.job.env["MLFLOW_TRACKING_URI"] == "http://mlflow.mlflow:5000"
+    assert make_plan().job.secrets == () and make_plan().task_secrets == ()
+
+
+def test_node_selector_and_resources_reach_the_job_and_the_inference_service():
+    assert parse_node_selector("") == {}
+    labels = "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3,pool=gpu"
+    plan = make_plan(gpu_node_selector=labels, worker_cpu="12", worker_memory="96Gi", serving_cpu="6")
+    assert plan.job.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "gpu"}
+    assert plan.serving.node_selector == plan.job.node_selector
+    assert (plan.job.resources.cpu, plan.job.resources.memory, plan.serving.resources.cpu) == ("12", "96Gi", "6")
+    assert make_plan(gpu_node_selector=labels, gpus_per_worker=0).job.node_selector == {}  # a CPU job goes anywhere
+
+
+def test_hf_home_on_the_volume_wins_over_the_image(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", "/opt/image-cache")
+    monkeypatch.setenv("HF_HUB_CACHE", "/opt/image-cache/hub")
+    monkeypatch.setenv("TRANSFORMERS_CACHE", "/opt/image-cache/transformers")
+    DataLayout(str(tmp_path)).use_hf_cache()
+    import os
+
+    assert os.environ["HF_HOME"] == f"{tmp_path}/hf-cache" and os.environ["HF_HUB_CACHE"] == f"{tmp_path}/hf-cache/hub"
+    assert "TRANSFORMERS_CACHE" not in os.environ
+    assert make_plan().job.env["HF_HOME"] == "/data/hf-cache"
+
+
+def test_the_sweep_plan_checks_ranks_and_trial_settings():
+    plan = make_plan(hpo=True, sweep_overrides="space.lora_r.values=4,8", max_lora_rank=8, lora_r=8)
+    assert plan.sweep.settings[-1] == "space.lora_r.values=4,8" and plan.sweep.experiment.startswith("llmft-sweep-")
+    with pytest.raises(ConfigError, match="lora.r up to 64 but max_lora_rank=32"):
+        make_plan(hpo=True, max_lora_rank=32)
+    with pytest.raises(ConfigError, match=r"trial overrides \['optim.lr=0.1'\]"):
+        make_plan(hpo=True, sweep_trial_overrides="optim.lr=0.1")
+    assert make_plan().sweep is None  # the plain pipeline has no sweep
+
+
+class _Secret:
+    def __init__(self, data):
+        self.data = data
+
+
+class _SecretsApi:
+    """CoreV1Api.read_namespaced_secret at the kubernetes-client boundary."""
+
+    def __init__(self, secrets, status=None):
+        self.secrets, self.status = secrets, status
+
+    def read_namespaced_secret(self, name, namespace):
+        from kubernetes.client.rest import ApiException
+
+        if self.status:
+            raise ApiException(status=self.status, reason="Forbidden")
+        if (namespace, name) not in self.secrets:
+            raise ApiException(status=404, reason="NotFound")
+        return _Secret({k: "eA==" for k in self.secrets[(namespace, name)]})
+
+
+def _cluster(secrets, status=None):
+    from llmft.components.lib.cluster import Cluster
+
+    return Cluster("team-a", core_api=_SecretsApi(secrets, status), custom_api=object())
+
+
+def test_preflight_names_every_missing_secret_and_key():
+    plan = make_plan(
+        environ=CLUSTER,
+        hf_token_secret="llmft-hf-token",
+        mlflow_secret="llmft-mlflow:MLFLOW_TRACKING_USERNAME,MLFLOW_TRACKING_PASSWORD",
+        langfuse_secret="llmft-langfuse",
+    )
+    present = {
+        ("team-a", "llmft-hf-token"): ["HF_TOKEN"],
+        ("team-a", "llmft-mlflow"): ["MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME"],
+    }
+    with pytest.raises(ConfigError) as error:
+        preflight_secrets(plan, _cluster(present))
+    message = str(error.value)
+    assert "Secret team-a/llmft-langfuse does not exist" in message
+    assert "Secret team-a/llmft-mlflow lacks key(s) MLFLOW_TRACKING_PASSWORD" in message
+    assert "llmft-hf-token" not in message
+    present[("team-a", "llmft-mlflow")].append("MLFLOW_TRACKING_PASSWORD")
+    present[("team-a", "llmft-langfuse")] = ["LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"]
+    assert preflight_secrets(plan, _cluster(present)) == []
+
+
+def test_preflight_says_when_it_may_not_read_secrets():
+    plan = make_plan(environ=CLUSTER, hf_token_secret="llmft-hf-token")
+    (note,) = preflight_secrets(plan, _cluster({}, status=403))
+    assert "llmft-hf-token" in note and "403" in note and "not checked" in note
+
+
+def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch):
+    from kfp import dsl
+
+    monkeypatch.delenv("KFP_POD_NAME", raising=False)
+    artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
+    plan_run.python_func(plan=artifact, **parameters(lora_r=8, max_lora_rank=8), run_id="r1", compiled="")
+    plan = read_plan(artifact.path)
+    assert plan.run_id == "r1" and "lora.r=8" in plan.trainer.overrides and not plan.on_cluster
+    assert artifact.metadata["trainer_image"] == plan.images.trainer
+
+
+def test_plan_dataclasses_are_frozen():
+    plan = make_plan()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.run_id = "other"

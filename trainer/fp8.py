@@ -1,0 +1,385 @@
+"""FP8 base checkpoints: recognise them, dequantize them, train on them, and write a tiny one.
+
+Two FP8 formats are read:
+
+* transformers' fine-grained FP8 (``FineGrainedFP8Config``; ``config.json`` has
+  ``quantization_config.quant_method == "fp8"`` and ``weight_block_size``): every quantized
+  ``<module>.weight`` is ``float8_e4m3fn`` beside a float32 ``<module>.weight_scale_inv`` with one
+  value per ``weight_block_size`` block, and ``W = q * weight_scale_inv`` block by block
+  (transformers ``integrations/finegrained_fp8.py``: ``Fp8Quantize._quantize_one`` stores the inverse
+  scale ``max|block| / 448``, ``Fp8Dequantize._dequantize_one`` multiplies it back). This is the
+  format of the DeepSeek-V3 and Qwen3 ``-FP8`` releases.
+* compressed-tensors' float-quantized FP8 (``quant_method == "compressed-tensors"``): ``<module>.weight``
+  in FP8 beside a multiplicative ``<module>.weight_scale`` (per tensor, per output channel or per
+  block). transformers loads it only with the ``compressed-tensors`` package installed.
+
+How ``llmft train`` uses such a base (:func:`load_plan`, called by ``trainer/model.py``):
+
+* LoRA and full fine-tuning: dequantize to the compute dtype while loading
+  (``FineGrainedFP8Config(dequantize=True)`` / ``CompressedTensorsConfig(dequantize=True)``), on CPU and
+  GPU alike, so the adapter trains over the same weights everywhere and evaluation and export
+  (which dequantize the same way) see the same base.
+* QLoRA: transformers cannot re-quantize an FP8 checkpoint to 4-bit (``from_pretrained`` refuses a
+  ``BitsAndBytesConfig`` for a model whose config says FP8), so the base is first dequantized, shard
+  by shard, into a bf16 copy (cached under ``$LLMFT_CACHE`` or ``$HF_HOME/llmft``), and that copy is
+  quantized to 4-bit NF4 by bitsandbytes as usual (CUDA only).
+
+The run log says which happened (one ``base model:`` line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from llmft.trainer.errors import ConfigError
+
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+FINEGRAINED = "fp8"
+COMPRESSED = "compressed-tensors"
+SCALE_NAMES = {FINEGRAINED: "weight_scale_inv", COMPRESSED: "weight_scale"}
+"""The tensor beside ``<module>.weight`` that holds its (multiplicative) dequantization scale."""
+DROPPED_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".weight_zero_point", ".activation_scale")
+"""Quantization side tensors; a dequantized (dense) checkpoint carries none of them."""
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """What ``config.json``'s ``quantization_config`` says about the stored weights."""
+
+    method: str | None
+    """None (dense), ``fp8``, ``compressed-tensors`` or another quantization method."""
+    block: tuple[int, int] | None = None
+    """FP8 weight block size (rows, cols); None for per-tensor or per-channel scales."""
+    config: dict = field(default_factory=dict)
+    """The raw quantization_config."""
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.method in (FINEGRAINED, COMPRESSED)
+
+    @property
+    def scale_name(self) -> str | None:
+        return SCALE_NAMES.get(self.method or "")
+
+    def describe(self) -> str:
+        if self.method is None:
+            return "dense"
+        block = f", block {list(self.block)}" if self.block else ""
+        return {FINEGRAINED: f"FP8 (fine-grained{block})", COMPRESSED: f"FP8 (compressed-tensors{block})"}.get(
+            self.method, f"quantized ({self.method})"
+        )
+
+
+def quant_format(config: dict) -> QuantFormat:
+    """The storage format named by a model's ``config.json`` (a dict)."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return QuantFormat(None)
+    method = str(qc.get("quant_method", "")).lower()
+    if method == FINEGRAINED:
+        block = qc.get("weight_block_size")
+        return QuantFormat(FINEGRAINED, tuple(block) if block else None, dict(qc))
+    if method == COMPRESSED:
+        return QuantFormat(COMPRESSED if _compressed_is_fp8(qc) else "compressed-tensors (not FP8)", _ct_block(qc), qc)
+    return QuantFormat(method or "unknown", None, dict(qc))
+
+
+def _compressed_is_fp8(qc: dict) -> bool:
+    """Every config group quantizes weights to 8-bit floats, stored float- or naive-quantized."""
+    groups = (qc.get("config_groups") or {}).values()
+    weights = [g.get("weights") or {} for g in groups]
+    fmt = str(qc.get("format", "")).lower()
+    return (
+        bool(weights)
+        and fmt in ("float-quantized", "naive-quantized")
+        and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights)
+    )
+
+
+def _ct_block(qc: dict) -> tuple[int, int] | None:
+    for group in (qc.get("config_groups") or {}).values():
+        block = (group.get("weights") or {}).get("block_structure")
+        if block:
+            return tuple(block)
+    return None
+
+
+def read_model_config(directory: str | Path) -> dict:
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing; a Hugging Face model directory needs config.json") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+
+
+# ----------------------------------------------------------------------------- dequantization
+
+
+def block_shape(weight_shape, scale_shape, block: tuple[int, int] | None) -> tuple[int, int]:
+    """(rows, cols) of the block each scale value covers.
+
+    The configured block wins when the scale grid is ``ceil(rows / b0) x ceil(cols / b1)`` (edge
+    blocks may be partial, as DeepSeek-V3's ``weight_dequant`` allows); otherwise the grid must divide
+    the weight evenly (per-channel ``[rows, 1]`` scales, or a block size not recorded)."""
+    rows, cols = weight_shape[-2:]
+    grid_r, grid_c = scale_shape[-2:]
+    if block and math.ceil(rows / block[0]) == grid_r and math.ceil(cols / block[1]) == grid_c:
+        return int(block[0]), int(block[1])
+    if rows % grid_r or cols % grid_c:
+        raise ValueError(f"weight {tuple(weight_shape)} does not tile into a {grid_r} x {grid_c} scale grid")
+    return rows // grid_r, cols // grid_c
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None = None,
+    dtype=torch.float32,
+    *,
+    in_scale_dtype: bool = False,
+) -> torch.Tensor:
+    """``q * scale`` with each scale value spread over its block, cast to ``dtype``.
+
+    The product is float32, as transformers' ``Fp8Dequantize._dequantize_one`` computes it (ue8m0
+    scales stored as uint8 are ``2 ** (byte - 127)`` there too); ``in_scale_dtype`` computes it in
+    the scale's dtype instead, as compressed-tensors' ``_dequantize`` does
+    (``quantization/lifecycle/forward_helpers.py``)."""
+    compute = scale.dtype if in_scale_dtype and scale.dtype.is_floating_point else torch.float32
+    values = q.to(compute)
+    s = (scale.to(torch.float32) - 127.0).exp2() if scale.dtype == torch.uint8 else scale.to(compute)
+    if s.numel() == 1:
+        return (values * s.reshape(())).to(dtype)
+    if s.ndim == 1:  # one scale per output row
+        s = s.reshape(-1, 1)
+    bm, bn = block_shape(values.shape, s.shape, block)
+    rows, cols = values.shape[-2:]
+    full = s.repeat_interleave(bm, dim=-2).repeat_interleave(bn, dim=-1)[..., :rows, :cols]
+    return (values * full).to(dtype)
+
+
+def dequantize_stored(q: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat, dtype=torch.float32) -> torch.Tensor:
+    """Dequantize one stored weight with the arithmetic of the library that reads ``fmt``."""
+    return dequantize(q, scale, fmt.block, dtype, in_scale_dtype=fmt.method == COMPRESSED)
+
+
+def is_side_tensor(name: str) -> bool:
+    """A quantization scale / zero point, dropped from a dense checkpoint."""
+    return name.endswith(DROPPED_SUFFIXES)
+
+
+def scale_name_for(weight_name: str, fmt: QuantFormat) -> str | None:
+    if not fmt.is_fp8 or not weight_name.endswith(".weight"):
+        return None
+    return weight_name[: -len("weight")] + fmt.scale_name
+
+
+# ----------------------------------------------------------------------------- loading for training
+
+
+@dataclass
+class LoadPlan:
+    """How ``from_pretrained`` is called for the base model (:func:`load_plan`)."""
+
+    path: str
+    """What to load: the model as given, or the dequantized bf16 copy of an FP8 base (QLoRA)."""
+    kwargs: dict
+    """from_pretrained keyword arguments."""
+    note: dict
+    """For the run log and the manifest: ``{"format", "action", ...}``."""
+
+
+def base_format(name_or_path: str, revision: str | None = None) -> QuantFormat:
+    """The storage format of a base model (a local directory, or a hub id resolved offline-first)."""
+    local = Path(name_or_path)
+    if local.is_dir():
+        return quant_format(read_model_config(local))
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(name_or_path, revision=revision)
+    except (OSError, ValueError):  # from_pretrained itself reports an unloadable model
+        return QuantFormat(None)
+    qc = getattr(config, "quantization_config", None)
+    return quant_format({"quantization_config": qc if isinstance(qc, dict) else getattr(qc, "to_dict", dict)()})
+
+
+def load_plan(name_or_path: str, revision: str | None, method: str, kwargs: dict) -> LoadPlan:
+    """Where and how to load the base for ``method`` (lora, qlora, full); a dense base is unchanged."""
+    fmt = base_format(name_or_path, revision)
+    dtype = kwargs.get("dtype", torch.bfloat16)
+    if not fmt.is_fp8:
+        return LoadPlan(name_or_path, kwargs, {"format": fmt.describe(), "action": "loaded as stored"})
+    if method == "qlora":
+        copy = dequantized_copy(name_or_path, revision, torch.bfloat16)
+        plain = {k: v for k, v in kwargs.items() if k != "revision"}
+        note = {
+            "format": fmt.describe(),
+            "action": "dequantized to a bfloat16 copy, re-quantized to 4-bit by bitsandbytes",
+            "dequantized_copy": str(copy),
+        }
+        return LoadPlan(str(copy), plain, note)
+    note = {"format": fmt.describe(), "action": f"dequantized to {_dtype_name(dtype)} on load"}
+    return LoadPlan(name_or_path, {**kwargs, "quantization_config": _dequantize_config(fmt)}, note)
+
+
+def _dequantize_config(fmt: QuantFormat):
+    if fmt.method == FINEGRAINED:
+        from transformers import FineGrainedFP8Config
+
+        return FineGrainedFP8Config(
+            weight_block_size=fmt.block or (128, 128),
+            dequantize=True,
+            modules_to_not_convert=fmt.config.get("modules_to_not_convert"),
+        )
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "the base model is stored with compressed-tensors (FP8); transformers loads it only with the "
+            "compressed-tensors package: pip install 'kfp-llm-finetune[fp8]'"
+        ) from None
+    from transformers import CompressedTensorsConfig
+
+    return CompressedTensorsConfig(dequantize=True)  # the checkpoint's own config; only `dequantize` is taken
+
+
+def load_base_model(name_or_path: str, revision: str | None, method: str, kwargs: dict):
+    """``AutoModelForCausalLM.from_pretrained`` for a base in any supported format (the one call
+    trainer/model.py makes). An FP8 base is dequantized (LoRA, full) or re-quantized to 4-bit from a
+    bf16 copy (QLoRA); rank 0 prints one ``base model:`` line saying which, and the model carries
+    the same facts as ``model.llmft_base_format`` (a dict) for the manifest."""
+    from transformers import AutoModelForCausalLM
+
+    plan = load_plan(name_or_path, revision, method, kwargs)
+    with warnings.catch_warnings():  # "the quantization_config from the model will be used": meant so
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(plan.path, **plan.kwargs)
+    if plan.path != name_or_path:  # the adapter's base stays the model the user named
+        model.name_or_path = name_or_path
+        model.config._name_or_path = name_or_path
+    model.llmft_base_format = plan.note
+    if plan.note["format"] != "dense" and os.environ.get("RANK", "0") == "0":
+        print(f"[llmft] base model: {plan.note['format']}: {plan.note['action']}", flush=True)
+    return model
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------- the QLoRA bf16 copy
+
+
+def cache_root() -> Path:
+    """``$LLMFT_CACHE``, else ``$HF_HOME/llmft`` (on the data volume in the pipeline), else ~/.cache."""
+    if os.environ.get("LLMFT_CACHE"):
+        return Path(os.environ["LLMFT_CACHE"])
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(hf_home) / "llmft"
+
+
+def dequantized_copy(name_or_path: str, revision: str | None, dtype=torch.bfloat16) -> Path:
+    """A dense ``dtype`` copy of an FP8 checkpoint, built once (shard by shard) and reused.
+
+    Keyed by the source's content hash; ranks of one node wait on a file lock while the first builds
+    it, and a copy is only used once it carries its completion marker."""
+    import fcntl
+
+    from llmft.trainer.io import is_complete
+    from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
+    from llmft.trainer.model import content_hash
+
+    base = BaseCheckpoint.open(name_or_path, revision)
+    digest, _ = content_hash(base.directory)
+    target = cache_root() / "dequantized" / f"{base.directory.name}-{_dtype_name(dtype)}-{digest[:16]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_complete(target):
+            rewrite_checkpoint(base, target, dtype=dtype, kind="fp8-dequantized", force=False)
+    return target
+
+
+# ----------------------------------------------------------------------------- a tiny FP8 checkpoint
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 weight_scale_inv) as transformers' ``Fp8Quantize._quantize_one``
+    computes them: per block, scale = 448 / max|block| (1 for an all-zero block), stored inverted."""
+    rows, cols = weight.shape
+    bm, bn = block
+    tiles = weight.to(torch.float32).reshape(rows // bm, bm, cols // bn, bn)
+    max_abs = tiles.abs().amax(dim=(1, 3))
+    scales = torch.where(max_abs > 0, FP8_MAX / torch.where(max_abs > 0, max_abs, 1.0), 1.0)
+    quantized = torch.clamp(tiles * scales[:, None, :, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized.reshape(rows, cols), (1.0 / scales).to(torch.float32)
+
+
+def _quantizable(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> bool:
+    skip = ("embed_tokens", "lm_head")
+    return (
+        name.endswith(".weight")
+        and tensor.ndim == 2
+        and not any(s in name for s in skip)
+        and tensor.shape[0] % block[0] == 0
+        and tensor.shape[1] % block[1] == 0
+    )
+
+
+def write_fp8_checkpoint(
+    source: str | Path, output: str | Path, *, block: tuple[int, int] = (32, 32), force: bool = False
+) -> Path:
+    """Convert a dense model directory (the tiny model) into transformers' fine-grained FP8 format:
+    every decoder Linear weight becomes float8_e4m3fn + ``weight_scale_inv`` (one per ``block``),
+    everything else bfloat16; ``config.json`` gets the ``quantization_config`` transformers reads."""
+    import shutil
+
+    from llmft.trainer.io import atomic_directory, share_files
+    from llmft.trainer.merge import BaseCheckpoint
+    from safetensors.torch import save_file
+
+    base = BaseCheckpoint.open(str(source))
+    config = read_model_config(base.directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in base.tensors():
+        if _quantizable(name, tensor, block):
+            tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = quantize_blockwise(tensor, block)
+        else:
+            tensors[name] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+    config["quantization_config"] = {
+        "quant_method": FINEGRAINED,
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head"],
+    }
+    config["dtype"] = "bfloat16"
+    with atomic_directory(output, kind="tiny-model-fp8", force=force, inputs=(base.directory,)) as tmp:
+        for path in base.directory.iterdir():
+            if path.is_file() and not path.name.startswith(".") and not path.name.startswith("model"):
+                shutil.copy2(path, tmp / path.name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        share_files(tmp)
+    return Path(output)
+
+
+def build_tiny_fp8_model(output: str | Path, *, seed: int = 0, force: bool = False) -> Path:
+    """``llmft dev tiny-model --fp8``: the tiny model, stored in fine-grained FP8 (blocks of 32 x 32)."""
+    import tempfile
+
+    from llmft.trainer.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="llmft-tiny-dense-") as scratch:
+        dense = build_tiny_model(Path(scratch) / "dense", seed=seed)
+        return write_fp8_checkpoint(dense, output, force=force)

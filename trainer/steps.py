@@ -1,0 +1,121 @@
+"""What the trainer's steps share besides :class:`~llmft.trainer.train.Trainer` itself: the stop
+request (SIGTERM / SIGINT), the per-step counters kept on the device, the garbage-collection
+schedule, and seeding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import signal
+
+import torch
+from llmft.trainer.errors import LlmftError
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived and a checkpoint was committed: exit 128 + the signal number
+    (143 is retried under the ExitCode restart policy, and the restarted pod resumes)."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"{signal.Signals(signum).name} at step {step}")
+        self.exit_code = 128 + signum
+
+
+class TrainingAborted(LlmftError):
+    """Too many consecutive non-finite steps (exit 1: permanent)."""
+
+
+class StopRequest:
+    """SIGTERM or SIGINT: stop after the step in flight (also when it arrives while the model is
+    still loading: the first step then stops). A second SIGINT raises KeyboardInterrupt."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def install(self) -> dict:
+        """Handle both signals; returns the previous handlers for :meth:`restore`."""
+        self.signum = 0
+        return {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self.signum:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    @staticmethod
+    def restore(previous: dict) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+STOP = StopRequest()
+
+
+class StepCounters:
+    """Per-step bookkeeping kept on the device so that nothing syncs between log steps."""
+
+    def __init__(self, device, skipped: int = 0):
+        z = lambda v, dt=torch.float32: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+        self.streak, self.hit_step, self.hit_local = z(0, torch.int64), z(-1, torch.int64), z(False, torch.bool)
+        self.skipped = z(skipped, torch.int64)
+        self.loss_sum, self.good_steps, self.grad_norm = z(0.0), z(0.0), z(0.0)
+
+    def update(self, step: int, global_loss, grad_norm, bad, local_bad, max_bad: int) -> None:
+        self.streak = (self.streak + 1) * bad
+        hit = (self.streak >= max_bad) & (self.hit_step < 0)
+        self.hit_step = torch.where(hit, step, self.hit_step)
+        self.hit_local = torch.where(hit, local_bad, self.hit_local)
+        self.skipped += bad
+        good = ~bad
+        self.loss_sum += torch.where(good, global_loss.float(), 0.0)
+        self.good_steps += good.float()
+        self.grad_norm = grad_norm.float()
+
+    def check_bad_streak(self, info, max_bad: int) -> None:
+        """At a log step: raise TrainingAborted once ``max_bad`` consecutive steps were non-finite."""
+        from llmft.trainer.distributed import ranks_with_flag
+
+        hit_step = int(self.hit_step.item())
+        if hit_step < 0:
+            return
+        ranks = ranks_with_flag(self.hit_local, info)
+        where = f"on rank(s) {ranks}" if ranks else "in the gradients (all-reduced over every rank)"
+        raise TrainingAborted(
+            f"step {hit_step}: {max_bad} consecutive steps with a non-finite loss or gradient norm "
+            f"(non-finite loss {where}); updates were skipped, stopping. Lower optim.lr, check the data, "
+            "or raise max_bad_steps."
+        )
+
+
+@contextlib.contextmanager
+def scheduled_gc(every: int):
+    """Python's automatic garbage collector off during training (a collection of the many objects
+    compile and the model leave behind can stall one step); :func:`collect_garbage` collects young
+    objects every ``every`` steps instead. ``every`` 0 leaves it automatic."""
+    if every <= 0:
+        yield
+        return
+    gc.collect()
+    gc.freeze()  # what exists now (model, compiled code) is never scanned again
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def collect_garbage(step: int, every: int) -> None:
+    if every > 0 and step % every == 0:
+        gc.collect(1)
+
+
+def seed_all(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
