@@ -13,13 +13,19 @@ LLMFT := $(VENV)/bin/llmft
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo lint compile bench bench-data bench-train clean help
+.PHONY: install test test-fast demo lint format typecheck import-guard check config-reference compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
 	@echo "make demo      run the whole pipeline locally (kfp.local, tiny model, CPU)"
 	@echo "make test      run the test suite"
-	@echo "make lint      ruff"
+	@echo "make test-fast the unit tests only (-m 'not slow': no processes, servers or training runs)"
+	@echo "make check     what CI runs before the tests: lint, typecheck, import-guard"
+	@echo "make lint      ruff format --check and ruff check (line length 120)"
+	@echo "make format    ruff format, then ruff check --fix"
+	@echo "make typecheck mypy over the llmft import root (.ci/typecheck)"
+	@echo "make import-guard  import directions and packaging (tests/core/test_imports.py, test_packaging.py)"
+	@echo "make config-reference  regenerate docs/config-reference.md from trainer/config.py"
 	@echo "make compile   compile the KFP pipelines to build/*.yaml"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
 
@@ -36,11 +42,30 @@ $(STAMP): setup.cfg pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
 demo: $(STAMP)
 	$(LLMFT) pipeline run-local
 
 lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+typecheck: $(STAMP)
+	VENV=$(VENV) .ci/typecheck
+
+import-guard: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/core/test_imports.py tests/core/test_packaging.py
+
+check: lint typecheck import-guard
+
+config-reference: $(STAMP)
+	$(PY) tools/gen_config_reference.py
 
 compile: $(STAMP)
 	mkdir -p build

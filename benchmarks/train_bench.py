@@ -1,4 +1,4 @@
-"""`llmft bench train`: training throughput arms side by side on one GPU (issue 6).
+"""`llmft bench train`: training throughput arms side by side on one GPU.
 
 Arms, each in its own process (clean memory, one failure never hides the rest):
   naive    HF Trainer + PEFT LoRA, padded batches of 8, gradient checkpointing
@@ -10,7 +10,7 @@ Arms, each in its own process (clean memory, one failure never hides the rest):
            the fast path forced on by overrides, the micro batch sized by the harness ("tuned")
   project-product
            what a user runs: `llmft train --config <shipped config>` with only the model, data,
-           step count and output folder set (benchmarks/gpu/arm_product.py; issue 13)
+           step count and output folder set (benchmarks/gpu/arm_product.py)
 plus the 8192^3 bf16 matmul calibration and kernel checks (benchmarks/gpu/check_kernels.py).
 
 Every arm sees the same seeded synthetic samples in the same order, the same
@@ -38,7 +38,7 @@ DEFAULT_MICRO = {  # samples per packed micro-batch (64 per optimizer step), siz
     ("qwen2.5-0.5b", "full"): 64,
     ("qwen2.5-1.5b", "full"): 32,
     ("llama-3-8b", "full"): 8,
-    # llmft F20 (issue 20): QLoRA rows and the MoE shape (top-8 of 128 experts: eight expert rows per token)
+    # QLoRA rows and the MoE shape (top-8 of 128 experts: eight expert rows per token)
     ("qwen2.5-1.5b", "qlora"): 16,
     ("llama-3-8b", "qlora"): 16,
     ("qwen3-30b-a3b", "lora"): 32,
@@ -90,7 +90,7 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
         steps = args.naive_steps if arm == "naive" else args.steps
         warmup = 2 if arm == "naive" else args.warmup
         mask = ["--block-mask", "eager"] if arm == "peer-eagermask" else []
-        if arm != "naive":  # llmft F20: the peer takes the project arm's method and micro batch
+        if arm != "naive":  # the peer takes the project arm's method and micro batch
             mask += ["--method", method, "--micro", str(DEFAULT_MICRO.get((model, method), args.samples_per_step))]
         return [
             py,

@@ -13,16 +13,22 @@ def deploy_adapter(
     manifest: Output[Artifact],
     deployment: Output[Artifact],
 ):
-    """Check the adapter is servable by vLLM, build the InferenceService, then deploy it.
+    """Check the adapter is servable by vLLM, build the InferenceService, then deploy the champion.
 
     The servability check runs first (no DoRA, no ``modules_to_save``, rank within
     ``max_lora_rank``, target modules vLLM supports). The InferenceService uses the Hugging
     Face serving runtime with ``--backend=vllm``, LoRA enabled, the adapter registered as a
-    LoRA module under the registered model's name, storage from the PVC and GPU resources; it
-    is validated against the InferenceService CRD schema before anything is applied.
+    LoRA module under the registered model's name and the base model as ``<name>-base``, storage
+    from the PVC and GPU resources; it is validated against the InferenceService CRD schema before
+    anything is applied.
+
+    Only the champion is served: a version the register step did not make the champion
+    (registration.json ``is_champion`` false) is registered but not deployed, unless
+    ``deploy_policy=always``.
 
     ``deploy_mode=kserve`` (and ``deploy=true``): apply it, wait for Ready, and smoke-test the
-    OpenAI-compatible completions endpoint with the adapter's model name.
+    OpenAI endpoints: ``/openai/v1/models`` lists both names, and the adapter's greedy completion of
+    a fixed prompt is not the base model's.
     ``deploy_mode=local``: load base + adapter with transformers and generate for a few prompts,
     failing if the adapter changes nothing. ``deploy=false``: stop after writing the manifest.
 
@@ -60,6 +66,8 @@ def deploy_adapter(
         runtime=serving.runtime,
         node_selector=serving.node_selector,
         hf_secret=serving.hf_secret,
+        is_champion=bool(registered.get("is_champion", True)),
+        deploy_policy=serving.deploy_policy,
     )
     os.makedirs(manifest.path, exist_ok=True)
     result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))

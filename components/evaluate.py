@@ -1,4 +1,5 @@
-"""Step 4: eval perplexity of the base model and of every complete checkpoint."""
+"""Step 4: eval perplexity of the base model and of every complete checkpoint; with Langfuse, the
+base model, the previous champion and the new adapter answer the same prompts side by side."""
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
@@ -19,6 +20,11 @@ def evaluate_perplexity(
     Uses the trainer's own token-weighted evaluation on the validation split, so the
     numbers match the ``eval_loss=`` / ``perplexity=`` lines the trainer prints.
 
+    With Langfuse configured (the Secret named by ``langfuse_secret``), the base model, the
+    previous champion (MLflow alias ``champion``) and the best checkpoint then answer a fixed
+    prompt set from the validation split, recorded as Langfuse dataset runs with scores
+    (components/lib/comparison.py); evaluation.json's ``langfuse`` section links them.
+
     Outputs: ``evaluation`` (evaluation.json, read by the promote step), ``report`` (an HTML
     page with the loss and perplexity plot embedded as a PNG, shown in the KFP UI) and
     ``metrics`` (base and best eval loss / perplexity).
@@ -30,10 +36,24 @@ def evaluate_perplexity(
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # before transformers is imported
+    from llmft.components.lib.comparison import compare_in_langfuse
     from llmft.components.lib.evaluation import evaluate_run, read_metrics_history, render_html
 
     run_dir = run.metadata["path"]
     result = evaluate_run(run_dir, run_plan.trainer.model, tokenized.metadata["path"])
+    compared = compare_in_langfuse(
+        result,
+        run_dir=run_dir,
+        base_model=run_plan.trainer.model,
+        prepared_dir=run_plan.data.prepared_dir,
+        tokenized_dir=tokenized.metadata["path"],
+        model_name=run_plan.registry.model_name,
+        run_id=run_plan.run_id,
+        tracking_uri=run_plan.registry.tracking_uri,
+        data_root=run_plan.layout.root,
+    )
+    if compared is not None:
+        result["langfuse"] = compared
 
     os.makedirs(evaluation.path, exist_ok=True)
     with open(os.path.join(evaluation.path, "evaluation.json"), "w") as fh:

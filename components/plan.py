@@ -45,6 +45,7 @@ def plan_run(
     sweep_trial_overrides: str = "",
     sweep_timeout_s: int = 3 * 24 * 3600,
     training_backend: str = "kubeflow",
+    training_runtime: str = "torch-distributed",
     num_workers: int = 1,
     gpus_per_worker: int = 1,
     worker_cpu: str = "8",
@@ -69,6 +70,7 @@ def plan_run(
     promote_margin: float = 0.01,
     deploy: bool = True,
     deploy_mode: str = "kserve",
+    deploy_policy: str = "champion",
     serving_name: str = "llm-adapter",
     serving_namespace: str = "",
     serving_gpus: int = 1,
@@ -112,7 +114,10 @@ def plan_run(
         sweep_overrides: More sweep settings as key=value, e.g. "space.lora_r.values=8,16 early_stopping=false".
         sweep_trial_overrides: Fixed trainer settings of every trial ('' = max_steps=200 eval_every=25 ...).
         sweep_timeout_s: How long the sweep step waits for the Experiment.
-        training_backend: kubeflow (a PyTorchJob) or local (subprocesses of the step, kfp.local only).
+        training_backend: kubeflow (a PyTorchJob), trainjob (a Kubeflow Trainer v2 TrainJob) or local (subprocesses
+            of the step, kfp.local only). The sweep's trials run on the same kind of job.
+        training_runtime: The runtime a trainjob references: NAME of a ClusterTrainingRuntime (default: the
+            torch-distributed one Kubeflow Trainer ships) or TrainingRuntime/NAME in the run's namespace.
         num_workers: PyTorchJob pods: one Master plus num_workers - 1 Workers.
         gpus_per_worker: GPUs per pod (one trainer process per GPU).
         worker_cpu: CPU request and limit of each training pod (and Katib trial).
@@ -141,6 +146,8 @@ def plan_run(
         promote_margin: Relative perplexity gain over the base model required to promote, e.g. 0.01.
         deploy: Apply the InferenceService (false: write and validate its manifest only).
         deploy_mode: kserve, or local (a generation check with transformers, kfp.local only).
+        deploy_policy: champion (deploy only a version the registry made its champion; one that lost is registered,
+            not served) or always.
         serving_name: InferenceService name (at most 45 characters).
         serving_namespace: Namespace of the InferenceService ('' = the pipeline's).
         serving_gpus: GPUs of the predictor.

@@ -14,7 +14,8 @@ def promote_best_checkpoint(
     """Pick the checkpoint with the lowest eval perplexity and copy it to a stable place.
 
     Refuses (the step fails, so nothing is registered or deployed) unless the best
-    checkpoint's perplexity is below ``base * (1 - promote_margin)`` (the plan's). Otherwise copies
+    checkpoint's perplexity is below ``base * (1 - promote_margin)`` (the plan's), and refuses a
+    LoRA adapter vLLM could not serve (DoRA, ``modules_to_save``, a rank above ``max_lora_rank``). Otherwise copies
     its servable files (adapter or weights, tokenizer, manifest; not optimizer state)
     atomically to ``<data_root>/models/<mlflow_model_name>/<run_id>`` with a COMPLETE marker.
     The decision and its reason are written as JSON beside that folder in both cases.
@@ -32,7 +33,14 @@ def promote_best_checkpoint(
     with open(os.path.join(evaluation.path, "evaluation.json")) as fh:
         result = json.load(fh)
     destination = str(promoted_destination(root, name, run_id))
-    decision = promote_to_volume(result, root, name, run_id, margin=run_plan.registry.promote_margin)
+    decision = promote_to_volume(
+        result,
+        root,
+        name,
+        run_id,
+        margin=run_plan.registry.promote_margin,
+        max_lora_rank=run_plan.serving.max_lora_rank,  # vLLM must be able to serve what is registered
+    )
 
     os.makedirs(promoted.path, exist_ok=True)
     with open(os.path.join(promoted.path, "promotion.json"), "w") as fh:

@@ -22,6 +22,9 @@ def register_model(
     beats the current champion's. A retried task reuses the run and version it created before
     (tag ``llmft.registration_key = <run_id>/<task_name>``), so retries never duplicate.
 
+    With Langfuse configured, the version carries ``llmft.langfuse.*`` tags (the training trace,
+    the comparison's dataset run) and the training trace gets a ``registered in MLflow`` event.
+
     The tracking server is the plan's ``mlflow_tracking_uri`` when set, else ``MLFLOW_TRACKING_URI``
     from the environment; credentials come only from the Secret named by ``mlflow_secret``.
 
@@ -54,16 +57,21 @@ def register_model(
         Path(promoted.path) / "promotion.json",
         Path(run.path) / "training_manifest.json",
     )
+    evaluated = read(evaluation, "evaluation.json")
     reg = registration_from_run(
         promoted_dir=promoted.metadata["path"],
-        evaluation=read(evaluation, "evaluation.json"),
+        evaluation=evaluated,
         training_manifest=read(run, "training_manifest.json"),
         model_name=registry.model_name,
         experiment=registry.experiment,
         lineage=lineage,
         extra_artifacts=extras,
     )
-    facts = register_adapter(reg, tracking_uri=registry.tracking_uri or None)
+    mlflow_secret = next((s.name for s in run_plan.task_secrets if s.kind == "mlflow"), "")
+    facts = register_adapter(reg, tracking_uri=registry.tracking_uri or None, secret_name=mlflow_secret)
+    from llmft.components.lib.comparison import record_registration  # the version, into the Langfuse trace
+
+    facts["langfuse_linked"] = record_registration(facts, evaluated, registry.tracking_uri)
 
     os.makedirs(registration.path, exist_ok=True)
     with open(os.path.join(registration.path, "registration.json"), "w") as fh:

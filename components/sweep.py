@@ -43,7 +43,7 @@ def sweep_hyperparameters(
     sweep.metadata.update(
         {
             "experiment": result["experiment"],
-            "backend": run_plan.sweep.backend,
+            "backend": run_plan.sweep.backend if run_plan.sweep else "",
             "best_overrides": " ".join(result["best_overrides"]),
         }
     )

@@ -19,8 +19,9 @@ def train_model(
     ``llmft train --nproc N key=value ...``, restart policy ExitCode, the plan's image,
     resources, node selector, data PVC and Secrets), submits it through the Training Operator,
     waits for its conditions while streaming the master's logs, and on failure fails with the
-    job's last log lines. ``training_backend=local`` (kfp.local only) runs the same
-    ``llmft train`` command as a subprocess of this step.
+    job's last log lines. ``training_backend=trainjob`` does the same with a Kubeflow Trainer v2
+    TrainJob on the plan's ``training_runtime`` (docs/trainer-v2.md). ``training_backend=local``
+    (kfp.local only) runs the same ``llmft train`` command as a subprocess of this step.
 
     ``sweep_best``: the HPO pipeline's sweep output (``key=value`` pairs), appended after the
     plan's overrides so they win.

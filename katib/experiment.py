@@ -51,6 +51,7 @@ from kubeflow_katib_api.models import (
 from llmft.katib import search_space as ss
 from llmft.katib.errors import SweepError
 from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC
+from llmft.katib.trial_kinds import PYTORCHJOB, TRIAL_KINDS, trial_kind
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1beta1", "experiments", "Experiment"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -59,11 +60,11 @@ API_VERSION = f"{GROUP}/{VERSION}"
 ALGORITHMS = ("random", "tpe", "grid", "bayesianoptimization")
 RESUME_POLICIES = ("Never", "LongRunning", "FromVolume")
 
-# PyTorchJob trials (platform-facts.md; Katib's DefaultKubeflowJob* constants).
-PRIMARY_CONTAINER = "pytorch"
-SUCCESS_CONDITION = 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
-FAILURE_CONDITION = 'status.conditions.#(type=="Failed")#|#(status=="True")#'
-PRIMARY_POD_LABELS = {"training.kubeflow.org/job-role": "master"}  # metrics come from the master pod only
+# PyTorchJob trials (platform-facts.md; Katib's DefaultKubeflowJob* constants); TrainJob: katib/trial_kinds.py.
+PRIMARY_CONTAINER = PYTORCHJOB.primary_container_name
+SUCCESS_CONDITION = PYTORCHJOB.success_condition
+FAILURE_CONDITION = PYTORCHJOB.failure_condition
+PRIMARY_POD_LABELS = dict(PYTORCHJOB.primary_pod_labels)  # metrics come from the master pod only
 
 # A trial parameter bound to Katib's trial metadata (not searched): each trial's own
 # name, so every trial writes to its own output_dir and `resume=auto` never picks up
@@ -224,11 +225,12 @@ def _trial_template(spec: SweepSpec, trial_spec: dict[str, Any]) -> V1beta1Trial
                 description="the trial's own name (per-trial output_dir)",
             )
         )
+    kind = trial_kind(trial_spec)  # PyTorchJob or TrainJob trials (katib/trial_kinds.py)
     return V1beta1TrialTemplate(
-        primaryContainerName=PRIMARY_CONTAINER,
-        primaryPodLabels=dict(PRIMARY_POD_LABELS),
-        successCondition=SUCCESS_CONDITION,
-        failureCondition=FAILURE_CONDITION,
+        primaryContainerName=kind.primary_container_name,
+        primaryPodLabels=dict(kind.primary_pod_labels),
+        successCondition=kind.success_condition,
+        failureCondition=kind.failure_condition,
         retain=spec.retain_trials or None,
         trialParameters=params,
         trialSpec=trial_spec,
@@ -236,19 +238,12 @@ def _trial_template(spec: SweepSpec, trial_spec: dict[str, Any]) -> V1beta1Trial
 
 
 def trial_spec_from_job(trial_job: Mapping[str, Any], spec: SweepSpec) -> dict[str, Any]:
-    """A copy of the PyTorchJob fit for ``trialTemplate.trialSpec``: checked, name and namespace removed."""
+    """A copy of the trial job (PyTorchJob or TrainJob) fit for ``trialTemplate.trialSpec``: checked, name and
+    namespace removed."""
     job = copy.deepcopy(dict(trial_job))
-    if job.get("apiVersion") != "kubeflow.org/v1" or job.get("kind") != "PyTorchJob":
-        raise SweepError(
-            f"trial job: expected apiVersion kubeflow.org/v1 kind PyTorchJob, got "
-            f"{job.get('apiVersion')!r} {job.get('kind')!r}"
-        )
     master = primary_container(job)
     if master is None:
-        raise SweepError(
-            "trial job: spec.pytorchReplicaSpecs.Master must have a container named "
-            f"{PRIMARY_CONTAINER!r} (Katib's primaryContainerName and the operator's rule)"
-        )
+        raise SweepError(f"trial job: {trial_kind(job).container_rule}")
     metadata = {k: v for k, v in (job.get("metadata") or {}).items() if k not in ("name", "namespace")}
     job["metadata"] = metadata
     if not metadata:
@@ -269,12 +264,10 @@ def trial_spec_from_job(trial_job: Mapping[str, Any], spec: SweepSpec) -> dict[s
 
 
 def primary_container(job: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ``pytorch`` container of the Master replica of a PyTorchJob dict, or None."""
-    try:
-        containers = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
-    except (KeyError, TypeError):
-        return None
-    return next((c for c in containers if c.get("name") == PRIMARY_CONTAINER), None)
+    """Where the trainer's command is: the ``pytorch`` container of a PyTorchJob's Master replica, a
+    TrainJob's ``spec.trainer``; None when missing or for another kind of job."""
+    kind = TRIAL_KINDS.get((job.get("apiVersion"), job.get("kind")))
+    return kind.command_holder(job) if kind else None
 
 
 def override_bindings(experiment: Mapping[str, Any] | V1beta1Experiment) -> dict[str, str]:

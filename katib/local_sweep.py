@@ -119,7 +119,7 @@ def optuna_distributions(parameters) -> dict:
     """``{name: optuna distribution}`` for ``V1beta1ParameterSpec`` models, as Katib's Optuna service maps them."""
     import optuna
 
-    dists = {}
+    dists: dict[str, optuna.distributions.BaseDistribution] = {}
     for p in parameters:
         space, ptype = p.feasible_space, p.parameter_type
         step = space.step or None

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from kubeflow_katib_api.models import V1beta1FeasibleSpace, V1beta1ParameterSpec
 from llmft.katib.errors import SweepError
@@ -212,7 +213,7 @@ def with_override(space: tuple[HyperParameter, ...], dotted: str, value: str) ->
     fields = {f.name for f in dataclasses.fields(HyperParameter)} - {"name"}
     if field not in fields:
         raise SweepError(f"space.{dotted}: unknown field {field!r}; use one of {', '.join(sorted(fields))}")
-    parsed: object = tuple(v.strip() for v in value.split(",") if v.strip()) if field in ("values", "grid") else value
+    parsed: Any = tuple(v.strip() for v in value.split(",") if v.strip()) if field in ("values", "grid") else value
     if field in ("min", "max", "step", "distribution") and value.lower() in ("", "none", "null"):
         parsed = None
     # Not checked here: a type change takes several overrides; the caller checks the final space.

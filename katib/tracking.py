@@ -12,7 +12,10 @@ and ``MLFLOW_EXPERIMENT_NAME`` (children must live in the parent's experiment).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"
 DEFAULT_EXPERIMENT = "llmft"
@@ -32,7 +35,7 @@ class ParentRun:
     ):
         self.run_name, self.params, self.tags = run_name, params or {}, tags or {}
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
-        self.client = None
+        self.client: MlflowClient | None = None
         self.run_id: str | None = None
 
     def __enter__(self) -> ParentRun:
@@ -50,7 +53,7 @@ class ParentRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self.client is not None:
+        if self.client is not None and self.run_id is not None:
             self.client.set_terminated(self.run_id, status="FAILED" if exc_type else "FINISHED")
 
     def env(self) -> dict[str, str]:
@@ -60,14 +63,14 @@ class ParentRun:
         return {PARENT_RUN_ENV: self.run_id, "MLFLOW_EXPERIMENT_NAME": self.experiment}
 
     def log_metric(self, key: str, value: float, step: int | None = None) -> None:
-        if self.client is not None:
+        if self.client is not None and self.run_id is not None:
             self.client.log_metric(self.run_id, key, float(value), step=step or 0)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        if self.client is not None:
+        if self.client is not None and self.run_id is not None:
             for key, value in params.items():
                 self.client.log_param(self.run_id, key, value)
 
     def log_artifact(self, path: str) -> None:
-        if self.client is not None:
+        if self.client is not None and self.run_id is not None:
             self.client.log_artifact(self.run_id, path)

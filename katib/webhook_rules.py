@@ -7,7 +7,7 @@ checks (``pkg/webhook/v1beta1/experiment/validator/validator.go`` at v0.19.0,
 ErrorList form: every problem is reported, not only the first) and adds the
 checks the suggestion and early-stopping services run when they start
 (``ValidateAlgorithmSettings`` / ``ValidateEarlyStoppingSettings``), plus a few
-project rules for PyTorchJob trials. Each violation names its source:
+project rules for PyTorchJob and TrainJob trials. Each violation names its source:
 
 - ``webhook``: rejected by the API server at create time;
 - ``suggestion`` / ``earlystopping``: the Experiment is admitted but fails when
@@ -460,6 +460,51 @@ def _check_trial_spec(template: Mapping[str, Any]) -> list[Violation]:
         out.append(Violation(path, "apiVersion and kind must be specified", "webhook"))
     if trial_spec.get("kind") == "PyTorchJob":
         out += _check_pytorchjob_template(template)
+    if trial_spec.get("kind") == "TrainJob":
+        out += _check_trainjob_template(template)
+    return out
+
+
+def _check_trainjob_template(template: Mapping[str, Any]) -> list[Violation]:
+    """TrainJob trials (katib/trial_kinds.py): Katib's TrainJob defaults, and a trainer command to run."""
+    from llmft.katib.trial_kinds import TRAINJOB
+
+    path = "spec.trialTemplate"
+    out = []
+    expected = {
+        "primaryContainerName": TRAINJOB.primary_container_name,
+        "successCondition": TRAINJOB.success_condition,
+        "failureCondition": TRAINJOB.failure_condition,
+    }
+    for key, value in expected.items():
+        if template.get(key) != value:
+            out.append(
+                Violation(
+                    f"{path}.{key}",
+                    f"TrainJob trials need {value!r} (a TrainJob reports Complete/Failed and runs container 'node'); "
+                    f"got {template.get(key)!r}",
+                    "project",
+                )
+            )
+    if dict(template.get("primaryPodLabels") or {}) != dict(TRAINJOB.primary_pod_labels):
+        out.append(
+            Violation(
+                f"{path}.primaryPodLabels",
+                f"TrainJob trials collect metrics from node 0 only: {dict(TRAINJOB.primary_pod_labels)}",
+                "project",
+            )
+        )
+    spec = template["trialSpec"].get("spec") or {}
+    if not (spec.get("runtimeRef") or {}).get("name"):
+        out.append(Violation(f"{path}.trialSpec.spec.runtimeRef.name", "required by the TrainJob CRD", "webhook"))
+    if TRAINJOB.command_holder(template["trialSpec"]) is None:
+        out.append(
+            Violation(
+                f"{path}.trialSpec.spec.trainer",
+                "no command: the runtime's own image command would run, printing no metrics",
+                "project",
+            )
+        )
     return out
 
 

@@ -17,7 +17,9 @@ The platform settings are applied here, once:
   2.15, kubeflow/pipelines#12216); like the evaluate task's ``gpu_node_selector`` they are fixed
   when compiling (``llmft pipeline compile ... hf_token_secret=NAME``), because backends before
   2.5 cannot take a Secret name or a node selector from a parameter;
-* the train task has a timeout and retries (it resumes from the newest checkpoint).
+* the train task has a timeout and retries (it resumes from the newest checkpoint);
+* the steps run inside a ``dsl.ExitHandler`` whose exit task (``cleanup-run``) deletes the run's
+  unfinished jobs and Experiments when the run fails (components/lib/cleanup.py).
 
 No pipeline parameter is a secret. ``llmft pipeline compile`` writes the YAML;
 ``llmft pipeline run-local`` runs it here through kfp.local.
@@ -29,9 +31,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kfp import dsl, kubernetes
+from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
-from llmft.components.lib.plan import DATA_MOUNT, SWEEP_PREFIX
+from llmft.components.lib.plan import DATA_MOUNT, SWEEP_PREFIX, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.lib.plan_checks import TASK_RESOURCE_GROUPS, TASK_SECRET_KINDS, compiled_settings, parse_secret
 from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_run
 from llmft.components.prepare_dataset import prepare_dataset
@@ -53,7 +56,10 @@ TASK_ORDER = (
     "register-model",
     "deploy-adapter",
 )
-"""The eight tasks, in the order they run."""
+"""The eight tasks, in the order they run (inside the exit handler group EXIT_GROUP)."""
+EXIT_GROUP = "exit-handler-1"
+"""The dsl.ExitHandler group holding the pipeline's body; CLEANUP_TASK runs after it, whatever its outcome."""
+CLEANUP_TASK = "cleanup-run"
 
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 """GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule."""
@@ -62,12 +68,8 @@ GPU_STEPS = ("evaluate-perplexity",)
 TASK_GROUPS = {"prepare-dataset": "data", "tokenize-dataset": "data", "evaluate-perplexity": "eval"}
 """Resource group of each task (TASK_RESOURCE_GROUPS); the others are light "step" tasks."""
 
-TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the train task (longer than the job's own wait, job_timeout_s)."""
 TRAIN_RETRIES = 2
 """Retries of the train task; each resumes from the newest complete checkpoint."""
-SWEEP_TASK_TIMEOUT_S = 4 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the sweep task (longer than its own wait, sweep_timeout_s)."""
 SWEEP_RETRIES = 2
 """Retries of the sweep task; a retry re-attaches to the same Experiment (its name derives from the run id)."""
 
@@ -119,7 +121,7 @@ def build_pipeline(*, hpo: bool = False, defaults: Mapping[str, Any] | None = No
         values = signature.bind(*args, **kwargs).arguments  # name -> pipeline channel
         add_steps(values, static, pipeline_name=name, hpo=hpo)
 
-    pipeline.__signature__ = signature
+    pipeline.__signature__ = signature  # type: ignore[attr-defined]  # inspect.signature (so KFP) reads it
     pipeline.__doc__ = pipeline_docstring(description, signature)
     pipeline.__name__ = pipeline.__qualname__ = name.replace("-", "_") + "_pipeline"
     return dsl.pipeline(name=name, description=description)(pipeline)
@@ -157,6 +159,17 @@ def task_secrets(step: str, static: Mapping) -> list:
 
 
 def add_steps(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool) -> None:
+    """The body inside a dsl.ExitHandler whose exit task deletes what a failed or cancelled run left
+    running (components/cleanup.py)."""
+    cleanup = cleanup_run(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER).set_display_name("clean up after the run")
+    cleanup.set_cpu_request(values["step_cpu"]).set_cpu_limit(values["step_cpu"])
+    cleanup.set_memory_request(values["step_memory"]).set_memory_limit(values["step_memory"])
+    cleanup.set_caching_options(False)
+    with dsl.ExitHandler(cleanup):
+        add_body(values, static, pipeline_name=pipeline_name, hpo=hpo)
+
+
+def add_body(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool) -> None:
     """plan -> prepare -> tokenize [-> sweep] -> train -> evaluate -> promote -> register -> deploy."""
     plan_task = plan_run(
         **values, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, compiled=compiled_settings(pipeline_name, static)

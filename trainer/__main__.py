@@ -64,6 +64,12 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
 
     if isinstance(exc, errors.LlmftError):
         return exc.exit_code, str(exc).strip()
+    if lost_peer(exc):
+        return errors.EXIT_TRANSIENT, (
+            f"lost a peer rank ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}): another node or rank died "
+            "without a checkpoint (OOM kill, lost node, crash); exit 200 so this pod restarts too and every rank "
+            "resumes together from the newest complete checkpoint"
+        )
     if isinstance(exc, KeyboardInterrupt):
         return errors.EXIT_INTERRUPTED, "interrupted by a second Ctrl-C: stopped without a checkpoint"
     if isinstance(exc, OSError):
@@ -77,6 +83,25 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
         f"internal error: {type(exc).__name__}: {text}. This is a bug: re-run with LLMFT_DEBUG=1 for the "
         "traceback and report it"
     )
+
+
+PEER_LOST_MESSAGES = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo's RuntimeError says when another rank's process is gone (third_party/gloo tcp/pair.cc)."""
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """A collective failed because another rank died: torch.distributed's DistError (NCCL, the
+    store, the network) or gloo's peer-reset RuntimeError, in a multi-rank run. Such a failure is
+    retryable: under restartPolicy ExitCode the surviving pods must exit >= 128 so the operator
+    restarts them too, and the whole job resumes from its newest checkpoint (the restart budget in
+    trainer/rundir.py bounds the loop)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or "torch" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in PEER_LOST_MESSAGES)
 
 
 def use_expandable_segments() -> None:
@@ -93,7 +118,8 @@ def use_expandable_segments() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Parse, then one :class:`~llmft.trainer.train.Trainer`: build -> train -> close."""
-    from llmft.trainer.config import config_to_dict, load_config, validate
+    from llmft.trainer.config import config_to_dict, load_config
+    from llmft.trainer.config_checks import validate
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:

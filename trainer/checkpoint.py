@@ -24,6 +24,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -124,7 +125,8 @@ def _from_b64(text: str) -> torch.Tensor:
 def rng_state() -> dict:
     """Python, NumPy, torch (and CUDA) generator states as JSON-serialisable values."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state()  # the legacy tuple (legacy=True is the default)
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], legacy)
     state = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
@@ -366,9 +368,9 @@ def prune_checkpoints(output_dir: str | Path, keep_last: int, best_step: int | N
     removed = [path for step, path in ours if step not in keep]
     if root.is_dir():
         for path in root.iterdir():
-            ours = path.name.endswith(".partial") or _run_id_of(path) == run_id
+            this_run = path.name.endswith(".partial") or _run_id_of(path) == run_id
             uncommitted = path.name.endswith(".partial") or (STEP_DIR.match(path.name) and not is_complete(path))
-            if uncommitted and ours and path.is_dir():
+            if uncommitted and this_run and path.is_dir():
                 removed.append(path)
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ def init_distributed(comm_backend: str = "auto", timeout_s: int = 1800) -> DistI
         backend = ("nccl" if cuda else "gloo") if comm_backend == "auto" else comm_backend
         if backend == "nccl" and not cuda:
             raise ConfigError("distributed.comm_backend=nccl needs CUDA GPUs; use auto or gloo on CPU")
-        kwargs = {"device_id": device} if backend == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         _STOP_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return DistInfo(rank, world, local, device)
@@ -300,7 +301,7 @@ def import_deepspeed():
     return deepspeed
 
 
-def _init_deepspeed(model, optimizer, ds_config: dict):
+def _init_deepspeed(model, optimizer, ds_config: dict | None):
     deepspeed = import_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
     return engine

@@ -121,7 +121,7 @@ def evaluate_perplexity(
         trust_remote_code=trust_remote_code,
         revision=revision,
         use_safetensors=True,
-    ).to(dev)
+    ).to(dev)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides its signature from mypy
     if adapter_path:
         from peft import PeftModel
 

@@ -176,7 +176,7 @@ def is_side_tensor(name: str) -> bool:
 
 
 def scale_name_for(weight_name: str, fmt: QuantFormat) -> str | None:
-    if not fmt.is_fp8 or not weight_name.endswith(".weight"):
+    if not fmt.is_fp8 or fmt.scale_name is None or not weight_name.endswith(".weight"):
         return None
     return weight_name[: -len("weight")] + fmt.scale_name
 
@@ -265,7 +265,7 @@ def load_base_model(name_or_path: str, revision: str | None, method: str, kwargs
     if plan.path != name_or_path:  # the adapter's base stays the model the user named
         model.name_or_path = name_or_path
         model.config._name_or_path = name_or_path
-    model.llmft_base_format = plan.note
+    model.llmft_base_format = plan.note  # type: ignore[assignment]  # our own attribute, read by model.py
     if plan.note["format"] != "dense" and os.environ.get("RANK", "0") == "0":
         print(f"[llmft] base model: {plan.note['format']}: {plan.note['action']}", flush=True)
     return model

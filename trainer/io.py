@@ -47,7 +47,7 @@ def _share(path: str | os.PathLike, mode: int) -> None:
     os.chmod(path, mode & ~_umask())
 
 
-def share_files(directory: str | os.PathLike) -> None:
+def share_files(directory: str | os.PathLike[str]) -> None:
     """Give every file under ``directory`` the umask-based mode (0644 under the usual umask 022).
 
     safetensors creates its files 0600 whatever the umask, and ``shutil.copy2`` keeps that mode,
@@ -186,7 +186,7 @@ def remove_stale_temps(final: str | os.PathLike, *, kind: str) -> list[Path]:
     output): only those carrying our owner record of ``kind`` and only when stale (see
     :data:`STALE_TEMP_SECONDS`). Returns what was removed."""
     final = Path(final)
-    removed = []
+    removed: list[Path] = []
     now = time.time()
     try:
         candidates = sorted(final.parent.glob(f".{glob.escape(final.name)}.*.tmp"))
@@ -284,13 +284,4 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             h.update(block)
-    return h.hexdigest()
-
-
-def sha256_tree(paths: list[str | os.PathLike]) -> str:
-    """Hash of several files (names relative to their own dir + contents), order-independent."""
-    h = hashlib.sha256()
-    for p in sorted(Path(x) for x in paths):
-        h.update(p.name.encode())
-        h.update(sha256_file(p).encode())
     return h.hexdigest()

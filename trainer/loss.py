@@ -49,7 +49,7 @@ def loss_fn(fused: bool = False, attn_implementation: str = "sdpa"):
     trainer.fastpath (not one of transformers' own) also gets the document boundaries. On an MoE
     model whose config asks for it, training forwards also carry the load-balancing loss's gradient
     (per document, per supervised token: trainer/fastpath/moe_aux.py); the value stays the NLL sum."""
-    from llmft.trainer.fastpath.moe_aux import with_router_aux_loss  # llmft F20 hook
+    from llmft.trainer.fastpath.moe_aux import with_router_aux_loss
 
     return with_router_aux_loss(_select_loss_fn(fused, attn_implementation))
 

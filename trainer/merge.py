@@ -325,7 +325,7 @@ def merge_tensors(
             tensor = _merged(name, tensor, adapter)
             pending.discard(name)
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
-    if pending:
+    if pending and adapter is not None:
         raise ConfigError(
             f"adapter {adapter.directory}: {len(pending)} adapted tensor(s) not found in the base checkpoint "
             f"{base.directory} (e.g. {sorted(pending)[:3]}); the adapter belongs to another model, or the "

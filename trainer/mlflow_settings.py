@@ -64,7 +64,7 @@ def mlflow_unreachable(uri: str, timeout: float = CONNECT_TIMEOUT_S) -> str | No
 
 
 def _behind_proxy(scheme: str, host: str) -> bool:
-    from urllib.request import getproxies_environment, proxy_bypass_environment
+    from urllib.request import getproxies_environment, proxy_bypass_environment  # type: ignore[attr-defined]
 
     proxies = getproxies_environment()
     return scheme in proxies and not proxy_bypass_environment(host, proxies)
@@ -81,7 +81,8 @@ def prepare_mlflow(uri: str, *, required: bool = True) -> str | None:
         return None
     message = (
         f"MLflow tracking server {_redacted(uri)} is unreachable: {reason}. Check MLFLOW_TRACKING_URI (the "
-        "mlflow-credentials Secret) and that the server runs"
+        "pipeline parameter mlflow_tracking_uri, or the key of the Secret it mounts for MLflow, e.g. llmft-mlflow) "
+        "and that the server runs"
     )
     if required:
         raise TransientError(message + "; the step exits 200 and its retry policy retries it")

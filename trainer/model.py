@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from llmft.trainer.config import LoraConfig, ModelConfig, TrainConfig
@@ -52,7 +53,7 @@ def load_tokenizer(model_cfg: ModelConfig):
 
 
 def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zero3: bool, attention: str) -> dict:
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "revision": cfg.model.revision,
         "trust_remote_code": cfg.model.trust_remote_code,
         "attn_implementation": attention,
@@ -88,7 +89,7 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     from llmft.trainer.fp8 import load_base_model  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
 
     check_method_supported(cfg, device)
-    from llmft.trainer.fastpath import moe  # llmft F20 hook: MoE LoRA targets checked from config.json first
+    from llmft.trainer.fastpath import moe  # MoE LoRA targets checked from config.json first
 
     moe.check_lora_config(cfg)
     from llmft.trainer.fastpath.settings import run_settings
@@ -112,7 +113,7 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: cannot load ({exc})") from None
     del keep_alive
     model.config.use_cache = False
-    if cfg.method == "qlora" and not zero3:  # llmft F20 hook: bnb leaves fused 3-D MoE experts in bf16
+    if cfg.method == "qlora" and not zero3:  # bnb leaves fused 3-D MoE experts in bf16
         moe.quantize_experts_4bit(model, quant_type=cfg.qlora.quant_type, double_quant=cfg.qlora.double_quant)
     if cfg.method != "qlora" and not zero3:
         model.to(device)
@@ -136,7 +137,7 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
         cfg, fast, applied, {**settings.memory.as_dict(), "checkpointed_layers": checkpointed}
     )
     moe_report = moe.apply_moe(model, fuse_lora=cfg.kernels.fused_lora is not False, freeze_router=cfg.method != "full")
-    if moe_report is not None:  # llmft F20 hook: frozen router, grouped experts, load-balancing loss
+    if moe_report is not None:  # frozen router, grouped experts, load-balancing loss
         model.llmft_fastpath = {**(getattr(model, "llmft_fastpath", None) or {}), "moe": moe_report}
     model.train()
     return model
@@ -206,21 +207,22 @@ def apply_lora(model, lora: LoraConfig, *, qlora: bool = False):
     QLoRA: the base is only frozen. PEFT's ``prepare_model_for_kbit_training`` would also cast every
     bf16 parameter that is not 4-bit (embeddings, norms, lm_head) to float32 (peft 0.21,
     peft/utils/other.py lines 204-209), which makes every activation float32 from the embeddings on
-    (issue 20's float32 [tokens, 8960] buffers); QLoRA computes in bf16 end to end, like LoRA."""
+    (the float32 [tokens, 8960] buffers measured on an H100); QLoRA computes in bf16 end to end, like LoRA."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     if qlora:
         model.requires_grad_(False)
-    targets = "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
-    targets = {"target_modules": targets}
-    from llmft.trainer.fastpath import moe  # llmft F20 hook: on MoE models, router never, experts opt-in
+    targets: dict[str, Any] = {
+        "target_modules": "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
+    }
+    from llmft.trainer.fastpath import moe  # on MoE models, router never, experts opt-in
 
     if moe.is_moe(model):
         targets = moe.peft_targets(lora.target_modules, model, lora.dropout)
     peft_cfg = PeftLoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; it divides by r, a float works
         lora_dropout=lora.dropout,
         **targets,
         use_dora=lora.use_dora,

@@ -2,11 +2,13 @@
 metrics.jsonl, MLflow and Langfuse, and the summary screen at the end.
 
 Only rank 0 writes. MLflow is used when MLFLOW_TRACKING_URI is set (a child run
-of LLMFT_MLFLOW_PARENT_RUN_ID when that is set), Langfuse when
-LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are set; both are imported lazily
-inside functions (trainer/ never imports them at module level). Unconfigured,
-each prints one info line and does nothing; a failing tracking server logs a
-warning and is switched off rather than stopping the training.
+of LLMFT_MLFLOW_PARENT_RUN_ID when that is set); a tracking server that does not
+answer is known in seconds (trainer/mlflow_settings.py) and skipped. Langfuse is
+used when LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are set: one live trace per
+run (trainer/langfuse_sink.py), an observation per log step, evaluation and
+checkpoint. Both are imported lazily inside functions (trainer/ never imports them
+at module level). Unconfigured, each prints one info line and does nothing; a
+failing server logs a warning and is switched off rather than stopping the training.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmft.trainer.config import flatten_dict
 from llmft.trainer.io import atomic_write_text
+
+if TYPE_CHECKING:
+    from llmft.trainer.langfuse_sink import RunTrace
 
 log = logging.getLogger("trainer")
 
@@ -68,25 +74,43 @@ def memory_metrics(device) -> dict:
     return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process (dynamo's ``unique_graphs``
+    counter: one more for every compilation and recompilation); 0 where nothing compiled."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
 class SpeedMeter:
     """Where this process's wall time went, so that tokens/s and MFU describe training alone.
 
     ``load``: from the start of the build to the model, optimizer and resumed state being ready.
-    ``warm-up``: the first ``WARMUP_STEPS`` steps (torch.compile compiles there, the allocator
-    grows). ``steady``: every later step, without the time spent evaluating and checkpointing
-    (:meth:`pause`). Each boundary synchronises the device once, so queued kernels are counted
-    in the phase that launched them."""
+    ``warm-up``: the first ``WARMUP_STEPS`` steps (the allocator grows, the first compilation) and
+    every later step during which torch.compile compiled a graph (a recompilation for a new packed
+    shape can take longer than hundreds of steps). ``steady``: every other step. Time spent
+    evaluating and checkpointing (:meth:`pause`) belongs to neither. Each step is timed on the
+    host, from the end of the previous step (or pause) to its own end, with no device sync: a
+    compilation blocks the host, so it lands in the step that triggered it, and the device queue's
+    lag (at most a step or two) evens out over the steady steps. :meth:`loaded` and :meth:`report`
+    synchronise the device once each."""
 
     WARMUP_STEPS = 2
 
-    def __init__(self, device, peak: float | None, world_size: int, clock=time.perf_counter):
-        self.device, self.peak, self.world_size, self.clock = device, peak, world_size, clock
-        self.t_start = clock()
-        self.load_s = 0.0
-        self.t_train = self.t_warm = None
-        self.steps, self.paused, self.paused_at_warm = 0, 0.0, 0.0
+    def __init__(self, device, peak: float | None, world_size: int, clock=time.perf_counter, compiled=compiled_graphs):
+        self.device, self.peak, self.world_size, self.clock, self.compiled = device, peak, world_size, clock, compiled
+        self.t_start = self.t_last = clock()
+        self.load_s, self.paused = 0.0, 0.0
+        self.steps, self.compile_steps = 0, 0
+        self.graphs = 0
+        self.seconds = {"warmup": 0.0, "steady": 0.0}
         self.tokens = {"warmup": 0, "steady": 0}
         self.flops: dict = {"warmup": 0.0, "steady": 0.0}
+        self.step_counts = {"warmup": 0, "steady": 0}
 
     def _now(self) -> float:
         if self.device is not None and self.device.type == "cuda":
@@ -96,16 +120,21 @@ class SpeedMeter:
         return self.clock()
 
     def loaded(self) -> None:
-        self.t_train = self._now()
-        self.load_s = self.t_train - self.t_start
+        self.t_last = self._now()
+        self.load_s = self.t_last - self.t_start
+        self.graphs = self.compiled()
 
     def step(self, tokens: int, flops: float | None) -> None:
+        now, graphs = self.clock(), self.compiled()
         self.steps += 1
-        phase = "warmup" if self.steps <= self.WARMUP_STEPS else "steady"
+        recompiled = graphs != self.graphs and self.steps > self.WARMUP_STEPS
+        self.compile_steps += recompiled
+        phase = "warmup" if self.steps <= self.WARMUP_STEPS or recompiled else "steady"
+        self.seconds[phase] += now - self.t_last
         self.tokens[phase] += tokens
+        self.step_counts[phase] += 1
         self.flops[phase] = None if flops is None or self.flops[phase] is None else self.flops[phase] + flops
-        if self.steps == self.WARMUP_STEPS:
-            self.t_warm, self.paused_at_warm = self._now(), self.paused
+        self.t_last, self.graphs = now, graphs
 
     @contextlib.contextmanager
     def pause(self):
@@ -114,34 +143,28 @@ class SpeedMeter:
         try:
             yield
         finally:
-            self.paused += self._now() - start
+            self.t_last = self._now()
+            self.paused += self.t_last - start
 
     def report(self) -> dict:
         """The speed section of the summary, training_manifest.json and the final metrics event."""
-        now = self._now()
-        t_train = self.t_train if self.t_train is not None else self.t_start
-        steady = self.steps > self.WARMUP_STEPS
-        warm_end, warm_paused = (self.t_warm, self.paused_at_warm) if steady else (now, self.paused)
-        warmup_s = warm_end - t_train - warm_paused
-        if steady:
-            seconds, tokens, flops = (
-                now - self.t_warm - (self.paused - self.paused_at_warm),
-                self.tokens["steady"],
-                self.flops["steady"],
-            )
-        else:  # too few steps for a steady state: every step of this process
-            seconds, tokens, flops = warmup_s, self.tokens["warmup"], self.flops["warmup"]
-        seconds = max(seconds, 1e-9)
+        self._now()  # the queued kernels of the last steps finish inside the phase that launched them
+        steady = self.step_counts["steady"] > 0
+        phase = "steady" if steady else "warmup"  # too few steps for a steady state: every step
+        seconds = max(self.seconds[phase], 1e-9)
         return {
             "load_s": self.load_s,
-            "warmup_s": warmup_s,
-            "warmup_steps": min(self.steps, self.WARMUP_STEPS),
-            "steady_steps": max(self.steps - self.WARMUP_STEPS, 0) if steady else 0,
-            "steady_s": seconds if steady else 0.0,
+            "warmup_s": self.seconds["warmup"],
+            "warmup_steps": self.step_counts["warmup"],
+            "recompile_steps": self.compile_steps,
+            "steady_steps": self.step_counts["steady"],
+            "steady_s": self.seconds["steady"],
             "eval_and_save_s": self.paused,
-            "tokens_per_s": tokens / seconds,
-            "tokens_per_s_per_device": tokens / seconds / self.world_size,
-            "mfu": flops / seconds / (self.peak * self.world_size) if (self.peak and flops is not None) else None,
+            "tokens_per_s": self.tokens[phase] / seconds,
+            "tokens_per_s_per_device": self.tokens[phase] / seconds / self.world_size,
+            "mfu": self.flops[phase] / seconds / (self.peak * self.world_size)
+            if (self.peak and self.flops[phase] is not None)
+            else None,
             "steady_state": steady,
         }
 
@@ -158,11 +181,13 @@ class Observer:
         total_steps: int,
         start_step: int,
         mlflow_run_id: str | None = None,
+        run_id: str = "",
     ):
         self.cfg, self.active = cfg, is_main
         self.output_dir = Path(cfg.output_dir)
         self.run_name = cfg.observe.run_name or self.output_dir.resolve().name
         self.mlflow_run_id = None
+        self.langfuse: RunTrace | None = None  # when Langfuse is configured
         self._tb = self._bar = None
         self._mlflow_ok = False
         self._closed = not is_main
@@ -178,6 +203,7 @@ class Observer:
                 str(self.output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
             )
         self._start_mlflow(config_dict, mlflow_run_id)
+        self._start_langfuse(config_dict, run_id or self.run_name, start_step, total_steps)
         if cfg.observe.progress_bar:
             from tqdm import tqdm
 
@@ -211,6 +237,8 @@ class Observer:
         if not self.active:
             return
         self.event("train", step, metrics)
+        if self.langfuse is not None:
+            self.langfuse.log_step(step, metrics)
         parts = [f"step={step}"] + [f"{k}={_fmt(v)}" for k, v in metrics.items() if isinstance(v, int | float)]
         self.write_line(" ".join(parts))
 
@@ -221,7 +249,14 @@ class Observer:
         from llmft.trainer.evaluate import katib_lines
 
         self.event("eval", step, metrics)
+        if self.langfuse is not None:
+            self.langfuse.evaluated(step, metrics)
         self.write_line(katib_lines(metrics))
+
+    def checkpoint_saved(self, step: int) -> None:
+        """A checkpoint of ``step`` was committed (its COMPLETE marker written)."""
+        if self.active and self.langfuse is not None:
+            self.langfuse.checkpoint(step, str(self.output_dir / "checkpoints" / f"step-{step}"))
 
     def progress(self, steps: int = 1, **postfix) -> None:
         """Advance the bar; postfix values are host numbers from the last log step (no sync)."""
@@ -248,6 +283,11 @@ class Observer:
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             self.info("mlflow: MLFLOW_TRACKING_URI not set, not logging to MLflow")
+            return
+        from llmft.trainer.mlflow_settings import prepare_mlflow
+
+        if reason := prepare_mlflow(uri, required=False):
+            self.info(f"mlflow: {reason}; not logging to MLflow")
             return
         try:
             import mlflow
@@ -282,6 +322,29 @@ class Observer:
             log.warning("mlflow disabled after an error: %s", exc)
             self._mlflow_ok = False
 
+    # ------------------------------------------------------------------ Langfuse
+
+    def _start_langfuse(self, config_dict: dict, run_id: str, start_step: int, total_steps: int) -> None:
+        from llmft.trainer import langfuse_sink
+
+        if not langfuse_sink.configured():
+            self.info("langfuse: LANGFUSE_PUBLIC_KEY/LANGFUSE_SECRET_KEY not set, no trace")
+            return
+        links = {"output_dir": str(self.output_dir.resolve()), "mlflow_run_id": self.mlflow_run_id}
+        self.langfuse = langfuse_sink.RunTrace.open(
+            self.output_dir,
+            run_id=run_id,
+            run_name=self.run_name,
+            start_step=start_step,
+            total_steps=total_steps,
+            config=config_dict,
+            links={k: v for k, v in links.items() if v},
+        )
+        if self.langfuse is not None:
+            trace_id = self.langfuse.trace_id
+            self._mlflow(lambda m: m.set_tag("llmft.langfuse_trace_id", trace_id))
+            self.info(f"langfuse: trace {trace_id} on {langfuse_sink.host()}")
+
     # ------------------------------------------------------------------ end of run
 
     def _close_sinks(self) -> bool:
@@ -301,40 +364,19 @@ class Observer:
         if final_dir is not None and final_dir.is_dir():
             self._mlflow(lambda m: m.log_artifacts(str(final_dir), artifact_path="final"))
         self._mlflow(lambda m: m.end_run(status=status))
-        if status == "FINISHED":
-            send_langfuse_trace(self.run_name, summary)
+        if self.langfuse is not None and status == "FINISHED":
+            self.langfuse.finish(summary)
+        elif self.langfuse is not None:
+            self.langfuse.stopped(None)
 
-    def close_interrupted(self) -> None:
-        """Preempted or failed: close sinks but leave the MLflow run resumable."""
+    def close_interrupted(self, exit_code: int | None = None) -> None:
+        """Preempted or failed: close sinks but leave the MLflow run resumable; the Langfuse trace
+        records why this process stopped (a resume continues the same trace)."""
         if not self._close_sinks():
             return
         self._mlflow(lambda m: m.end_run(status="KILLED"))
-
-
-def send_langfuse_trace(run_name: str, summary: dict) -> bool:
-    """One Langfuse trace per run with its metrics, when LANGFUSE_* keys are set."""
-    if not (os.environ.get("LANGFUSE_PUBLIC_KEY") and os.environ.get("LANGFUSE_SECRET_KEY")):
-        print("[llmft] langfuse: LANGFUSE_PUBLIC_KEY/LANGFUSE_SECRET_KEY not set, no trace sent", flush=True)
-        return False
-    try:
-        from langfuse import get_client
-
-        client = get_client()
-        with client.start_as_current_observation(name=f"llmft-train {run_name}", as_type="span") as span:
-            span.update(
-                input={"config": summary.get("config")},
-                output=summary.get("final_metrics"),
-                metadata={k: v for k, v in summary.items() if k not in ("config",)},
-            )
-            for name in ("eval_loss", "perplexity"):
-                value = (summary.get("final_metrics") or {}).get(name)
-                if isinstance(value, int | float):
-                    client.score_current_trace(name=name, value=float(value))
-        client.flush()
-        return True
-    except Exception as exc:  # noqa: BLE001
-        log.warning("langfuse trace not sent: %s", exc)
-        return False
+        if self.langfuse is not None:
+            self.langfuse.stopped(exit_code)
 
 
 def _truncate_events_after(path: Path, step: int) -> None:
@@ -390,13 +432,17 @@ def _speed_rows(speed: dict) -> list[tuple[str, str]]:
     if not speed:
         return []
     if speed.get("steady_state"):
-        scope = f"steady state: the last {speed['steady_steps']} steps, without eval and checkpoints"
+        scope = f"steady state: {speed['steady_steps']} steps, without warm-up, compilation, eval and checkpoints"
     else:
         scope = f"all {speed.get('warmup_steps', 0)} steps: too few for a steady state"
     mfu = speed.get("mfu")
+    recompiled = speed.get("recompile_steps", 0)
+    warmup = f"first {speed.get('warmup_steps', 0) - recompiled} steps" + (
+        f" + {recompiled} step(s) that recompiled" if recompiled else ""
+    )
     return [
         ("model load", f"{speed.get('load_s', 0.0):.1f} s"),
-        ("warm-up", f"{speed.get('warmup_s', 0.0):.1f} s (first {speed.get('warmup_steps', 0)} steps: compilation)"),
+        ("warm-up", f"{speed.get('warmup_s', 0.0):.1f} s ({warmup})"),
         ("eval + checkpoints", f"{speed.get('eval_and_save_s', 0.0):.1f} s"),
         ("tokens/s", f"{speed.get('tokens_per_s', 0.0):,.0f} ({scope})"),
         ("MFU", f"{mfu:.1%}" if mfu is not None else "n/a (peak FLOP/s of this device unknown: observe.peak_tflops)"),

@@ -104,7 +104,7 @@ def build_model(tokenizer, *, hidden_size: int = 128, layers: int = 4, seed: int
         num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,

@@ -29,6 +29,7 @@ import functools
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from llmft.trainer import rundir
 from llmft.trainer.config import TrainConfig, config_to_dict
 from llmft.trainer.data.loader import PackedLoader, StepBatch, resolve_global_sequences
 from llmft.trainer.distributed import (
+    DistInfo,
     Engine,
     all_reduce_sum,
     barrier,
@@ -47,6 +49,7 @@ from llmft.trainer.distributed import (
 )
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.evaluate import evaluate_model
+from llmft.trainer.fastpath.moe_aux import router_aux_metrics
 from llmft.trainer.io import atomic_write_json
 from llmft.trainer.observe import Observer, SpeedMeter, memory_metrics, peak_flops, step_flops_counter, summary_screen
 from llmft.trainer.steps import STOP, StepCounters, Stopped, collect_garbage, scheduled_gc, seed_all
@@ -58,7 +61,7 @@ class Method:
 
     name: str  # the FLOP formula's name: lora, qlora, dora or full
     adapter: bool  # checkpoints and final/ hold the PEFT adapter (else the full weights)
-    autocast: object  # () -> context manager around every forward pass
+    autocast: Callable[[], contextlib.AbstractContextManager]  # around every forward pass
 
 
 def choose_method(cfg: TrainConfig, device: torch.device) -> Method:
@@ -74,10 +77,17 @@ def choose_method(cfg: TrainConfig, device: torch.device) -> Method:
 class Trainer:
     """One run on this rank."""
 
+    # Set by build(); None before, which close() allows for (a build that failed part-way).
+    info: DistInfo
+    plan: rundir.RunPlan
+    loader: PackedLoader
+    engine: Engine
+    observer: Observer
+
     def __init__(self, cfg: TrainConfig, warnings: list[str] | None = None):
         self.cfg, self.warnings = cfg, list(warnings or [])
         self.config_dict = config_to_dict(cfg)
-        self.info = self.plan = self.loader = self.engine = self.observer = None
+        self.info = self.plan = self.loader = self.engine = self.observer = None  # type: ignore[assignment]
         self._handlers: dict = {}
         # progress; restored from the checkpoint on resume
         self.start_step = self.tokens_seen = self.skipped_steps = 0
@@ -106,7 +116,7 @@ class Trainer:
         self.engine = self._engine(model)
         self.loss_fn = self._loss_fn()
         self.count_flops = step_flops_counter(model, self.method.name, cfg.lora.r)
-        mlflow_run_id = self._resume() if self.plan.resume_path else None
+        mlflow_run_id = self._resume(self.plan.resume_path) if self.plan.resume_path else None
         self.observer = Observer(
             cfg,
             self.config_dict,
@@ -114,6 +124,7 @@ class Trainer:
             total_steps=self.total_steps,
             start_step=self.start_step,
             mlflow_run_id=mlflow_run_id,
+            run_id=self.plan.run_id,
         )
         self._announce(model)
 
@@ -201,12 +212,10 @@ class Trainer:
 
         return loss_fn_for(self.fast_path)  # what trainer.model resolved (kernels.fused_loss, attention)
 
-    def _resume(self) -> str | None:
+    def _resume(self, path: Path) -> str | None:
         """Restore the planned checkpoint (weights, optimizer, scheduler, RNG, counters); returns
         the MLflow run id to continue."""
-        state, warnings = ckpt.load_checkpoint(
-            self.plan.resume_path, engine=self.engine, info=self.info, lora=self.method.adapter
-        )
+        state, warnings = ckpt.load_checkpoint(path, engine=self.engine, info=self.info, lora=self.method.adapter)
         for warning in warnings:  # every rank: the missing RNG file is this rank's
             print(f"[llmft] warning: {warning}", flush=True)
         self.start_step = int(state["step"])
@@ -346,6 +355,7 @@ class Trainer:
         if self.speed.peak and window["flops"] is not None:
             metrics["mfu"] = window["flops"] / (dt * self.speed.peak * self.world)
         metrics.update(memory_metrics(self.info.device))
+        metrics.update(router_aux_metrics(self.engine.module, reduce=all_reduce_sum))  # MoE configs that ask for it
         self.last_tokens_per_s = metrics["tokens_per_s"]
         counters.loss_sum.zero_()
         counters.good_steps.zero_()
@@ -416,6 +426,7 @@ class Trainer:
             )
             if self.info.is_main:
                 ckpt.prune_checkpoints(out, self.cfg.keep_last, self._best_checkpoint_step(), self.plan.run_id)
+                self.observer.checkpoint_saved(step)
             barrier()
 
     def _best_checkpoint_step(self) -> int | None:
@@ -498,7 +509,7 @@ class Trainer:
         if self.loader is not None:
             self.loader.close()
         if self.observer is not None:
-            self.observer.close_interrupted()
+            self.observer.close_interrupted(exit_code)
         if self.info is not None and self.info.is_main and self.plan is not None:
             rundir.record_outcome(self.cfg.output_dir, exit_code)
         close_distributed()

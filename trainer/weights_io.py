@@ -17,6 +17,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -108,7 +109,7 @@ class ShardStream:
         self.names = shard_names(len(shards))
         self.order = [(i, entry) for i, shard in enumerate(shards) for entry in shard]
         self.position = 0
-        self.handle = None
+        self.handle: BinaryIO | None = None
         self.open_index = -1
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -121,7 +122,8 @@ class ShardStream:
         if index != self.open_index:
             self._open(index)
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self.handle.write(memoryview(data.numpy()))
+        assert self.handle is not None  # opened above
+        self.handle.write(data.numpy().data)
         self.position += 1
 
     def _open(self, index: int) -> None:

@@ -2,7 +2,7 @@
 attention, fused LoRA linears, fused linear cross-entropy over supervised
 tokens, compiled decoder layers, fused AdamW. It measures what
 trainer/fastpath can do, so the project arm (the real trainer, `python -m
-trainer`) can be compared against it.
+llmft.trainer`) can be compared against it.
 
 python -m llmft.benchmarks.gpu.arm_fast --model qwen2.5-1.5b --method lora --json-out F
 """

@@ -29,7 +29,7 @@ def build_block_masks_eagerly() -> None:
 
     With ``_compile=True`` (transformers' choice) the first forward never finished: on torch 2.11 /
     transformers 5.17 Inductor spent 400+ s compiling one Triton kernel of the block-mask build for
-    a ~15k-token packed row (benchmarks/NOTES.md, entry 16). Built eagerly, the mask costs one dense
+    a ~15k-token packed row (benchmarks/NOTES.md). Built eagerly, the mask costs one dense
     Q x KV pass per forward; flex attention itself stays compiled.
     """
     from transformers import masking_utils
@@ -46,7 +46,7 @@ def build_block_masks_eagerly() -> None:
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
-    # llmft F20: on transformers-5 MoE models PEFT turns "all-linear" into the router and both expert tensors;
+    # On transformers-5 MoE models PEFT turns "all-linear" into the router and both expert tensors;
     # the project's all-linear there is the attention projections, so the peer adapts the same modules.
     moe = getattr(model.config, "num_experts", 0)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if moe else "all-linear"
@@ -55,7 +55,7 @@ def _lora(model):
 
 
 def _qlora_base(model_name: str, attn: str, work: str):
-    """llmft F20: QLoRA as people run it: HF + bitsandbytes NF4 (double quant, bf16 compute) from the same
+    """QLoRA as people run it: HF + bitsandbytes NF4 (double quant, bf16 compute) from the same
     random-init checkpoint the project arm trains, then PEFT's prepare_model_for_kbit_training."""
     from pathlib import Path
 

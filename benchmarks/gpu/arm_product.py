@@ -1,4 +1,4 @@
-"""Arm project-product: what a user runs, measured (issue 13).
+"""Arm project-product: what a user runs, measured.
 
 ``llmft train --config <shipped config>`` with only the model, the data, the step count and the
 output folder set (:data:`PRODUCT_KEYS`): no kernel, batch or attention override, so every speed

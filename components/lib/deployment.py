@@ -6,11 +6,14 @@
 InferenceService CRD's OpenAPI schema, then
 
 * mode ``kserve``: applies it through the cluster module, waits for Ready and smoke-tests
-  the OpenAI completions endpoint with the adapter's model name;
+  the OpenAI endpoints: both served names listed, and the adapter's completion is not the base
+  model's;
 * mode ``local``: loads base + adapter with transformers and generates for a few prompts,
   failing if the adapter changes nothing.
 
-With ``deploy=False`` it stops after the validated manifest.
+With ``deploy=False`` it stops after the validated manifest, and so it does for a version that
+did not become the registry's champion (``deploy_policy=champion``, the default): the served model
+stays the champion; ``deploy_policy=always`` deploys it anyway.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ class DeployRequest:
     """Node labels the predictor must match."""
     hf_secret: Any = None
     """The plan's SecretMount of the HF token (its HF_TOKEN key, required), or None."""
+    is_champion: bool = True
+    """Whether the register step made this version the champion (registration.json ``is_champion``)."""
+    deploy_policy: str = "champion"
+    """champion: deploy only the champion; always: deploy this version even when it lost."""
 
 
 def serve_spec(req: DeployRequest):
@@ -86,12 +93,14 @@ def serve_spec(req: DeployRequest):
             f"base model {req.base_model} is a local directory outside the data volume "
             f"({layout.root}): KServe cannot mount it. Put it on the PVC or use a hub id."
         )
-    base = {"base_model_path": layout.relative(req.base_model)} if on_volume else {"base_model_id": req.base_model}
+    base: dict[str, Any] = (
+        {"base_model_path": layout.relative(req.base_model)} if on_volume else {"base_model_id": req.base_model}
+    )
     secret = req.hf_secret
     hf = (
         SecretEnv("HF_TOKEN", secret.name, "HF_TOKEN", optional=False) if secret and "HF_TOKEN" in secret.keys else None
     )
-    extra = {"runtime": req.runtime} if req.runtime else {}
+    extra: dict[str, Any] = {"runtime": req.runtime} if req.runtime else {}
     return ServeSpec(
         name=req.name,
         pvc_name=req.pvc_name,
@@ -111,13 +120,8 @@ def serve_spec(req: DeployRequest):
 
 
 def find_crd(crd_dir: str | None = None) -> Path | None:
-    """The InferenceService CRD file: ``$LLMFT_CRD_DIR``, else ../shared/k8s-crds beside the checkout."""
-    candidates = [
-        crd_dir,
-        os.environ.get(CRD_DIR_ENV),
-        str(Path(__file__).resolve().parents[3] / "shared" / "k8s-crds"),
-    ]
-    for folder in filter(None, candidates):
+    """The InferenceService CRD file in ``crd_dir``, else in ``$LLMFT_CRD_DIR``; None when neither has it."""
+    for folder in filter(None, (crd_dir, os.environ.get(CRD_DIR_ENV))):
         path = Path(folder) / CRD_FILE
         if path.is_file():
             return path
@@ -157,11 +161,17 @@ def write_manifest(isvc_dict: dict[str, Any], path: str | Path, *, crd_dir: str 
 
 
 def deploy_promoted(
-    req: DeployRequest, *, manifest_path: str | Path, cluster=None, crd_dir: str | None = None, http_post=None
+    req: DeployRequest,
+    *,
+    manifest_path: str | Path,
+    cluster=None,
+    crd_dir: str | None = None,
+    http_post=None,
+    http_get=None,
 ) -> dict[str, Any]:
     """Run the whole deploy step; return the facts for deployment.json."""
     from llmft.components.lib.servability import check_vllm_servable
-    from llmft.components.lib.serving import build_inference_service, isvc_to_dict
+    from llmft.components.lib.serving import build_inference_service, isvc_to_dict, served_names
 
     if req.mode not in ("kserve", "local"):
         raise ConfigError(f"deploy_mode {req.mode!r}: use kserve or local")
@@ -178,21 +188,29 @@ def deploy_promoted(
             f"adapter {req.adapter_dir} cannot be served by vLLM:\n- " + "\n- ".join(problems)
         )
     print(f"servability: {req.adapter_dir} can be served by vLLM (max LoRA rank {req.max_lora_rank})")
-    isvc = build_inference_service(serve_spec(req))
+    spec = serve_spec(req)
+    isvc = build_inference_service(spec)
     body = isvc_to_dict(isvc)
     result: dict[str, Any] = {
         "mode": req.mode,
         "servable": True,
         "name": req.name,
         "lora_name": req.adapter_name,
+        "base_name": served_names(spec)[0],
         **write_manifest(body, manifest_path, crd_dir=crd_dir),
     }
     print(f"manifest: {manifest_path} (CRD schema {'ok' if result['schema_validated'] else 'not checked'})")
     if not req.deploy:
         return {**result, "status": "manifest-only"}
+    if req.deploy_policy == "champion" and not req.is_champion:
+        print(
+            f"not deploying version {req.version}: it did not beat the champion in the registry, which stays "
+            "served (set deploy_policy=always to deploy it anyway)"
+        )
+        return {**result, "status": "not-champion"}
     if req.mode == "local":
         return {**result, **_local_check(req)}
-    return {**result, **_deploy_to_kserve(req, body, cluster, http_post)}
+    return {**result, **_deploy_to_kserve(req, body, cluster, http_post, http_get)}
 
 
 def _local_check(req: DeployRequest) -> dict[str, Any]:
@@ -207,13 +225,17 @@ def _local_check(req: DeployRequest) -> dict[str, Any]:
     }
 
 
-def _deploy_to_kserve(req: DeployRequest, body: dict, cluster, http_post) -> dict[str, Any]:
+def _deploy_to_kserve(req: DeployRequest, body: dict, cluster, http_post, http_get) -> dict[str, Any]:
     from llmft.components.lib.cluster import Cluster
-    from llmft.components.lib.serving import deploy_inference_service, smoke_test
+    from llmft.components.lib.serving import deploy_inference_service, served_names, smoke_test
 
     cluster = cluster or Cluster(req.namespace or None)
     served = deploy_inference_service(cluster, body, timeout_s=req.timeout_s)
     url = served.get("internal_url") or served["url"]
-    smoke = smoke_test(url, req.adapter_name, req.prompts[0], http_post=http_post)
-    print(f"smoke test: {smoke['endpoint']} answered {smoke['text']!r}")
+    base_name, adapter_name = served_names(serve_spec(req))
+    smoke = smoke_test(url, adapter_name, req.prompts[0], base_name=base_name, http_post=http_post, http_get=http_get)
+    print(
+        f"smoke test: {smoke['endpoint']}: {adapter_name!r} answered {smoke['text']!r}, {base_name!r} "
+        f"answered {smoke['base_text']!r}"
+    )
     return {"status": "deployed", "url": served["url"], "internal_url": served.get("internal_url"), "smoke_test": smoke}

@@ -8,7 +8,9 @@ and returns one JSON-able dict that the promote step reads.
 
 :func:`render_html` / :func:`render_markdown` turn that dict plus the run's
 ``metrics.jsonl`` into a report with an embedded loss/perplexity plot (a base64 PNG
-drawn with matplotlib), shown by the KFP UI as the step's visualization.
+drawn with matplotlib), shown by the KFP UI as the step's visualization, with links to the
+Langfuse comparison of the models' answers when the evaluate step recorded one
+(components/lib/comparison.py: the ``langfuse`` section of the evaluation).
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate the base model and every complete checkpoint; return the evaluation dict."""
     if evaluate_fn is None:
-        from llmft.trainer.evaluate import evaluate_perplexity as evaluate_fn
+        from llmft.trainer.evaluate import evaluate_perplexity
+
+        evaluate_fn = evaluate_perplexity
     checkpoints = complete_checkpoints(run_dir)
     if not checkpoints:
         from llmft.trainer.errors import DataError
@@ -91,7 +95,7 @@ def evaluate_run(
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
-    out = {k: float(metrics[k]) for k in ("eval_loss", "perplexity") if k in metrics}
+    out: dict[str, Any] = {k: float(metrics[k]) for k in ("eval_loss", "perplexity") if k in metrics}
     if "tokens" in metrics:
         out["tokens"] = int(metrics["tokens"])
     return out
@@ -99,7 +103,7 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def read_metrics_history(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a trainer ``metrics.jsonl`` (missing file -> empty; bad lines are skipped)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     path = Path(path)
     if not path.is_file():
         return rows
@@ -182,8 +186,22 @@ def render_html(evaluation: dict[str, Any], history: list[dict[str, Any]], *, ti
         f"<p>Split: {html.escape(evaluation['split'])}. Best checkpoint: <b>{html.escape(evaluation['best'])}</b>.</p>"
         f"<img alt='loss and perplexity' src='data:image/png;base64,{png}'/>"
         "<table><tr><th>model</th><th>step</th><th>eval loss</th><th>perplexity</th></tr>"
-        f"{cells}</table></body></html>\n"
+        f"{cells}</table>{_langfuse_html(evaluation)}</body></html>\n"
     )
+
+
+def _langfuse_html(evaluation: dict[str, Any]) -> str:
+    """The Langfuse dataset runs of the answer comparison, linked where the server gave a URL."""
+    section = evaluation.get("langfuse") or {}
+    if not section.get("runs"):
+        return ""
+    rows = []
+    for label, run in section["runs"].items():
+        name = html.escape(run["run_name"])
+        link = f"<a href='{html.escape(run['url'])}'>{name}</a>" if run.get("url") else name
+        rows.append(f"<li>{html.escape(label)}: {link}</li>")
+    dataset = html.escape(section.get("dataset", ""))
+    return f"<h3>Answers compared in Langfuse (dataset {dataset})</h3><ul>{''.join(rows)}</ul>"
 
 
 def render_markdown(evaluation: dict[str, Any], history: list[dict[str, Any]], *, title: str = "Evaluation") -> str:

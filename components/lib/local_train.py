@@ -65,6 +65,7 @@ def run_local_training(
         if timeout_s:
             watchdog = threading.Timer(timeout_s, process.terminate)
             watchdog.start()
+        assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:
             print(line, end="", flush=True)
             tail.append(line.rstrip("\n"))

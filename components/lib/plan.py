@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.trainjob import DEFAULT_RUNTIME
 from llmft.trainer.errors import ConfigError
 
 PLAN_SCHEMA_VERSION = 1
@@ -39,15 +40,22 @@ PLAN_SCHEMA_VERSION = 1
 PLAN_FILE = "plan.json"
 DATA_MOUNT = "/data"
 """Where the data/checkpoint PVC is mounted in every pipeline pod and job replica."""
-TRAINING_BACKENDS = ("kubeflow", "local")
+TRAINING_BACKENDS = ("kubeflow", "trainjob", "local")
+"""kubeflow: a PyTorchJob (Training Operator v1); trainjob: a TrainJob (Kubeflow Trainer v2); local: kfp.local."""
 DEPLOY_MODES = ("kserve", "local")
 SWEEP_BACKENDS = ("katib", "local")
 PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
 """Trainer keys the plan sets itself; ``train_overrides`` may not change them."""
 SWEEP_PREFIX = "sweep_"
 """Parameters named ``sweep_*`` belong to the HPO pipeline only (the plain one leaves their defaults)."""
-COMPILED_PARAMETERS = ("hf_token_secret", "mlflow_secret", "gpu_node_selector")
+COMPILED_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector")
 """Parameters the compiled YAML applies to the KFP tasks themselves: fixed at compile time."""
+TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
+"""kfp.kubernetes.set_timeout of the train task: the job's own deadline (``job_timeout_s``) must end first."""
+SWEEP_TASK_TIMEOUT_S = 4 * 24 * 3600
+"""kfp.kubernetes.set_timeout of the sweep task: longer than its own wait (``sweep_timeout_s``)."""
+DEPLOY_POLICIES = ("champion", "always")
+"""champion: deploy only a version that became (or stayed) the registry's champion; always: deploy it anyway."""
 KFP_POD_ENV = "KFP_POD_NAME"
 """Set by the KFP backend in every task container (backend/src/v2/compiler/argocompiler/common.go
 ``commonEnvs``, 2.4.0 onwards); never by kfp.local, even when kfp.local runs inside a pod."""
@@ -196,6 +204,8 @@ class JobPlan:
     """Plain variables (never credentials): HF caches on the volume, an explicit MLflow URI."""
     secrets: tuple[SecretMount, ...]
     labels: dict[str, str]
+    runtime: str = DEFAULT_RUNTIME
+    """Backend trainjob: the (Cluster)TrainingRuntime the TrainJob references (NAME or TrainingRuntime/NAME)."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +251,8 @@ class ServingPlan:
     node_selector: dict[str, str]
     pvc_name: str
     hf_secret: SecretMount | None
+    deploy_policy: str = "champion"
+    """DEPLOY_POLICIES: whether a version that lost against the champion is deployed."""
 
 
 @dataclass(frozen=True)
@@ -287,7 +299,7 @@ def _from_data(tp: Any, value: Any) -> Any:
     if value is None:
         return None
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         hints = typing.get_type_hints(tp)
         return tp(
             **{f.name: _from_data(hints[f.name], value[f.name]) for f in dataclasses.fields(tp) if f.name in value}
@@ -333,7 +345,8 @@ class Parameters:
     the builder reads every parameter of the signature)."""
 
     def __init__(self, values: Mapping[str, Any]):
-        self._values, self.read = dict(values), set()
+        self._values = dict(values)
+        self.read: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -374,7 +387,7 @@ def build_plan(
         trainer=checks.check_image(p.trainer_image), serving_runtime=checks.check_runtime(p.serving_runtime)
     )
     secrets = {kind: checks.parse_secret(kind, getattr(p, param)) for kind, param in checks.SECRET_PARAMETERS.items()}
-    trainer = _trainer_plan(p, layout, run_id)
+    trainer = trainer_plan(p, layout, run_id)
     config = checks.check_training(trainer)
     pipeline = settings.get("pipeline", "llm-finetune")
     plan = RunPlan(
@@ -390,7 +403,7 @@ def build_plan(
         registry=_registry_plan(p, layout, run_id, on_cluster, environ),
         serving=_serving_plan(p, images, secrets),
         sweep=_sweep_plan(p, layout, run_id) if pipeline.endswith("-hpo") else None,
-        task_secrets=tuple(s for s in (secrets["hf"], secrets["mlflow"]) if s is not None),
+        task_secrets=tuple(s for s in (secrets["hf"], secrets["mlflow"], secrets["langfuse"]) if s is not None),
         task_resources=checks.task_resources(p),
         parameters=p.as_dict(),
     )
@@ -414,7 +427,7 @@ def _data_plan(p: Parameters, layout: DataLayout, run_id: str) -> DataPlan:
     )
 
 
-def _trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan:
+def trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan:
     """The only place pipeline parameters become trainer keys (``lora_r`` -> ``lora.r``)."""
     from llmft.components.lib.plan_checks import extra_override_list
 
@@ -443,8 +456,7 @@ def _trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan
 
 def job_plan(p: Parameters, layout: DataLayout, run_id: str, images: Images, secrets: Mapping) -> JobPlan:
     """The training job's inputs (also the CLI's ``llmft sweep create``, from the same parameters)."""
-    import re
-
+    from llmft.components.lib.cleanup import RUN_ID_LABEL, run_label
     from llmft.components.lib.plan_checks import check_resources, parse_node_selector
     from llmft.components.lib.train_job import job_name
 
@@ -460,14 +472,39 @@ def job_plan(p: Parameters, layout: DataLayout, run_id: str, images: Images, sec
         gpus_per_worker=p.gpus_per_worker,
         resources=check_resources("worker", p.worker_cpu, p.worker_memory),
         node_selector=parse_node_selector(p.gpu_node_selector) if p.gpus_per_worker else {},
-        timeout_s=p.job_timeout_s,
+        timeout_s=_task_bounded("job_timeout_s", p.job_timeout_s, TRAIN_TASK_TIMEOUT_S),
         pvc_name=p.pvc_name,
         mount_path=layout.root,
         image=images.trainer,
         env=env,
         secrets=tuple(s for s in job_secrets if s.keys),
-        labels={"pipelines.kubeflow.org/run-id": re.sub(r"[^A-Za-z0-9_.-]", "", run_id)[:63]},
+        labels={RUN_ID_LABEL: run_label(run_id)},
+        runtime=_training_runtime(p.training_runtime),
     )
+
+
+def _training_runtime(value: str) -> str:
+    from llmft.components.lib.trainjob import parse_runtime_ref
+
+    try:
+        parse_runtime_ref(value)
+    except ConfigError as exc:
+        raise ConfigError(f"pipeline parameter `training_runtime`={value!r}: {exc}") from None
+    return value
+
+
+def _task_bounded(name: str, value: int, task_timeout_s: int) -> int:
+    """A wait of ``value`` seconds that must end (plus the launcher's grace after a job's deadline)
+    before the KFP task's own timeout, or the task pod would be killed while its job still runs."""
+    from llmft.components.lib.train_job import JOB_WAIT_GRACE_S
+
+    limit = task_timeout_s - JOB_WAIT_GRACE_S
+    if not 0 < value <= limit:
+        raise ConfigError(
+            f"pipeline parameter `{name}`={value}: must be between 1 and {limit} seconds (the task's own timeout "
+            f"{task_timeout_s} s minus {JOB_WAIT_GRACE_S} s), so the job ends before the step that waits for it"
+        )
+    return value
 
 
 def _without_key(secret: SecretMount, key: str) -> SecretMount:
@@ -503,7 +540,14 @@ def _serving_plan(p: Parameters, images: Images, secrets: dict) -> ServingPlan:
         node_selector=parse_node_selector(p.gpu_node_selector) if p.serving_gpus else {},
         pvc_name=p.pvc_name,
         hf_secret=secrets["hf"],
+        deploy_policy=_choice("deploy_policy", p.deploy_policy, DEPLOY_POLICIES),
     )
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"pipeline parameter `{name}`={value!r}: choose one of {', '.join(choices)}")
+    return value
 
 
 def _sweep_plan(p: Parameters, layout: DataLayout, run_id: str) -> SweepPlan:
@@ -523,6 +567,6 @@ def _sweep_plan(p: Parameters, layout: DataLayout, run_id: str) -> SweepPlan:
         experiment=name,
         settings=settings,
         trial_overrides=trials,
-        timeout_s=p.sweep_timeout_s,
+        timeout_s=_task_bounded("sweep_timeout_s", p.sweep_timeout_s, SWEEP_TASK_TIMEOUT_S),
         workdir=layout.sweep_dir(name),
     )

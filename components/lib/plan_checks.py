@@ -43,10 +43,10 @@ also the environment variable's name."""
 SECRET_PARAMETERS = {"hf": "hf_token_secret", "mlflow": "mlflow_secret", "langfuse": "langfuse_secret"}
 """kind -> the pipeline parameter that names its Secret ('' = none)."""
 TASK_SECRET_KINDS = {
-    "prepare-dataset": ("hf",),
+    "prepare-dataset": ("hf", "langfuse"),  # langfuse: a langfuse://<dataset> source
     "tokenize-dataset": ("hf",),
-    "evaluate-perplexity": ("hf",),
-    "register-model": ("mlflow",),
+    "evaluate-perplexity": ("hf", "mlflow", "langfuse"),  # the adapter comparison (champion from MLflow)
+    "register-model": ("mlflow", "langfuse"),  # langfuse: the MLflow version, linked from the training trace
     "sweep-hyperparameters": ("mlflow",),
 }
 """Which Secrets the compiled pipeline mounts into which of its own tasks (the training job and

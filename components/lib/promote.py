@@ -153,15 +153,28 @@ def promoted_destination(data_root: str | Path, model_name: str, run_id: str) ->
 
 
 def promote_to_volume(
-    evaluation: dict[str, Any], data_root: str | Path, model_name: str, run_id: str, *, margin: float
+    evaluation: dict[str, Any],
+    data_root: str | Path,
+    model_name: str,
+    run_id: str,
+    *,
+    margin: float,
+    max_lora_rank: int | None = None,
 ) -> PromotionDecision:
     """:func:`promote` into :func:`promoted_destination` (what the promote step calls)."""
     destination = promoted_destination(data_root, model_name, run_id)
-    return promote(evaluation, destination, margin=margin, root=Path(data_root) / MODELS_FOLDER)
+    return promote(
+        evaluation, destination, margin=margin, root=Path(data_root) / MODELS_FOLDER, max_lora_rank=max_lora_rank
+    )
 
 
 def promote(
-    evaluation: dict[str, Any], destination: str | Path, *, margin: float, root: str | Path | None = None
+    evaluation: dict[str, Any],
+    destination: str | Path,
+    *,
+    margin: float,
+    root: str | Path | None = None,
+    max_lora_rank: int | None = None,
 ) -> PromotionDecision:
     """Decide, then copy the best checkpoint to ``destination`` atomically.
 
@@ -173,11 +186,12 @@ def promote(
     destination = _checked_destination(Path(destination), root)
     decision = decide(evaluation, margin)
     record_path = destination.with_name(destination.name + ".decision.json")
-    if not decision.promoted:
+    if not decision.promoted or decision.checkpoint_path is None:  # a promoted decision names its checkpoint
         atomic_write_json(record_path, decision.to_dict())
         raise PromotionRefused(f"{decision.reason} (decision recorded in {record_path})")
+    source = Path(decision.checkpoint_path)
     decision = PromotionDecision(**{**decision.to_dict(), "destination": str(destination)})
-    copy_servable(Path(decision.checkpoint_path), destination, decision)
+    copy_servable(source, destination, decision, max_lora_rank=max_lora_rank)
     atomic_write_json(record_path, decision.to_dict())
     return decision
 
@@ -195,8 +209,21 @@ def _checked_destination(destination: Path, root: str | Path | None) -> Path:
     return destination
 
 
-def copy_servable(checkpoint: Path, destination: Path, decision: PromotionDecision) -> list[str]:
-    """Copy the servable files of ``checkpoint`` into ``destination`` (atomic, with marker)."""
+def require_servable_adapter(promoted: Path, max_lora_rank: int) -> None:
+    """AdapterNotServableError when the promoted copy's LoRA adapter is one vLLM (``--max-lora-rank``
+    ``max_lora_rank``) would refuse; full weights are not checked here."""
+    from llmft.components.lib.servability import require_vllm_servable
+
+    for config in (p for p in servable_files(promoted) if p.name == "adapter_config.json"):
+        require_vllm_servable(config.parent, max_lora_rank=max_lora_rank)
+
+
+def copy_servable(
+    checkpoint: Path, destination: Path, decision: PromotionDecision, *, max_lora_rank: int | None = None
+) -> list[str]:
+    """Copy the servable files of ``checkpoint`` into ``destination`` (atomic, with marker). With
+    ``max_lora_rank`` the copy (what register and deploy get; no optimizer state) must be an adapter
+    vLLM serves, or nothing is promoted: refused before register, not when vLLM loads it at deploy."""
     if not is_complete(checkpoint):
         raise PromotionRefused(f"{checkpoint} has no COMPLETE marker: a half-written checkpoint is never promoted")
     files = servable_files(checkpoint)
@@ -209,6 +236,8 @@ def copy_servable(checkpoint: Path, destination: Path, decision: PromotionDecisi
             target = tmp / source.relative_to(checkpoint)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
+        if max_lora_rank is not None:
+            require_servable_adapter(tmp, max_lora_rank)
         atomic_write_json(tmp / DECISION_FILE, decision.to_dict())
     return sorted(str(f.relative_to(checkpoint)) for f in files)
 

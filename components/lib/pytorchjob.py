@@ -13,8 +13,9 @@ resumes from the last committed checkpoint).
 
 ``trial_pytorchjob_dict`` gives the same job as a plain dict without metadata.name /
 namespace, ready to embed as a Katib trial template (katib/ takes the dict; it never
-imports components/). ``run_pytorchjob`` submits through the TrainingClient, streams
-the master's log, and fails with the job's last log lines.
+imports components/), its command wrapped for Katib's metrics collector
+(:func:`katib_trial_script`). components/lib/train_job.py submits the job through the
+TrainingClient and waits for it.
 """
 
 from __future__ import annotations
@@ -211,13 +212,13 @@ def _spec_errors(spec: TrainJobSpec) -> list[str]:
         errors.append(f"restart_policy={spec.restart_policy!r}: must be one of {RESTART_POLICIES}")
     if spec.clean_pod_policy not in CLEAN_POD_POLICIES:
         errors.append(f"clean_pod_policy={spec.clean_pod_policy!r}: must be one of {CLEAN_POD_POLICIES}")
-    for what, value in (
+    for what, number in (
         ("backoff_limit", spec.backoff_limit),
         ("active_deadline_seconds", spec.active_deadline_seconds),
         ("ttl_seconds_after_finished", spec.ttl_seconds_after_finished),
     ):
-        if value is not None and value < 0:
-            errors.append(f"{what}={value}: must not be negative")
+        if number is not None and number < 0:
+            errors.append(f"{what}={number}: must not be negative")
     errors += _elastic_errors(spec) + _volume_and_env_errors(spec) + _override_errors(spec.overrides)
     return errors
 
@@ -298,8 +299,8 @@ def format_override_value(value: Any) -> str:
 def trainer_command(spec: TrainJobSpec) -> tuple[list[str], list[str]]:
     """(command, args) of the ``pytorch`` container.
 
-    ``llmft train --nproc N`` execs ``torchrun --nproc-per-node=N -m llmft.trainer ...``;
-    torchrun reads nodes, ranks and the master address from the PET_* variables the
+    ``llmft train --nproc N`` starts ``torchrun --nproc-per-node=N -m llmft.trainer ...`` as its
+    child and waits for it; torchrun reads nodes, ranks and the master address from the PET_* variables the
     operator injects. The wrapper exists for one reason: torchrun itself exits 1 when
     SIGTERM stops its ranks, which the ExitCode restart policy treats as permanent;
     ``llmft train`` forwards the signal, lets the ranks commit a checkpoint, and
@@ -476,9 +477,41 @@ def _shell_safe(value: str) -> bool:
     return not re.search(r"[\s;&|<>`$\\'\"()]", stripped)
 
 
-def trial_pytorchjob_dict(spec: TrainJobSpec) -> dict:
+def katib_trial_script(spec: TrainJobSpec, *, early_stopping: bool) -> str:
+    """The ``sh -c`` script of a Katib trial's container: the trainer command, with signals and exit
+    codes kept through Katib's wrapper.
+
+    Katib v0.19.0 rewrites the primary container of a trial with the StdOut collector into
+    ``sh -c "<command> 1>metrics.log 2>&1 [|| <early-stop check; else exit 1>] && <mark completed>"``
+    (``pkg/webhook/v1beta1/pod/utils.go`` 155-221; a command that starts with ``sh -c`` keeps its
+    script, 165-171). Two things break for a plain ``llmft train``: ``sh`` is PID 1, and a PID 1 without
+    a handler ignores SIGTERM, so a preempted pod's trainer never commits a checkpoint and is killed
+    after the grace period; and with early stopping any failure, 143 included, ends in ``exit 1``,
+    which ``restartPolicy: ExitCode`` treats as permanent.
+
+    So the script is one brace group (the appended redirect covers all of it; no extra process, so
+    Katib's collector still finds exactly one child to stop, file-metricscollector/main.go 281-293):
+    it traps SIGTERM, forwards it to the trainer, waits for its checkpoint and exits with its code
+    (143) before the wrapper's ``||`` can turn it into 1. A retryable code (128-255) of the trainer
+    exits the shell the same way. 143 without the trap is Katib's collector stopping the trial early
+    (it SIGTERMs the child, never PID 1): with ``early_stopping`` it becomes a plain failure status,
+    so the wrapper's check finds the early-stopped marker and exits 0. 1-127 fall through to the
+    wrapper (exit 1), 0 marks the trial completed."""
+    command, args = trainer_command(spec)
+    early_stop = "[ $code -eq 143 ] && code=1; " if early_stopping else ""
+    return (
+        "{ trap 'kill -TERM $pid 2>/dev/null; wait $pid; exit $?' TERM; "
+        + " ".join([*command, *args])
+        + " & pid=$!; wait $pid; code=$?; "
+        + early_stop
+        + "[ $code -lt 128 ] || exit $code; (exit $code); }"
+    )
+
+
+def trial_pytorchjob_dict(spec: TrainJobSpec, *, early_stopping: bool = True) -> dict:
     """The PyTorchJob as a Katib trial template: no metadata.name/namespace (Katib sets them),
-    overrides may hold ``${trialParameters.name}`` placeholders."""
+    overrides may hold ``${trialParameters.name}`` placeholders, and every replica runs
+    :func:`katib_trial_script` through ``sh -c`` (``early_stopping``: the Experiment's)."""
     unsafe = [
         f"{k}={format_override_value(v)}"
         for k, v in spec.overrides.items()
@@ -492,6 +525,11 @@ def trial_pytorchjob_dict(spec: TrainJobSpec) -> dict:
     body = pytorchjob_to_dict(build_pytorchjob(spec))
     body["metadata"].pop("name", None)
     body["metadata"].pop("namespace", None)
+    script = katib_trial_script(spec, early_stopping=early_stopping)
+    for replica in body["spec"]["pytorchReplicaSpecs"].values():
+        for container in replica["template"]["spec"]["containers"]:
+            if container["name"] == PYTORCHJOB_CONTAINER:
+                container["command"], container["args"] = ["sh", "-c"], [script]
     return body
 
 
@@ -540,8 +578,9 @@ class TrainingJobFailed(RuntimeError):
 
 
 class MasterLogFollower:
-    """Prints the new lines of the master pod's log each time it is called (the
-    ``wait_for_job_conditions`` callback), reading through the Cluster."""
+    """Prints the new lines of the master pod's log each time it is called (once per poll of the
+    wait), reading through the Cluster. A pod recreated under the same name (a restart under
+    ``restartPolicy: ExitCode``) has a new uid and a fresh log, printed from its start."""
 
     def __init__(self, cluster: Cluster, name: str, namespace: str, print_fn: Callable[[str], Any] = print):
         self.cluster, self.name, self.namespace, self.print_fn = cluster, name, namespace, print_fn
@@ -563,82 +602,9 @@ class MasterLogFollower:
                 ).splitlines()
             except ClusterError:  # container not started yet
                 continue
-            start = self.lines_seen.get(pod_name, 0)
-            start = 0 if len(lines) < start else start  # the container restarted: a fresh log
+            key = f"{pod_name}/{pod.metadata.uid or ''}"
+            start = self.lines_seen.get(key, 0)
+            start = 0 if len(lines) < start else start  # the container restarted in place: a fresh log
             for line in lines[start:]:
                 self.print_fn(f"[{pod_name}] {line}")
-            self.lines_seen[pod_name] = len(lines)
-
-
-def _log_tail(training: Any, name: str, namespace: str, lines: int) -> str:
-    try:
-        logs, _ = training.get_job_logs(name, namespace=namespace, is_master=True)
-    except Exception as exc:  # noqa: BLE001 - the failure report must not fail itself
-        return f"(the master's log could not be read: {exc})"
-    if not logs:
-        return "(no master pod log: the pod never started; check `kubectl describe pytorchjob`)"
-    parts = []
-    for pod, text in logs.items():
-        tail = (text or "").splitlines()[-lines:]
-        parts.append(f"last {len(tail)} log lines of pod {pod}:\n" + "\n".join(f"  {line}" for line in tail))
-    return "\n".join(parts)
-
-
-def _conditions(job: Any) -> list[dict]:
-    conditions = (job.status.conditions if job is not None and job.status else None) or []
-    return [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message} for c in conditions]
-
-
-def run_pytorchjob(
-    cluster: Cluster,
-    job: Any,
-    *,
-    timeout_s: float,
-    poll_s: float = 30.0,
-    log_tail: int = 50,
-    print_fn: Callable[[str], Any] = print,
-) -> dict:
-    """Submit ``job`` with the TrainingClient, stream the master's log while waiting, and
-    return a summary once it Succeeded. Failed -> ``TrainingJobFailed`` (a RuntimeError)
-    with the job's condition and last ``log_tail`` log lines; no end within ``timeout_s``
-    -> ``TimeoutError`` (the job keeps running: delete it or let activeDeadlineSeconds end it)."""
-    if poll_s <= 0 or timeout_s < poll_s:
-        raise ValueError(f"need 0 < poll_s ({poll_s}) <= timeout_s ({timeout_s})")
-    training = cluster.training_client(KIND)
-    name = job.metadata.name
-    namespace = job.metadata.namespace = job.metadata.namespace or cluster.namespace
-    training.create_job(job=job, namespace=namespace)
-    print_fn(f"created PyTorchJob {namespace}/{name}; waiting up to {timeout_s:.0f}s")
-    follow = MasterLogFollower(cluster, name, namespace, print_fn)
-    try:
-        final = training.wait_for_job_conditions(
-            name,
-            namespace=namespace,
-            job_kind=KIND,
-            expected_conditions={"Succeeded", "Failed"},
-            wait_timeout=timeout_s,
-            polling_interval=poll_s,
-            callback=follow,
-        )
-    except TimeoutError as exc:
-        raise TimeoutError(
-            f"PyTorchJob {namespace}/{name} did not finish within {timeout_s:.0f}s; it keeps "
-            f"running until its activeDeadlineSeconds.\n{_log_tail(training, name, namespace, log_tail)}"
-        ) from exc
-    follow(final)
-    conditions = _conditions(final)
-    failed = [c for c in conditions if c["type"] == "Failed" and c["status"] == "True"]
-    if failed:
-        reason = f"{failed[-1]['reason'] or 'Failed'}: {failed[-1]['message'] or ''}".strip()
-        raise TrainingJobFailed(
-            f"PyTorchJob {namespace}/{name} Failed ({reason})\n{_log_tail(training, name, namespace, log_tail)}"
-        )
-    status = final.status
-    return {
-        "name": name,
-        "namespace": namespace,
-        "succeeded": True,
-        "conditions": conditions,
-        "start_time": str(status.start_time) if status and status.start_time else None,
-        "completion_time": str(status.completion_time) if status and status.completion_time else None,
-    }
+            self.lines_seen[key] = len(lines)

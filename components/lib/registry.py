@@ -11,8 +11,13 @@ One call, :func:`register_adapter`, does what the `register-in-mlflow` step need
 
 A plain adapter folder is not an MLflow "logged model", so ``mlflow.register_model``
 cannot be used (it needs an MLmodel file); the version is created with
-``MlflowClient.create_registered_model`` + ``create_model_version`` instead (see
-/work/shared/notes/platform-facts.md, MLflow 3.x).
+``MlflowClient.create_registered_model`` + ``create_model_version`` instead (MLflow 3.x).
+
+The version and the run also carry links (:attr:`Registration.links`): ``llmft.promoted_path``
+(the promoted adapter on the volume, which the next run's evaluate step answers with as the
+previous champion) and, when the evaluate step compared the adapters in Langfuse,
+``llmft.langfuse.*`` (the training trace, the dataset and the new adapter's dataset run;
+components/lib/comparison.py ``version_link_tags``).
 
 Idempotent on retry: the run and the version carry the tag
 ``llmft.registration_key = <pipeline run id>/<task>``. A retried task finds them and
@@ -90,11 +95,16 @@ class Registration:
     """Params logged on the run (flattened training config, data settings)."""
     extra_artifacts: tuple[Path, ...] = ()
     """Files logged at the run's artifact root (evaluation report, promotion decision)."""
+    links: dict[str, str] = field(default_factory=dict)
+    """Tags of the version and the run that point elsewhere: the promoted path, Langfuse."""
 
 
-def register_adapter(reg: Registration, *, client=None, tracking_uri: str | None = None) -> dict[str, Any]:
-    """Register ``reg`` and return the facts (version, run id, alias decision)."""
-    client = client or _client(tracking_uri)
+def register_adapter(
+    reg: Registration, *, client=None, tracking_uri: str | None = None, secret_name: str = ""
+) -> dict[str, Any]:
+    """Register ``reg`` and return the facts (version, run id, alias decision, ``is_champion``).
+    ``secret_name``: the Secret the plan mounts for MLflow (named in the error when no server is set)."""
+    client = client or _client(tracking_uri, secret_name)
     _ensure_registered_model(client, reg.model_name)
     existing = find_version_by_key(client, reg.model_name, reg.lineage.key)
     reused = existing is not None
@@ -106,7 +116,7 @@ def register_adapter(reg: Registration, *, client=None, tracking_uri: str | None
             name=reg.model_name,
             source=f"{artifact_uri}/{ADAPTER_ARTIFACT_PATH}",
             run_id=run_id,
-            tags={**reg.lineage.tags(), PERPLEXITY_TAG: repr(float(reg.perplexity))},
+            tags={**reg.lineage.tags(), **reg.links, PERPLEXITY_TAG: repr(float(reg.perplexity))},
             description=f"Adapter for {reg.lineage.base_model} from pipeline run {reg.lineage.pipeline_run_id}",
         )
     alias = update_champion(client, reg.model_name, str(version.version), reg.perplexity)
@@ -157,6 +167,8 @@ def champion_version(client, model_name: str):
 def version_perplexity(version) -> float | None:
     """The eval perplexity recorded on a model version (tag), or None."""
     raw = (version.tags or {}).get(PERPLEXITY_TAG)
+    if raw is None:
+        return None
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -190,7 +202,9 @@ def _log_run(client, reg: Registration) -> tuple[str, str]:
     run = _find_run_by_key(client, experiment_id, reg.lineage.key)
     if run is None:
         run = client.create_run(
-            experiment_id, tags=reg.lineage.tags(), run_name=f"register-{reg.lineage.pipeline_run_id}"[:250]
+            experiment_id,
+            tags={**reg.lineage.tags(), **reg.links},
+            run_name=f"register-{reg.lineage.pipeline_run_id}"[:250],
         )
     run_id = run.info.run_id
     params = [Param(k, _param_value(v)) for k, v in sorted(flatten(reg.params).items())]
@@ -238,18 +252,23 @@ def _ensure_registered_model(client, name: str) -> None:
             raise
 
 
-def _client(tracking_uri: str | None):
+def _client(tracking_uri: str | None, secret_name: str = ""):
     from llmft.trainer.errors import ConfigError
     from llmft.trainer.mlflow_settings import prepare_mlflow
     from mlflow import MlflowClient
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     if not uri:
+        where = (
+            f"the Secret `{secret_name}` (pipeline parameter mlflow_secret) mounts no MLFLOW_TRACKING_URI key: add "
+            "the key to it, or set the pipeline parameter mlflow_tracking_uri"
+            if secret_name
+            else "the pipeline names no MLflow Secret: compile and run it with mlflow_secret=llmft-mlflow (a Secret "
+            "with key MLFLOW_TRACKING_URI, plus MLFLOW_TRACKING_USERNAME/PASSWORD if the server needs them; "
+            "deploy/secrets), or set mlflow_tracking_uri; for a local run export MLFLOW_TRACKING_URI"
+        )
         raise ConfigError(
-            "MLFLOW_TRACKING_URI is not set: the register step needs an MLflow tracking server. "
-            "Fix: create the Secret `mlflow-credentials` with key MLFLOW_TRACKING_URI (and MLFLOW_TRACKING_USERNAME/"
-            "MLFLOW_TRACKING_PASSWORD if the server needs them) in the pipeline's namespace, or export it for a "
-            "local run."
+            f"MLFLOW_TRACKING_URI is not set: the register step needs an MLflow tracking server. Fix: {where}"
         )
     prepare_mlflow(uri)
     return MlflowClient(tracking_uri=uri)
@@ -312,6 +331,8 @@ def registration_from_run(
     extra_artifacts: tuple[Path, ...] = (),
 ) -> Registration:
     """Assemble a :class:`Registration` from the files the earlier steps wrote."""
+    from llmft.components.lib.comparison import PROMOTED_PATH_TAG, version_link_tags
+
     promoted_dir = Path(promoted_dir)
     best = (
         next(c for c in evaluation["checkpoints"] if c["name"] == lineage.checkpoint)
@@ -344,4 +365,5 @@ def registration_from_run(
         metrics=metrics,
         params=params,
         extra_artifacts=extra_artifacts,
+        links={PROMOTED_PATH_TAG: str(promoted_dir), **version_link_tags(evaluation)},
     )

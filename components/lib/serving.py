@@ -13,11 +13,18 @@ points at the base) or from the hub (``base_model_id``, ``--model_id``, with HF_
 from a Secret; the root is the adapter directory itself).
 
 Clients request ``"model": "<lora_name>"`` on ``/openai/v1/completions`` to get the
-adapter, and the base ``model_name`` for the base model.
+adapter, and ``"model": "<lora_name>-base"`` (``--model_name``) for the base model. The two names
+must differ: the huggingfaceserver registers every ``--lora-modules`` name as a model of the server
+(kserve v0.20.0 ``python/huggingfaceserver/huggingfaceserver/__main__.py`` 332-336), and vLLM
+resolves a request's name against the base names first (``OpenAIServing._maybe_get_adapter`` in
+``vllm/entrypoints/openai/serving_engine.py``, as bundled with KServe 0.15/0.16) and LoRA names
+first in later releases: with one shared name, either the adapter or the base is unreachable.
+The deploy step's :func:`smoke_test` checks both names are served and answer differently.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import posixpath
@@ -27,7 +34,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from llmft.components import images
 from llmft.components.lib.cluster import Cluster, ClusterError
@@ -63,7 +70,7 @@ class ServeSpec:
     namespace: str | None = None
     """Namespace (None = the Cluster's namespace)."""
     model_name: str | None = None
-    """Served name of the base model (None = the InferenceService name)."""
+    """Served name of the base model (None = ``<lora_name>-base``); never the LoRA name."""
     max_lora_rank: int = 64
     """vLLM ``--max-lora-rank``: at least the adapter's rank."""
     max_model_len: int | None = None
@@ -150,10 +157,19 @@ def storage_layout(spec: ServeSpec) -> tuple[str, str, str | None]:
     return uri, inside(adapter), inside(base)
 
 
+BASE_SUFFIX = "-base"
+
+
+def served_names(spec: ServeSpec) -> tuple[str, str]:
+    """(base model's served name, adapter's served name): distinct by construction."""
+    return spec.model_name or f"{spec.lora_name}{BASE_SUFFIX}", spec.lora_name
+
+
 def server_args(spec: ServeSpec) -> list[str]:
     """Arguments of the Hugging Face runtime (its own flags, then vLLM's)."""
     _, adapter_dir, base_dir = storage_layout(spec)
-    args = [f"--model_name={spec.model_name or spec.name}", "--backend=vllm"]
+    base_name, _ = served_names(spec)
+    args = [f"--model_name={base_name}", "--backend=vllm"]
     if base_dir is None:
         args.append(f"--model_id={spec.base_model_id}")
         if spec.base_model_revision:
@@ -263,6 +279,12 @@ def inference_service_errors(isvc: dict) -> list[str]:
         module = modules[0] if modules else ""
         if "=" not in module or not module.split("=", 1)[1].startswith(MODEL_MOUNT):
             errors.append(f"spec.predictor.model.args: --lora-modules {module!r} must be name={MODEL_MOUNT}/...")
+        base = next((a.split("=", 1)[1] for a in args if a.startswith("--model_name=")), None)
+        if base is not None and base == module.split("=", 1)[0]:
+            errors.append(
+                f"spec.predictor.model.args: the base model and the adapter are both served as {base!r}: requests "
+                "for that name reach only one of them (give --model_name another name)"
+            )
     resources = model.get("resources") or {}
     gpu_req = (resources.get("requests") or {}).get("nvidia.com/gpu")
     if gpu_req != (resources.get("limits") or {}).get("nvidia.com/gpu"):
@@ -363,42 +385,91 @@ def _urllib_post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
             return exc.code, text
 
 
-def smoke_test(
-    url: str,
-    model_name: str,
-    prompt: str,
-    *,
-    max_tokens: int = 16,
-    timeout_s: float = 60.0,
-    attempts: int = 3,
-    retry_wait_s: float = 5.0,
-    http_post: Callable[[str, dict, float], tuple[int, Any]] | None = None,
-) -> dict:
-    """POST one completion to ``<url>/openai/v1/completions`` with ``"model": model_name``
-    (the adapter's LoRA name) and check the answer; returns ``{"endpoint", "model", "text"}``.
-    ``http_post(url, payload, timeout_s) -> (status, parsed JSON)`` is injectable."""
-    post = http_post or _urllib_post
-    endpoint = url.rstrip("/") + "/openai/v1/completions"
-    payload = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def _urllib_get(url: str, timeout_s: float) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def _with_retries(call: Callable[[], tuple[int, Any]], attempts: int, retry_wait_s: float) -> tuple[int, Any]:
+    """``call()`` until it answers 200 or a 4xx, at most ``attempts`` times (the route may still settle)."""
     status, body = 0, None
     for attempt in range(1, attempts + 1):
         try:
-            status, body = post(endpoint, payload, timeout_s)
+            status, body = call()
         except OSError as exc:  # connection refused / reset while the route settles
             status, body = 0, str(exc)
         if status == 200 or 400 <= status < 500:
             break
         if attempt < attempts:
             time.sleep(retry_wait_s)
+    return status, body
+
+
+def smoke_test(
+    url: str,
+    model_name: str,
+    prompt: str,
+    *,
+    base_name: str,
+    max_tokens: int = 16,
+    timeout_s: float = 60.0,
+    attempts: int = 3,
+    retry_wait_s: float = 5.0,
+    http_post: Callable[[str, dict, float], tuple[int, Any]] | None = None,
+    http_get: Callable[[str, float], tuple[int, Any]] | None = None,
+) -> dict:
+    """Check the server as a client sees it: ``GET <url>/openai/v1/models`` lists the adapter
+    (``model_name``) and the base model (``base_name``); one greedy completion (temperature 0,
+    with token logprobs) of ``prompt`` from each; the adapter's must not be the base model's (the
+    same text AND the same logprobs: the request did not reach the adapter, or it changes nothing).
+    Returns ``{"endpoint", "models", "model", "text", "base_text"}``. ``http_post(url, payload,
+    timeout_s)`` and ``http_get(url, timeout_s)`` -> ``(status, parsed JSON)`` are injectable."""
+    post, get = http_post or _urllib_post, http_get or _urllib_get
+    root = url.rstrip("/") + "/openai/v1"
+    status, listing = _with_retries(lambda: get(f"{root}/models", timeout_s), attempts, retry_wait_s)
+    if status != 200 or not isinstance(listing, dict):
+        raise RuntimeError(f"smoke test GET {root}/models -> HTTP {status}: {listing}")
+    served = sorted({str(m.get("id")) for m in listing.get("data") or [] if isinstance(m, dict)})
+    missing = [n for n in (model_name, base_name) if n not in served]
+    if missing:
+        raise RuntimeError(f"smoke test GET {root}/models: {missing} not served (the server lists {served})")
+    answers = {}
+    for name in (model_name, base_name):
+        payload = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
+        status, body = _with_retries(
+            functools.partial(post, f"{root}/completions", payload, timeout_s), attempts, retry_wait_s
+        )
+        answers[name] = _completion(f"{root}/completions", name, status, body)
+    adapter, base = answers[model_name], answers[base_name]
+    if adapter == base:
+        raise RuntimeError(
+            f"smoke test POST {root}/completions: model {model_name!r} answered exactly like the base model "
+            f"{base_name!r} (text {adapter[0]!r}, same token logprobs): the adapter is not applied"
+        )
+    return {
+        "endpoint": f"{root}/completions",
+        "models": served,
+        "model": model_name,
+        "text": adapter[0],
+        "base_text": base[0],
+    }
+
+
+def _completion(endpoint: str, name: str, status: int, body: Any) -> tuple[str, tuple]:
+    """(text, token logprobs) of one completion answer; RuntimeError for anything else."""
     if status != 200:
-        raise RuntimeError(f"smoke test POST {endpoint} (model {model_name!r}) -> HTTP {status}: {body}")
+        raise RuntimeError(f"smoke test POST {endpoint} (model {name!r}) -> HTTP {status}: {body}")
     choices = body.get("choices") if isinstance(body, dict) else None
     if not choices or not isinstance(choices[0].get("text"), str):
         raise RuntimeError(f"smoke test POST {endpoint}: no completion text in the answer: {body}")
-    served = body.get("model")
-    if served is not None and served != model_name:
-        raise RuntimeError(f"smoke test POST {endpoint}: asked for model {model_name!r}, answered by {served!r}")
-    return {"endpoint": endpoint, "model": model_name, "text": choices[0]["text"]}
+    answered = body.get("model")
+    if answered is not None and answered != name:
+        raise RuntimeError(f"smoke test POST {endpoint}: asked for model {name!r}, answered by {answered!r}")
+    logprobs = (choices[0].get("logprobs") or {}).get("token_logprobs") or []
+    return choices[0]["text"], tuple(logprobs)
 
 
 class AdapterHasNoEffectError(LlmftError):
@@ -440,8 +511,11 @@ def local_generation_check(
     for prompt in prompts:
         text = prompt
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            text = cast(
+                str,  # tokenize=False: the rendered text
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                ),
             )
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad(), model.disable_adapter():
@@ -454,8 +528,8 @@ def local_generation_check(
         samples.append(
             GenerationSample(
                 prompt,
-                tokenizer.decode(base_ids, skip_special_tokens=True),
-                tokenizer.decode(adapter_ids, skip_special_tokens=True),
+                cast(str, tokenizer.decode(base_ids, skip_special_tokens=True)),  # one sequence: one text
+                cast(str, tokenizer.decode(adapter_ids, skip_special_tokens=True)),
             )
         )
     if largest_diff <= min_logit_diff:

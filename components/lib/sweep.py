@@ -60,10 +60,15 @@ def sweep_trial_job(
     fixed_overrides: Sequence[str] = DEFAULT_TRIAL_OVERRIDES,
     mlflow_parent_run_id: str = "",
     mlflow_experiment: str = "",
+    base_overrides: Sequence[str] = (),
 ) -> dict:
-    """The trial's PyTorchJob as a dict: ``job`` (the plan's JobPlan: image, resources, Secrets,
-    node selector) running the trainer on the existing tokenized shards ``data`` (never
-    re-tokenized), each trial in ``<volume>/sweeps/<experiment>/<trial name>``."""
+    """The trial's job as a dict (a PyTorchJob; a TrainJob for backend trainjob): ``job`` (the plan's
+    JobPlan: image, resources, Secrets, node selector) running the trainer on the existing tokenized
+    shards ``data`` (never re-tokenized), each trial in ``<volume>/sweeps/<experiment>/<trial name>``.
+
+    ``base_overrides`` are the final training's own (the plan's trainer overrides: target modules,
+    seed, ``train_overrides``, ...), so a trial tunes the model the train step trains; the keys a
+    trial sets itself, the searched ones and the fixed trial settings replace theirs."""
     from llmft.components.lib.pytorchjob import trial_pytorchjob_dict
     from llmft.components.lib.train_job import build_train_job_spec, job_name
     from llmft.katib.experiment import TRIAL_NAME_PLACEHOLDER, trial_overrides
@@ -75,7 +80,12 @@ def sweep_trial_job(
             "(e.g. data=/data/tokenized/<cache key>); trials never tokenize"
         )
     check_trial_overrides(sweep, fixed_overrides)
+    replaced = {*TRIAL_OWNED_KEYS, "observe.mlflow_experiment", *(p.config_key for p in sweep.search_space)}
+    replaced |= {o.split("=", 1)[0] for o in fixed_overrides}
+    if "max_steps" in replaced:  # a trial's own length: the final training's epochs do not apply
+        replaced.add("epochs")
     overrides = [
+        *(o for o in base_overrides if o.split("=", 1)[0] not in replaced),
         f"model.name_or_path={model}",
         f"data={data}",
         f"method={method}",
@@ -90,7 +100,11 @@ def sweep_trial_job(
     spec = build_train_job_spec(job, overrides, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
-    return trial_pytorchjob_dict(spec)
+    if job.backend == "trainjob":  # Kubeflow Trainer v2 trials (components/lib/trainjob.py)
+        from llmft.components.lib.trainjob import trial_trainjob_dict
+
+        return trial_trainjob_dict(spec, runtime=job.runtime, early_stopping=sweep.early_stopping)
+    return trial_pytorchjob_dict(spec, early_stopping=sweep.early_stopping)
 
 
 def build_sweep_experiment(sweep, **job):
@@ -170,6 +184,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
                 data=tokenized_dir,
                 method=trainer.method,
                 fixed_overrides=fixed,
+                base_overrides=trainer.overrides,
                 mlflow_parent_run_id=parent.run_id or "",
                 mlflow_experiment=parent.experiment if parent.run_id else experiment,
             )
@@ -204,26 +219,32 @@ def _run_local(spec, tokenized_dir, model, method, fixed, workdir, mlflow_experi
 
 
 def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
+    from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
     from llmft.components.lib.cluster import Cluster
     from llmft.katib import status as katib_status
     from llmft.katib.experiment import GROUP, PLURAL, VERSION, to_yaml
     from llmft.katib.webhook_rules import check_experiment
 
     body = build_sweep_experiment(spec, **job).to_dict()
+    body["metadata"].setdefault("labels", {}).update(job["job"].labels)  # the run-id label: cleanup finds it
     check_experiment(body)
     (output_dir / "experiment.yaml").write_text(to_yaml(body))
     cluster = cluster or Cluster(spec.namespace)
     namespace = spec.namespace or cluster.namespace
-    katib_status.submit(cluster, body, namespace=namespace)  # a retried task re-attaches to its Experiment
-    print(f"Katib Experiment {namespace}/{spec.name}: waiting up to {timeout_s:.0f}s", flush=True)
-    state = katib_status.wait(
-        cluster,
-        spec.name,
-        namespace,
-        timeout_s=timeout_s,
-        poll_s=poll_s,
-        on_update=lambda s: print(s.summary(), flush=True),
-    )
+    owner = run_owner_reference(cluster) if namespace == cluster.namespace else None
+    if owner:  # the run's Workflow owns the Experiment (and so, through Katib, its trials): cleanup.py
+        body["metadata"]["ownerReferences"] = [owner]
+    with delete_on_sigterm(cluster, GROUP, VERSION, PLURAL, spec.name, namespace=namespace):
+        katib_status.submit(cluster, body, namespace=namespace)  # a retried task re-attaches to its Experiment
+        print(f"Katib Experiment {namespace}/{spec.name}: waiting up to {timeout_s:.0f}s", flush=True)
+        state = katib_status.wait(
+            cluster,
+            spec.name,
+            namespace,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+            on_update=lambda s: print(s.summary(), flush=True),
+        )
     overrides = katib_status.best_overrides(
         cluster.get_custom_object(GROUP, VERSION, PLURAL, spec.name, namespace=namespace)
     )

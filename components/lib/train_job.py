@@ -1,24 +1,66 @@
-"""The `kubeflow` training backend as the train step uses it, and reading a finished run.
+"""The train step on a cluster: submit the run's PyTorchJob, or re-attach to it, and wait for it.
 
 :func:`build_train_job_spec` turns the plan's :class:`~llmft.components.lib.plan.JobPlan` and the
-trainer overrides into a :class:`TrainJobSpec` (the image, resources, node selector and Secrets
-the plan names; the data PVC at the plan's mount path); :func:`run_on_cluster` runs it with
-:func:`llmft.components.lib.pytorchjob.run_pytorchjob`. Katib trials are built by the same function.
+trainer overrides into a :class:`TrainJobSpec` (image, resources, node selector, Secrets, the data
+PVC at the plan's mount path, the run-id label, ``activeDeadlineSeconds`` = the plan's job timeout,
+``cleanPodPolicy: Running``); Katib trials are built by the same function. :func:`run_on_cluster`
+runs it. What a real cluster does, and what this module does about it (each upstream rule is
+played by tests/k8s/cluster_sim.py, which runs this code against real `llmft train` processes):
 
-Retries are safe: the job name derives from the pipeline run id, so a retried task finds
-the job its previous attempt created. A Succeeded job is not run again; any other is
-deleted and recreated, and the trainer resumes from the newest complete checkpoint in the
-(equally stable) run directory.
+* **Retries re-attach.** The job name derives from the pipeline run id, so a retried task (KFP
+  ``set_retry``) finds the job its previous attempt created. A Created/Running/Restarting job is
+  watched again, never deleted; a Succeeded one is not run again.
+* **A permanent failure is final.** Under ``restartPolicy: ExitCode`` the Training Operator fails
+  the job when a replica exits 1-127 (kubeflow/trainer v1.9.4 ``pkg/util/train/train_util.go``
+  24-26, ``pkg/controller.v1/common/pod.go`` 349-373). The trainer exits 1 for bad input and once
+  its restart budget is spent (trainer/rundir.py), so such a job is never recreated: the step fails
+  (:class:`JobFailedPermanently`, exit 1) with the failing pod's log tail. A job that failed
+  otherwise (backoff limit, lost pods) is deleted and recreated by a retry; the trainer resumes
+  from the newest complete checkpoint in the (equally stable) run directory.
+* **Time is bounded by the job itself.** ``activeDeadlineSeconds`` is the plan's ``job_timeout_s``
+  (the plan keeps it below the train task's own timeout); the operator fails the job when it runs
+  longer (``pkg/core/job.go`` 81-91, ``pkg/controller.v1/common/job.go`` 211-213). The launcher waits
+  until that deadline (from the job's ``startTime``, also after a re-attach) and reports the end as
+  a timeout (:class:`JobTimedOut`, exit 200), never as a training failure.
+* **The API server may blink.** Transient API errors (no answer, 429, 5xx) inside the wait are
+  retried, at most ``api_retries`` in a row.
+* **Pending is explained.** When pods stay Pending, their events and waiting reasons (no GPU, an
+  untolerated taint, an unbound PVC, ImagePullBackOff, a missing Secret) are printed, at most once
+  every ``pending_every`` polls.
+* **Cancel frees GPUs.** SIGTERM deletes the job (components/lib/cleanup.py), and the job is owned
+  by the run's Argo Workflow, never by this pod (see cleanup.py for why).
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError, TransientError
+
+JOB_WAIT_GRACE_S = 300
+"""How long after the job's deadline the launcher still waits for the operator to mark it Failed."""
+API_RETRIES = 10
+"""Transient API errors in a row the wait loop tolerates before it gives up."""
+PENDING_EVERY = 10
+"""Polls between two reports of why pods are Pending (30 s polls: every 5 minutes)."""
+DEADLINE_MESSAGE = "active longer than specified deadline"
+"""What the operator writes into the Failed condition when activeDeadlineSeconds ends a job
+(kubeflow/trainer v1.9.4 pkg/controller.v1/common/job.go 212)."""
+
+
+class JobFailedPermanently(LlmftError):
+    """A replica exited 1-127 (bad input, or the trainer's restart budget spent): retrying cannot help."""
+
+
+class JobTimedOut(TransientError):
+    """The job ran into its deadline, or did not finish while this attempt waited (exit 200)."""
 
 
 def job_name(run_id: str) -> str:
@@ -37,7 +79,9 @@ def build_train_job_spec(job, overrides: list[str], *, name: str | None = None, 
     """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer with ``overrides``.
 
     Every Secret key the plan names is a required reference (no ``optional``): a missing one is
-    named by the plan step's preflight, not discovered by a pod stuck in CreateContainerConfigError."""
+    named by the plan step's preflight, not discovered by a pod stuck in CreateContainerConfigError.
+    ``activeDeadlineSeconds`` is the plan's job timeout; ``cleanPodPolicy: Running`` deletes the
+    Workers still running when the job fails, so they free their GPUs."""
     from llmft.components.lib.pytorchjob import PvcMount, SecretEnv, TrainJobSpec
 
     secret_envs = tuple(SecretEnv(key, s.name, key, optional=False) for s in job.secrets for key in s.keys)
@@ -56,54 +100,203 @@ def build_train_job_spec(job, overrides: list[str], *, name: str | None = None, 
         env=dict(job.env),
         node_selector=dict(job.node_selector),
         labels=dict(job.labels),
+        active_deadline_seconds=int(job.timeout_s),
+        clean_pod_policy="Running",
     )
 
 
-def run_on_cluster(job, overrides: list[str], *, poll_s: float = 30.0, cluster=None) -> dict:
-    """Submit (or re-attach to) the run's PyTorchJob and wait up to ``job.timeout_s``; raises on Failed."""
+# --- the train step's entry point ---------------------------------------------------------------
+
+
+def run_on_cluster(
+    job,
+    overrides: list[str],
+    *,
+    poll_s: float = 30.0,
+    cluster=None,
+    print_fn: Callable[[str], Any] = print,
+    api_retries: int = API_RETRIES,
+    pending_every: int = PENDING_EVERY,
+    owner: dict | None = None,
+) -> dict:
+    """The train step's cluster backends: the plan's job (``job``, a JobPlan) run to its end with
+    ``overrides``; returns a summary once it Succeeded (see :func:`run_job`)."""
+    from llmft.components.lib.cleanup import delete_on_sigterm
     from llmft.components.lib.cluster import Cluster
-    from llmft.components.lib.pytorchjob import build_pytorchjob, run_pytorchjob
 
     cluster = cluster or Cluster()
-    timeout_s = float(job.timeout_s)
-    spec = build_train_job_spec(job, overrides)
-    pytorchjob = build_pytorchjob(spec)
-    previous = _previous_job(cluster, spec.name)
-    if previous is not None and _condition(previous, "Succeeded"):
-        print(f"PyTorchJob {spec.name} already Succeeded (an earlier attempt of this task): not running it again")
-        return {"name": spec.name, "namespace": cluster.namespace, "succeeded": True, "reused": True}
-    if previous is not None:
-        print(
-            f"PyTorchJob {spec.name} exists from an earlier attempt: deleting it; training resumes from the "
-            "newest complete checkpoint"
+    if job.backend == "trainjob":  # Kubeflow Trainer v2 (components/lib/trainjob_run.py)
+        from llmft.components.lib import trainjob
+        from llmft.components.lib.trainjob_run import run_trainjob_on_cluster
+
+        with delete_on_sigterm(cluster, trainjob.GROUP, trainjob.VERSION, trainjob.PLURAL, job.name):
+            return run_trainjob_on_cluster(job, overrides, poll_s=poll_s, cluster=cluster)
+    return run_job(
+        cluster,
+        build_train_job_spec(job, overrides),
+        timeout_s=float(job.timeout_s),
+        poll_s=poll_s,
+        print_fn=print_fn,
+        api_retries=api_retries,
+        pending_every=pending_every,
+        owner=owner,
+    )
+
+
+def run_job(
+    cluster,
+    spec,
+    *,
+    timeout_s: float,
+    poll_s: float = 30.0,
+    print_fn: Callable[[str], Any] = print,
+    api_retries: int = API_RETRIES,
+    pending_every: int = PENDING_EVERY,
+    owner: dict | None = None,
+) -> dict:
+    """Submit the PyTorchJob of ``spec`` (a TrainJobSpec), or re-attach to it, and wait for its end
+    (the module docstring lists the rules). SIGTERM deletes it. ``owner``: its ownerReference
+    (default: the run's Argo Workflow when in a KFP pod, else none)."""
+    from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
+    from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
+
+    if poll_s <= 0 or timeout_s < poll_s:
+        raise ValueError(f"need 0 < poll_s ({poll_s}) <= timeout_s ({timeout_s})")
+    name, namespace = spec.name, cluster.namespace
+    with delete_on_sigterm(cluster, GROUP, VERSION, PLURAL, name, namespace=namespace, print_fn=print_fn):
+        previous = _get_job(cluster, name, namespace, api_retries, print_fn)
+        state = job_state(cluster, previous) if previous is not None else "absent"
+        if state == "succeeded":
+            print_fn(f"PyTorchJob {name} already Succeeded (an earlier attempt of this task): not running it again")
+            return {"name": name, "namespace": namespace, "succeeded": True, "reused": True}
+        if state == "active":
+            print_fn(f"PyTorchJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
+        elif state in ("permanent", "deadline") and previous is not None:
+            raise_for_failure(cluster, previous, earlier=True)
+        else:
+            if state == "failed":
+                print_fn(f"PyTorchJob {name} failed in an earlier attempt (not permanently): recreating it")
+                _delete_and_wait(cluster, name, namespace, timeout_s=300.0, poll_s=min(poll_s, 5.0))
+            _submit(cluster, spec, owner if owner is not None else run_owner_reference(cluster), print_fn)
+        final = wait_for_job(
+            cluster,
+            name,
+            namespace,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+            print_fn=print_fn,
+            api_retries=api_retries,
+            pending_every=pending_every,
         )
-        _delete_and_wait(cluster, spec.name, timeout_s=min(timeout_s, 300.0), poll_s=min(poll_s, 5.0))
-    return run_pytorchjob(cluster, pytorchjob, timeout_s=timeout_s, poll_s=poll_s)
+    return {
+        "name": name,
+        "namespace": namespace,
+        "succeeded": True,
+        "reattached": state == "active",
+        "conditions": _conditions(final),
+        "start_time": (final.get("status") or {}).get("startTime"),
+        "completion_time": (final.get("status") or {}).get("completionTime"),
+    }
 
 
-def _previous_job(cluster, name: str) -> dict | None:
-    from llmft.components.lib.cluster import ClusterError
+def _submit(cluster, spec, owner: dict | None, print_fn) -> None:
+    """Create the PyTorchJob through the Training Operator SDK's TrainingClient."""
+    from kubernetes import client as k8s
+    from llmft.components.lib.pytorchjob import KIND, build_pytorchjob
+
+    job = build_pytorchjob(spec)
+    if owner:
+        job.metadata.owner_references = [
+            k8s.V1OwnerReference(
+                api_version=owner["apiVersion"],
+                kind=owner["kind"],
+                name=owner["name"],
+                uid=owner["uid"],
+                block_owner_deletion=owner.get("blockOwnerDeletion", False),
+            )
+        ]
+    job.metadata.namespace = cluster.namespace
+    cluster.training_client(KIND).create_job(job=job, namespace=cluster.namespace)
+    owned = f", owned by {owner['kind']} {owner['name']}" if owner else ""
+    print_fn(f"created PyTorchJob {cluster.namespace}/{spec.name}{owned}")
+
+
+# --- reading a job's state -----------------------------------------------------------------------
+
+
+def _conditions(job: dict) -> list[dict]:
+    return list((job.get("status") or {}).get("conditions") or [])
+
+
+def _condition(job: dict, kind: str) -> dict | None:
+    return next((c for c in _conditions(job) if c.get("type") == kind and c.get("status") == "True"), None)
+
+
+def _job_pods(cluster, name: str, namespace: str) -> list:
+    from llmft.components.lib.pytorchjob import JOB_NAME_LABEL
+
+    return cluster.list_pods(f"{JOB_NAME_LABEL}={name}", namespace=namespace)
+
+
+def _exit_codes(pod) -> list[int]:
+    """Exit codes of the pod's ``pytorch`` container (current and last state)."""
+    from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
+
+    codes = []
+    for status in (pod.status.container_statuses or []) if pod.status else []:
+        if status.name != PYTORCHJOB_CONTAINER:
+            continue
+        for state in (status.state, status.last_state):
+            if state is not None and state.terminated is not None:
+                codes.append(int(state.terminated.exit_code))
+    return codes
+
+
+def permanent_exit(cluster, name: str, namespace: str) -> tuple[str, int] | None:
+    """(pod, code) of a replica that exited 1-127 (ExitCode: permanent), or None."""
+    for pod in _job_pods(cluster, name, namespace):
+        for code in _exit_codes(pod):
+            if 1 <= code <= 127:
+                return pod.metadata.name, code
+    return None
+
+
+def job_state(cluster, job: dict) -> str:
+    """succeeded | active | permanent (a replica exited 1-127) | deadline | failed (anything else)."""
+    if _condition(job, "Succeeded"):
+        return "succeeded"
+    failed = _condition(job, "Failed")
+    if failed is None:
+        return "active"
+    if DEADLINE_MESSAGE in (failed.get("message") or ""):
+        return "deadline"
+    name, namespace = job["metadata"]["name"], job["metadata"].get("namespace") or cluster.namespace
+    return "permanent" if permanent_exit(cluster, name, namespace) else "failed"
+
+
+def _get_job(cluster, name: str, namespace: str, api_retries: int, print_fn) -> dict | None:
+    from llmft.components.lib.cluster import ClusterError, call_with_retries
     from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 
     try:
-        return cluster.get_custom_object(GROUP, VERSION, PLURAL, name)
+        return call_with_retries(
+            lambda: cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace),
+            attempts=api_retries,
+            what=f"get PyTorchJob {name}",
+            print_fn=print_fn,
+        )
     except ClusterError as exc:
         if exc.status == 404:
             return None
         raise
 
 
-def _condition(job: dict, kind: str) -> bool:
-    conditions = (job.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
-
-
-def _delete_and_wait(cluster, name: str, *, timeout_s: float, poll_s: float) -> None:
+def _delete_and_wait(cluster, name: str, namespace: str, *, timeout_s: float, poll_s: float) -> None:
     from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 
-    cluster.delete_custom_object(GROUP, VERSION, PLURAL, name)
+    cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
     deadline = time.monotonic() + timeout_s
-    while _previous_job(cluster, name) is not None:
+    while _get_job(cluster, name, namespace, 3, print) is not None:
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"PyTorchJob {name} was not deleted within {timeout_s:.0f}s; delete it by hand and retry"
@@ -111,12 +304,203 @@ def _delete_and_wait(cluster, name: str, *, timeout_s: float, poll_s: float) -> 
         time.sleep(poll_s)
 
 
+def pod_log_tail(cluster, pod: str, namespace: str, lines: int = 50) -> str:
+    from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, ClusterError
+
+    try:
+        text = cluster.read_pod_log(pod, container=PYTORCHJOB_CONTAINER, tail_lines=lines, namespace=namespace)
+    except ClusterError as exc:
+        return f"(the log of pod {pod} could not be read: {exc})"
+    tail = text.splitlines()[-lines:]
+    return f"last {len(tail)} log lines of pod {pod}:\n" + "\n".join(f"  {line}" for line in tail)
+
+
+def _master_tail(cluster, name: str, namespace: str, lines: int) -> str:
+    from llmft.components.lib.pytorchjob import JOB_NAME_LABEL, JOB_ROLE_LABEL
+
+    try:
+        pods = cluster.list_pods(f"{JOB_NAME_LABEL}={name},{JOB_ROLE_LABEL}=master", namespace=namespace)
+    except LlmftError as exc:
+        return f"(the master's log could not be read: {exc})"
+    if not pods:
+        return "(no master pod left: the pod never started or was deleted; `kubectl describe pytorchjob` tells more)"
+    return "\n".join(pod_log_tail(cluster, p.metadata.name, namespace, lines) for p in pods)
+
+
+def raise_for_failure(cluster, job: dict, *, earlier: bool = False, lines: int = 50) -> None:
+    """Raise the error that says why ``job`` Failed: permanent exit, deadline, or other."""
+    from llmft.components.lib.pytorchjob import TrainingJobFailed
+
+    name, namespace = job["metadata"]["name"], job["metadata"].get("namespace") or cluster.namespace
+    failed = _condition(job, "Failed") or {}
+    why = f"{failed.get('reason') or 'Failed'}: {failed.get('message') or ''}".strip()
+    when = " in an earlier attempt of this task" if earlier else ""
+    if DEADLINE_MESSAGE in why:
+        raise JobTimedOut(
+            f"PyTorchJob {namespace}/{name} ran into its activeDeadlineSeconds{when} ({why}): a timeout, not a "
+            f"training failure. Raise job_timeout_s, or resume by re-running the pipeline (the run directory keeps "
+            f"its checkpoints).\n{_master_tail(cluster, name, namespace, lines)}"
+        )
+    exit_ = permanent_exit(cluster, name, namespace)
+    if exit_ is not None:
+        pod, code = exit_
+        meaning = EXIT_CODE_MEANINGS.get(code, "a permanent failure: exit codes 1-127 are never retried")
+        raise JobFailedPermanently(
+            f"PyTorchJob {namespace}/{name} failed permanently{when}: pod {pod} exited {code} ({meaning}). It is not "
+            f"recreated: fix the cause, then re-run the pipeline.\n{pod_log_tail(cluster, pod, namespace, lines)}"
+        )
+    raise TrainingJobFailed(
+        f"PyTorchJob {namespace}/{name} Failed{when} ({why}); a retry of this task recreates it and resumes from the "
+        f"newest checkpoint.\n{_master_tail(cluster, name, namespace, lines)}"
+    )
+
+
+# --- waiting ------------------------------------------------------------------------------------
+
+
+def _parse_time(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def wait_deadline(job: dict, timeout_s: float, now: float) -> float:
+    """Wall-clock time to stop waiting: the job's own deadline (startTime + activeDeadlineSeconds,
+    also for a job this attempt re-attached to) plus a grace for the operator to mark it, or
+    ``timeout_s`` (+ grace) from ``now`` before the operator set a startTime."""
+    started = _parse_time((job.get("status") or {}).get("startTime"))
+    deadline = ((job.get("spec") or {}).get("runPolicy") or {}).get("activeDeadlineSeconds")
+    if started is not None and deadline:
+        return started + float(deadline) + JOB_WAIT_GRACE_S
+    return now + timeout_s + JOB_WAIT_GRACE_S
+
+
+def wait_for_job(
+    cluster,
+    name: str,
+    namespace: str,
+    *,
+    timeout_s: float,
+    poll_s: float = 30.0,
+    print_fn: Callable[[str], Any] = print,
+    api_retries: int = API_RETRIES,
+    pending_every: int = PENDING_EVERY,
+    log_tail: int = 50,
+) -> dict:
+    """Poll the job until Succeeded (returned) or Failed (:func:`raise_for_failure`), streaming the
+    master's log, explaining Pending pods, retrying transient API errors; JobTimedOut past the deadline."""
+    from llmft.components.lib.cluster import ClusterError
+    from llmft.components.lib.pytorchjob import JOB_NAME_LABEL, MasterLogFollower
+
+    follow = MasterLogFollower(cluster, name, namespace, print_fn)
+    pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn)
+    errors, started = 0, time.time()
+    while True:
+        try:
+            job = _get_job(cluster, name, namespace, 1, print_fn)
+            errors = 0
+        except ClusterError as exc:
+            errors += 1
+            if not exc.transient or errors > api_retries:
+                raise
+            print_fn(f"warning: reading PyTorchJob {name}: {exc} ({errors}/{api_retries}); retrying")
+            time.sleep(min(poll_s * errors, 60.0))
+            continue
+        if job is None:
+            raise LlmftError(
+                f"PyTorchJob {namespace}/{name} was deleted while this step waited for it (by hand, or by the run's "
+                "cleanup): nothing to wait for"
+            )
+        until = wait_deadline(job, timeout_s, started)
+        follow(job)
+        if _condition(job, "Succeeded"):
+            return job
+        if _condition(job, "Failed"):
+            raise_for_failure(cluster, job, lines=log_tail)
+        pending()
+        if time.time() > until:
+            raise JobTimedOut(
+                f"PyTorchJob {namespace}/{name} did not finish by its deadline (+{JOB_WAIT_GRACE_S}s): a timeout, not "
+                f"a training failure. A retry of this task re-attaches to the job while it runs.\n"
+                f"{_master_tail(cluster, name, namespace, log_tail)}"
+            )
+        time.sleep(poll_s)
+
+
+# --- why pods stay Pending ------------------------------------------------------------------------
+
+PENDING_HINTS = (
+    (
+        "Insufficient nvidia.com/gpu",
+        "no node has enough free GPUs: wait for capacity, or lower gpus_per_worker / "
+        "num_workers, or check gpu_node_selector",
+    ),
+    ("untolerated taint", "the nodes with room are tainted: add a toleration, or check gpu_node_selector"),
+    ("didn't match Pod's node affinity/selector", "no node matches gpu_node_selector: check its labels"),
+    ("unbound immediate PersistentVolumeClaims", "the PVC is not bound: check pvc_name and its StorageClass"),
+    ("persistentvolumeclaim", "the PVC is missing or not bound: check pvc_name"),
+    ("ImagePullBackOff", "the trainer image cannot be pulled: check trainer_image and the registry's pull Secret"),
+    ("ErrImagePull", "the trainer image cannot be pulled: check trainer_image and the registry's pull Secret"),
+    ("CreateContainerConfigError", "a Secret or key the pod reads is missing: create it (the plan step names it)"),
+)
+
+
+def pending_reasons(cluster, selector: str, namespace: str) -> list[str]:
+    """One line per Pending pod: its waiting reason, its unschedulable condition, or its latest
+    Warning event, with a hint when a known cause matches."""
+    lines = []
+    for pod in cluster.list_pods(selector, namespace=namespace):
+        if pod.status is None or pod.status.phase != "Pending":
+            continue
+        name, found = pod.metadata.name, []
+        for status in pod.status.container_statuses or []:
+            waiting = status.state.waiting if status.state else None
+            if waiting is not None and waiting.reason not in (None, "ContainerCreating", "PodInitializing"):
+                found.append(f"{waiting.reason}: {waiting.message or ''}".strip(": "))
+        for condition in pod.status.conditions or []:
+            if condition.type == "PodScheduled" and condition.status == "False" and condition.message:
+                found.append(f"{condition.reason or 'Unschedulable'}: {condition.message}")
+        if not found:
+            warnings = [e for e in cluster.list_events(name, namespace=namespace) if e.type == "Warning"]
+            found += [f"{e.reason}: {e.message}" for e in warnings[-1:]]
+        for text in found:
+            hint = next((h for key, h in PENDING_HINTS if key in text), "")
+            lines.append(f"pod {name} Pending: {text}" + (f" -> {hint}" if hint else ""))
+    return lines
+
+
+class PendingReporter:
+    """Called once per poll; every ``every`` polls, prints why the job's pods are Pending (if they are)."""
+
+    def __init__(self, cluster, selector: str, namespace: str, *, every: int, print_fn=print):
+        self.cluster, self.selector, self.namespace = cluster, selector, namespace
+        self.every, self.print_fn, self.polls = max(1, every), print_fn, 0
+
+    def __call__(self) -> list[str]:
+        from llmft.components.lib.cluster import ClusterError
+
+        self.polls += 1
+        if self.polls % self.every:
+            return []
+        try:
+            lines = pending_reasons(self.cluster, self.selector, self.namespace)
+        except ClusterError as exc:
+            lines = [f"(could not read why the pods are Pending: {exc})"]
+        for line in lines:
+            self.print_fn(line)
+        return lines
+
+
+# --- reading a finished run ---------------------------------------------------------------------
+
+
 def read_training_manifest(run_dir: str | Path) -> dict[str, Any]:
     """``<run>/final/training_manifest.json`` (written by the trainer at the end of a run)."""
     path = Path(run_dir) / "final" / "training_manifest.json"
     if not path.is_file():
-        from llmft.trainer.errors import LlmftError
-
         raise LlmftError(f"{path} is missing: the training run did not finish (no final/ folder in {run_dir})")
     return json.loads(path.read_text())
 

@@ -22,10 +22,11 @@ def _add_prepare(sub) -> None:
     p = sub.add_parser(
         "prepare",
         help="validate and convert a dataset into train/val JSONL (+ rejects.jsonl, report.json)",
-        description="Validate and convert a hub dataset or a local .jsonl/.json/.csv/.parquet file or folder "
-        "into canonical JSONL. Exit 1 when no row is valid or too many rows are rejected.",
+        description="Validate and convert a hub dataset, a local .jsonl/.json/.csv/.parquet file or folder, or a "
+        "Langfuse dataset (langfuse://NAME, LANGFUSE_* keys from the environment) into canonical JSONL. Exit 1 "
+        "when no row is valid or too many rows are rejected.",
     )
-    p.add_argument("--input", required=True, help="hub dataset id, or a local file or folder")
+    p.add_argument("--input", required=True, help="hub dataset id, a local file or folder, or langfuse://NAME")
     _add_output(p)
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="row format (default: detect per row)")
     p.add_argument("--split", default="train", help="split to load from a hub dataset (default: train)")

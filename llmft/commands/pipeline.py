@@ -6,6 +6,12 @@ the run's arguments and compile with them too, so the parameters the pipeline's 
 (hf_token_secret, mlflow_secret, gpu_node_selector) mount what the run names. Errors reach the
 CLI, which prints them as one line with their exit code. Heavy imports (kfp, the pipeline module,
 mlflow) happen inside each command.
+
+``submit`` and ``schedule`` reach a KFP API behind Kubeflow's auth proxy with a bearer token
+(``--token-file`` / ``--token-env``), a browser's session cookie (``--cookie-file`` /
+``--cookie-env``) or the KFP service-account token volume (``--sa-token``): kfp.Client's
+``existing_token``, ``cookies`` and ``credentials``. A secret is read from a file or a variable,
+never taken as an argument (it would land in shell history and process listings), never printed.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     schedule.add_argument("--max-concurrency", type=int, default=1, help="runs of this schedule at once")
     schedule.set_defaults(func=run_schedule)
 
+    from llmft.commands.render_job import add_parser as add_render_job
+
+    add_render_job(sub)  # render-job: the PyTorchJob / TrainJob the train step would submit
+
 
 def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. dataset=org/data)")
@@ -62,6 +72,81 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user installs)")
     parser.add_argument("--service-account", default=None, help="service account the run's pods use")
     parser.add_argument("--hpo", action="store_true", help="use llm_finetune_hpo_pipeline (Katib sweep)")
+    auth = parser.add_argument_group(
+        "authentication behind Kubeflow's auth proxy (secrets are read from a variable or a file, never taken "
+        "on the command line, and never printed)"
+    )
+    token = auth.add_mutually_exclusive_group()
+    token.add_argument("--token-env", metavar="VAR", help="bearer token from environment variable VAR")
+    token.add_argument(
+        "--token-file", metavar="FILE", help="bearer token from FILE (e.g. the output of `kubectl create token`)"
+    )
+    token.add_argument(
+        "--sa-token",
+        action="store_true",
+        help=f"the KFP service-account token volume (${KF_SA_TOKEN_ENV}, default {KF_SA_TOKEN_PATH}), "
+        "re-read by the SDK",
+    )
+    cookie = auth.add_mutually_exclusive_group()
+    cookie.add_argument(
+        "--cookie-env",
+        metavar="VAR",
+        help="session cookie(s) 'name=value[; name=value]' from environment variable VAR, as a logged-in browser "
+        "sends them (oauth2_proxy_kubeflow=... or authservice_session=...)",
+    )
+    cookie.add_argument("--cookie-file", metavar="FILE", help="the session cookie(s) from FILE")
+
+
+KF_SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
+KF_SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
+"""Where kfp.client's ServiceAccountTokenVolumeCredentials reads the token (kfp/client/__init__.py)."""
+
+
+def _secret_value(flag: str, source: str, *, from_file: bool, environ) -> str:
+    """The secret a flag names (a variable or a file); ConfigError naming the flag, never the value."""
+    from llmft.trainer.errors import ConfigError
+
+    if from_file:
+        try:
+            value = Path(source).expanduser().read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {source}: cannot read it ({exc.strerror or exc})") from None
+        where = f"file {source}"
+    else:
+        value, where = (environ.get(source) or "").strip(), f"environment variable {source}"
+    if not value:
+        raise ConfigError(f"{flag} {source}: the {where} is empty or not set")
+    return value
+
+
+def client_auth(args: argparse.Namespace, environ=None) -> dict:
+    """kfp.Client keyword arguments for the chosen credentials (``existing_token``, ``cookies`` or
+    ``credentials``); empty without any (in-cluster, or a port-forward)."""
+    import os
+
+    from llmft.trainer.errors import ConfigError
+
+    environ = os.environ if environ is None else environ
+    kwargs: dict = {}
+    if getattr(args, "token_env", None):
+        kwargs["existing_token"] = _secret_value("--token-env", args.token_env, from_file=False, environ=environ)
+    elif getattr(args, "token_file", None):
+        kwargs["existing_token"] = _secret_value("--token-file", args.token_file, from_file=True, environ=environ)
+    elif getattr(args, "sa_token", False):
+        path = environ.get(KF_SA_TOKEN_ENV) or KF_SA_TOKEN_PATH
+        if not Path(path).is_file():
+            raise ConfigError(
+                f"--sa-token: no token at {path}; mount the KFP service-account token volume there or set "
+                f"{KF_SA_TOKEN_ENV}, or use --token-file"
+            )
+        from kfp.client import ServiceAccountTokenVolumeCredentials
+
+        kwargs["credentials"] = ServiceAccountTokenVolumeCredentials(path=path)
+    if getattr(args, "cookie_env", None):
+        kwargs["cookies"] = _secret_value("--cookie-env", args.cookie_env, from_file=False, environ=environ)
+    elif getattr(args, "cookie_file", None):
+        kwargs["cookies"] = _secret_value("--cookie-file", args.cookie_file, from_file=True, environ=environ)
+    return kwargs
 
 
 def _pipeline(hpo: bool, defaults: dict | None = None):
@@ -123,7 +208,7 @@ def _client(args: argparse.Namespace):
     from llmft.trainer.errors import TransientError
 
     try:
-        return kfp.Client(host=args.host, namespace=args.namespace or "kubeflow")
+        return kfp.Client(host=args.host, namespace=args.namespace or "kubeflow", **client_auth(args))
     except urllib3.exceptions.HTTPError as exc:  # MaxRetryError: nothing answered the health check at --host
         reason = getattr(exc, "reason", None) or exc
         raise TransientError(
@@ -132,10 +217,30 @@ def _client(args: argparse.Namespace):
         ) from None
 
 
+def _api_call(args: argparse.Namespace, fn, *a, **kw):
+    """One KFP API call; a 401/403 (the auth proxy refused us) becomes a one-line ConfigError with the fix."""
+    import kfp_server_api
+
+    from llmft.trainer.errors import ConfigError
+
+    try:
+        return fn(*a, **kw)
+    except kfp_server_api.ApiException as exc:
+        if exc.status in (401, 403):
+            raise ConfigError(
+                f"--host {args.host}: HTTP {exc.status} {exc.reason}: the KFP API (or Kubeflow's auth proxy in front "
+                "of it) refused the request. Pass credentials: --token-env VAR / --token-file FILE (a bearer token), "
+                "--cookie-env VAR / --cookie-file FILE (a logged-in browser's session cookie), or --sa-token"
+            ) from None
+        raise
+
+
 def run_submit(args: argparse.Namespace) -> int:
     arguments = _arguments(args)
     pipeline = _pipeline(args.hpo, arguments)
-    result = _client(args).create_run_from_pipeline_func(
+    result = _api_call(
+        args,
+        _client(args).create_run_from_pipeline_func,
         pipeline,
         arguments=arguments,
         run_name=args.run_name,
@@ -157,11 +262,13 @@ def run_schedule(args: argparse.Namespace) -> int:
     arguments = _arguments(args)
     pipeline = _pipeline(args.hpo, arguments)
     client = _client(args)
-    experiment = client.create_experiment(args.experiment, namespace=args.namespace)
+    experiment = _api_call(args, client.create_experiment, args.experiment, namespace=args.namespace)
     with tempfile.TemporaryDirectory() as tmp:
         package = str(Path(tmp) / "pipeline.yaml")
         compiler.Compiler().compile(pipeline, package_path=package)
-        job = client.create_recurring_run(
+        job = _api_call(
+            args,
+            client.create_recurring_run,
             experiment_id=experiment.experiment_id,
             job_name=args.name,
             cron_expression=cron,
@@ -181,9 +288,11 @@ def run_local(args: argparse.Namespace) -> int:
     from llmft.pipelines.local_run import run_pipeline_locally
 
     pipeline = _pipeline(args.hpo)
-    extra_defaults = {}
+    extra_defaults: dict = {}
     if args.hpo:
-        from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS as extra_defaults
+        from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS
+
+        extra_defaults = HPO_LOCAL_DEFAULTS
     overrides = _arguments(args)
     started = time.perf_counter()
     outcome = run_pipeline_locally(

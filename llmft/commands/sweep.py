@@ -41,6 +41,8 @@ JOB_PARAMETERS = (
     "hf_token_secret",
     "mlflow_secret",
     "langfuse_secret",
+    "training_backend",
+    "training_runtime",
 )
 """Pipeline parameters `llmft sweep create` accepts for the trial job (defaults: the pipeline's)."""
 ALIASES = {"image": "trainer_image"}
@@ -165,14 +167,15 @@ def trial_job(settings: dict, name: str):
 
 
 def build_from_settings(items: list[str]):
-    """The Experiment (typed model) for ``llmft sweep create key=value ...``."""
+    """The Experiment (typed model) for ``llmft sweep create key=value ...``; its trials carry the
+    trainer overrides the pipeline's train step would use with the same parameters."""
+    from llmft.components.lib.plan import DataLayout, trainer_plan
     from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)
-    fixed = dict(o.split("=", 1) for o in DEFAULT_TRIAL_OVERRIDES)
-    fixed.update(o.split("=", 1) for o in train)
+    fixed = {key: value for key, value in (o.split("=", 1) for o in (*DEFAULT_TRIAL_OVERRIDES, *train))}
     data = job.pop("data", "")
     plan_job, p = trial_job(job, spec.name)
     return build_sweep_experiment(
@@ -183,6 +186,7 @@ def build_from_settings(items: list[str]):
         data=data,
         fixed_overrides=[f"{k}={v}" for k, v in fixed.items()],
         mlflow_experiment=job.get("mlflow_experiment", ""),
+        base_overrides=trainer_plan(p, DataLayout(p.data_root), spec.name).overrides,
     )
 
 
@@ -284,8 +288,7 @@ def run_local(args: argparse.Namespace) -> int:
     spec = apply_overrides(SweepSpec(name="local-sweep"), sweep_items)
     workdir = Path(args.workdir)
     model, data = local_inputs(workdir, args.model, args.data)
-    fixed = dict(o.split("=", 1) for o in LOCAL_TRIAL_DEFAULTS)
-    fixed.update(o.split("=", 1) for o in train)
+    fixed = {key: value for key, value in (o.split("=", 1) for o in (*LOCAL_TRIAL_DEFAULTS, *train))}
     trainer_args = [f"model.name_or_path={model}", f"data={data}", *[f"{k}={v}" for k, v in fixed.items()]]
     print(f"local sweep: {args.trials} trials, algorithm {spec.algorithm}, model {model}, data {data}")
     result = run_local_sweep(

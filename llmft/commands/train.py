@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 
 STOP_CODES = (0, 130, 143)  # a rank that finished, or stopped by a signal after its checkpoint
 
@@ -56,7 +57,7 @@ def trainer_argv(args: argparse.Namespace) -> list[str]:
     return argv + list(args.overrides)
 
 
-def torchrun_command(nproc: str, argv: list[str], env: dict | None = None) -> list[str]:
+def torchrun_command(nproc: str, argv: list[str], env: Mapping[str, str] | None = None) -> list[str]:
     """The torchrun command line for ``nproc`` local ranks."""
     env = os.environ if env is None else env
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 def preflight(args: argparse.Namespace) -> None:
     """Validate the config and plan the run before any rank starts (raises LlmftError)."""
-    from llmft.trainer.config import config_to_dict, load_config, validate
+    from llmft.trainer.config import config_to_dict, load_config
+    from llmft.trainer.config_checks import validate
     from llmft.trainer.rundir import plan_run
 
     cfg = load_config(args.config, args.overrides)

@@ -28,6 +28,7 @@ def _cli_commands() -> set[str]:
     return commands
 
 
+@pytest.mark.slow
 def test_top_level_help_lists_every_group():
     out = subprocess.run([sys.executable, "-m", "llmft", "--help"], capture_output=True, text=True, check=True).stdout
     for group in GROUPS:

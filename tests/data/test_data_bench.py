@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 from llmft.benchmarks import data_bench
+
+pytestmark = pytest.mark.slow  # runs the data benchmark with its process pool
 
 
 def test_data_bench_smoke(tmp_path, tiny_model_dir, capsys):

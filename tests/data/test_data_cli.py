@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from data_helpers import chat, write_jsonl
 from llmft.trainer.data.samples import sample_path
 
@@ -18,6 +19,7 @@ def _llmft(repo_root: Path) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "llmft"]
 
 
+@pytest.mark.slow
 def test_real_cli_prepare_then_tokenize_then_cache_hit(tmp_path, repo_root, tiny_model_dir):
     llmft = _llmft(repo_root)
     prepared, tokenized = tmp_path / "prepared", tmp_path / "tokenized"
@@ -54,6 +56,7 @@ def test_real_cli_prepare_then_tokenize_then_cache_hit(tmp_path, repo_root, tiny
     assert "cache hit" in second.stdout
 
 
+@pytest.mark.slow
 def test_real_cli_bad_data_exits_1_with_the_lines_on_stderr(tmp_path, repo_root):
     src = write_jsonl(tmp_path / "bad.jsonl", [chat("Q?", "A.")] * 10 + ['{"broken"', {"messages": []}])
     run = subprocess.run(

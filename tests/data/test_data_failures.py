@@ -1,4 +1,4 @@
-"""Issue 18, data and CLI side: nothing lost, nothing silent, bounded inputs, one-line errors.
+"""Data and CLI side: nothing lost, nothing silent, bounded inputs, one-line errors.
 
 Each test drives the real `llmft` command (a subprocess, or `llmft.cli.main` where a hub lookup
 must be caught) and checks what the user sees (exit code, one line on stderr) and what is kept on
@@ -71,6 +71,7 @@ def _bare_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> Path:
 # ----------------------------------------------------------------------------- item 1: nothing lost
 
 
+@pytest.mark.slow
 def test_prepare_refuses_a_folder_it_did_not_write_unless_forced(tmp_path):
     src = write_jsonl(tmp_path / "data.jsonl", good_rows(20))
     precious = tmp_path / "precious"
@@ -88,6 +89,7 @@ def test_prepare_refuses_a_folder_it_did_not_write_unless_forced(tmp_path):
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.slow
 def test_output_that_is_or_holds_the_input_is_refused_even_with_force(tmp_path):
     folder = tmp_path / "data"
     src = write_jsonl(folder / "rows.jsonl", good_rows(20))
@@ -120,6 +122,7 @@ def test_tokenize_and_tiny_model_refuse_a_foreign_output(tmp_path, prepared_samp
     assert owner_kind(foreign) == "tiny-model" and not (foreign / "notes.txt").exists()
 
 
+@pytest.mark.slow
 def test_output_dot_is_refused_with_one_line(tmp_path):
     src = write_jsonl(tmp_path / "in" / "data.jsonl", good_rows(20))
     work = tmp_path / "work"
@@ -134,6 +137,7 @@ def test_output_dot_is_refused_with_one_line(tmp_path):
 # ----------------------------------------------------------------------------- items 7, 8: bounded inputs
 
 
+@pytest.mark.slow
 def test_a_row_above_max_row_bytes_is_rejected_by_size_in_prepare(tmp_path):
     rows = [json.dumps(r) for r in good_rows(150)]
     huge = json.dumps(chat("Summarize this.", "x" * (9 << 20)))  # 9 MiB on one line, default cap 8 MiB
@@ -176,6 +180,7 @@ def test_tokenize_drops_a_huge_document_by_characters_before_tokenizing(tmp_path
         tokenize_dataset(prepared, str(tiny_model_dir), tmp_path / "err", max_length=64, truncation="error")
 
 
+@pytest.mark.slow
 def test_tokenize_fails_when_too_many_rows_are_dropped_and_counts_the_reasons(tmp_path, tiny_model_dir, capsys):
     prepared = tmp_path / "prep"
     long_answer = " ".join(["the model trains the loss curve quickly."] * 30)
@@ -239,6 +244,7 @@ def test_prepare_accepts_exactly_the_role_orders_a_strict_chat_template_renders(
 # ----------------------------------------------------------------------------- item 10: one-line errors
 
 
+@pytest.mark.slow
 def test_corrupt_parquet_in_an_input_folder_is_one_line_exit_1(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
@@ -249,6 +255,7 @@ def test_corrupt_parquet_in_an_input_folder_is_one_line_exit_1(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_non_utf8_csv_names_its_line(tmp_path):
     path = tmp_path / "data.csv"
     path.write_bytes(b"prompt,completion\nhello,world\nq2,caf\xe9 au lait\nq3,fine\n")
@@ -269,6 +276,7 @@ def test_missing_file_with_an_unknown_suffix_is_not_looked_up_on_the_hub(tmp_pat
     assert err.count("\n") == 1 and "nope.txt: no such file or folder" in err
 
 
+@pytest.mark.slow
 def test_invalid_jinja_chat_template_is_one_line(tmp_path, tiny_model_dir, prepared_sample):
     bare = _bare_tokenizer(tiny_model_dir, tmp_path)
     run = llmft(
@@ -285,6 +293,7 @@ def _unshare_works() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -Urm` (user + mount namespaces) to mount a tmpfs")
 @pytest.mark.parametrize("fault", ["full", "read-only"])
 def test_full_or_read_only_disk_exits_200_with_one_line(tmp_path, fault):
@@ -331,6 +340,7 @@ def test_cli_maps_every_failure_to_its_exit_code_and_one_line(monkeypatch, capsy
         run_command(raising(ZeroDivisionError("boom")), None)
 
 
+@pytest.mark.slow
 def test_help_and_readme_list_every_exit_code(repo_root):
     from llmft.trainer.errors import EXIT_CODE_MEANINGS
 
@@ -425,6 +435,7 @@ def _wait_gone(workers, seconds: float = 20) -> list[int]:
     return [pid for pid in workers if _alive(pid)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_stops_tokenize_with_one_line_and_nothing_left(tmp_path, tiny_model_dir, prepared_sample):
     proc, _command, workers = _start_slow_tokenize(
@@ -442,6 +453,7 @@ def test_sigterm_stops_tokenize_with_one_line_and_nothing_left(tmp_path, tiny_mo
     assert not list(tmp_path.glob(".out*")) and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_killed_tokenize_leaves_no_workers_and_the_next_run_removes_its_temp_dir(
     tmp_path, tiny_model_dir, prepared_sample

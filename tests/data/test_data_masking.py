@@ -67,6 +67,7 @@ def test_tiny_tokenizer_multi_turn_supervises_exactly_the_assistant_turns(tmp_pa
     assert "You are a helpful assistant." in prompt_text and "Say Paris is the capital of France again." in prompt_text
 
 
+@pytest.mark.slow
 def test_qwen3_template_last_turn_think_block_is_masked_correctly(tmp_path, qwen_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
     rendered = tok.apply_chat_template(MULTI_TURN["messages"], tokenize=False)
@@ -86,6 +87,7 @@ def test_qwen3_template_last_turn_think_block_is_masked_correctly(tmp_path, qwen
     assert "<think>\n\n</think>\n\n" in unsupervised and "<|im_start|>assistant" in unsupervised
 
 
+@pytest.mark.slow
 def test_qwen3_reasoning_is_supervised_where_the_template_keeps_it(tmp_path, qwen_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
     row = chat(
@@ -101,6 +103,7 @@ def test_qwen3_reasoning_is_supervised_where_the_template_keeps_it(tmp_path, qwe
     assert "Earlier reasoning" not in tok.decode(ids)
 
 
+@pytest.mark.slow
 def test_qwen3_many_rows_match_apply_chat_template(tmp_path, qwen_tokenizer_dir, prepared_sample):
     from data_helpers import read_jsonl
 

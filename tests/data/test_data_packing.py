@@ -84,6 +84,7 @@ def _token_losses(logits, targets):
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_loss_equals_per_document_losses(tokenized_sample, tiny_model_dir, attn):
     torch.manual_seed(0)

@@ -130,6 +130,7 @@ def _peak_python_memory(path, out, rows: int) -> tuple[int, int]:
     return peak, path.stat().st_size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel_min_bytes", [1 << 20, 1 << 40], ids=["process-pool", "inline"])
 def test_jsonl_is_streamed_not_loaded_whole(tmp_path, monkeypatch, parallel_min_bytes):
     monkeypatch.setattr(prepare_module, "PARALLEL_MIN_BYTES", parallel_min_bytes)

@@ -33,6 +33,8 @@ from llmft.trainer.data.templates import end_of_turn_marker, resolve_chat_templa
 from llmft.trainer.data.tokenize import tokenize_dataset
 from transformers import AutoTokenizer
 
+pytestmark = pytest.mark.slow  # property tests over five real tokenizers, seconds each
+
 # Hypothesis: deterministic (derandomize, no example database; its caches go to the temp dir, not
 # the checkout); the budget keeps this file well under a minute on 2 cores (six tokenizers load once).
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "llmft-hypothesis")

@@ -21,12 +21,14 @@ def generator():
     return module
 
 
+@pytest.mark.slow
 def test_committed_reference_is_up_to_date():
     """Fails when a config field, default or doc changed without regenerating the file."""
     out = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr + "\nRegenerate: python tools/gen_config_reference.py"
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_stale_file(tmp_path):
     stale = tmp_path / "config-reference.md"
     subprocess.run([sys.executable, str(SCRIPT), "--output", str(stale)], check=True, capture_output=True, timeout=120)

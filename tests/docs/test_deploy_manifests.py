@@ -135,6 +135,7 @@ def test_rendered_objects_take_params_and_namespace(deploy_dir, rendered):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("folder", [".", "tensorboard"])
 def test_kubectl_kustomize_agrees_with_kustomize_lite(deploy_dir, folder):
     kubectl = shutil.which("kubectl")
@@ -231,6 +232,7 @@ def compiled_pipeline(tmp_path_factory) -> list[dict]:
     return list(yaml.safe_load_all(path.read_text()))
 
 
+@pytest.mark.slow
 def test_every_secret_the_pipeline_reads_has_a_template(deploy_dir, compiled_pipeline):
     templates = secret_templates(deploy_dir)
     executors = compiled_pipeline[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]

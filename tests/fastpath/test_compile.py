@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from float_bounds import close, decoder_reduction_length
 from llmft.trainer.data.shards import position_ids_for
 from llmft.trainer.fastpath.attention import packed_attention_kwargs
 from llmft.trainer.fastpath.compile import compile_decoder_layers, decoder_layers
 from llmft.trainer.fastpath.loss import fused_causal_lm_loss, shift_packed_labels
+
+pytestmark = pytest.mark.slow  # torch.compile of decoder layers
 
 
 def test_compiled_layers_give_the_same_fused_loss(small_qwen2):

@@ -118,6 +118,7 @@ def test_grouped_function_draws_one_mask_per_sibling():
         torch.testing.assert_close(leaf.grad, ref_leaf.grad, **TOL)
 
 
+@pytest.mark.slow
 def test_compiled_layer_traces_the_dropout_path_without_graph_breaks(small_qwen2):
     """fullgraph=True over a decoder layer whose fused, grouped LoRA linears draw dropout masks."""
     small_qwen2.set_attn_implementation("sdpa")  # no per-document boundaries to find on this plain row

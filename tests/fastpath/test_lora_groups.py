@@ -92,6 +92,7 @@ def test_grouped_model_matches_peft_and_only_o_and_down_run_alone(small_qwen2, p
     assert all(getattr(m, "_llmft_given", None) is None for m in model.modules())  # nothing left holding activations
 
 
+@pytest.mark.slow
 def test_compiled_layers_take_the_grouped_path_without_graph_breaks(per_projection_calls):
     """fullgraph=True: the hand-off from the parent to its children traces into one graph per layer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -45,7 +45,7 @@ def test_estimate_reproduces_the_measured_peaks(setup, tokens, measured):
 
 
 def test_old_defaults_run_out_at_64_samples_and_fit_at_16():
-    """Issue 13's table: sdpa, PEFT LoRA with dropout 0.05, plain loss: > 78 GiB at 64 samples, ran at 16."""
+    """The old defaults on an H100: sdpa, PEFT LoRA with dropout 0.05, plain loss: > 78 GiB at 64 samples, ran at 16."""
     budget = memory.budget_bytes(H100_FREE)
     plain = _setup("qwen2.5-1.5b", **PLAIN)
     assert memory.estimate(plain, 18447).total > H100_FREE

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from llmft.trainer.loss import token_nll_sum
 from moe_model import save_tiny_moe_dir, tiny_moe
 from peft import LoraConfig, get_peft_model
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+pytestmark = pytest.mark.slow  # trains a tiny MoE model, in process and with `python -m llmft.trainer`
 
 REPO = Path(__file__).resolve().parents[2]
 COEF = 0.5
@@ -195,6 +198,8 @@ def test_trainer_cli_trains_a_moe_model(moe_data, tmp_path, targets, expert_adap
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3]
+    aux = [r["router_aux_loss"] for r in records if r["event"] == "train"]  # logged at every log step
+    assert all(math.isfinite(a) and a > 0 for a in aux), aux
     assert [r["step"] for r in records if r["event"] == "eval"] == [3]
     fast_path = next(r["fast_path"] for r in records if r["event"] == "fast_path")
     assert fast_path["moe"]["routers_frozen"] == 2 and fast_path["moe"]["router_aux_loss_coef"] == 0.01

@@ -137,6 +137,7 @@ def test_fused_and_grouped_qlora_equals_peft_linear4bit(dropout):
     _assert_same_run(fused, ref, decoder_reduction_length(model.config, input_ids.numel()))
 
 
+@pytest.mark.slow
 def test_compiled_qlora_layers_trace_in_one_graph_and_keep_no_dequantized_weight():
     """fullgraph=True through AOTAutograd's min-cut partitioner (with its CSE): same numbers, and no
     tensor of a (stacked) dequantized weight's shape among the saved ones."""
@@ -242,6 +243,7 @@ def _saved_float32_widths(model, input_ids) -> set[int]:
     return {t.shape[-1] for t in saved if t.dtype == torch.float32 and t.dim() and t.data_ptr() not in params}
 
 
+@pytest.mark.slow
 def test_trainer_qlora_computes_in_bf16_and_keeps_no_float32_projection_activation():
     """trainer.model.apply_lora(qlora=True): frozen parameters stay bf16 (no kbit upcast), adapters fp32;
     with the fused path no float32 tensor of a projection's width (k/v 32, MLP 96, q/k/v 128, gate/up 192)
@@ -260,7 +262,7 @@ def test_trainer_qlora_computes_in_bf16_and_keeps_no_float32_projection_activati
         prepare_model_for_kbit_training(copy.deepcopy(base), use_gradient_checkpointing=False),
         LoraConfig(r=4, target_modules=TARGETS),
     ).train()
-    assert 96 in _saved_float32_widths(upcast, input_ids)  # the MLP in float32: issue 20's [tokens, 8960]
+    assert 96 in _saved_float32_widths(upcast, input_ids)  # the MLP in float32: the [tokens, 8960] of the H100 run
 
     model = apply_lora(base, lora, qlora=True).train()
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.dtype.is_floating_point}

@@ -39,7 +39,7 @@ def test_cuda_lora_defaults_switch_every_piece_on():
 
 
 def test_cpu_defaults_keep_the_plain_path():
-    """auto never changes a CPU run: sdpa, plain loss, PEFT's LoRA, no compile (as before issue 13)."""
+    """auto never changes a CPU run: sdpa, plain loss, PEFT's LoRA, no compile (as before the fast path)."""
     fast = resolve_fast_path(_cfg(), CPU, QWEN)
     assert _state(fast) == dict(attention="sdpa", fused_loss=False, fused_lora=False, grouped_lora=False, compile=False)
     assert {fast.fused_loss.why, fast.fused_lora.why, fast.grouped_lora.why, fast.compile.why} == {"cpu"}

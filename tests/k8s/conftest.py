@@ -74,3 +74,72 @@ def fake_core_api() -> FakeCoreV1Api:
 def fake_cluster(fake_custom_api, fake_core_api) -> Cluster:
     """A Cluster in namespace 'team-a' whose kubernetes APIs are the fakes."""
     return Cluster("team-a", custom_api=fake_custom_api, core_api=fake_core_api)
+
+
+# --- the controller simulator (cluster_sim.py) and what its pods read --------------------------------
+
+SIM_NAMESPACE = "team-a"
+SIM_RUN_ID = "5d0c3a9e-7b1f-4e2a-8c6d-0a1b2c3d4e5f"
+TINY_TRAIN = (
+    "lora.alpha=8 batch.global_sequences=4 batch.micro_sequences=2 eval.max_sequences=8 eval_every=0 "
+    "observe.progress_bar=false observe.tensorboard=false log_every=1 schedule.warmup_steps=1 keep_last=5"
+)
+"""train_overrides of a small, quiet run of the tiny model (a few seconds a step on this CPU)."""
+
+
+@pytest.fixture(scope="session")
+def sim_volume(tmp_path_factory, tiny_model_dir):
+    """The data PVC of the simulated cluster: the tiny model and the shipped sample, prepared and
+    tokenized by the real data layer, under one root (mounted at that same path in every pod)."""
+    import shutil
+
+    from llmft.trainer.data.prepare import prepare_dataset
+    from llmft.trainer.data.samples import sample_path
+    from llmft.trainer.data.tokenize import tokenize_dataset
+
+    root = tmp_path_factory.mktemp("pvc")
+    shutil.copytree(tiny_model_dir, root / "base-models" / "tiny")
+    prepare_dataset(str(sample_path("alpaca_demo")), root / "datasets" / "demo", val_fraction=0.1)
+    tokenize_dataset(
+        root / "datasets" / "demo",
+        str(root / "base-models" / "tiny"),
+        root / "tokenized" / "demo",
+        max_length=128,
+        pack=True,
+        num_proc=1,
+    )
+    return root
+
+
+def sim_plan(volume: Path, *, hpo: bool = False, run_id: str = SIM_RUN_ID, **changes):
+    """A plan (the real builder, the pipelines' defaults) whose job trains the tiny model on ``volume``."""
+    from llmft.components.lib.plan import build_plan
+    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.plan import parameter_defaults
+
+    values = {
+        **parameter_defaults(),
+        "model": str(volume / "base-models" / "tiny"),
+        "data_root": str(volume),
+        "lora_r": 4,
+        "max_lora_rank": 8,
+        "max_steps": 3,
+        "train_overrides": TINY_TRAIN,
+        "worker_cpu": "1",
+        "worker_memory": "2Gi",
+        **changes,
+    }
+    compiled = compiled_settings("llm-finetune-hpo" if hpo else "llm-finetune", values)
+    return build_plan(values, run_id=run_id, compiled=compiled, environ={"MLFLOW_TRACKING_URI": "unused-here"})
+
+
+@pytest.fixture
+def sim(tmp_path, sim_volume, fake_custom_api, fake_core_api):
+    """A ClusterSim over the fakes, the volume mounted; every container is killed at teardown."""
+    from cluster_sim import ClusterSim
+
+    cluster_sim = ClusterSim(
+        fake_custom_api, fake_core_api, SIM_NAMESPACE, tmp_path / "pods", volumes={"llmft-data": sim_volume}
+    )
+    yield cluster_sim
+    cluster_sim.stop()

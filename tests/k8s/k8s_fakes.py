@@ -13,6 +13,7 @@ import copy
 import json
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -59,14 +60,33 @@ def wire(body) -> dict:
 
 class FakeCustomObjectsApi:
     """In-memory custom objects. ``on_get(obj, count)`` may mutate a stored object's
-    status on its count-th GET (scripting a controller)."""
+    status on its count-th GET (scripting a controller). A controller simulator
+    (cluster_sim.py) plugs in through ``before_read`` (called before every get and list)
+    and ``on_delete(key, obj)``. ``fail_next(n, status)`` makes the next ``n`` gets and lists
+    fail with that HTTP status (an API server that blinks)."""
 
     def __init__(self, on_get: Callable[[dict, int], None] | None = None):
         self.objects: dict[tuple, dict] = {}
         self.calls: list[tuple] = []
         self.gets: Counter = Counter()
         self.on_get = on_get
+        self.before_read: Callable[[], None] | None = None
+        self.on_delete: Callable[[tuple, dict], None] | None = None
+        self.failures: list[int] = []
+        self.unserved: set[str] = set()  # plurals whose CRD is not installed: 404 on every call
         self._version = 100
+
+    def fail_next(self, count: int, status: int = 503) -> None:
+        self.failures += [status] * count
+
+    def _read(self, plural: str) -> None:
+        if plural in self.unserved:
+            raise api_error(404, f"the server could not find the requested resource ({plural})")
+        if self.failures:
+            status = self.failures.pop(0)
+            raise api_error(status, "the server is currently unable to handle the request")
+        if self.before_read is not None:
+            self.before_read()
 
     def _next_version(self) -> str:
         self._version += 1
@@ -90,6 +110,7 @@ class FakeCustomObjectsApi:
     def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
         key = (group, version, namespace, plural, name)
         self.calls.append(("get", *key))
+        self._read(plural)
         if key not in self.objects:
             raise api_error(404, f'{plural}.{group} "{name}" not found')
         self.gets[key] += 1
@@ -100,6 +121,7 @@ class FakeCustomObjectsApi:
     @_maybe_async
     def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **_):
         self.calls.append(("list", group, version, namespace, plural, label_selector))
+        self._read(plural)
         items = [
             copy.deepcopy(o)
             for (g, v, ns, p, _n), o in self.objects.items()
@@ -141,8 +163,11 @@ class FakeCustomObjectsApi:
     def delete_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
         key = (group, version, namespace, plural, name)
         self.calls.append(("delete", *key))
-        if self.objects.pop(key, None) is None:
+        deleted = self.objects.pop(key, None)
+        if deleted is None:
             raise api_error(404, f'{plural}.{group} "{name}" not found')
+        if self.on_delete is not None:
+            self.on_delete(key, deleted)
         return {"kind": "Status", "status": "Success"}
 
     def created(self, plural: str) -> list[dict]:
@@ -158,20 +183,58 @@ def _merge(target: dict, patch: dict) -> None:
             target[key] = value
 
 
-def _labels_match(labels: dict, selector: str | None) -> bool:
+def _labels_match(labels: dict | None, selector: str | None) -> bool:
     if not selector:
         return True
+    labels = labels or {}
     wanted = dict(part.split("=", 1) for part in selector.split(","))
     return all(labels.get(k) == v for k, v in wanted.items())
 
 
 class FakeCoreV1Api:
-    """Pods and their logs. A pod in phase Pending has no log yet (HTTP 400, like the API)."""
+    """Pods, their logs and events. A pod in phase Pending has no log yet (HTTP 400, like the API).
+    A log may be a ``Path`` (a simulated container's log file, read when asked for); ``before_read``
+    lets a simulator refresh pod statuses before every read."""
 
     def __init__(self):
         self.pods: dict[str, list] = {}
-        self.logs: dict[tuple[str, str], str] = {}
+        self.logs: dict[tuple[str, str], object] = {}
         self.log_reads: list[dict] = []
+        self.events: dict[str, list] = {}
+        self.before_read: Callable[[], None] | None = None
+
+    def add_event(self, namespace: str, involved: str, reason: str, message: str, type_: str = "Warning") -> None:
+        count = len(self.events.get(namespace, []))
+        self.events.setdefault(namespace, []).append(
+            client.CoreV1Event(
+                metadata=client.V1ObjectMeta(name=f"{involved}.{count}", namespace=namespace),
+                involved_object=client.V1ObjectReference(kind="Pod", name=involved, namespace=namespace),
+                reason=reason,
+                message=message,
+                type=type_,
+            )
+        )
+
+    @_maybe_async
+    def list_namespaced_event(self, namespace, field_selector=None, **_):
+        wanted = dict(part.split("=", 1) for part in field_selector.split(",")) if field_selector else {}
+        items = [
+            e
+            for e in self.events.get(namespace, [])
+            if wanted.get("involvedObject.name", e.involved_object.name) == e.involved_object.name
+        ]
+        return client.CoreV1EventList(items=items)
+
+    def read_namespaced_pod(self, name, namespace, **_):
+        if self.before_read is not None:
+            self.before_read()
+        pod = next((p for p in self.pods.get(namespace, []) if p.metadata.name == name), None)
+        if pod is None:
+            raise api_error(404, f'pods "{name}" not found')
+        return pod
+
+    def remove_pod(self, namespace: str, name: str) -> None:
+        self.pods[namespace] = [p for p in self.pods.get(namespace, []) if p.metadata.name != name]
 
     def add_pod(self, namespace: str, name: str, labels: dict, phase: str = "Running", log: str = "") -> None:
         pod = client.V1Pod(
@@ -191,6 +254,8 @@ class FakeCoreV1Api:
 
     @_maybe_async
     def list_namespaced_pod(self, namespace, label_selector=None, **_):
+        if self.before_read is not None:
+            self.before_read()
         items = [p for p in self.pods.get(namespace, []) if _labels_match(p.metadata.labels, label_selector)]
         return client.V1PodList(items=items)
 
@@ -202,6 +267,8 @@ class FakeCoreV1Api:
         if pod.status.phase == "Pending":
             raise api_error(400, f'container "{container}" in pod "{name}" is waiting to start')
         text = self.logs[(namespace, name)]
+        if isinstance(text, Path):
+            text = text.read_text(errors="replace") if text.is_file() else ""
         if tail_lines is not None:
             text = "\n".join(text.splitlines()[-tail_lines:])
         return text

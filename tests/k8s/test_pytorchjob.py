@@ -276,8 +276,11 @@ def test_trial_template_has_no_name_and_keeps_katib_placeholders(pytorchjob_crd_
     )
     trial = trial_pytorchjob_dict(spec)
     assert "name" not in trial["metadata"] and "namespace" not in trial["metadata"]
-    args = trial["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"]
-    assert "lr=${trialParameters.learningRate}" in args and "lora.r=${trialParameters.loraRank}" in args
+    for replica in ("Master", "Worker"):  # every replica runs the signal-keeping script (katib_trial_script)
+        container = trial["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]["containers"][0]
+        words = container["args"][0].split()
+        assert container["command"] == ["sh", "-c"] and len(container["args"]) == 1
+        assert "lr=${trialParameters.learningRate}" in words and "lora.r=${trialParameters.loraRank}" in words
     assert pytorchjob_crd_errors(trial) == [] and pytorchjob_webhook_errors(trial) == []
 
 

@@ -1,16 +1,15 @@
-"""run_pytorchjob through the real TrainingClient, against fakes at the kubernetes-client
-boundary: what is submitted, how Succeeded / Failed / timeout end, what the logs show."""
+"""train_job.run_job (submitted through the real TrainingClient) against fakes at the
+kubernetes-client boundary with a scripted operator: what is submitted, how Succeeded / Failed /
+timeout end, what the logs show. tests/k8s/test_job_lifecycle.py runs the same code against the
+controller simulator with real trainer processes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from llmft.components.lib.pytorchjob import (
-    TrainingJobFailed,
-    TrainJobSpec,
-    build_pytorchjob,
-    pytorchjob_to_dict,
-    run_pytorchjob,
-)
+from llmft.components.lib.pytorchjob import TrainingJobFailed, TrainJobSpec, build_pytorchjob, pytorchjob_to_dict
+from llmft.components.lib.train_job import JobTimedOut, run_job
 
 NS = "team-a"
 SPEC = TrainJobSpec(
@@ -76,7 +75,7 @@ def _controller(core, outcome: str, *, fail_log_lines: int = 0):
 def test_succeeded_job_submits_the_intended_body_and_streams_master_log(fake_cluster, fake_custom_api, fake_core_api):
     fake_custom_api.on_get = _controller(fake_core_api, "Succeeded")
     printed: list[str] = []
-    result = run_pytorchjob(fake_cluster, build_pytorchjob(SPEC), timeout_s=5, poll_s=0.01, print_fn=printed.append)
+    result = run_job(fake_cluster, SPEC, timeout_s=5, poll_s=0.01, print_fn=printed.append, owner={})
 
     (submitted,) = fake_custom_api.created("pytorchjobs")
     intended = pytorchjob_to_dict(build_pytorchjob(SPEC))
@@ -87,7 +86,7 @@ def test_succeeded_job_submits_the_intended_body_and_streams_master_log(fake_clu
 
     assert result["succeeded"] is True and result["name"] == "ft-run" and result["namespace"] == NS
     assert [c["type"] for c in result["conditions"]] == ["Created", "Running", "Succeeded"]
-    assert result["completion_time"].startswith("2026-11-26 11:00:00")
+    assert result["completion_time"] == "2026-11-26T11:00:00Z"
     log_lines = [p for p in printed if p.startswith(f"[{MASTER}]")]
     assert log_lines == [
         f"[{MASTER}] step 1 loss=2.50",
@@ -102,32 +101,32 @@ def test_succeeded_job_submits_the_intended_body_and_streams_master_log(fake_clu
 def test_failed_job_raises_with_reason_and_last_log_lines(fake_cluster, fake_custom_api, fake_core_api):
     fake_custom_api.on_get = _controller(fake_core_api, "Failed", fail_log_lines=80)
     with pytest.raises(TrainingJobFailed) as failure:
-        run_pytorchjob(
-            fake_cluster, build_pytorchjob(SPEC), timeout_s=5, poll_s=0.01, log_tail=10, print_fn=lambda _: None
-        )
+        run_job(fake_cluster, SPEC, timeout_s=5, poll_s=0.01, print_fn=lambda _: None, owner={})
     message = str(failure.value)
     assert isinstance(failure.value, RuntimeError)
     assert f"{NS}/ft-run Failed" in message and "1 Master replica(s) failed" in message
     assert "torch.OutOfMemoryError: CUDA out of memory" in message, "the cause must reach the error"
-    assert "noise line 79" in message and "noise line 71" not in message, "only the last 10 lines"
+    assert "noise line 79" in message and "noise line 31" not in message, "only the last 50 lines"
     assert MASTER in message
 
 
 def test_job_that_never_finishes_times_out_with_its_log(fake_cluster, fake_custom_api, fake_core_api):
     fake_custom_api.on_get = _controller(fake_core_api, "Running-forever")
-    with pytest.raises(TimeoutError, match="ft-run did not finish within") as timeout:
-        run_pytorchjob(fake_cluster, build_pytorchjob(SPEC), timeout_s=0.1, poll_s=0.01, print_fn=lambda _: None)
-    assert "eval_loss=2.05" in str(timeout.value)
+    spec = dataclasses.replace(SPEC, active_deadline_seconds=1)  # its startTime (10:00:05 today) is long past
+    with pytest.raises(JobTimedOut, match="ft-run did not finish by its deadline") as timeout:
+        run_job(fake_cluster, spec, timeout_s=1, poll_s=0.01, print_fn=lambda _: None, owner={})
+    assert "step 1 loss=2.50" in str(timeout.value) and timeout.value.exit_code == 200
 
 
-def test_submit_conflict_is_reported_not_swallowed(fake_cluster, fake_custom_api):
+def test_an_existing_job_of_the_same_name_is_watched_not_submitted_again(fake_cluster, fake_custom_api, fake_core_api):
     fake_custom_api.create_namespaced_custom_object(
         "kubeflow.org", "v1", NS, "pytorchjobs", pytorchjob_to_dict(build_pytorchjob(SPEC))
     )
-    with pytest.raises(RuntimeError, match="already exists"):
-        run_pytorchjob(fake_cluster, build_pytorchjob(SPEC), timeout_s=1, poll_s=0.01, print_fn=lambda _: None)
+    fake_custom_api.on_get = _controller(fake_core_api, "Succeeded")
+    assert run_job(fake_cluster, SPEC, timeout_s=5, poll_s=0.01, print_fn=lambda _: None, owner={})["reattached"]
+    assert len(fake_custom_api.created("pytorchjobs")) == 1
 
 
 def test_poll_interval_must_fit_the_timeout(fake_cluster):
     with pytest.raises(ValueError, match="poll_s"):
-        run_pytorchjob(fake_cluster, build_pytorchjob(SPEC), timeout_s=10, poll_s=30)
+        run_job(fake_cluster, SPEC, timeout_s=10, poll_s=30)

@@ -126,6 +126,7 @@ def test_missing_or_pickled_files_are_refused(adapter_copy, tmp_path):
     assert check_vllm_servable(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere'}: not a directory"]
 
 
+@pytest.mark.slow
 def test_local_generation_check_accepts_an_adapter_that_changes_the_model(tiny_model_dir, trained_adapter):
     samples = local_generation_check(str(tiny_model_dir), str(trained_adapter), PROMPTS, max_new_tokens=6)
     assert [s.prompt for s in samples] == PROMPTS
@@ -134,12 +135,13 @@ def test_local_generation_check_accepts_an_adapter_that_changes_the_model(tiny_m
     assert any(s.base_text != s.adapter_text for s in samples), "B ~ N(0, 0.5) must change the greedy text"
 
 
+@pytest.mark.slow
 def test_local_generation_check_refuses_a_zero_adapter(tiny_model_dir, zero_adapter):
     with pytest.raises(AdapterHasNoEffectError, match="changes nothing.*largest logit difference"):
         local_generation_check(str(tiny_model_dir), str(zero_adapter), PROMPTS, max_new_tokens=4)
 
 
-# ----------------------------------------------------------------------------- mixture of experts (issue 20)
+# ----------------------------------------------------------------------------- mixture of experts
 
 
 def _save_moe_adapter(out_dir, **lora_kwargs):

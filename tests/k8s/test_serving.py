@@ -69,7 +69,7 @@ def test_pvc_base_model_shares_one_mount_with_the_adapter():
     assert model["storageUri"] == uri and model["modelFormat"] == {"name": "huggingface"}
     assert model["runtime"] == images.SERVING_RUNTIME
     assert model["args"] == [
-        "--model_name=demo-lora",
+        "--model_name=demo-base",  # never the adapter's name (item 4)
         "--backend=vllm",
         "--model_dir=/mnt/models/base-model",
         "--dtype=bfloat16",
@@ -136,6 +136,7 @@ def test_bad_serve_specs_are_refused(change, message):
         ),
         (lambda m: m["resources"]["limits"].update({"nvidia.com/gpu": "2"}), "requests and limits"),
         (lambda m: m.pop("modelFormat"), "modelFormat.name"),
+        (lambda m: m["args"].__setitem__(0, "--model_name=demo"), "both served as 'demo'"),
     ],
 )
 def test_serving_rules_catch_broken_wiring(mutate, message):
@@ -227,20 +228,51 @@ def test_never_ready_times_out_with_the_last_reason(fake_cluster, fake_custom_ap
         )
 
 
-def test_smoke_test_requests_the_adapter_by_its_lora_name():
+def _server(answers: dict, models=("demo", "demo-base")):
+    """http_get / http_post of an OpenAI server listing ``models`` and answering ``answers[model]``."""
     seen = []
 
-    def http_post(url, payload, timeout_s):
-        seen.append((url, payload))
-        return 200, {"id": "cmpl-1", "model": payload["model"], "choices": [{"index": 0, "text": " Paris."}]}
+    def http_get(url, timeout_s):
+        seen.append(("GET", url, None))
+        return 200, {"object": "list", "data": [{"id": m} for m in models]}
 
-    out = smoke_test("http://demo-lora.team-a.example.com/", "demo", "Capital of France?", http_post=http_post)
+    def http_post(url, payload, timeout_s):
+        seen.append(("POST", url, payload))
+        text, logprobs = answers[payload["model"]]
+        return 200, {"model": payload["model"], "choices": [{"text": text, "logprobs": {"token_logprobs": logprobs}}]}
+
+    return http_get, http_post, seen
+
+
+def test_smoke_test_lists_both_names_and_compares_adapter_with_base():
+    """Item 4: /openai/v1/models serves the adapter and the base under their own names, and a greedy
+    completion of a fixed prompt by the adapter is not the base model's."""
+    http_get, http_post, seen = _server({"demo": (" Paris.", [-0.1, -0.2]), "demo-base": (" Lyon", [-1.0, -0.5])})
+    out = smoke_test(
+        "http://demo-lora.team-a.example.com/", "demo", "Capital of France?", base_name="demo-base",
+        http_get=http_get, http_post=http_post,
+    )  # fmt: skip
     assert out == {
         "endpoint": "http://demo-lora.team-a.example.com/openai/v1/completions",
+        "models": ["demo", "demo-base"],
         "model": "demo",
         "text": " Paris.",
+        "base_text": " Lyon",
     }
-    assert seen[0][1] == {"model": "demo", "prompt": "Capital of France?", "max_tokens": 16, "temperature": 0}
+    assert seen[0] == ("GET", "http://demo-lora.team-a.example.com/openai/v1/models", None)
+    payload = {"prompt": "Capital of France?", "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    assert [s[2] for s in seen[1:]] == [{"model": "demo", **payload}, {"model": "demo-base", **payload}]
+
+
+def test_smoke_test_fails_when_the_adapter_answers_like_the_base_or_a_name_is_missing():
+    same = _server({"demo": (" Paris.", [-0.1]), "demo-base": (" Paris.", [-0.1])})
+    with pytest.raises(RuntimeError, match="answered exactly like the base model"):
+        smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=same[0], http_post=same[1])
+    same_text = _server({"demo": (" Paris.", [-0.1]), "demo-base": (" Paris.", [-0.3])})  # logprobs differ: applied
+    assert smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=same_text[0], http_post=same_text[1])
+    shared = _server({"demo": ("x", [])}, models=("demo", "demo"))  # the old shared --model_name
+    with pytest.raises(RuntimeError, match=r"\['demo-base'\] not served"):
+        smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=shared[0], http_post=shared[1])
 
 
 def test_smoke_test_retries_while_the_route_settles_then_reports_errors():
@@ -248,6 +280,7 @@ def test_smoke_test_retries_while_the_route_settles_then_reports_errors():
         OSError("connection refused"),
         (503, "upstream connect error"),
         (200, {"model": "demo", "choices": [{"text": "ok"}]}),
+        (200, {"model": "demo-base", "choices": [{"text": "base"}]}),
     ]
 
     def flaky(url, payload, timeout_s):
@@ -256,16 +289,22 @@ def test_smoke_test_retries_while_the_route_settles_then_reports_errors():
             raise answer
         return answer
 
-    assert smoke_test("http://h", "demo", "hi", http_post=flaky, retry_wait_s=0)["text"] == "ok"
+    listing = _server({})[0]
+    assert smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=listing, http_post=flaky,
+                      retry_wait_s=0)["text"] == "ok"  # fmt: skip
     with pytest.raises(RuntimeError, match="HTTP 404.*does not exist"):
         smoke_test(
             "http://h",
             "demo",
             "hi",
+            base_name="demo-base",
             retry_wait_s=0,
+            http_get=listing,
             http_post=lambda *a: (404, {"message": "The model `demo` does not exist."}),
         )
     with pytest.raises(RuntimeError, match="answered by 'base'"):
-        smoke_test("http://h", "demo", "hi", http_post=lambda *a: (200, {"model": "base", "choices": [{"text": "x"}]}))
+        smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=listing,
+                   http_post=lambda *a: (200, {"model": "base", "choices": [{"text": "x"}]}))  # fmt: skip
     with pytest.raises(RuntimeError, match="no completion text"):
-        smoke_test("http://h", "demo", "hi", http_post=lambda *a: (200, {"choices": []}))
+        smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=listing,
+                   http_post=lambda *a: (200, {"choices": []}))  # fmt: skip

@@ -21,6 +21,12 @@ def build_body(*overrides: str, **job) -> dict:
     return experiment_dict(build_from_settings(settings))
 
 
+def trial_words(container: dict) -> list[str]:
+    """The words of a trial container's command line: its ``sh -c`` script (components/lib/pytorchjob.py
+    katib_trial_script) split on whitespace, or its plain command and args."""
+    return " ".join([*container.get("command", []), *container.get("args", [])]).split()
+
+
 def sweep_plan(*, run_id: str = "run-0001", environ: dict | None = None, **changes):
     """The HPO pipeline's plan with ``changes`` over its parameter defaults (the real plan builder)."""
     from llmft.components.lib.plan import build_plan

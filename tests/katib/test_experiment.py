@@ -7,7 +7,7 @@ import re
 
 import pytest
 import yaml
-from katib_helpers import JOB, build_body
+from katib_helpers import JOB, build_body, trial_words
 from llmft.components.lib.pytorchjob import pytorchjob_webhook_errors
 from llmft.katib.errors import SweepError
 from llmft.katib.experiment import (
@@ -97,11 +97,11 @@ def test_trials_reuse_the_tokenized_shards_and_get_their_own_output_dir(body):
     container = body["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
         "containers"
     ][0]
-    args = container["args"]
-    assert container["command"] == ["llmft"] and args[:2] == ["train", "--nproc"]
-    assert f"data={JOB['data']}" in args
-    assert not any(a in ("tokenize", "llmft.trainer.data.tokenize", "prepare") for a in container["command"] + args)
-    assert "output_dir=/data/sweeps/llmft-sweep/${trialParameters.trial_name}" in args
+    words = trial_words(container)
+    assert container["command"] == ["sh", "-c"] and "llmft train --nproc" in container["args"][0]
+    assert f"data={JOB['data']}" in words
+    assert not any(a in ("tokenize", "llmft.trainer.data.tokenize", "prepare") for a in words)
+    assert "output_dir=/data/sweeps/llmft-sweep/${trialParameters.trial_name}" in words
     trial_name = next(p for p in body["spec"]["trialTemplate"]["trialParameters"] if p["name"] == "trial_name")
     assert trial_name["reference"] == "${trialSpec.Name}"
 
@@ -166,10 +166,11 @@ def test_bad_overrides_name_the_key(override, message):
 def test_trial_job_must_carry_every_placeholder(body):
     job = copy.deepcopy(body["spec"]["trialTemplate"]["trialSpec"])
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-    container["args"] = [a for a in container["args"] if not a.startswith("lora.r=")]
+    script = container["args"][0]
+    container["args"] = [script.replace(" lora.r=${trialParameters.lora_r}", "")]
     with pytest.raises(SweepError, match=r"lacks lora\.r=\$\{trialParameters\.lora_r\}"):
         build_experiment(SweepSpec(), job)
-    container["args"] += ["lora.r=${trialParameters.lora_r}", "lora.use_dora=${trialParameters.dora}"]
+    container["args"] = [script.replace(" & pid=", " lora.use_dora=${trialParameters.dora} & pid=")]
     with pytest.raises(SweepError, match="unknown trial parameters"):
         build_experiment(SweepSpec(), job)
     container["name"] = "trainer"

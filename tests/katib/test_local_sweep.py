@@ -17,6 +17,8 @@ from llmft.katib.errors import ExperimentFailed, SweepError
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.local_sweep import grid_combinations, optuna_distributions, run_local_sweep
 
+pytestmark = pytest.mark.slow  # every sweep starts its trials as processes
+
 FAKE = Path(__file__).with_name("fake_trainer.py")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from katib_helpers import BEST, FakeKatibApi, katib_status
+from katib_helpers import BEST, FakeKatibApi, katib_status, trial_words
 from llmft.components.lib.cluster import Cluster
 from llmft.katib import status as katib_status_mod
 from llmft.katib.errors import ExperimentFailed, SweepError
@@ -155,9 +155,11 @@ def test_cli_create_status_best(cli_cluster, capsys, tmp_path):
     )
     namespace, sent = api.created[0]
     assert namespace == "team-a" and sent["spec"]["algorithm"]["algorithmName"] == "random"
-    args = sent["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
-        "containers"
-    ][0]["args"]
+    args = trial_words(
+        sent["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+            "containers"
+        ][0]
+    )
     assert "max_steps=50" in args and "max_steps=200" not in args and "data=/data/tokenized/abc" in args
     assert out.read_text().startswith("# Katib Experiment")
     assert llmft_main(["sweep", "status", "llmft-sweep"]) == 0

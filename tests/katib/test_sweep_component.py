@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 import yaml
-from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan
+from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan, trial_words
 from kfp import dsl
 from llmft.components.images import KATIB_IMAGE
 from llmft.components.lib import sweep as sweep_lib
@@ -31,9 +31,10 @@ def _deps(tasks: dict, name: str) -> set[str]:
     return set(tasks[name].get("dependentTasks", []))
 
 
+@pytest.mark.slow
 def test_hpo_pipeline_chains_the_sweep_between_tokenize_and_train(compiled):
     spec, platform = compiled
-    tasks = spec["root"]["dag"]["tasks"]
+    tasks = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]  # the steps, inside the exit handler
     assert set(tasks) == set(TASK_ORDER)
     assert _deps(tasks, "sweep-hyperparameters") == {"plan-run", "tokenize-dataset"}
     assert {"sweep-hyperparameters", "tokenize-dataset"} <= _deps(tasks, "train-model")
@@ -92,7 +93,7 @@ def test_step_creates_waits_and_returns_the_best(tmp_path):
         and created["spec"]["trialTemplate"]["trialSpec"]["spec"]["nprocPerNode"] == "8"
     )
     container = replicas["Master"]["template"]["spec"]["containers"][0]
-    args = container["args"]
+    args = trial_words(container)
     assert "data=/data/tokenized/abc123" in args and "max_steps=200" in args
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "8", "memory": "64Gi"}
     assert (tmp_path / "out" / "best.txt").read_text().split() == BEST_OVERRIDES
@@ -161,9 +162,11 @@ def test_component_output_feeds_the_train_step(tmp_path, monkeypatch):
         "lora_alpha",
         "lora_dropout",
     ]
-    args = created["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
-        "containers"
-    ][0]["args"]
+    args = trial_words(
+        created["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+            "containers"
+        ][0]
+    )
     assert "max_steps=100" in args and "eval_every=20" in args
     assert artifact.metadata["best_overrides"] == " ".join(BEST_OVERRIDES[:4])
 
@@ -196,6 +199,7 @@ def test_experiment_names_are_katib_valid_and_stable():
     assert sweep_lib.experiment_name("a") != sweep_lib.experiment_name("b")
 
 
+@pytest.mark.slow
 def test_the_step_logic_imports_in_the_kfp_executor_runtime():
     """Inside a KFP executor `kfp.dsl` has no decorators (_KFP_RUNTIME=true): the component body's
     import must not pull a module that defines components."""
@@ -218,6 +222,7 @@ def test_the_step_logic_imports_in_the_kfp_executor_runtime():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.slow
 def test_with_mlflow_the_sweep_is_a_parent_run_of_its_trials(tmp_path, monkeypatch):
     import os
 
@@ -238,7 +243,7 @@ def test_with_mlflow_the_sweep_is_a_parent_run_of_its_trials(tmp_path, monkeypat
         "template"
     ]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["MLFLOW_TRACKING_URI"] == uri and "observe.mlflow_experiment=sweeps" in container["args"]
+    assert env["MLFLOW_TRACKING_URI"] == uri and "observe.mlflow_experiment=sweeps" in trial_words(container)
     client = MlflowClient(uri)
     parent = client.get_run(env["LLMFT_MLFLOW_PARENT_RUN_ID"])
     assert parent.info.status == "FINISHED" and parent.info.run_name.startswith("sweep-llmft-sweep-")

@@ -33,8 +33,10 @@ def _replace_arg(old_prefix: str, new: str | None):
         container = body["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"][
             "spec"
         ]["containers"][0]
-        args = [a for a in container["args"] if not a.startswith(old_prefix)]
-        container["args"] = args + ([new] if new else [])
+        words = [w for w in container["args"][0].split(" ") if not w.startswith(old_prefix)]  # the sh -c script
+        if new:
+            words.insert(words.index("&"), new)  # last word of the trainer's command line
+        container["args"] = [" ".join(words)]
 
     return mutate
 

@@ -34,7 +34,8 @@ class FakeKfpClient:
     def create_recurring_run(self, **kwargs):
         package = Path(kwargs["pipeline_package_path"])
         spec = next(yaml.safe_load_all(package.read_text()))
-        kwargs["package_tasks"] = sorted(spec["root"]["dag"]["tasks"])
+        body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]  # the steps, inside the exit handler
+        kwargs["package_tasks"] = sorted([*spec["root"]["dag"]["tasks"], *body])
         self.calls.append(("recurring", kwargs))
         return types.SimpleNamespace(recurring_run_id="rr-9")
 
@@ -48,6 +49,7 @@ def fake_kfp(monkeypatch):
     return FakeKfpClient.instances
 
 
+@pytest.mark.slow
 def test_submit_passes_typed_arguments_and_never_caches(fake_kfp, capsys):
     code = main(
         [
@@ -72,6 +74,7 @@ def test_submit_passes_typed_arguments_and_never_caches(fake_kfp, capsys):
     assert kwargs["experiment_name"] == "exp" and kwargs["enable_caching"] is False
 
 
+@pytest.mark.slow
 def test_schedule_creates_a_recurring_run_from_the_compiled_pipeline(fake_kfp):
     code = main(
         ["pipeline", "schedule", "--host", "http://kfp", "--cron", "0 30 2 * * *", "--name", "nightly", "max_steps=100"]
@@ -81,7 +84,7 @@ def test_schedule_creates_a_recurring_run_from_the_compiled_pipeline(fake_kfp):
     assert experiment[:2] == ("experiment", "llm-finetune")
     assert recurring["cron_expression"] == "0 30 2 * * *" and recurring["job_name"] == "nightly"
     assert recurring["experiment_id"] == "exp-1" and recurring["params"] == {"max_steps": 100}
-    assert len(recurring["package_tasks"]) == 8 and recurring["max_concurrency"] == 1
+    assert len(recurring["package_tasks"]) == 8 + 2 and recurring["max_concurrency"] == 1  # + exit handler, cleanup
 
 
 def test_five_field_cron_is_refused_with_the_six_field_fix(fake_kfp, capsys):
@@ -103,6 +106,7 @@ def test_unknown_parameter_is_a_clear_error(capsys):
     assert "unknown pipeline parameter `lora_rank`" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compile_writes_the_pipeline_with_the_given_defaults(tmp_path):
     out = tmp_path / "sub" / "p.yaml"
     assert main(["pipeline", "compile", "--output", str(out), "lora_r=32", "hf_token_secret=llmft-hf-token"]) == 0
@@ -113,6 +117,7 @@ def test_compile_writes_the_pipeline_with_the_given_defaults(tmp_path):
     assert [s["secretName"] for s in prepare["secretAsEnv"]] == ["llmft-hf-token"]
 
 
+@pytest.mark.slow
 def test_submit_mounts_the_secrets_the_run_names(fake_kfp):
     assert main(["pipeline", "submit", "--host", "http://kfp", "mlflow_secret=team-mlflow"]) == 0
     ((_, pipeline, kwargs),) = fake_kfp[0].calls

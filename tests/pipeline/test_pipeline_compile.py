@@ -13,7 +13,14 @@ import textwrap
 import pytest
 import yaml
 from llmft.components.lib.plan_checks import TASK_SECRET_KINDS
-from llmft.pipelines.llm_finetune import GPU_STEPS, TASK_ORDER, TRAIN_RETRIES, TRAIN_TASK_TIMEOUT_S
+from llmft.pipelines.llm_finetune import (
+    CLEANUP_TASK,
+    EXIT_GROUP,
+    GPU_STEPS,
+    TASK_ORDER,
+    TRAIN_RETRIES,
+    TRAIN_TASK_TIMEOUT_S,
+)
 
 SECRET_LOOKING = re.compile(r"token|key|password|credential", re.IGNORECASE)
 SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret")
@@ -41,6 +48,7 @@ FINETUNE_PARAMETERS = {
     "seed": ("NUMBER_INTEGER", 42),
     "train_overrides": ("STRING", ""),
     "training_backend": ("STRING", "kubeflow"),
+    "training_runtime": ("STRING", "torch-distributed"),
     "num_workers": ("NUMBER_INTEGER", 1),
     "gpus_per_worker": ("NUMBER_INTEGER", 1),
     "worker_cpu": ("STRING", "8"),
@@ -65,6 +73,7 @@ FINETUNE_PARAMETERS = {
     "promote_margin": ("NUMBER_DOUBLE", 0.01),
     "deploy": ("BOOLEAN", True),
     "deploy_mode": ("STRING", "kserve"),
+    "deploy_policy": ("STRING", "champion"),
     "serving_name": ("STRING", "llm-adapter"),
     "serving_namespace": ("STRING", ""),
     "serving_gpus": ("NUMBER_INTEGER", 1),
@@ -124,9 +133,30 @@ def _topological(tasks: dict) -> list[str]:
     return order
 
 
+def _body(spec: dict) -> dict:
+    """The pipeline's steps: the tasks inside the exit handler group."""
+    return spec["components"][f"comp-{EXIT_GROUP}"]["dag"]["tasks"]
+
+
+def test_the_steps_run_inside_an_exit_handler_whose_cleanup_needs_no_other_task(compiled):
+    """After the body ends, however it ends, `cleanup-run` deletes the run's
+    unfinished jobs. KFP compiles it as an exit task (trigger ALL_UPSTREAM_TASKS_COMPLETED, an Argo
+    exit lifecycle hook on 2.4: backend/src/v2/compiler/argocompiler/dag.go 53-100); it takes only the
+    run id (PipelineTaskFinalStatus is not supported by the 2.4/2.5 backends, dag.go 612-613)."""
+    spec, executors = compiled
+    root = spec["root"]["dag"]["tasks"]
+    assert set(root) == {EXIT_GROUP, CLEANUP_TASK}
+    cleanup = root[CLEANUP_TASK]
+    assert cleanup["dependentTasks"] == [EXIT_GROUP]
+    assert cleanup["triggerPolicy"] == {"strategy": "ALL_UPSTREAM_TASKS_COMPLETED"}
+    assert cleanup["inputs"]["parameters"]["run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+    assert "taskFinalStatus" not in json.dumps(cleanup)
+    assert f"exec-{CLEANUP_TASK}" not in executors, "no PVC, Secret or GPU: it must run even when those fail"
+
+
 def test_eight_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
     spec, _ = compiled
-    tasks = spec["root"]["dag"]["tasks"]
+    tasks = _body(spec)
     assert set(tasks) == set(TASK_ORDER) and len(tasks) == 8
     assert _topological(tasks) == list(TASK_ORDER)
     for before, after in zip(TASK_ORDER, TASK_ORDER[1:], strict=False):  # a chain: each waits for the previous
@@ -141,14 +171,14 @@ def test_eight_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
 
 def test_every_task_mounts_the_pvc_and_has_cpu_and_memory_from_parameters(compiled):
     spec, executors = compiled
+    pvc = "pipelinechannel--pvc_name"  # the pipeline parameter, as the exit handler group passes it on
+    assert spec["components"][f"comp-{EXIT_GROUP}"]["inputDefinitions"]["parameters"][pvc] == {
+        "parameterType": "STRING"
+    }
     for task in TASK_ORDER:
         mounts = executors[f"exec-{task}"]["pvcMount"]
         assert mounts == [
-            {
-                "componentInputParameter": "pvc_name",
-                "mountPath": "/data",
-                "pvcNameParameter": {"componentInputParameter": "pvc_name"},
-            }
+            {"componentInputParameter": pvc, "mountPath": "/data", "pvcNameParameter": {"componentInputParameter": pvc}}
         ], task
         resources = spec["deploymentSpec"]["executors"][f"exec-{task}"]["container"]["resources"]
         group = {"prepare-dataset": "data", "tokenize-dataset": "data", "evaluate-perplexity": "eval"}.get(task, "step")
@@ -168,22 +198,22 @@ def test_by_default_no_secret_is_mounted_and_nothing_is_optional(compiled):
     assert all("secretAsEnv" not in e for e in executors.values())
 
 
+@pytest.mark.slow
 def test_named_secrets_are_mounted_exactly_where_needed_and_never_optional(compiled_with_secrets):
     spec, executors, text = compiled_with_secrets
     assert "optional: true" not in text  # KFP backends before 2.15 drop `optional` (kubeflow/pipelines#12216)
     for entry in (e for executor in executors.values() for e in executor.get("secretAsEnv", [])):
         assert entry.get("optional", False) is False
-    hf, mlflow = (
-        {"llmft-hf-token": {"HF_TOKEN"}},
-        {"llmft-mlflow": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}},
-    )
+    mounts = {
+        "hf": {"llmft-hf-token": {"HF_TOKEN"}},
+        "mlflow": {"llmft-mlflow": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}},
+        "langfuse": {"llmft-langfuse": {"LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"}},
+    }
     expected = {task: {} for task in (*TASK_ORDER, "sweep-hyperparameters")}
     for task, kinds in TASK_SECRET_KINDS.items():
         for kind in kinds:
-            expected[task].update(hf if kind == "hf" else mlflow)
+            expected[task].update(mounts[kind])
     assert {task: _secret_mounts(executors[f"exec-{task}"]) for task in expected} == expected
-    # langfuse only reaches the training pods, through the plan (not a KFP task)
-    assert "llmft-langfuse" not in text.split("platforms:")[1]
 
 
 def test_gpu_steps_get_a_gpu_and_the_compiled_node_selector(compiled, compiled_with_secrets):
@@ -217,7 +247,7 @@ def test_the_compiled_yaml_parses_into_the_kfp_protos(compiled_with_secrets):
 def test_train_has_timeout_and_retries(compiled):
     spec, executors = compiled
     assert executors["exec-train-model"]["activeDeadlineSeconds"] == str(TRAIN_TASK_TIMEOUT_S)
-    retry = spec["root"]["dag"]["tasks"]["train-model"]["retryPolicy"]
+    retry = _body(spec)["train-model"]["retryPolicy"]
     assert retry["maxRetryCount"] == TRAIN_RETRIES and retry["backoffDuration"] == "60s"
 
 
@@ -268,7 +298,7 @@ def test_components_pin_images_and_install_nothing_at_start(compiled):
 
 def test_run_id_placeholder_reaches_the_plan(compiled):
     spec, _ = compiled
-    tasks = spec["root"]["dag"]["tasks"]
+    tasks = _body(spec)
     assert tasks["plan-run"]["inputs"]["parameters"]["run_id"] == {
         "runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}
     }
@@ -291,7 +321,8 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     values = {n: int(v) if d["parameterType"] == "NUMBER_INTEGER" else v
               for (n, v), d in zip(values.items(), spec["root"]["inputDefinitions"]["parameters"].values())}
     values["mlflow_tracking_uri"] = "http://mlflow:5000"
-    compiled = spec["root"]["dag"]["tasks"]["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
+    body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    compiled = body["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
     plan = build_plan(values, run_id="run-1", compiled=compiled, environ={"KFP_POD_NAME": "p"})
     job = pytorchjob_to_dict(build_pytorchjob(build_train_job_spec(plan.job, plan.trainer.command_overrides("/d"))))
     sweep = apply_overrides(SweepSpec(name=plan.sweep.experiment), list(plan.sweep.settings))

@@ -14,6 +14,8 @@ from llmft.components.lib.servability import AdapterNotServableError
 from llmft.components.lib.serving import AdapterHasNoEffectError
 from llmft.trainer.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # a trained adapter, generation and a fake KServe HTTP server
+
 
 def _adapter(tiny_model_dir: Path, out: Path, *, trained: bool, dora: bool = False) -> Path:
     import torch
@@ -100,44 +102,77 @@ def test_unservable_adapter_is_refused_before_any_manifest(volume, tmp_path):
     assert not path.exists()
 
 
-def test_kserve_mode_applies_waits_for_ready_and_smoke_tests(volume, tmp_path, crd_dir):
-    custom = FakeCustomObjectsApi()
+@pytest.fixture
+def kserve(volume, tmp_path):
+    """A Cluster whose KServe is simulated (tests/k8s/cluster_sim.py): the InferenceService turns Ready
+    and its predictor is a fake vLLM server answering with the real tiny model and adapter."""
+    from cluster_sim import ClusterSim
 
-    def ready(obj: dict, count: int) -> None:
-        obj["status"] = {
-            "url": "http://m-serve.team-a.example.com",
-            "address": {"url": "http://m-serve.team-a.svc"},
-            "conditions": [{"type": "Ready", "status": "True"}],
-            "observedGeneration": 1,
-        }
+    custom, core = FakeCustomObjectsApi(), FakeCoreV1Api()
+    sim = ClusterSim(custom, core, "team-a", tmp_path / "pods", volumes={"llmft-data": volume})
+    yield Cluster("team-a", custom_api=custom, core_api=core), custom, sim
+    sim.stop()
 
-    custom.on_get = ready
-    posts = []
 
-    def http_post(url, payload, timeout_s):
-        posts.append((url, payload))
-        return 200, {"model": payload["model"], "choices": [{"text": " Paris."}]}
-
-    cluster = Cluster("team-a", custom_api=custom, core_api=FakeCoreV1Api())
+def test_kserve_serves_base_and_adapter_under_their_own_names(volume, tmp_path, crd_dir, kserve):
+    """Item 4: `--model_name=<name>-base`, `--lora-modules <name>=...`; the smoke test finds both in
+    /openai/v1/models and gets a different greedy completion from the adapter than from the base."""
+    cluster, custom, sim = kserve
     path = tmp_path / "isvc.yaml"
-    result = deploy_promoted(
-        request(volume, "trained", mode="kserve"),
-        manifest_path=path,
-        cluster=cluster,
-        http_post=http_post,
-        crd_dir=str(crd_dir),
-    )
-    assert result["status"] == "deployed" and result["smoke_test"]["text"] == " Paris."
+    result = deploy_promoted(request(volume, "trained", mode="kserve"), manifest_path=path, cluster=cluster,
+                             crd_dir=str(crd_dir))  # fmt: skip
+    assert result["status"] == "deployed" and result["base_name"] == "m-base" and result["lora_name"] == "m"
     (applied,) = custom.created("inferenceservices")
-    written = yaml.safe_load(path.read_text())
-    assert applied["spec"] == written["spec"]  # what was validated is what was applied
-    assert posts == [
-        (
-            "http://m-serve.team-a.svc/openai/v1/completions",
-            {"model": "m", "prompt": "What is the capital of France?", "max_tokens": 16, "temperature": 0},
-        )
-    ]
+    assert applied["spec"] == yaml.safe_load(path.read_text())["spec"]  # what was validated is what was applied
+    args = applied["spec"]["predictor"]["model"]["args"]
+    assert "--model_name=m-base" in args and args[args.index("--lora-modules") + 1].startswith("m=")
+    smoke = result["smoke_test"]
+    assert smoke["models"] == ["m", "m-base"]
+    (server,) = sim.servers.values()
+    assert [r["model"] for r in server.requests] == ["m", "m-base"]
+    assert all(r["temperature"] == 0 for r in server.requests)
     json.dumps(result)  # deployment.json must be serialisable
+
+
+def test_an_adapter_that_changes_nothing_fails_the_kserve_smoke_test(volume, tmp_path, kserve):
+    cluster, _, _ = kserve
+    with pytest.raises(RuntimeError, match="answered exactly like the base model"):
+        deploy_promoted(request(volume, "untrained", mode="kserve"), manifest_path=tmp_path / "i.yaml", cluster=cluster)
+
+
+def test_one_shared_name_reaches_only_the_base_model(volume, kserve):
+    """Why item 4 matters: with `--model_name=m --lora-modules m=...` (the old manifest) vLLM of
+    KServe 0.15/0.16 resolves `m` to the base model, so the adapter is never used."""
+    from cluster_sim import FakeVllm
+    from llmft.components.lib.serving import smoke_test
+
+    server = FakeVllm(
+        [
+            "--model_name=m",
+            "--model_dir=/mnt/models/base-models/tiny",
+            "--lora-modules",
+            "m=/mnt/models/models/m/trained",
+        ],
+        volume,
+    ).start()
+    try:
+        with pytest.raises(RuntimeError, match="answered exactly like the base model"):
+            smoke_test(server.url, "m", "What is the capital of France?", base_name="m")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("is_champion", "policy", "status"), [(False, "champion", "not-champion"),
+                                                                (False, "always", "deployed")])  # fmt: skip
+def test_only_the_champion_is_deployed_unless_forced(is_champion, policy, status, volume, tmp_path, kserve):
+    """Item 5: a version that lost against the champion is registered but not deployed; the
+    InferenceService keeps serving the champion. deploy_policy=always deploys it anyway."""
+    cluster, custom, _ = kserve
+    req = request(volume, "trained", mode="kserve", is_champion=is_champion, deploy_policy=policy)
+    result = deploy_promoted(req, manifest_path=tmp_path / "isvc.yaml", cluster=cluster)
+    assert result["status"] == status
+    assert len(custom.created("inferenceservices")) == (status == "deployed")
+    assert (tmp_path / "isvc.yaml").is_file()  # the manifest is written and validated either way
 
 
 def test_kserve_mode_needs_the_base_model_on_the_volume_or_the_hub(volume, tmp_path, tiny_model_dir):

@@ -1,4 +1,4 @@
-"""Issue 18 on the pipeline side: promote's path parameters, promoted file modes, a dead MLflow
+"""The pipeline side of nothing lost, nothing silent: promote's path parameters, promoted file modes, a dead MLflow
 server, a dead KFP host. docs/failure-modes.md has one row per test."""
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def test_mlflow_client_settings_are_set_once_and_user_values_win(monkeypatch):
 # ----------------------------------------------------------------------------- item 10: a dead KFP host
 
 
+@pytest.mark.slow
 def test_pipeline_submit_to_a_dead_host_exits_200_with_one_line(tmp_path):
     script = Path(sys.executable).parent / "llmft"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "llmft"]

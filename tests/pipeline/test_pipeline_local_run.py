@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from llmft.components.lib.summary import render_summary
 from llmft.pipelines.llm_finetune import TASK_ORDER
+from llmft.pipelines.local_run import ANSI
 from llmft.trainer.io import is_complete
+
+pytestmark = pytest.mark.slow  # the whole pipeline under kfp.local (subprocesses)
 
 
 def test_every_task_ran_and_left_its_artifacts(local_run):
@@ -19,6 +23,8 @@ def test_every_task_ran_and_left_its_artifacts(local_run):
     plan = local_run.facts["plan"]
     assert plan["on_cluster"] is False and plan["job"]["backend"] == "local"
     assert f"lora.r={local_run.arguments['lora_r']}" in plan["trainer"]["overrides"]
+    log = ANSI.sub("", local_run.log_path.read_text())  # the exit handler's task ran after the body
+    assert "Executing task 'cleanup-run'" in log and "no cluster jobs to clean up" in log
 
 
 def test_data_steps_report_rejects_and_shards(local_run):
@@ -89,6 +95,7 @@ def test_bad_data_fails_in_the_prepare_step(tmp_path, tiny_model_dir):
     assert not outcome.succeeded and outcome.failed_task == "prepare-dataset"
     assert any("rows rejected" in line for line in outcome.failure_tail), outcome.failure_tail
     assert not (outcome.run_dir / "tokenize-dataset").exists()  # nothing after prepare ran
+    assert "no cluster jobs to clean up" in outcome.log_path.read_text(), "the exit handler runs after a failure too"
     assert "FAILED" in outcome.render(1.0) and "prepare-dataset" in outcome.render(1.0)
 
 

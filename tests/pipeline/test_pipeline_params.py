@@ -22,6 +22,7 @@ def test_the_pipelines_take_exactly_the_plan_components_parameters():
         assert spec.type == llm_finetune_hpo_pipeline.component_spec.inputs[name].type, name
 
 
+@pytest.mark.slow
 def test_compile_time_defaults_replace_the_signatures():
     signature = pipeline_signature(hpo=False, defaults={"lora_r": 32, "learning_rate": 1})
     assert signature.parameters["lora_r"].default == 32 and signature.parameters["learning_rate"].default == 1.0

@@ -82,6 +82,8 @@ def test_lora_r_becomes_lora_r_in_one_place_and_reaches_the_trainer():
         ({"hf_token_secret": "Bad_Name"}, "hf_token_secret"),
         ({"mlflow_secret": "llmft-mlflow:PASSWORD"}, "mlflow_secret"),
         ({"mlflow_tracking_uri": ""}, "no MLflow server"),
+        ({"job_timeout_s": 3 * 24 * 3600}, "job_timeout_s"),  # the job must end before its task's timeout
+        ({"deploy_policy": "sometimes"}, "deploy_policy"),
     ],
 )
 def test_a_bad_parameter_is_named_before_any_work(change, message):

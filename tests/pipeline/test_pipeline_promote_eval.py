@@ -111,6 +111,7 @@ def test_no_complete_checkpoint_is_a_clear_error(tmp_path):
         evaluate_run(tmp_path, "base", "d", evaluate_fn=lambda *a, **k: {})
 
 
+@pytest.mark.slow
 def test_report_embeds_a_real_png_plot_and_the_table(tmp_path):
     result = evaluation(80.0, 30.0, 20.0, 25.0)
     history = [{"event": "train", "step": s, "loss": 4.0 - s / 10} for s in range(1, 31)]
@@ -184,3 +185,23 @@ def test_full_weights_keep_their_model_config(tmp_path):
     make_checkpoint(run, 10, lora=False)
     promote(evaluation(100.0, 10.0, run_dir=run), tmp_path / "dest", margin=0.0)
     assert {"model.safetensors", "config.json"} <= {p.name for p in (tmp_path / "dest").iterdir()}
+
+
+def test_promote_refuses_an_adapter_vllm_cannot_serve_before_anything_is_copied(tmp_path, tiny_model_dir):
+    """The servability gate runs in the promote step: an adapter the vLLM runtime would
+    refuse (here rank 16 over --max-lora-rank 8) is never promoted, so never registered; the same
+    adapter passes under a runtime that serves rank 16."""
+    from llmft.components.lib.servability import AdapterNotServableError
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    checkpoint = make_checkpoint(run, 10)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=16, lora_alpha=32))
+    model.save_pretrained(checkpoint, safe_serialization=True)  # a real adapter over the stand-in files
+    result = evaluation(10.0, 5.0, run_dir=run)
+    with pytest.raises(AdapterNotServableError, match="max_lora_rank"):
+        promote(result, tmp_path / "models" / "m" / "r1", margin=0.01, max_lora_rank=8)
+    assert not (tmp_path / "models" / "m" / "r1").exists()
+    decision = promote(result, tmp_path / "models" / "m" / "r1", margin=0.01, max_lora_rank=16)
+    assert decision.promoted and is_complete(tmp_path / "models" / "m" / "r1")

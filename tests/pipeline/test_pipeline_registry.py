@@ -52,6 +52,7 @@ def registration(model_name: str, adapter_dir, run_id: str, perplexity: float) -
     )
 
 
+@pytest.mark.slow
 def test_version_is_created_with_lineage_params_metrics_and_the_adapter(client, adapter_dir):
     name = f"model-{uuid.uuid4().hex[:8]}"
     facts = register_adapter(registration(name, adapter_dir, "run-a", 12.5))
@@ -70,6 +71,7 @@ def test_version_is_created_with_lineage_params_metrics_and_the_adapter(client, 
     assert client.get_model_version_by_alias(name, CHAMPION_ALIAS).version == "1"
 
 
+@pytest.mark.slow
 def test_champion_alias_moves_only_to_a_better_version(client, adapter_dir):
     name = f"model-{uuid.uuid4().hex[:8]}"
     first = register_adapter(registration(name, adapter_dir, "run-1", 20.0))
@@ -82,6 +84,7 @@ def test_champion_alias_moves_only_to_a_better_version(client, adapter_dir):
     assert "beats champion v1" in better["alias_reason"]
 
 
+@pytest.mark.slow
 def test_a_retried_task_reuses_its_run_and_version(client, adapter_dir):
     name = f"model-{uuid.uuid4().hex[:8]}"
     first = register_adapter(registration(name, adapter_dir, "run-r", 10.0))
@@ -124,3 +127,18 @@ def test_missing_tracking_uri_is_a_clear_error(adapter_dir, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI is not set"):
         register_adapter(registration("m", adapter_dir, "r", 1.0))
+
+
+def test_without_a_tracking_server_the_error_names_the_plans_secret(monkeypatch):
+    """The Secret named in the fix is the one the plan mounts (mlflow_secret),
+    never a made-up `mlflow-credentials`."""
+    from llmft.components.lib.registry import _client
+    from llmft.trainer.errors import ConfigError
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ConfigError) as named:
+        _client(None, "team-mlflow")
+    with pytest.raises(ConfigError) as unnamed:
+        _client(None, "")
+    assert "`team-mlflow`" in str(named.value) and "mlflow_secret=llmft-mlflow" in str(unnamed.value)
+    assert "mlflow-credentials" not in str(named.value) + str(unnamed.value)

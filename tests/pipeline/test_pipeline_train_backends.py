@@ -47,6 +47,8 @@ def _operator(core: FakeCoreV1Api, outcome: str):
 
     def on_get(job: dict, count: int) -> None:
         status = job.setdefault("status", {"conditions": []})
+        if any(c["type"] in ("Succeeded", "Failed") for c in status.get("conditions", [])):
+            return  # a finished job's conditions never change (kubeflow/trainer pkg/util/status.go 103-107)
         if count == 1:
             status["conditions"] = [_condition("Created"), _condition("Running")]
             core.add_pod(NS, MASTER, labels, log="step 10 loss=2.1\n")
@@ -127,7 +129,7 @@ def test_tracking_uri_parameter_replaces_the_secret_key(fakes):
     assert env["MLFLOW_TRACKING_URI"] == {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.mlflow:5000"}
 
 
-def test_a_retry_reuses_a_succeeded_job_and_replaces_any_other(fakes):
+def test_a_retry_reuses_a_succeeded_job_and_replaces_one_that_did_not_fail_permanently(fakes):
     cluster, custom, core = fakes
     custom.on_get = _operator(core, "Succeeded")
     _run(cluster)
@@ -148,6 +150,7 @@ def test_job_names_are_stable_valid_and_distinct():
     assert job_name("12345678").startswith("llmft-")
 
 
+@pytest.mark.slow
 def test_the_local_backend_runs_the_command_of_a_job_replica(tmp_path):
     """`llmft train --nproc N`: the one launcher (SIGTERM -> 143), exactly what the PyTorchJob runs."""
     command = train_command(["lora.r=8"], nproc=2)

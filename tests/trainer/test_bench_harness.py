@@ -136,7 +136,7 @@ def test_profiler_gpu_busy_time_is_the_union_of_kernel_intervals():
 
 
 def test_product_arm_is_llmft_train_with_a_shipped_config_and_only_model_data_steps_output(tmp_path):
-    """Issue 13: the product row runs exactly what a user runs; --extra overrides never reach it."""
+    """The product row runs exactly what a user runs; --extra overrides never reach it."""
     import sys
     from pathlib import Path
 

@@ -14,8 +14,8 @@ from llmft.trainer.config import (
     diff_configs,
     iter_fields,
     load_config,
-    validate,
 )
+from llmft.trainer.config_checks import validate
 from llmft.trainer.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "trainer" / "configs").glob("*.yaml"))

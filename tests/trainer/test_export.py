@@ -262,6 +262,7 @@ def cli(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow
 def test_export_merged_from_final(trained_run, tiny_model_dir, tmp_path):
     from llmft.trainer.io import is_complete, sha256_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -304,6 +305,7 @@ def merged_base_logits(base_dir, x):
         return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()(x).logits
 
 
+@pytest.mark.slow
 def test_export_from_promoted_checkpoint(trained_run, tmp_path):
     """A promoted adapter (copied from checkpoints/step-N by the promote step) carries no tokenizer
     or manifest: both come from the run's final/, through promotion.json."""
@@ -336,6 +338,7 @@ def test_export_from_promoted_checkpoint(trained_run, tmp_path):
     assert (tmp_path / "merged" / "chat_template.jinja").read_text() == (bundle / "chat_template.jinja").read_text()
 
 
+@pytest.mark.slow
 def test_export_refuses_what_is_not_ours(trained_run, tmp_path):
     target = tmp_path / "somebodys"
     target.mkdir()

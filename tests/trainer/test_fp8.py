@@ -167,6 +167,7 @@ def run_overrides(fp8_dir, tokenized_dir, output) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_lora_trains_evaluates_and_exports_on_an_fp8_base(fp8_dir, tokenized_dir, tmp_path):
     from llmft.trainer.evaluate import evaluate_perplexity
     from llmft.trainer.export import export_adapter
@@ -202,6 +203,7 @@ def test_lora_trains_evaluates_and_exports_on_an_fp8_base(fp8_dir, tokenized_dir
     assert (got - expected).abs().max().item() <= tolerance
 
 
+@pytest.mark.slow
 def test_qlora_on_an_fp8_base_fails_on_cpu_before_any_copy(fp8_dir, tokenized_dir, tmp_path):
     overrides = {**run_overrides(fp8_dir, tokenized_dir, tmp_path / "run"), "method": "qlora"}
     result = train(overrides, clean_env(LLMFT_CACHE=str(tmp_path / "cache")))

@@ -127,6 +127,7 @@ def test_missing_dataset_is_exit_1_naming_the_path(tiny_model_dir, tmp_path, cap
     assert "nowhere" in err and "llmft data tokenize" in err
 
 
+@pytest.mark.slow
 def test_dora_run_trains_and_warns(base_overrides, tmp_path, capsys):
     code, stdout = train_in_process(base_overrides("dora", lora__use_dora="true", max_steps=1))
     assert code == 0
@@ -135,6 +136,7 @@ def test_dora_run_trains_and_warns(base_overrides, tmp_path, capsys):
     assert config["use_dora"] is True
 
 
+@pytest.mark.slow
 def test_llmft_train_runs_the_shipped_tiny_config(repo_root, tiny_model_dir, tokenized_dir, tmp_path, capsys):
     import signal
 
@@ -177,6 +179,7 @@ def test_print_config_and_torchrun_command(capsys):
     assert "--standalone" not in pod and "--nproc-per-node=8" in pod  # torchrun reads PET_* itself
 
 
+@pytest.mark.slow
 def test_full_finetune_checkpoint_and_final_load_with_from_pretrained(
     base_overrides, tiny_model_dir, tokenized_dir, tmp_path
 ):

@@ -11,9 +11,12 @@ import signal
 import numpy as np
 import pytest
 import torch
-from llmft.trainer.config import load_config, validate
+from llmft.trainer.config import load_config
+from llmft.trainer.config_checks import validate
 from llmft.trainer.train import Trainer
 from trainer_helpers import KATIB_REGEX, adapter_tensors, events
+
+pytestmark = pytest.mark.slow  # every test reads one tiny LoRA training run
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,16 @@
-"""MLflow (a real SQLite-backed tracking store, parent/child runs) and Langfuse (its real
-client against a loopback HTTP endpoint that records what it receives)."""
+"""MLflow (a real SQLite-backed tracking store, parent/child runs; a dead server), the unconfigured
+sinks, speed and MFU. The live Langfuse trace is tested in test_langfuse_trace.py."""
 
 from __future__ import annotations
 
-import gzip
-import http.server
 import json
-import threading
+import os
+import socket
+import sys
+import time
 
 import pytest
-from llmft.trainer.observe import SpeedMeter, send_langfuse_trace, summary_screen
+from llmft.trainer.observe import SpeedMeter, summary_screen
 from trainer_helpers import events, train_in_process
 
 
@@ -25,6 +26,7 @@ def mlflow_uri(tmp_path, monkeypatch):
         mlflow.end_run()
 
 
+@pytest.mark.slow
 def test_mlflow_child_run_gets_params_metrics_and_final_artifacts(base_overrides, mlflow_uri, monkeypatch, tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -50,49 +52,50 @@ def test_mlflow_child_run_gets_params_metrics_and_final_artifacts(base_overrides
     assert manifest["mlflow_run_id"] == run.info.run_id
 
 
-class _Recorder(http.server.BaseHTTPRequestHandler):
-    received: list = []
+def test_a_dead_mlflow_server_costs_seconds_not_minutes(base_overrides, monkeypatch, capsys):
+    """MLFLOW_TRACKING_URI naming a port nobody listens on: the observer asks once, within
+    CONNECT_TIMEOUT_S, says so in one line and trains without MLflow. Without the check, MLflow's
+    client retried 7 times with backoff (about 4 minutes) before the first metric."""
+    from llmft.trainer.config import load_config
+    from llmft.trainer.mlflow_settings import CONNECT_TIMEOUT_S, HTTP_SETTINGS
+    from llmft.trainer.observe import Observer
 
-    def do_POST(self):  # noqa: N802 - http.server API
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if body[:2] == b"\x1f\x8b":  # OTLP exports are gzip-compressed
-            body = gzip.decompress(body)
-        type(self).received.append((self.path, body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, *args):
-        pass
-
-
-def test_langfuse_sends_one_trace_with_scores(monkeypatch, capsys):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    _Recorder.received = []
-    try:
-        monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
-        monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
-        monkeypatch.setenv("LANGFUSE_HOST", f"http://127.0.0.1:{server.server_port}")
-        monkeypatch.setenv("LANGFUSE_BASE_URL", f"http://127.0.0.1:{server.server_port}")
-        summary = {"final_metrics": {"eval_loss": 1.25, "perplexity": 3.49}, "steps": 7, "config": {"method": "lora"}}
-        assert send_langfuse_trace("run-xyz", summary) is True
-    finally:
-        server.shutdown()
-    blob = b"".join(body for _, body in _Recorder.received)
-    assert b"llmft-train run-xyz" in blob  # the trace's span
-    assert b"eval_loss" in blob and b"perplexity" in blob  # its scores
-    assert any("otel" in path or "ingestion" in path for path, _ in _Recorder.received)
-
-
-def test_langfuse_and_mlflow_unconfigured_are_single_info_lines(monkeypatch, capsys):
-    for name in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"):
+    with socket.socket() as sock:  # a port that was free a moment ago: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    for name in (*HTTP_SETTINGS, "LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"):
         monkeypatch.delenv(name, raising=False)
-    assert send_langfuse_trace("r", {}) is False
-    assert capsys.readouterr().out.count("\n") == 1
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # any `import mlflow` now fails loudly
+    cfg = load_config(None, base_overrides("dead-mlflow"))
+    started = time.monotonic()
+    observer = Observer(cfg, {}, is_main=True, total_steps=1, start_step=0)
+    elapsed = time.monotonic() - started
+    out = capsys.readouterr().out
+    assert f"MLflow tracking server http://127.0.0.1:{port} is unreachable" in out and "not logging to MLflow" in out
+    assert observer._mlflow_ok is False and observer.mlflow_run_id is None
+    assert elapsed < CONNECT_TIMEOUT_S  # one refused connection, no retries
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == HTTP_SETTINGS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+    observer.log_train(1, {"loss": 1.0})  # training goes on without MLflow
+    observer.finish({}, None)
 
 
+@pytest.mark.slow
+def test_langfuse_and_mlflow_unconfigured_are_single_info_lines(base_overrides, monkeypatch):
+    for name in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    code, stdout = train_in_process(base_overrides("quiet", max_steps=1))
+    assert code == 0
+    lines = stdout.splitlines()
+    assert [line for line in lines if line.startswith("[llmft] langfuse")] == [
+        "[llmft] langfuse: LANGFUSE_PUBLIC_KEY/LANGFUSE_SECRET_KEY not set, no trace"
+    ]
+    assert [line for line in lines if line.startswith("[llmft] mlflow")] == [
+        "[llmft] mlflow: MLFLOW_TRACKING_URI not set, not logging to MLflow"
+    ]
+
+
+@pytest.mark.slow
 def test_trainer_mfu_is_the_benchmarks_flop_formula(base_overrides, tiny_model_dir, tokenized_dir, tmp_path):
     """Every logged MFU is trainer/fastpath/flops.py's step_flops (what the benchmark counts) for that
     step's documents, over the step's time, against the configured peak."""
@@ -116,28 +119,33 @@ def test_trainer_mfu_is_the_benchmarks_flop_formula(base_overrides, tiny_model_d
     assert manifest["speed"]["mfu"] > 0 and manifest["speed"]["steady_steps"] == 1
 
 
-def test_speed_meter_excludes_load_warmup_and_pauses():
-    """A fake clock: 10 s of loading, a 5 s first step (compilation), then 0.5 s steps with a 2 s
-    evaluation between them. Steady tokens/s and MFU see only the 0.5 s steps."""
-    now = [0.0]
-    meter = SpeedMeter(None, peak=1000.0, world_size=2, clock=lambda: now[0])
+def test_speed_meter_excludes_load_warmup_recompiles_and_pauses():
+    """A fake clock and a fake compile counter: 10 s of loading, a 5 s first step (compilation),
+    0.5 s steps with a 2 s evaluation between two of them, and one 20 s step that recompiled for a
+    new packed shape (what a short GPU run showed: the recompile dominated its "steady" figure).
+    Steady tokens/s and MFU see only the plain 0.5 s steps."""
+    now, graphs = [0.0], [0]
+    meter = SpeedMeter(None, peak=1000.0, world_size=2, clock=lambda: now[0], compiled=lambda: graphs[0])
     now[0] = 10.0
     meter.loaded()
-    for seconds in (5.0, 1.0, 0.5, 0.5, 0.5):
+    for seconds, compiles in ((5.0, 1), (1.0, 0), (0.5, 0), (20.0, 1), (0.5, 0), (0.5, 0)):
         now[0] += seconds
+        graphs[0] += compiles
         meter.step(tokens=1000, flops=400.0)
         if meter.steps == 3:
             with meter.pause():
                 now[0] += 2.0
     report = meter.report()
-    assert report["load_s"] == 10.0 and report["warmup_s"] == 6.0 and report["eval_and_save_s"] == 2.0
+    assert report["load_s"] == 10.0 and report["eval_and_save_s"] == 2.0
+    assert report["warmup_s"] == 26.0 and report["warmup_steps"] == 3 and report["recompile_steps"] == 1
     assert report["steady_steps"] == 3 and report["steady_s"] == pytest.approx(1.5)
     assert report["tokens_per_s"] == pytest.approx(3000 / 1.5) and report["tokens_per_s_per_device"] == 1000
     assert report["mfu"] == pytest.approx(1200 / 1.5 / (1000.0 * 2))
     screen = summary_screen({"status": "finished", "final_metrics": {"eval_loss": 1.0}, "speed": report})
     assert "=" * 64 in screen and "final eval loss" in screen
-    assert "2,000 (steady state: the last 3 steps" in screen and "10.0 s" in screen and "40.0%" in screen
-    short = SpeedMeter(None, peak=None, world_size=1, clock=lambda: now[0])
+    assert "2,000 (steady state: 3 steps" in screen and "10.0 s" in screen and "40.0%" in screen
+    assert "1 step(s) that recompiled" in screen
+    short = SpeedMeter(None, peak=None, world_size=1, clock=lambda: now[0], compiled=lambda: 0)
     short.loaded()
     now[0] += 1.0
     short.step(tokens=10, flops=None)

@@ -38,7 +38,7 @@ from llmft.trainer.errors import DataError
 try:  # optional fast path; identical results
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover
-    _loads = json.loads
+    _loads = json.loads  # type: ignore[assignment]  # same use: text or bytes in, objects out
 
 MAX_EXAMPLES = 10
 _PROBE_TURNS = [
@@ -213,7 +213,7 @@ def _render_rows(tokenizer, plan: EncodePlan, label: str, lines, result: ChunkRe
 
 
 def _render_all(tokenizer, plan: EncodePlan, label: str, chats: list, result: ChunkResult) -> list[str | None]:
-    if not chats:
+    if not chats or plan.template is None:  # the caller refused chats without a template
         return []
     try:
         return _WORKER["render_many"]([c[2] for c in chats])
@@ -275,9 +275,9 @@ def _encode_chats_in_pieces(backend, chats: list[tuple]) -> list[tuple]:
             owners.append((index, kind, turn))
             pieces.append(piece)
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets needed
-    ids = [[] for _ in chats]
-    labels = [[] for _ in chats]
-    empty = [None] * len(chats)
+    ids: list[list[int]] = [[] for _ in chats]
+    labels: list[list[int]] = [[] for _ in chats]
+    empty: list[tuple[int, str] | None] = [None] * len(chats)
     for (index, kind, turn), enc in zip(owners, encode(pieces, add_special_tokens=False), strict=True):
         piece_ids = enc.ids
         if kind == _REPLY and not piece_ids and empty[index] is None:

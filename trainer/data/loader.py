@@ -130,7 +130,8 @@ def balanced_shares(lengths, world_size: int) -> list[np.ndarray]:
     if world_size == 1:
         return [np.arange(count)]
     room = count // world_size
-    totals, shares = [0] * world_size, [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
     for pos in sorted(range(count), key=lambda i: (-int(lengths[i]), i)):
         rank = min((r for r in range(world_size) if len(shares[r]) < room), key=lambda r: (totals[r], r))
         shares[rank].append(pos)
@@ -175,7 +176,7 @@ class PackedLoader:
             )
         self.per_rank = global_sequences // world_size
         self.accum_steps = math.ceil(self.per_rank / micro_sequences)
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmft-loader")
 
     @property

@@ -44,7 +44,7 @@ try:  # optional: several times faster; same results and bytes as the json calls
 
     _fast_loads, _fast_dumps = orjson.loads, orjson.dumps
 except ImportError:  # pragma: no cover - orjson is not a dependency
-    _fast_loads = _fast_dumps = None
+    _fast_loads = _fast_dumps = None  # type: ignore[assignment]
 
 SPLIT_FILES = {"train": "train.jsonl", "val": "val.jsonl"}
 REJECTS_FILE = "rejects.jsonl"
@@ -131,7 +131,7 @@ def _chunks(rows: Iterator[tuple], size: int = CHUNK_ROWS) -> Iterator[list[tupl
 
 def _convert_chunk(fmt: str, max_row_bytes: int, rows: list[tuple]) -> list[tuple]:
     """Validate and convert one chunk (runs in a worker for large inputs)."""
-    out = []
+    out: list[tuple] = []
     for file, line, raw, value in rows:
         try:
             if isinstance(value, OversizedRow):

@@ -1,9 +1,12 @@
 """Where ``llmft data prepare`` reads rows from, one row at a time.
 
 A source is a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file, a
-folder of such files, or a Hugging Face hub dataset id (loaded with
+folder of such files, a Hugging Face hub dataset id (loaded with
 ``datasets.load_dataset``, streaming unless offline mode is on, with
-``HF_TOKEN`` from the environment). Every reader streams: JSONL line by line,
+``HF_TOKEN`` from the environment), or ``langfuse://<dataset name>``: the items of a
+Langfuse dataset (curated production traces), each item's ``input`` and
+``expected_output`` turned into a messages row (trainer/langfuse_sink.py ``item_row``),
+with the LANGFUSE_* keys from the environment. Every reader streams: JSONL line by line,
 CSV record by record, Parquet batch by batch, hub datasets row by row. The one
 exception is a ``.json`` file holding a single JSON array, which JSON itself
 forces us to parse whole; use JSONL for large data.
@@ -41,6 +44,7 @@ SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 FILE_SUFFIXES = (*SUFFIXES, ".txt", ".tsv", ".xlsx", ".xls", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".yaml")
 _HEAD_BYTES = 200
 _READ_BLOCK = 1 << 20
+LANGFUSE_SCHEME = "langfuse://"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # CSV cells that usually hold JSON-encoded lists
 _JSON_CELLS = ("messages", "conversations", "prompt", "completion")
@@ -70,7 +74,7 @@ class Source:
     ):
         self.spec = spec
         self.max_row_bytes = max_row_bytes
-        self.kind = kind  # "file" | "folder" | "hub"
+        self.kind = kind  # "file" | "folder" | "hub" | "langfuse"
         self.files = files or []
         self.root = root
         self.split = split
@@ -93,13 +97,16 @@ class Source:
         if self.kind == "hub":
             yield from self._hub_rows()
             return
+        if self.kind == "langfuse":
+            yield from self._langfuse_rows()
+            return
         for path in self.files:
             yield from self._file_rows(path, self._label(path))
 
     def content_hash(self) -> str:
         """SHA-256 of the source: the file's bytes for one file; of (name, file hash) pairs for a
-        folder; of the rows' JSON for a hub dataset. Valid once ``rows()`` is exhausted."""
-        if self.kind == "hub":
+        folder; of the rows' JSON for a hub or Langfuse dataset. Valid once ``rows()`` is exhausted."""
+        if self.kind in ("hub", "langfuse"):
             return self._hub_hash.hexdigest()
         if self.kind == "file" and len(self._file_hashes) == 1:
             return next(iter(self._file_hashes.values()))
@@ -142,12 +149,24 @@ class Source:
             self._hub_hash.update(json.dumps(row, sort_keys=True, default=str).encode())
             yield self.label, number, None, row
 
+    def _langfuse_rows(self) -> Iterator[Row]:
+        """Row number = the item's position in the dataset; the item id is in the hash."""
+        from llmft.trainer.langfuse_sink import dataset_rows
+
+        for number, (item_id, row) in enumerate(dataset_rows(self.spec[len(LANGFUSE_SCHEME) :]), 1):
+            self._hub_hash.update(json.dumps([item_id, row], sort_keys=True, default=str).encode())
+            yield self.label, number, None, row
+
 
 def open_source(
     spec: str, split: str = "train", *, exclude: Path | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
 ) -> Source:
     """Resolve ``spec`` to a local file, a local folder or a hub dataset id. Files under
     ``exclude`` (the output directory, when it sits inside the input folder) are skipped."""
+    if spec.startswith(LANGFUSE_SCHEME):
+        if not spec[len(LANGFUSE_SCHEME) :].strip():
+            raise DataError(f"{spec}: name the Langfuse dataset: langfuse://<dataset name>")
+        return Source(spec, kind="langfuse", split=split, max_row_bytes=max_row_bytes)
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:

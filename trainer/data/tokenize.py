@@ -348,7 +348,10 @@ def _count_rows(path: Path) -> int:
 
 def _tokenize_split(split, path, split_dir, work, pool, num_proc, plan, pack) -> dict:
     ids_path, labels_path = work / f"{split}.ids.bin", work / f"{split}.labels.bin"
-    lengths, totals, dropped, examples = [], Counter(), Counter(), []
+    lengths: list[np.ndarray] = []
+    totals: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    examples: list[dict] = []
     bar = progress(desc=f"tokenize {split}", unit="rows", total=_count_rows(path))
     with open(ids_path, "wb") as ids_out, open(labels_path, "wb") as labels_out, bar:  # the bar clears on errors
         for result in ordered_map(pool, encode_chunk, _read_chunks(path), window=2 * num_proc + 2):

@@ -1,4 +1,4 @@
-"""The trainer's fast path on GPU (issues 6, 13). Each piece is exact, and on by default on CUDA:
+"""The trainer's fast path on GPU. Each piece is exact, and on by default on CUDA:
 
 - ``attention``: ``llmft_varlen`` per-document causal attention for packed rows
   (FlashAttention varlen kernel on CUDA; per-document SDPA elsewhere),
@@ -32,14 +32,6 @@ try:  # register the attention on import (trainer.model imports this package for
     _register_attention()
 except ImportError as _exc:  # transformers missing: the pure-Python pieces (flops) still work
     _log.debug("llmft_varlen not registered: %s", _exc)
-
-
-def prepare_attention(attn_implementation: str) -> None:
-    """Register the fast path's attention with transformers when the config names it (before loading)."""
-    from llmft.trainer.fastpath.attention import ATTENTION_NAME, register
-
-    if attn_implementation == ATTENTION_NAME:
-        register()
 
 
 def apply_kernels(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -106,7 +107,7 @@ def _cuda_varlen(q, k, v, cu, max_len: int, scale: float | None, gqa_mode: str |
     from torch.nn.attention.varlen import varlen_attn
 
     params = _VARLEN_PARAMS
-    kwargs = {"scale": scale}
+    kwargs: dict[str, Any] = {"scale": scale}
     if "window_size" in params:  # torch >= 2.11: causal is window (-1, 0)
         kwargs["window_size"] = (-1, 0)
     else:  # torch 2.10
@@ -122,7 +123,8 @@ def _cuda_varlen(q, k, v, cu, max_len: int, scale: float | None, gqa_mode: str |
     if q.dtype not in (torch.bfloat16, torch.float16):  # fp32 activations under autocast: the kernel is 16-bit only
         half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
         q, k, v = q.to(half), k.to(half), v.to(half)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs).to(out_dtype)
+    out = cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs))  # no return_aux: one tensor
+    return out.to(out_dtype)
 
 
 def _reference_per_document(q, k, v, cu, scale: float | None):

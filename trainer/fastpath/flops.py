@@ -1,6 +1,6 @@
 """FLOPs per training step, for tokens/s -> MFU.
 
-The count follows issue 6 and is the one the benchmark and the trainer's step
+The count is the one the benchmark and the trainer's step
 logs share, so their MFU figures agree by construction:
 
 - N is the number of matmul parameters of the decoder: q, k, v, o, gate, up,
@@ -18,7 +18,7 @@ logs share, so their MFU figures agree by construction:
   2 L (L + 1) head_dim heads per layer forward; backward is twice that, for
   both methods (attention has no weights, so LoRA saves nothing there).
 - Recomputation (gradient checkpointing) is never counted: MFU is model FLOPs.
-- Mixture of experts (issue 20): an MoE layer's N counts the router (E x hidden) and the top-k
+- Mixture of experts: an MoE layer's N counts the router (E x hidden) and the top-k
   experts each token runs, not all E (MFU over active parameters); an expert adapter's work
   counts top-k times too.
 
@@ -27,8 +27,9 @@ logs share, so their MFU figures agree by construction:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -62,7 +63,7 @@ class ModelShape:
     """Width of the gated MLP (gate/up output, down input)."""
     vocab: int
     """Vocabulary size (rows of lm_head)."""
-    # --- mixture of experts (issue 20; llmft F20): 0 for dense models
+    # --- mixture of experts: 0 for dense models
     n_experts: int = 0
     """Routed experts per MoE layer."""
     experts_per_token: int = 0
@@ -104,7 +105,7 @@ class ModelShape:
 
 def shape_from_config(config) -> ModelShape:
     """Read a ``ModelShape`` from a Hugging Face (Llama/Qwen2-style) config object or dict."""
-    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    get: Callable[..., Any] = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     n_heads = int(get("num_attention_heads"))
     hidden = int(get("hidden_size"))
     return ModelShape(
@@ -140,7 +141,7 @@ def matmul_params(shape: ModelShape) -> int:
     return per_layers + shape.vocab * shape.hidden
 
 
-# LoRA target names as the trainer finds them in adapter parameter names (llmft F20): PEFT's
+# LoRA target names as the trainer finds them in adapter parameter names: PEFT's
 # ParamWrappers sit at `experts` (outer) and `experts.base_layer` (inner) when both tensors are adapted.
 _EXPERT_ALIASES = {"experts": ("experts.gate_up_proj", "experts.down_proj"), "base_layer": ()}
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -162,7 +163,7 @@ def _return_input(hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def lm_head_bypassed(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+def lm_head_bypassed(model: torch.nn.Module) -> Iterator[torch.nn.Linear]:
     """Within the block, the model's output head returns its input (final hidden states).
 
     Yields the head module, whose ``.weight`` is what the fused loss needs (gather it
@@ -194,7 +195,7 @@ def gathered_weight(weight: torch.Tensor):
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module:
-    inner = getattr(model, "module", model)  # DDP
+    inner: Any = getattr(model, "module", model)  # DDP
     head = inner.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embeddings (lm_head)")

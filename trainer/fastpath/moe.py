@@ -32,6 +32,7 @@ and strides allow it, else a per-expert matmul loop over the sorted tokens (same
 from __future__ import annotations
 
 import types
+from typing import Any, Literal, cast
 
 import torch
 
@@ -49,8 +50,8 @@ DENSE_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 # ----------------------------------------------------------------------------- finding the pieces
 
 
-def moe_blocks(model) -> list[torch.nn.Module]:
-    """The sparse MoE blocks: modules with an ``experts`` child and a ``gate`` (router) child."""
+def moe_blocks(model) -> list[Any]:
+    """The sparse MoE blocks: modules with an ``experts`` child and a ``gate`` (router) child (duck-typed)."""
     return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate") and m is not model]
 
 
@@ -58,14 +59,14 @@ def is_moe(model) -> bool:
     return bool(moe_blocks(model))
 
 
-def base_experts(module) -> torch.nn.Module:
+def base_experts(module) -> Any:
     """The transformers experts module under any PEFT ``ParamWrapper`` nesting."""
     while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):
         module = module.base_layer
     return module
 
 
-def expert_wrappers(module) -> dict[str, torch.nn.Module]:
+def expert_wrappers(module) -> dict[str, Any]:
     """``{parameter name: PEFT ParamWrapper}`` wrapped around one experts module (outermost first)."""
     found = {}
     while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):
@@ -318,7 +319,7 @@ def swap_grouped_experts(model) -> dict:
     experts carrying PEFT LoRA (instead of PEFT's merged-weight parametrization) and 4-bit
     experts (dequantized per use). Frozen bf16 experts keep transformers' own implementation.
     Returns counts, the kernel and any block left alone with its reason. Idempotent."""
-    report = {"lora_experts": 0, "grouped_4bit": 0, "kernel": None, "kept": {}}
+    report: dict[str, Any] = {"lora_experts": 0, "grouped_4bit": 0, "kernel": None, "kept": {}}
     for block in moe_blocks(model):
         outer, experts = block.experts, base_experts(block.experts)
         if hasattr(outer, "_llmft_kernel"):
@@ -378,7 +379,8 @@ def quantize_experts_4bit(model, *, quant_type: str = "nf4", double_quant: bool 
         if getattr(experts, "_llmft_4bit", False):
             continue
         for name in ("gate_up_proj", "down_proj"):
-            replace_parameter_4bit(experts, name, compress_statistics=double_quant, quant_type=quant_type)
+            kind = cast(Literal["nf4", "fp4"], quant_type)  # one of the two: QLoRAConfig checks it
+            replace_parameter_4bit(experts, name, compress_statistics=double_quant, quant_type=kind)
         experts._llmft_4bit = True
         count += 1
     if count and torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """Fused LoRA over a 4-bit base (QLoRA): ``y = x W^T + b + s (drop(x) A^T) B^T`` with W stored in
 bitsandbytes' NF4/FP4 blocks, computed in the activations' dtype (bf16) end to end.
 
-Where PEFT's QLoRA spends its memory (issue 20: float32 [tokens, 8960] buffers at 15.6k tokens);
+Where PEFT's QLoRA spends its memory (float32 [tokens, 8960] buffers at 15.6k tokens on an H100);
 line numbers are peft 0.21.2 and bitsandbytes 0.50.2:
 
 - ``peft.prepare_model_for_kbit_training`` casts every bf16 parameter that is not 4-bit (embeddings,
@@ -42,6 +42,7 @@ dropout masks; nothing of size [tokens, d_out].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from llmft.trainer.fastpath.lora import drop_input, redrop
@@ -118,7 +119,9 @@ def _dequantize(packed, absmax, absmax2, code2, offset, rows, cols, spec, dtype,
 def _dequantize_stack(packed, absmax, absmax2, code2, offset, rows, cols, spec, dtype, device) -> torch.Tensor:
     """The siblings' weights stacked along the output dimension: [sum(rows), cols]."""
     n = len(packed)
-    nested = [(absmax2[i], code2[i], offset[i]) if absmax2 else (None, None, None) for i in range(n)]
+    nested: list[tuple[Any, Any, Any]] = [
+        (absmax2[i], code2[i], offset[i]) if absmax2 else (None, None, None) for i in range(n)
+    ]
     if n == 1:
         return _dequantize(packed[0], absmax[0], *nested[0], rows[0], cols, spec, dtype)
     stacked = torch.empty(sum(rows), cols, dtype=dtype, device=device)

@@ -215,7 +215,9 @@ def describe(report: dict) -> str:
     """One log line: ``fast path: on: ...; off: piece (why), ...; micro batch: ...; memory: ...``
     (keys it does not know, e.g. ``moe``, are appended as they are). No ``name=value`` pairs: Katib's
     stdout metrics collector would read them as metrics."""
-    on, off, other = [], [], []
+    on: list[str] = []
+    off: list[str] = []
+    other: list[str] = []
     for name, value in report.items():
         if name in ("micro_batch", "memory"):
             continue

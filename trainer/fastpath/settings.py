@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from llmft.trainer.errors import ConfigError
@@ -142,7 +143,7 @@ def enable_checkpointing(model, layers: int) -> int:
 
     if layers <= 0:
         return 0
-    blocks = decoder_layers(model)
+    blocks: list[Any] = decoder_layers(model)  # transformers' decoder layers, duck-typed
     if layers >= len(blocks) or not all(hasattr(b, "gradient_checkpointing") for b in blocks):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return len(blocks)

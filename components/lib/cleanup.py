@@ -1,0 +1,201 @@
+"""Cancelled or failed runs free their GPUs: the jobs a run started are found by its run-id label.
+
+Three mechanisms, each for a way a run can end while a job still holds GPUs:
+
+* **SIGTERM in the launcher** (:func:`delete_on_sigterm`). Cancelling a run on KFP 2.4/2.5 patches
+  the Argo Workflow's ``activeDeadlineSeconds`` to 0 (kubeflow/pipelines 2.4.1
+  ``backend/src/common/util/execution_spec.go`` 315-322, ``resource_manager.go`` TerminateRun); Argo
+  v3.4.17 (the version KFP 2.4.1 builds against) then sends SIGTERM to the running task pods and
+  SIGKILL after their grace period (``workflow/controller/exec_control.go`` 56-64,
+  ``controller.go`` 507-514). The train and sweep launchers catch that SIGTERM and delete the job
+  they watch before exiting 143. The job's pods get SIGTERM in turn, so the trainer commits a
+  checkpoint first.
+* **The exit handler** (:func:`cleanup_run`, the ``cleanup-run`` task of both pipelines). When the
+  body of the pipeline fails (a task failed after its retries, a launcher timed out, a launcher pod
+  was lost), it deletes every job and Experiment labelled with the run id that has not finished.
+  It never reads the run's final state (``dsl.PipelineTaskFinalStatus`` is "not supported yet" by
+  the Argo compiler of KFP 2.4/2.5, ``backend/src/v2/compiler/argocompiler/dag.go`` 612-613 at 2.4.1): a finished
+  job (Succeeded or Failed) holds no GPU and its pods keep their logs, so only unfinished ones go.
+  After a cancel the hook may not run at all (kubeflow/pipelines#6101: "Step exceeded its
+  deadline"); the SIGTERM handler covers that case.
+* **ownerReferences** (:func:`run_owner_reference`). Jobs and Experiments are owned by the run's Argo
+  Workflow (the owner of the launcher pod, ``workflow/controller/workflowpod.go`` 172-173), never by
+  the launcher pod: a pod is deleted and replaced on every KFP retry and on eviction, which would
+  delete the healthy job the retry should re-attach to. The Workflow lives across retries and is
+  deleted with the run, or by KFP's persistence agent 7 days after the run ends
+  (``backend/src/agent/persistence/main.go`` 163, ``worker/workflow_saver.go`` 64); the garbage
+  collector then deletes the jobs too. Katib trials are owned by their Experiment already.
+
+No real cluster runs in the tests: tests/k8s/cluster_sim.py plays the controllers these rely on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from llmft.trainer.errors import EXIT_PREEMPTED
+
+RUN_ID_LABEL = "pipelines.kubeflow.org/run-id"
+"""Label every job, trial and Experiment of a pipeline run carries (value: :func:`run_label`)."""
+
+RUN_RESOURCES: tuple[tuple[str, str, str, str], ...] = (
+    ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"),
+    ("kubeflow.org", "v1beta1", "experiments", "Experiment"),
+    ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"),
+)
+"""(group, version, plural, kind) of everything a run may start; a kind whose CRD is not installed is skipped."""
+
+FINISHED_CONDITIONS = ("Succeeded", "Failed", "Complete")
+"""Condition types (status True) that mark a job or Experiment finished (TrainJob says Complete)."""
+
+
+def run_label(run_id: str) -> str:
+    """The run-id label value: a valid label value (63 characters of [A-Za-z0-9_.-], alphanumeric ends)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "", run_id)[:63].strip("_.-")
+
+
+def run_selector(run_id: str) -> str:
+    return f"{RUN_ID_LABEL}={run_label(run_id)}"
+
+
+def is_finished(obj: Mapping[str, Any]) -> bool:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in FINISHED_CONDITIONS and c.get("status") == "True" for c in conditions)
+
+
+def cleanup_run(cluster, run_id: str, *, print_fn: Callable[[str], Any] = print) -> dict[str, list[str]]:
+    """Delete every unfinished job and Experiment labelled with ``run_id``; returns what was deleted
+    and kept, by kind. Raises ClusterError naming every object it could not delete (and the kubectl
+    command to do it by hand) after trying them all."""
+    from llmft.components.lib.cluster import ClusterError
+
+    selector = run_selector(run_id)
+    report: dict[str, list[str]] = {"deleted": [], "kept": []}
+    problems: list[str] = []
+    for resource in RUN_RESOURCES:
+        problems += _cleanup_kind(cluster, resource, selector, report, print_fn)
+    if problems:
+        kinds = ",".join(plural for _, _, plural, _ in RUN_RESOURCES)
+        raise ClusterError(
+            f"could not clean up run {run_id}: " + "; ".join(problems) + ". Delete them by hand: "
+            f"kubectl delete -n {cluster.namespace} {kinds} -l {selector}"
+        )
+    if not report["deleted"]:
+        print_fn(f"run {run_id}: no unfinished job or Experiment left (kept {len(report['kept'])} finished)")
+    return report
+
+
+def _cleanup_kind(cluster, resource: tuple[str, str, str, str], selector: str, report: dict, print_fn) -> list[str]:
+    """Delete the unfinished objects of one kind matching ``selector``; returns the problems met."""
+    from llmft.components.lib.cluster import ClusterError, call_with_retries
+
+    group, version, plural, kind = resource
+    try:
+        items = call_with_retries(
+            lambda: cluster.list_custom_objects(group, version, plural, label_selector=selector),
+            what=f"list {plural}",
+            print_fn=print_fn,
+        )
+    except ClusterError as exc:
+        return [] if exc.status == 404 else [f"{kind}s: {exc}"]  # 404: this kind's CRD is not installed
+    problems = []
+    for name in [o["metadata"]["name"] for o in items if not is_finished(o)]:
+        try:
+            call_with_retries(
+                functools.partial(cluster.delete_custom_object, group, version, plural, name),
+                what=f"delete {kind} {name}",
+                print_fn=print_fn,
+            )
+        except ClusterError as exc:
+            if exc.status != 404:  # already gone is fine
+                problems.append(f"{kind}/{name}: {exc}")
+                continue
+        report["deleted"].append(f"{kind}/{name}")
+        print_fn(f"deleted unfinished {kind} {cluster.namespace}/{name}")
+    report["kept"] += [f"{kind}/{o['metadata']['name']}" for o in items if is_finished(o)]
+    return problems
+
+
+def cleanup_after_run(run_id: str, *, environ: Mapping[str, str] | None = None, cluster=None) -> dict:
+    """The ``cleanup-run`` exit task's body: clean up on a cluster; under kfp.local nothing was
+    started outside the run's own processes (local backends), so nothing is left to delete."""
+    from llmft.components.lib.plan import on_kfp_cluster
+
+    if not on_kfp_cluster(environ) and cluster is None:
+        print(f"kfp.local run {run_id}: no cluster jobs to clean up")
+        return {"deleted": [], "kept": [], "skipped": True}
+    from llmft.components.lib.cluster import Cluster
+
+    return cleanup_run(cluster or Cluster(), run_id)
+
+
+@contextlib.contextmanager
+def delete_on_sigterm(
+    cluster,
+    group: str,
+    version: str,
+    plural: str,
+    name: str,
+    *,
+    namespace: str | None = None,
+    print_fn: Callable[[str], Any] = print,
+) -> Iterator[None]:
+    """While the block runs, SIGTERM deletes the named object and exits 143 (preempted).
+
+    Only the main thread can receive signals; elsewhere (a test runner's thread) this is a no-op.
+    The previous handler is restored when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, _frame):
+        print_fn(f"SIGTERM (run cancelled, timed out or this pod evicted): deleting {plural} {name}")
+        try:
+            cluster.delete_custom_object(group, version, plural, name, namespace=namespace)
+        except Exception as exc:  # noqa: BLE001 - report and exit anyway: the exit handler tries again
+            print_fn(f"warning: could not delete {plural} {name}: {exc}")
+        raise SystemExit(EXIT_PREEMPTED)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_owner_reference(
+    cluster, *, environ: Mapping[str, str] | None = None, print_fn: Callable[[str], Any] = print
+) -> dict | None:
+    """The ownerReference to put on the jobs this launcher creates: the run's Argo Workflow (the
+    controller owner of this pod, whose name KFP sets in KFP_POD_NAME). None outside a KFP pod or
+    when the pod cannot be read; ``blockOwnerDeletion`` stays false (setting it needs RBAC on
+    workflows' finalizers)."""
+    from llmft.components.lib.cluster import ClusterError
+    from llmft.components.lib.plan import KFP_POD_ENV
+
+    pod_name = (os.environ if environ is None else environ).get(KFP_POD_ENV, "")
+    if not pod_name:
+        return None
+    try:
+        pod = cluster.read_pod(pod_name)
+    except ClusterError as exc:
+        print_fn(f"note: jobs get no owner (cannot read this pod {pod_name}: {exc})")
+        return None
+    owners = (pod.metadata.owner_references or []) if pod is not None and pod.metadata else []
+    workflow = next((o for o in owners if o.kind == "Workflow" and o.controller), None)
+    if workflow is None:
+        return None
+    return {
+        "apiVersion": workflow.api_version,
+        "kind": workflow.kind,
+        "name": workflow.name,
+        "uid": workflow.uid,
+        "blockOwnerDeletion": False,
+    }

@@ -1,0 +1,94 @@
+"""`llmft pipeline render-job`: write the training job the train step would submit, for review.
+
+The job is built by the launcher's own code from a plan built from the given pipeline
+parameters: ``build_plan`` (as the plan-run step does on a cluster), then
+``plan.trainer.command_overrides(<tokenized dir>)`` and ``build_train_job_spec`` (as the train
+step does), then ``build_pytorchjob`` or ``build_trainjob``. Only the tokenized folder (known once
+the tokenize step ran) and the run id (the KFP run's) are placeholders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import yaml
+
+BACKENDS = {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
+"""--backend -> the pipeline's training_backend value."""
+RENDER_POD = {"KFP_POD_NAME": "llmft-render-job"}
+"""The environment of a KFP task pod, so the plan applies the checks it applies on a cluster."""
+
+
+def add_parser(sub) -> None:
+    render = sub.add_parser(
+        "render-job", help="write the PyTorchJob or TrainJob the train step would submit (for review)"
+    )
+    render.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. num_workers=2)")
+    render.add_argument("--backend", choices=sorted(BACKENDS), required=True, help="pytorchjob or trainjob")
+    render.add_argument("--output", required=True, help="YAML file to write")
+    render.add_argument("--run-id", default="RUN-ID", help="KFP run id the job name derives from (default RUN-ID)")
+    render.add_argument("--namespace", default=None, help="namespace to set on the job (default: none)")
+    render.add_argument(
+        "--data", default=None, help="tokenized shards the trainer reads (default <data_root>/tokenized/CACHE_KEY)"
+    )
+    render.add_argument("--hpo", action="store_true", help="take the HPO pipeline's parameters")
+    render.set_defaults(func=run_render_job)
+
+
+def render_job(arguments: dict, backend: str, *, run_id: str, namespace: str | None, data: str | None) -> dict:
+    """The job body (a dict, as the API server receives it) for pipeline parameters ``arguments``."""
+    from llmft.components.lib.plan import build_plan
+    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.lib.train_job import build_train_job_spec
+    from llmft.components.plan import parameter_defaults
+    from llmft.trainer.errors import ConfigError
+
+    given = arguments.get("training_backend", BACKENDS[backend])
+    if given != BACKENDS[backend]:
+        raise ConfigError(f"training_backend={given} contradicts --backend {backend}; drop one of them")
+    values = {**parameter_defaults(), **arguments, "training_backend": BACKENDS[backend]}
+    plan = build_plan(values, run_id=run_id, compiled=compiled_settings("llm-finetune", values), environ=RENDER_POD)
+    overrides = plan.trainer.command_overrides(data or plan.layout.tokenized("CACHE_KEY"))
+    spec = build_train_job_spec(plan.job, overrides, namespace=namespace)
+    if backend == "trainjob":
+        from llmft.components.lib.trainjob import build_trainjob, trainjob_to_dict
+
+        return trainjob_to_dict(build_trainjob(spec, runtime=plan.job.runtime))
+    from llmft.components.lib.pytorchjob import build_pytorchjob, pytorchjob_to_dict
+
+    return pytorchjob_to_dict(build_pytorchjob(spec))
+
+
+# Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (katib/experiment.py has
+# the same rule for Experiments): quoted, so that e.g. an env value 1e-05 stays a string.
+_NON_STRING = re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
+    r"|0x[0-9a-fA-F]+|0o[0-7]+|true|True|TRUE|false|False|FALSE|yes|Yes|no|No|on|On|off|Off|null|Null|NULL|~|)$"
+)
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(
+    str,
+    lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="'" if _NON_STRING.match(v) else None),
+)
+
+
+def run_render_job(args: argparse.Namespace) -> int:
+    from llmft.commands.pipeline import _arguments
+
+    body = render_job(_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data)
+    header = (
+        f"# {body['kind']} the train step would submit (llmft pipeline render-job --backend {args.backend}).\n"
+        "# Placeholders: the run id in the name and labels, CACHE_KEY in data= (the tokenize step's folder).\n"
+    )
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=120, default_flow_style=False)
+    Path(args.output).write_text(header + text, encoding="utf-8")
+    print(f"wrote {body['kind']} {body['metadata']['name']} to {args.output}")
+    return 0

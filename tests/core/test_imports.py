@@ -1,0 +1,212 @@
+"""The import rules of docs/architecture.md ("Imports"), enforced.
+
+- Imports flow one way: (the CLI) -> pipelines -> components -> katib -> trainer. components never
+  import pipelines; katib imports neither components nor pipelines; the trainer imports none of
+  components, pipelines, katib or benchmarks; none of them imports the CLI (at any level, lazily
+  included).
+- The trainer is what the GPU image runs: none of its modules imports kfp (kfp.kubernetes
+  included), the Kubeflow SDKs (kubeflow.training, kubeflow.katib, the Trainer and Katib API
+  models), mlflow, langfuse or kserve at module level. Read statically (every statement that
+  runs at import time, ``if TYPE_CHECKING:`` blocks excepted) and for real (each module
+  imported in a fresh interpreter, sys.modules read after each).
+- Nothing imports the bare folder names (``import trainer``): only ``llmft.trainer`` and its
+  siblings exist once installed (setup.cfg package_dir; tests/core/test_packaging.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmft import SUBPACKAGES
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Top-level module names the trainer must not load at import time.
+ORCHESTRATION = (
+    "kfp",
+    "kubeflow",
+    "kubeflow_katib_api",
+    "kubeflow_trainer_api",
+    "mlflow",
+    "langfuse",
+    "kserve",
+    "katib",
+)
+
+# package -> the packages of ours it must never import (the CLI, llmft.cli and llmft.commands, is the top)
+CLI = ("llmft.cli", "llmft.commands")
+NEVER = {
+    "llmft.trainer": ("llmft.components", "llmft.pipelines", "llmft.katib", "llmft.benchmarks", *CLI),
+    "llmft.components": ("llmft.pipelines", "llmft.benchmarks", *CLI),
+    "llmft.katib": ("llmft.components", "llmft.pipelines", "llmft.benchmarks", *CLI),
+    "llmft.pipelines": ("llmft.benchmarks", *CLI),
+}
+
+
+def module_name(path: Path) -> str:
+    """The import name of a source file of the package (trainer/io.py -> llmft.trainer.io)."""
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    if parts[0] in SUBPACKAGES:
+        parts.insert(0, "llmft")
+    return ".".join(parts)
+
+
+def package_files(folder: str) -> list[Path]:
+    return sorted(p for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def python_files() -> list[Path]:
+    """Every Python file of the checkout (git's view when there is one: tracked and not ignored)."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        return sorted(REPO / p for p in listed if (REPO / p).is_file())
+    except (OSError, subprocess.CalledProcessError):
+        folders = (*SUBPACKAGES, "llmft", "tests", "tools")
+        return sorted(p for f in folders for p in package_files(f))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_time_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Statements that run when the module is imported: the module body and the blocks in it
+    (if/try/with/for/while and class bodies), not function bodies, not ``if TYPE_CHECKING:``."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _import_time_statements(node.orelse)
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            yield from _import_time_statements(getattr(node, field, None) or [])
+        for handler in getattr(node, "handlers", None) or []:
+            yield from _import_time_statements(handler.body)
+
+
+def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """The absolute module names an Import/ImportFrom statement names."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolve against this module's package
+            package = module.split(".") if is_package else module.split(".")[:-1]
+            base = package[: len(package) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        return [target] + [f"{target}.{alias.name}" for alias in node.names if alias.name != "*"]
+    return []
+
+
+def imports(path: Path, *, import_time_only: bool) -> list[tuple[int, str]]:
+    """(line, module) for every import in the file, or only those that run at import time."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    module, is_package = module_name(path), path.name == "__init__.py"
+    nodes = _import_time_statements(tree.body) if import_time_only else ast.walk(tree)
+    return [(node.lineno, name) for node in nodes for name in _imported(node, module, is_package)]
+
+
+def _under(name: str, roots: tuple[str, ...]) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in roots)
+
+
+def test_the_trainer_imports_no_orchestration_package_at_module_level():
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: imports {name} at module level"
+        for path in package_files("trainer")
+        for line, name in imports(path, import_time_only=True)
+        if _under(name, ORCHESTRATION)
+    ]
+    assert not offenders, (
+        "the GPU image's trainer must not need these (import them inside the function):\n" + "\n".join(offenders)
+    )
+
+
+@pytest.mark.parametrize("package", sorted(NEVER))
+def test_imports_flow_one_way(package):
+    folder = package.split(".")[1]
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: {package} imports {name}"
+        for path in package_files(folder)
+        for line, name in imports(path, import_time_only=False)
+        if _under(name, NEVER[package])
+    ]
+    assert not offenders, "imports flow pipelines -> components -> trainer, katib:\n" + "\n".join(offenders)
+
+
+def test_nothing_imports_the_bare_folder_names():
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: import {name} (write llmft.{name})"
+        for path in python_files()
+        for line, name in imports(path, import_time_only=False)
+        if _under(name, SUBPACKAGES)
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+_PROBE = """
+import importlib, json, sys
+roots = set(json.loads(sys.argv[1]))
+loaded = {}
+for name in json.loads(sys.argv[2]):
+    importlib.import_module(name)
+    found = sorted(m for m in sys.modules if m.split(".")[0] in roots)
+    if found:
+        loaded[name] = found
+        break
+print(json.dumps(loaded))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports every trainer module (torch, transformers): about 5 s
+def test_importing_every_trainer_module_loads_no_orchestration_package():
+    modules = [module_name(p) for p in package_files("trainer")]
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(ORCHESTRATION), json.dumps(modules)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, found in loaded.items():
+        pytest.fail(f"importing {name} loaded {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}")
+
+
+def test_the_static_reader_sees_what_it_must():
+    """The AST reader itself: module-level and class-level imports count, function bodies and
+    TYPE_CHECKING blocks do not, relative imports resolve."""
+    source = (
+        "from typing import TYPE_CHECKING\nimport mlflow\nif TYPE_CHECKING:\n    import kfp\nelse:\n    import kserve\n"
+        "try:\n    import langfuse\nexcept ImportError:\n    import kubeflow.training\n"
+        "class A:\n    import katib\n"
+        "def f():\n    import kubeflow_katib_api\n"
+        "from . import io\nfrom ..components import plan\n"
+    )
+    path = REPO / "trainer" / "data" / "_probe_not_a_module.py"
+    tree = ast.parse(source)
+    names = [name for node in _import_time_statements(tree.body) for name in _imported(node, module_name(path), False)]
+    assert "mlflow" in names and "kserve" in names and "langfuse" in names and "kubeflow.training" in names
+    assert "katib" in names, "class bodies run at import time"
+    assert "kfp" not in names and "kubeflow_katib_api" not in names
+    assert "llmft.trainer.data.io" in names and "llmft.trainer.components.plan" in names

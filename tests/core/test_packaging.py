@@ -1,0 +1,193 @@
+"""What installing the distribution puts into site-packages: one import root, ``llmft``.
+
+The folders trainer/, components/, pipelines/, katib/, benchmarks/ stay at the top of the
+checkout but install as ``llmft.trainer``, ``llmft.components``, ... (setup.cfg ``package_dir``),
+so a wheel never adds generic names such as ``trainer`` (a PyPI distribution of that name exists).
+setup.cfg lists the packages by hand: these tests hold the list to the folders on disk, build a
+wheel of a clean copy of the checkout and read it, and look for commands and snippets in the
+docs, notebooks, scripts and Dockerfiles that still name a bare folder (``python -m trainer``).
+The Python modules' own imports are read by tests/core/test_imports.py.
+"""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from llmft import SUBPACKAGES
+
+REPO = Path(__file__).resolve().parents[2]
+BARE = "|".join(SUBPACKAGES)
+
+
+def _setup_cfg() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser()
+    parser.read(REPO / "setup.cfg", encoding="utf-8")
+    return parser
+
+
+def _package_dir() -> dict[str, str]:
+    raw = _setup_cfg()["options"]["package_dir"]
+    pairs = (line.split("=", 1) for line in raw.splitlines() if line.strip())
+    return {name.strip(): folder.strip() for name, folder in pairs}
+
+
+def _packages() -> list[str]:
+    raw = _setup_cfg()["options"]["packages"]
+    return [line.strip() for line in raw.splitlines() if line.strip()]
+
+
+def _source_dirs() -> dict[str, Path]:
+    """Every folder of the package on disk -> its import name (trainer/data -> llmft.trainer.data)."""
+    found = {}
+    for name, folder in _package_dir().items():
+        root = REPO / folder
+        for directory in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+            parts = directory.relative_to(root).parts
+            if "__pycache__" in parts or any(part.startswith(".") for part in parts):
+                continue
+            found[".".join((name, *parts))] = directory
+    return found
+
+
+def checkout_files() -> list[str]:
+    """The files a fresh clone has (git's view: tracked, and untracked not ignored), else a walk."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "build", "dist", "runs", "mlruns", "__pycache__"}
+        listed = [
+            str(p.relative_to(REPO))
+            for p in REPO.rglob("*")
+            if p.is_file() and not skip.intersection(p.relative_to(REPO).parts)
+        ]
+    return sorted(f for f in listed if (REPO / f).is_file())
+
+
+def test_package_dir_maps_every_folder_under_the_import_root():
+    assert _package_dir() == {"llmft": "llmft", **{f"llmft.{name}": name for name in SUBPACKAGES}}
+    for name in SUBPACKAGES:
+        assert (REPO / name / "__init__.py").is_file(), f"{name}/ is mapped to llmft.{name} but is not a package"
+
+
+def test_the_package_list_is_the_folders_on_disk():
+    on_disk = _source_dirs()
+    packages = {name for name, d in on_disk.items() if (d / "__init__.py").is_file()}
+    listed = _packages()
+    assert len(listed) == len(set(listed)), "setup.cfg lists a package twice"
+    assert set(listed) == packages, (
+        f"setup.cfg [options] packages differs from the folders holding an __init__.py: "
+        f"missing {sorted(packages - set(listed))}, not on disk {sorted(set(listed) - packages)}"
+    )
+    stray = [str(d.relative_to(REPO)) for name, d in on_disk.items() if name not in packages and any(d.glob("*.py"))]
+    assert not stray, f"Python modules in folders without __init__.py would not be installed: {stray}"
+
+
+@pytest.mark.slow  # builds a wheel with pip (about 2 s)
+def test_the_wheel_holds_only_llmft(tmp_path):
+    source = tmp_path / "src"
+    for name in checkout_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q"]
+        + ["-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    roots = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert roots == {"llmft"}, f"the wheel installs {sorted(roots)} into site-packages; only llmft may be there"
+    modules = {
+        "/".join(name.split(".")) + "/" + path.name
+        for name, directory in _source_dirs().items()
+        if (directory / "__init__.py").is_file()
+        for path in directory.glob("*.py")
+    }
+    assert modules - names == set(), f"modules missing from the wheel: {sorted(modules - names)[:10]}"
+    assert "llmft/trainer/configs/tiny-cpu.yaml" in names, "the shipped trainer configs are package data"
+    assert any(n.startswith("llmft/trainer/assets/sample_data/") for n in names), "the sample data ships"
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["llmft"]
+
+
+# A Python statement or command naming a bare folder: `from trainer.x import y`, `import components`,
+# `python -m trainer`, `torchrun ... -m benchmarks.gpu.x`, ["-m", "trainer"].
+IMPORT_LINE = re.compile(
+    rf"""(?m)(?:^|[;'"`(]|&&|\|\|)\s*(?:from\s+(?:{BARE})(?:\.\w+)*\s+import\b|import\s+(?:{BARE})(?:\.\w+)*\s*(?:$|[;,'"`)\\]|as\b))"""
+)
+RUN_MODULE = re.compile(rf"""-m\s+(?:{BARE})(?:\.\w+)*(?:\s|$|['"`])|["']-m["']\s*,\s*["'](?:{BARE})(?:\.\w+)*["']""")
+# Logs of past runs keep the commands they ran; the tests of the scan hold examples.
+SKIPPED = ("benchmarks/results/", "tests/core/test_packaging.py")
+
+
+def bare_names(path: str, text: str) -> list[str]:
+    """``file:line: match`` for each statement or command in ``text`` that names a bare folder.
+    Python files are read for commands only (tests/core/test_imports.py reads their imports)."""
+    patterns = (RUN_MODULE,) if path.endswith(".py") else (IMPORT_LINE, RUN_MODULE)
+    return [
+        f"{path}:{text.count(chr(10), 0, m.start()) + 1}: {' '.join(m.group(0).split())}"
+        for pattern in patterns
+        for m in pattern.finditer(text)
+    ]
+
+
+def test_no_command_or_snippet_names_a_bare_folder():
+    offenders = []
+    for name in checkout_files():
+        if name.startswith(SKIPPED):
+            continue
+        try:
+            text = (REPO / name).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary
+        offenders += bare_names(name, text)
+    assert not offenders, "write llmft.<folder> (python -m llmft.trainer, from llmft.components ...):\n" + "\n".join(
+        offenders
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "python -m trainer config.yaml",
+        "torchrun --nproc-per-node 2 -m trainer x=1",
+        "$(python -c 'from components.images import IMAGE_TAG')",
+        '"source": ["import pipelines\\n"]',
+        "import katib as k",
+        '["python", "-m", "trainer", "cfg.yaml"]',
+        "python -m\nbenchmarks.gpu.trainer_entry",
+    ],
+)
+def test_the_scan_finds_bare_names(text):
+    assert bare_names("doc.md", text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "python -m llmft.trainer config.yaml",
+        "from llmft.components.images import IMAGE_TAG",
+        "The trainer imports nothing from components at module level.",
+        "an attention implementation must come from trainer.fastpath",
+        "python -m torch.distributed.run -m llmft.trainer",
+    ],
+)
+def test_the_scan_leaves_other_text_alone(text):
+    assert not bare_names("doc.md", text)

@@ -1,0 +1,694 @@
+"""A small controller simulator: what a real cluster does to this project's jobs, with real local
+processes (`llmft train` on the tiny model) as the pods' containers.
+
+No real cluster can run here. The fakes of k8s_fakes.py stand in for the API server; this module
+plays the controllers behind it, each rule following the upstream source it cites:
+
+* Training Operator v1 (kubeflow/trainer v1.9.4), :class:`ClusterSim` for PyTorchJobs:
+  - pods ``<job>-master-0`` / ``<job>-worker-<i>`` with the rendezvous environment of
+    ``pkg/controller.v1/pytorch/envvar.go`` 50-127 (MASTER_ADDR is 127.0.0.1 here, not the master's
+    Service, and the port a free one);
+  - ``restartPolicy: ExitCode``: a pod that exits 128-255 is deleted and created again (so its
+    restartCount stays 0), 1-127 fails the job (``pkg/util/train/train_util.go`` 24-26,
+    ``pkg/controller.v1/common/pod.go`` 339-373); backoffLimit counts restartCount of running pods
+    only (``pkg/core/job.go`` 93-133), which recreated pods never raise (kubeflow/trainer#2045);
+  - ``activeDeadlineSeconds`` from status.startTime (``pkg/core/job.go`` 81-91) fails the job with
+    the message of ``pkg/controller.v1/common/job.go`` 211-213; conditions as
+    ``pkg/controller.v1/pytorch/pytorchjob_controller.go`` 358-444 sets them (Running while the
+    master runs, Succeeded when it succeeded) and ``pkg/util/status.go`` 103-107 freezes them once
+    Failed;
+  - ``cleanPodPolicy`` on a finished job (``pkg/controller.v1/common/job.go`` 43-69): None keeps
+    every pod, Running deletes the Running and Pending ones, All deletes all;
+  - deleting a job deletes its pods (owner references, background propagation).
+* Kubelet and container runtime: deleting a pod sends SIGTERM to the container's main process and
+  SIGKILL after ``terminationGracePeriodSeconds`` (default 30 s); when the main process exits, every
+  other process of the container dies too (the kernel ends a PID namespace with its init; with a
+  shared one, containerd's runc shim kills them, ``ShouldKillAllOnExit``); ``$(VAR)`` and ``$$`` in
+  command and args are expanded from the container's env (k8s.io/kubernetes
+  ``third_party/forked/golang/expansion``). A container's main process here is a plain child process
+  (as with ``shareProcessNamespace``, which Katib sets on trial pods); a pod's own PID namespace,
+  where an unhandled SIGTERM to PID 1 is ignored, is not reproduced: the trainer's launchers handle
+  SIGTERM themselves. Unschedulable pods (no free ``nvidia.com/gpu``), a missing PVC or Secret key
+  and an image that cannot be pulled stay Pending with the waiting reason, condition and event the
+  scheduler and kubelet write.
+* Katib v0.19.0 (:func:`katib_wrap`): the metrics-collector wrapper of a trial's primary container
+  (``pkg/webhook/v1beta1/pod/utils.go`` 155-221) and the collector's early stop
+  (``cmd/metricscollector/v1beta1/file-metricscollector/main.go`` 263-296); Experiments go Running.
+* KServe v0.20.0 (:class:`FakeVllm`): an InferenceService turns Ready with a URL (Ready condition
+  plus ``status.url``: ``pkg/apis/serving/v1beta1/inference_service_status.go`` 306-309); its
+  predictor is a fake vLLM OpenAI server that serves ``--model_name`` and every ``--lora-modules``
+  name (huggingfaceserver ``__main__.py`` 332-336) and resolves a request's model name against the
+  base names first (vLLM ``OpenAIServing._maybe_get_adapter``, as bundled with KServe 0.15/0.16),
+  answering with the real tiny model and adapter through transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from kubernetes import client
+
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+JOB_ROLE_LABEL = "training.kubeflow.org/job-role"
+POD_TAG = "LLMFT_SIM_POD_UID"
+"""Every process of a simulated container carries this variable: the simulator's stand-in for a cgroup."""
+DEADLINE_MESSAGE = "Job {} has failed because it was active longer than specified deadline"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def now_rfc3339(ts: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if ts is None else ts))
+
+
+def condition(kind: str, reason: str, message: str, status: str = "True") -> dict:
+    stamp = now_rfc3339()
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastUpdateTime": stamp,
+        "lastTransitionTime": stamp,
+    }
+
+
+def set_condition(status: dict, new: dict) -> None:
+    """pkg/util/status.go 103-148: frozen once Failed; Running and Restarting exclude each other;
+    Failed/Succeeded set Running to False."""
+    conditions = status.setdefault("conditions", [])
+    if any(c["type"] == "Failed" and c["status"] == "True" for c in conditions):
+        return
+    current = next((c for c in conditions if c["type"] == new["type"]), None)
+    if current and current["status"] == new["status"] and current["reason"] == new["reason"]:
+        return
+    exclusive = {"Running": "Restarting", "Restarting": "Running"}
+    kept = [c for c in conditions if c["type"] not in (new["type"], exclusive.get(new["type"]))]
+    for c in kept:
+        if new["type"] in ("Failed", "Succeeded") and c["type"] == "Running":
+            c["status"] = "False"
+    status["conditions"] = [*kept, new]
+
+
+def is_finished(obj: dict) -> bool:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] in ("Succeeded", "Failed") and c["status"] == "True" for c in conditions)
+
+
+def k8s_expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of command, args and env values (third_party/forked/golang/expansion
+    ``Expand`` / ``tryReadVariableName``): ``$$`` -> ``$``; ``$(...)`` up to the next ``)`` -> the
+    variable's value, or left as written when no such variable is defined (so ``$(head ...)`` in a
+    shell script passes through, ``$$`` inside it included)."""
+    out, cursor = [], 0
+    while cursor < len(text):
+        if text[cursor] != "$" or cursor + 1 == len(text):
+            out.append(text[cursor])
+            cursor += 1
+            continue
+        rest = text[cursor + 1 :]
+        if rest[0] == "$":
+            out.append("$")
+            cursor += 2
+        elif rest[0] == "(" and ")" in rest:
+            name = rest[1 : rest.index(")")]
+            out.append(env[name] if name in env else f"$({name})")
+            cursor += len(name) + 3
+        else:
+            out.append("$" + rest[0])
+            cursor += 2
+    return "".join(out)
+
+
+# --- containers as local processes ----------------------------------------------------------------
+
+
+def tagged_pids(uid: str) -> list[int]:
+    """Processes whose environment carries ``POD_TAG=uid`` (every process of one container)."""
+    needle = f"{POD_TAG}={uid}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@dataclass
+class Container:
+    """One run of a pod's container: a local process (its main process) and everything it starts."""
+
+    pod: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    proc: subprocess.Popen | None = None
+
+    def start(self, cwd: Path) -> Container:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env={**self.env, POD_TAG: self.uid},
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def exit_code(self) -> int | None:
+        """None while running; a signal's death is 128 + its number, as the runtime reports it."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        self.kill_all()  # the container ends with its main process
+        return 128 - code if code < 0 else code
+
+    def signal(self, signum: int) -> None:
+        """What the runtime does on stop: the signal to the container's main process only."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the container (OOM kill, node loss, end of the grace period)."""
+        for pid in tagged_pids(self.uid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.is_file() else ""
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """The environment every simulated container starts from: this test's, without anything a pod
+    would not have (LLMFT_*, MLFLOW_*, LANGFUSE_*, rendezvous variables), offline, one thread."""
+    drop = ("MLFLOW_", "LANGFUSE_", "LLMFT_", "PET_", "KFP_")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(drop) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `llmft` on PATH
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **extra})
+    return env
+
+
+# --- the cluster ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Chaos:
+    """Send ``signum`` to the containers of pods whose name starts with ``pod_prefix`` once their log
+    (or the log of pod ``watch``: only rank 0 prints training steps) contains ``when``. SIGKILL hits
+    the whole container, like an OOM kill or a lost node."""
+
+    pod_prefix: str
+    when: str
+    signum: int = signal.SIGKILL
+    times: int | None = None  # None: every run of the pod
+    watch: str | None = None
+    hit: set = field(default_factory=set)  # containers already hit
+
+
+class ClusterSim:
+    """Controllers of one namespace over the fakes: the Training Operator for PyTorchJobs, Katib
+    Experiments going Running, KServe InferenceServices turning Ready (see the module docstring)."""
+
+    def __init__(self, custom, core, namespace: str, workdir: Path, *, volumes=None, secrets=None, gpus=None):
+        self.custom, self.core, self.namespace, self.workdir = custom, core, namespace, Path(workdir)
+        self.volumes: dict[str, Path] = {k: Path(v) for k, v in (volumes or {}).items()}
+        self.secrets: dict[str, dict[str, str]] = dict(secrets or {})
+        self.gpus = gpus  # free nvidia.com/gpu in the cluster (None: as many as asked)
+        self.unpullable: set[str] = set()
+        self.grace_s = 30.0
+        self.chaos: list[Chaos] = []
+        self.containers: dict[str, Container] = {}
+        self.terminating: list[tuple[Container, float]] = []
+        self.history: list[tuple[str, int]] = []  # (pod, exit code) of every container that ended
+        self.ports: dict[str, int] = {}
+        self.servers: dict[str, FakeVllm] = {}
+        self.katib: dict | None = None  # {"early_stopping": bool, "metrics_file": Path}: Masters are Katib trials
+        self._lock = threading.RLock()
+        custom.before_read, custom.on_delete, core.before_read = self.reconcile, self.on_delete, self.refresh
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    # -- the API objects ---------------------------------------------------------------------------
+    def objects(self, plural: str) -> list[dict]:
+        return [o for (_, _, ns, p, _), o in list(self.custom.objects.items()) if p == plural and ns == self.namespace]
+
+    def pods(self, job: str | None = None) -> list:
+        pods = self.core.pods.get(self.namespace, [])
+        return [p for p in pods if job is None or (p.metadata.labels or {}).get(JOB_NAME_LABEL) == job]
+
+    def running(self) -> list[str]:
+        """Pods whose container still runs, terminating ones included (what holds GPUs)."""
+        with self._lock:
+            live = [c.pod for c in self.containers.values() if c.proc.poll() is None]
+            return live + [c.pod for c, _ in self.terminating if c.proc.poll() is None]
+
+    def wait_for_log(self, pod: str, text: str, timeout_s: float = 180.0) -> Container:
+        """Reconcile until the running container of ``pod`` has logged ``text``; returns it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.reconcile()
+            container = self.containers.get(pod)
+            if container is not None and text in container.text():
+                return container
+            assert time.monotonic() < deadline, f"{pod} did not log {text!r} within {timeout_s:.0f}s"
+            time.sleep(0.2)
+
+    # -- reconcile loop, driven by every read of the API ------------------------------------------------
+    def reconcile(self) -> None:
+        with self._lock:
+            self.refresh()
+            for job in self.objects("pytorchjobs"):
+                self._reconcile_job(job)
+            for experiment in self.objects("experiments"):
+                if not (experiment.get("status") or {}).get("conditions"):
+                    experiment["status"] = {"conditions": [condition("Running", "ExperimentRunning", "running")]}
+            for isvc in self.objects("inferenceservices"):
+                self._reconcile_isvc(isvc)
+
+    def refresh(self) -> None:
+        """Pod statuses from their processes; chaos; the end of terminating containers."""
+        with self._lock:
+            for name, container in list(self.containers.items()):
+                self._apply_chaos(container)
+                code = container.exit_code()
+                if code is not None and self._pod(name) is not None and self._pod(name).status.phase == "Running":
+                    self.history.append((name, code))
+                    self._set_terminated(self._pod(name), code)
+            for container, deadline in list(self.terminating):
+                if container.proc.poll() is not None or time.monotonic() > deadline:
+                    container.kill_all()
+                    self.terminating.remove((container, deadline))
+
+    def _apply_chaos(self, container: Container) -> None:
+        for rule in self.chaos:
+            if not container.pod.startswith(rule.pod_prefix) or container.uid in rule.hit:
+                continue
+            if rule.times is not None and len(rule.hit) >= rule.times:
+                continue
+            watched = self.containers.get(rule.watch) if rule.watch else container
+            if container.proc.poll() is None and watched is not None and rule.when in watched.text():
+                rule.hit.add(container.uid)
+                if rule.signum == signal.SIGKILL:
+                    container.kill_all()
+                else:
+                    container.signal(rule.signum)
+
+    def _pod(self, name: str):
+        return next((p for p in self.pods() if p.metadata.name == name), None)
+
+    # -- the Training Operator ---------------------------------------------------------------------
+    def _reconcile_job(self, job: dict) -> None:
+        name, status = job["metadata"]["name"], job.setdefault("status", {})
+        policy = (job["spec"].get("runPolicy") or {}).get("cleanPodPolicy") or "None"
+        if is_finished(job):
+            self._clean_pods(name, policy)
+            return
+        if "startTime" not in status:
+            status["startTime"] = now_rfc3339()
+            set_condition(status, condition("Created", "PyTorchJobCreated", f"PyTorchJob {name} is created."))
+            self.ports[name] = free_port()
+        deadline = (job["spec"].get("runPolicy") or {}).get("activeDeadlineSeconds")
+        started = time.mktime(time.strptime(status["startTime"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+        if deadline is not None and time.time() - started >= deadline:
+            set_condition(status, condition("Failed", "PyTorchJobFailed", DEADLINE_MESSAGE.format(name)))
+            status["completionTime"] = now_rfc3339()
+            self._clean_pods(name, policy)
+            return
+        replicas = job["spec"]["pytorchReplicaSpecs"]
+        for rtype, rspec in replicas.items():
+            for index in range(rspec.get("replicas", 1)):
+                self._reconcile_pod(job, rtype, index, rspec)
+        master = self._pod(f"{name}-master-0")
+        if master is not None and master.status.phase == "Running":
+            set_condition(status, condition("Running", "PyTorchJobRunning", f"PyTorchJob {name} is running."))
+        if master is not None and master.status.phase == "Succeeded":
+            set_condition(
+                status, condition("Succeeded", "PyTorchJobSucceeded", f"PyTorchJob {name} is successfully completed.")
+            )
+            status["completionTime"] = now_rfc3339()
+        if is_finished(job):
+            self._clean_pods(name, policy)
+
+    def _reconcile_pod(self, job: dict, rtype: str, index: int, rspec: dict) -> None:
+        name = job["metadata"]["name"]
+        pod_name = f"{name}-{rtype.lower()}-{index}"
+        pod = self._pod(pod_name)
+        if pod is None:
+            self._create_pod(job, rtype, index, rspec)
+            return
+        if pod.status.phase != "Failed":
+            return
+        code = pod.status.container_statuses[0].state.terminated.exit_code
+        if rspec.get("restartPolicy") == "ExitCode" and code >= 128:  # pod.go 352-366: recreate it
+            self._delete_pod(pod_name)
+            set_condition(
+                job["status"],
+                condition(
+                    "Restarting", "PyTorchJobRestarting", f"job {name} is restarting because {rtype} replica(s) failed."
+                ),
+            )
+        elif rspec.get("restartPolicy") in ("ExitCode", "Never"):  # pod.go 367-372
+            set_condition(
+                job["status"],
+                condition(
+                    "Failed", "PyTorchJobFailed", f'job "{name}" is failing because "{rtype}" replica(s) failed.'
+                ),
+            )
+            job["status"]["completionTime"] = now_rfc3339()
+
+    def _create_pod(self, job: dict, rtype: str, index: int, rspec: dict) -> None:
+        name = job["metadata"]["name"]
+        pod_name = f"{name}-{rtype.lower()}-{index}"
+        template = rspec["template"]
+        spec, container = template["spec"], template["spec"]["containers"][0]
+        labels = {
+            **(template.get("metadata") or {}).get("labels", {}),
+            JOB_NAME_LABEL: name,
+            "training.kubeflow.org/replica-type": rtype.lower(),
+            "training.kubeflow.org/replica-index": str(index),
+            **({JOB_ROLE_LABEL: "master"} if rtype == "Master" else {}),
+        }
+        pod = client.V1Pod(
+            metadata=client.V1ObjectMeta(name=pod_name, namespace=self.namespace, labels=labels, uid=uuid.uuid4().hex),
+            status=client.V1PodStatus(phase="Pending", conditions=[], container_statuses=[]),
+        )
+        self.core.pods.setdefault(self.namespace, []).append(pod)
+        self.core.logs[(self.namespace, pod_name)] = ""
+        problem = self._schedule(pod_name, spec, container)
+        if problem is not None:
+            return self._pend(pod, *problem)
+        env, missing = self._container_env(container)
+        if missing:
+            return self._pend(pod, "waiting", "CreateContainerConfigError", missing)
+        env.update(self._operator_env(job, rtype, index))
+        command, args = container.get("command", []), container.get("args", [])
+        if self.katib is not None and rtype == "Master":  # Katib's pod webhook, at the pod's creation
+            command, args = katib_wrap(command, args, **self.katib)
+        argv = [k8s_expand(a, env) for a in [*command, *args]]
+        log = self.workdir / f"{pod_name}-{pod.metadata.uid[:8]}.log"
+        self.containers[pod_name] = Container(pod_name, argv, base_env(**env), log).start(self.workdir)
+        self.core.logs[(self.namespace, pod_name)] = log
+        pod.status.phase = "Running"
+        pod.status.container_statuses = [
+            client.V1ContainerStatus(
+                name=container["name"],
+                image=container["image"],
+                image_id="",
+                ready=True,
+                restart_count=0,
+                state=client.V1ContainerState(running=client.V1ContainerStateRunning()),
+            )
+        ]
+
+    def _schedule(self, pod: str, spec: dict, container: dict) -> tuple[str, str, str] | None:
+        """(kind, reason, message) that keeps the pod Pending, or None."""
+        for volume in spec.get("volumes", []):
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim and claim not in self.volumes:
+                return (
+                    "unschedulable",
+                    "Unschedulable",
+                    f'0/1 nodes are available: persistentvolumeclaim "{claim}" not found.',
+                )
+        wanted = int((container.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu", 0))
+        if self.gpus is not None and wanted > self.gpus:
+            return (
+                "unschedulable",
+                "Unschedulable",
+                (
+                    "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. preemption: 0/2 nodes are available: "
+                    "2 No preemption victims found for incoming pod."
+                ),
+            )
+        if container["image"] in self.unpullable:
+            return "waiting", "ImagePullBackOff", f'Back-off pulling image "{container["image"]}"'
+        for mount in container.get("volumeMounts", []):
+            volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            assert not claim or self.volumes[claim] == Path(mount["mountPath"]), "mount the PVC where the test has it"
+        return None
+
+    def _pend(self, pod, kind: str, reason: str, message: str) -> None:
+        if kind == "unschedulable":
+            pod.status.conditions = [
+                client.V1PodCondition(type="PodScheduled", status="False", reason=reason, message=message)
+            ]
+            self.core.add_event(self.namespace, pod.metadata.name, "FailedScheduling", message)
+        else:
+            waiting = client.V1ContainerStateWaiting(reason=reason, message=message)
+            pod.status.container_statuses = [
+                client.V1ContainerStatus(
+                    name="pytorch",
+                    image="",
+                    image_id="",
+                    ready=False,
+                    restart_count=0,
+                    state=client.V1ContainerState(waiting=waiting),
+                )
+            ]
+
+    def _container_env(self, container: dict) -> tuple[dict[str, str], str]:
+        env, missing = {}, ""
+        for var in container.get("env", []):
+            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+            if ref is None:
+                env[var["name"]] = k8s_expand(var.get("value", ""), env)
+            elif ref["name"] not in self.secrets:
+                missing = f'secret "{ref["name"]}" not found'
+            elif ref["key"] not in self.secrets[ref["name"]]:
+                missing = f"couldn't find key {ref['key']} in Secret {self.namespace}/{ref['name']}"
+            else:
+                env[var["name"]] = self.secrets[ref["name"]][ref["key"]]
+        return env, missing
+
+    def _operator_env(self, job: dict, rtype: str, index: int) -> dict[str, str]:
+        """pytorch/envvar.go 50-127 (with a Master replica), the master reached on loopback."""
+        replicas = job["spec"]["pytorchReplicaSpecs"]
+        total = sum(r.get("replicas", 1) for r in replicas.values())
+        nproc = job["spec"].get("nprocPerNode")
+        rank = index + 1 if rtype == "Worker" else index
+        port = str(self.ports[job["metadata"]["name"]])
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": port,
+            "WORLD_SIZE": str(total * (int(nproc) if nproc and nproc.isdigit() else 1)),
+            "RANK": str(rank),
+            "PET_NODE_RANK": str(rank),
+            "PET_NNODES": str(total),
+        }
+        return {**env, **({"PET_NPROC_PER_NODE": nproc} if nproc else {})}
+
+    def _set_terminated(self, pod, code: int) -> None:
+        pod.status.phase = "Succeeded" if code == 0 else "Failed"
+        status = pod.status.container_statuses[0]
+        status.ready = False
+        reason = "Completed" if code == 0 else "Error"
+        status.state = client.V1ContainerState(
+            terminated=client.V1ContainerStateTerminated(exit_code=code, reason=reason)
+        )
+
+    def _delete_pod(self, pod_name: str) -> None:
+        """The pod goes from the API at once; its container gets SIGTERM, SIGKILL after the grace period."""
+        self.core.remove_pod(self.namespace, pod_name)
+        container = self.containers.pop(pod_name, None)
+        if container is not None and container.proc.poll() is None:
+            container.signal(signal.SIGTERM)
+            self.terminating.append((container, time.monotonic() + self.grace_s))
+
+    def _clean_pods(self, job: str, policy: str) -> None:
+        for pod in self.pods(job):
+            if policy == "All" or (policy == "Running" and pod.status.phase in ("Running", "Pending")):
+                self._delete_pod(pod.metadata.name)
+
+    def on_delete(self, key: tuple, obj: dict) -> None:
+        """Garbage collection of what the deleted object owned (background propagation)."""
+        with self._lock:
+            plural, name = key[3], key[4]
+            if plural == "pytorchjobs":
+                for pod in self.pods(name):
+                    self._delete_pod(pod.metadata.name)
+            if plural == "inferenceservices" and name in self.servers:
+                self.servers.pop(name).stop()
+
+    def stop(self) -> None:
+        """End every container (test teardown)."""
+        with self._lock:
+            for container in [*self.containers.values(), *(c for c, _ in self.terminating)]:
+                container.kill_all()
+            for server in self.servers.values():
+                server.stop()
+
+    # -- KServe ------------------------------------------------------------------------------------
+    def _reconcile_isvc(self, isvc: dict) -> None:
+        name = isvc["metadata"]["name"]
+        if name in self.servers:
+            return
+        model = isvc["spec"]["predictor"]["model"]
+        claim, _, sub = model["storageUri"].removeprefix("pvc://").partition("/")
+        mounted = self.volumes[claim] / sub
+        server = self.servers[name] = FakeVllm(model["args"], mounted).start()
+        isvc["status"] = {
+            "url": f"http://{name}.{self.namespace}.example.com",
+            "address": {"url": server.url},
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "observedGeneration": isvc["metadata"].get("generation", 1),
+        }
+
+
+# --- Katib ------------------------------------------------------------------------------------------
+
+METRICS_FILE = "/var/log/katib/metrics.log"
+
+
+def katib_wrap(command: list[str], args: list[str], *, early_stopping: bool, metrics_file: str = METRICS_FILE):
+    """(command, args) of a trial's primary container after Katib's pod webhook with the StdOut
+    collector (pkg/webhook/v1beta1/pod/utils.go 155-221)."""
+    words = [*command, *args]
+    head = ["sh", "-c"]
+    if words[:2] in (["sh", "-c"], ["bash", "-c"]):
+        head, words = words[:2], words[2:]
+    words = [*words, f"1>{metrics_file} 2>&1"]
+    metrics_dir = os.path.dirname(metrics_file)
+    if early_stopping:
+        pid_file, condition_file = f"{metrics_dir}/$$$$.pid", f"{metrics_dir}/$$.pid"
+        words += [
+            "||",
+            f"if test -f {pid_file} && [ $(head -n 1 {condition_file}) = early-stopped ]; then echo Training Container "
+            "was Early Stopped; else echo Training Container was Failed; exit 1; fi",
+        ]
+    words += ["&&", f"echo completed > {metrics_dir}/$$$$.pid"]
+    return head, [" ".join(words)]
+
+
+def katib_early_stop(container: Container, metrics_dir: Path) -> None:
+    """The collector's early stop (file-metricscollector/main.go 263-296): mark the main process's
+    pid file ``early-stopped``, then SIGTERM its single child."""
+    import psutil
+
+    main = psutil.Process(container.proc.pid)
+    (metrics_dir / f"{main.pid}.pid").write_text("early-stopped")
+    children = main.children()
+    assert len(children) == 1, f"Katib supports one child process of the main process, found {children}"
+    children[0].terminate()
+
+
+# --- KServe's predictor: a fake vLLM OpenAI server on the real tiny model ---------------------------
+
+
+class FakeVllm:
+    """``/openai/v1/models`` and ``/openai/v1/completions`` of the huggingfaceserver with
+    ``--backend=vllm``: names from ``--model_name`` and ``--lora-modules``; greedy completions and
+    token logprobs from transformers (base model, or base + adapter)."""
+
+    def __init__(self, args: list[str], mounted: Path):
+        def value(flag: str) -> str | None:
+            return next((a.split("=", 1)[1] for a in args if a.startswith(flag + "=")), None)
+
+        local = lambda path: Path(str(path).replace("/mnt/models", str(mounted), 1))  # noqa: E731
+        self.base_name = value("--model_name")
+        self.base_dir = local(value("--model_dir"))
+        modules = args[args.index("--lora-modules") + 1 :] if "--lora-modules" in args else []
+        self.loras = {m.split("=", 1)[0]: local(m.split("=", 1)[1]) for m in modules[:1]}
+        self.requests: list[dict] = []
+        self._httpd = None
+
+    def models(self) -> list[str]:
+        return [self.base_name, *self.loras]  # serving_engine.show_available_models: base cards, then LoRA cards
+
+    def adapter_for(self, name: str) -> Path | None:
+        if name == self.base_name:  # _maybe_get_adapter: served model names first
+            return None
+        return self.loras[name]
+
+    def complete(self, name: str, prompt: str, max_tokens: int) -> dict:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        adapter = self.adapter_for(name)
+        tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        model = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter)
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        new = out.sequences[0, ids.shape[1] :]
+        logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, new, strict=False)]
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        return {"model": name, "choices": [{"text": text, "logprobs": {"token_logprobs": logprobs}}]}
+
+    def start(self) -> FakeVllm:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                if self.path != "/openai/v1/models":
+                    return self._send(404, {"error": self.path})
+                self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models()]})
+
+            def do_POST(self):  # noqa: N802
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(request)
+                if request["model"] not in server.models():
+                    return self._send(404, {"message": f"The model `{request['model']}` does not exist."})
+                self._send(200, server.complete(request["model"], request["prompt"], request["max_tokens"]))
+
+            def log_message(self, *_):
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()

@@ -1,0 +1,152 @@
+"""A Katib trial keeps the trainer's signals and exit codes through Katib's
+metrics-collector wrapper (cluster_sim.katib_wrap, katib v0.19.0 pkg/webhook/v1beta1/pod/utils.go
+155-221), on the simulated cluster with the real trial PyTorchJob the sweep step builds. No real
+cluster or Katib runs here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cluster_sim import base_env, k8s_expand, katib_early_stop, katib_wrap
+from conftest import TINY_TRAIN, sim_plan
+from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
+from llmft.components.lib.sweep import sweep_trial_job
+from llmft.components.lib.train_job import wait_for_job
+from llmft.katib.experiment import SweepSpec, apply_overrides
+from llmft.trainer.io import is_complete
+
+VALUES = {"learning_rate": "0.005", "lora_r": "4", "lora_alpha": "8", "lora_dropout": "0.0", "warmup_ratio": "0.0"}
+
+
+def trial(plan, name: str, *, early_stopping: bool, data: str, max_steps: int = 400) -> dict:
+    """The trial PyTorchJob Katib would create: the sweep step's template with the trial's values."""
+    spec = apply_overrides(SweepSpec(name="llmft-sweep-t"), [f"early_stopping={str(early_stopping).lower()}"])
+    body = sweep_trial_job(
+        spec,
+        job=plan.job,
+        model=plan.trainer.model,
+        data=data,
+        fixed_overrides=[f"max_steps={max_steps}", "save_every=0", "eval_every=0"],
+        base_overrides=plan.trainer.overrides,
+    )
+    values = {**VALUES, "trial_name": name}
+    job = json.loads(re.sub(r"\$\{trialParameters\.([a-z_]+)\}", lambda m: values[m.group(1)], json.dumps(body)))
+    job["metadata"] = {**job.get("metadata", {}), "name": name}
+    return job
+
+
+def _metrics(tmp_path: Path) -> Path:
+    return tmp_path / "katib" / "metrics.log"
+
+
+def _wait_for(path: Path, text: str, timeout_s: float = 180.0, sim=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.is_file() and text in path.read_text(errors="replace")):
+        if sim is not None:
+            sim.reconcile()
+        assert time.monotonic() < deadline, f"{path} did not show {text!r}"
+        time.sleep(0.2)
+
+
+def test_the_trial_carries_the_final_trainings_settings(sim_volume):
+    """The sweep tunes the model the train step trains: train_overrides, target modules and seed
+    reach every trial (the keys a trial sets itself, and the searched ones, stay the trial's)."""
+    plan = sim_plan(
+        sim_volume, lora_target_modules="q_proj,v_proj", seed=7, train_overrides=f"optim.weight_decay=0.05 {TINY_TRAIN}"
+    )
+    job = trial(plan, "t-1", early_stopping=True, data="/d")
+    script = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
+    words = script.split()
+    for expected in (
+        "lora.target_modules=q_proj,v_proj",
+        "seed=7",
+        "optim.weight_decay=0.05",
+        "batch.global_sequences=4",
+    ):
+        assert expected in words, expected
+    assert "optim.lr=0.005" in words and f"optim.lr={plan.parameters['learning_rate']}" not in words
+    assert "output_dir=/data/sweeps/llmft-sweep-t/t-1".replace("/data", str(sim_volume)) in words
+    assert "max_steps=400" in words and not [w for w in words if w.startswith("epochs=")]
+
+
+@pytest.mark.slow
+def test_a_preempted_trial_pod_commits_and_resumes_instead_of_failing(sim, fake_cluster, sim_volume, tmp_path):
+    """SIGTERM to the trial pod (its main process is Katib's `sh -c` wrapper): the trainer commits a
+    checkpoint and the container exits 143, not 1, so the operator restarts it and the trial resumes."""
+    plan = sim_plan(sim_volume, run_id="sweep-preempt")
+    metrics = _metrics(tmp_path)
+    metrics.parent.mkdir()
+    sim.katib = {"early_stopping": True, "metrics_file": metrics}
+    body = trial(plan, "trial-preempt", early_stopping=True, data=f"{sim_volume}/tokenized/demo", max_steps=8)
+    fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, body)
+    master = "trial-preempt-master-0"
+    _wait_for(metrics, "step=2 ", sim=sim)
+    sim.containers[master].signal(15)  # the kubelet stopping the pod: SIGTERM to the container's main process
+    job = wait_for_job(fake_cluster, "trial-preempt", fake_cluster.namespace, timeout_s=600, poll_s=0.2,
+                       print_fn=lambda _: None)  # fmt: skip
+    assert [c["type"] for c in job["status"]["conditions"] if c["status"] == "True"][-1] == "Succeeded"
+    assert [code for pod, code in sim.history if pod == master] == [143, 0], sim.history
+    run = sim_volume / "sweeps" / "llmft-sweep-t" / "trial-preempt"
+    committed = [p for p in (run / "checkpoints").iterdir() if is_complete(p)]
+    assert committed, "the preempted trainer committed a checkpoint"
+    assert "resuming from" in metrics.read_text()
+
+
+@pytest.mark.slow
+def test_katibs_early_stop_still_ends_the_trial_as_stopped(sim, fake_cluster, sim_volume, tmp_path):
+    """The collector marks the main process's pid file early-stopped and SIGTERMs its one child: the
+    wrapper's check finds the mark and the container exits 0 (not 143: that would restart it)."""
+    plan = sim_plan(sim_volume, run_id="sweep-stop")
+    metrics = _metrics(tmp_path)
+    metrics.parent.mkdir()
+    sim.katib = {"early_stopping": True, "metrics_file": metrics}
+    fake_cluster.create_custom_object(
+        GROUP, VERSION, PLURAL, trial(plan, "trial-stop", early_stopping=True, data=f"{sim_volume}/tokenized/demo")
+    )
+    master = "trial-stop-master-0"
+    _wait_for(metrics, "step=2 ", sim=sim)
+    katib_early_stop(sim.containers[master], metrics.parent)
+    wait_for_job(fake_cluster, "trial-stop", fake_cluster.namespace, timeout_s=300, poll_s=0.2, print_fn=lambda _: None)
+    assert [code for pod, code in sim.history if pod == master] == [0]
+    assert "Training Container was Early Stopped" in sim.containers[master].text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("early_stopping", "code", "expected"), [(True, 200, 200), (True, 1, 1), (False, 137, 137),
+                                                                   (True, 0, 0)])  # fmt: skip
+def test_trainer_exit_codes_survive_the_wrapper(early_stopping, code, expected, sim_volume, tmp_path):
+    """With a stand-in `llmft` that exits ``code``: a retryable code reaches the runtime as itself
+    (the wrapper alone turns every failure into `exit 1` with early stopping), 1 stays 1, 0 completes."""
+    stub = tmp_path / "bin" / "llmft"
+    stub.parent.mkdir()
+    stub.write_text(f"#!/bin/sh\nexit {code}\n")
+    stub.chmod(0o755)
+    plan = sim_plan(sim_volume)
+    container = trial(plan, "t", early_stopping=early_stopping, data="/d")["spec"]["pytorchReplicaSpecs"]["Master"][
+        "template"
+    ]["spec"]["containers"][0]
+    metrics = tmp_path / "katib" / "metrics.log"
+    metrics.parent.mkdir()
+    command, args = katib_wrap(container["command"], container["args"], early_stopping=early_stopping,
+                               metrics_file=str(metrics))  # fmt: skip
+    env = base_env(PATH=f"{stub.parent}:/usr/bin:/bin")
+    done = subprocess.run([k8s_expand(a, env) for a in [*command, *args]], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == expected, done.stdout + done.stderr
+    markers = [p.read_text().strip() for p in metrics.parent.glob("*.pid")]
+    assert markers == (["completed"] if code == 0 else []), markers
+
+
+def test_the_script_starts_one_child_for_katibs_collector():
+    """Katib's collector stops a trial through the single child of the main process
+    (file-metricscollector/main.go 286-290): the script must not fork anything else while training."""
+    from llmft.components.lib.pytorchjob import TrainJobSpec, katib_trial_script
+
+    script = katib_trial_script(TrainJobSpec(name="t"), early_stopping=True)
+    assert script.startswith("{ ") and script.endswith("; }") and script.count(" & ") == 1
+    assert "$(" not in script, "Kubernetes would try to expand $(...) as a variable"

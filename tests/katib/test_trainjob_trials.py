@@ -1,0 +1,142 @@
+"""Katib trials on TrainJob (Kubeflow Trainer v2): the shipped template is the builder's output, passes
+Katib's rules with Katib 0.19's TrainJob conditions, and - once Katib has filled the placeholders and
+the Trainer has merged it onto torch-distributed - its primary pod labels select exactly node 0."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan
+from llmft.components import images
+from llmft.components.lib import sweep as sweep_lib
+from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.trainjob import trainjob_admission_errors
+from llmft.katib.experiment import experiment_dict, load_yaml, override_bindings, parse_experiment
+from llmft.katib.trial_kinds import TRAINJOB
+from llmft.katib.webhook_rules import validate_experiment
+
+from llmft.commands.sweep import TEMPLATE_ARGS, build_from_settings
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "katib" / "experiment_template_trainjob.yaml"
+DEFAULT_IMAGE = f"{images.IMAGE_REGISTRY}/llmft-trainer:{images.IMAGE_TAG}"
+SETTINGS = (*TEMPLATE_ARGS, "training_backend=trainjob")
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return experiment_dict(build_from_settings([*SETTINGS, f"image={DEFAULT_IMAGE}"]))
+
+
+def test_template_equals_builder_output(built):
+    assert yaml.safe_load(TEMPLATE.read_text()) == built, (
+        "katib/experiment_template_trainjob.yaml is stale: regenerate with `llmft sweep create --dry-run "
+        "--output ... training_backend=trainjob` and the TEMPLATE_ARGS, and carry its comments over"
+    )
+
+
+def test_template_parses_and_passes_katib_rules_with_trainjob_conditions():
+    body = load_yaml(TEMPLATE)
+    template = parse_experiment(body).spec.trial_template
+    assert template.primary_container_name == "node"
+    assert template.success_condition == 'status.conditions.#(type=="Complete")#|#(status=="True")#'
+    assert template.failure_condition == 'status.conditions.#(type=="Failed")#|#(status=="True")#'
+    assert template.primary_pod_labels == {
+        "jobset.sigs.k8s.io/replicatedjob-name": "node",
+        "batch.kubernetes.io/job-completion-index": "0",
+    }
+    assert validate_experiment(body) == []
+
+
+def test_llmft_sweep_best_reads_the_bindings_of_a_trainjob_experiment(built):
+    assert override_bindings(built) == {
+        "learning_rate": "optim.lr",
+        "lora_r": "lora.r",
+        "lora_alpha": "lora.alpha",
+        "lora_dropout": "lora.dropout",
+        "warmup_ratio": "schedule.warmup_ratio",
+    }
+
+
+@pytest.mark.parametrize(
+    ("edit", "path", "words"),
+    [
+        (lambda t: t.update(successCondition=t["successCondition"].replace("Complete", "Succeeded")),
+         "spec.trialTemplate.successCondition", "Complete/Failed"),
+        (lambda t: t.update(primaryContainerName="pytorch"), "spec.trialTemplate.primaryContainerName", "'node'"),
+        (lambda t: t.update(primaryPodLabels={"training.kubeflow.org/job-role": "master"}),
+         "spec.trialTemplate.primaryPodLabels", "node 0 only"),
+        (lambda t: t["trialSpec"]["spec"].pop("runtimeRef"), "spec.trialTemplate.trialSpec.spec.runtimeRef.name",
+         "required"),
+        (lambda t: t["trialSpec"]["spec"]["trainer"].pop("command") and t["trialSpec"]["spec"]["trainer"].pop("args"),
+         "spec.trialTemplate.trialSpec.spec.trainer", "no command"),
+    ],
+)  # fmt: skip
+def test_webhook_rules_name_what_a_trainjob_trial_gets_wrong(built, edit, path, words):
+    body = copy.deepcopy(built)
+    edit(body["spec"]["trialTemplate"])
+    problems = [v for v in validate_experiment(body) if v.path == path]
+    assert problems and words in problems[0].message, validate_experiment(body)
+
+
+def _as_katib_creates_it(body: dict, trial_name: str) -> dict:
+    """The trial's TrainJob as Katib's trial controller creates it: placeholders replaced by the trial's
+    assignments (``${trialParameters.x}``) and metadata (``${trialSpec.Name}``), name and namespace set."""
+    template = body["spec"]["trialTemplate"]
+    values = {"learning_rate": "0.0003", "lora_r": "16", "lora_alpha": "32", "lora_dropout": "0.05"}
+    values |= {"warmup_ratio": "0.03", "trial_name": trial_name}
+    text = re.sub(r"\$\{trialParameters\.([^}]+)\}", lambda m: values[m.group(1)], json.dumps(template["trialSpec"]))
+    job = json.loads(text)
+    job["metadata"].update(name=trial_name, namespace="team-a")
+    return job
+
+
+def _simulator():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
+    import trainer_v2_sim
+
+    return trainer_v2_sim
+
+
+def test_a_trial_as_katib_creates_it_is_a_valid_trainjob_whose_node_zero_katib_watches(built, crd_dir):
+    import kubernetes_validate
+
+    sim = _simulator()
+    trial = f"{built['metadata']['name']}-x7k2m9qz"  # Katib names trials <experiment>-<8 random characters>
+    job = _as_katib_creates_it(built, trial)
+    crd = yaml.safe_load((crd_dir / "trainer.kubeflow.org_trainjobs.yaml").read_text())
+    schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
+    assert list(jsonschema.Draft7Validator(schema).iter_errors(job)) == []
+    assert trainjob_admission_errors(job) == []
+    jobset = sim.build_jobset(sim.load_runtime(crd_dir, "torch_distributed"), job)
+    pods = sim.node_pods(jobset, trial, "team-a")
+    watched = [
+        p for p in pods if all(p["metadata"]["labels"].get(k) == v for k, v in TRAINJOB.primary_pod_labels.items())
+    ]
+    assert [p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] for p in watched] == ["0"]
+    node = watched[0]["spec"]["containers"][0]
+    assert node["name"] == TRAINJOB.primary_container_name and node["command"] == ["sh", "-c"]
+    assert f"output_dir=/data/sweeps/llmft-sweep/{trial}" in node["args"][0] and "lora.r=16" in node["args"][0]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": watched[0]["metadata"], "spec": watched[0]["spec"]}
+    kubernetes_validate.validate(pod, "1.30.0", strict=True)
+
+
+def test_the_hpo_step_runs_trainjob_trials_for_training_backend_trainjob(tmp_path):
+    api = FakeKatibApi([katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached")])
+    plan = sweep_plan(training_backend="trainjob", num_workers=2, gpus_per_worker=8)
+    sweep_lib.run_sweep_step(
+        plan, tokenized_dir="/data/tokenized/abc123", output_dir=str(tmp_path), poll_s=0.001,
+        cluster=Cluster("team-a", custom_api=api, core_api=object()),
+    )  # fmt: skip
+    _, created = api.created[0]
+    trial = created["spec"]["trialTemplate"]["trialSpec"]
+    assert (trial["apiVersion"], trial["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert trial["spec"]["trainer"]["numNodes"] == 2 and trial["spec"]["trainer"]["numProcPerNode"] == 8
+    assert "data=/data/tokenized/abc123" in trial["spec"]["trainer"]["args"][0]
+    assert created["spec"]["trialTemplate"]["primaryContainerName"] == "node"
