@@ -71,6 +71,7 @@ def plan_run(
     deploy: bool = True,
     deploy_mode: str = "kserve",
     deploy_policy: str = "champion",
+    serving_mode: str = "auto",
     serving_name: str = "llm-adapter",
     serving_namespace: str = "",
     serving_gpus: int = 1,
@@ -97,7 +98,7 @@ def plan_run(
         max_length: Tokens per packed training sequence.
         packing: Pack several conversations into each sequence (attention never crosses them).
         method: lora, qlora or full.
-        lora_r: LoRA rank (at most max_lora_rank, so vLLM can serve it).
+        lora_r: LoRA rank (above max_lora_rank the adapter is served merged; serving_mode=lora refuses it).
         lora_alpha: LoRA alpha (scale = alpha / r).
         lora_dropout: LoRA dropout.
         lora_target_modules: Comma-separated module names, or all-linear.
@@ -136,8 +137,8 @@ def plan_run(
             traces ('' = none). NAME or NAME:KEY,...
         step_cpu: CPU request and limit of the light steps (plan, train and sweep launchers, promote, register, deploy).
         step_memory: Memory request and limit of the light steps.
-        data_cpu: CPU request and limit of prepare and tokenize.
-        data_memory: Memory request and limit of prepare and tokenize.
+        data_cpu: CPU request and limit of prepare, tokenize and the serving-form step (which merges an adapter).
+        data_memory: Memory request and limit of prepare, tokenize and the serving-form step.
         eval_cpu: CPU request and limit of the evaluate step (1 GPU).
         eval_memory: Memory request and limit of the evaluate step (loads the base model).
         mlflow_tracking_uri: MLflow server ('' = MLFLOW_TRACKING_URI from mlflow_secret).
@@ -148,6 +149,9 @@ def plan_run(
         deploy_mode: kserve, or local (a generation check with transformers, kfp.local only).
         deploy_policy: champion (deploy only a version the registry made its champion; one that lost is registered,
             not served) or always.
+        serving_mode: auto (the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its base, the
+            reason logged), lora (LoRA only: an adapter vLLM refuses fails the run) or merged (always merged: a full
+            copy of the weights on the volume, served without --enable-lora).
         serving_name: InferenceService name (at most 45 characters).
         serving_namespace: Namespace of the InferenceService ('' = the pipeline's).
         serving_gpus: GPUs of the predictor.
@@ -178,6 +182,8 @@ def plan_run(
     plan.metadata.update({"trainer_image": run_plan.images.trainer, "job": run_plan.job.name})
     print(f"plan: {run_plan.pipeline} run {run_plan.run_id}; trainer image {run_plan.images.trainer}")
     print("trainer overrides: " + " ".join(run_plan.trainer.overrides))
+    if run_plan.serving.form_note:
+        print(f"serving form: merged ({run_plan.serving.form_note})")
 
 
 INTERNAL_INPUTS = ("plan", "run_id", "compiled")

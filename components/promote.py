@@ -14,8 +14,9 @@ def promote_best_checkpoint(
     """Pick the checkpoint with the lowest eval perplexity and copy it to a stable place.
 
     Refuses (the step fails, so nothing is registered or deployed) unless the best
-    checkpoint's perplexity is below ``base * (1 - promote_margin)`` (the plan's), and refuses a
-    LoRA adapter vLLM could not serve (DoRA, ``modules_to_save``, a rank above ``max_lora_rank``). Otherwise copies
+    checkpoint's perplexity is below ``base * (1 - promote_margin)`` (the plan's), and, with
+    ``serving_mode=lora``, refuses a LoRA adapter vLLM could not serve (DoRA, ``modules_to_save``, a rank
+    above ``max_lora_rank``; otherwise the next step serves such an adapter merged). Otherwise copies
     its servable files (adapter or weights, tokenizer, manifest; not optimizer state)
     atomically to ``<data_root>/models/<mlflow_model_name>/<run_id>`` with a COMPLETE marker.
     The decision and its reason are written as JSON beside that folder in both cases.
@@ -39,7 +40,8 @@ def promote_best_checkpoint(
         name,
         run_id,
         margin=run_plan.registry.promote_margin,
-        max_lora_rank=run_plan.serving.max_lora_rank,  # vLLM must be able to serve what is registered
+        # serving_mode=lora: vLLM must be able to serve what is registered; auto/merged can merge it
+        max_lora_rank=run_plan.serving.max_lora_rank if run_plan.serving.serving_mode == "lora" else None,
     )
 
     os.makedirs(promoted.path, exist_ok=True)

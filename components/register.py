@@ -1,4 +1,4 @@
-"""Step 6: register the promoted adapter in the MLflow Model Registry."""
+"""Step 7: register the promoted adapter in the MLflow Model Registry."""
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Model, Output
@@ -12,13 +12,16 @@ def register_model(
     evaluation: Input[Artifact],
     run: Input[Model],
     tokenized: Input[Dataset],
+    serving: Input[Artifact],
     task_name: str,
     registration: Output[Artifact],
 ):
     """Log an MLflow run (params, metrics, the adapter) and create a registered model version.
 
     The version carries lineage tags (pipeline run id, dataset hash = the tokenize cache key,
-    base model, checkpoint). The alias ``champion`` moves to it only when its eval perplexity
+    base model, checkpoint) and the serving form (``llmft.served_form`` lora or merged,
+    ``llmft.serving_reason``; serving.json and the merged model's export manifest are logged with
+    the run, the merged weights are not). The alias ``champion`` moves to it only when its eval perplexity
     beats the current champion's. A retried task reuses the run and version it created before
     (tag ``llmft.registration_key = <run_id>/<task_name>``), so retries never duplicate.
 
@@ -36,6 +39,7 @@ def register_model(
 
     from llmft.components.lib.plan import read_plan
     from llmft.components.lib.registry import Lineage, register_adapter, registration_from_run
+    from llmft.components.lib.serving_form import EXPORT_MANIFEST_FILE, FORM_FILE, read_form
 
     run_plan = read_plan(plan.path)
     registry = run_plan.registry
@@ -56,8 +60,11 @@ def register_model(
         Path(evaluation.path) / "evaluation.json",
         Path(promoted.path) / "promotion.json",
         Path(run.path) / "training_manifest.json",
+        Path(serving.path) / FORM_FILE,
+        Path(serving.path) / EXPORT_MANIFEST_FILE,  # merged form only (a missing file is skipped)
     )
     evaluated = read(evaluation, "evaluation.json")
+    form = read_form(serving.path)
     reg = registration_from_run(
         promoted_dir=promoted.metadata["path"],
         evaluation=evaluated,
@@ -66,12 +73,14 @@ def register_model(
         experiment=registry.experiment,
         lineage=lineage,
         extra_artifacts=extras,
+        tags=form.tags(),
     )
     mlflow_secret = next((s.name for s in run_plan.task_secrets if s.kind == "mlflow"), "")
     facts = register_adapter(reg, tracking_uri=registry.tracking_uri or None, secret_name=mlflow_secret)
     from llmft.components.lib.comparison import record_registration  # the version, into the Langfuse trace
 
     facts["langfuse_linked"] = record_registration(facts, evaluated, registry.tracking_uri)
+    facts["served_form"] = form.form
 
     os.makedirs(registration.path, exist_ok=True)
     with open(os.path.join(registration.path, "registration.json"), "w") as fh:

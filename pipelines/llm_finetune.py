@@ -1,5 +1,5 @@
 """`llm_finetune_pipeline`: plan -> raw dataset -> validated JSONL -> packed shards -> fine-tune ->
-evaluate -> promote -> register in MLflow -> deploy to KServe vLLM.
+evaluate -> promote -> serving form (LoRA, or merged) -> register in MLflow -> deploy to KServe vLLM.
 
 The parameter list is not written here: it is the signature of the plan component
 (``plan_run`` in components/plan.py), copied onto the pipeline function by :func:`build_pipeline`
@@ -40,6 +40,7 @@ from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_r
 from llmft.components.prepare_dataset import prepare_dataset
 from llmft.components.promote import promote_best_checkpoint
 from llmft.components.register import register_model
+from llmft.components.serving_form import choose_serving_form
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.components.tokenize_dataset import tokenize_dataset
 from llmft.components.train import train_model
@@ -53,10 +54,11 @@ TASK_ORDER = (
     "train-model",
     "evaluate-perplexity",
     "promote-best-checkpoint",
+    "choose-serving-form",
     "register-model",
     "deploy-adapter",
 )
-"""The eight tasks, in the order they run (inside the exit handler group EXIT_GROUP)."""
+"""The nine tasks, in the order they run (inside the exit handler group EXIT_GROUP)."""
 EXIT_GROUP = "exit-handler-1"
 """The dsl.ExitHandler group holding the pipeline's body; CLEANUP_TASK runs after it, whatever its outcome."""
 CLEANUP_TASK = "cleanup-run"
@@ -65,7 +67,12 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 """GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule."""
 GPU_STEPS = ("evaluate-perplexity",)
 """Tasks that run model forward passes on a GPU in their own pod."""
-TASK_GROUPS = {"prepare-dataset": "data", "tokenize-dataset": "data", "evaluate-perplexity": "eval"}
+TASK_GROUPS = {
+    "prepare-dataset": "data",
+    "tokenize-dataset": "data",
+    "evaluate-perplexity": "eval",
+    "choose-serving-form": "data",  # the merge streams one tensor at a time, but a 70B one in float32 is GBs
+}
 """Resource group of each task (TASK_RESOURCE_GROUPS); the others are light "step" tasks."""
 
 TRAIN_RETRIES = 2
@@ -170,7 +177,7 @@ def add_steps(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool
 
 
 def add_body(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool) -> None:
-    """plan -> prepare -> tokenize [-> sweep] -> train -> evaluate -> promote -> register -> deploy."""
+    """plan -> prepare -> tokenize [-> sweep] -> train -> evaluate -> promote -> serving form -> register -> deploy."""
     plan_task = plan_run(
         **values, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, compiled=compiled_settings(pipeline_name, static)
     )
@@ -205,7 +212,7 @@ def add_sweep_step(plan, tokenized, values: Mapping, static: Mapping) -> dsl.Pip
 
 
 def add_release_steps(plan, tokenized, run, values: Mapping, static: Mapping) -> None:
-    """evaluate -> promote -> register in MLflow -> deploy to KServe vLLM."""
+    """evaluate -> promote -> serving form (LoRA or merged) -> register in MLflow -> deploy to KServe vLLM."""
     evaluate = evaluate_perplexity(plan=plan, tokenized=tokenized, run=run)
     apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", values, static)
     evaluation = evaluate.outputs["evaluation"]
@@ -213,19 +220,24 @@ def add_release_steps(plan, tokenized, run, values: Mapping, static: Mapping) ->
     promote = promote_best_checkpoint(plan=plan, evaluation=evaluation)
     apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", values, static)
 
+    form = choose_serving_form(plan=plan, promoted=promote.outputs["promoted"])
+    apply_platform(form.set_display_name("serving form (LoRA or merged)"), "choose-serving-form", values, static)
+    serving = form.outputs["serving"]
+
     register = register_model(
         plan=plan,
         promoted=promote.outputs["promoted"],
         evaluation=evaluation,
         run=run,
         tokenized=tokenized,
+        serving=serving,
         task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
     )
     apply_platform(register.set_display_name("register in MLflow"), "register-model", values, static)
     register.set_retry(num_retries=2, backoff_duration="30s")  # idempotent: a retry reuses the version
 
     deploy = deploy_adapter(
-        plan=plan, promoted=promote.outputs["promoted"], registration=register.outputs["registration"]
+        plan=plan, promoted=promote.outputs["promoted"], registration=register.outputs["registration"], serving=serving
     )
     apply_platform(deploy.set_display_name("deploy to KServe vLLM"), "deploy-adapter", values, static)
 

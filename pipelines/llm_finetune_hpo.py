@@ -1,5 +1,5 @@
 """`llm_finetune_hpo_pipeline`: plan -> prepare -> tokenize -> sweep (Katib) -> train with the best
-hyperparameters -> evaluate -> promote -> register in MLflow -> deploy to KServe vLLM.
+hyperparameters -> evaluate -> promote -> serving form -> register in MLflow -> deploy to KServe vLLM.
 
 The same plan component, steps and platform settings as ``llm_finetune_pipeline``
 (pipelines/llm_finetune.py builds both); its parameters add the plan component's ``sweep_*``
@@ -20,7 +20,7 @@ from llmft.pipelines.llm_finetune import TASK_ORDER as BASE_TASK_ORDER
 
 PIPELINE_NAME = "llm-finetune-hpo"
 TASK_ORDER = (*BASE_TASK_ORDER[:3], "sweep-hyperparameters", *BASE_TASK_ORDER[3:])
-"""The nine tasks, in the order they run."""
+"""The ten tasks, in the order they run."""
 
 HPO_LOCAL_DEFAULTS = {
     "sweep_backend": "local",

@@ -65,7 +65,9 @@ class LoraConfig:
         "models all-linear is the attention projections; add `experts` for LoRA on the fused expert weights "
         "(needs dropout 0; vLLM serving: docs/moe.md); the router is never adapted.",
     )
-    use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA); vLLM cannot serve DoRA adapters.")
+    use_dora: bool = _f(
+        False, "Weight-decomposed LoRA (DoRA); vLLM cannot serve DoRA adapters as LoRA modules: served merged."
+    )
 
 
 @dataclass(frozen=True)

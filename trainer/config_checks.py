@@ -70,8 +70,9 @@ def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
     warnings = []
     if cfg.method != "full" and cfg.lora.use_dora:
         warnings.append(
-            "lora.use_dora=true: vLLM cannot serve DoRA adapters, so the deploy step will refuse this adapter "
-            "(merge it into the base weights, or train with use_dora=false to serve it with vLLM)"
+            "lora.use_dora=true: vLLM cannot serve DoRA adapters as LoRA modules, so the pipeline serves this adapter "
+            "merged into its base (serving_mode=auto; llmft export --merge by hand), a full copy of the weights; "
+            "train with use_dora=false to serve it as a LoRA module"
         )
     if (
         cfg.method == "qlora"

@@ -107,21 +107,25 @@ def evaluate_perplexity(
     revision: str | None = None,
 ) -> dict:
     """Load ``model_path`` (+ the PEFT adapter at ``adapter_path``) and evaluate ``split``.
-    Returns {"eval_loss", "perplexity", "tokens"} (tokens = supervised targets scored)."""
+    Returns {"eval_loss", "perplexity", "tokens"} (tokens = supervised targets scored).
+
+    The model loads as the trainer loads its base (``llmft.trainer.fp8.load_base_model``): an FP8
+    checkpoint is dequantized on load, so the adapter is evaluated over the weights it was trained
+    over (transformers' default keeps FP8 weights on a GPU, whose forward needs the ``kernels`` package)."""
+    from llmft.trainer.fp8 import load_base_model
     from llmft.trainer.loss import loss_fn
     from llmft.trainer.model import register_attention, resolve_dtype
-    from transformers import AutoModelForCausalLM
 
     register_attention(attn_implementation)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path,
-        dtype=resolve_dtype(dtype, dev),
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        revision=revision,
-        use_safetensors=True,
-    ).to(dev)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides its signature from mypy
+    kwargs = {
+        "dtype": resolve_dtype(dtype, dev),
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": trust_remote_code,
+        "revision": revision,
+        "use_safetensors": True,
+    }
+    model = load_base_model(model_path, revision, "lora", kwargs).to(dev)
     if adapter_path:
         from peft import PeftModel
 

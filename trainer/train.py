@@ -473,6 +473,7 @@ class Trainer:
             **self._record(),
             "run_id": self.plan.run_id,
             "base_model": base_model_identity(self.cfg.model, self.engine.module),
+            "base_format": getattr(self.engine.module, "llmft_base_format", None),  # how the base was loaded (fp8.py)
             "dataset": {"path": str(self.cfg.data), "cache_key": self.plan.dataset["cache_key"]},
             "final_metrics": {"train_loss": self.last_train_loss, **final_metrics},
             "evaluation": self.plan.eval_note or "on",

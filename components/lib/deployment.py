@@ -1,15 +1,17 @@
 """What the deploy step does, in order: servability check, InferenceService, validation, deploy.
 
-:func:`deploy_promoted` checks the promoted adapter is servable by vLLM
-(:mod:`llmft.components.lib.servability`), builds the InferenceService
+:func:`deploy_promoted` serves the form the serving-form step chose (serving.json,
+:mod:`llmft.components.lib.serving_form`): for ``lora`` it checks the promoted adapter is servable by
+vLLM (:mod:`llmft.components.lib.servability`); for ``merged`` it serves the merged model directory
+alone. It builds the InferenceService
 (:mod:`llmft.components.lib.serving`), writes it as YAML and validates it against the
 InferenceService CRD's OpenAPI schema, then
 
 * mode ``kserve``: applies it through the cluster module, waits for Ready and smoke-tests
   the OpenAI endpoints: both served names listed, and the adapter's completion is not the base
-  model's;
-* mode ``local``: loads base + adapter with transformers and generates for a few prompts,
-  failing if the adapter changes nothing.
+  model's (merged form: its one name listed and answering);
+* mode ``local``: loads base + adapter (or the merged model) with transformers and generates for a
+  few prompts, failing if the adapter changes nothing.
 
 With ``deploy=False`` it stops after the validated manifest, and so it does for a version that
 did not become the registry's champion (``deploy_policy=champion``, the default): the served model
@@ -78,6 +80,13 @@ class DeployRequest:
     """Whether the register step made this version the champion (registration.json ``is_champion``)."""
     deploy_policy: str = "champion"
     """champion: deploy only the champion; always: deploy this version even when it lost."""
+    form: str = "lora"
+    """The serving form (serving.json): lora (base + adapter as a LoRA module), merged (``model_dir`` alone) or
+    full (a full fine-tune: not served by this step)."""
+    model_dir: str = ""
+    """Merged form: the merged model directory on the data volume."""
+    form_reason: str = ""
+    """Why that form (logged)."""
 
 
 def serve_spec(req: DeployRequest):
@@ -87,6 +96,23 @@ def serve_spec(req: DeployRequest):
     from llmft.components.lib.serving import ServeSpec
 
     layout = DataLayout(req.data_root)
+    extra: dict[str, Any] = {"runtime": req.runtime} if req.runtime else {}
+    common = dict(
+        name=req.name,
+        pvc_name=req.pvc_name,
+        adapter_path=layout.relative(req.adapter_dir),
+        lora_name=req.adapter_name,
+        namespace=req.namespace or None,
+        max_lora_rank=req.max_lora_rank,
+        gpus=req.gpus,
+        cpu=req.cpu,
+        memory=req.memory,
+        node_selector=dict(req.node_selector),
+        labels={"llmft/model-version": str(req.version)},
+        **extra,
+    )
+    if req.form == "merged":  # one plain model on the volume: no base model, no HF token
+        return ServeSpec(**common, merged_model_path=layout.relative(req.model_dir), hf_token_secret=None)
     on_volume = req.base_model.startswith(layout.root.rstrip("/") + "/")
     if not on_volume and os.path.isdir(req.base_model) and req.mode == "kserve":
         raise ConfigError(
@@ -100,23 +126,7 @@ def serve_spec(req: DeployRequest):
     hf = (
         SecretEnv("HF_TOKEN", secret.name, "HF_TOKEN", optional=False) if secret and "HF_TOKEN" in secret.keys else None
     )
-    extra: dict[str, Any] = {"runtime": req.runtime} if req.runtime else {}
-    return ServeSpec(
-        name=req.name,
-        pvc_name=req.pvc_name,
-        adapter_path=layout.relative(req.adapter_dir),
-        lora_name=req.adapter_name,
-        namespace=req.namespace or None,
-        max_lora_rank=req.max_lora_rank,
-        gpus=req.gpus,
-        cpu=req.cpu,
-        memory=req.memory,
-        node_selector=dict(req.node_selector),
-        hf_token_secret=hf,
-        labels={"llmft/model-version": str(req.version)},
-        **base,
-        **extra,
-    )
+    return ServeSpec(**common, hf_token_secret=hf, **base)
 
 
 def find_crd(crd_dir: str | None = None) -> Path | None:
@@ -170,33 +180,26 @@ def deploy_promoted(
     http_get=None,
 ) -> dict[str, Any]:
     """Run the whole deploy step; return the facts for deployment.json."""
-    from llmft.components.lib.servability import check_vllm_servable
-    from llmft.components.lib.serving import build_inference_service, isvc_to_dict, served_names
+    from llmft.components.lib.serving import build_inference_service, isvc_to_dict, served_models
 
     if req.mode not in ("kserve", "local"):
         raise ConfigError(f"deploy_mode {req.mode!r}: use kserve or local")
-    if not (Path(req.adapter_dir) / "adapter_config.json").is_file():
-        raise LlmftError(
-            f"{req.adapter_dir} holds full model weights, not a LoRA adapter: this step serves adapters "
-            "with vLLM's LoRA support. Set deploy=false for method=full, or train with method=lora."
-        )
-    problems = check_vllm_servable(req.adapter_dir, max_lora_rank=req.max_lora_rank)
-    if problems:
-        from llmft.components.lib.servability import AdapterNotServableError
-
-        raise AdapterNotServableError(
-            f"adapter {req.adapter_dir} cannot be served by vLLM:\n- " + "\n- ".join(problems)
-        )
-    print(f"servability: {req.adapter_dir} can be served by vLLM (max LoRA rank {req.max_lora_rank})")
+    if req.form == "merged":
+        _check_merged(req)
+    else:
+        _check_lora(req)
     spec = serve_spec(req)
     isvc = build_inference_service(spec)
     body = isvc_to_dict(isvc)
+    names = served_models(spec)
     result: dict[str, Any] = {
         "mode": req.mode,
+        "form": req.form,
         "servable": True,
         "name": req.name,
         "lora_name": req.adapter_name,
-        "base_name": served_names(spec)[0],
+        "base_name": names[0] if len(names) == 2 else None,
+        "served_models": list(names),
         **write_manifest(body, manifest_path, crd_dir=crd_dir),
     }
     print(f"manifest: {manifest_path} (CRD schema {'ok' if result['schema_validated'] else 'not checked'})")
@@ -213,10 +216,45 @@ def deploy_promoted(
     return {**result, **_deploy_to_kserve(req, body, cluster, http_post, http_get)}
 
 
-def _local_check(req: DeployRequest) -> dict[str, Any]:
-    from llmft.components.lib.serving import local_generation_check
+def _check_lora(req: DeployRequest) -> None:
+    """The adapter vLLM loads as a LoRA module: refused here, not when the server starts."""
+    from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
 
-    samples = local_generation_check(req.base_model, req.adapter_dir, list(req.prompts))
+    if not (Path(req.adapter_dir) / "adapter_config.json").is_file():
+        raise LlmftError(
+            f"{req.adapter_dir} holds full model weights, not a LoRA adapter: this step serves adapters "
+            "with vLLM's LoRA support. Set deploy=false for method=full, or train with method=lora."
+        )
+    problems = check_vllm_servable(req.adapter_dir, max_lora_rank=req.max_lora_rank)
+    if problems:
+        raise AdapterNotServableError(
+            f"adapter {req.adapter_dir} cannot be served by vLLM:\n- " + "\n- ".join(problems)
+        )
+    print(f"servability: {req.adapter_dir} can be served by vLLM (max LoRA rank {req.max_lora_rank})")
+
+
+def _check_merged(req: DeployRequest) -> None:
+    """The merged model the serving-form step wrote: complete, a plain model (no quantization_config)."""
+    import json
+
+    from llmft.trainer.io import is_complete
+
+    config = Path(req.model_dir) / "config.json"
+    if not req.model_dir or not is_complete(req.model_dir) or not config.is_file():
+        raise LlmftError(
+            f"merged model {req.model_dir or '(none)'}: missing or incomplete (no COMPLETE marker or config.json); "
+            "the serving-form step writes it: re-run the pipeline"
+        )
+    if "quantization_config" in json.loads(config.read_text()):
+        raise LlmftError(f"{config}: has a quantization_config; a merged model is dense (llmft export --merge)")
+    print(f"serving form: merged ({req.form_reason or 'serving.json'}): {req.model_dir} served as {req.adapter_name!r}")
+
+
+def _local_check(req: DeployRequest) -> dict[str, Any]:
+    from llmft.components.lib.local_check import local_generation_check
+
+    merged = req.model_dir if req.form == "merged" else None
+    samples = local_generation_check(req.base_model, req.adapter_dir, list(req.prompts), merged_path=merged)
     for s in samples:
         print(f"prompt: {s.prompt!r}\n  base:    {s.base_text!r}\n  adapter: {s.adapter_text!r}")
     return {
@@ -227,15 +265,14 @@ def _local_check(req: DeployRequest) -> dict[str, Any]:
 
 def _deploy_to_kserve(req: DeployRequest, body: dict, cluster, http_post, http_get) -> dict[str, Any]:
     from llmft.components.lib.cluster import Cluster
-    from llmft.components.lib.serving import deploy_inference_service, served_names, smoke_test
+    from llmft.components.lib.serving import deploy_inference_service, served_models, smoke_test
 
     cluster = cluster or Cluster(req.namespace or None)
     served = deploy_inference_service(cluster, body, timeout_s=req.timeout_s)
     url = served.get("internal_url") or served["url"]
-    base_name, adapter_name = served_names(serve_spec(req))
+    names = served_models(serve_spec(req))  # (base, adapter), or (merged,)
+    adapter_name, base_name = names[-1], (names[0] if len(names) == 2 else None)
     smoke = smoke_test(url, adapter_name, req.prompts[0], base_name=base_name, http_post=http_post, http_get=http_get)
-    print(
-        f"smoke test: {smoke['endpoint']}: {adapter_name!r} answered {smoke['text']!r}, {base_name!r} "
-        f"answered {smoke['base_text']!r}"
-    )
+    base_text = f", {base_name!r} answered {smoke['base_text']!r}" if base_name else " (merged form: one model)"
+    print(f"smoke test: {smoke['endpoint']}: {adapter_name!r} answered {smoke['text']!r}{base_text}")
     return {"status": "deployed", "url": served["url"], "internal_url": served.get("internal_url"), "smoke_test": smoke}

@@ -72,13 +72,12 @@ def load_model(model_path: str, adapter_path: str | None = None, *, device: str 
     """``(model, device)``: the base model from ``model_path`` (safetensors only) with the PEFT adapter
     at ``adapter_path`` applied, in eval mode."""
     import torch
+    from llmft.trainer.fp8 import load_base_model  # an FP8 base dequantized, as the trainer loads it
     from llmft.trainer.model import resolve_dtype
-    from transformers import AutoModelForCausalLM
 
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=resolve_dtype(dtype, dev), attn_implementation="sdpa", use_safetensors=True
-    ).to(dev)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides its signature from mypy
+    kwargs = {"dtype": resolve_dtype(dtype, dev), "attn_implementation": "sdpa", "use_safetensors": True}
+    model = load_base_model(model_path, None, "lora", kwargs).to(dev)
     if adapter_path:
         from peft import PeftModel
 

@@ -43,6 +43,10 @@ DATA_MOUNT = "/data"
 TRAINING_BACKENDS = ("kubeflow", "trainjob", "local")
 """kubeflow: a PyTorchJob (Training Operator v1); trainjob: a TrainJob (Kubeflow Trainer v2); local: kfp.local."""
 DEPLOY_MODES = ("kserve", "local")
+SERVING_MODES = ("auto", "lora", "merged")
+"""auto: the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its base (the reason
+logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always the merged model
+(components/lib/serving_form.py)."""
 SWEEP_BACKENDS = ("katib", "local")
 PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
 """Trainer keys the plan sets itself; ``train_overrides`` may not change them."""
@@ -70,7 +74,8 @@ class DataLayout:
 
     ``<root>/hf-cache`` HF_HOME; ``datasets/<run>`` prepared JSONL; ``tokenized/<cache key>``
     packed shards, reused by any run with the same key; ``runs/<run>`` checkpoints and
-    metrics; ``sweeps/<experiment>`` trials; ``models/<registered name>/<run>`` promoted adapters.
+    metrics; ``sweeps/<experiment>`` trials; ``models/<registered name>/<run>`` promoted adapters;
+    ``merged/<registered name>/<run>`` the promoted adapter merged into its base (serving form ``merged``).
     """
 
     root: str
@@ -90,6 +95,9 @@ class DataLayout:
 
     def promoted(self, model_name: str, run_id: str) -> str:
         return f"{self.root}/models/{model_name}/{run_id}"
+
+    def merged(self, model_name: str, run_id: str) -> str:
+        return f"{self.root}/merged/{model_name}/{run_id}"
 
     @property
     def hf_home(self) -> str:
@@ -253,6 +261,13 @@ class ServingPlan:
     hf_secret: SecretMount | None
     deploy_policy: str = "champion"
     """DEPLOY_POLICIES: whether a version that lost against the champion is deployed."""
+    serving_mode: str = "auto"
+    """SERVING_MODES: serve the adapter as a LoRA module, or merged into its base (the serving-form step decides)."""
+    merged_dir: str = ""
+    """Where the serving-form step writes the merged model (``<root>/merged/<registered name>/<run>``)."""
+    form_note: str = ""
+    """Why the plan already knows the adapter will be served merged (serving_mode=auto: DoRA, a rank above
+    max_lora_rank); '' = decided after promotion."""
 
 
 @dataclass(frozen=True)
@@ -401,13 +416,15 @@ def build_plan(
         trainer=trainer,
         job=job_plan(p, layout, run_id, images, secrets),
         registry=_registry_plan(p, layout, run_id, on_cluster, environ),
-        serving=_serving_plan(p, images, secrets),
+        serving=_serving_plan(p, layout, run_id, images, secrets),
         sweep=_sweep_plan(p, layout, run_id) if pipeline.endswith("-hpo") else None,
         task_secrets=tuple(s for s in (secrets["hf"], secrets["mlflow"], secrets["langfuse"]) if s is not None),
         task_resources=checks.task_resources(p),
         parameters=p.as_dict(),
     )
-    checks.check_serving(plan, config)
+    form_note = checks.check_serving(plan, config)
+    if form_note:
+        plan = dataclasses.replace(plan, serving=dataclasses.replace(plan.serving, form_note=form_note))
     if plan.sweep is not None:
         checks.check_sweep(plan, p.max_lora_rank)
     return plan
@@ -524,7 +541,7 @@ def _registry_plan(p: Parameters, layout: DataLayout, run_id: str, on_cluster: b
     )
 
 
-def _serving_plan(p: Parameters, images: Images, secrets: dict) -> ServingPlan:
+def _serving_plan(p: Parameters, layout: DataLayout, run_id: str, images: Images, secrets: dict) -> ServingPlan:
     from llmft.components.lib.plan_checks import check_resources, parse_node_selector
 
     return ServingPlan(
@@ -541,6 +558,8 @@ def _serving_plan(p: Parameters, images: Images, secrets: dict) -> ServingPlan:
         pvc_name=p.pvc_name,
         hf_secret=secrets["hf"],
         deploy_policy=_choice("deploy_policy", p.deploy_policy, DEPLOY_POLICIES),
+        serving_mode=_choice("serving_mode", p.serving_mode, SERVING_MODES),
+        merged_dir=layout.merged(p.mlflow_model_name, run_id),
     )
 
 

@@ -46,6 +46,7 @@ TASK_SECRET_KINDS = {
     "prepare-dataset": ("hf", "langfuse"),  # langfuse: a langfuse://<dataset> source
     "tokenize-dataset": ("hf",),
     "evaluate-perplexity": ("hf", "mlflow", "langfuse"),  # the adapter comparison (champion from MLflow)
+    "choose-serving-form": ("hf",),  # a hub base model, for the merge
     "register-model": ("mlflow", "langfuse"),  # langfuse: the MLflow version, linked from the training trace
     "sweep-hyperparameters": ("mlflow",),
 }
@@ -241,25 +242,31 @@ def check_tracking(p, on_cluster: bool, environ: Mapping[str, str]) -> None:
     )
 
 
-def check_serving(plan, config) -> None:
-    """What vLLM can serve: a plain LoRA adapter of rank <= max_lora_rank (a vLLM-accepted value)."""
+def check_serving(plan, config) -> str:
+    """What vLLM can serve as a LoRA module: a plain LoRA adapter of rank <= max_lora_rank (a vLLM-accepted
+    value). ``serving_mode=lora`` refuses anything else; ``auto`` serves it merged into its base instead.
+    Returns why the adapter will be served merged ('' = as a LoRA module, or decided after promotion)."""
     if config.method == "full" or not plan.serving.deploy:
-        return
-    if config.lora.use_dora:
-        raise ConfigError(
-            "pipeline parameters: lora.use_dora=true (DoRA) cannot be served by vLLM; set deploy=false "
-            "or train a plain LoRA adapter"
-        )
+        return ""
     from llmft.components.lib.servability import VLLM_MAX_LORA_RANKS
 
-    rank = plan.serving.max_lora_rank
+    rank, mode = plan.serving.max_lora_rank, plan.serving.serving_mode
     if rank not in VLLM_MAX_LORA_RANKS:
         raise _fail("max_lora_rank", rank, f"vLLM accepts only {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
+    if mode == "merged":
+        return "serving_mode=merged"
+    refusals = []
+    if config.lora.use_dora:
+        refusals.append("lora.use_dora=true (DoRA): vLLM does not serve DoRA adapters")
     if config.lora.r > rank:
+        refusals.append(f"`lora_r`={config.lora.r} exceeds `max_lora_rank`={rank} of the vLLM runtime")
+    if refusals and mode == "lora":
         raise ConfigError(
-            f"pipeline parameter `lora_r`={config.lora.r} exceeds `max_lora_rank`={rank} of the vLLM runtime: "
-            "vLLM would refuse the adapter. Lower lora_r or raise max_lora_rank"
+            f"pipeline parameters: {'; '.join(refusals)}, so vLLM would refuse the adapter and serving_mode=lora "
+            "serves adapters only as LoRA modules. Train a plain LoRA adapter of rank <= max_lora_rank (lower "
+            "lora_r or raise max_lora_rank; lora.use_dora=false), or set serving_mode=auto to serve it merged"
         )
+    return f"{'; '.join(refusals)}: the adapter will be served merged into its base model" if refusals else ""
 
 
 def check_sweep(plan, max_lora_rank: int) -> None:
@@ -277,8 +284,8 @@ def check_sweep(plan, max_lora_rank: int) -> None:
             f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use sweep_backend=katib",
         )
     spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
-    if plan.serving.deploy and plan.trainer.method != "full":
-        check_servable_ranks(spec, max_lora_rank)
+    if plan.serving.deploy and plan.trainer.method != "full" and plan.serving.serving_mode != "merged":
+        check_servable_ranks(spec, max_lora_rank)  # auto too: the sweep's winner must not decide the serving form
     check_trial_overrides(spec, sweep.trial_overrides)
 
 

@@ -5,7 +5,9 @@ One call, :func:`register_adapter`, does what the `register-in-mlflow` step need
 1. an MLflow run (in the pipeline's experiment) with the training parameters,
    the evaluation metrics and the adapter folder as artifacts;
 2. a registered model version whose source is that artifact folder, tagged with
-   its lineage (pipeline run id, dataset hash, base model);
+   its lineage (pipeline run id, dataset hash, base model) and the form it is served in
+   (``llmft.served_form`` lora or merged, ``llmft.serving_reason``; the merged model's
+   export manifest is logged with the run, its weights are not);
 3. the alias ``champion`` moved to the new version only when its eval perplexity
    beats the current champion's.
 
@@ -97,6 +99,8 @@ class Registration:
     """Files logged at the run's artifact root (evaluation report, promotion decision)."""
     links: dict[str, str] = field(default_factory=dict)
     """Tags of the version and the run that point elsewhere: the promoted path, Langfuse."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """More tags of the version and the run: the serving form (components/lib/serving_form.py ``ServingForm.tags``)."""
 
 
 def register_adapter(
@@ -116,7 +120,7 @@ def register_adapter(
             name=reg.model_name,
             source=f"{artifact_uri}/{ADAPTER_ARTIFACT_PATH}",
             run_id=run_id,
-            tags={**reg.lineage.tags(), **reg.links, PERPLEXITY_TAG: repr(float(reg.perplexity))},
+            tags={**reg.lineage.tags(), **reg.links, **reg.tags, PERPLEXITY_TAG: repr(float(reg.perplexity))},
             description=f"Adapter for {reg.lineage.base_model} from pipeline run {reg.lineage.pipeline_run_id}",
         )
     alias = update_champion(client, reg.model_name, str(version.version), reg.perplexity)
@@ -203,7 +207,7 @@ def _log_run(client, reg: Registration) -> tuple[str, str]:
     if run is None:
         run = client.create_run(
             experiment_id,
-            tags={**reg.lineage.tags(), **reg.links},
+            tags={**reg.lineage.tags(), **reg.links, **reg.tags},
             run_name=f"register-{reg.lineage.pipeline_run_id}"[:250],
         )
     run_id = run.info.run_id
@@ -329,8 +333,9 @@ def registration_from_run(
     experiment: str,
     lineage: Lineage,
     extra_artifacts: tuple[Path, ...] = (),
+    tags: dict[str, str] | None = None,
 ) -> Registration:
-    """Assemble a :class:`Registration` from the files the earlier steps wrote."""
+    """Assemble a :class:`Registration` from the files the earlier steps wrote (``tags``: more version tags)."""
     from llmft.components.lib.comparison import PROMOTED_PATH_TAG, version_link_tags
 
     promoted_dir = Path(promoted_dir)
@@ -366,4 +371,5 @@ def registration_from_run(
         params=params,
         extra_artifacts=extra_artifacts,
         links={PROMOTED_PATH_TAG: str(promoted_dir), **version_link_tags(evaluation)},
+        tags=dict(tags or {}),
     )

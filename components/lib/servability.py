@@ -97,7 +97,9 @@ def non_lora_module_names(keys: Iterable[str]) -> set[str]:
     (what ``modules_to_save`` or LoRA on tied embeddings leave in the file)."""
     names = set()
     for key in keys:
-        parts = [p for p in key.split(".")[:-1] if p != "base_layer"]  # drop "weight"/"bias"
+        parts = [p for p in key.split(".") if p != "base_layer"]
+        if parts[-1] in ("weight", "bias"):  # PEFT saves a DoRA magnitude as `...lora_magnitude_vector`, bare
+            parts = parts[:-1]
         if parts and not any(part in _LORA_PARTS for part in parts):
             names.add(parts[-1])
     return names

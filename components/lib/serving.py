@@ -20,32 +20,41 @@ resolves a request's name against the base names first (``OpenAIServing._maybe_g
 ``vllm/entrypoints/openai/serving_engine.py``, as bundled with KServe 0.15/0.16) and LoRA names
 first in later releases: with one shared name, either the adapter or the base is unreachable.
 The deploy step's :func:`smoke_test` checks both names are served and answer differently.
+
+The merged form (``merged_model_path``: the adapter merged into its base by the serving-form step,
+components/lib/serving_form.py) is one plain model: ``storageUri`` is its directory on the PVC,
+``--model_name=<lora_name> --model_dir=/mnt/models --backend=vllm`` and no LoRA flag (the
+huggingfaceserver hands ``--model_dir`` to vLLM as the model and serves it under ``--model_name``:
+kserve ``python/huggingfaceserver/huggingfaceserver/__main__.py`` ``load_model``). The label
+``llmft/served-form`` names the form; :func:`inference_service_errors` refuses LoRA flags on a merged one.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import posixpath
 import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 from llmft.components import images
 from llmft.components.lib.cluster import Cluster, ClusterError
 from llmft.components.lib.pytorchjob import GPU_TOLERATION, SecretEnv, Toleration
-from llmft.trainer.errors import ConfigError, LlmftError
+from llmft.trainer.errors import ConfigError
 from llmft.trainer.names import is_k8s_name
 
 GROUP, VERSION, PLURAL, KIND = "serving.kserve.io", "v1beta1", "inferenceservices", "InferenceService"
 MODEL_MOUNT = "/mnt/models"
 """Where KServe mounts the storageUri in the predictor container."""
 HF_TOKEN_SECRET = SecretEnv("HF_TOKEN", "llmft-hf-token", "HF_TOKEN")
+FORM_LABEL = "llmft/served-form"
+"""Label of the InferenceService: ``lora`` (base + adapter as a LoRA module) or ``merged`` (one plain model)."""
+LORA_FLAGS = ("--enable-lora", "--lora-modules", "--max-lora-rank")
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -60,7 +69,8 @@ class ServeSpec:
     adapter_path: str
     """Adapter directory, relative to the PVC root (e.g. ``runs/demo/promoted/adapter``)."""
     lora_name: str
-    """Model name clients request to get the adapter (``"model"`` in the OpenAI request)."""
+    """Model name clients request to get the fine-tuned model (``"model"`` in the OpenAI request): the adapter,
+    or the merged model."""
     base_model_id: str | None = None
     """Hub id of the base model (downloaded by the server with HF_TOKEN); or use base_model_path."""
     base_model_path: str | None = None
@@ -105,6 +115,9 @@ class ServeSpec:
     """Extra annotations of the InferenceService."""
     service_account: str | None = None
     """Service account of the predictor pod."""
+    merged_model_path: str | None = None
+    """Merged form: the adapter merged into its base (``llmft export --merge``), relative to the PVC root, served
+    alone as ``lora_name`` without LoRA flags; set no base model then. None = LoRA form."""
 
 
 def _relative_path_error(what: str, path: str | None) -> str | None:
@@ -122,13 +135,17 @@ def _serve_spec_errors(spec: ServeSpec) -> list[str]:
         errors.append(f"name {spec.name!r}: must be a DNS-1035 label of at most 63 characters")
     if not _LORA_NAME.match(spec.lora_name):
         errors.append(f"lora_name {spec.lora_name!r}: letters, digits, '.', '_' and '-' only")
-    if (spec.base_model_id is None) == (spec.base_model_path is None):
+    if spec.merged_model_path is not None:
+        if spec.base_model_id is not None or spec.base_model_path is not None:
+            errors.append("merged_model_path: the merged model is served alone; set no base_model_id/base_model_path")
+    elif (spec.base_model_id is None) == (spec.base_model_path is None):
         errors.append("set exactly one of base_model_id (hub) and base_model_path (on the PVC)")
     errors += [
         e
         for e in (
             _relative_path_error("adapter_path", spec.adapter_path),
             _relative_path_error("base_model_path", spec.base_model_path),
+            _relative_path_error("merged_model_path", spec.merged_model_path),
         )
         if e
     ]
@@ -157,16 +174,41 @@ def storage_layout(spec: ServeSpec) -> tuple[str, str, str | None]:
     return uri, inside(adapter), inside(base)
 
 
+def served_form(spec: ServeSpec) -> str:
+    """``merged`` (one plain model) or ``lora`` (base model + adapter)."""
+    return "lora" if spec.merged_model_path is None else "merged"
+
+
+def storage_uri(spec: ServeSpec) -> str:
+    """What KServe mounts at /mnt/models: the merged model's directory, or base and adapter's common root."""
+    if spec.merged_model_path is not None:
+        return f"pvc://{spec.pvc_name}/{posixpath.normpath(spec.merged_model_path)}"
+    return storage_layout(spec)[0]
+
+
 BASE_SUFFIX = "-base"
 
 
 def served_names(spec: ServeSpec) -> tuple[str, str]:
-    """(base model's served name, adapter's served name): distinct by construction."""
+    """(base model's served name, adapter's served name) of the LoRA form: distinct by construction."""
     return spec.model_name or f"{spec.lora_name}{BASE_SUFFIX}", spec.lora_name
+
+
+def served_models(spec: ServeSpec) -> tuple[str, ...]:
+    """Every name the server answers to: the merged model's, or the base model's and the adapter's."""
+    return (spec.lora_name,) if spec.merged_model_path is not None else served_names(spec)
 
 
 def server_args(spec: ServeSpec) -> list[str]:
     """Arguments of the Hugging Face runtime (its own flags, then vLLM's)."""
+    if spec.merged_model_path is not None:  # one plain model, mounted at /mnt/models: no LoRA
+        args = [
+            f"--model_name={spec.lora_name}",
+            "--backend=vllm",
+            f"--model_dir={MODEL_MOUNT}",
+            f"--dtype={spec.dtype}",
+        ]
+        return args + ([f"--max_model_len={spec.max_model_len}"] if spec.max_model_len else []) + list(spec.extra_args)
     _, adapter_dir, base_dir = storage_layout(spec)
     base_name, _ = served_names(spec)
     args = [f"--model_name={base_name}", "--backend=vllm"]
@@ -191,7 +233,7 @@ def server_args(spec: ServeSpec) -> list[str]:
 def _predictor_env(spec: ServeSpec) -> list:
     from kubernetes import client as k8s
 
-    if spec.base_model_path is not None:
+    if spec.base_model_path is not None or spec.merged_model_path is not None:  # everything is on the PVC
         return [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")]
     if spec.hf_token_secret is None:
         return []
@@ -208,7 +250,7 @@ def build_inference_service(spec: ServeSpec):
     errors = _serve_spec_errors(spec)
     if errors:
         raise ConfigError(f"InferenceService {spec.name!r}: " + "; ".join(errors))
-    uri, _, _ = storage_layout(spec)
+    uri = storage_uri(spec)
     amounts = {"cpu": spec.cpu, "memory": spec.memory} | ({"nvidia.com/gpu": str(spec.gpus)} if spec.gpus else {})
     tolerations = spec.tolerations if spec.tolerations is not None else ((GPU_TOLERATION,) if spec.gpus else ())
     annotations = dict(spec.annotations)
@@ -241,7 +283,7 @@ def build_inference_service(spec: ServeSpec):
             name=spec.name,
             namespace=spec.namespace,
             annotations=annotations or None,
-            labels={"app.kubernetes.io/part-of": "kfp-llm-finetune", **spec.labels},
+            labels={"app.kubernetes.io/part-of": "kfp-llm-finetune", FORM_LABEL: served_form(spec), **spec.labels},
         ),
         spec=kserve.V1beta1InferenceServiceSpec(predictor=predictor),
     )
@@ -269,7 +311,8 @@ def inference_service_errors(isvc: dict) -> list[str]:
     if not (model.get("modelFormat") or {}).get("name"):
         errors.append("spec.predictor.model.modelFormat.name: required")
     args = model.get("args") or []
-    if any(a.startswith(("--enable-lora", "--lora-modules", "--max-lora-rank")) for a in args):
+    errors += _form_errors(((isvc.get("metadata") or {}).get("labels") or {}).get(FORM_LABEL), args)
+    if any(a.startswith(LORA_FLAGS) for a in args):
         if "--backend=vllm" not in args:
             errors.append("spec.predictor.model.args: LoRA flags need --backend=vllm (the HF backend ignores them)")
         if "--enable-lora" not in args or "--lora-modules" not in args:
@@ -290,6 +333,25 @@ def inference_service_errors(isvc: dict) -> list[str]:
     if gpu_req != (resources.get("limits") or {}).get("nvidia.com/gpu"):
         errors.append("spec.predictor.model.resources: nvidia.com/gpu requests and limits must be equal")
     return errors
+
+
+def _form_errors(form: str | None, args: list[str]) -> list[str]:
+    """The label ``llmft/served-form`` agrees with the arguments: a merged model carries no LoRA flag and
+    comes from the PVC; the LoRA form names its adapter."""
+    lora_flags = sorted({a.split("=", 1)[0] for a in args if a.startswith(LORA_FLAGS)})
+    if form == "merged":
+        errors = []
+        if lora_flags:
+            errors.append(
+                f"spec.predictor.model.args: {FORM_LABEL}=merged is one plain model served without LoRA; remove "
+                f"{lora_flags}"
+            )
+        if any(a.startswith("--model_id") for a in args) or f"--model_dir={MODEL_MOUNT}" not in args:
+            errors.append(f"spec.predictor.model.args: a merged model is the mounted volume: --model_dir={MODEL_MOUNT}")
+        return errors
+    if form == "lora" and "--lora-modules" not in args:
+        return [f"spec.predictor.model.args: {FORM_LABEL}=lora needs --enable-lora and --lora-modules"]
+    return []
 
 
 def isvc_ready(obj: dict) -> tuple[bool, str]:
@@ -413,7 +475,7 @@ def smoke_test(
     model_name: str,
     prompt: str,
     *,
-    base_name: str,
+    base_name: str | None,
     max_tokens: int = 16,
     timeout_s: float = 60.0,
     attempts: int = 3,
@@ -425,6 +487,8 @@ def smoke_test(
     (``model_name``) and the base model (``base_name``); one greedy completion (temperature 0,
     with token logprobs) of ``prompt`` from each; the adapter's must not be the base model's (the
     same text AND the same logprobs: the request did not reach the adapter, or it changes nothing).
+    ``base_name=None`` (the merged form: one model, no base served beside it): the listing and one
+    completion of ``model_name``, answered under that name.
     Returns ``{"endpoint", "models", "model", "text", "base_text"}``. ``http_post(url, payload,
     timeout_s)`` and ``http_get(url, timeout_s)`` -> ``(status, parsed JSON)`` are injectable."""
     post, get = http_post or _urllib_post, http_get or _urllib_get
@@ -433,17 +497,18 @@ def smoke_test(
     if status != 200 or not isinstance(listing, dict):
         raise RuntimeError(f"smoke test GET {root}/models -> HTTP {status}: {listing}")
     served = sorted({str(m.get("id")) for m in listing.get("data") or [] if isinstance(m, dict)})
-    missing = [n for n in (model_name, base_name) if n not in served]
+    names = [model_name] if base_name is None else [model_name, base_name]
+    missing = [n for n in names if n not in served]
     if missing:
         raise RuntimeError(f"smoke test GET {root}/models: {missing} not served (the server lists {served})")
     answers = {}
-    for name in (model_name, base_name):
+    for name in names:
         payload = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
         status, body = _with_retries(
             functools.partial(post, f"{root}/completions", payload, timeout_s), attempts, retry_wait_s
         )
         answers[name] = _completion(f"{root}/completions", name, status, body)
-    adapter, base = answers[model_name], answers[base_name]
+    adapter, base = answers[model_name], (answers[base_name] if base_name is not None else None)
     if adapter == base:
         raise RuntimeError(
             f"smoke test POST {root}/completions: model {model_name!r} answered exactly like the base model "
@@ -454,7 +519,7 @@ def smoke_test(
         "models": served,
         "model": model_name,
         "text": adapter[0],
-        "base_text": base[0],
+        "base_text": base[0] if base else None,
     }
 
 
@@ -470,78 +535,3 @@ def _completion(endpoint: str, name: str, status: int, body: Any) -> tuple[str, 
         raise RuntimeError(f"smoke test POST {endpoint}: asked for model {name!r}, answered by {answered!r}")
     logprobs = (choices[0].get("logprobs") or {}).get("token_logprobs") or []
     return choices[0]["text"], tuple(logprobs)
-
-
-class AdapterHasNoEffectError(LlmftError):
-    """Base model and base + adapter give the same logits: the adapter is empty or not applied."""
-
-
-class GenerationSample(NamedTuple):
-    """One prompt's greedy completion by the base model and by base + adapter."""
-
-    prompt: str
-    base_text: str
-    adapter_text: str
-
-
-def local_generation_check(
-    base_model_path: str,
-    adapter_path: str,
-    prompts: Sequence[str],
-    *,
-    max_new_tokens: int = 16,
-    min_logit_diff: float = 1e-5,
-) -> list[GenerationSample]:
-    """Load base + adapter with transformers/peft on CPU, generate greedily for each prompt
-    (rendered with the chat template) with and without the adapter, and raise
-    ``AdapterHasNoEffectError`` when the adapter moves no logit of the prompt by more than
-    ``min_logit_diff``: texts alone can agree on a tiny model even when the adapter works."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not prompts:
-        raise ConfigError("local_generation_check: give at least one prompt")
-    # The trainer saves the tokenizer (with the chat template it trained on) beside the adapter.
-    has_own_tokenizer = os.path.isfile(os.path.join(adapter_path, "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(adapter_path if has_own_tokenizer else base_model_path)
-    base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter_path).eval()
-    samples, largest_diff = [], 0.0
-    for prompt in prompts:
-        text = prompt
-        if tokenizer.chat_template:
-            text = cast(
-                str,  # tokenize=False: the rendered text
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-                ),
-            )
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-        with torch.no_grad(), model.disable_adapter():
-            base_logits = model(**inputs).logits
-            base_ids = _greedy(model, tokenizer, inputs, max_new_tokens)
-        with torch.no_grad():
-            adapter_logits = model(**inputs).logits
-            adapter_ids = _greedy(model, tokenizer, inputs, max_new_tokens)
-        largest_diff = max(largest_diff, (adapter_logits - base_logits).abs().max().item())
-        samples.append(
-            GenerationSample(
-                prompt,
-                cast(str, tokenizer.decode(base_ids, skip_special_tokens=True)),  # one sequence: one text
-                cast(str, tokenizer.decode(adapter_ids, skip_special_tokens=True)),
-            )
-        )
-    if largest_diff <= min_logit_diff:
-        raise AdapterHasNoEffectError(
-            f"adapter {adapter_path} changes nothing: the largest logit difference from base model "
-            f"{base_model_path} over {len(prompts)} prompt(s) is {largest_diff:.3g} (<= {min_logit_diff}). "
-            "Its LoRA B matrices are probably all zero: was it trained (max_steps > 0, a learning rate > 0)?"
-        )
-    return samples
-
-
-def _greedy(model, tokenizer, inputs, max_new_tokens: int):
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    return out[0, inputs["input_ids"].shape[1] :]

@@ -3,7 +3,7 @@
 :func:`collect_run_facts` reads the artifacts a kfp.local run left under its run folder
 (``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``); :func:`render_summary`
 turns them into a few readable lines: the plan (backend, trainer image), rows accepted and rejected, base vs best
-perplexity, the promoted checkpoint, the MLflow model version and alias, the manifest
+perplexity, the promoted checkpoint, the serving form, the MLflow model version and alias, the manifest
 path and a sample generation.
 """
 
@@ -21,6 +21,7 @@ SOURCES = {
     "training": ("train-model", "run", "training_manifest.json"),
     "evaluation": ("evaluate-perplexity", "evaluation", "evaluation.json"),
     "promotion": ("promote-best-checkpoint", "promoted", "promotion.json"),
+    "serving": ("choose-serving-form", "serving", "serving.json"),
     "registration": ("register-model", "registration", "registration.json"),
     "deployment": ("deploy-adapter", "deployment", "deployment.json"),
 }
@@ -96,6 +97,9 @@ def _model_lines(facts: dict[str, Any]) -> list[str]:
     promotion = facts.get("promotion")
     if promotion:
         lines.append(f"promoted    {promotion['checkpoint']} -> {promotion.get('destination')}")
+    serving = facts.get("serving")
+    if serving:
+        lines.append(f"serving     {serving['form']}: {_clip(serving['reason'], 80)}")
     registration = facts.get("registration")
     if registration:
         lines.append(

@@ -125,7 +125,8 @@ def check_servable_ranks(sweep, max_lora_rank: int) -> None:
         if max(ranks) > max_lora_rank:
             raise ConfigError(
                 f"the sweep searches lora.r up to {max(ranks):g} but max_lora_rank={max_lora_rank}: "
-                "vLLM would refuse the winner. Lower space.lora_r.values or raise max_lora_rank"
+                "vLLM would refuse the winner. Lower space.lora_r.values or raise max_lora_rank (or serve the "
+                "winner merged: serving_mode=merged)"
             )
 
 

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+from llmft.components.lib.local_check import AdapterHasNoEffectError, local_generation_check
 from llmft.components.lib.servability import (
     AdapterNotServableError,
     check_vllm_servable,
@@ -14,7 +15,6 @@ from llmft.components.lib.servability import (
     require_vllm_servable,
     safetensors_keys,
 )
-from llmft.components.lib.serving import AdapterHasNoEffectError, local_generation_check
 
 PROMPTS = ["What is two plus two?", "Name three primary colors."]
 
@@ -101,6 +101,7 @@ def test_real_dora_adapter_is_refused(tiny_model_dir, tmp_path):
     problems = check_vllm_servable(adapter)
     assert any("adapter_config.json: use_dora=true" in p for p in problems), problems
     assert any("adapter_model.safetensors: holds DoRA magnitude vectors" in p for p in problems), problems
+    assert not any("full (non-LoRA) weights" in p for p in problems), problems  # the magnitude is no full weight
 
 
 def test_weights_on_unsupported_modules_are_refused(tiny_model_dir, tmp_path):

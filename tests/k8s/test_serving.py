@@ -7,11 +7,13 @@ import pytest
 from llmft.components import images
 from llmft.components.lib.pytorchjob import Toleration
 from llmft.components.lib.serving import (
+    FORM_LABEL,
     ServeSpec,
     build_inference_service,
     deploy_inference_service,
     inference_service_errors,
     isvc_to_dict,
+    served_models,
     server_args,
     smoke_test,
     storage_layout,
@@ -42,7 +44,16 @@ HUB_BASE = ServeSpec(
     tolerations=(Toleration("nvidia.com/gpu"), Toleration("dedicated", "Equal", "serving")),
     extra_args=("--gpu-memory-utilization=0.85",),
 )
-VARIANTS = {"pvc-base": PVC_BASE, "hub-base": HUB_BASE}
+MERGED = ServeSpec(
+    name="demo-merged",
+    pvc_name="llmft-data",
+    adapter_path="models/demo/r1",
+    lora_name="demo",
+    merged_model_path="merged/demo/r1",
+    max_model_len=4096,
+)
+"""The merged serving form: the adapter merged into its base (llmft export --merge), served alone."""
+VARIANTS = {"pvc-base": PVC_BASE, "hub-base": HUB_BASE, "merged": MERGED}
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -100,6 +111,26 @@ def test_hub_base_model_uses_model_id_and_hf_token_secret():
     assert len(isvc["spec"]["predictor"]["tolerations"]) == 2
 
 
+def test_merged_model_is_one_plain_model_mounted_from_its_own_directory():
+    """The huggingfaceserver passes --model_dir to vLLM as the model and serves it as --model_name
+    (kserve python/huggingfaceserver/huggingfaceserver/__main__.py, load_model): no LoRA flag, no
+    base model beside it, nothing from the hub."""
+    isvc = isvc_to_dict(build_inference_service(MERGED))
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["storageUri"] == "pvc://llmft-data/merged/demo/r1"
+    assert model["args"] == [
+        "--model_name=demo",
+        "--backend=vllm",
+        "--model_dir=/mnt/models",
+        "--dtype=bfloat16",
+        "--max_model_len=4096",
+    ]
+    assert model["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    assert isvc["metadata"]["labels"][FORM_LABEL] == "merged" and served_models(MERGED) == ("demo",)
+    assert isvc_to_dict(build_inference_service(PVC_BASE))["metadata"]["labels"][FORM_LABEL] == "lora"
+    assert served_models(PVC_BASE) == ("demo-base", "demo")
+
+
 def test_disjoint_pvc_paths_mount_the_whole_claim():
     spec = ServeSpec(
         name="x", pvc_name="data", adapter_path="runs/a/adapter", lora_name="a", base_model_path="models/base"
@@ -126,6 +157,15 @@ def test_bad_serve_specs_are_refused(change, message):
 
 
 @pytest.mark.parametrize(
+    "change, message",
+    [({"base_model_path": "runs/demo/base-model"}, "served alone"), ({"merged_model_path": "../m"}, "relative")],
+)
+def test_bad_merged_specs_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        build_inference_service(ServeSpec(**{**MERGED.__dict__, **change}))
+
+
+@pytest.mark.parametrize(
     "mutate, message",
     [
         (lambda m: m["args"].remove("--backend=vllm"), "--backend=vllm"),
@@ -143,6 +183,27 @@ def test_serving_rules_catch_broken_wiring(mutate, message):
     isvc = isvc_to_dict(build_inference_service(PVC_BASE))
     mutate(isvc["spec"]["predictor"]["model"])
     assert any(message in e for e in inference_service_errors(isvc))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda m: m["args"].append("--enable-lora"), "served without LoRA; remove ['--enable-lora']"),
+        (lambda m: m["args"].extend(["--lora-modules", "demo=/mnt/models"]), "remove ['--lora-modules']"),
+        (lambda m: m["args"].append("--max-lora-rank=64"), "remove ['--max-lora-rank']"),
+        (lambda m: m["args"].__setitem__(2, "--model_id=Qwen/Qwen2.5-7B-Instruct"), "--model_dir=/mnt/models"),
+    ],
+)
+def test_a_merged_model_must_carry_no_lora_flags(mutate, message):
+    """The rule the CRD schema cannot express: the label says merged, so any LoRA flag (which would make
+    vLLM expect an adapter) or a hub model is a broken manifest."""
+    isvc = isvc_to_dict(build_inference_service(MERGED))
+    assert inference_service_errors(isvc) == []
+    mutate(isvc["spec"]["predictor"]["model"])
+    assert any(message in e for e in inference_service_errors(isvc)), inference_service_errors(isvc)
+    lora = isvc_to_dict(build_inference_service(PVC_BASE))
+    lora["metadata"]["labels"][FORM_LABEL] = "merged"  # LoRA wiring under the merged label
+    assert any("served without LoRA" in e for e in inference_service_errors(lora))
 
 
 def _ready_after(count_needed: int, url: str = "http://demo-lora.team-a.example.com"):
@@ -273,6 +334,17 @@ def test_smoke_test_fails_when_the_adapter_answers_like_the_base_or_a_name_is_mi
     shared = _server({"demo": ("x", [])}, models=("demo", "demo"))  # the old shared --model_name
     with pytest.raises(RuntimeError, match=r"\['demo-base'\] not served"):
         smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=shared[0], http_post=shared[1])
+
+
+def test_smoke_test_of_a_merged_model_asks_its_one_name():
+    """Merged form: no base model is served beside it, so the smoke test lists and asks the one name."""
+    http_get, http_post, seen = _server({"demo": (" Paris.", [-0.1])}, models=("demo",))
+    out = smoke_test("http://h", "demo", "Capital of France?", base_name=None, http_get=http_get, http_post=http_post)
+    assert out["models"] == ["demo"] and out["text"] == " Paris." and out["base_text"] is None
+    assert [s[2]["model"] for s in seen[1:]] == ["demo"]
+    missing = _server({"demo": ("x", [])}, models=("demo-base",))
+    with pytest.raises(RuntimeError, match=r"\['demo'\] not served"):
+        smoke_test("http://h", "demo", "hi", base_name=None, http_get=missing[0], http_post=missing[1])
 
 
 def test_smoke_test_retries_while_the_route_settles_then_reports_errors():

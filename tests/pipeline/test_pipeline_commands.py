@@ -84,7 +84,7 @@ def test_schedule_creates_a_recurring_run_from_the_compiled_pipeline(fake_kfp):
     assert experiment[:2] == ("experiment", "llm-finetune")
     assert recurring["cron_expression"] == "0 30 2 * * *" and recurring["job_name"] == "nightly"
     assert recurring["experiment_id"] == "exp-1" and recurring["params"] == {"max_steps": 100}
-    assert len(recurring["package_tasks"]) == 8 + 2 and recurring["max_concurrency"] == 1  # + exit handler, cleanup
+    assert len(recurring["package_tasks"]) == 9 + 2 and recurring["max_concurrency"] == 1  # + exit handler, cleanup
 
 
 def test_five_field_cron_is_refused_with_the_six_field_fix(fake_kfp, capsys):

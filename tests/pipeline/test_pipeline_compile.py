@@ -74,6 +74,7 @@ FINETUNE_PARAMETERS = {
     "deploy": ("BOOLEAN", True),
     "deploy_mode": ("STRING", "kserve"),
     "deploy_policy": ("STRING", "champion"),
+    "serving_mode": ("STRING", "auto"),
     "serving_name": ("STRING", "llm-adapter"),
     "serving_namespace": ("STRING", ""),
     "serving_gpus": ("NUMBER_INTEGER", 1),
@@ -154,10 +155,10 @@ def test_the_steps_run_inside_an_exit_handler_whose_cleanup_needs_no_other_task(
     assert f"exec-{CLEANUP_TASK}" not in executors, "no PVC, Secret or GPU: it must run even when those fail"
 
 
-def test_eight_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
+def test_nine_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
     spec, _ = compiled
     tasks = _body(spec)
-    assert set(tasks) == set(TASK_ORDER) and len(tasks) == 8
+    assert set(tasks) == set(TASK_ORDER) and len(tasks) == 9
     assert _topological(tasks) == list(TASK_ORDER)
     for before, after in zip(TASK_ORDER, TASK_ORDER[1:], strict=False):  # a chain: each waits for the previous
         assert before in tasks[after]["dependentTasks"], f"{after} does not wait for {before}"
@@ -182,6 +183,7 @@ def test_every_task_mounts_the_pvc_and_has_cpu_and_memory_from_parameters(compil
         ], task
         resources = spec["deploymentSpec"]["executors"][f"exec-{task}"]["container"]["resources"]
         group = {"prepare-dataset": "data", "tokenize-dataset": "data", "evaluate-perplexity": "eval"}.get(task, "step")
+        group = "data" if task == "choose-serving-form" else group  # the merge: a data-sized pod
         cpu, memory = (f"{{{{$.inputs.parameters['pipelinechannel--{group}_{kind}']}}}}" for kind in ("cpu", "memory"))
         assert (resources["resourceCpuRequest"], resources["resourceCpuLimit"]) == (cpu, cpu), task  # not BestEffort
         assert (resources["resourceMemoryRequest"], resources["resourceMemoryLimit"]) == (memory, memory), task

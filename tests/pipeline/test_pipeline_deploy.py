@@ -10,8 +10,8 @@ import yaml
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.deployment import DeployRequest, crd_schema_errors, deploy_promoted
+from llmft.components.lib.local_check import AdapterHasNoEffectError
 from llmft.components.lib.servability import AdapterNotServableError
-from llmft.components.lib.serving import AdapterHasNoEffectError
 from llmft.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.slow  # a trained adapter, generation and a fake KServe HTTP server

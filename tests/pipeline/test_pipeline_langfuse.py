@@ -125,6 +125,7 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     from llmft.components.evaluate import evaluate_perplexity
     from llmft.components.lib.generations import generate_answers, load_model, load_tokenizer, prompt_set
     from llmft.components.register import register_model
+    from llmft.components.serving_form import choose_serving_form
     from llmft.trainer.langfuse_sink import read_run_record
     from mlflow import MlflowClient
 
@@ -182,21 +183,24 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     assert "Answers compared in Langfuse" in (root / "artifacts" / "report.html").read_text()
 
     # register: the version points at Langfuse, the training trace at the version
-    promoted = promoted_destination(str(root), MODEL_NAME, RUN_ID)
-    shutil.copytree(f"{world['run_dir']}/checkpoints/{new}", promoted)
+    promoted = promoted_destination(str(root), MODEL_NAME, RUN_ID)  # what promote copies: no optimizer state
+    shutil.copytree(f"{world['run_dir']}/checkpoints/{new}", promoted, ignore=shutil.ignore_patterns("*.pt", "rng"))
     (root / "artifacts" / "run").mkdir(parents=True, exist_ok=True)
     shutil.copy(f"{world['run_dir']}/final/training_manifest.json", root / "artifacts" / "run")
     promoted_artifact = artifact(dsl.Model, root, "promoted", path=str(promoted), checkpoint=new)
     (root / "artifacts" / "promoted").mkdir(parents=True)
     registration = artifact(dsl.Artifact, root, "registration")
+    serving = artifact(dsl.Artifact, root, "serving")
+    choose_serving_form.python_func(plan=plan_artifact, promoted=promoted_artifact, serving=serving)
     register_model.python_func(
         plan=plan_artifact, promoted=promoted_artifact, evaluation=evaluation, run=run, tokenized=tokenized,
-        task_name="register-model", registration=registration,
+        serving=serving, task_name="register-model", registration=registration,
     )  # fmt: skip
     facts = json.loads((root / "artifacts" / "registration" / "registration.json").read_text())
     assert facts["langfuse_linked"] is True and facts["version"] == "2"
     tags = MlflowClient(plan.registry.tracking_uri).get_model_version(MODEL_NAME, "2").tags
     assert tags["llmft.langfuse.trace_id"] == training["trace_id"]
+    assert tags["llmft.served_form"] == "lora" and facts["served_form"] == "lora"  # the serving-form step's
     assert tags["llmft.langfuse.dataset"] == dataset_name(MODEL_NAME)
     assert tags["llmft.langfuse.dataset_run"] == f"{RUN_ID}/{new}" and tags[PROMOTED_PATH_TAG] == str(promoted)
     (event,) = langfuse.wait_for(lambda f: [s for s in f.spans if s.name == "registered in MLflow"])

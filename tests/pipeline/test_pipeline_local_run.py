@@ -18,7 +18,17 @@ pytestmark = pytest.mark.slow  # the whole pipeline under kfp.local (subprocesse
 def test_every_task_ran_and_left_its_artifacts(local_run):
     tasks = {p.name for p in local_run.run_dir.iterdir() if p.is_dir()}
     assert set(TASK_ORDER) <= tasks
-    for key in ("plan", "data", "tokens", "training", "evaluation", "promotion", "registration", "deployment"):
+    for key in (
+        "plan",
+        "data",
+        "tokens",
+        "training",
+        "evaluation",
+        "promotion",
+        "serving",
+        "registration",
+        "deployment",
+    ):
         assert key in local_run.facts, key
     plan = local_run.facts["plan"]
     assert plan["on_cluster"] is False and plan["job"]["backend"] == "local"
@@ -58,12 +68,15 @@ def test_the_adapter_is_registered_in_the_local_mlflow_store(local_run):
     assert str(champion.version) == registration["version"]
     assert champion.tags["llmft.dataset_hash"] == local_run.facts["tokens"]["cache_key"]
     assert champion.tags["llmft.base_model"] == local_run.arguments["model"]
+    assert champion.tags["llmft.served_form"] == "lora" and "LoRA module" in champion.tags["llmft.serving_reason"]
     assert client.get_run(champion.run_id).data.params["lora.r"] == str(local_run.arguments["lora_r"])
 
 
 def test_local_deploy_wrote_a_valid_manifest_and_generated(local_run):
     deployment = local_run.facts["deployment"]
     assert deployment["status"] == "checked-locally" and deployment["schema_validated"]
+    assert deployment["form"] == local_run.facts["serving"]["form"] == "lora"  # a plain adapter: no merge
+    assert not (__import__("pathlib").Path(local_run.arguments["data_root"]) / "merged").exists()
     manifest = yaml.safe_load(open(local_run.facts["manifest_path"]))
     assert manifest["kind"] == "InferenceService"
     assert deployment["samples"] and all(isinstance(s["adapter"], str) for s in deployment["samples"])
@@ -78,6 +91,7 @@ def test_summary_fits_one_screen_and_names_every_fact(local_run):
         "500 rows accepted, 3 rejected",
         "perplexity  base",
         "promoted    step-",
+        "serving     lora: vLLM serves the adapter as a LoRA module",
         "version 1;",
         "alias champion -> this version",
         "inferenceservice.yaml",
@@ -102,7 +116,8 @@ def test_bad_data_fails_in_the_prepare_step(tmp_path, tiny_model_dir):
 def test_a_bad_parameter_fails_in_the_plan_step_before_any_data_is_read(tmp_path, tiny_model_dir):
     from llmft.pipelines.local_run import run_pipeline_locally
 
-    outcome = run_pipeline_locally({"model": str(tiny_model_dir), "lora_r": 64}, work_dir=tmp_path / "work")
+    changes = {"model": str(tiny_model_dir), "lora_r": 64, "serving_mode": "lora"}  # auto would serve it merged
+    outcome = run_pipeline_locally(changes, work_dir=tmp_path / "work")
     assert not outcome.succeeded and outcome.failed_task == "plan-run"
     assert any("exceeds `max_lora_rank`=8" in line for line in outcome.failure_tail), outcome.failure_tail
     assert not (outcome.run_dir / "prepare-dataset").exists()

@@ -66,13 +66,14 @@ def test_lora_r_becomes_lora_r_in_one_place_and_reaches_the_trainer():
         ({"serving_name": "Bad Name"}, "serving_name"),
         ({"mlflow_model_name": "../runs"}, "mlflow_model_name"),
         ({"max_lora_rank": 48}, "max_lora_rank"),
-        ({"max_lora_rank": 8}, "exceeds `max_lora_rank`=8"),
+        ({"max_lora_rank": 8, "serving_mode": "lora"}, "exceeds `max_lora_rank`=8"),
         ({"learning_rate": -1.0}, "optim.lr"),
         ({"method": "prefix"}, "method"),
         ({"lora_dropout": 1.5}, "lora.dropout"),
         ({"train_overrides": "no_such_key=1"}, "unknown key `no_such_key`"),
         ({"train_overrides": "output_dir=/elsewhere"}, "set by the pipeline"),
-        ({"train_overrides": "lora.use_dora=true"}, "DoRA"),
+        ({"train_overrides": "lora.use_dora=true", "serving_mode": "lora"}, "DoRA.*serving_mode=auto"),
+        ({"serving_mode": "full"}, "serving_mode"),
         ({"model": " "}, "model"),
         ({"trainer_image": "registry.example.com/llmft-trainer"}, "not pinned"),
         ({"trainer_image": "ghcr.io/x/y:latest"}, "trainer_image"),
@@ -93,6 +94,33 @@ def test_a_bad_parameter_is_named_before_any_work(change, message):
 
 def test_full_finetuning_skips_the_lora_serving_checks():
     assert make_plan(method="full", lora_r=512, max_lora_rank=8).trainer.method == "full"
+
+
+@pytest.mark.parametrize(
+    ("change", "note"),
+    [
+        ({"train_overrides": "lora.use_dora=true"}, "lora.use_dora=true (DoRA): vLLM does not serve DoRA"),
+        ({"lora_r": 16, "max_lora_rank": 8}, "`lora_r`=16 exceeds `max_lora_rank`=8"),
+        ({"serving_mode": "merged"}, "serving_mode=merged"),
+        ({}, ""),  # a plain adapter within the rank: decided after promotion (LoRA, unless vLLM refuses it)
+    ],
+)
+def test_what_lora_serving_refuses_is_served_merged_by_default(change, note):
+    """serving_mode=auto (the default): DoRA or a rank above max_lora_rank is no error; the plan says
+    the adapter will be served merged (plan_run prints it), and where the merged model goes."""
+    plan = make_plan(**change)
+    assert plan.serving.form_note.startswith(note) and (note == "") == (plan.serving.form_note == "")
+    assert plan.serving.merged_dir == f"/data/merged/llm-adapter/{plan.run_id}"
+    assert plan.serving.serving_mode == change.get("serving_mode", "auto")
+
+
+def test_a_sweep_beyond_the_serving_rank_is_refused_unless_served_merged():
+    """auto too: a sweep's winner must not decide whether a full merged copy is written."""
+    with pytest.raises(ConfigError, match="serving_mode=merged"):
+        make_plan(hpo=True, sweep_overrides="space.lora_r.values=8,16", max_lora_rank=8, lora_r=8)
+    plan = make_plan(hpo=True, sweep_overrides="space.lora_r.values=8,16", max_lora_rank=8, lora_r=8,
+                     serving_mode="merged")  # fmt: skip
+    assert plan.serving.form_note == "serving_mode=merged"
 
 
 @pytest.mark.parametrize(("name", "use"), [("training_backend", "kubeflow"), ("deploy_mode", "kserve")])
@@ -221,7 +249,7 @@ def test_preflight_says_when_it_may_not_read_secrets():
     assert "llmft-hf-token" in note and "403" in note and "not checked" in note
 
 
-def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch):
+def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch, capsys):
     from kfp import dsl
 
     monkeypatch.delenv("KFP_POD_NAME", raising=False)
@@ -230,6 +258,11 @@ def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch):
     plan = read_plan(artifact.path)
     assert plan.run_id == "r1" and "lora.r=8" in plan.trainer.overrides and not plan.on_cluster
     assert artifact.metadata["trainer_image"] == plan.images.trainer
+    assert "serving form" not in capsys.readouterr().out  # a plain adapter: decided after promotion
+    dora = parameters(lora_r=8, max_lora_rank=8, train_overrides="lora.use_dora=true")
+    plan_run.python_func(plan=artifact, **dora, run_id="r2", compiled="")
+    assert "serving form: merged (lora.use_dora=true (DoRA)" in capsys.readouterr().out
+    assert read_plan(artifact.path).serving.form_note.startswith("lora.use_dora=true")
 
 
 def test_plan_dataclasses_are_frozen():

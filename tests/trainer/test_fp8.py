@@ -181,6 +181,10 @@ def test_lora_trains_evaluates_and_exports_on_an_fp8_base(fp8_dir, tokenized_dir
     assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(fp8_dir)
 
     manifest = json.loads((final / "training_manifest.json").read_text())
+    assert manifest["base_format"] == {  # how the base was loaded, recorded with the run
+        "format": "FP8 (fine-grained, block [32, 32])",
+        "action": "dequantized to float32 on load",
+    }
     trained = manifest["final_metrics"]
     evaluated = evaluate_perplexity(
         str(fp8_dir), str(tokenized_dir), adapter_path=str(final), max_sequences=8, device="cpu"
@@ -201,6 +205,23 @@ def test_lora_trains_evaluates_and_exports_on_an_fp8_base(fp8_dir, tokenized_dir
     h, i = merged.config.hidden_size, merged.config.intermediate_size
     tolerance = EPS32 * (merged.config.num_hidden_layers * (3 * h + i) + h) * max(1.0, expected.abs().max().item())
     assert (got - expected).abs().max().item() <= tolerance
+
+
+@pytest.mark.slow
+def test_evaluation_loads_an_fp8_base_as_the_trainer_does(fp8_dir, tokenized_dir, tmp_path, capsys):
+    """trainer/evaluate.py (the pipeline's evaluate step) loads the base through fp8.load_base_model: the
+    run log's `base model:` line, and the numbers of the dequantized dense copy of the same checkpoint. On a
+    GPU this is what keeps transformers from loading FP8Linear layers, whose forward needs the `kernels`
+    package (device auto: the same test runs there; benchmarks/gpu/session.sh plan fp8-eval)."""
+    from llmft.trainer.evaluate import evaluate_perplexity
+    from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
+
+    fp8 = evaluate_perplexity(str(fp8_dir), str(tokenized_dir), max_sequences=8, dtype="float32")
+    assert "base model: FP8 (fine-grained, block [32, 32]): dequantized to float32 on load" in capsys.readouterr().out
+    dense = tmp_path / "dense"
+    rewrite_checkpoint(BaseCheckpoint.open(str(fp8_dir)), dense, dtype=torch.float32, kind="test-dense")
+    assert evaluate_perplexity(str(dense), str(tokenized_dir), max_sequences=8, dtype="float32") == fp8  # same weights
+    assert "base model:" not in capsys.readouterr().out  # a dense base loads as stored, silently
 
 
 @pytest.mark.slow
