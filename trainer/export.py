@@ -28,18 +28,8 @@ from pathlib import Path
 
 import torch
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.hf_files import TOKENIZER_FILES
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 EXPORT_MANIFEST = "export_manifest.json"
 TRAINING_MANIFEST = "training_manifest.json"
 DTYPES = {

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.trainer.errors import ConfigError, LlmftError
+from llmft.trainer.hf_files import TOKENIZER_FILES
 from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete
 from llmft.trainer.names import check_path_component, path_under
 
@@ -43,15 +44,7 @@ SERVABLE_PATTERNS = (
     "model.safetensors.index.json",
     "config.json",
     "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
+    *TOKENIZER_FILES,
     "training_manifest.json",
     "README.md",
 )
