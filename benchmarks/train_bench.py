@@ -26,6 +26,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,9 +138,14 @@ def _run_job(job: str, args, work: Path, remaining: float) -> dict:
     with open(log, "w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
+        # Its own process group: a timeout ends the arm AND the trainer it started, whose GPU memory
+        # would otherwise stay taken under the next arm (seen on an H200: 103 GiB held by an orphan).
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(job), start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, env=_env(job)).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     wall = time.perf_counter() - started
     result = json.loads(json_out.read_text()) if json_out.is_file() else {}

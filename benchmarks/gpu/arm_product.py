@@ -39,6 +39,7 @@ PRODUCT_CONFIGS: dict[tuple[str, str], tuple[str, int]] = {
     ("qwen2.5-0.5b", "lora"): ("trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml", 2048),
     ("llama-3-8b", "lora"): ("trainer/configs/qwen2.5-7b-lora-1xh100.yaml", 4096),
     ("qwen2.5-1.5b", "full"): ("trainer/configs/qwen2.5-1.5b-full-1xh100.yaml", 2048),
+    ("qwen3-30b-a3b", "qlora"): ("trainer/configs/qwen3-30b-a3b-qlora-1xh100.yaml", 4096),
 }
 PRODUCT_KEYS = ("model.name_or_path", "data", "max_steps", "output_dir")
 """The only settings this arm passes; everything else is the shipped config's."""

@@ -192,11 +192,14 @@ def run(a) -> dict:
     cmd = trainer_command(a, model_dir, data_dir, out_dir)
     started = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log_copy = Path(a.json_out).with_suffix(".trainer.log")  # streamed: an arm cut by its timeout keeps its log
+    with open(log_copy, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.run(cmd, env=env, text=True, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - started
+    proc.stdout = log_copy.read_text()
     print(proc.stdout[-20000:], flush=True)
-    log_copy = Path(a.json_out).with_suffix(".trainer.log")
-    log_copy.write_text("$ " + " ".join(cmd) + "\n" + proc.stdout)
     metrics_path = out_dir / "metrics.jsonl"
     if metrics_path.is_file():
         Path(a.json_out).with_suffix(".metrics.jsonl").write_text(metrics_path.read_text())

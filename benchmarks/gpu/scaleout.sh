@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Issue 19 on one host of 4 GPUs (nvidia-h100-x4), one call, by priority with absolute deadlines (bash SECONDS):
+# Issue 19, one call, by priority with absolute deadlines (bash SECONDS). On a host of 4 GPUs (nvidia-h100-x4):
 #   1. Llama-3-8B shape LoRA DDP: 1 GPU (GPU 0) beside 2 GPUs (GPUs 2,3) at the same time, then 4 GPUs
 #      (weak scaling: 64 samples per GPU per step, the tuned project arm);
 #   2. the multi-node path: two torchrun "nodes" of 2 GPUs (benchmarks/gpu/multinode.py) against one node
 #      of 4, then SIGTERM to one node and a restart of both;
 #   3. Llama-3-8B full fine-tuning with DeepSpeed ZeRO-3 on 4 GPUs, then 2, as time allows.
+# On a host of 2 GPUs (nvidia-h100-x2 / nvidia-h200-x2; what is lent while 4-GPU kinds are withheld) the same
+# steps at half the width: 8B LoRA on 1 then 2 GPUs, two "nodes" of 1 GPU against one node of 2, ZeRO-3 8B
+# full on 2 GPUs, then the Qwen2.5-1.5B shape (LoRA, full) on 1 and 2 GPUs as time allows.
 # usage (repo root on the GPU machine): bash benchmarks/gpu/scaleout.sh   (writes under $OUT)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -18,8 +21,36 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 (DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
   .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1; echo "deepspeed install rc=$?" >> "$W/ds_install.log") &
 nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m | head -8
+GPUS=$(nvidia-smi --list-gpus | wc -l); echo "GPUs: $GPUS"
 bench() { python3 -m llmft bench train --work "$W" "$@" 2>&1 | tee -a "$OUT/bench.log"; }
 left() { echo $(( $1 - SECONDS )); }
+
+
+if [ "$GPUS" -eq 2 ]; then
+  CUDA_VISIBLE_DEVICES=0 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \
+write_model_dir('llama-3-8b', Path('/tmp/llmft-project/models'))" && echo "8B checkpoint written at ${SECONDS}s"
+  # 1. 8B LoRA: 1 GPU, then DDP over 2 (64 samples per GPU per step).
+  CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label 1gpu --jobs "check,project:llama-3-8b:lora" --steps 14 --warmup 4 \
+    --deadline-s $(left 150) --arm-timeout-s $(left 150)
+  bench --out "$OUT" --label ddp-2gpu --jobs "project:llama-3-8b:lora" --steps 14 --warmup 4 --extra "--nproc 2" \
+    --deadline-s $(left 250) --arm-timeout-s $(left 250)
+  # 2. The multi-node path: two "nodes" of 1 GPU against one node of 2 (Qwen2.5-0.5B shape, uncompiled).
+  timeout $(left 390) python3 -m llmft.benchmarks.gpu.multinode --model qwen2.5-0.5b --gpus-per-node 1 --steps 30 \
+    --preempt-at 10 --timeout 80 --logs "$W/multinode-logs" --json-out "$OUT/multinode.json" 2>&1 | tail -n 40
+  echo "multinode done at ${SECONDS}s"
+  # 3. ZeRO-3 full fine-tuning of the 8B shape on 2 GPUs (fused loss with the gathered head; layers uncompiled).
+  wait; cat "$W/ds_install.log"
+  Z3="--override distributed.backend=deepspeed --override distributed.zero_stage=3 --no-compile"
+  bench --out "$OUT" --label zero3-2gpu --jobs "project:llama-3-8b:full" --steps 8 --warmup 3 --extra "--nproc 2 $Z3" \
+    --deadline-s $(left 520) --arm-timeout-s $(left 520)
+  # 4. Qwen2.5-1.5B LoRA on 1 and 2 GPUs with the current code, as time allows.
+  CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label 1gpu --jobs "project:qwen2.5-1.5b:lora" --steps 20 \
+    --deadline-s $(left 555) --arm-timeout-s $(left 555)
+  bench --out "$OUT" --label ddp-2gpu --jobs "project:qwen2.5-1.5b:lora" --steps 20 --extra "--nproc 2" \
+    --deadline-s $(left 588) --arm-timeout-s $(left 588)
+  tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' .
+  echo "done at ${SECONDS}s"; exit 0
+fi
 
 # The 8B checkpoint once, before two arms read it at the same time.
 CUDA_VISIBLE_DEVICES=0 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \

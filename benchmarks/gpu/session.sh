@@ -118,6 +118,46 @@ case "${1:?plan}" in
     bench --label moe-lora --jobs "peer-eagermask:qwen3-30b-a3b:lora" --steps 8 --warmup 2 \
       --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
     ;;
+  moe-scale)  # nvidia-h200-x2, one call: issue 20's MoE rows (QLoRA GPU 0, bf16 LoRA GPU 1, at the same time), then
+              # issue 19's Llama-3-8B LoRA on 1 GPU and DDP over both (64 samples per GPU per step)
+    df -h /tmp | tail -1; python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
+    mk() { CUDA_VISIBLE_DEVICES=$1 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import \
+write_model_dir; write_model_dir('$2', Path('/tmp/llmft-project/models'))" && echo "$2 checkpoint written at ${SECONDS}s"; }
+    mk 1 llama-3-8b & mk 0 qwen3-30b-a3b; wait
+    g1() { CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --out "$W/g1out" --work "$W/g1" "$@"; }
+    (g1 --label moe-lora --jobs "project:qwen3-30b-a3b:lora" --steps 20 --warmup 5 --deadline-s $((330 - SECONDS)) \
+       --arm-timeout-s $((325 - SECONDS))
+     g1 --label moe-lora --jobs "peer-eagermask:qwen3-30b-a3b:lora" --steps 8 --warmup 2 \
+       --deadline-s $((390 - SECONDS)) --arm-timeout-s $((385 - SECONDS))) > "$W/g1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 bench --label moe-qlora --jobs "project:qwen3-30b-a3b:qlora" --steps 16 --warmup 5 \
+      --deadline-s $((300 - SECONDS)) --arm-timeout-s $((295 - SECONDS))
+    CUDA_VISIBLE_DEVICES=0 bench --label 1gpu --jobs "project:llama-3-8b:lora" --steps 14 --warmup 4 \
+      --deadline-s $((390 - SECONDS)) --arm-timeout-s $((385 - SECONDS))
+    wait; grep -v "^\s*$" "$W/g1.log" | tail -n 8; bench --jobs "" --merge-from "$W/g1out"
+    bench --label ddp-2gpu --jobs "project:llama-3-8b:lora" --steps 14 --warmup 4 --extra "--nproc 2" \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' .; exit 0
+    ;;
+  moe-both)  # issue 20 in one call on nvidia-h200-x2: QLoRA on GPU 0 beside bf16 LoRA on GPU 1, one 61 GB checkpoint;
+             # then the shipped 1xH100 QLoRA config (project-product) on GPU 1 as the deadline allows
+    df -h /tmp | tail -1; python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
+    CUDA_VISIBLE_DEVICES=0 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \
+write_model_dir('qwen3-30b-a3b', Path('/tmp/llmft-project/models'))" && echo "MoE checkpoint written at ${SECONDS}s"
+    du -sh /tmp/llmft-project/models/qwen3-30b-a3b
+    g1() { CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --out "$W/g1out" --work "$W/g1" "$@"; }
+    (g1 --label moe-lora --jobs "project:qwen3-30b-a3b:lora" --steps 20 --warmup 5 --deadline-s $((330 - SECONDS)) \
+       --arm-timeout-s $((325 - SECONDS))
+     g1 --label moe-lora --jobs "peer-eagermask:qwen3-30b-a3b:lora" --steps 8 --warmup 2 \
+       --deadline-s $((450 - SECONDS)) --arm-timeout-s $((445 - SECONDS))
+     g1 --label moe-product --jobs "project-product:qwen3-30b-a3b:qlora" --steps 12 \
+       --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))) > "$W/g1.log" 2>&1 &
+    export CUDA_VISIBLE_DEVICES=0
+    bench --label moe-qlora --jobs "check,project:qwen3-30b-a3b:qlora" --steps 16 --warmup 5 \
+      --deadline-s $((380 - SECONDS)) --arm-timeout-s $((375 - SECONDS))
+    bench --label moe-qlora --jobs "peer-eagermask:qwen3-30b-a3b:qlora" --steps 8 --warmup 2 \
+      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
+    wait; tail -n 60 "$W/g1.log"; bench --jobs "" --merge-from "$W/g1out"; nvidia-smi --query-gpu=name --format=csv
+    ;;
   qlora)  # one H100: the dense 8B shape with a 4-bit NF4 base, project beside HF Trainer + bitsandbytes
     python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
     bench --label qlora --jobs "check,project:llama-3-8b:qlora" $P --deadline-s 300 --arm-timeout-s 280

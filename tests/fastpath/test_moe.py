@@ -176,6 +176,30 @@ def test_4bit_experts_equal_their_dequantized_weights_and_are_never_saved():
     _assert_same(new, ref, rtol=tol, atol=tol)
 
 
+def _compiled_graphs_of_a_4bit_moe(layers: int) -> int:
+    """Distinct graphs dynamo captures for one forward + backward of compiled decoder layers."""
+    from llmft.trainer.fastpath.compile import compile_decoder_layers
+    from torch._dynamo.utils import counters
+
+    model = _peft(tiny_moe(num_hidden_layers=layers), ATTENTION)
+    moe.quantize_experts_4bit(model)
+    moe.apply_moe(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_decoder_layers(model, backend="eager")
+    model(input_ids=torch.arange(12).unsqueeze(0), use_cache=False).logits.sum().backward()
+    return counters["stats"]["unique_graphs"]
+
+
+def test_4bit_experts_compile_once_for_every_layer():
+    """parametrize gives each module its own class and compiled code guards on it: the 48 layers of the
+    Qwen3-30B-A3B shape recompiled the MoE block per layer, past dynamo's limit (H200, 2026-11-26).
+    One shared class: the number of graphs does not grow with the number of layers."""
+    pytest.importorskip("bitsandbytes")
+    assert _compiled_graphs_of_a_4bit_moe(2) == _compiled_graphs_of_a_4bit_moe(6)
+    torch._dynamo.reset()
+
+
 def test_frozen_fp32_parameters_go_back_to_bf16_and_adapters_stay_fp32():
     """What PEFT's kbit preparation upcasts (norms, embeddings, router, lm_head) returns to the compute dtype."""
     model = _peft(tiny_moe(), ATTENTION)

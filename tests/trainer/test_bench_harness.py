@@ -212,3 +212,34 @@ def test_product_throughput_comes_from_record_times_and_the_loaders_tokens(tmp_p
     assert result["step_s_p50"] == pytest.approx(0.2) and result["fast_path"]["compile"]["on"]
     too_short = arm_product.summarize(tmp_path / "m.jsonl", docs, shape, "lora", warmup=25, peak=None)
     assert "too few train records" in too_short["error"]
+
+
+@pytest.mark.slow
+def test_an_arm_cut_by_its_timeout_takes_its_trainer_with_it(tmp_path, monkeypatch):
+    """The arm starts the trainer as a child; a timeout must end both, or the trainer keeps the GPU
+    memory under the next arm (seen on an H200: 103 GiB held by an orphaned trainer)."""
+    import os
+    import sys
+    import time
+
+    pid_file = tmp_path / "trainer.pid"
+    arm = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    monkeypatch.setattr(train_bench, "_job_command", lambda job, args, json_out: [sys.executable, "-c", arm])
+    args = Namespace(label="", arm_timeout_s=30.0)
+    started = time.monotonic()
+    result = train_bench._run_job("project:tiny:lora", args, tmp_path, remaining=3.0)
+    assert result["returncode"] == "timeout" and time.monotonic() - started < 60
+    trainer = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is delivered at once; reaping by init may take a moment
+        try:
+            os.kill(trainer, 0)
+        except ProcessLookupError:
+            return
+        if open(f"/proc/{trainer}/stat").read().split()[2] == "Z":
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the arm's child process {trainer} outlived the arm's timeout")
