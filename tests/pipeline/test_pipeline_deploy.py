@@ -3,35 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
+from adapter_helpers import deploy_request, peft_adapter
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.deployment import DeployRequest, crd_schema_errors, deploy_promoted
+from llmft.components.lib.deployment import crd_schema_errors, deploy_promoted
 from llmft.components.lib.local_check import AdapterHasNoEffectError
 from llmft.components.lib.servability import AdapterNotServableError
 from llmft.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.slow  # a trained adapter, generation and a fake KServe HTTP server
-
-
-def _adapter(tiny_model_dir: Path, out: Path, *, trained: bool, dora: bool = False) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", use_dora=dora))
-    if trained:  # what training does: LoRA B leaves zero
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.5)
-    peft_model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -41,35 +24,15 @@ def volume(tmp_path_factory, tiny_model_dir):
 
     root = tmp_path_factory.mktemp("volume")
     shutil.copytree(tiny_model_dir, root / "base-models" / "tiny")
-    _adapter(tiny_model_dir, root / "models" / "m" / "trained", trained=True)
-    _adapter(tiny_model_dir, root / "models" / "m" / "untrained", trained=False)
-    _adapter(tiny_model_dir, root / "models" / "m" / "dora", trained=True, dora=True)
+    peft_adapter(tiny_model_dir, root / "models" / "m" / "trained")
+    peft_adapter(tiny_model_dir, root / "models" / "m" / "untrained", trained=False)
+    peft_adapter(tiny_model_dir, root / "models" / "m" / "dora", dora=True)
     return root
-
-
-def request(volume: Path, adapter: str, **change) -> DeployRequest:
-    fields = dict(
-        adapter_dir=str(volume / "models" / "m" / adapter),
-        base_model=str(volume / "base-models" / "tiny"),
-        adapter_name="m",
-        version="3",
-        deploy=True,
-        mode="local",
-        name="m-serve",
-        namespace="team-a",
-        gpus=1,
-        max_lora_rank=8,
-        pvc_name="llmft-data",
-        data_root=str(volume),
-        timeout_s=5,
-        prompts=("What is the capital of France?",),
-    )
-    return DeployRequest(**{**fields, **change})
 
 
 def test_manifest_is_written_and_matches_the_crd(volume, tmp_path, crd_dir):
     path = tmp_path / "isvc.yaml"
-    result = deploy_promoted(request(volume, "trained", deploy=False), manifest_path=path, crd_dir=str(crd_dir))
+    result = deploy_promoted(deploy_request(volume, "trained", deploy=False), manifest_path=path, crd_dir=str(crd_dir))
     assert result["status"] == "manifest-only" and result["schema_validated"] and result["servable"]
     isvc = yaml.safe_load(path.read_text())
     assert crd_schema_errors(isvc, crd_dir / "serving.kserve.io_inferenceservices.yaml") == []
@@ -81,7 +44,7 @@ def test_manifest_is_written_and_matches_the_crd(volume, tmp_path, crd_dir):
 
 
 def test_local_mode_generates_with_and_without_the_adapter(volume, tmp_path):
-    result = deploy_promoted(request(volume, "trained"), manifest_path=tmp_path / "isvc.yaml")
+    result = deploy_promoted(deploy_request(volume, "trained"), manifest_path=tmp_path / "isvc.yaml")
     assert result["status"] == "checked-locally"
     (sample,) = result["samples"]
     assert sample["prompt"] == "What is the capital of France?"
@@ -90,15 +53,15 @@ def test_local_mode_generates_with_and_without_the_adapter(volume, tmp_path):
 
 def test_local_mode_fails_when_the_adapter_changes_nothing(volume, tmp_path):
     with pytest.raises(AdapterHasNoEffectError, match="changes nothing"):
-        deploy_promoted(request(volume, "untrained"), manifest_path=tmp_path / "isvc.yaml")
+        deploy_promoted(deploy_request(volume, "untrained"), manifest_path=tmp_path / "isvc.yaml")
 
 
 def test_unservable_adapter_is_refused_before_any_manifest(volume, tmp_path):
     path = tmp_path / "isvc.yaml"
     with pytest.raises(AdapterNotServableError, match="DoRA"):
-        deploy_promoted(request(volume, "dora"), manifest_path=path)
+        deploy_promoted(deploy_request(volume, "dora"), manifest_path=path)
     with pytest.raises(AdapterNotServableError, match="exceeds max_lora_rank"):
-        deploy_promoted(request(volume, "trained", max_lora_rank=1), manifest_path=path)
+        deploy_promoted(deploy_request(volume, "trained", max_lora_rank=1), manifest_path=path)
     assert not path.exists()
 
 
@@ -119,7 +82,7 @@ def test_kserve_serves_base_and_adapter_under_their_own_names(volume, tmp_path, 
     /openai/v1/models and gets a different greedy completion from the adapter than from the base."""
     cluster, custom, sim = kserve
     path = tmp_path / "isvc.yaml"
-    result = deploy_promoted(request(volume, "trained", mode="kserve"), manifest_path=path, cluster=cluster,
+    result = deploy_promoted(deploy_request(volume, "trained", mode="kserve"), manifest_path=path, cluster=cluster,
                              crd_dir=str(crd_dir))  # fmt: skip
     assert result["status"] == "deployed" and result["base_name"] == "m-base" and result["lora_name"] == "m"
     (applied,) = custom.created("inferenceservices")
@@ -137,7 +100,9 @@ def test_kserve_serves_base_and_adapter_under_their_own_names(volume, tmp_path, 
 def test_an_adapter_that_changes_nothing_fails_the_kserve_smoke_test(volume, tmp_path, kserve):
     cluster, _, _ = kserve
     with pytest.raises(RuntimeError, match="answered exactly like the base model"):
-        deploy_promoted(request(volume, "untrained", mode="kserve"), manifest_path=tmp_path / "i.yaml", cluster=cluster)
+        deploy_promoted(
+            deploy_request(volume, "untrained", mode="kserve"), manifest_path=tmp_path / "i.yaml", cluster=cluster
+        )
 
 
 def test_one_shared_name_reaches_only_the_base_model(volume, kserve):
@@ -168,7 +133,7 @@ def test_only_the_champion_is_deployed_unless_forced(is_champion, policy, status
     """Item 5: a version that lost against the champion is registered but not deployed; the
     InferenceService keeps serving the champion. deploy_policy=always deploys it anyway."""
     cluster, custom, _ = kserve
-    req = request(volume, "trained", mode="kserve", is_champion=is_champion, deploy_policy=policy)
+    req = deploy_request(volume, "trained", mode="kserve", is_champion=is_champion, deploy_policy=policy)
     result = deploy_promoted(req, manifest_path=tmp_path / "isvc.yaml", cluster=cluster)
     assert result["status"] == status
     assert len(custom.created("inferenceservices")) == (status == "deployed")
@@ -178,11 +143,11 @@ def test_only_the_champion_is_deployed_unless_forced(is_champion, policy, status
 def test_kserve_mode_needs_the_base_model_on_the_volume_or_the_hub(volume, tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="outside the data volume"):
         deploy_promoted(
-            request(volume, "trained", mode="kserve", base_model=str(tiny_model_dir)),
+            deploy_request(volume, "trained", mode="kserve", base_model=str(tiny_model_dir)),
             manifest_path=tmp_path / "isvc.yaml",
         )
     hub = deploy_promoted(
-        request(volume, "trained", mode="kserve", base_model="Qwen/Qwen2.5-7B-Instruct", deploy=False),
+        deploy_request(volume, "trained", mode="kserve", base_model="Qwen/Qwen2.5-7B-Instruct", deploy=False),
         manifest_path=tmp_path / "hub.yaml",
     )
     args = yaml.safe_load((tmp_path / "hub.yaml").read_text())["spec"]["predictor"]["model"]["args"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from adapter_helpers import deploy_request, peft_adapter
 from llmft.components.lib.serving_form import (
     FORM_TAG,
     REASON_TAG,
@@ -89,23 +90,6 @@ def test_serving_json_round_trips_and_gives_the_mlflow_tags(tmp_path):
 # ----------------------------------------------------------------------------- real adapters: merge and serve
 
 
-def peft_adapter(tiny_model_dir: Path, out: Path, *, dora: bool, trained: bool = True) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", use_dora=dora))
-    if trained:  # what training does: LoRA B leaves zero
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.5)
-    peft_model.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory, tiny_model_dir):
     """The PVC stand-in: the base model and promoted adapters under one root (adapters name the base there)."""
@@ -141,29 +125,10 @@ def test_a_dora_adapter_is_merged_once_and_a_retry_reuses_the_merge(volume, tmp_
     assert (foreign / "notes.txt").read_text() == "someone's files" and not (foreign / OWNER_FILE).exists()
 
 
-def deploy_request(volume: Path, adapter: str, form: ServingForm, **change):
-    from llmft.components.lib.deployment import DeployRequest
-
-    fields = dict(
-        adapter_dir=str(volume / "models" / "m" / adapter),
-        base_model=str(volume / "base-models" / "tiny"),
-        adapter_name="m",
-        version="4",
-        deploy=True,
-        mode="kserve",
-        name="m-serve",
-        namespace="team-a",
-        gpus=1,
-        max_lora_rank=8,
-        pvc_name="llmft-data",
-        data_root=str(volume),
-        timeout_s=5,
-        prompts=("What is the capital of France?",),
-        form=form.form,
-        model_dir=form.model_dir,
-        form_reason=form.reason,
-    )
-    return DeployRequest(**{**fields, **change})
+def form_request(volume: Path, adapter: str, form: ServingForm, **change):
+    """The deploy request of ``form`` (the choose-serving-form step's output), on a KServe cluster."""
+    fields = dict(version="4", mode="kserve", form=form.form, model_dir=form.model_dir, form_reason=form.reason)
+    return deploy_request(volume, adapter, **{**fields, **change})
 
 
 @pytest.mark.slow
@@ -182,7 +147,7 @@ def test_kserve_serves_the_merged_dora_model_alone_and_the_smoke_test_reaches_it
     sim = ClusterSim(custom, core, "team-a", tmp_path / "pods", volumes={"llmft-data": volume})
     try:
         result = deploy_promoted(
-            deploy_request(volume, "dora", form),
+            form_request(volume, "dora", form),
             manifest_path=tmp_path / "isvc.yaml",
             cluster=Cluster("team-a", custom_api=custom, core_api=core),
             crd_dir=str(crd_dir),
@@ -213,13 +178,13 @@ def test_the_local_check_loads_the_merged_model_and_refuses_one_that_changes_not
 
     dora = prepare_serving_form(volume / "models" / "m" / "dora", serving_mode="auto", max_lora_rank=8,
                                 merged_dir=volume / "merged" / "m" / "local-dora")  # fmt: skip
-    result = deploy_promoted(deploy_request(volume, "dora", dora, mode="local"), manifest_path=tmp_path / "a.yaml")
+    result = deploy_promoted(form_request(volume, "dora", dora, mode="local"), manifest_path=tmp_path / "a.yaml")
     assert result["status"] == "checked-locally" and result["form"] == "merged"
     assert isinstance(result["samples"][0]["adapter"], str)
     zero = prepare_serving_form(volume / "models" / "m" / "untrained", serving_mode="merged", max_lora_rank=8,
                                 merged_dir=volume / "merged" / "m" / "local-zero")  # fmt: skip
     with pytest.raises(AdapterHasNoEffectError, match="changes nothing"):
-        deploy_promoted(deploy_request(volume, "untrained", zero, mode="local"), manifest_path=tmp_path / "b.yaml")
+        deploy_promoted(form_request(volume, "untrained", zero, mode="local"), manifest_path=tmp_path / "b.yaml")
 
 
 # ----------------------------------------------------------------------------- the whole pipeline (kfp.local)
