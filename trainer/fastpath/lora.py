@@ -51,6 +51,15 @@ def redrop(x: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor
     return x if mask is None else x * mask * (1.0 / (1.0 - p))
 
 
+def spans(sizes) -> list[tuple[int, int]]:
+    """(start, end) of consecutive blocks of ``sizes`` along one axis (siblings' rows or ranks in a group)."""
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return out
+
+
 class _LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, p):

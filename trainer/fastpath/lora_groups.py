@@ -36,7 +36,7 @@ from __future__ import annotations
 import types
 
 import torch
-from llmft.trainer.fastpath.lora import adapter_in_use, drop_input, dropout_p, redrop
+from llmft.trainer.fastpath.lora import adapter_in_use, drop_input, dropout_p, redrop, spans
 from llmft.trainer.fastpath.qlora import is_4bit, layout, lora_4bit_linear, out_features
 
 # (parent attribute names) that transformers' decoder layers call with one shared input.
@@ -61,7 +61,7 @@ class _GroupedLoraFunction(torch.autograd.Function):
         if any(dropouts):  # PEFT: one mask per sibling, drawn in call order
             dropped = [drop_input(x2, p) for p in dropouts]
             masks = [mask for _, mask in dropped]
-            ranks = _offsets([la.shape[0] for la in lora_as])
+            ranks = spans([la.shape[0] for la in lora_as])
             h = torch.cat([xd @ a[k0:k1].t() for (xd, _), (k0, k1) in zip(dropped, ranks, strict=True)], dim=1)
         else:
             masks = [None] * n
@@ -88,8 +88,8 @@ class _GroupedLoraFunction(torch.autograd.Function):
         both = g @ _stacked_weight(weights, lora_bs, scalings, xh.dtype)  # [dx through W | dh]
         dh = both[:, d_in:]
         needs = ctx.needs_input_grad[3:]
-        rows = _offsets([w.shape[0] for w in weights])
-        ranks = _offsets([b.shape[1] for b in lora_bs])
+        rows = spans([w.shape[0] for w in weights])
+        ranks = spans([b.shape[1] for b in lora_bs])
         dropped = any(dropouts)
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -121,14 +121,6 @@ class _GroupedLoraFunction(torch.autograd.Function):
             if needs[3 * n + i]:
                 grads[3 * n + i] = (grad_b[r0:r1, k0:k1] * scalings[i]).to(ctx.dtypes[3 * n + i])
         return (grad_x, None, None, *grads)
-
-
-def _offsets(sizes) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
 
 
 def grouped_lora_linear(x, weights, biases, lora_as, lora_bs, scalings, dropouts=None) -> torch.Tensor:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from llmft.trainer.fastpath.lora import drop_input, redrop
+from llmft.trainer.fastpath.lora import spans as block_spans
 
 _DEQUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what bitsandbytes dequantizes to
 
@@ -199,14 +200,6 @@ def _split_quant(flat, n: int) -> tuple[list, ...]:
     return (*lists, [], [], []) if len(lists) == 2 else tuple(lists)
 
 
-def _offsets(sizes) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
-
-
 class _Lora4bitFunction(torch.autograd.Function):
     """One or more 4-bit linears reading the same input (grouped siblings) as one node; see the module doc.
     ``static`` = (output rows of each sibling, each rank, (blocksize, nested blocksize, quant type), concat)."""
@@ -223,7 +216,7 @@ class _Lora4bitFunction(torch.autograd.Function):
         if any(dropouts):  # PEFT: one mask per sibling, drawn in call order
             dropped = [drop_input(x2, p) for p in dropouts]
             masks = [mask for _, mask in dropped]
-            spans = _offsets(ranks)
+            spans = block_spans(ranks)
             h = torch.cat([xd @ a[k0:k1].t() for (xd, _), (k0, k1) in zip(dropped, spans, strict=True)], dim=1)
         else:
             masks, h = [None] * n, x2 @ a.t()
@@ -244,7 +237,7 @@ class _Lora4bitFunction(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
         both = torch.ops.llmft.lora4bit_input_grad(g, sb, *quant, rows, d_in, *spec, concat)
         dx_base, dh = (both[:, :d_in], both[:, d_in:]) if concat else (both, g @ sb)  # dh = s (dy B)
-        spans, outs, needs = _offsets(ranks), _offsets(rows), ctx.needs_input_grad[4:]
+        spans, outs, needs = block_spans(ranks), block_spans(rows), ctx.needs_input_grad[4:]
         grad_x = None
         if ctx.needs_input_grad[0]:
             if not any(ctx.dropouts):
