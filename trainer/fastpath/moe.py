@@ -373,7 +373,8 @@ def quantize_experts_4bit(model, *, quant_type: str = "nf4", double_quant: bool 
         return 0
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
-    count, shared = 0, {}
+    count = 0
+    shared: dict[tuple, type] = {}
     for block in blocks:
         experts = base_experts(block.experts)
         if getattr(experts, "_llmft_4bit", False):
