@@ -56,6 +56,22 @@ layer (all-linear: S_in = 6H + I, S_out = 3H + 2 KV + 2I).
    transient the bf16 weights one 4-bit matmul dequantizes (fused: the largest group's stacked
    weight and its folded copy, 2b (H x (2I)) for gate/up; PEFT's path: one linear's weight).
 
+7. Mixture-of-experts layers (Qwen3-MoE shape; E experts of width I_m, top-k, Q = heads x head_dim).
+   Weights: attention, router and the E experts' fused tensors (QLoRA: attention and experts in
+   4-bit, the router in bf16); LoRA on all-linear adapts the attention projections only, expert
+   LoRA (``lora.target_modules`` with ``experts``) adds r (H + 2 I_m) + r (I_m + H) per expert.
+   Kept per token: b (3H + 4Q) for the norms' inputs, q/k/v/o and the adapted input, b (Q + KV) for
+   Qwen3's q/k norms, the router's fp32 probabilities (4E), and per routed row (k per token)
+   b (2 I_m + H): the gate/up output the activation's backward reads and each expert's output the
+   routing weights' gradient reads (frozen experts need no input for their own backward). The
+   trainer's grouped path for 4-bit experts keeps each row's input too (+ k b H); expert LoRA keeps
+   the rows' inputs of both tensors and the adapters' outputs (+ k b (H + 2 I_m)). Measured on the
+   Qwen3-30B-A3B shape (these rows: tests/fastpath/test_memory.py): 48 layers LoRA 110.9 GiB at T =
+   9,880 (this model 111.1), QLoRA 56.4 at 5,897 (57.9); 4 layers LoRA 17.5 at 18,447 (17.2), QLoRA
+   16.2 (16.0), expert LoRA 22.1 (21.9). Before these rows the trainer ran MoE models at one
+   sequence per forward with every layer checkpointed; the shipped 1xH100 QLoRA config now plans
+   one 4096-token sequence per forward without recomputation (estimate 46 of 71 GiB usable).
+
 Calibration (peak = torch.cuda.max_memory_allocated of the benchmark's trainer runs,
 benchmarks/results/2026-11-26-{h100,h200}.json; T = the run's largest micro batch in tokens,
 computed from the benchmark's seeded samples; fast path, r16 all-linear, no dropout):
@@ -97,6 +113,8 @@ from dataclasses import dataclass, field
 
 from llmft.trainer.fastpath.flops import ALL_LINEAR, ModelShape
 
+ATTENTION = ALL_LINEAR[:4]  # q, k, v, o
+
 GiB = 2**30
 BF16 = 2
 MARGIN_FRACTION = 0.08
@@ -122,13 +140,17 @@ class Setup:
     compile: bool = True
     zero_stage: int = 0  # 0 = DDP (or one process)
     world_size: int = 1
+    lora_experts: bool = False  # MoE: LoRA on the expert tensors too (item 7)
 
     @property
     def adapted(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of the adapted linears of one layer (none for full fine-tuning)."""
         if self.method == "full":
             return {}
-        return {k: v for k, v in self.shape.linear_shapes().items() if k in self.lora_targets}
+        shapes = self.shape.linear_shapes()
+        if self.shape.n_experts:  # all-linear on an MoE model: the attention projections (fastpath/moe.py)
+            shapes = {k: v for k, v in shapes.items() if k in ATTENTION}
+        return {k: v for k, v in shapes.items() if k in self.lora_targets}
 
 
 @dataclass
@@ -146,15 +168,27 @@ class Estimate:
 
 
 def parameter_counts(shape: ModelShape, tied: bool) -> tuple[int, int]:
-    """(weights of the decoder layers' linears, all parameters incl. embeddings and head)."""
-    layers = shape.n_layers * sum(i * o for i, o in shape.linear_shapes().values())
+    """(weights of the decoder layers' linears and experts, all parameters incl. embeddings, head and
+    routers)."""
+    dense = sum(i * o for i, o in shape.linear_shapes().values())
+    attention = sum(i * o for n, (i, o) in shape.linear_shapes().items() if n in ATTENTION)
+    experts = shape.n_experts * 3 * shape.hidden * shape.moe_intermediate
+    layers = (shape.n_layers - shape.moe_layers) * dense + shape.moe_layers * (attention + experts)
     embeddings = shape.vocab * shape.hidden * (1 if tied else 2)
     norms = (2 * shape.n_layers + 1) * shape.hidden
-    return layers, layers + embeddings + norms
+    routers = shape.moe_layers * shape.n_experts * shape.hidden
+    return layers, layers + embeddings + norms + routers
 
 
 def adapter_parameters(setup: Setup) -> int:
-    return setup.shape.n_layers * sum(setup.lora_rank * (i + o) for i, o in setup.adapted.values())
+    shape = setup.shape
+    linears = shape.n_layers * sum(setup.lora_rank * (i + o) for i, o in setup.adapted.values())
+    if not (setup.lora_experts and shape.n_experts):
+        return linears
+    per_expert = setup.lora_rank * (
+        (shape.hidden + 2 * shape.moe_intermediate) + (shape.moe_intermediate + shape.hidden)
+    )
+    return linears + shape.moe_layers * shape.n_experts * per_expert
 
 
 def weight_bytes(setup: Setup) -> float:
@@ -189,6 +223,8 @@ def dequant_bytes(setup: Setup) -> float:
     PEFT's path: one linear's weight (bitsandbytes dequantizes per linear)."""
     if setup.method != "qlora":
         return 0.0
+    if setup.shape.n_experts:  # one layer's experts, both fused tensors (fastpath/moe.py)
+        return BF16 * setup.shape.n_experts * 3 * setup.shape.hidden * setup.shape.moe_intermediate
     shapes = setup.shape.linear_shapes()
     if not (setup.fused_lora and setup.adapted):
         return BF16 * max(d_in * d_out for d_in, d_out in shapes.values())
@@ -217,6 +253,24 @@ def activation_bytes_per_token(setup: Setup, tokens: int) -> float:
     return out
 
 
+def moe_activation_bytes_per_token(setup: Setup) -> float:
+    """Bytes kept for the backward per token by one MoE decoder layer (module doc, item 7)."""
+    s, b = setup.shape, BF16
+    h, q, kv, i_m, k = (
+        s.hidden,
+        s.n_heads * s.head_dim,
+        s.n_kv_heads * s.head_dim,
+        s.moe_intermediate,
+        s.experts_per_token,
+    )
+    out = b * (3 * h + 4 * q) + b * (q + kv) + 4 * s.n_experts + k * b * (2 * i_m + h)
+    if setup.method == "qlora":
+        out += k * b * h
+    if setup.lora_experts:
+        out += k * b * (h + 2 * i_m)
+    return out
+
+
 def loss_bytes(setup: Setup, tokens: int, supervised: int) -> float:
     v, h = setup.shape.vocab, setup.shape.hidden
     if not setup.fused_loss:
@@ -227,11 +281,15 @@ def loss_bytes(setup: Setup, tokens: int, supervised: int) -> float:
 
 def estimate(setup: Setup, tokens: int, checkpointed: int = 0, supervised_fraction: float = 1.0) -> Estimate:
     """Peak bytes of a step with ``tokens`` tokens per micro batch and ``checkpointed`` layers recomputed."""
-    layers = setup.shape.n_layers
-    per_layer = activation_bytes_per_token(setup, tokens) * tokens
-    kept = (layers - checkpointed) * per_layer + checkpointed * BF16 * setup.shape.hidden * tokens
-    recompute = per_layer if checkpointed else 0.0
-    transient = BF16 * tokens * (2 * setup.shape.intermediate + 4 * setup.shape.hidden) + dequant_bytes(setup)
+    shape = setup.shape
+    layers, moe_layers = shape.n_layers, shape.moe_layers
+    dense = activation_bytes_per_token(setup, tokens) * tokens
+    sparse = moe_activation_bytes_per_token(setup) * tokens if moe_layers else 0.0
+    per_layer = ((layers - moe_layers) * dense + moe_layers * sparse) / layers  # the mean over the layers
+    kept = (layers - checkpointed) * per_layer + checkpointed * BF16 * shape.hidden * tokens
+    recompute = max(dense if layers > moe_layers else 0.0, sparse) if checkpointed else 0.0
+    mlp_width = shape.experts_per_token * shape.moe_intermediate if moe_layers else shape.intermediate
+    transient = BF16 * tokens * (2 * mlp_width + 4 * shape.hidden) + dequant_bytes(setup)
     loss = loss_bytes(setup, tokens, max(1, int(tokens * supervised_fraction)))
     return Estimate(
         {

@@ -78,6 +78,8 @@ def free_memory_at_start(device: torch.device) -> int:
 
 def memory_setup(cfg, config, fast: FastPath, world_size: int) -> memory.Setup:
     """The memory model's inputs for this config and resolved fast path."""
+    from llmft.trainer.fastpath.moe import EXPERT_TARGETS
+
     targets = tuple(cfg.lora.target_modules)
     adapted = ALL_LINEAR if targets == ("all-linear",) else tuple(t for t in targets if t in ALL_LINEAR)
     return memory.Setup(
@@ -94,6 +96,7 @@ def memory_setup(cfg, config, fast: FastPath, world_size: int) -> memory.Setup:
         compile=fast.compile.on,
         zero_stage=cfg.distributed.zero_stage if cfg.distributed.backend == "deepspeed" else 0,
         world_size=world_size,
+        lora_experts=any(t in EXPERT_TARGETS for t in targets),
     )
 
 
@@ -103,18 +106,6 @@ def _memory_plan(cfg, device, world: int, config, fast: FastPath) -> memory.Memo
     if getattr(device, "type", device) != "cuda":
         return memory.cpu_plan(micro, checkpointing, layers)
     setup = memory_setup(cfg, config, fast, world)
-    if setup.shape.n_experts:  # no calibrated model for expert layers yet: the safe choice
-        return memory.MemoryPlan(
-            micro_sequences=1 if micro == "auto" else int(micro),
-            checkpointed_layers=0 if checkpointing is False else layers,
-            layers=layers,
-            micro_why="mixture of experts: no memory model yet, 1 sequence"
-            if micro == "auto"
-            else "set by batch.micro_sequences",
-            checkpointing_why="mixture of experts: no memory model yet, every layer"
-            if checkpointing == "auto"
-            else f"set {str(checkpointing).lower()}",
-        )
     from llmft.trainer.data.loader import dataset_info, resolve_global_sequences
 
     max_length = int(dataset_info(cfg.data)["max_length"])
