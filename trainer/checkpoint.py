@@ -316,8 +316,9 @@ def _numpy_reconstruct():
 
 
 def check_deepspeed_files(folder: Path) -> None:
-    """DeepSpeed loads its files with weights_only=False: list what each references first and
-    refuse anything beyond plain tensors and DeepSpeed's own checkpoint types."""
+    """DeepSpeed unpickles its files without torch's weights-only guard: list what each references
+    first (torch's scanner, nothing executed) and refuse anything beyond plain tensors and
+    DeepSpeed's own checkpoint types."""
     for file in sorted(folder.rglob("*.pt")):
         try:
             unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file)))
