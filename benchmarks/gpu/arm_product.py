@@ -87,14 +87,11 @@ def write_product_dataset(samples: common.Samples, max_length: int, out: Path, v
         doc_offsets = np.concatenate([[0], np.cumsum([len(x) for x in ids])])
         seq_offsets = np.concatenate([[0], np.cumsum([len(s) for s in packed])])
         write_split(out / split, np.concatenate(ids), np.concatenate(labels), doc_offsets, seq_offsets)
-    manifest = {
-        "cache_key": f"bench-{out.name}",
-        "max_length": int(max_length),
-        "packed": True,
-        "note": "synthetic benchmark data packed like `llmft data tokenize --pack` (benchmarks/gpu/arm_product.py)",
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    return out
+    return common.write_data_manifest(
+        out,
+        max_length,
+        "synthetic benchmark data packed like `llmft data tokenize --pack` (benchmarks/gpu/arm_product.py)",
+    )
 
 
 def step_documents(data_dir: Path, cfg, steps: int) -> dict[int, np.ndarray]:

@@ -61,14 +61,7 @@ def write_dataset(samples: common.Samples, pack: int, out: Path, val_docs: int =
     val = common.make_samples(val_docs, "short", int(samples.input_ids[0].max()) + 1, seed=99)
     _write(out / "val", val.input_ids, val.labels, 8, write_split)
     longest = max(int(samples.lengths[j * pack : (j + 1) * pack].sum()) for j in range(n_seq))
-    manifest = {
-        "cache_key": f"bench-{out.name}",
-        "max_length": int(longest),
-        "packed": True,
-        "note": "synthetic benchmark data (benchmarks/gpu/arm_project.py)",
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    return out
+    return common.write_data_manifest(out, longest, "synthetic benchmark data (benchmarks/gpu/arm_project.py)")
 
 
 def _write(directory: Path, ids, labels, per_seq: int, write_split) -> None:

@@ -225,6 +225,14 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
     tmp.replace(path)
 
 
+def write_data_manifest(out: Path, max_length: int, note: str) -> Path:
+    """The ``manifest.json`` the trainer's loader reads beside benchmark shards (written last: the
+    folder counts as written once it is there)."""
+    manifest = {"cache_key": f"bench-{out.name}", "max_length": int(max_length), "packed": True, "note": note}
+    write_json(out / "manifest.json", manifest)
+    return out
+
+
 def _jsonable(value):
     if isinstance(value, np.generic):
         return value.item()

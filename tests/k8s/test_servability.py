@@ -147,24 +147,10 @@ def test_local_generation_check_refuses_a_zero_adapter(tiny_model_dir, zero_adap
 
 def _save_moe_adapter(out_dir, **lora_kwargs):
     """A real PEFT adapter on a tiny random Qwen3-MoE (transformers 5.x fused experts), as the trainer saves it."""
-    import torch
+    from moe_model import tiny_moe
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_moe(vocab_size=64)
     get_peft_model(model, LoraConfig(r=8, lora_alpha=16, **lora_kwargs)).save_pretrained(out_dir)
     return out_dir
 
