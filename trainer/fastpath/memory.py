@@ -30,7 +30,7 @@ layer (all-linear: S_in = 6H + I, S_out = 3H + 2 KV + 2I).
      bf16 model reads the same tensors: b (2H + I);
    - LoRA dropout: the fused path uncompiled keeps one boolean mask per adapted input (S_in);
      compiled, nothing (measured: 46.5 GiB with dropout 0.05 against 46.3 without, where a kept
-     mask would add 8.7 GiB: the compiled backward regenerates the masks); PEFT keeps the fp32
+     mask would add 8.7 GiB: the compiled graph does not keep them); PEFT keeps the fp32
      dropped input and its mask (5 S_in);
    - compiled layers around PEFT's LoRA keep its fp32 adapter outputs (4 S_out; the float32
      [tokens, 8960] QLoRA buffers measured on an H100 were this plus PEFT's kbit preparation making every activation
