@@ -191,8 +191,8 @@ def run(a) -> dict:
         log.flush()
         proc = subprocess.run(cmd, env=env, text=True, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - started
-    proc.stdout = log_copy.read_text()
-    print(proc.stdout[-20000:], flush=True)
+    output = log_copy.read_text()
+    print(output[-20000:], flush=True)
     metrics_path = out_dir / "metrics.jsonl"
     if metrics_path.is_file():
         Path(a.json_out).with_suffix(".metrics.jsonl").write_text(metrics_path.read_text())
@@ -217,7 +217,7 @@ def run(a) -> dict:
         shape = flops.shape_from_config(common.hf_config(a.model))
         result.update(summarize_metrics(metrics_path, samples, a, shape))
         first_step = next(json.loads(line) for line in metrics_path.read_text().splitlines() if '"train"' in line)
-        result["compile_s"] = _first_step_seconds(proc.stdout, first_step)
+        result["compile_s"] = _first_step_seconds(output, first_step)
     common.write_json(a.json_out, result)
     return result
 

@@ -102,22 +102,9 @@ case "${1:?plan}" in
     bench --jobs "project:qwen2.5-0.5b:lora,project:qwen2.5-1.5b:full" $P --deadline-s 190 --arm-timeout-s 105
     bench --jobs "project:llama-3-8b:lora" $P --extra=--micro=16 --deadline-s $((588 - SECONDS)) --arm-timeout-s $((585 - SECONDS))
     ;;
-  # llmft F20 (issue 20). The Qwen3-30B-A3B shape's random-init checkpoint is 61 GB (bf16): it is written once
-  # under /tmp/llmft-project/models and read by both arms, so these plans need the 128 GiB disk of an x2 kind
-  # (nvidia-h100-x2 / nvidia-h200-x2; one-GPU kinds have 64 GiB) and run on GPU 0 only. Carry the
-  # bitsandbytes 0.50.2 cp312 manylinux wheel in .whl/ for the qlora plans.
-  moe-qlora)  # one H100 (GPU 0 of nvidia-h100-x2): 4-bit base (experts too), project beside HF Trainer + bitsandbytes
-    export CUDA_VISIBLE_DEVICES=0; df -h /tmp | tail -1; python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
-    bench --label moe-qlora --jobs "check,project:qwen3-30b-a3b:qlora" --steps 20 --warmup 5 --deadline-s 420 --arm-timeout-s 400
-    bench --label moe-qlora --jobs "peer-eagermask:qwen3-30b-a3b:qlora" --steps 8 --warmup 2 \
-      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
-    ;;
-  moe-lora)  # one H200 (GPU 0 of nvidia-h200-x2): bf16 base (61 GB), project beside HF Trainer + PEFT (flattened packing)
-    export CUDA_VISIBLE_DEVICES=0; df -h /tmp | tail -1
-    bench --label moe-lora --jobs "check,project:qwen3-30b-a3b:lora" --steps 20 --warmup 5 --deadline-s 360 --arm-timeout-s 340
-    bench --label moe-lora --jobs "peer-eagermask:qwen3-30b-a3b:lora" --steps 8 --warmup 2 \
-      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
-    ;;
+  # Issue 20. The Qwen3-30B-A3B shape's random-init checkpoint is 57 GB (bf16): it is written once under
+  # /tmp/llmft-project/models and read by every arm, so these plans need the 128 GiB disk of an x2 kind
+  # (nvidia-h200-x2 with needs_h200: the bf16 LoRA row needs 111 GiB). Carry the bitsandbytes wheel in .whl/.
   moe-scale)  # nvidia-h200-x2, one call: issue 20's MoE rows (QLoRA GPU 0, bf16 LoRA GPU 1, at the same time), then
               # issue 19's Llama-3-8B LoRA on 1 GPU and DDP over both (64 samples per GPU per step)
     df -h /tmp | tail -1; python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
@@ -138,25 +125,13 @@ write_model_dir; write_model_dir('$2', Path('/tmp/llmft-project/models'))" && ec
       --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
     tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' .; exit 0
     ;;
-  moe-both)  # issue 20 in one call on nvidia-h200-x2: QLoRA on GPU 0 beside bf16 LoRA on GPU 1, one 61 GB checkpoint;
-             # then the shipped 1xH100 QLoRA config (project-product) on GPU 1 as the deadline allows
-    df -h /tmp | tail -1; python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
-    CUDA_VISIBLE_DEVICES=0 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \
-write_model_dir('qwen3-30b-a3b', Path('/tmp/llmft-project/models'))" && echo "MoE checkpoint written at ${SECONDS}s"
-    du -sh /tmp/llmft-project/models/qwen3-30b-a3b
-    g1() { CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --out "$W/g1out" --work "$W/g1" "$@"; }
-    (g1 --label moe-lora --jobs "project:qwen3-30b-a3b:lora" --steps 20 --warmup 5 --deadline-s $((330 - SECONDS)) \
-       --arm-timeout-s $((325 - SECONDS))
-     g1 --label moe-lora --jobs "peer-eagermask:qwen3-30b-a3b:lora" --steps 8 --warmup 2 \
-       --deadline-s $((450 - SECONDS)) --arm-timeout-s $((445 - SECONDS))
-     g1 --label moe-product --jobs "project-product:qwen3-30b-a3b:qlora" --steps 12 \
-       --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))) > "$W/g1.log" 2>&1 &
-    export CUDA_VISIBLE_DEVICES=0
-    bench --label moe-qlora --jobs "check,project:qwen3-30b-a3b:qlora" --steps 16 --warmup 5 \
-      --deadline-s $((380 - SECONDS)) --arm-timeout-s $((375 - SECONDS))
-    bench --label moe-qlora --jobs "peer-eagermask:qwen3-30b-a3b:qlora" --steps 8 --warmup 2 \
-      --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
-    wait; tail -n 60 "$W/g1.log"; bench --jobs "" --merge-from "$W/g1out"; nvidia-smi --query-gpu=name --format=csv
+  moe-lora-pair)  # the same warm machine after moe-scale (the checkpoint is there): the MoE LoRA row alone on GPU 0
+                  # (in moe-scale it loads beside the QLoRA arm and its deadline can cut it), the peer on GPU 1 at once
+    (CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --out "$W/g1out" --work "$W/g1" --label moe-lora-2 \
+       --jobs "peer-eagermask:qwen3-30b-a3b:lora" --steps 8 --warmup 2 --deadline-s 200 --arm-timeout-s 190 > "$W/g1.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0 bench --label moe-lora-2 --jobs "project:qwen3-30b-a3b:lora" --steps 16 --warmup 5 \
+      --deadline-s 390 --arm-timeout-s 385
+    wait; bench --jobs "" --merge-from "$W/g1out"
     ;;
   qlora)  # one H100: the dense 8B shape with a 4-bit NF4 base, project beside HF Trainer + bitsandbytes
     python3 -c "import bitsandbytes as b; print('bnb', b.__version__)"
