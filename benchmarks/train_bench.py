@@ -128,12 +128,16 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
     ]
 
 
+MIN_ARM_TIMEOUT_S = 30.0
+"""No arm is cut sooner than this, however little of the run's time is left."""
+
+
 def _run_job(job: str, args, work: Path, remaining: float) -> dict:
     name = job.replace(":", "_") + (f"_{args.label}" if args.label else "")
     json_out = work / f"{name}.json"
     log = work / f"{name}.log"
     cmd = _job_command(job, args, json_out)
-    timeout = max(30.0, min(args.arm_timeout_s, remaining))
+    timeout = max(MIN_ARM_TIMEOUT_S, min(args.arm_timeout_s, remaining))
     started = time.perf_counter()
     with open(log, "w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")

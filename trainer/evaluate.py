@@ -5,7 +5,8 @@ split (sum of NLL / number of targets, never a mean of per-batch means), and
 ``perplexity = exp(eval_loss)``. :func:`evaluate_model` runs inside training on
 every rank (each takes sequences rank, rank+W, ...; sums are all-reduced);
 :func:`evaluate_perplexity` loads a base model (plus an optional PEFT adapter)
-from disk, for the pipeline's evaluate step and for the base-model baseline.
+from disk; :class:`PerplexityEvaluator` does the same over one load of the base for
+many adapters (the pipeline's evaluate step: the base and every checkpoint).
 """
 
 from __future__ import annotations
@@ -100,44 +101,104 @@ def evaluate_perplexity(
     split: str = "val",
     micro_sequences: int = 4,
     max_sequences: int = 0,
-    device: str = "auto",
-    dtype: str = "auto",
-    attn_implementation: str = "sdpa",
-    trust_remote_code: bool = False,
-    revision: str | None = None,
+    **load_options,
 ) -> dict:
     """Load ``model_path`` (+ the PEFT adapter at ``adapter_path``) and evaluate ``split``.
     Returns {"eval_loss", "perplexity", "tokens"} (tokens = supervised targets scored).
+    ``load_options``: those of :class:`PerplexityEvaluator`."""
+    evaluator = PerplexityEvaluator(**load_options)
+    return evaluator(
+        model_path,
+        dataset_dir,
+        adapter_path=adapter_path,
+        split=split,
+        micro_sequences=micro_sequences,
+        max_sequences=max_sequences,
+    )
+
+
+class PerplexityEvaluator:
+    """:func:`evaluate_perplexity` that keeps the last base model it loaded: the evaluate step scores
+    the base and every checkpoint's adapter over ONE load of the base (an 8B base is ~16 GB read from
+    the volume per load). Each adapter is applied for its evaluation, then removed (PEFT ``unload``,
+    no merge), so every score is over the base's own weights plus that adapter only.
 
     The model loads as the trainer loads its base (``llmft.trainer.fp8.load_base_model``): an FP8
     checkpoint is dequantized on load, so the adapter is evaluated over the weights it was trained
     over (transformers' default keeps FP8 weights on a GPU, whose forward needs the ``kernels`` package)."""
-    from llmft.trainer.fp8 import load_base_model
-    from llmft.trainer.loss import loss_fn
-    from llmft.trainer.model import register_attention, resolve_dtype
 
-    register_attention(attn_implementation)
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    kwargs = {
-        "dtype": resolve_dtype(dtype, dev),
-        "attn_implementation": attn_implementation,
-        "trust_remote_code": trust_remote_code,
-        "revision": revision,
-        "use_safetensors": True,
-    }
-    model = load_base_model(model_path, revision, "lora", kwargs).to(dev)
-    if adapter_path:
-        from peft import PeftModel
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+    ) -> None:
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        self.dtype, self.attn_implementation = dtype, attn_implementation
+        self.trust_remote_code, self.revision = trust_remote_code, revision
+        self.loads = 0  # how many times a model was read from disk
+        self._path: str | None = None
+        self._model = None
 
-        model = PeftModel.from_pretrained(model, adapter_path)
-    model.eval()
-    return evaluate_model(
-        model,
-        dataset_dir,
-        split=split,
-        micro_sequences=micro_sequences,
-        max_sequences=max_sequences,
-        info=DistInfo(0, 1, 0, dev),
-        loss_fn=loss_fn(False, attn_implementation),
-        progress=True,
-    )
+    def __call__(
+        self,
+        model_path: str,
+        dataset_dir: str,
+        *,
+        adapter_path: str | None = None,
+        split: str = "val",
+        micro_sequences: int = 4,
+        max_sequences: int = 0,
+    ) -> dict:
+        from llmft.trainer.loss import loss_fn
+
+        model = self._base(model_path)
+        if adapter_path:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter_path)
+        try:
+            model.eval()
+            return evaluate_model(
+                model,
+                dataset_dir,
+                split=split,
+                micro_sequences=micro_sequences,
+                max_sequences=max_sequences,
+                info=DistInfo(0, 1, 0, self.device),
+                loss_fn=loss_fn(False, self.attn_implementation),
+                progress=True,
+            )
+        finally:
+            if adapter_path:
+                self._model = _without_adapter(model)
+
+    def _base(self, model_path: str):
+        if self._path != model_path:
+            from llmft.trainer.fp8 import load_base_model
+            from llmft.trainer.model import register_attention, resolve_dtype
+
+            self._model = None  # the previous model's memory is free before the next one loads
+            register_attention(self.attn_implementation)
+            kwargs = {
+                "dtype": resolve_dtype(self.dtype, self.device),
+                "attn_implementation": self.attn_implementation,
+                "trust_remote_code": self.trust_remote_code,
+                "revision": self.revision,
+                "use_safetensors": True,
+            }
+            self._model = load_base_model(model_path, self.revision, "lora", kwargs).to(self.device)
+            self._path = model_path
+            self.loads += 1
+        return self._model
+
+
+def _without_adapter(peft_model):
+    """The base model back from a PeftModel: LoRA layers replaced by their base layers, nothing merged."""
+    base = peft_model.unload()
+    if "peft_config" in vars(base):  # PEFT copies its config onto the model it wraps; unload leaves it
+        del base.peft_config
+    return base

@@ -3,7 +3,8 @@
 :func:`evaluate_run` is the logic of the `evaluate-perplexity` step: it lists the run's
 ``checkpoints/step-N`` folders that carry a COMPLETE marker (a half-written checkpoint is
 never loaded), evaluates the base model and each checkpoint with the trainer's own
-:func:`llmft.trainer.evaluate.evaluate_perplexity` (so the numbers match what the trainer logs),
+:class:`llmft.trainer.evaluate.PerplexityEvaluator` (so the numbers match what the trainer logs;
+the base loads once for all adapters),
 and returns one JSON-able dict that the promote step reads.
 
 :func:`render_html` / :func:`render_markdown` turn that dict plus the run's
@@ -61,9 +62,9 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate the base model and every complete checkpoint; return the evaluation dict."""
     if evaluate_fn is None:
-        from llmft.trainer.evaluate import evaluate_perplexity
+        from llmft.trainer.evaluate import PerplexityEvaluator
 
-        evaluate_fn = evaluate_perplexity
+        evaluate_fn = PerplexityEvaluator()  # the base loads once for itself and every adapter
     checkpoints = complete_checkpoints(run_dir)
     if not checkpoints:
         from llmft.trainer.errors import DataError

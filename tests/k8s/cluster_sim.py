@@ -249,6 +249,7 @@ class ClusterSim:
         self.containers: dict[str, Container] = {}
         self.terminating: list[tuple[Container, float]] = []
         self.history: list[tuple[str, int]] = []  # (pod, exit code) of every container that ended
+        self.started: list[str] = []  # the pod of every container started, in order
         self.ports: dict[str, int] = {}
         self.servers: dict[str, FakeVllm] = {}
         self.katib: dict | None = None  # {"early_stopping": bool, "metrics_file": Path}: Masters are Katib trials
@@ -415,6 +416,7 @@ class ClusterSim:
         argv = [k8s_expand(a, env) for a in [*command, *args]]
         log = self.workdir / f"{pod_name}-{pod.metadata.uid[:8]}.log"
         self.containers[pod_name] = Container(pod_name, argv, base_env(**env), log).start(self.workdir)
+        self.started.append(pod_name)
         self.core.logs[(self.namespace, pod_name)] = log
         pod.status.phase = "Running"
         pod.status.container_statuses = [

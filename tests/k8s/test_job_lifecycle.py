@@ -116,7 +116,7 @@ def test_pods_killed_137_again_and_again_end_in_failed_not_48_hours_of_restarts(
 def test_a_job_past_its_deadline_is_a_timeout_and_frees_its_pods(sim, fake_cluster, fake_custom_api, sim_volume):
     """Items 6 and 7: activeDeadlineSeconds follows job_timeout_s; the operator fails the job at the
     deadline, cleanPodPolicy Running stops its pods, and the step reports a timeout (exit 200)."""
-    plan = sim_plan(sim_volume, run_id="run-deadline", max_steps=5000, job_timeout_s=25)
+    plan = sim_plan(sim_volume, run_id="run-deadline", max_steps=5000, job_timeout_s=10)
     with pytest.raises(JobTimedOut, match="activeDeadlineSeconds") as error:
         _run(plan, fake_cluster, print_fn=lambda _: None)
     assert error.value.exit_code == EXIT_TRANSIENT
@@ -235,6 +235,10 @@ def test_a_worker_killed_without_sigterm_restarts_the_whole_job_from_its_checkpo
     assert result["succeeded"]
     master = f"{plan.job.name}-master-0"
     assert sim.history[:2] == [(worker, 137), (master, 200)], sim.history  # the lost peer: retryable, not 1 or 3
-    assert sorted(sim.history[2:]) == [(master, 0), (worker, 0)], "both pods restarted and finished"
+    assert sim.started.count(master) == sim.started.count(worker) == 2, sim.started  # both pods restarted
+    assert (master, 0) in sim.history[2:], sim.history
+    # The job succeeds when its Master does; a Worker still ending then is deleted by cleanPodPolicy
+    # Running (what the operator does), so its second exit is recorded only when it came first.
+    assert set(sim.history[2:]) <= {(master, 0), (worker, 0)}, sim.history
     assert any("resuming from" in line for line in printed), printed[-30:]
     assert not sim.running()

@@ -229,10 +229,12 @@ def test_an_arm_cut_by_its_timeout_takes_its_trainer_with_it(tmp_path, monkeypat
         f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)"
     )
     monkeypatch.setattr(train_bench, "_job_command", lambda job, args, json_out: [sys.executable, "-c", arm])
-    args = Namespace(label="", arm_timeout_s=30.0)
+    monkeypatch.setattr(train_bench, "MIN_ARM_TIMEOUT_S", 5.0)
+    args = Namespace(label="", arm_timeout_s=5.0)
     started = time.monotonic()
     result = train_bench._run_job("project:tiny:lora", args, tmp_path, remaining=3.0)
     assert result["returncode"] == "timeout" and time.monotonic() - started < 60
+    assert pid_file.is_file(), "the arm started its trainer before the timeout"
     trainer = int(pid_file.read_text())
     for _ in range(50):  # SIGKILL is delivered at once; reaping by init may take a moment
         try:

@@ -224,3 +224,35 @@ def test_fast_path_kernels_train_the_same_run_on_cpu(base_overrides):
     np.testing.assert_allclose(loss_fast, loss_plain, rtol=rounding_bound(n))
     a, b = (adapter_tensors(f"{o}/final") for o in (out_plain, out_fast))
     assert_adam_runs_agree(b, a, [e["lr"] for e in steps], n)  # a wrong block moves every element by ~lr
+
+
+def test_one_base_load_scores_the_base_and_every_adapter_exactly_as_separate_loads(
+    lora_run, tiny_model_dir, tokenized_dir, tmp_path
+):
+    """The evaluate step's evaluator reads the base once; each adapter is applied, scored and removed,
+    so the base scored after two adapters is the base scored first, and every score equals a fresh
+    load's to the bit (the same float32 operations on the same weights)."""
+    import shutil
+
+    from llmft.trainer.evaluate import PerplexityEvaluator, evaluate_perplexity
+    from safetensors.torch import load_file, save_file
+
+    _, out, _, _, _, _ = lora_run
+    doubled = shutil.copytree(out / "final", tmp_path / "doubled", ignore=shutil.ignore_patterns("*.json.tmp"))
+    tensors = load_file(doubled / "adapter_model.safetensors")
+    save_file({k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}, doubled / "adapter_model.safetensors")
+    model, data = str(tiny_model_dir), str(tokenized_dir)
+    evaluator = PerplexityEvaluator(dtype="float32")
+    reused = [
+        evaluator(model, data),
+        evaluator(model, data, adapter_path=str(out / "final")),
+        evaluator(model, data, adapter_path=str(doubled)),
+        evaluator(model, data),
+    ]
+    fresh = [
+        evaluate_perplexity(model, data, dtype="float32", adapter_path=adapter)
+        for adapter in (None, str(out / "final"), str(doubled), None)
+    ]
+    assert evaluator.loads == 1
+    assert reused == fresh
+    assert len({r["eval_loss"] for r in reused}) == 3  # base, adapter, the other adapter: three models
