@@ -159,7 +159,11 @@ class PerplexityEvaluator:
         if adapter_path:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, adapter_path)
+            try:
+                model = PeftModel.from_pretrained(model, adapter_path)
+            except BaseException:
+                self._path = self._model = None  # a half-injected base is never scored again
+                raise
         try:
             model.eval()
             return evaluate_model(

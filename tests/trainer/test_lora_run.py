@@ -256,3 +256,24 @@ def test_one_base_load_scores_the_base_and_every_adapter_exactly_as_separate_loa
     assert evaluator.loads == 1
     assert reused == fresh
     assert len({r["eval_loss"] for r in reused}) == 3  # base, adapter, the other adapter: three models
+
+
+def test_an_adapter_that_fails_to_load_leaves_no_half_wrapped_base_behind(
+    lora_run, tiny_model_dir, tokenized_dir, tmp_path
+):
+    """PEFT injects LoRA layers into the base before it reads the weights; when the weights are bad
+    the evaluator forgets that base, so the next score reads a clean one."""
+    import shutil
+
+    from llmft.trainer.evaluate import PerplexityEvaluator
+    from safetensors import SafetensorError
+
+    _, out, _, _, _, _ = lora_run
+    broken = shutil.copytree(out / "final", tmp_path / "broken")
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    model, data = str(tiny_model_dir), str(tokenized_dir)
+    evaluator = PerplexityEvaluator(dtype="float32")
+    base = evaluator(model, data)
+    with pytest.raises(SafetensorError):
+        evaluator(model, data, adapter_path=str(broken))
+    assert evaluator(model, data) == base and evaluator.loads == 2
