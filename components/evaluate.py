@@ -38,9 +38,11 @@ def evaluate_perplexity(
     run_plan.layout.use_hf_cache()  # before transformers is imported
     from llmft.components.lib.comparison import compare_in_langfuse
     from llmft.components.lib.evaluation import evaluate_run, read_metrics_history, render_html
+    from llmft.trainer.evaluate import PerplexityEvaluator
 
     run_dir = run.metadata["path"]
-    result = evaluate_run(run_dir, run_plan.trainer.model, tokenized.metadata["path"])
+    evaluator = PerplexityEvaluator()  # one load of the base for the perplexities and the comparison
+    result = evaluate_run(run_dir, run_plan.trainer.model, tokenized.metadata["path"], evaluate_fn=evaluator)
     compared = compare_in_langfuse(
         result,
         run_dir=run_dir,
@@ -51,6 +53,7 @@ def evaluate_perplexity(
         run_id=run_plan.run_id,
         tracking_uri=run_plan.registry.tracking_uri,
         data_root=run_plan.layout.root,
+        evaluator=evaluator,
     )
     if compared is not None:
         result["langfuse"] = compared

@@ -153,8 +153,30 @@ class PerplexityEvaluator:
         micro_sequences: int = 4,
         max_sequences: int = 0,
     ) -> dict:
+        with self.applied(model_path, adapter_path) as model:
+            return self.score(
+                model, dataset_dir, split=split, micro_sequences=micro_sequences, max_sequences=max_sequences
+            )
+
+    def score(self, model, dataset_dir: str, *, split: str = "val", micro_sequences: int = 4, max_sequences: int = 0):
+        """:func:`evaluate_model` of a model from :meth:`applied`, on this evaluator's device."""
         from llmft.trainer.loss import loss_fn
 
+        return evaluate_model(
+            model,
+            dataset_dir,
+            split=split,
+            micro_sequences=micro_sequences,
+            max_sequences=max_sequences,
+            info=DistInfo(0, 1, 0, self.device),
+            loss_fn=loss_fn(False, self.attn_implementation),
+            progress=True,
+        )
+
+    @contextlib.contextmanager
+    def applied(self, model_path: str, adapter_path: str | None = None):
+        """The model at ``model_path`` (loaded only when it is not the one kept) with the adapter at
+        ``adapter_path`` applied, in eval mode; the adapter is removed on exit."""
         model = self._base(model_path)
         if adapter_path:
             from peft import PeftModel
@@ -162,20 +184,10 @@ class PerplexityEvaluator:
             try:
                 model = PeftModel.from_pretrained(model, adapter_path)
             except BaseException:
-                self._path = self._model = None  # a half-injected base is never scored again
+                self._path = self._model = None  # a half-injected base is never used again
                 raise
         try:
-            model.eval()
-            return evaluate_model(
-                model,
-                dataset_dir,
-                split=split,
-                micro_sequences=micro_sequences,
-                max_sequences=max_sequences,
-                info=DistInfo(0, 1, 0, self.device),
-                loss_fn=loss_fn(False, self.attn_implementation),
-                progress=True,
-            )
+            yield model.eval()
         finally:
             if adapter_path:
                 self._model = _without_adapter(model)

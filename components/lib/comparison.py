@@ -26,7 +26,6 @@ MLflow version into the training trace.
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -90,26 +89,14 @@ def _champion_adapter(version, perplexity, model_name, data_root, base_model, ru
 # ----------------------------------------------------------------------------- answers
 
 
-def _answers(model_path: str, adapter: str | None, prompts, tokenizer, *, end_of_turn, max_new_tokens, val=None):
-    """Answers of one model, plus its perplexity on ``val = (tokenized dir, split)`` when given."""
-    import torch
-
-    model, device = gen.load_model(model_path, adapter)
-    answers = gen.generate_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, end_of_turn=end_of_turn)
-    metrics = None
-    if val is not None:
-        from llmft.trainer.distributed import DistInfo
-        from llmft.trainer.evaluate import evaluate_model
-        from llmft.trainer.loss import loss_fn
-
-        metrics = evaluate_model(
-            model, val[0], split=val[1], info=DistInfo(0, 1, 0, device), loss_fn=loss_fn(False, "sdpa")
+def _answers(evaluator, model_path: str, adapter: str | None, prompts, tokenizer, *, end_of_turn, max_new_tokens, val):
+    """Answers of one model, plus its perplexity on ``val = (tokenized dir, split)`` when given. The
+    evaluator keeps the base loaded: base, champion and new adapter share one load of it."""
+    with evaluator.applied(model_path, adapter) as model:
+        answers = gen.generate_answers(
+            model, tokenizer, prompts, max_new_tokens=max_new_tokens, end_of_turn=end_of_turn
         )
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return answers, metrics
+        return answers, None if val is None else evaluator.score(model, val[0], split=val[1])
 
 
 # ----------------------------------------------------------------------------- the comparison
@@ -141,10 +128,14 @@ def _compare(
     data_root: str = "/data",
     size: int | None = None,
     max_new_tokens: int | None = None,
+    evaluator=None,
 ) -> dict:
-    """``size``, ``max_new_tokens``: generations.PROMPT_SET_SIZE and MAX_NEW_TOKENS unless given."""
+    """``size``, ``max_new_tokens``: generations.PROMPT_SET_SIZE and MAX_NEW_TOKENS unless given;
+    ``evaluator``: the evaluate step's :class:`~llmft.trainer.evaluate.PerplexityEvaluator`, whose
+    loaded base the comparison reuses (a new one otherwise)."""
     from llmft.components.lib.evaluation import adapter_dir
     from llmft.trainer.data.loader import dataset_info
+    from llmft.trainer.evaluate import PerplexityEvaluator
 
     split, max_new_tokens = evaluation["split"], max_new_tokens or gen.MAX_NEW_TOKENS
     prompts = gen.prompt_set(prepared_dir, size or gen.PROMPT_SET_SIZE, split=split)
@@ -162,10 +153,10 @@ def _compare(
     if champion is not None:
         models[f"champion-v{champion['version']}"] = (base_model, champion["adapter"], None)
     models[best["name"]] = (base_model, str(adapter), best) if adapter else (best["path"], None, best)
-    answers, scores = {}, {}
+    answers, scores, evaluator = {}, {}, evaluator or PerplexityEvaluator()
     for label, (model_path, adapter_path, known) in models.items():
         answers[label], measured = _answers(
-            model_path, adapter_path, prompts, tokenizer, end_of_turn=manifest.get("end_of_turn"),
+            evaluator, model_path, adapter_path, prompts, tokenizer, end_of_turn=manifest.get("end_of_turn"),
             max_new_tokens=max_new_tokens, val=None if known else (tokenized_dir, split),
         )  # fmt: skip
         scores[label] = {k: float(v) for k, v in (known or measured).items() if k in ("eval_loss", "perplexity")}

@@ -68,23 +68,6 @@ def exact_match(answer: str, reference: str) -> float | None:
     return float(normalize(answer) == normalize(reference))
 
 
-def load_model(model_path: str, adapter_path: str | None = None, *, device: str = "auto", dtype: str = "auto"):
-    """``(model, device)``: the base model from ``model_path`` (safetensors only) with the PEFT adapter
-    at ``adapter_path`` applied, in eval mode."""
-    import torch
-    from llmft.trainer.fp8 import load_base_model  # an FP8 base dequantized, as the trainer loads it
-    from llmft.trainer.model import resolve_dtype
-
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    kwargs = {"dtype": resolve_dtype(dtype, dev), "attn_implementation": "sdpa", "use_safetensors": True}
-    model = load_base_model(model_path, None, "lora", kwargs).to(dev)
-    if adapter_path:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_path)
-    return model.eval(), dev
-
-
 def load_tokenizer(model_path: str, chat_template: str | None = None):
     """The base model's tokenizer with the chat template the data was tokenized with, padding on the left."""
     from transformers import AutoTokenizer

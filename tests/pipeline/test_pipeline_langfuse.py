@@ -122,8 +122,9 @@ def artifact(kind, root, name: str, **metadata):
 
 
 def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both_ways(world, langfuse, tiny_model_dir):
+    import torch
     from llmft.components.evaluate import evaluate_perplexity
-    from llmft.components.lib.generations import generate_answers, load_model, load_tokenizer, prompt_set
+    from llmft.components.lib.generations import generate_answers, load_tokenizer, prompt_set
     from llmft.components.register import register_model
     from llmft.components.serving_form import choose_serving_form
     from llmft.trainer.langfuse_sink import read_run_record
@@ -136,12 +137,23 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     run = artifact(dsl.Model, root, "run", path=world["run_dir"])
     evaluation = artifact(dsl.Artifact, root, "evaluation")
     report, metrics = artifact(dsl.HTML, root, "report.html"), artifact(dsl.Metrics, root, "metrics")
+    from llmft.trainer import fp8
+
+    loads = []
+
+    def counted_load(path, *args, **kwargs):
+        loads.append(path)
+        return load_base_model(path, *args, **kwargs)
+
+    load_base_model = fp8.load_base_model
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("llmft.components.lib.generations.PROMPT_SET_SIZE", PROMPTS)  # the defaults: 16 and 128
         patch.setattr("llmft.components.lib.generations.MAX_NEW_TOKENS", 8)
+        patch.setattr(fp8, "load_base_model", counted_load)
         evaluate_perplexity.python_func(
             plan=plan_artifact, tokenized=tokenized, run=run, evaluation=evaluation, report=report, metrics=metrics
         )
+    assert loads == [str(tiny_model_dir)]  # base, every checkpoint, champion and new adapter: one load of the base
     result = json.loads((root / "artifacts" / "evaluation" / "evaluation.json").read_text())
     section = result["langfuse"]
     training = read_run_record(world["run_dir"])
@@ -162,7 +174,12 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
             runs.setdefault(span.attr("langfuse.experiment.name"), {})[span.attr("langfuse.experiment.item.id")] = span
     assert set(runs) == {f"{RUN_ID}/{label}" for label in section["runs"]}
     assert all(set(r) == {i["id"] for i in items} for r in runs.values())
-    model, _ = load_model(str(tiny_model_dir), f"{world['run_dir']}/checkpoints/{new}")
+    # the new adapter's answers, from a fresh load of the base (the step kept one base for all models)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(base, f"{world['run_dir']}/checkpoints/{new}").eval()
     manifest = json.loads((world["tokenized"] / "manifest.json").read_text())
     tokenizer = load_tokenizer(str(tiny_model_dir), manifest["chat_template"])
     expected = generate_answers(model, tokenizer, prompts, max_new_tokens=8, end_of_turn=manifest["end_of_turn"])
