@@ -40,3 +40,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from llmft.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model")
+
+
+@pytest.fixture
+def base_loads(monkeypatch) -> list[str]:
+    """The path of every model read from disk through llmft.trainer.fp8.load_base_model (the evaluator's
+    and the comparison's one loader), in order."""
+    from llmft.trainer import fp8
+
+    loads, load = [], fp8.load_base_model
+    monkeypatch.setattr(fp8, "load_base_model", lambda path, *a, **k: loads.append(path) or load(path, *a, **k))
+    return loads

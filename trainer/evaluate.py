@@ -139,7 +139,6 @@ class PerplexityEvaluator:
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         self.dtype, self.attn_implementation = dtype, attn_implementation
         self.trust_remote_code, self.revision = trust_remote_code, revision
-        self.loads = 0  # how many times a model was read from disk
         self._path: str | None = None
         self._model = None
 
@@ -208,7 +207,6 @@ class PerplexityEvaluator:
             }
             self._model = load_base_model(model_path, self.revision, "lora", kwargs).to(self.device)
             self._path = model_path
-            self.loads += 1
         return self._model
 
 

@@ -121,7 +121,9 @@ def artifact(kind, root, name: str, **metadata):
     return made
 
 
-def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both_ways(world, langfuse, tiny_model_dir):
+def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both_ways(
+    world, langfuse, tiny_model_dir, base_loads
+):
     import torch
     from llmft.components.evaluate import evaluate_perplexity
     from llmft.components.lib.generations import generate_answers, load_tokenizer, prompt_set
@@ -137,23 +139,13 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     run = artifact(dsl.Model, root, "run", path=world["run_dir"])
     evaluation = artifact(dsl.Artifact, root, "evaluation")
     report, metrics = artifact(dsl.HTML, root, "report.html"), artifact(dsl.Metrics, root, "metrics")
-    from llmft.trainer import fp8
-
-    loads = []
-
-    def counted_load(path, *args, **kwargs):
-        loads.append(path)
-        return load_base_model(path, *args, **kwargs)
-
-    load_base_model = fp8.load_base_model
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("llmft.components.lib.generations.PROMPT_SET_SIZE", PROMPTS)  # the defaults: 16 and 128
         patch.setattr("llmft.components.lib.generations.MAX_NEW_TOKENS", 8)
-        patch.setattr(fp8, "load_base_model", counted_load)
         evaluate_perplexity.python_func(
             plan=plan_artifact, tokenized=tokenized, run=run, evaluation=evaluation, report=report, metrics=metrics
         )
-    assert loads == [str(tiny_model_dir)]  # base, every checkpoint, champion and new adapter: one load of the base
+    assert base_loads == [str(tiny_model_dir)]  # base, every checkpoint, champion and new adapter: one load of the base
     result = json.loads((root / "artifacts" / "evaluation" / "evaluation.json").read_text())
     section = result["langfuse"]
     training = read_run_record(world["run_dir"])

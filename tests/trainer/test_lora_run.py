@@ -227,7 +227,7 @@ def test_fast_path_kernels_train_the_same_run_on_cpu(base_overrides):
 
 
 def test_one_base_load_scores_the_base_and_every_adapter_exactly_as_separate_loads(
-    lora_run, tiny_model_dir, tokenized_dir, tmp_path
+    lora_run, tiny_model_dir, tokenized_dir, tmp_path, base_loads
 ):
     """The evaluate step's evaluator reads the base once; each adapter is applied, scored and removed,
     so the base scored after two adapters is the base scored first, and every score equals a fresh
@@ -238,7 +238,7 @@ def test_one_base_load_scores_the_base_and_every_adapter_exactly_as_separate_loa
     from safetensors.torch import load_file, save_file
 
     _, out, _, _, _, _ = lora_run
-    doubled = shutil.copytree(out / "final", tmp_path / "doubled", ignore=shutil.ignore_patterns("*.json.tmp"))
+    doubled = shutil.copytree(out / "final", tmp_path / "doubled")
     tensors = load_file(doubled / "adapter_model.safetensors")
     save_file({k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}, doubled / "adapter_model.safetensors")
     model, data = str(tiny_model_dir), str(tokenized_dir)
@@ -249,17 +249,17 @@ def test_one_base_load_scores_the_base_and_every_adapter_exactly_as_separate_loa
         evaluator(model, data, adapter_path=str(doubled)),
         evaluator(model, data),
     ]
+    assert base_loads == [model]
     fresh = [
         evaluate_perplexity(model, data, dtype="float32", adapter_path=adapter)
         for adapter in (None, str(out / "final"), str(doubled), None)
     ]
-    assert evaluator.loads == 1
     assert reused == fresh
     assert len({r["eval_loss"] for r in reused}) == 3  # base, adapter, the other adapter: three models
 
 
 def test_an_adapter_that_fails_to_load_leaves_no_half_wrapped_base_behind(
-    lora_run, tiny_model_dir, tokenized_dir, tmp_path
+    lora_run, tiny_model_dir, tokenized_dir, tmp_path, base_loads
 ):
     """PEFT injects LoRA layers into the base before it reads the weights; when the weights are bad
     the evaluator forgets that base, so the next score reads a clean one."""
@@ -276,4 +276,4 @@ def test_an_adapter_that_fails_to_load_leaves_no_half_wrapped_base_behind(
     base = evaluator(model, data)
     with pytest.raises(SafetensorError):
         evaluator(model, data, adapter_path=str(broken))
-    assert evaluator(model, data) == base and evaluator.loads == 2
+    assert evaluator(model, data) == base and base_loads == [model, model]
