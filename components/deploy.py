@@ -32,10 +32,13 @@ def deploy_adapter(
     OpenAI endpoints: ``/openai/v1/models`` lists both names, and the adapter's greedy completion of
     a fixed prompt is not the base model's (merged: its one name is listed and answers).
     ``deploy_mode=local``: load base + adapter (or the merged model) with transformers and generate
-    for a few prompts, failing if the adapter changes nothing. ``deploy=false``: stop after writing the manifest.
+    for a few prompts, failing if the adapter changes nothing. ``deploy_mode=vllm`` (kfp.local): serve the
+    manifest's model(s) with a real vLLM from the serving virtualenv (``make serving-venv``), run the same
+    smoke test for each prompt, stop it; deployment.json carries ``models`` and ``answers``.
+    ``deploy=false``: stop after writing the manifest.
 
     Outputs: ``manifest`` (inferenceservice.yaml) and ``deployment`` (deployment.json:
-    servability report, mode, status, endpoint or sample generations).
+    servability report, mode, status, endpoint, sample generations, or vLLM's ``models`` and ``answers``).
     """
     import json
     import os

@@ -146,7 +146,9 @@ def plan_run(
         mlflow_model_name: Registered model name (also the promoted adapter's folder name).
         promote_margin: Relative perplexity gain over the base model required to promote, e.g. 0.01.
         deploy: Apply the InferenceService (false: write and validate its manifest only).
-        deploy_mode: kserve, or local (a generation check with transformers, kfp.local only).
+        deploy_mode: kserve, local (a generation check with transformers, kfp.local only) or vllm (a real vLLM
+            server on this machine with the manifest's arguments, and the smoke test; kfp.local only, make
+            serving-venv).
         deploy_policy: champion (deploy only a version the registry made its champion; one that lost is registered,
             not served) or always.
         serving_mode: auto (the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its base, the

@@ -4,8 +4,10 @@ The local run uses the same pipeline as a cluster, with arguments that fit a 2-c
 the project's tiny model (built offline into the work folder), the sample data shipped
 in the package, MLflow on a SQLite file in the work folder, the ``local`` training backend
 (``llmft train`` as a subprocess of the train step) and the ``local`` deploy mode (manifest +
-generation check). The parameters themselves (names, types, defaults) are the plan component's
-signature (components/plan.py); :func:`parse_arguments` types ``key=value`` by it.
+generation check with transformers); ``deploy_mode=vllm`` serves the manifest's model(s) with a real vLLM
+from the serving virtualenv instead (``make serving-venv``; components/lib/vllm_local.py). The parameters
+themselves (names, types, defaults) are the plan component's signature (components/plan.py);
+:func:`parse_arguments` types ``key=value`` by it.
 
 Work folder layout (default ``runs/pipeline-local``)::
 

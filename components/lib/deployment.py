@@ -11,7 +11,10 @@ InferenceService CRD's OpenAPI schema, then
   the OpenAI endpoints: both served names listed, and the adapter's completion is not the base
   model's (merged form: its one name listed and answering);
 * mode ``local``: loads base + adapter (or the merged model) with transformers and generates for a
-  few prompts, failing if the adapter changes nothing.
+  few prompts, failing if the adapter changes nothing;
+* mode ``vllm`` (kfp.local, ``llmft serve check``): starts a real vLLM OpenAI server on this machine with the
+  manifest's own arguments (:mod:`llmft.components.lib.vllm_local`), runs the same smoke test as ``kserve``
+  for each prompt, and stops it; deployment.json carries ``models`` and ``answers``.
 
 With ``deploy=False`` it stops after the validated manifest, and so it does for a version that
 did not become the registry's champion (``deploy_policy=champion``, the default): the served model
@@ -49,7 +52,7 @@ class DeployRequest:
     deploy: bool
     """False: stop after writing and validating the manifest."""
     mode: str
-    """kserve or local."""
+    """kserve, local or vllm (DEPLOY_MODES)."""
     name: str
     """InferenceService name."""
     namespace: str
@@ -87,6 +90,8 @@ class DeployRequest:
     """Merged form: the merged model directory on the data volume."""
     form_reason: str = ""
     """Why that form (logged)."""
+    vllm_options: Mapping[str, Any] = field(default_factory=dict)
+    """mode vllm: keyword arguments of :class:`llmft.components.lib.vllm_local.VllmServer` (port, log_path, ...)."""
 
 
 def serve_spec(req: DeployRequest):
@@ -180,10 +185,11 @@ def deploy_promoted(
     http_get=None,
 ) -> dict[str, Any]:
     """Run the whole deploy step; return the facts for deployment.json."""
+    from llmft.components.lib.plan import DEPLOY_MODES
     from llmft.components.lib.serving import build_inference_service, isvc_to_dict, served_models
 
-    if req.mode not in ("kserve", "local"):
-        raise ConfigError(f"deploy_mode {req.mode!r}: use kserve or local")
+    if req.mode not in DEPLOY_MODES:
+        raise ConfigError(f"deploy_mode {req.mode!r}: use one of {', '.join(DEPLOY_MODES)}")
     if req.form == "merged":
         _check_merged(req)
     else:
@@ -213,6 +219,8 @@ def deploy_promoted(
         return {**result, "status": "not-champion"}
     if req.mode == "local":
         return {**result, **_local_check(req)}
+    if req.mode == "vllm":
+        return {**result, **_vllm_check(req, body, names)}
     return {**result, **_deploy_to_kserve(req, body, cluster, http_post, http_get)}
 
 
@@ -261,6 +269,19 @@ def _local_check(req: DeployRequest) -> dict[str, Any]:
         "status": "checked-locally",
         "samples": [{"prompt": s.prompt, "base": s.base_text, "adapter": s.adapter_text} for s in samples],
     }
+
+
+def _vllm_check(req: DeployRequest, body: dict, names: tuple[str, ...]) -> dict[str, Any]:
+    from llmft.components.lib.vllm_local import serve_and_check
+
+    served = serve_and_check(
+        body, names, list(req.prompts), pvc_name=req.pvc_name, data_root=req.data_root, **dict(req.vllm_options)
+    )
+    for sample in served["samples"]:
+        print(f"prompt: {sample['prompt']!r}")
+        for name, text in sample["answers"].items():
+            print(f"  {name}: {text!r}")
+    return {"status": "served-vllm", **served}
 
 
 def _deploy_to_kserve(req: DeployRequest, body: dict, cluster, http_post, http_get) -> dict[str, Any]:

@@ -42,7 +42,10 @@ DATA_MOUNT = "/data"
 """Where the data/checkpoint PVC is mounted in every pipeline pod and job replica."""
 TRAINING_BACKENDS = ("kubeflow", "trainjob", "local")
 """kubeflow: a PyTorchJob (Training Operator v1); trainjob: a TrainJob (Kubeflow Trainer v2); local: kfp.local."""
-DEPLOY_MODES = ("kserve", "local")
+DEPLOY_MODES = ("kserve", "local", "vllm")
+"""kserve: an InferenceService on the cluster; local: a transformers generation check (kfp.local); vllm: a real
+vLLM OpenAI server on this machine with the manifest's arguments and the smoke test (kfp.local,
+``make serving-venv``)."""
 SERVING_MODES = ("auto", "lora", "merged")
 """auto: the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its base (the reason
 logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always the merged model

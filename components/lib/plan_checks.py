@@ -106,12 +106,12 @@ def _check_cluster_only(p) -> None:
     if p.deploy:
         local.append(("deploy_mode", p.deploy_mode, "kserve"))
     for name, value, use in local:
-        if value == "local":
+        if value in ("local", "vllm"):  # vllm: a vLLM server from the serving virtualenv of this machine
             raise _fail(
                 name,
                 value,
-                f"`local` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
-                f"({KFP_POD_ENV} is set), whose pipeline image has no torch: use {name}={use}",
+                f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
+                f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
             )
     if p.data_root != DATA_MOUNT:
         raise _fail(

@@ -482,6 +482,8 @@ def smoke_test(
     retry_wait_s: float = 5.0,
     http_post: Callable[[str, dict, float], tuple[int, Any]] | None = None,
     http_get: Callable[[str, float], tuple[int, Any]] | None = None,
+    api_root: str = "/openai/v1",
+    chat: bool = False,
 ) -> dict:
     """Check the server as a client sees it: ``GET <url>/openai/v1/models`` lists the adapter
     (``model_name``) and the base model (``base_name``); one greedy completion (temperature 0,
@@ -490,9 +492,11 @@ def smoke_test(
     ``base_name=None`` (the merged form: one model, no base served beside it): the listing and one
     completion of ``model_name``, answered under that name.
     Returns ``{"endpoint", "models", "model", "text", "base_text"}``. ``http_post(url, payload,
-    timeout_s)`` and ``http_get(url, timeout_s)`` -> ``(status, parsed JSON)`` are injectable."""
+    timeout_s)`` and ``http_get(url, timeout_s)`` -> ``(status, parsed JSON)`` are injectable.
+    ``api_root``: ``/openai/v1`` on the Hugging Face runtime, ``/v1`` on vLLM's own server; ``chat``: ask
+    ``/chat/completions`` with ``prompt`` as the user's message (the model's chat template) instead."""
     post, get = http_post or _urllib_post, http_get or _urllib_get
-    root = url.rstrip("/") + "/openai/v1"
+    root = url.rstrip("/") + api_root
     status, listing = _with_retries(lambda: get(f"{root}/models", timeout_s), attempts, retry_wait_s)
     if status != 200 or not isinstance(listing, dict):
         raise RuntimeError(f"smoke test GET {root}/models -> HTTP {status}: {listing}")
@@ -502,20 +506,23 @@ def smoke_test(
     if missing:
         raise RuntimeError(f"smoke test GET {root}/models: {missing} not served (the server lists {served})")
     answers = {}
+    endpoint = f"{root}/chat/completions" if chat else f"{root}/completions"
     for name in names:
-        payload = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
-        status, body = _with_retries(
-            functools.partial(post, f"{root}/completions", payload, timeout_s), attempts, retry_wait_s
-        )
-        answers[name] = _completion(f"{root}/completions", name, status, body)
+        payload: dict[str, Any] = {"model": name, "max_tokens": max_tokens, "temperature": 0}
+        if chat:
+            payload |= {"messages": [{"role": "user", "content": prompt}], "logprobs": True}
+        else:
+            payload |= {"prompt": prompt, "logprobs": 1}
+        status, body = _with_retries(functools.partial(post, endpoint, payload, timeout_s), attempts, retry_wait_s)
+        answers[name] = _completion(endpoint, name, status, body)
     adapter, base = answers[model_name], (answers[base_name] if base_name is not None else None)
     if adapter == base:
         raise RuntimeError(
-            f"smoke test POST {root}/completions: model {model_name!r} answered exactly like the base model "
+            f"smoke test POST {endpoint}: model {model_name!r} answered exactly like the base model "
             f"{base_name!r} (text {adapter[0]!r}, same token logprobs): the adapter is not applied"
         )
     return {
-        "endpoint": f"{root}/completions",
+        "endpoint": endpoint,
         "models": served,
         "model": model_name,
         "text": adapter[0],
@@ -528,10 +535,13 @@ def _completion(endpoint: str, name: str, status: int, body: Any) -> tuple[str, 
     if status != 200:
         raise RuntimeError(f"smoke test POST {endpoint} (model {name!r}) -> HTTP {status}: {body}")
     choices = body.get("choices") if isinstance(body, dict) else None
-    if not choices or not isinstance(choices[0].get("text"), str):
+    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+    text = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
+    if not isinstance(text, str):
         raise RuntimeError(f"smoke test POST {endpoint}: no completion text in the answer: {body}")
     answered = body.get("model")
     if answered is not None and answered != name:
         raise RuntimeError(f"smoke test POST {endpoint}: asked for model {name!r}, answered by {answered!r}")
-    logprobs = (choices[0].get("logprobs") or {}).get("token_logprobs") or []
-    return choices[0]["text"], tuple(logprobs)
+    logprobs = choice.get("logprobs") or {}  # completions: token_logprobs; chat: content[].logprob
+    values = logprobs.get("token_logprobs") or [t.get("logprob") for t in logprobs.get("content") or []]
+    return text, tuple(values)
