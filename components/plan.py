@@ -170,6 +170,7 @@ def plan_run(
     values = dict(locals())  # first statement: exactly the parameters, handed to the plan builder by name
     from llmft.components.lib.plan import build_plan, write_plan
     from llmft.components.lib.plan_checks import preflight_secrets
+    from llmft.components.lib.trainjob_runtime import preflight_runtime
 
     for name in ("plan", "run_id", "compiled"):
         values.pop(name)
@@ -177,6 +178,7 @@ def plan_run(
     if run_plan.on_cluster:
         for note in preflight_secrets(run_plan):
             print(f"WARNING: {note}")
+        preflight_runtime(run_plan)
     else:
         print("kfp.local: Secret preflight skipped (credentials come from this environment)")
     write_plan(run_plan, plan.path)

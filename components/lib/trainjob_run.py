@@ -37,7 +37,8 @@ from typing import Any
 from llmft.components.lib.cluster import Cluster, ClusterError
 from llmft.components.lib.pytorchjob import TrainingJobFailed
 from llmft.components.lib.trainjob import GROUP, PLURAL, TRAINER_CONTAINER, TRAINER_JOB, VERSION
-from llmft.trainer.errors import ConfigError
+from llmft.components.lib.trainjob_runtime import check_runtime
+from llmft.trainer.errors import TransientError
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 """Pod label naming the JobSet (= the TrainJob's name); the SDK's POD_LABEL_SELECTOR uses it."""
@@ -89,28 +90,6 @@ def sdk_backend(cluster: Cluster, namespace: str | None = None):
             self.verify_backend()
 
     return SdkBackend()
-
-
-def check_runtime(backend, kind: str, name: str) -> None:
-    """The runtime exists and runs torchrun (PET_* rendezvous): an MPI runtime such as
-    ``deepspeed-distributed`` runs ``mpirun`` on a launcher instead, which ``llmft train`` is not."""
-    try:
-        runtime = backend.get_runtime(name)
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"training runtime {kind}/{name} is not readable: {exc.__cause__ or exc}. Install Kubeflow Trainer v2 "
-            f"(its default runtimes), or name an existing runtime with the training_runtime parameter"
-        ) from None
-    if runtime.kind.value != kind:
-        raise ConfigError(f"training runtime {name!r} is a {runtime.kind.value}, not a {kind}: name it {kind}/{name}")
-    from kubeflow.trainer.constants import constants as sdk
-
-    if tuple(runtime.trainer.command) != tuple(sdk.TORCH_COMMAND):  # the SDK's mark of mlPolicy.torch
-        raise ConfigError(
-            f"training runtime {name!r} (framework {runtime.trainer.framework}) does not launch torchrun; "
-            "`llmft train` needs a torch runtime (mlPolicy.torch, e.g. torch-distributed), which sets torchrun's "
-            "PET_* rendezvous; DeepSpeed runs under it with distributed.backend=deepspeed"
-        )
 
 
 def node_pods(cluster: Cluster, name: str, namespace: str) -> list:
@@ -382,6 +361,8 @@ def run_trainjob(
         action = " Suspended it (pods released) instead of letting its Job restart it up to the backoffLimit."
         raise _permanent(namespace, name, str(exc), "", tail, action) from None
     except TimeoutError as exc:
+        if exc.__cause__ is not None:  # an API read that did not answer (backend.py 199-202, 437-440), not the wait
+            raise TransientError(f"TrainJob {namespace}/{name}: the Kubernetes API did not answer: {exc}") from None
         raise JobTimedOut(
             f"TrainJob {namespace}/{name} did not finish within {timeout_s:.0f}s; it keeps running until its "
             f"activeDeadlineSeconds.\n{log_tail(cluster, name, namespace, log_tail_lines)}"

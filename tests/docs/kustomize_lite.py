@@ -4,7 +4,7 @@ Tests render deploy/ with this when `kubectl` is absent, and compare it with
 `kubectl kustomize` when present, so the manifests are checked either way.
 Supported: resources (files), namespace, labels (metadata only), configMapGenerator
 from env files with the local-config annotation, and replacements whose targets
-are selected by kind and name with dotted field paths.
+are selected by kind and name with dotted field paths (and options.delimiter/index).
 """
 
 from __future__ import annotations
@@ -101,7 +101,17 @@ def _apply_replacements(objects: list[dict], replacements: list[dict]) -> None:
                 raise ValueError(f"replacement target {target['select']} matches nothing")
             for obj in matched:
                 for field_path in target["fieldPaths"]:
-                    _set_path(obj, field_path, value)
+                    _set_path(obj, field_path, _with_options(_get_path(obj, field_path), value, target))
+
+
+def _with_options(current: Any, value: Any, target: dict) -> Any:
+    """kustomize's replacement ``options``: with ``delimiter``, replace only field ``index`` of the target's value."""
+    options = target.get("options") or {}
+    if "delimiter" not in options:
+        return value
+    parts = str(current).split(options["delimiter"])
+    parts[int(options.get("index", 0))] = str(value)
+    return options["delimiter"].join(parts)
 
 
 def render(directory: Path) -> list[dict]:

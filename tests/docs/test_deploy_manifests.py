@@ -23,6 +23,8 @@ CORE_KINDS = {
     "ServiceAccount",
     "Role",
     "RoleBinding",
+    "ClusterRole",
+    "ClusterRoleBinding",
     "PersistentVolumeClaim",
     "Secret",
     "ConfigMap",
@@ -72,6 +74,7 @@ def test_deploy_has_the_manifests_the_cluster_guide_names(deploy_dir):
         "namespace.yaml",
         "role.yaml",
         "rolebinding.yaml",
+        "cluster-role.yaml",
         "pvc-data.yaml",
         "secrets/llmft-hf-token.yaml",
         "secrets/llmft-mlflow.yaml",
@@ -115,7 +118,8 @@ def rendered(deploy_dir) -> dict[str, dict]:
 def test_rendered_objects_take_params_and_namespace(deploy_dir, rendered):
     params = read_env_file(deploy_dir / "params.env")
     namespace = yaml.safe_load((deploy_dir / "kustomization.yaml").read_text())["namespace"]
-    assert set(rendered) == {"Namespace", "Role", "RoleBinding", "PersistentVolumeClaim"}, "ConfigMap must stay local"
+    expected = {"Namespace", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "PersistentVolumeClaim"}
+    assert set(rendered) == expected, "ConfigMap must stay local"
     pvc = rendered["PersistentVolumeClaim"]
     assert pvc["metadata"]["name"] == params["PVC_NAME"]
     assert pvc["spec"]["storageClassName"] == params["STORAGE_CLASS"]
@@ -163,6 +167,29 @@ def test_tensorboard_reads_the_data_pvc_with_the_trainer_image(deploy_dir):
     assert service["spec"]["selector"] == objects["Deployment"]["spec"]["selector"]["matchLabels"]
     for obj in objects.values():
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_cluster_role_lets_the_pipeline_read_cluster_training_runtimes_and_nothing_else(deploy_dir, rendered):
+    """Kubeflow SDK 0.5 get_runtime reads the ClusterTrainingRuntime (cluster-scoped: no Role can grant it);
+    upstream grants it only in kubeflow/trainer v2.3.0 manifests/overlays/kubeflow-platform/
+    kubeflow-trainer-roles.yaml 83-108 (to system:authenticated)."""
+    from llmft.components.lib.trainjob_runtime import CLUSTER_RBAC_FILE, RUNTIME_VERBS
+
+    assert CLUSTER_RBAC_FILE == "deploy/cluster-role.yaml"
+    role, binding = rendered["ClusterRole"], rendered["ClusterRoleBinding"]
+    assert _granted(role) == {("trainer.kubeflow.org", "clustertrainingruntimes"): set(RUNTIME_VERBS)}
+    assert "namespace" not in role["metadata"] and "namespace" not in binding["metadata"]
+    params = read_env_file(deploy_dir / "params.env")
+    namespace = yaml.safe_load((deploy_dir / "kustomization.yaml").read_text())["namespace"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "llmft-training-runtime-reader",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": params["PIPELINE_SERVICE_ACCOUNT"], "namespace": namespace}
+    ]
+    assert binding["metadata"]["name"] == f"llmft-training-runtime-reader-{namespace}", "one binding per namespace"
 
 
 def test_namespace_enables_katib_metrics_collection(rendered):

@@ -283,7 +283,7 @@ def test_the_deadline_is_a_timeout_not_a_training_failure(crd_dir):
 
 def test_a_missing_or_mpi_runtime_is_refused_before_submitting(crd_dir):
     missing = TrainerSim(crd_dir, runtimes=())
-    with pytest.raises(ConfigError, match="training runtime ClusterTrainingRuntime/torch-distributed is not readable"):
+    with pytest.raises(ConfigError, match="training runtime ClusterTrainingRuntime/torch-distributed does not exist"):
         run_trainjob(missing.cluster, _trainjob(), timeout_s=5, poll_s=0.01)
     mpi = TrainerSim(crd_dir)
     with pytest.raises(ConfigError, match="framework deepspeed.*does not launch torchrun"):

@@ -33,7 +33,7 @@ import re
 from pathlib import Path
 
 import yaml
-from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi, _maybe_async, api_error, wire
+from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi, _AsyncResult, _maybe_async, api_error, wire
 from kubernetes import client
 
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
@@ -204,16 +204,72 @@ def to_v1(data: dict, kind: str):
     return client.ApiClient().deserialize(_Response(data), kind)
 
 
+def forbidden(plural: str, group: str, name: str, namespace: str | None) -> Exception:
+    """The API server's 403 for a verb RBAC does not grant (k8s.io/apiserver
+    ``pkg/endpoints/handlers/responsewriters/errors.go`` ``ForbiddenStatusError``)."""
+    where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+    user = 'User "system:serviceaccount:team-a:default-editor"'
+    return api_error(
+        403,
+        f'{plural}.{group} "{name}" is forbidden: {user} cannot get resource "{plural}" in API group "{group}" {where}',
+    )
+
+
+def _raise(error: Exception):
+    raise error
+
+
+class _TimedOut:
+    """What ``async_req=True`` returns when the server does not answer: ``get(timeout)`` raises
+    ``multiprocessing.TimeoutError`` (multiprocessing.pool.ApplyResult.get)."""
+
+    def get(self, timeout=None):
+        import multiprocessing
+
+        raise multiprocessing.TimeoutError()
+
+
 class FakeTrainerCustomApi(FakeCustomObjectsApi):
-    """Custom objects plus cluster-scoped ones (ClusterTrainingRuntimes); created objects get a creationTimestamp."""
+    """Custom objects plus cluster-scoped ones (ClusterTrainingRuntimes); created objects get a creationTimestamp.
+    Reads of a plural in ``forbidden`` answer 403 (RBAC), of one in ``unanswered`` time out; a plural in
+    ``unserved`` (no CRD) answers 404 at both scopes."""
 
     def __init__(self, cluster_objects: dict | None = None, on_get=None):
         super().__init__(on_get)
         self.cluster_objects = dict(cluster_objects or {})
+        self.forbidden: set[str] = set()
+        self.unanswered: set[str] = set()
 
-    @_maybe_async
-    def get_cluster_custom_object(self, group, version, plural, name, **_):
+    def _blocked(self, plural: str, group: str, name: str, namespace: str | None, async_req: bool):
+        """A read RBAC forbids or the server does not answer: what the client returns, or None."""
+        if plural in self.unanswered and async_req:
+            return _TimedOut()
+        if plural in self.forbidden:
+            error = forbidden(plural, group, name, namespace)
+            if not async_req:
+                raise error
+            return _AsyncResult(_raise, error)  # raised by get(), as the real client does
+        return None
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, async_req=False, **_):
+        blocked = self._blocked(plural, group, name, namespace, async_req)
+        if blocked is not None:
+            return blocked
+        return super().get_namespaced_custom_object(group, version, namespace, plural, name, async_req=async_req)
+
+    def get_cluster_custom_object(self, group, version, plural, name, async_req=False, **_):
         self.calls.append(("get-cluster", group, version, plural, name))
+        blocked = self._blocked(plural, group, name, None, async_req)
+        if blocked is not None:
+            return blocked
+        return (
+            _AsyncResult(self._get_cluster, plural, group, name)
+            if async_req
+            else self._get_cluster(plural, group, name)
+        )
+
+    def _get_cluster(self, plural, group, name):
+        self._read(plural)
         if (plural, name) not in self.cluster_objects:
             raise api_error(404, f'{plural}.{group} "{name}" not found')
         return copy.deepcopy(self.cluster_objects[(plural, name)])
