@@ -21,7 +21,6 @@ reachable here, and is checked against the content hash the training recorded.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.hf_files import TOKENIZER_FILES
+from llmft.trainer.safe_files import copy_file, present, read_text
 
 EXPORT_MANIFEST = "export_manifest.json"
 TRAINING_MANIFEST = "training_manifest.json"
@@ -59,15 +59,16 @@ class Provenance:
 
 
 def _json(path: Path) -> dict:
+    """A JSON object read from a regular file in its folder (a link or FIFO is refused, see trainer/safe_files.py)."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(read_text(path, path.parent))
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
 
 
 def _has_tokenizer(directory: Path | None) -> bool:
-    return directory is not None and (directory / "tokenizer_config.json").is_file()
+    return directory is not None and present(directory / "tokenizer_config.json")
 
 
 def run_final_dir(adapter_dir: Path) -> Path | None:
@@ -87,7 +88,7 @@ def find_provenance(adapter_dir: Path, adapter_config: dict, base_override: str 
     the base model's files are there instead, e.g. ``--base``)."""
     final = run_final_dir(adapter_dir)
     manifest_path = next(
-        (d / TRAINING_MANIFEST for d in (adapter_dir, final) if d and (d / TRAINING_MANIFEST).is_file()), None
+        (d / TRAINING_MANIFEST for d in (adapter_dir, final) if d and present(d / TRAINING_MANIFEST)), None
     )
     manifest = _json(manifest_path) if manifest_path else {}
     identity = manifest.get("base_model") or {}
@@ -139,8 +140,8 @@ def copy_tokenizer(source: Path, target: Path) -> list[str]:
     transformers before 4.43 and the serving images built on them look for it)."""
     copied = []
     for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, target / name)
+        if present(source / name):
+            copy_file(source / name, target / name, source)
             copied.append(name)
     config_path, template = target / "tokenizer_config.json", target / "chat_template.jinja"
     if config_path.is_file() and template.is_file():
@@ -232,7 +233,7 @@ def _write_bundle(adapter_dir: Path, output: Path, prov: Provenance, config: dic
     base_dir = Path(prov.base) if Path(prov.base).is_dir() else None
     with atomic_directory(output, kind=BUNDLE_KIND, force=force, marker=True, inputs=(adapter_dir,)) as tmp:
         for name in ("adapter_config.json", "adapter_model.safetensors"):
-            shutil.copy2(adapter_dir / name, tmp / name)
+            copy_file(adapter_dir / name, tmp / name, adapter_dir)
         tokenizer = _tokenizer_into(tmp, prov, base_dir)
         _copy_run_files(tmp, adapter_dir, prov)
         manifest = _manifest("adapter", adapter_dir, prov, config, tokenizer_source=tokenizer)
@@ -244,11 +245,11 @@ def _write_bundle(adapter_dir: Path, output: Path, prov: Provenance, config: dic
 def _copy_run_files(tmp: Path, adapter_dir: Path, prov: Provenance) -> None:
     """generation_config.json and training_manifest.json of the run, where it left them."""
     for source in (adapter_dir, prov.tokenizer_dir):
-        if source is not None and (source / "generation_config.json").is_file():
-            shutil.copy2(source / "generation_config.json", tmp / "generation_config.json")
+        if source is not None and present(source / "generation_config.json"):
+            copy_file(source / "generation_config.json", tmp / "generation_config.json", source)
             break
     if prov.training_manifest is not None:
-        shutil.copy2(prov.training_manifest, tmp / TRAINING_MANIFEST)
+        copy_file(prov.training_manifest, tmp / TRAINING_MANIFEST, prov.training_manifest.parent)
 
 
 def _write_merged(
@@ -272,7 +273,7 @@ def _write_merged(
         _copy_run_files(tmp, adapter_dir, prov)
         if base.config.get("auto_map"):  # model code the config names (loaded only with trust_remote_code)
             for code in base.directory.glob("*.py"):
-                shutil.copy2(code, tmp / code.name)
+                copy_file(code, tmp / code.name, base.directory)
         facts["manifest"] = _manifest(
             "merged",
             adapter_dir,

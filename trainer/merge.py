@@ -45,6 +45,7 @@ from llmft.trainer.fp8 import (
     read_model_config,
     scale_name_for,
 )
+from llmft.trainer.safe_files import check_file, copy_file, present, read_text
 from llmft.trainer.weights_io import DTYPES, INDEX_FILE, Entry, ShardStream, plan_shards, read_header
 from safetensors import safe_open
 
@@ -220,8 +221,9 @@ def read_adapter(directory: str | Path) -> Adapter:
     directory = Path(directory)
     config = read_adapter_config(directory)
     weights = directory / ADAPTER_WEIGHTS
-    if not weights.is_file():
+    if not present(weights):
         raise ConfigError(f"{weights}: missing; the adapter weights must be saved as safetensors")
+    check_file(weights, directory)  # the weights themselves, not what a link points to
     parts: dict[str, dict[str, torch.Tensor]] = {}
     full: dict[str, torch.Tensor] = {}
     for key, tensor in load_file(str(weights)).items():
@@ -244,10 +246,10 @@ def read_adapter(directory: str | Path) -> Adapter:
 
 def read_adapter_config(directory: Path) -> dict:
     path = directory / ADAPTER_CONFIG
-    if not path.is_file():
+    if not present(path):
         raise ConfigError(f"{path}: missing; --adapter must be a PEFT adapter directory (final/ or a promoted adapter)")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_text(path, directory))
     except ValueError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
     if str(config.get("peft_type", "")).upper() != "LORA":
@@ -411,8 +413,8 @@ def rewrite_checkpoint(
             "largest_tensor_bytes": max((e.nbytes for e in entries), default=0),
         }
         (tmp / "config.json").write_text(json.dumps(dense_config(base.config, dtype), indent=2) + "\n")
-        if (base.directory / "generation_config.json").is_file():
-            (tmp / "generation_config.json").write_bytes((base.directory / "generation_config.json").read_bytes())
+        if present(base.directory / "generation_config.json"):
+            copy_file(base.directory / "generation_config.json", tmp / "generation_config.json", base.directory)
         if extra is not None:
             extra(tmp, facts)
         share_files(tmp)

@@ -22,7 +22,7 @@ the umask-based mode (safetensors writes 0600), so a serving pod under another U
 from __future__ import annotations
 
 import fnmatch
-import shutil
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.hf_files import TOKENIZER_FILES
 from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete
 from llmft.trainer.names import check_path_component, path_under
+from llmft.trainer.safe_files import check_file, copy_file
 
 DECISION_FILE = "promotion.json"
 PROMOTED_KIND = "promoted-adapter"
@@ -228,7 +229,7 @@ def copy_servable(
         for source in files:
             target = tmp / source.relative_to(checkpoint)
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
+            copy_file(source, target, checkpoint)
         if max_lora_rank is not None:
             require_servable_adapter(tmp, max_lora_rank)
         atomic_write_json(tmp / DECISION_FILE, decision.to_dict())
@@ -236,16 +237,29 @@ def copy_servable(
 
 
 def servable_files(checkpoint: Path) -> list[Path]:
-    """Servable files of a checkpoint: weights, configs, tokenizer (top level or one folder down)."""
+    """Servable files of a checkpoint: weights, configs, tokenizer (top level or one folder down). A
+    symlink, FIFO or device among them is refused (trainer/safe_files.py): nothing it points to is
+    promoted; a linked folder is not entered."""
     found = []
-    for path in sorted(checkpoint.rglob("*")):
-        depth = len(path.relative_to(checkpoint).parts)
-        if path.is_file() and depth <= 2 and any(fnmatch.fnmatch(path.name, p) for p in SERVABLE_PATTERNS):
+    for path in _entries(checkpoint, depth=2):
+        if any(fnmatch.fnmatch(path.name, p) for p in SERVABLE_PATTERNS):
+            check_file(path, checkpoint)
             found.append(path)
     if any(p.name == "adapter_config.json" for p in found):  # LoRA: config.json is the trainer's, not a model's
         found = [p for p in found if p.name != "config.json"]
     weights = [p for p in found if p.name.endswith(".safetensors")]
     return found if weights else []
+
+
+def _entries(directory: Path, depth: int) -> list[Path]:
+    """Every non-directory entry up to ``depth`` levels down, sorted; links to folders are not followed."""
+    found = []
+    for root, dirs, files in os.walk(directory):  # followlinks=False: a linked folder is listed, not entered
+        level = len(Path(root).relative_to(directory).parts) + 1
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        found += [Path(root, name) for name in files + links]
+        dirs[:] = [d for d in dirs if d not in links] if level < depth else []
+    return sorted(found)
 
 
 def _pct(value: float | None) -> str:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -38,6 +40,7 @@ from typing import Any, NamedTuple
 from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import sha256_file
+from llmft.trainer.safe_files import check_file, open_file, read_text
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Suffixes that name a local file, never a hub dataset (`nope.txt` is a missing file, not a hub id)
@@ -48,6 +51,7 @@ LANGFUSE_SCHEME = "langfuse://"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # CSV cells that usually hold JSON-encoded lists
 _JSON_CELLS = ("messages", "conversations", "prompt", "completion")
+log = logging.getLogger(__name__)
 
 Row = tuple[str, int, "bytes | None", Any]
 
@@ -131,7 +135,7 @@ class Source:
     def _jsonl_rows(self, path: Path, label: str) -> Iterator[Row]:
         h = hashlib.sha256()
         limit = self.max_row_bytes
-        with open(path, "rb") as fh:
+        with open_file(path, path.parent) as fh:
             number = 0
             while line := fh.readline(limit + 2):  # room for the line's own "\r\n"
                 number += 1
@@ -168,20 +172,14 @@ def open_source(
             raise DataError(f"{spec}: name the Langfuse dataset: langfuse://<dataset name>")
         return Source(spec, kind="langfuse", split=split, max_row_bytes=max_row_bytes)
     path = Path(spec).expanduser()
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        check_file(path, path.parent)  # a link, FIFO or device is refused (trainer/safe_files.py)
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:
             raise DataError(f"{spec}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
         return Source(spec, kind="file", files=[path], split=split, max_row_bytes=max_row_bytes)
     if path.is_dir():
-        skip = exclude.resolve() if exclude is not None else None
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and p.suffix.lower() in SUFFIXES
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            and not (skip is not None and p.resolve().is_relative_to(skip))
-        )
+        files = folder_files(path, exclude)
         if not files:
             raise DataError(f"{spec}: folder holds no {'/'.join(SUFFIXES)} files; point --input at the data files")
         return Source(spec, kind="folder", files=files, root=path, split=split, max_row_bytes=max_row_bytes)
@@ -191,6 +189,28 @@ def open_source(
             f"local data must be a {'/'.join(SUFFIXES)} file or a folder of them"
         )
     return Source(spec, kind="hub", split=split, max_row_bytes=max_row_bytes)
+
+
+def folder_files(folder: Path, exclude: Path | None = None) -> list[Path]:
+    """The data files of ``folder`` (hidden names and ``exclude`` skipped), walked without following
+    links: a linked or special file with a data suffix is refused (trainer/safe_files.py), a linked
+    folder is not entered (a warning names it)."""
+    skip = exclude.resolve() if exclude is not None else None
+    files = []
+    for root, dirs, names in os.walk(folder):  # followlinks=False
+        here = Path(root)
+        if skip is not None and here.resolve().is_relative_to(skip):
+            dirs[:] = []
+            continue
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in [d for d in dirs if os.path.islink(here / d)]:
+            log.warning("%s: a symlink to a folder; not followed, its files are not read", here / name)
+        dirs[:] = [d for d in dirs if not os.path.islink(here / d)]
+        for name in names:
+            if not name.startswith(".") and Path(name).suffix.lower() in SUFFIXES:
+                check_file(here / name, folder)
+                files.append(here / name)
+    return sorted(files)
 
 
 def _looks_local(spec: str, path: Path) -> bool:
@@ -230,14 +250,14 @@ def load_hub_dataset(dataset_id: str, split: str):
 
 
 def _starts_with_array(path: Path) -> bool:
-    with open(path, "rb") as fh:
+    with open_file(path, path.parent) as fh:
         head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
     return head.startswith(b"[")
 
 
 def _json_array_rows(path: Path, label: str) -> Iterator[Row]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        rows = json.loads(read_text(path, path.parent, encoding="utf-8-sig"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{label}: not valid JSON ({exc}); fix the file, or write it as JSON Lines (.jsonl)") from exc
     for number, row in enumerate(rows, 1):
@@ -246,7 +266,7 @@ def _json_array_rows(path: Path, label: str) -> Iterator[Row]:
 
 def _csv_rows(path: Path, label: str, max_row_bytes: int) -> Iterator[Row]:
     csv.field_size_limit(max(max_row_bytes, 1 << 17))
-    with open(path, newline="", encoding="utf-8-sig") as fh:
+    with io.TextIOWrapper(open_file(path, path.parent), newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         try:
             for record in reader:
@@ -291,10 +311,11 @@ def _parquet_rows(path: Path, label: str) -> Iterator[Row]:
 
     number = 0
     try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                number += 1
-                yield label, number, None, row
+        with open_file(path, path.parent) as fh:
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield label, number, None, row
     except pyarrow.ArrowException as exc:
         where = f"{label}: after row {number}" if number else label
         raise DataError(
