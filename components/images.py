@@ -31,6 +31,10 @@ IMAGE_TAG = "0.1.0"
 IMAGE_REGISTRY = "ghcr.io/kfp-llm-finetune"
 """Registry and namespace of the project's published images."""
 
+IMAGE_UID = 1000
+"""The uid (and gid) both images run as (docker/Dockerfile.*: ``useradd --uid 1000 --user-group``,
+``USER 1000``): every pod that writes the shared volume runs as it (docs/cluster-guide.md, Volume ownership)."""
+
 TRAINER_IMAGE_ENV = "LLMFT_TRAINER_IMAGE"
 PIPELINE_IMAGE_ENV = "LLMFT_PIPELINE_IMAGE"
 KATIB_IMAGE_ENV = "LLMFT_KATIB_IMAGE"

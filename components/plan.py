@@ -171,6 +171,7 @@ def plan_run(
     from llmft.components.lib.plan import build_plan, write_plan
     from llmft.components.lib.plan_checks import preflight_secrets
     from llmft.components.lib.trainjob_runtime import preflight_runtime
+    from llmft.components.lib.volume_access import check_volume_writable
 
     for name in ("plan", "run_id", "compiled"):
         values.pop(name)
@@ -179,6 +180,7 @@ def plan_run(
         for note in preflight_secrets(run_plan):
             print(f"WARNING: {note}")
         preflight_runtime(run_plan)
+        check_volume_writable(run_plan.layout)
     else:
         print("kfp.local: Secret preflight skipped (credentials come from this environment)")
     write_plan(run_plan, plan.path)

@@ -9,7 +9,9 @@ and writes plan.json; every later task takes the plan plus its data artifacts.
 
 The platform settings are applied here, once:
 
-* the data/checkpoint PVC (``pvc_name``) is mounted at ``/data`` in every task;
+* the data/checkpoint PVC (``pvc_name``) is mounted at ``/data`` in every task, whose container runs as
+  the images' uid and gid (``set_security_context``: honoured from KFP backend 2.16, ignored before, where
+  the image's ``USER`` gives the same uid; the volume's root must belong to it: components/lib/volume_access.py);
 * CPU and memory requests and limits of every task come from the ``step_*``, ``data_*`` and
   ``eval_*`` parameters (resolved by the KFP backend at run time, 2.4 onwards);
 * the Secrets named by ``hf_token_secret`` / ``mlflow_secret`` are mounted as environment
@@ -34,6 +36,7 @@ from kfp import dsl, kubernetes
 from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
+from llmft.components.images import IMAGE_UID
 from llmft.components.lib.plan import DATA_MOUNT, SWEEP_PREFIX, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.lib.plan_checks import TASK_RESOURCE_GROUPS, TASK_SECRET_KINDS, compiled_settings, parse_secret
 from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_run
@@ -138,9 +141,11 @@ def build_pipeline(*, hpo: bool = False, defaults: Mapping[str, Any] | None = No
 
 
 def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: Mapping) -> dsl.PipelineTask:
-    """Mount the PVC at /data, set CPU/memory requests and limits from the step's parameters,
-    mount the step's Secrets (compile-time names, required keys), and place GPU steps on GPU nodes."""
+    """Mount the PVC at /data as the images' uid (the volume's owner), set CPU/memory requests and limits
+    from the step's parameters, mount the step's Secrets (compile-time names, required keys), and place GPU
+    steps on GPU nodes."""
     kubernetes.mount_pvc(task, pvc_name=values["pvc_name"], mount_path=DATA_MOUNT)
+    kubernetes.set_security_context(task, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID, run_as_non_root=True)
     cpu, memory = TASK_RESOURCE_GROUPS[TASK_GROUPS.get(step, "step")]
     task.set_cpu_request(values[cpu]).set_cpu_limit(values[cpu])
     task.set_memory_request(values[memory]).set_memory_limit(values[memory])

@@ -179,7 +179,7 @@ class TrainJobSpec:
     """Service account of the pods (None = the namespace default)."""
     image_pull_secrets: tuple[str, ...] = ()
     """Secrets for pulling a private trainer image."""
-    run_as_user: int | None = 1000
+    run_as_user: int | None = images.IMAGE_UID
     """UID the pods run as (the trainer image's non-root user); None = image default."""
 
 

@@ -26,6 +26,7 @@ CORE_KINDS = {
     "ClusterRole",
     "ClusterRoleBinding",
     "PersistentVolumeClaim",
+    "Job",
     "Secret",
     "ConfigMap",
     "Deployment",
@@ -76,6 +77,7 @@ def test_deploy_has_the_manifests_the_cluster_guide_names(deploy_dir):
         "rolebinding.yaml",
         "cluster-role.yaml",
         "pvc-data.yaml",
+        "volume-permissions.yaml",
         "secrets/llmft-hf-token.yaml",
         "secrets/llmft-mlflow.yaml",
         "secrets/llmft-langfuse.yaml",
@@ -118,7 +120,7 @@ def rendered(deploy_dir) -> dict[str, dict]:
 def test_rendered_objects_take_params_and_namespace(deploy_dir, rendered):
     params = read_env_file(deploy_dir / "params.env")
     namespace = yaml.safe_load((deploy_dir / "kustomization.yaml").read_text())["namespace"]
-    expected = {"Namespace", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "PersistentVolumeClaim"}
+    expected = {"Namespace", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "PersistentVolumeClaim", "Job"}
     assert set(rendered) == expected, "ConfigMap must stay local"
     pvc = rendered["PersistentVolumeClaim"]
     assert pvc["metadata"]["name"] == params["PVC_NAME"]
@@ -190,6 +192,32 @@ def test_cluster_role_lets_the_pipeline_read_cluster_training_runtimes_and_nothi
         {"kind": "ServiceAccount", "name": params["PIPELINE_SERVICE_ACCOUNT"], "namespace": namespace}
     ]
     assert binding["metadata"]["name"] == f"llmft-training-runtime-reader-{namespace}", "one binding per namespace"
+
+
+def test_the_permissions_job_gives_the_volume_root_to_the_images_uid_and_touches_nothing_else(deploy_dir, rendered):
+    """Volume ownership (issue 29.4): no KFP task can chown (2.17.0 backend/src/v2/driver/k8s.go 749-785 drops
+    every capability), so deploy/ does it once, as root with CHOWN and FOWNER only (Pod Security baseline)."""
+    from llmft.components.images import IMAGE_REGISTRY, IMAGE_TAG, IMAGE_UID
+    from llmft.components.lib.volume_access import PERMISSIONS_FILE
+
+    assert (deploy_dir.parent / PERMISSIONS_FILE).is_file()
+    job = rendered["Job"]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == f"{IMAGE_REGISTRY}/llmft-pipeline:{IMAGE_TAG}", (
+        "keep in step with components/images.py"
+    )
+    script = container["args"][0]
+    assert f"chown {IMAGE_UID}:{IMAGE_UID} /data" in script and f'"{IMAGE_UID}:{IMAGE_UID}"' in script
+    assert "-R" not in script and "*" not in script, "the root only: never what is below it"
+    assert pod["securityContext"]["runAsUser"] == 0 and pod["restartPolicy"] == "Never"
+    caps = container["securityContext"]["capabilities"]
+    assert caps == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert job["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    (volume,) = pod["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == read_env_file(deploy_dir / "params.env")["PVC_NAME"]
+    assert container["volumeMounts"] == [{"name": volume["name"], "mountPath": "/data"}]
 
 
 def test_namespace_enables_katib_metrics_collection(rendered):

@@ -189,6 +189,21 @@ def test_every_task_mounts_the_pvc_and_has_cpu_and_memory_from_parameters(compil
         assert (resources["resourceMemoryRequest"], resources["resourceMemoryLimit"]) == (memory, memory), task
 
 
+def test_every_task_that_mounts_the_volume_runs_as_the_images_uid(compiled):
+    """Volume ownership (issue 29.4): the container's runAsUser/runAsGroup/runAsNonRoot through
+    kfp.kubernetes.set_security_context, which KFP applies from backend 2.16 (kubeflow/pipelines 2.17.0
+    backend/src/v2/driver/k8s.go 749-785) and 2.4/2.5 drop without failing (backend/src/v2/compiler/visitor.go
+    175, AllowUnknownFields); the volume's root belongs to that uid (deploy/volume-permissions.yaml)."""
+    from llmft.components.images import IMAGE_UID
+
+    _, executors = compiled
+    mounting = [name for name, executor in executors.items() if "pvcMount" in executor]
+    assert len(mounting) == len(TASK_ORDER)
+    for name in mounting:
+        uid = str(IMAGE_UID)  # int64 fields are JSON strings in the protobuf mapping
+        assert executors[name]["securityContext"] == {"runAsUser": uid, "runAsGroup": uid, "runAsNonRoot": True}, name
+
+
 def _secret_mounts(executor: dict) -> dict[str, set[str]]:
     return {
         entry["secretName"]: {pair["envVar"] for pair in entry["keyToEnv"]} for entry in executor.get("secretAsEnv", [])
