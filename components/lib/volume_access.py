@@ -43,16 +43,19 @@ def written_folders(layout) -> list[str]:
     return [layout.hf_home, *dict.fromkeys(os.path.dirname(p) for p in leaves)]
 
 
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path.parent != path:
+def _nearest_existing(path: Path, root: Path) -> Path:
+    """``path`` or its nearest existing ancestor, never above ``root`` (the volume's mount)."""
+    while not path.exists() and path != root and root in path.parents:
         path = path.parent
     return path
 
 
-def not_writable(path: str) -> str | None:
+def not_writable(path: str, root: str) -> str | None:
     """Why this process cannot create a file where ``path`` (or, if absent, its nearest existing
-    ancestor) is, or None when it can. Creates and removes one empty probe file."""
-    target = _nearest_existing(Path(path))
+    ancestor up to ``root``) is, or None when it can. Creates and removes one empty probe file."""
+    target = _nearest_existing(Path(path), Path(root))
+    if not target.is_dir():
+        return f"{target} does not exist: the volume is not mounted there"
     try:
         fd, probe = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=target)
     except OSError as exc:
@@ -67,7 +70,7 @@ def not_writable(path: str) -> str | None:
 def check_volume_writable(layout) -> None:
     """ConfigError (one line) for the first folder of the run this pod's uid cannot write."""
     for folder in written_folders(layout):
-        why = not_writable(folder)
+        why = not_writable(folder, layout.root)
         if why is None:
             continue
         uid_note = "" if os.getuid() == IMAGE_UID else f" (this pod runs as uid {os.getuid()}, not {IMAGE_UID})"

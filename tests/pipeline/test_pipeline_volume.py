@@ -116,6 +116,12 @@ def test_the_check_probes_every_top_level_folder_of_the_layout(tmp_path, monkeyp
     assert "\n" not in str(caught.value)
 
 
+def test_a_volume_that_is_not_mounted_is_named_and_nothing_above_it_is_probed(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/absent does not exist: the volume is not mounted there"):
+        check_volume_writable(DataLayout(str(tmp_path / "absent")))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_both_images_run_as_the_uid_the_pods_and_the_permissions_job_use(repo_root):
     for dockerfile in ("Dockerfile.pipeline", "Dockerfile.trainer"):
         text = (repo_root / "docker" / dockerfile).read_text()
