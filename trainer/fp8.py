@@ -342,10 +342,9 @@ def write_fp8_checkpoint(
     """Convert a dense model directory (the tiny model) into transformers' fine-grained FP8 format:
     every decoder Linear weight becomes float8_e4m3fn + ``weight_scale_inv`` (one per ``block``),
     everything else bfloat16; ``config.json`` gets the ``quantization_config`` transformers reads."""
-    import shutil
-
     from llmft.trainer.io import atomic_directory, share_files
     from llmft.trainer.merge import BaseCheckpoint
+    from llmft.trainer.safe_files import copy_file
     from safetensors.torch import save_file
 
     base = BaseCheckpoint.open(str(source))
@@ -367,7 +366,7 @@ def write_fp8_checkpoint(
     with atomic_directory(output, kind="tiny-model-fp8", force=force, inputs=(base.directory,)) as tmp:
         for path in base.directory.iterdir():
             if path.is_file() and not path.name.startswith(".") and not path.name.startswith("model"):
-                shutil.copy2(path, tmp / path.name)
+                copy_file(path, tmp / path.name, base.directory)  # no link followed (trainer/safe_files.py)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         share_files(tmp)

@@ -153,6 +153,52 @@ def check_output_target(
     )
 
 
+OWNED_FILE_MARK = "# written by llmft"
+"""First line of every single file this program writes for a user to read (a compiled pipeline, a
+rendered job): only a file that starts with it is replaced without ``--force``."""
+
+
+def write_owned_file(path: str | os.PathLike, text: str, *, command: str, force: bool = False) -> Path:
+    """Write ``text`` (after a first line ``# written by llmft <command>``) to ``path`` atomically.
+
+    The single-file form of :func:`check_output_target`: an absent path, or a file whose first line is
+    :data:`OWNED_FILE_MARK`, is replaced; a file this program did not write, or a symlink (never written
+    through: its target would change), is refused (:class:`~llmft.trainer.errors.OutputNotOursError`)
+    unless ``force``, which replaces the file or the link itself, never what a link points to. A
+    directory is refused even with ``force``."""
+    check_owned_file(path, force=force)
+    return atomic_write_text(path, f"{OWNED_FILE_MARK} {command}\n{text}")
+
+
+def check_owned_file(path: str | os.PathLike, *, force: bool = False) -> None:
+    """What :func:`write_owned_file` refuses, checked before any work (the command fails in one line first)."""
+    from llmft.trainer.errors import OutputNotOursError
+
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        raise OutputNotOursError(f"{path} is a directory; choose a file name for the output, e.g. {path}/out.yaml")
+    if path.is_symlink() and not force:
+        raise OutputNotOursError(
+            f"{path} is a symlink (to {os.readlink(path)}); refusing to write through it. Choose a new output path, "
+            "or pass --force to replace the link itself (its target is never written)"
+        )
+    if path.exists() and not path.is_symlink() and not force and not _owned_file(path):
+        raise OutputNotOursError(
+            f"{path} is a file llmft did not write; refusing to replace it. Choose a new output path, "
+            "or pass --force to replace it"
+        )
+
+
+def _owned_file(path: Path) -> bool:
+    if not path.is_file():  # a FIFO or device is nobody's output (and opening a FIFO would block)
+        return False
+    try:
+        with open(path, "rb") as fh:
+            return fh.readline(200).startswith(OWNED_FILE_MARK.encode())
+    except OSError:
+        return False
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 CRON_FIELD = re.compile(r"^[0-9*?/,\-LW#A-Za-z]+$")
+YAML_SUFFIXES = (".yaml", ".yml")
+"""What KFP's compiler accepts as a package path (kfp/compiler/pipeline_spec_builder.py, write_pipeline_spec_to_file,
+about line 2303 in kfp 2.17)."""
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +38,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="parameter defaults of the compiled pipeline (e.g. "
         "mlflow_secret=llmft-mlflow); Secrets and gpu_node_selector are fixed here",
     )
-    compile_.add_argument("--output", required=True, help="YAML file to write")
+    compile_.add_argument(
+        "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
+    )
+    compile_.add_argument(
+        "--force", action="store_true", help="replace a file (or symlink) at --output that llmft did not write"
+    )
     compile_.add_argument("--hpo", action="store_true", help="compile llm_finetune_hpo_pipeline (Katib sweep) instead")
     compile_.set_defaults(func=run_compile)
 
@@ -170,12 +178,30 @@ def _arguments(args: argparse.Namespace) -> dict:
     return parse_arguments(args.arguments, _pipeline(args.hpo))
 
 
+def check_yaml_output(output: str, *, force: bool) -> None:
+    """``--output`` of compile and render-job: a .yaml/.yml file name, and nothing there this program did
+    not write (trainer/io.py ``check_owned_file``); checked before any work."""
+    from llmft.trainer.errors import ConfigError
+    from llmft.trainer.io import check_owned_file
+
+    if not output.endswith(YAML_SUFFIXES):
+        raise ConfigError(f"--output {output}: the output is a YAML file; give it a .yaml name, e.g. {output}.yaml")
+    check_owned_file(output, force=force)
+
+
 def run_compile(args: argparse.Namespace) -> int:
+    import tempfile
+
     from kfp import compiler
 
+    from llmft.trainer.io import write_owned_file
+
+    check_yaml_output(args.output, force=args.force)
     pipeline = _pipeline(args.hpo, _arguments(args))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(pipeline, package_path=args.output)
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(tmp) / "pipeline.yaml"
+        compiler.Compiler().compile(pipeline, package_path=str(package))
+        write_owned_file(args.output, package.read_text(), command="pipeline compile", force=args.force)
     print(f"compiled {pipeline.name} to {args.output}")
     return 0
 

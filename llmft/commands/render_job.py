@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 import yaml
 
@@ -27,7 +26,12 @@ def add_parser(sub) -> None:
     )
     render.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. num_workers=2)")
     render.add_argument("--backend", choices=sorted(BACKENDS), required=True, help="pytorchjob or trainjob")
-    render.add_argument("--output", required=True, help="YAML file to write")
+    render.add_argument(
+        "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
+    )
+    render.add_argument(
+        "--force", action="store_true", help="replace a file (or symlink) at --output that llmft did not write"
+    )
     render.add_argument("--run-id", default="RUN-ID", help="KFP run id the job name derives from (default RUN-ID)")
     render.add_argument("--namespace", default=None, help="namespace to set on the job (default: none)")
     render.add_argument(
@@ -80,15 +84,16 @@ _Dumper.add_representer(
 
 
 def run_render_job(args: argparse.Namespace) -> int:
-    from llmft.commands.pipeline import _arguments
+    from llmft.commands.pipeline import _arguments, check_yaml_output
+    from llmft.trainer.io import write_owned_file
 
+    check_yaml_output(args.output, force=args.force)
     body = render_job(_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data)
     header = (
         f"# {body['kind']} the train step would submit (llmft pipeline render-job --backend {args.backend}).\n"
         "# Placeholders: the run id in the name and labels, CACHE_KEY in data= (the tokenize step's folder).\n"
     )
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     text = yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=120, default_flow_style=False)
-    Path(args.output).write_text(header + text, encoding="utf-8")
+    write_owned_file(args.output, header + text, command="pipeline render-job", force=args.force)
     print(f"wrote {body['kind']} {body['metadata']['name']} to {args.output}")
     return 0
