@@ -487,6 +487,7 @@ def test_failure_modes_doc_has_a_row_per_test(repo_root):
     doc = (repo_root / "docs" / "failure-modes.md").read_text()
     files = [
         repo_root / "tests" / "data" / "test_data_failures.py",
+        repo_root / "tests" / "data" / "test_data_signals.py",
         repo_root / "tests" / "pipeline" / "test_pipeline_failure_modes.py",
     ]
     tests = {name for path in files for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}

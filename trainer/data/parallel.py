@@ -36,7 +36,11 @@ def default_num_proc() -> int:
 
 @contextlib.contextmanager
 def worker_pool(num_proc: int, initializer: Callable | None = None, initargs: tuple = ()) -> Iterator:
-    """A ProcessPoolExecutor of ``num_proc`` workers, or None (work runs inline) for one."""
+    """A ProcessPoolExecutor of ``num_proc`` workers, or None (work runs inline) for one.
+
+    Ctrl-C and SIGTERM are held while the workers are forked and while the pool stops, then delivered:
+    a signal raised inside the executor's own bookkeeping could lose track of a worker or leave it
+    half-built (issue 27.3); a second one while held kills at once."""
     if num_proc <= 1:
         if initializer is not None:
             initializer(*initargs)
@@ -44,17 +48,70 @@ def worker_pool(num_proc: int, initializer: Callable | None = None, initargs: tu
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker is one core already
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    pool = ProcessPoolExecutor(
-        num_proc, mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(), initializer, initargs)
-    )
+    with signals_held():
+        pool = ProcessPoolExecutor(
+            num_proc, mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(), initializer, initargs)
+        )
+        pool.submit(os.getpid)  # forks every worker now (a fork-context pool starts them all on its first task)
     try:
         yield pool
     except BaseException:  # an error, Ctrl-C or SIGTERM: stop the workers now, not after their chunks
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.terminate()
+        with signals_held():
+            _kill_workers(pool)
+            pool.shutdown(wait=True, cancel_futures=True)
         raise
-    finally:
+    with signals_held():
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL every worker and reap it; then let the pool's manager thread see the end of the results.
+
+    A worker killed while it wrote a result leaves half a message in the result pipe, and the manager
+    thread would wait forever for the rest (the parent holds a write end of that pipe too): the
+    `llmft data prepare` hang of issue 27.3. Closing the parent's write end turns the wait into EOF;
+    the manager then tears the pool down as broken (CPython concurrent/futures/process.py,
+    wait_result_broken_or_wakeup and terminate_broken, which also unblocks the task feeder: gh-94777)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        process.kill()  # not SIGTERM: a worker still starting has the parent's Python handlers
+    for process in processes:
+        process.join(timeout=10)
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM (main thread, Python handlers only) for the block, then deliver them to the
+    handlers that were in place; a second one of the same signal while held is delivered at once with
+    the default action (the process dies), so a stuck block can always be stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    previous = {signum: handler for signum, handler in previous.items() if handler is not None}
+    held: list[int] = []
+
+    def hold(signum, _frame):
+        if signum in held:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        held.append(signum)
+
+    for signum in previous:
+        signal.signal(signum, hold)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 def _init_worker(parent: int, initializer: Callable | None, initargs: tuple) -> None:
