@@ -2,14 +2,26 @@
 
 Three mechanisms, each for a way a run can end while a job still holds GPUs:
 
-* **SIGTERM in the launcher** (:func:`delete_on_sigterm`). Cancelling a run on KFP 2.4/2.5 patches
-  the Argo Workflow's ``activeDeadlineSeconds`` to 0 (kubeflow/pipelines 2.4.1
-  ``backend/src/common/util/execution_spec.go`` 315-322, ``resource_manager.go`` TerminateRun); Argo
-  v3.4.17 (the version KFP 2.4.1 builds against) then sends SIGTERM to the running task pods and
-  SIGKILL after their grace period (``workflow/controller/exec_control.go`` 56-64,
-  ``controller.go`` 507-514). The train and sweep launchers catch that SIGTERM and delete the job
-  they watch before exiting 143. The job's pods get SIGTERM in turn, so the trainer commits a
-  checkpoint first.
+* **SIGTERM in the launcher** (:func:`delete_on_sigterm`), when the run was cancelled or timed out.
+  Cancelling a run on KFP 2.4/2.5 patches the Argo Workflow's ``activeDeadlineSeconds`` to 0
+  (kubeflow/pipelines 2.4.1 ``backend/src/common/util/execution_spec.go`` 315-322,
+  ``resource_manager.go`` 797-813 TerminateWorkflow); Argo v3.4.17 (KFP 2.4.1's; 2.5.0 uses
+  v3.5.14) then sends SIGTERM to the running task pods when ``spec.shutdown`` is set or the
+  Workflow's deadline (``status.startedAt`` + ``activeDeadlineSeconds``, ``operator.go`` 574-584)
+  has passed (``workflow/controller/exec_control.go`` 38-64), SIGKILL after the grace period
+  (``controller.go`` 507-518). The signal reaches Python without an ``exec``: Argo execs ``kill``
+  on PID 1, the emissary, which forwards every signal to the process group of the command it
+  started with Setpgid (``cmd/argoexec/commands/emissary.go`` 147-155,
+  ``workflow/executor/os-specific/command_unix.go`` 33, ``signal_darwin.go`` 19-25, linked as
+  signal_linux.go); KFP's ``/kfp-launcher/launch`` runs the component's ``sh -ec`` with a plain
+  ``exec.Command`` (``backend/src/v2/component/launcher_v2.go`` 410-415 at 2.4.1), so sh and
+  python3 are in that group and get the SIGTERM directly. The launcher itself handles no signal
+  and dies at once; the emissary notices within a second (``Wait``'s 1-s poll, signal_darwin.go
+  46-59) and exits, which ends every process of the container: the handler must be quick.
+  The same SIGTERM comes when the launcher pod is evicted (a node drain, spot preemption): there
+  the job must live on, and the retried task re-attaches to it. :func:`sigterm_cause` tells the
+  two apart from what the cluster shows (see there); only a cancel or a timeout deletes the job.
+  The job's pods get SIGTERM in turn, so the trainer commits a checkpoint first.
 * **The exit handler** (:func:`cleanup_run`, the ``cleanup-run`` task of both pipelines). When the
   body of the pipeline fails (a task failed after its retries, a launcher timed out, a launcher pod
   was lost), it deletes every job and Experiment labelled with the run id that has not finished.
@@ -37,6 +49,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -136,6 +149,80 @@ def cleanup_after_run(run_id: str, *, environ: Mapping[str, str] | None = None, 
     return cleanup_run(cluster or Cluster(), run_id)
 
 
+DISRUPTION_CONDITION = "DisruptionTarget"
+"""The pod condition Kubernetes adds before it deletes a pod for a disruption (k8s.io/api
+``core/v1/types.go`` DisruptionTarget; reasons EvictionByEvictionAPI for ``kubectl drain`` and other
+Eviction API calls, PreemptionByScheduler, DeletionByTaintManager, TerminationByKubelet for
+node-pressure eviction and graceful node shutdown, DeletionByPodGC; on by default since 1.26, GA
+in 1.31: https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions)."""
+WORKFLOW = ("argoproj.io", "v1alpha1", "workflows")
+"""(group, version, plural) of the run's Argo Workflow, which the launcher reads on SIGTERM."""
+DELETE_CAUSES = ("cancelled", "timed out", "unknown")
+"""Causes of a launcher's SIGTERM that delete its job (:func:`sigterm_cause`)."""
+
+
+def sigterm_cause(cluster, *, environ: Mapping[str, str] | None = None, now: float | None = None) -> tuple[str, str]:
+    """Why this launcher pod got SIGTERM: (cause, what shows it), cause one of
+
+    * ``evicted``: the pod carries ``DisruptionTarget`` True (drain, preemption, taint, node
+      pressure or shutdown): the job lives on, the retried task re-attaches to it;
+    * ``timed out``: the pod's own ``activeDeadlineSeconds`` (a task timeout, KFP driver.go 703-705)
+      or the Workflow's has passed;
+    * ``cancelled``: the Workflow's ``spec.shutdown`` is set, or its ``activeDeadlineSeconds`` is 0
+      (what KFP's cancel patches);
+    * ``other``: the Workflow was read and is neither shutting down nor past its deadline, and the
+      pod shows no disruption (deleted by hand, say): the job lives on;
+    * ``unknown``: outside a KFP pod, or the pod or Workflow cannot be read (RBAC): deleted, as a
+      cancel is the usual reason and a job left behind would hold its GPUs until its deadline.
+    """
+    from kubernetes import client
+    from llmft.components.lib.cluster import ClusterError
+    from llmft.components.lib.plan import KFP_POD_ENV
+
+    now = time.time() if now is None else now
+    pod_name = (os.environ if environ is None else environ).get(KFP_POD_ENV, "")
+    if not pod_name:
+        return "unknown", "not in a KFP task pod"
+    try:
+        pod = cluster.read_pod(pod_name)
+    except ClusterError as exc:
+        return "unknown", f"cannot read this pod {pod_name}: {exc}"
+    status = pod.status or client.V1PodStatus()
+    disrupted = next(
+        (c for c in status.conditions or [] if c.type == DISRUPTION_CONDITION and c.status == "True"), None
+    )
+    if disrupted is not None:
+        return "evicted", f"pod {pod_name} has {DISRUPTION_CONDITION} {disrupted.reason}: {disrupted.message or ''}"
+    pod_deadline = pod.spec.active_deadline_seconds if pod.spec else None
+    started = status.start_time.timestamp() if status.start_time else None
+    if pod_deadline is not None and started is not None and now >= started + pod_deadline:
+        return "timed out", f"pod {pod_name} passed its activeDeadlineSeconds {pod_deadline} (the task's timeout)"
+    owner = _workflow_owner(pod)
+    if owner is None:
+        return "unknown", f"pod {pod_name} has no Workflow owner"
+    try:
+        workflow = cluster.get_custom_object(*WORKFLOW, owner.name)
+    except ClusterError as exc:
+        return "unknown", f"cannot read Workflow {owner.name}: {exc}"
+    return _workflow_cause(workflow, now)
+
+
+def _workflow_cause(workflow: Mapping[str, Any], now: float) -> tuple[str, str]:
+    """Argo's own test (exec_control.go 38-64, operator.go 574-584) of whether it stops this pod."""
+    from llmft.components.lib.train_job import _parse_time
+
+    name, spec = workflow["metadata"]["name"], workflow.get("spec") or {}
+    if spec.get("shutdown"):
+        return "cancelled", f"Workflow {name} has spec.shutdown {spec['shutdown']}"
+    deadline = spec.get("activeDeadlineSeconds")
+    started = _parse_time((workflow.get("status") or {}).get("startedAt"))
+    if deadline is not None and int(deadline) == 0:
+        return "cancelled", f"Workflow {name} has activeDeadlineSeconds 0 (the run was cancelled)"
+    if deadline is not None and started is not None and now >= int(started) + int(deadline):
+        return "timed out", f"Workflow {name} passed its activeDeadlineSeconds {deadline}"
+    return "other", f"Workflow {name} is neither cancelled nor past its deadline"
+
+
 @contextlib.contextmanager
 def delete_on_sigterm(
     cluster,
@@ -146,17 +233,28 @@ def delete_on_sigterm(
     *,
     namespace: str | None = None,
     print_fn: Callable[[str], Any] = print,
+    cause: Callable[[], tuple[str, str]] | None = None,
 ) -> Iterator[None]:
-    """While the block runs, SIGTERM deletes the named object and exits 143 (preempted).
+    """While the block runs, SIGTERM deletes the named object if the run was cancelled or timed out
+    (``cause``, default :func:`sigterm_cause`), keeps it otherwise (an evicted launcher: the retried
+    task re-attaches), and exits 143 (preempted).
 
     Only the main thread can receive signals; elsewhere (a test runner's thread) this is a no-op.
     The previous handler is restored when the block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    cause = cause or functools.partial(sigterm_cause, cluster)
 
     def on_sigterm(signum, _frame):
-        print_fn(f"SIGTERM (run cancelled, timed out or this pod evicted): deleting {plural} {name}")
+        try:
+            kind, why = cause()
+        except Exception as exc:  # noqa: BLE001 - deciding must not stop the cleanup
+            kind, why = "unknown", f"could not tell why: {exc}"
+        if kind not in DELETE_CAUSES:
+            print_fn(f"SIGTERM ({kind}: {why}): keeping {plural} {name}; the task's retry re-attaches to it")
+            raise SystemExit(EXIT_PREEMPTED)
+        print_fn(f"SIGTERM ({kind}: {why}): deleting {plural} {name}")
         try:
             cluster.delete_custom_object(group, version, plural, name, namespace=namespace)
         except Exception as exc:  # noqa: BLE001 - report and exit anyway: the exit handler tries again
@@ -168,6 +266,12 @@ def delete_on_sigterm(
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _workflow_owner(pod) -> Any:
+    """The pod's controller owner of kind Workflow (Argo, workflowpod.go 172-173), or None."""
+    owners = (pod.metadata.owner_references or []) if pod is not None and pod.metadata else []
+    return next((o for o in owners if o.kind == "Workflow" and o.controller), None)
 
 
 def run_owner_reference(
@@ -188,8 +292,7 @@ def run_owner_reference(
     except ClusterError as exc:
         print_fn(f"note: jobs get no owner (cannot read this pod {pod_name}: {exc})")
         return None
-    owners = (pod.metadata.owner_references or []) if pod is not None and pod.metadata else []
-    workflow = next((o for o in owners if o.kind == "Workflow" and o.controller), None)
+    workflow = _workflow_owner(pod)
     if workflow is None:
         return None
     return {

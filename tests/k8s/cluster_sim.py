@@ -44,6 +44,7 @@ plays the controllers behind it, each rule following the upstream source it cite
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -550,6 +551,75 @@ class ClusterSim:
                 container.kill_all()
             for server in self.servers.values():
                 server.stop()
+
+    # -- KFP and Argo: the launcher pod, its Workflow, and what sends it SIGTERM -----------------------
+    def kfp_launcher(self, pod: str, workflow: str, *, deadline_s: int | None = None, started_ago_s: float = 0.0,
+                     task_deadline_s: int | None = None) -> None:  # fmt: skip
+        """The run's Workflow (``spec.activeDeadlineSeconds`` ``deadline_s``, ``status.startedAt``) and a
+        Running launcher pod it controls (Argo workflowpod.go 172-173), with the pod's own
+        ``activeDeadlineSeconds`` from a task timeout (KFP driver.go 703-705). The launcher is the
+        test's own process: what stops the pod sends SIGTERM to it (:meth:`_sigterm_launcher`)."""
+        started = time.time() - started_ago_s
+        body = {
+            "apiVersion": "argoproj.io/v1alpha1",
+            "kind": "Workflow",
+            "metadata": {"name": workflow, "namespace": self.namespace, "uid": f"uid-{workflow}"},
+            "spec": {"activeDeadlineSeconds": deadline_s} if deadline_s is not None else {},
+            "status": {"phase": "Running", "startedAt": now_rfc3339(started)},
+        }
+        self.custom.objects[("argoproj.io", "v1alpha1", self.namespace, "workflows", workflow)] = body
+        owner = client.V1OwnerReference(
+            api_version="argoproj.io/v1alpha1", kind="Workflow", name=workflow, uid=f"uid-{workflow}", controller=True
+        )
+        start = datetime.datetime.fromtimestamp(started, datetime.UTC)
+        self.core.pods.setdefault(self.namespace, []).append(
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(name=pod, namespace=self.namespace, owner_references=[owner]),
+                spec=client.V1PodSpec(containers=[], active_deadline_seconds=task_deadline_s),
+                status=client.V1PodStatus(phase="Running", conditions=[], start_time=start),
+            )
+        )
+
+    def _workflow(self, name: str) -> dict:
+        return self.custom.objects[("argoproj.io", "v1alpha1", self.namespace, "workflows", name)]
+
+    def cancel_run(self, workflow: str) -> None:
+        """KFP's cancel: ``activeDeadlineSeconds`` patched to 0 (kubeflow/pipelines 2.4.1
+        execution_spec.go 315-322, resource_manager.go 797-813); Argo then finds the deadline passed
+        and SIGTERMs the running pods (v3.4.17 exec_control.go 55-64, controller.go 507-518)."""
+        self._workflow(workflow)["spec"]["activeDeadlineSeconds"] = 0
+        self._sigterm_launcher()
+
+    def shutdown_run(self, workflow: str, strategy: str = "Terminate") -> None:
+        """``argo terminate`` / ``argo stop``: ``spec.shutdown`` set; Argo SIGTERMs the pods (exec_control.go 38-50)."""
+        self._workflow(workflow)["spec"]["shutdown"] = strategy
+        self._sigterm_launcher()
+
+    def expire_run(self, workflow: str) -> None:
+        """The Workflow's own deadline passes (operator.go 574-584); Argo SIGTERMs the pods (exec_control.go 55-64)."""
+        run = self._workflow(workflow)
+        run["status"]["startedAt"] = now_rfc3339(time.time() - run["spec"]["activeDeadlineSeconds"] - 1)
+        self._sigterm_launcher()
+
+    def evict(self, pod: str, reason: str = "EvictionByEvictionAPI") -> None:
+        """A drain or a preemption: Kubernetes adds the DisruptionTarget condition to the pod, then
+        deletes it (deletionTimestamp set; the kubelet SIGTERMs its containers). Condition type and
+        reasons: k8s.io/api core/v1/types.go; kubernetes.io/docs/concepts/workloads/pods/disruptions."""
+        target = self._pod(pod)
+        target.status.conditions = [
+            *(target.status.conditions or []),
+            client.V1PodCondition(
+                type="DisruptionTarget", status="True", reason=reason, message="Eviction API: evicting"
+            ),
+        ]
+        target.metadata.deletion_timestamp = datetime.datetime.now(datetime.UTC)
+        self._sigterm_launcher()
+
+    @staticmethod
+    def _sigterm_launcher() -> None:
+        """Argo's ``kill`` reaches the emissary (PID 1), which forwards it to the process group of the
+        launcher (emissary.go 147-155; signal_darwin.go 19-25), where the component's python runs."""
+        os.kill(os.getpid(), signal.SIGTERM)
 
     # -- KServe ------------------------------------------------------------------------------------
     def _reconcile_isvc(self, isvc: dict) -> None:
