@@ -23,6 +23,10 @@ GROUPS: dict[str, tuple[str, str]] = {
     "pipeline": ("llmft.commands.pipeline", "compile, run locally (kfp.local), submit or schedule the KFP pipeline"),
     "sweep": ("llmft.commands.sweep", "Katib hyperparameter sweeps: create, status, best, run-local"),
     "export": ("llmft.commands.export", "merge an adapter into its base model (or bundle it) for serving"),
+    "serve": (
+        "llmft.commands.serve",
+        "serve an adapter with a real vLLM here, as the InferenceService would; check it",
+    ),
     "dev": ("llmft.commands.dev", "developer tools: build the tiny offline model, or write a real pretrained one"),
     "bench": ("llmft.commands.bench", "benchmarks: data preparation and training throughput"),
 }
