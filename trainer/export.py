@@ -21,6 +21,7 @@ reachable here, and is checked against the content hash the training recorded.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,16 +154,21 @@ def copy_tokenizer(source: Path, target: Path) -> list[str]:
 
 
 def parse_size(text: str | int) -> int:
-    """``5GB``, ``500MB``, ``1.5GiB`` or a byte count."""
-    if isinstance(text, int):
-        return text
+    """``5GB``, ``500MB``, ``1.5GiB`` or a byte count, above 0; ConfigError (one line, exit 1) otherwise."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     value = str(text).strip().upper()
-    number = value.rstrip("KMGIB")
-    unit = value[len(number) :]
-    if unit not in units or not number:
-        raise ConfigError(f"--max-shard-size {text!r}: use a size such as 5GB, 500MB or a number of bytes")
-    return max(1, int(float(number) * units[unit]))
+    number = value.rstrip("KMGIB").strip()
+    unit = value[len(value.rstrip("KMGIB")) :]
+    try:
+        size = float(number) * units[unit]
+    except (KeyError, ValueError):
+        size = math.nan
+    if not math.isfinite(size) or size < 1:
+        raise ConfigError(
+            f"--max-shard-size {text!r}: use a size above 0 such as 5GB, 500MB or a number of bytes "
+            "(a shard holds at least one tensor whatever the limit)"
+        )
+    return int(size)
 
 
 def export_adapter(
@@ -183,12 +189,13 @@ def export_adapter(
         raise ConfigError(f"--adapter {adapter}: not a directory")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    shard_bytes = parse_size(max_shard_size)  # before any work
     config = read_adapter_config(adapter_dir)
     prov = find_provenance(adapter_dir, config, base)
     if not merge:
         read_adapter(adapter_dir)  # the weights parse and match their config
         return _write_bundle(adapter_dir, Path(output), prov, config, force)
-    return _write_merged(adapter_dir, Path(output), prov, DTYPES[dtype], parse_size(max_shard_size), force)
+    return _write_merged(adapter_dir, Path(output), prov, DTYPES[dtype], shard_bytes, force)
 
 
 def _manifest(fmt: str, adapter_dir: Path, prov: Provenance, config: dict, **extra) -> dict:

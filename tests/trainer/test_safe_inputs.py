@@ -1,4 +1,4 @@
-"""Issue 27 item 1: export copies no symlink, FIFO or device into a servable artifact
+"""Issue 27 items 1 and 6: export copies no symlink, FIFO or device into a servable artifact
 (trainer/safe_files.py), while a Hugging Face hub cache snapshot (links into its own blobs/) still works.
 
 Each case is `llmft export` in this process on an adapter made with PEFT on the tiny model. Before the
@@ -117,3 +117,14 @@ def test_export_of_a_clean_adapter_still_works(adapter_dir, tmp_path):
     assert code == 0, err
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize("size", ["lots", "0", "-1MB", "nan"])
+def test_max_shard_size_that_is_not_a_size_above_zero_is_one_line_exit_1(adapter_dir, tmp_path, size):
+    """Issue 27 item 6: `--max-shard-size lots` exited 3 (internal error) and `0` wrote one shard per tensor."""
+    out = tmp_path / "out"
+    code, err = cli(
+        "export", "--adapter", str(adapter_dir), "--output", str(out), "--merge", f"--max-shard-size={size}"
+    )
+    assert code == 1 and err.count("\n") == 1 and "--max-shard-size" in err and "internal error" not in err, err
+    assert not out.exists()
