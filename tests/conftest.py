@@ -42,19 +42,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model")
 
 
-REAL_MODEL_CACHE = REPO_ROOT / ".cache" / "real-model" / "smollm2-135m-instruct"
-"""Where `make demo-real` and the tests keep the converted SmolLM2 (llmft dev real-model), converted once."""
-
-
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory (about a minute to convert, once, then cached).
     Without its source (`make install` unpacks it) the test is skipped here, and fails under CI=true."""
     from llmft.trainer.errors import LlmftError
-    from llmft.trainer.real_model import ensure_real_model
+    from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
 
     try:
-        return ensure_real_model(REAL_MODEL_CACHE)
+        return ensure_real_model(REPO_ROOT / DEFAULT_CACHE)
     except LlmftError as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the real model is needed in CI: {exc}")

