@@ -22,6 +22,11 @@ RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 RFC1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 RFC1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 PATH_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME_MAX = 255
+"""The longest file name (in bytes) Linux file systems hold (ext4, XFS, NFS: NAME_MAX in <linux/limits.h>);
+a longer folder name fails with ENAMETOOLONG ("File name too long"). MLflow's registry holds model names of
+up to 256 characters (mlflow/store/model_registry/dbmodels/models.py, ``String(256)``), so the volume is
+the tighter limit for ``mlflow_model_name``."""
 
 _KINDS = {
     "label": (RFC1123_LABEL, 63, "lowercase letters, digits and '-', starting and ending with a letter or digit"),
@@ -44,12 +49,18 @@ def check_k8s_name(value: str, field: str, *, kind: str = "label", max_length: i
     return value
 
 
-def check_path_component(value: str, field: str) -> str:
-    """Return ``value`` if it is one plain path component (no '/', '..', leading '.' or '-')."""
+def check_path_component(value: str, field: str, *, max_length: int = NAME_MAX) -> str:
+    """Return ``value`` if it is one plain path component (no '/', '..', leading '.' or '-') of at most
+    ``max_length`` characters (ASCII only, so bytes too)."""
     if not PATH_COMPONENT.match(value or "") or value in (".", ".."):
         raise ConfigError(
             f"{field}={value!r} is used as a folder name on the data volume: use letters, digits, '.', '_' and '-' "
             "only, starting with a letter or digit (no '/' or '..')"
+        )
+    if len(value) > max_length:
+        raise ConfigError(
+            f"{field} is {len(value)} characters long ({value[:24]}...): it is used as a folder name on the data "
+            f"volume, and a file name holds at most {max_length}; use a shorter name"
         )
     return value
 

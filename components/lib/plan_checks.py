@@ -8,6 +8,7 @@ names through the Kubernetes API (on a cluster only) and names every missing Sec
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from collections.abc import Mapping
@@ -333,6 +334,44 @@ def _reason(exc: Exception) -> str:
     return f"HTTP {status}" if status else type(exc).__name__
 
 
-def compiled_settings(pipeline: str, values: Mapping[str, Any]) -> str:
-    """The ``compiled`` JSON the pipeline passes to the plan step."""
-    return json.dumps({"pipeline": pipeline, "compiled": {name: values[name] for name in COMPILED_PARAMETERS}})
+def compiled_settings(pipeline: str, values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> str:
+    """The ``compiled`` JSON the pipeline passes to the plan step; ``allow_remote_code`` is read from
+    :data:`REMOTE_CODE_ENV` where the pipeline is compiled (a run's parameters cannot change it)."""
+    environ = os.environ if environ is None else environ
+    return json.dumps(
+        {
+            "pipeline": pipeline,
+            "compiled": {name: values[name] for name in COMPILED_PARAMETERS},
+            "allow_remote_code": environ.get(REMOTE_CODE_ENV, "") in ("1", "true", "yes"),
+        }
+    )
+
+
+REMOTE_CODE_ENV = "LLMFT_ALLOW_REMOTE_CODE"
+"""Set to 1 where the pipeline is compiled to let its runs set ``model.trust_remote_code=true``."""
+REMOTE_CODE_KEY = "model.trust_remote_code"
+
+
+def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tuple[str, ...] = ()) -> bool:
+    """``model.trust_remote_code=true`` (in train_overrides, or a sweep's trial overrides) runs Python code
+    from the model's repository in pods that hold the run's credentials: refused unless the pipeline was
+    compiled with :data:`REMOTE_CODE_ENV`=1, and then announced in a WARNING line. Returns whether it is on."""
+    wanted = bool(config.model.trust_remote_code) or any(
+        item.partition("=")[0].strip() == REMOTE_CODE_KEY
+        and item.partition("=")[2].strip().lower() in ("true", "yes", "on", "1")
+        for item in trial_overrides
+    )
+    if not wanted:
+        return False
+    if not settings.get("allow_remote_code"):
+        raise ConfigError(
+            f"train_overrides: {REMOTE_CODE_KEY}=true runs code from the model's repository inside the training "
+            "pods, which hold the run's credentials; this pipeline was compiled without allowing it. Drop it, or "
+            f"recompile with {REMOTE_CODE_ENV}=1 llmft pipeline compile ... if you trust that repository"
+        )
+    print(
+        f"WARNING: {REMOTE_CODE_KEY}=true: the training pods will RUN PYTHON CODE FROM THE MODEL REPOSITORY "
+        f"{config.model.name_or_path} (allowed: the pipeline was compiled with {REMOTE_CODE_ENV}=1)",
+        flush=True,
+    )
+    return True
