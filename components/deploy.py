@@ -25,7 +25,7 @@ def deploy_adapter(
     against the InferenceService CRD schema before anything is applied.
 
     Only the champion is served: a version the register step did not make the champion
-    (registration.json ``is_champion`` false) is registered but not deployed, unless
+    (registration.json ``is_champion`` false or missing) is registered but not deployed, unless
     ``deploy_policy=always``.
 
     ``deploy_mode=kserve`` (and ``deploy=true``): apply it, wait for Ready, and smoke-test the
@@ -48,6 +48,7 @@ def deploy_adapter(
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # deploy_mode=local loads the base model: before transformers is imported
     from llmft.components.lib.deployment import DeployRequest, deploy_promoted
+    from llmft.components.lib.registry import is_champion
     from llmft.components.lib.serving_form import read_form
 
     form = read_form(serving.path)
@@ -73,7 +74,7 @@ def deploy_adapter(
         runtime=settings.runtime,
         node_selector=settings.node_selector,
         hf_secret=settings.hf_secret,
-        is_champion=bool(registered.get("is_champion", True)),
+        is_champion=is_champion(registered),
         deploy_policy=settings.deploy_policy,
         form=form.form,
         model_dir=form.model_dir,

@@ -8,8 +8,8 @@ One call, :func:`register_adapter`, does what the `register-in-mlflow` step need
    its lineage (pipeline run id, dataset hash, base model) and the form it is served in
    (``llmft.served_form`` lora or merged, ``llmft.serving_reason``; the merged model's
    export manifest is logged with the run, its weights are not);
-3. the alias ``champion`` moved to the new version only when its eval perplexity
-   beats the current champion's.
+3. the alias ``champion`` on the version with the lowest eval perplexity (the new one only when it
+   beats every other version; :func:`update_champion` is safe when runs register concurrently).
 
 A plain adapter folder is not an MLflow "logged model", so ``mlflow.register_model``
 cannot be used (it needs an MLmodel file); the version is created with
@@ -37,7 +37,6 @@ KFP retry policy is the one place a dead server is retried.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,10 @@ from typing import Any
 CHAMPION_ALIAS = "champion"
 KEY_TAG = "llmft.registration_key"
 PERPLEXITY_TAG = "llmft.eval_perplexity"
+WITHDRAWN_TAG = "llmft.withdrawn"
+"""A version carrying this tag (any value: the reason) never becomes the champion: how to roll back."""
+CHAMPION_ATTEMPTS = 5
+"""Rounds of set-then-check of the champion alias (each round: one search, one alias read, at most one set)."""
 LINEAGE_PREFIX = "llmft."
 ADAPTER_ARTIFACT_PATH = "adapter"
 MAX_PARAM_CHARS = 6000  # MLflow's param value limit is 6000 characters
@@ -136,24 +139,65 @@ def register_adapter(
 
 
 def update_champion(client, model_name: str, version: str, perplexity: float) -> dict[str, Any]:
-    """Point ``champion`` at ``version`` when it has strictly lower perplexity than the current one."""
-    current = champion_version(client, model_name)
-    if current is None:
-        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
-        return _alias_facts(True, version, None, None, "no champion yet")
-    if str(current.version) == version:
-        return _alias_facts(True, version, version, perplexity, "this version is already the champion")
-    current_ppl = version_perplexity(current)
-    if current_ppl is None or perplexity < current_ppl:
-        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
-        why = (
-            f"perplexity {perplexity:.4f} beats champion v{current.version} ({current_ppl:.4f})"
-            if current_ppl is not None
-            else f"champion v{current.version} has no recorded perplexity"
-        )
-        return _alias_facts(True, version, str(current.version), current_ppl, why)
-    why = f"perplexity {perplexity:.4f} does not beat champion v{current.version} ({current_ppl:.4f}); alias unchanged"
-    return _alias_facts(False, str(current.version), str(current.version), current_ppl, why)
+    """Move ``champion`` to the best version (:func:`best_version`) and verify it stayed there.
+
+    MLflow has no compare-and-set on aliases (``MlflowClient.set_registered_model_alias(name, alias,
+    version)``, mlflow 3.17 ``mlflow/tracking/client.py`` 5549): two runs that read the champion, then
+    each set it, race, and the slower one wins whatever its perplexity. So no writer compares against
+    what it read: each sets the alias to the best of *all* versions (a total order: lowest recorded
+    perplexity, then lowest version number; withdrawn versions excluded), then re-reads the alias and
+    the versions and sets it again while they disagree. The versions only grow, every write is
+    followed by its writer's check, so whatever the interleaving the alias ends on the best version.
+    ``is_champion``: this version is the best at this writer's last check (a better one registered
+    later takes the alias from it; the deploy step checks again before it serves: deploy.py)."""
+    previous = champion_version(client, model_name)
+    for _ in range(CHAMPION_ATTEMPTS):
+        best = best_version(client, model_name)
+        if best is None:  # no version carries a perplexity: this one, whatever it is, leads
+            best = client.get_model_version(model_name, version)
+        current = champion_version(client, model_name)
+        if current is not None and str(current.version) == str(best.version):
+            return _champion_facts(version, perplexity, best, previous)
+        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(best.version))
+    raise RuntimeError(
+        f"{model_name}: the {CHAMPION_ALIAS!r} alias kept changing under {CHAMPION_ATTEMPTS} attempts "
+        "(registrations racing); re-run the register step"
+    )
+
+
+def is_champion(facts: dict[str, Any]) -> bool:
+    """The register step's verdict in registration.json: only an explicit ``is_champion: true`` deploys
+    under ``deploy_policy=champion``; a missing key (an older or partial file) is not the champion."""
+    return facts.get("is_champion") is True
+
+
+def best_version(client, model_name: str):
+    """The version with the lowest recorded perplexity (ties: the lowest version number), skipping versions
+    tagged :data:`WITHDRAWN_TAG`; None when no version has a perplexity."""
+    ranked = [
+        (ppl, int(v.version), v)
+        for v in client.search_model_versions(f"name = '{_quote(model_name)}'")
+        if WITHDRAWN_TAG not in (v.tags or {}) and (ppl := version_perplexity(v)) is not None
+    ]
+    return min(ranked, key=lambda item: item[:2])[2] if ranked else None
+
+
+def _champion_facts(version: str, perplexity: float, best, previous) -> dict[str, Any]:
+    before = None if previous is None else str(previous.version)
+    before_ppl = None if previous is None else version_perplexity(previous)
+    if str(best.version) != version:
+        ppl = version_perplexity(best)
+        why = f"perplexity {perplexity:.4f} does not beat champion v{best.version} ({ppl:.4f}); this version lost"
+        return _alias_facts(False, str(best.version), before, before_ppl, why)
+    if before is None:
+        why = "no champion yet"
+    elif before == version:
+        why = "this version is already the champion"
+    elif before_ppl is None:
+        why = f"champion v{before} has no recorded perplexity"
+    else:
+        why = f"perplexity {perplexity:.4f} beats champion v{before} ({before_ppl:.4f})"
+    return _alias_facts(True, version, before, before_ppl, why)
 
 
 def champion_version(client, model_name: str):
@@ -258,10 +302,10 @@ def _ensure_registered_model(client, name: str) -> None:
 
 def _client(tracking_uri: str | None, secret_name: str = ""):
     from llmft.trainer.errors import ConfigError
-    from llmft.trainer.mlflow_settings import prepare_mlflow
+    from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
     from mlflow import MlflowClient
 
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    uri = tracking_uri_without_credentials(tracking_uri or None)  # credentials go to MLFLOW_TRACKING_PASSWORD
     if not uri:
         where = (
             f"the Secret `{secret_name}` (pipeline parameter mlflow_secret) mounts no MLFLOW_TRACKING_URI key: add "

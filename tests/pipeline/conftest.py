@@ -98,3 +98,13 @@ def local_run(tmp_path_factory):
     if not outcome.succeeded:
         pytest.fail(outcome.render(outcome.elapsed_s) + "\n" + outcome.log_path.read_text()[-6000:])
     return outcome
+
+
+@pytest.fixture
+def adapter_dir(tmp_path):
+    """A minimal adapter folder to register (tests/pipeline/test_pipeline_registry.py, test_pipeline_champion.py)."""
+    path = tmp_path / "adapter"
+    path.mkdir()
+    (path / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    return path

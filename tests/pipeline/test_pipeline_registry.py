@@ -23,15 +23,6 @@ def client(mlflow_server, monkeypatch):
     return MlflowClient(tracking_uri=mlflow_server)
 
 
-@pytest.fixture
-def adapter_dir(tmp_path):
-    path = tmp_path / "adapter"
-    path.mkdir()
-    (path / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
-    (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
-    return path
-
-
 def registration(model_name: str, adapter_dir, run_id: str, perplexity: float) -> Registration:
     lineage = Lineage(
         pipeline_run_id=run_id,
