@@ -470,6 +470,22 @@ def _with_retries(call: Callable[[], tuple[int, Any]], attempts: int, retry_wait
     return status, body
 
 
+MESH_DENIAL = "RBAC: access denied"
+"""The body of Istio's 403 when no AuthorizationPolicy allows the caller (the Envoy RBAC filter)."""
+
+
+def mesh_denial_message(url: str) -> str:
+    """Why a Kubeflow mesh refuses the deploy step's smoke test, and what to do (docs/cluster-guide.md)."""
+    return (
+        f"smoke test GET {url} -> HTTP 403 {MESH_DENIAL!r} from the Istio mesh: the InferenceService is deployed and "
+        "Ready, but the mesh refuses this pod. KFP starts pipeline pods without an Istio sidecar "
+        "(sidecar.istio.io/inject=false), so they carry no mesh identity, and Kubeflow's mesh denies by default "
+        "(istio-system global-deny-all; a profile namespace allows its own identities). Allow the smoke test "
+        "(docs/cluster-guide.md, 'Smoke test behind Istio'), or serve in a namespace without sidecar injection "
+        "(serving_namespace)"
+    )
+
+
 def smoke_test(
     url: str,
     model_name: str,
@@ -498,6 +514,8 @@ def smoke_test(
     post, get = http_post or _urllib_post, http_get or _urllib_get
     root = url.rstrip("/") + api_root
     status, listing = _with_retries(lambda: get(f"{root}/models", timeout_s), attempts, retry_wait_s)
+    if status == 403 and MESH_DENIAL in str(listing):
+        raise RuntimeError(mesh_denial_message(f"{root}/models"))
     if status != 200 or not isinstance(listing, dict):
         raise RuntimeError(f"smoke test GET {root}/models -> HTTP {status}: {listing}")
     served = sorted({str(m.get("id")) for m in listing.get("data") or [] if isinstance(m, dict)})
