@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 EPILOG = """examples:
   llmft train --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmft.trainer.distributed import write_rank_exit
 
     args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop_while_starting) if main_thread else None  # build() sets its own
     use_expandable_segments()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -53,8 +57,29 @@ def main(argv: list[str] | None = None) -> int:
             raise
         code, message = describe_failure(exc)
         print(f"{_rank_prefix()}error: {message}", file=sys.stderr, flush=True)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     write_rank_exit(code)
     return code
+
+
+STARTUP_INTERRUPT = (
+    "interrupted by Ctrl-C while the trainer was starting (before the model was loaded): stopped at once; "
+    "no training step had run, so there is nothing to checkpoint"
+)
+
+
+def _stop_while_starting(signum, _frame) -> None:
+    """SIGTERM before the trainer's own handlers (imports, config, planning): nothing to checkpoint yet,
+    so stop at once with one line and exit 143 (a retried pod simply starts again)."""
+    from llmft.trainer.errors import SignalStop
+
+    raise SignalStop(
+        signum,
+        "stopped by SIGTERM while the trainer was starting: no training step had run, "
+        "so there is nothing to checkpoint; exit 143 (a retried pod starts again)",
+    )
 
 
 def describe_failure(exc: BaseException) -> tuple[int, str]:
@@ -70,8 +95,8 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
             "without a checkpoint (OOM kill, lost node, crash); exit 200 so this pod restarts too and every rank "
             "resumes together from the newest complete checkpoint"
         )
-    if isinstance(exc, KeyboardInterrupt):
-        return errors.EXIT_INTERRUPTED, "interrupted by a second Ctrl-C: stopped without a checkpoint"
+    if isinstance(exc, KeyboardInterrupt):  # SignalStop says which signals; a bare one came before any handler
+        return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), str(exc).strip() or STARTUP_INTERRUPT
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return errors.EXIT_TRANSIENT, (

@@ -52,3 +52,13 @@ class TransientError(LlmftError):
     """A fault that a re-run may cure (I/O error, full disk, a server that did not answer)."""
 
     exit_code = EXIT_TRANSIENT
+
+
+class SignalStop(KeyboardInterrupt):
+    """A signal that stops the process at once, without a checkpoint: SIGTERM or Ctrl-C while the
+    trainer starts (before its own handlers; nothing to checkpoint yet), or a Ctrl-C after a stop
+    request (the message says which). ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -10,7 +10,7 @@ import gc
 import signal
 
 import torch
-from llmft.trainer.errors import LlmftError
+from llmft.trainer.errors import LlmftError, SignalStop
 
 
 class Stopped(Exception):
@@ -28,7 +28,8 @@ class TrainingAborted(LlmftError):
 
 class StopRequest:
     """SIGTERM or SIGINT: stop after the step in flight (also when it arrives while the model is
-    still loading: the first step then stops). A second SIGINT raises KeyboardInterrupt."""
+    still loading: the first step then stops). A SIGINT after either raises SignalStop (a KeyboardInterrupt)
+    whose message names both signals."""
 
     def __init__(self):
         self.signum = 0
@@ -40,7 +41,12 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         if signum == signal.SIGINT and self.signum:
-            raise KeyboardInterrupt
+            first = (
+                "a second Ctrl-C"
+                if self.signum == signal.SIGINT
+                else f"Ctrl-C after {signal.Signals(self.signum).name}"
+            )
+            raise SignalStop(signum, f"interrupted by {first}: stopped at once, without a checkpoint")
         self.signum = self.signum or signum
 
     @staticmethod
