@@ -133,7 +133,7 @@ def run_pipeline_locally(
         from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    print(f"work folder {work}: preparing the tiny model and MLflow store ...", flush=True)
+    print(f"work folder {work}: preparing the base model and MLflow store ...", flush=True)
     arguments = resolve_local_arguments(overrides, work, extra_defaults)
     prepare_local_mlflow(arguments["mlflow_tracking_uri"], arguments["mlflow_experiment"], work / "mlartifacts")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
