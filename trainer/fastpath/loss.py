@@ -19,7 +19,13 @@ forward still goes through every wrapper's hooks.
 Under DeepSpeed ZeRO-3 the head's weight is a partition on each rank; the loss
 gathers it (``deepspeed.zero.GatheredParameters``) for the length of the fused
 loss's forward only: that forward already computes every gradient the backward
-hands out, so the full weight is never needed again and is released at once.
+hands out, so the full weight's values are never needed again and are released at once.
+A trained head of its own (untied, the Llama shape, full fine-tuning) is gathered once
+more in backward, until its gradient is accumulated: torch accumulates a gradient into
+a tensor of the parameter's current shape, and a released partition is empty (the
+error was "The size of tensor a (0) must match the size of tensor b (4096)"). A tied
+head needs no such gather: its gradient is accumulated together with the embedding's,
+while DeepSpeed holds the embedding gathered for its own backward.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ def _forward_chunks(hidden, weight, targets, select, chunk_size, mean, compile_c
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, select, chunk_size, mean, compile_chunk):
+    def forward(ctx, hidden, weight, targets, select, chunk_size, mean, compile_chunk, regather_for_grad=False):
         device_type = hidden.device.type
         compute_dtype = (
             torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
@@ -102,6 +108,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.hidden_dtype = hidden.dtype
         ctx.weight_dtype = weight.dtype
         ctx.has_weight_grad = weight_grad is not None
+        ctx.zero3_weight = weight if (regather_for_grad and ctx.has_weight_grad and hasattr(weight, "ds_id")) else None
         return loss
 
     @staticmethod
@@ -111,7 +118,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         flat = grad_hidden.view(-1, ctx.hidden_shape[-1])
         flat.index_copy_(0, select, (grad_rows * grad_output.to(grad_rows.dtype)).to(ctx.hidden_dtype))
         grad_weight = (weight_grad * grad_output).to(ctx.weight_dtype) if ctx.has_weight_grad else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        if ctx.zero3_weight is not None:
+            gather_until_accumulated(ctx.zero3_weight)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -123,6 +132,7 @@ def fused_linear_cross_entropy(
     chunk_size: int = 4096,
     select: torch.Tensor | None = None,
     compile_chunk: bool | None = None,
+    regather_for_grad: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``targets`` (already shifted; -100 = ignore).
 
@@ -131,7 +141,9 @@ def fused_linear_cross_entropy(
     ``mean`` (over supervised tokens) or ``sum`` (divide by a global token count
     yourself, e.g. across gradient-accumulation steps and ranks). ``select``:
     optional precomputed flat indices of the supervised positions (saves the
-    one host sync that finding them on the device costs).
+    one host sync that finding them on the device costs). ``regather_for_grad``: a DeepSpeed
+    ZeRO-3 ``weight`` that no other module uses is gathered again in backward until its gradient
+    is accumulated (:func:`gather_until_accumulated`); leave it off for a tied head.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -140,7 +152,7 @@ def fused_linear_cross_entropy(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return _FusedLinearCrossEntropy.apply(
-        hidden, weight, targets, select, int(chunk_size), reduction == "mean", compile_chunk
+        hidden, weight, targets, select, int(chunk_size), reduction == "mean", compile_chunk, regather_for_grad
     )
 
 
@@ -194,6 +206,26 @@ def gathered_weight(weight: torch.Tensor):
     return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
 
 
+def gather_until_accumulated(param: torch.Tensor) -> None:
+    """DeepSpeed ZeRO-3: gather a released ``param`` now and release it again right after its
+    gradient is accumulated (after DeepSpeed's own post-accumulate hook, registered first, has
+    reduced it). Autograd's AccumulateGrad copies a new gradient into the parameter's current
+    shape (torch/csrc/autograd/functions/accumulate_grad.h, clone_obey_contract), which is empty
+    while the parameter is a released partition. A no-op unless ``param`` is released."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
+        return
+    param.all_gather()
+    handle = None
+
+    def release(p: torch.Tensor) -> None:
+        handle.remove()
+        p.partition()
+
+    handle = param.register_post_accumulate_grad_hook(release)
+
+
 def _output_head(model: torch.nn.Module) -> torch.nn.Module:
     inner: Any = getattr(model, "module", model)  # DDP
     head = inner.get_output_embeddings()
@@ -219,7 +251,15 @@ def fused_causal_lm_loss(
     """
     with lm_head_bypassed(model) as head:
         hidden = model(input_ids=input_ids, use_cache=False, **forward_kwargs).logits
+    inputs = getattr(model, "module", model).get_input_embeddings()
+    untied = inputs is None or inputs.weight is not head.weight
     with gathered_weight(head.weight):
         return fused_linear_cross_entropy(
-            hidden, head.weight, targets, reduction=reduction, select=select, chunk_size=chunk_size
+            hidden,
+            head.weight,
+            targets,
+            reduction=reduction,
+            select=select,
+            chunk_size=chunk_size,
+            regather_for_grad=untied,
         )
