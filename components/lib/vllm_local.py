@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.lib.serving import MODEL_MOUNT
-from llmft.trainer.errors import LlmftError, TransientError
+from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError, TransientError
 
 SERVING_VENV_ENV = "LLMFT_SERVING_VENV"
 SERVING_VENV_DIR = ".venv-serving"
@@ -54,6 +54,8 @@ VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",  # the InferenceService serves from the volume with HF_HUB_OFFLINE=1 too
     "TOKENIZERS_PARALLELISM": "false",
 }
+VLLM_SERVE_MODULE = "vllm.entrypoints.cli.main"
+"""``python -m vllm.entrypoints.cli.main serve`` is ``vllm serve`` (vLLM's console script) without its shebang."""
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 API_ROOT = "/v1"
 """vLLM's own OpenAI routes (the KServe Hugging Face runtime serves them under /openai/v1)."""
@@ -190,12 +192,14 @@ class VllmServer:
         startup_timeout_s: float = 900.0,
         print_fn: Callable[[str], Any] = print,
         command: Sequence[str] | None = None,
+        stop_grace_s: float = 30.0,
     ):
         self.argv, self.host, self.port = list(argv), host, port
         self.venv, self.runtime_lora, self.startup_timeout_s = venv, runtime_lora, startup_timeout_s
         self.log_path = Path(log_path) if log_path else None
         self.print_fn = print_fn
         self.command = list(command) if command else None  # tests: a stand-in for the vLLM module
+        self.stop_grace_s = stop_grace_s
         self.process: subprocess.Popen | None = None
         self._old_sigterm: Any = None
 
@@ -216,17 +220,18 @@ class VllmServer:
         self.stop()
 
     def _trap_sigterm(self) -> None:
-        """SIGTERM to this process unwinds like Ctrl-C, so the server is stopped (main thread only)."""
+        """SIGTERM to this process unwinds (exit 143, as trainer/errors.py EXIT_PREEMPTED), so the server is
+        stopped first (main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             return
 
         def on_sigterm(signum, frame):
-            raise KeyboardInterrupt("SIGTERM")
+            raise SystemExit(EXIT_PREEMPTED)
 
         self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
 
     def start(self) -> None:
-        command = self.command or [str(serving_python(self.venv)), "-m", "vllm.entrypoints.openai.api_server"]
+        command = self.command or [str(serving_python(self.venv)), "-m", VLLM_SERVE_MODULE, "serve"]
         if self.port:
             check_port_free(self.host, self.port)
         else:
@@ -282,11 +287,11 @@ class VllmServer:
                 )
             time.sleep(poll_s)
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``grace_s``; idempotent."""
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``stop_grace_s``; idempotent."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
-            for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            for sig, wait in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 10.0)):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, sig)
                 try:
