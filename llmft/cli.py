@@ -112,11 +112,15 @@ def run_command(func, args) -> int:
 def describe_failure(exc: BaseException) -> tuple[int, str]:
     """(exit code, one-line message) for an exception that reached the command line."""
     from llmft.trainer import errors
+    from llmft.trainer.storage import describe_disk_fault
 
     if isinstance(exc, errors.LlmftError):
         return exc.exit_code, _one_line(str(exc), keep_lines=True)
     if isinstance(exc, KeyboardInterrupt):
         return errors.EXIT_INTERRUPTED, "interrupted (Ctrl-C)"
+    disk = describe_disk_fault(exc, "the output")  # also safetensors' and torch.save's own errors
+    if disk is not None:
+        return errors.EXIT_TRANSIENT, _one_line(disk)
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         what = exc.strerror or str(exc) or type(exc).__name__

@@ -86,6 +86,7 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
     """(exit code, message) for what ended a run: a user error keeps its lines (a resume diff),
     anything else is one line."""
     from llmft.trainer import errors
+    from llmft.trainer.storage import describe_disk_fault
 
     if isinstance(exc, errors.LlmftError):
         return exc.exit_code, str(exc).strip()
@@ -97,6 +98,9 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
         )
     if isinstance(exc, KeyboardInterrupt):  # SignalStop says which signals; a bare one came before any handler
         return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), str(exc).strip() or STARTUP_INTERRUPT
+    disk = describe_disk_fault(exc, "the run's output (a checkpoint, final/ or a log)")
+    if disk is not None:  # safetensors and torch.save report a full disk as their own errors, not OSError
+        return errors.EXIT_TRANSIENT, disk + "; the run resumes from its newest complete checkpoint"
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return errors.EXIT_TRANSIENT, (

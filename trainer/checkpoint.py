@@ -32,6 +32,7 @@ from llmft.trainer.config import diff_configs
 from llmft.trainer.distributed import DistInfo, barrier
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import atomic_write_json, atomic_write_text, is_complete, share_files
+from llmft.trainer.storage import disk_guard
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -157,25 +158,46 @@ def save_checkpoint(
     """Write step-<step> from every rank; committed (renamed + marked) by rank 0."""
     root = checkpoints_root(output_dir)
     staging, final = root / f".step-{step}.partial", root / f"step-{step}"
-    if info.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    barrier()
-    atomic_write_json(staging / "rng" / f"rank-{info.rank}.json", rng_state())
-    save_weights(engine, staging, lora=lora, info=info)
-    if engine.backend == "deepspeed":
-        engine.wrapped.save_checkpoint(str(staging / "deepspeed"), tag="ds", save_latest=False)
-    elif info.is_main:
-        torch.save(engine.optimizer.state_dict(), staging / "optimizer.pt")
-    if info.is_main:
-        atomic_write_json(staging / SCHEDULER_FILE, engine.scheduler.state_dict())
-        atomic_write_json(staging / STATE_FILE, state)
-        atomic_write_json(staging / CONFIG_FILE, config)
-    barrier()
-    if info.is_main:
-        commit_directory(staging, final)
+    guard = disk_guard(
+        final,
+        what=f"checkpoint step-{step}",
+        needed=checkpoint_bytes(engine.module, lora),
+        cleanup=[staging] if info.is_main else [],  # a failed write leaves no .step-N.partial behind
+    )
+    with guard:
+        if info.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        barrier()
+        atomic_write_json(staging / "rng" / f"rank-{info.rank}.json", rng_state())
+        save_weights(engine, staging, lora=lora, info=info)
+        if engine.backend == "deepspeed":
+            engine.wrapped.save_checkpoint(str(staging / "deepspeed"), tag="ds", save_latest=False)
+        elif info.is_main:
+            torch.save(engine.optimizer.state_dict(), staging / "optimizer.pt")
+        if info.is_main:
+            atomic_write_json(staging / SCHEDULER_FILE, engine.scheduler.state_dict())
+            atomic_write_json(staging / STATE_FILE, state)
+            atomic_write_json(staging / CONFIG_FILE, config)
+        barrier()
+        if info.is_main:
+            commit_directory(staging, final)
     barrier()
     return final
+
+
+def checkpoint_bytes(model, lora: bool, *, optimizer: bool = True) -> int:
+    """About what one checkpoint takes on disk: the saved weights (the adapter's trainable tensors, or
+    every parameter) plus (``optimizer``) AdamW's two moments per trainable parameter, in the
+    parameters' dtypes (a ZeRO-3 parameter counts its full size, ``ds_numel``)."""
+    weights = moments = 0
+    for param in model.parameters():
+        size = getattr(param, "ds_numel", param.numel()) * param.element_size()
+        if param.requires_grad and optimizer:
+            moments += 2 * size
+        if param.requires_grad or not lora:
+            weights += size
+    return weights + moments
 
 
 def write_final(output_dir: str | Path, *, engine, info: DistInfo, lora: bool, extras) -> Path:
@@ -183,14 +205,16 @@ def write_final(output_dir: str | Path, *, engine, info: DistInfo, lora: bool, e
     manifest), committed like a checkpoint."""
     final = Path(output_dir) / "final"
     staging = final.with_name(".final.partial")
-    if info.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    barrier()
-    save_weights(engine, staging, lora=lora, info=info)
-    if info.is_main:
-        extras(staging)
-        commit_directory(staging, final)
+    needed = checkpoint_bytes(engine.module, lora, optimizer=False)
+    with disk_guard(final, what="final/", needed=needed, cleanup=[staging] if info.is_main else []):
+        if info.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        barrier()
+        save_weights(engine, staging, lora=lora, info=info)
+        if info.is_main:
+            extras(staging)
+            commit_directory(staging, final)
     barrier()
     return final
 

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.storage import disk_guard
+
 COMPLETE_MARKER = "COMPLETE"
 OWNER_FILE = ".llmft-owner.json"
 """Written into every directory this program creates as a whole (prepared data, tokenized
@@ -281,7 +283,7 @@ def atomic_directory(
     remove_stale_temps(final, kind=kind)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     _share(tmp, 0o777)
-    try:
+    with disk_guard(final, what=kind, cleanup=[tmp]):  # any failure removes tmp; a full disk is one line
         atomic_write_json(tmp / OWNER_FILE, _writer_record(kind))  # lets a later run tell ours, and stale
         yield tmp
         write_owner(tmp, kind)
@@ -299,9 +301,6 @@ def atomic_directory(
         _fsync_dir(final.parent)
         if marker:
             atomic_write_text(final / COMPLETE_MARKER, "ok\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _replace(final: Path, tmp: Path, kind: str) -> None:
