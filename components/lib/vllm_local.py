@@ -202,6 +202,7 @@ class VllmServer:
         self.stop_grace_s = stop_grace_s
         self.process: subprocess.Popen | None = None
         self._old_sigterm: Any = None
+        self._own_log = False
 
     @property
     def url(self) -> str:
@@ -216,8 +217,10 @@ class VllmServer:
             raise
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
         self.stop()
+        if exc_type is None and self._own_log and self.log_path:  # a temporary log is kept only to read a failure
+            self.log_path.unlink(missing_ok=True)
 
     def _trap_sigterm(self) -> None:
         """SIGTERM to this process unwinds (exit 143, as trainer/errors.py EXIT_PREEMPTED), so the server is
@@ -240,7 +243,9 @@ class VllmServer:
         if self.runtime_lora:
             env[RUNTIME_LORA_ENV] = "True"
         if self.log_path is None:
-            self.log_path = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+            handle, name = tempfile.mkstemp(prefix="llmft-vllm-", suffix=".log")
+            os.close(handle)
+            self.log_path, self._own_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         full = [*command, "--host", self.host, "--port", str(self.port), *self.argv]
         self.print_fn(f"vllm: starting {' '.join(full)} (log: {self.log_path})")

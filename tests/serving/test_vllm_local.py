@@ -244,12 +244,13 @@ def test_a_server_that_exits_while_starting_gives_vllms_reason_in_one_line(fake_
 
 
 @pytest.mark.slow
-def test_the_server_is_killed_even_when_it_ignores_sigterm(fake_server, tmp_path):
-    server = VllmServer([], command=fake_server, log_path=tmp_path / "log", print_fn=lambda _: None, stop_grace_s=1)
+def test_the_server_is_killed_even_when_it_ignores_sigterm(fake_server):
+    server = VllmServer([], command=fake_server, print_fn=lambda _: None, stop_grace_s=1)
     with server:
-        pid = server.process.pid
-        assert not _gone(pid)
+        pid, log = server.process.pid, server.log_path
+        assert not _gone(pid) and log.is_file()
     assert _gone(pid)
+    assert not log.exists()  # its temporary log goes with it when all went well
 
 
 @pytest.mark.slow
