@@ -434,6 +434,11 @@ def build_plan(
         plan = dataclasses.replace(plan, serving=dataclasses.replace(plan.serving, form_note=form_note))
     if plan.sweep is not None:
         checks.check_sweep(plan, p.max_lora_rank)
+    from llmft.components.lib.volume_space import check_volume_space
+
+    note = check_volume_space(plan, config, p.data_root)  # the run's checkpoints must fit the mounted volume
+    if note:
+        print(note, flush=True)
     return plan
 
 
