@@ -194,6 +194,7 @@ def run(a) -> dict:
         docs = step_documents(data_dir, cfg, a.steps)
         result.update(summarize(metrics_path, docs, shape, a.method, a.warmup, flops.peak_flops(result["device"])))
     common.write_json(a.json_out, result)
+    common.remove_run_dir(out_dir)  # the real CLI wrote its checkpoint and final/: measured, not kept
     return result
 
 

@@ -184,7 +184,7 @@ def run(a) -> dict:
     out_dir = root / "runs" / f"{a.model}-{a.method}-{a.nproc}gpu-{int(time.time())}"
     cmd = trainer_command(a, model_dir, data_dir, out_dir)
     started = time.perf_counter()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", BENCH_SKIP_SAVES="0" if a.keep_saves else "1")
     log_copy = Path(a.json_out).with_suffix(".trainer.log")  # streamed: an arm cut by its timeout keeps its log
     with open(log_copy, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -219,6 +219,8 @@ def run(a) -> dict:
         first_step = next(json.loads(line) for line in metrics_path.read_text().splitlines() if '"train"' in line)
         result["compile_s"] = _first_step_seconds(output, first_step)
     common.write_json(a.json_out, result)
+    if not a.keep_saves:
+        common.remove_run_dir(out_dir)
     return result
 
 
@@ -240,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm-name", default="project")
     p.add_argument("--work", default="/tmp/llmft-project")
     p.add_argument("--override", action="append", default=[], help="extra trainer key=value")
+    p.add_argument(
+        "--keep-saves",
+        action="store_true",
+        help="let the trainer write checkpoints and final/, and keep the run folder",
+    )
     p.add_argument("--json-out", required=True)
     a = p.parse_args(argv)
     result = run(a)

@@ -225,6 +225,18 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
     tmp.replace(path)
 
 
+def remove_run_dir(run_dir: Path) -> None:
+    """Delete a run folder an arm created for itself (``<work>/runs/<arm>-<time>``: checkpoints, final/,
+    logs already copied out), so a call's later arms keep the disk. Nothing else: a path outside a
+    ``runs`` folder or a symlink is left alone."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    if run_dir.parent.name != "runs" or run_dir.is_symlink() or not run_dir.is_dir():
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def write_data_manifest(out: Path, max_length: int, note: str) -> Path:
     """The ``manifest.json`` the trainer's loader reads beside benchmark shards (written last: the
     folder counts as written once it is there)."""

@@ -131,12 +131,13 @@ def run(a) -> dict:
             stderr=log,
         ).returncode
     result["single"] = {"returncode": code, "wall_s": time.perf_counter() - started}
+    common.write_json(a.json_out, result)  # after every phase: a call cut short keeps what was measured
 
     started = time.perf_counter()
     nodes = root / "runs" / "nodes"
     procs = _start_nodes(_overrides(model_dir, data_dir, nodes, a.steps, a), a, logs, "nodes")
     result["nodes"] = {
-        "returncodes": [p.wait(timeout=a.timeout) for p in procs],
+        "returncodes": _wait_all(procs, a.timeout),
         "wall_s": time.perf_counter() - started,
     }
     if code == 0 and result["nodes"]["returncodes"] == [0, 0]:
@@ -144,21 +145,23 @@ def run(a) -> dict:
         diffs = [abs(two[s] - one[s]) / abs(one[s]) for s in sorted(one)]
         result["losses"] = {"single": [one[s] for s in sorted(one)], "nodes": [two[s] for s in sorted(two)]}
         result["max_relative_loss_difference"] = max(diffs)
+    common.write_json(a.json_out, result)
 
     preempted = root / "runs" / "preempted"
     overrides = _overrides(model_dir, data_dir, preempted, a.steps, a)
     procs = _start_nodes(overrides, a, logs, "preempt")
     reached = _wait_for_step(logs / "preempt-node0.log", a.preempt_at, a.timeout)
     procs[1].send_signal(signal.SIGTERM)  # the Worker pod is preempted; its llmft train forwards the signal
-    codes = [p.wait(timeout=a.timeout) for p in procs]
+    codes = _wait_all(procs, a.timeout)
     committed = _complete_checkpoints(preempted)
     result["preempt"] = {
         "signalled_after_step": a.preempt_at if reached else None,
         "returncodes": codes,
         "complete_checkpoints": committed,
     }
+    common.write_json(a.json_out, result)
     procs = _start_nodes(overrides, a, logs, "resume")  # the restarted pods run the same command
-    codes = [p.wait(timeout=a.timeout) for p in procs]
+    codes = _wait_all(procs, a.timeout)
     resumed_line = next(
         (line for line in (logs / "resume-node0.log").read_text().splitlines() if "resuming from" in line), None
     )
@@ -170,7 +173,22 @@ def run(a) -> dict:
     }
     common.write_json(a.json_out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1, default=str), flush=True)
+    for run_dir in (single, nodes, preempted):  # this program's own runs; the result is written
+        common.remove_run_dir(run_dir)
     return result
+
+
+def _wait_all(procs, timeout: float) -> list[int | None]:
+    """Each process's exit code; one still running after ``timeout`` seconds is killed (None)."""
+    codes: list[int | None] = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            codes.append(None)
+    return codes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,10 @@ first step record - that moment). The trainer applies the fast path itself
 trainer.model.apply_fastpath_kernels the harness applies it. Everything else is
 the trainer's own code path, unchanged.
 
+``BENCH_SKIP_SAVES=1`` (the project arm sets it): no checkpoint and no ``final/`` are written (a
+benchmark measures steps; an 8B ZeRO-3 checkpoint with its optimizer state is over 100 GB and a
+1.5B full one over 20 GB, which filled a 64 GB device disk in issue 28).
+
 ``BENCH_PROFILE_STEPS=A:B`` (optional) runs torch.profiler over trainer steps A..B and prints how
 much of their wall time the GPU was busy, plus the top kernels; ``BENCH_PROFILE_OUT`` is the folder
 for the gzipped Chrome trace (default: the working directory).
@@ -49,9 +53,28 @@ def main() -> int:
         return model
 
     trainer_model.load_model = load_model
+    if os.environ.get("BENCH_SKIP_SAVES") == "1":
+        skip_saves()
     if os.environ.get("BENCH_PROFILE_STEPS"):
         profile_steps(os.environ["BENCH_PROFILE_STEPS"], os.environ.get("BENCH_PROFILE_OUT", "."))
     return trainer_main(sys.argv[1:])
+
+
+def skip_saves() -> None:
+    """The trainer writes no checkpoint and no final/ (its summary names a final/ that does not exist)."""
+    from pathlib import Path
+
+    from llmft.trainer.train import Trainer
+
+    def no_save(run, step, wall, evaluated):
+        return None
+
+    def no_final(run):
+        print("[trainer_entry] BENCH_SKIP_SAVES=1: no checkpoint and no final/ written", flush=True)
+        return Path(run.cfg.output_dir) / "final-not-written"
+
+    Trainer._save = no_save
+    Trainer._write_final = no_final
 
 
 def profile_steps(spec: str, out_dir: str) -> None:

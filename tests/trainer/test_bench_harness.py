@@ -245,3 +245,35 @@ def test_an_arm_cut_by_its_timeout_takes_its_trainer_with_it(tmp_path, monkeypat
             return
         time.sleep(0.1)
     pytest.fail(f"the arm's child process {trainer} outlived the arm's timeout")
+
+
+def test_benchmark_trainer_writes_no_checkpoint_or_final_when_asked(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from llmft.benchmarks.gpu import trainer_entry
+    from llmft.trainer.train import Trainer
+
+    for name in ("_save", "_write_final"):  # restored after the test
+        monkeypatch.setattr(Trainer, name, getattr(Trainer, name))
+    trainer_entry.skip_saves()
+    run = SimpleNamespace(cfg=SimpleNamespace(output_dir=str(tmp_path / "run")))
+    assert Trainer._save(run, 3, 1.0, False) is None
+    final = Trainer._write_final(run)
+    assert final.parent == tmp_path / "run" and not final.exists()
+    assert not (tmp_path / "run").exists()  # nothing written at all
+
+
+def test_an_arm_removes_only_its_own_run_folder(tmp_path):
+    runs = tmp_path / "runs"
+    own = runs / "product-qwen2.5-1.5b-full-1"
+    (own / "checkpoints" / "step-30").mkdir(parents=True)
+    (own / "metrics.jsonl").write_text("{}")
+    elsewhere = tmp_path / "models" / "llama-3-8b"
+    elsewhere.mkdir(parents=True)
+    linked = runs / "linked"
+    linked.symlink_to(elsewhere)
+    common.remove_run_dir(own)
+    common.remove_run_dir(elsewhere)  # not under a runs/ folder
+    common.remove_run_dir(linked)  # a link: what it points to is not this program's
+    assert not own.exists()
+    assert elsewhere.is_dir() and linked.is_symlink()
