@@ -46,7 +46,7 @@ def _api_status(exc: BaseException) -> tuple[int | None, str]:
 
     cause = exc.__cause__
     status = getattr(cause, "status", None)
-    return (int(status) if status else None), (_server_message(cause) if cause is not None else str(exc))
+    return (int(status) if status else None), (_server_message(cause) if isinstance(cause, Exception) else str(exc))
 
 
 def explain_read_error(exc: RuntimeError, kind: str, name: str, namespace: str) -> Exception:
