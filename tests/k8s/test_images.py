@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import configparser
 import importlib
+import importlib.util
 import re
 import shlex
+import sys
+from pathlib import Path
 
 import pytest
 from llmft.components import images
 from llmft.trainer.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("image_check", REPO_ROOT / "tools" / "image_check.py")
+image_check = importlib.util.module_from_spec(_spec)
+sys.modules["image_check"] = image_check  # dataclasses look their module up there
+_spec.loader.exec_module(image_check)
 
 
 def _reload_with(monkeypatch, **env):
@@ -72,9 +81,7 @@ def test_unpinned_or_malformed_overrides_are_refused(monkeypatch, reference):
 
 def _instructions(path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", path.read_text())
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+    return [(step.op, step.args) for step in image_check.instructions(path)]
 
 
 @pytest.mark.parametrize("role", sorted(images.DOCKERFILES))
@@ -135,3 +142,127 @@ def test_constraints_pin_every_requirement_the_images_install(repo_root):
         if op == "RUN" and "deepspeed==" in args
     )
     assert f"deepspeed=={pins['deepspeed']}" in trainer_steps
+
+
+# The Dockerfiles as tools/image_check.py (make image-check, run by .ci/run) reads and runs them.
+
+
+@pytest.mark.parametrize("role", sorted(images.DOCKERFILES))
+def test_smoke_lines_import_the_installed_package_away_from_the_sources(repo_root, role):
+    """A smoke line names modules as the wheel installs them (``llmft.*``, never a bare folder such as
+    ``trainer``), and runs where the copied sources cannot shadow the install (`python -c` puts its working
+    directory first on sys.path)."""
+    from llmft import SUBPACKAGES
+
+    dockerfile = repo_root / images.DOCKERFILES[role][0]
+    steps = image_check.instructions(dockerfile)
+    source_dirs = {
+        step.args for i, step in enumerate(steps) if step.op == "WORKDIR" and _copies_sources_after(steps, i)
+    }
+    smokes = image_check.smoke_lines(dockerfile)
+    assert smokes, f'{dockerfile.name}: no smoke line (python -c "import ...")'
+    for argv, workdir in smokes:
+        modules = image_check.imported_modules(argv[2])
+        bare = [m for m in modules if m.split(".")[0] in SUBPACKAGES]
+        assert not bare, f"{dockerfile.name}: {bare} is not installed; the wheel installs llmft.{bare[0]}"
+        for module in (m for m in modules if m.split(".")[0] == "llmft"):
+            assert importlib.util.find_spec(module) is not None, f"{dockerfile.name}: no module {module}"
+        assert workdir not in source_dirs, f"{dockerfile.name}: the smoke line runs in {workdir}, beside the sources"
+    assert any("llmft" in m for argv, _ in smokes for m in image_check.imported_modules(argv[2]))
+
+
+def _copies_sources_after(steps, index: int) -> bool:
+    """Whether the WORKDIR at ``index`` receives COPYs to a relative destination (the package sources)."""
+    for step in steps[index + 1 :]:
+        if step.op == "WORKDIR":
+            return False
+        if step.op == "COPY" and not step.args.split()[-1].startswith("/"):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("role", sorted(images.DOCKERFILES))
+def test_the_build_context_holds_every_folder_the_package_maps(repo_root, role):
+    """Each image COPYs, and its .dockerignore lets through, every folder setup.cfg's package_dir maps
+    and the files the wheel's metadata reads; the check builds its wheel from exactly these."""
+    setup = configparser.ConfigParser()
+    setup.read(repo_root / "setup.cfg")
+    mapped = {line.split("=")[1].strip() for line in setup["options"]["package_dir"].splitlines() if "=" in line}
+    dockerfile = repo_root / images.DOCKERFILES[role][0]
+    copied = {
+        src.rstrip("/") for srcs, dest in image_check.copies(image_check.instructions(dockerfile)) for src in srcs
+    }
+    needed = mapped | {"setup.cfg", "pyproject.toml", "README.md", "docker/constraints.txt"}
+    assert sorted(needed - copied) == [], f"{dockerfile.name} does not COPY them"
+    patterns = image_check.dockerignore_patterns(dockerfile)
+    for name in mapped:
+        assert image_check.dockerignore_keeps(patterns, f"{name}/__init__.py"), f"the .dockerignore drops {name}/"
+    assert image_check.dockerignore_keeps(patterns, "setup.cfg")
+    for dropped in (
+        ".venv/bin/python",
+        "llmft/__pycache__/cli.cpython-311.pyc",
+        "benchmarks/results/a.json",
+        ".git/HEAD",
+    ):
+        assert not image_check.dockerignore_keeps(patterns, dropped), dropped
+
+
+def test_the_check_runs_the_trainer_dockerfile_as_written_but_torch_and_the_source(repo_root, tmp_path):
+    """What `make image-check` runs for the trainer image: every RUN command of the Dockerfile in order
+    (image paths moved under the stand-in root), the wheel instead of the source tree with the same extras
+    and constraints, the CPU torch instead of the CUDA index; only system set-up skipped; the CMD last."""
+    dockerfile, _, extras = images.DOCKERFILES["trainer"]
+    image = image_check.Image("trainer", repo_root / dockerfile, tmp_path / "root")
+    wheel = tmp_path / "dist" / "kfp_llm_finetune-0.1.0-py3-none-any.whl"
+    plan = image_check.plan(image, wheel, "torch==2.13.0")
+    skipped = [c for c in plan if isinstance(c, str)]
+    commands = [c for c in plan if not isinstance(c, str)]
+    assert [s.split(":")[1].split()[0] for s in skipped] == ["apt-get", "apt-get", "rm", "useradd"]
+    constraints = str(tmp_path / "root" / "tmp" / "constraints.txt")
+    installs = [c.argv for c in commands if c.argv[:2] == ["pip", "install"]]
+    assert ["pip", "install", "torch==2.13.0"] in installs, "CPU torch, no CUDA index"
+    assert ["pip", "install", "-c", constraints, f"{wheel}[{extras}]"] in installs
+    assert ["pip", "install", "--no-build-isolation", "-c", constraints, "deepspeed==0.19.8"] in installs
+    smokes = [argv for argv, _ in image_check.smoke_lines(repo_root / dockerfile)]
+    assert [c.argv for c in commands if image_check.is_smoke(c.argv)] == smokes
+    assert commands[-1].argv == ["llmft", "--help"] and commands[-1].cwd == str(tmp_path / "root" / "home" / "llmft")
+    env = image.environment({"PATH": "/usr/bin", "PYTHONPATH": str(repo_root), "PIP_NO_CACHE_DIR": "1"})
+    assert (
+        env["PATH"] == f"{tmp_path}/root/opt/llmft/bin:/usr/bin" and env["VIRTUAL_ENV"] == f"{tmp_path}/root/opt/llmft"
+    )
+    assert "PYTHONPATH" not in env and "PIP_NO_CACHE_DIR" not in env and env["DS_BUILD_OPS"] == "0"
+    for command in commands:
+        assert not any(re.search(r"(?<![\w/])/(opt|tmp|home)/", a) for a in command.argv[2:] if str(tmp_path) not in a)
+
+
+def test_the_dockerfile_reader(tmp_path):
+    path = tmp_path / "Dockerfile"
+    path.write_text(
+        "# comment\nFROM python:3.11\nARG EXTRAS=a,b\nENV ROOT=/opt/x \\\n    PATH=/opt/x/bin:$PATH\n"
+        "COPY setup.cfg ./\n"
+        'RUN pip install ".[${EXTRAS}]" \\\n # a comment inside\n'
+        " && python -c \"import a, b; import c.d as e; print('&&')\"\n"
+        'CMD ["llmft", "--help"]\n'
+    )
+    steps = image_check.instructions(path)
+    assert [(s.op, s.line) for s in steps] == [
+        ("FROM", 2),
+        ("ARG", 3),
+        ("ENV", 4),
+        ("COPY", 6),
+        ("RUN", 7),
+        ("CMD", 10),
+    ]
+    assert image_check.build_args(steps) == {"EXTRAS": "a,b"}
+    assert image_check.env_assignments(steps) == [("ROOT", "/opt/x"), ("PATH", "/opt/x/bin:$PATH")]
+    assert image_check.shell_commands(steps[4]) == [
+        ["pip", "install", ".[${EXTRAS}]"],
+        ["python", "-c", "import a, b; import c.d as e; print('&&')"],
+    ]
+    assert image_check.imported_modules("import a, b; import c.d as e; print('&&')") == ["a", "b", "c.d"]
+    assert image_check.start_command(steps) == ["llmft", "--help"]
+    assert image_check.expand("${EXTRAS}-$EXTRAS-$NONE", {"EXTRAS": "a"}) == "a-a-$NONE"
+    with pytest.raises(image_check.DockerfileError, match="line 1: shell operator"):
+        image_check.shell_commands(image_check.Step("RUN", "pip install x || true", 1))
+    with pytest.raises(image_check.DockerfileError, match="exec form"):
+        image_check.start_command([image_check.Step("CMD", "llmft --help", 3)])
