@@ -29,8 +29,8 @@ def serving_venv() -> Path:
 
 @pytest.fixture(scope="session")
 def trained_adapter(tmp_path_factory, tiny_model_dir) -> Path:
-    """A LoRA r8 (all linear layers) trained for a few steps by `llmft train` on the tiny model; the final
-    checkpoint directory as the trainer writes it (extra files and all)."""
+    """A LoRA r8 (all linear layers) trained for a few steps by `llmft train` on the tiny model: its ``final/``
+    adapter as the trainer writes it (tokenizer and manifest beside the weights)."""
     from llmft.trainer.data.prepare import prepare_dataset
     from llmft.trainer.data.samples import sample_path
     from llmft.trainer.data.tokenize import tokenize_dataset
@@ -51,12 +51,11 @@ def trained_adapter(tmp_path_factory, tiny_model_dir) -> Path:
         "batch.micro_sequences": 4,
         "observe.progress_bar": "false",
         "max_steps": 6,
-        "save_every": 6,
         "seed": 0,
     }
     cmd = [sys.executable, "-m", "llmft", "train", *(f"{k}={v}" for k, v in overrides.items())]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    checkpoint = root / "run" / "checkpoints" / "step-6"
-    assert (checkpoint / "adapter_model.safetensors").is_file(), sorted(p.name for p in (root / "run").rglob("*"))
-    return checkpoint
+    final = root / "run" / "final"
+    assert (final / "adapter_model.safetensors").is_file(), sorted(p.name for p in (root / "run").rglob("*"))
+    return final
