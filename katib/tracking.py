@@ -39,7 +39,9 @@ class ParentRun:
         self.run_id: str | None = None
 
     def __enter__(self) -> ParentRun:
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        from llmft.trainer.mlflow_settings import tracking_uri_without_credentials
+
+        uri = tracking_uri_without_credentials()  # trials inherit the URI without a password in it
         if not uri:
             return self
         from mlflow import MlflowClient

@@ -11,7 +11,11 @@ retry policy multiplies that (register: three attempts, about 13 minutes). Here:
 - :func:`mlflow_unreachable` opens one TCP connection to the tracking server with a
   ``CONNECT_TIMEOUT_S`` timeout: a dead host or port is known in seconds, not minutes (skipped
   when an ``HTTP(S)_PROXY`` applies to the host: the client talks to the proxy then);
-- :func:`prepare_mlflow` does both, and either raises one clear :class:`TransientError`
+- :func:`tracking_uri_without_credentials` moves a ``user:password@`` out of the tracking URI into
+  ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``, where MLflow reads credentials at
+  every request (``mlflow/utils/credentials.py`` ``read_mlflow_creds``), so MLflow's own lines
+  ("View run ... at: URL", printed at run end) and our messages never carry a password (issue 27.2);
+- :func:`prepare_mlflow` does the first two, and either raises one clear :class:`TransientError`
   (exit 200: the step's retry policy, not the client, retries) or returns the reason (for a
   caller that goes on without MLflow, like the trainer's metrics sink).
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import os
 import socket
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from llmft.trainer.errors import TransientError
 
@@ -41,6 +45,35 @@ def configure_mlflow_http() -> dict[str, str]:
     for name, value in HTTP_SETTINGS.items():
         os.environ.setdefault(name, value)
     return {name: os.environ[name] for name in HTTP_SETTINGS}
+
+
+CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+def tracking_uri_without_credentials(uri: str | None = None) -> str:
+    """The tracking URI for an MLflow client: ``uri`` (default ``MLFLOW_TRACKING_URI``) without its userinfo.
+
+    Call before any MLflow client exists, in every process that talks to MLflow. The user name and
+    password move into ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (values already
+    exported win, as they win in MLflow's own requests), and ``MLFLOW_TRACKING_URI`` in this process's
+    environment is rewritten without them, so child processes (ranks, sweep trials) inherit no
+    password inside a URL."""
+    clean = _move_credentials(uri) if uri is not None else None  # first: a given URI wins over the variable's
+    if env_uri := os.environ.get("MLFLOW_TRACKING_URI"):
+        os.environ["MLFLOW_TRACKING_URI"] = _move_credentials(env_uri)
+    return clean if clean is not None else os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
+def _move_credentials(uri: str) -> str:
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    for name, value in zip(CREDENTIAL_VARS, (user, password), strict=True):
+        if value and not os.environ.get(name):
+            os.environ[name] = unquote(value)
+    return parts._replace(netloc=hostport).geturl()
 
 
 def mlflow_unreachable(uri: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
@@ -80,7 +113,7 @@ def prepare_mlflow(uri: str, *, required: bool = True) -> str | None:
     if reason is None:
         return None
     message = (
-        f"MLflow tracking server {_redacted(uri)} is unreachable: {reason}. Check MLFLOW_TRACKING_URI (the "
+        f"MLflow tracking server {redacted_uri(uri)} is unreachable: {reason}. Check MLFLOW_TRACKING_URI (the "
         "pipeline parameter mlflow_tracking_uri, or the key of the Secret it mounts for MLflow, e.g. llmft-mlflow) "
         "and that the server runs"
     )
@@ -89,7 +122,7 @@ def prepare_mlflow(uri: str, *, required: bool = True) -> str | None:
     return message
 
 
-def _redacted(uri: str) -> str:
+def redacted_uri(uri: str) -> str:
     """``uri`` without credentials embedded in it."""
     parts = urlsplit(uri)
     if parts.username or parts.password:

@@ -280,11 +280,12 @@ class Observer:
     # ------------------------------------------------------------------ MLflow
 
     def _start_mlflow(self, config_dict: dict, resume_run_id: str | None) -> None:
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
+
+        uri = tracking_uri_without_credentials()  # a password in the URI moves to MLFLOW_TRACKING_PASSWORD
         if not uri:
             self.info("mlflow: MLFLOW_TRACKING_URI not set, not logging to MLflow")
             return
-        from llmft.trainer.mlflow_settings import prepare_mlflow
 
         if reason := prepare_mlflow(uri, required=False):
             self.info(f"mlflow: {reason}; not logging to MLflow")

@@ -48,10 +48,11 @@ def previous_champion(
     model_name: str, tracking_uri: str, *, data_root: str, base_model: str, run_id: str
 ) -> tuple[dict | None, str]:
     """``({version, adapter, perplexity}, "")`` for the current champion's adapter, or ``(None, why not)``."""
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
+
+    uri = tracking_uri_without_credentials(tracking_uri or None)  # credentials go to MLFLOW_TRACKING_PASSWORD
     if not uri:
         return None, "no MLflow tracking server (MLFLOW_TRACKING_URI) to ask for a champion"
-    from llmft.trainer.mlflow_settings import prepare_mlflow
 
     if reason := prepare_mlflow(uri, required=False):
         return None, reason

@@ -227,8 +227,18 @@ def parse_node_selector(text: str) -> dict[str, str]:
 
 def check_tracking(p, on_cluster: bool, environ: Mapping[str, str]) -> None:
     """Register needs an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
-    MLFLOW_TRACKING_URI in the environment."""
+    MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
+    the train step copies it into the training job's environment."""
     if p.mlflow_tracking_uri:
+        from llmft.trainer.mlflow_settings import redacted_uri
+
+        if redacted_uri(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
+            raise _fail(
+                "mlflow_tracking_uri",
+                redacted_uri(p.mlflow_tracking_uri),
+                "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
+                "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
+            )
         return
     secret = parse_secret("mlflow", p.mlflow_secret)
     if secret is not None and "MLFLOW_TRACKING_URI" in secret.keys:
