@@ -22,6 +22,10 @@ out as an :class:`OversizedRow` (its size and first bytes) that prepare rejects 
 ``row_too_large``. A file that cannot be read as its format (a corrupt Parquet file, a CSV that
 is not UTF-8, a CSV field above the limit) raises a one-line :class:`DataError` naming the file
 (and line where there is one).
+
+No link is followed: a data file (given, or found in a folder) that is a symlink, FIFO or device is
+refused with one line (trainer/safe_files.py), so ``rejects.jsonl`` can never quote what a link points
+to; a linked folder inside an input folder is not entered (a warning names it).
 """
 
 from __future__ import annotations
