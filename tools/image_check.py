@@ -268,12 +268,14 @@ def _command(image: Image, argv: list[str], workdir: str, wheel: Path, spec: str
 
 
 def _rewrite_install(argv: list[str], wheel: Path, spec: str, index: str) -> tuple[list[str], str]:
-    if any(SOURCE_INSTALL.match(a) for a in argv):
-        extras = lambda a: SOURCE_INSTALL.match(a).group(1) or ""  # noqa: E731
-        return [f"{wheel}{extras(a)}" if SOURCE_INSTALL.match(a) else a for a in argv], "the wheel, not the source"
+    """The source install -> the wheel (same extras); a torch install -> ``spec`` from ``index``."""
+    matches = [SOURCE_INSTALL.match(a) for a in argv]
+    if any(matches):
+        wheels = [f"{wheel}{m.group(1) or ''}" if m else a for a, m in zip(argv, matches, strict=True)]
+        return wheels, "the wheel, not the source"
     if not any(re.match(r"torch\W", a) for a in argv):
         return argv, ""
-    kept = [a for i, a in enumerate(argv) if a != "--index-url" and argv[i - 1] != "--index-url"]
+    kept = [a for i, a in enumerate(argv) if "--index-url" not in (a, argv[i - 1] if i else "")]
     swapped = [spec if re.match(r"torch\W", a) else a for a in kept] + (["--index-url", index] if index else [])
     return swapped, f"CPU torch ({spec}) instead of: {shlex.join(argv[2:])}"
 
@@ -286,13 +288,21 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def run(argv: list[str], *, env: dict[str, str], cwd: str | Path, what: str, timeout: int = 900) -> str:
-    """Run ``argv`` (printed first); its stdout, or CheckFailed naming ``what`` with the output's tail."""
+def run(argv: list[str], *, env: dict[str, str], cwd: str | Path, what: str, stdin: str | None = None) -> str:
+    """Run ``argv`` (printed first); its stdout, or CheckFailed naming ``what`` with the output's tail.
+
+    With VIRTUAL_ENV in ``env`` (an image's), the program must come from that venv (but for creating it):
+    nothing of this machine's own Python may stand in for the image's, nor be installed into."""
     shown = shlex.join(argv)
     log(f"  $ {shown if len(shown) < 400 else shown[:400] + ' ...'}")
     program, started = shutil.which(argv[0], path=env.get("PATH")) or argv[0], time.monotonic()
+    venv = env.get("VIRTUAL_ENV")
+    if venv and argv[1:3] != ["-m", "venv"] and not program.startswith(venv + os.sep):
+        raise CheckFailed(f"{what}: {argv[0]} is {program}, not from the image's venv {venv}: not run")
     try:
-        result = subprocess.run([program, *argv[1:]], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            [program, *argv[1:]], env=env, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=900
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise CheckFailed(f"{what}: {exc}") from exc
     if result.returncode != 0:
@@ -333,7 +343,7 @@ def build_wheel(context: Path, out: Path) -> Path:
     """``pip wheel --no-deps`` of the build context (setuptools of the running interpreter)."""
     run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(context)],
-        env=dict(os.environ),
+        env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
         cwd=out.parent,
         what="building the wheel",
     )
@@ -360,9 +370,6 @@ def build_image(image: Image, wheel: Path, args: argparse.Namespace) -> dict[str
             continue
         if command.note:
             log(f"  ({command.note})")
-        program = shutil.which(command.argv[0], path=env["PATH"]) or command.argv[0]
-        if command.argv[1:3] != ["-m", "venv"] and not program.startswith(str(image.root)):
-            raise CheckFailed(f"{image.dockerfile.name}: {command.argv[0]} is {program}, not the image's: not run")
         run(command.argv, env=env, cwd=command.cwd, what=f"{image.dockerfile.name}")
     return env
 
@@ -445,17 +452,11 @@ def check_containers(envs: dict[str, dict[str, str]], out: Path) -> None:
         env = envs[role_of[image]]
         log(f"  {role_of[image]} image: {', '.join(task for task, _, _ in entries)}")
         probe = json.dumps([[program, function] for _, program, function in entries])
-        python3 = shutil.which("python3", path=env["PATH"]) or ""
-        if not python3.startswith(env["VIRTUAL_ENV"]):
-            raise CheckFailed(f"{role_of[image]} image: python3 on PATH is {python3!r}, not the image's")
-        log(f"  $ _KFP_RUNTIME=true python3 -c EXECUTOR_PROBE  # {len(entries)} components")
-        result = subprocess.run(
-            [python3, "-c", EXECUTOR_PROBE], input=probe, env={**env, "_KFP_RUNTIME": "true"}, cwd=out,
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        if result.returncode != 0:
-            raise CheckFailed(f"{role_of[image]} image: a component does not load\n{result.stderr[-3000:]}")
-        log("    " + result.stdout.strip().replace("\n", "\n    "))
+        what = f"{role_of[image]} image: the components' entry points"
+        loaded = run(
+            ["python3", "-c", EXECUTOR_PROBE], env={**env, "_KFP_RUNTIME": "true"}, cwd=out, what=what, stdin=probe
+        )
+        log("    " + loaded.strip().replace("\n", "\n    "))
     for kind, image, argv in job_containers(pipeline, out):
         check = ["--print-config"] if argv[:2] == ["llmft", "train"] else ["--help"]
         run(argv + check, env=envs[role_of[image]], cwd=out, what=f"{kind} container in the {role_of[image]} image")

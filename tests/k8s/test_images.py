@@ -266,3 +266,20 @@ def test_the_dockerfile_reader(tmp_path):
         image_check.shell_commands(image_check.Step("RUN", "pip install x || true", 1))
     with pytest.raises(image_check.DockerfileError, match="exec form"):
         image_check.start_command([image_check.Step("CMD", "llmft --help", 3)])
+
+
+def test_the_check_never_runs_this_machines_python_for_the_images(tmp_path, monkeypatch):
+    """Inside an image's environment, a command that does not resolve into the image's venv is refused before it
+    runs (a wrong PATH would otherwise install the image into this machine's own Python)."""
+    env = {"PATH": f"{tmp_path}/root/opt/llmft/bin:/usr/bin:/bin", "VIRTUAL_ENV": f"{tmp_path}/root/opt/llmft"}
+    monkeypatch.setattr(image_check.subprocess, "run", lambda *a, **k: pytest.fail("ran a command outside the venv"))
+    with pytest.raises(image_check.CheckFailed, match="not from the image's venv"):
+        image_check.run(["sh", "-c", "pip install x"], env=env, cwd=tmp_path, what="test")
+
+
+def test_the_torch_install_takes_the_given_spec_and_index(repo_root, tmp_path):
+    image = image_check.Image("trainer", repo_root / images.DOCKERFILES["trainer"][0], tmp_path)
+    plan = image_check.plan(image, tmp_path / "x.whl", "torch==9.9.9", "https://index.example/cpu")
+    (torch,) = [c for c in plan if not isinstance(c, str) and any(a.startswith("torch") for a in c.argv)]
+    assert torch.argv == ["pip", "install", "torch==9.9.9", "--index-url", "https://index.example/cpu"]
+    assert "cu128" in torch.note
