@@ -348,7 +348,7 @@ def run_local(args: argparse.Namespace) -> int:
         from llmft.pipelines.real_demo import learning_report, merged_answers
 
         print("serving the merged model alone (the merged form) ...", flush=True)
-        merged = merged_answers(outcome.run_dir, outcome.facts)
+        merged = merged_answers(outcome.run_dir, outcome.facts) if outcome.run_dir else None
         lines, problems = learning_report(outcome.facts, merged)
         print("\n".join(lines))
         return 1 if problems else 0
