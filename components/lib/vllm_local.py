@@ -313,13 +313,29 @@ class VllmServer:
 
     def load_adapter(self, name: str, path: str | Path, timeout_s: float = 300.0) -> None:
         """``POST /v1/load_lora_adapter`` (a server with ``runtime_lora``); VllmRefusedError with vLLM's answer."""
-        from llmft.components.lib.serving import _urllib_post
-
-        status, body = _urllib_post(
-            f"{self.url}{API_ROOT}/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, timeout_s
-        )
+        status, body = _post(f"{self.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, timeout_s)
         if status != 200:
             raise VllmRefusedError(f"vLLM refused the adapter {path} as {name!r} (HTTP {status}): {_message(body)}")
+
+
+def _post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
+    """POST JSON; (status, the answer as JSON, or as text: vLLM answers a loaded adapter in plain text)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - loopback http
+            status, text = response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
 
 
 def _message(body: Any) -> str:

@@ -163,11 +163,11 @@ def test_vllm_refusals_carry_vllm_reason(serving_venv, trained_adapter, tiny_mod
     argv = ["--model", str(tiny_model_dir), "--served-model-name", "m-base", "--enable-lora", "--max-lora-rank=8"]
     cases = {
         "rank": (
-            wider_adapter(tiny_model_dir, tmp_path / "r16", rank=16),
+            wider_adapter(trained_adapter, tmp_path / "r16", rank=16),
             "LoRA rank 16 is greater than max_lora_rank 8",
         ),
         "module": (renamed_module_adapter(trained_adapter, tmp_path / "foo"), "expected target modules in"),
-        "files": (without_weights(trained_adapter, tmp_path / "empty"), "No adapter found for"),
+        "files": (without_weights(trained_adapter, tmp_path / "empty"), "doesn't contain tensors"),
     }
     with VllmServer(argv, runtime_lora=True, log_path=tmp_path / "vllm.log") as server:
         server.load_adapter("ok", trained_adapter)  # the server itself takes adapters at runtime
