@@ -231,6 +231,11 @@ class TrainConfig:
         "Use an output_dir that is not empty and not marked as an llmft training run (another program's folder); "
         "without it such a directory is refused, so nothing of it is pruned or overwritten.",
     )
+    wait_for_output_dir: bool = _f(
+        False,
+        "When another run holds output_dir (its lock file .llmft-run.lock), wait for it to end instead of exiting 1 "
+        "(`llmft train --wait`).",
+    )
     max_restarts_without_progress: int = _f(
         3,
         "Exit 1 when the run starts this many times more after dying (OOM kill, NCCL abort, crash, preemption) "
@@ -250,6 +255,7 @@ RESUME_SAFE_PREFIXES = (
     "force_resume",
     "max_bad_steps",
     "force_output_dir",
+    "wait_for_output_dir",
     "max_restarts_without_progress",
     "gc_every",
     "observe.",

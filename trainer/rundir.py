@@ -11,6 +11,8 @@ config is one line, not one per rank); rank 0 runs it again and then :func:`clai
   another kind) unless ``force_output_dir=true``; a launcher's ``train.log`` alone is allowed.
 - **No mixing.** ``resume=never`` in a directory that already holds a run is refused: a fresh
   run would prune and overwrite the old run's checkpoints and metrics. Use a new output_dir.
+- **One run at a time.** Rank 0 locks ``output_dir`` (trainer/runlock.py) before planning; a
+  second run into it exits 1 naming the holder, or waits with ``wait_for_output_dir=true``.
 - **Restart budget.** Under the Training Operator's ``ExitCode`` policy a pod that dies with a
   retryable code (137 OOM kill, 134 NCCL abort, 139 crash) is recreated without end: its
   backoffLimit never trips (kubeflow/trainer#2045). ``restarts.json`` counts the starts that
@@ -28,12 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmft.trainer import checkpoint as ckpt
+from llmft.trainer import runlock
 from llmft.trainer.errors import ConfigError, DataError, LlmftError, OutputNotOursError
 from llmft.trainer.io import atomic_write_json, owner_kind, write_owner
 
 RUN_KIND = "training-run"
 RESTARTS_FILE = "restarts.json"
-LAUNCHER_FILES = frozenset({"train.log"})  # a launcher may open its log before the trainer starts
+LAUNCHER_FILES = frozenset({"train.log", runlock.LOCK_FILE})  # a launcher's log; the lock of a run that failed early
 RUN_CONTENTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard")
 RETRYABLE_OUTCOMES = ("running", 130, 143, 200)  # "running": died without recording (SIGKILL, abort, crash)
 
@@ -49,6 +52,7 @@ class RunPlan:
     resume_diffs: list[str] = field(default_factory=list)
     eval_note: str | None = None  # why the run trains without evaluation (None: it evaluates)
     restarts: int = 0  # starts without progress before this one
+    lock: runlock.RunLock | None = field(default=None, repr=False, compare=False)  # rank 0's, never broadcast
 
 
 def plan_run(cfg, config_dict: dict) -> RunPlan:
@@ -73,20 +77,30 @@ def plan_run(cfg, config_dict: dict) -> RunPlan:
 
 
 def decide(cfg, config_dict: dict, info) -> RunPlan:
-    """Rank 0 plans the run and claims output_dir; every rank gets the same plan (or error)."""
+    """Rank 0 locks output_dir, plans the run and claims the directory; every rank gets the same plan (or
+    error). Rank 0's lock rides on its plan (``plan.lock``, set after the broadcast) until the trainer closes."""
     from llmft.trainer.distributed import broadcast_object
 
-    plan = error = None
+    plan = error = lock = None
     if info.is_main:
         try:
+            check_ownership(cfg.output_dir, cfg.force_output_dir)  # before a lock file is written into it
+            lock = runlock.acquire(cfg.output_dir, wait=cfg.wait_for_output_dir, say=_say)
             plan = plan_run(cfg, config_dict)
             claim_run(cfg, plan)
         except LlmftError as exc:
             error = exc
     plan, error = broadcast_object((plan, error))
     if error is not None:
+        if lock is not None:
+            lock.release()
         raise error
+    plan.lock = lock
     return plan
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def claim_run(cfg, plan: RunPlan) -> None:

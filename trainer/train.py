@@ -513,6 +513,8 @@ class Trainer:
             self.observer.close_interrupted(exit_code)
         if self.info is not None and self.info.is_main and self.plan is not None:
             rundir.record_outcome(self.cfg.output_dir, exit_code)
+            if self.plan.lock is not None:
+                self.plan.lock.release()  # the next run into output_dir may start
         close_distributed()
         STOP.restore(self._handlers)
 

@@ -41,6 +41,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="when another run holds output_dir, wait for it to end instead of exiting 1 (= wait_for_output_dir=true)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides, nested with dots: lora.r=16 optim.lr=1e-4"
     )
     parser.epilog = (
@@ -54,7 +59,7 @@ def trainer_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--config", args.config] if args.config else []
     if args.print_config:
         argv.append("--print-config")
-    return argv + list(args.overrides)
+    return argv + list(args.overrides) + (["wait_for_output_dir=true"] if args.wait else [])
 
 
 def torchrun_command(nproc: str, argv: list[str], env: Mapping[str, str] | None = None) -> list[str]:
