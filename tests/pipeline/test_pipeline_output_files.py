@@ -55,6 +55,7 @@ def test_an_output_that_is_not_yaml_is_one_line_exit_1(tmp_path, command, name):
     assert not (tmp_path / name).exists()
 
 
+@pytest.mark.slow  # builds three plans (imports the pipelines): about 10 s
 def test_render_job_replaces_its_own_file_and_with_force_the_link_itself(tmp_path):
     out = tmp_path / "job.yaml"
     assert cli(*RENDER, "--output", str(out))[0] == 0
