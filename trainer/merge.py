@@ -397,6 +397,7 @@ def rewrite_checkpoint(
     ``output``, atomically; ``extra(tmp, facts)`` adds more files before the commit. Returns the facts:
     ``{"shards": [file names], "bytes": total, "largest_tensor_bytes": the most held at once}``."""
     from llmft.trainer.io import atomic_directory, share_files
+    from llmft.trainer.storage import disk_guard
 
     if adapter is not None:
         check_tied_embeddings(base, adapter)
@@ -405,8 +406,9 @@ def rewrite_checkpoint(
     with atomic_directory(output, kind=kind, force=force, marker=True, inputs=inputs) as tmp:
         entries = output_entries(base, dtype)
         stream = ShardStream(tmp, plan_shards(entries, max_shard_bytes))
-        for name, tensor in merge_tensors(base, adapter, dtype):
-            stream.write(name, tensor)
+        with disk_guard(output, what=f"{kind} shards", needed=sum(e.nbytes for e in entries)):  # a full disk: one line
+            for name, tensor in merge_tensors(base, adapter, dtype):
+                stream.write(name, tensor)
         facts = {
             "shards": stream.close(),
             "bytes": sum(e.nbytes for e in entries),

@@ -128,3 +128,21 @@ def test_max_shard_size_that_is_not_a_size_above_zero_is_one_line_exit_1(adapter
     )
     assert code == 1 and err.count("\n") == 1 and "--max-shard-size" in err and "internal error" not in err, err
     assert not out.exists()
+
+
+def test_a_full_disk_while_merging_names_the_output_the_bytes_needed_and_free(adapter_dir, tmp_path, monkeypatch):
+    """Issue 29 item 6 for model writes: the merged shards hit ENOSPC (injected at the shard writer's
+    Python write, trainer/weights_io.py ShardStream.write); was a raw OSError naming the temp file."""
+    import errno
+
+    from llmft.trainer import weights_io
+
+    def full(self, name, tensor):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(weights_io.ShardStream, "write", full)
+    out = tmp_path / "merged"
+    code, err = cli("export", "--adapter", str(adapter_dir), "--output", str(out), "--merge")
+    assert code == 200 and err.count("\n") == 1, err
+    assert f"{out}: No space left on device" in err and "needs about" in err and "free of" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".merged.*"))
