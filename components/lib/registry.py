@@ -148,8 +148,10 @@ def update_champion(client, model_name: str, version: str, perplexity: float) ->
     perplexity, then lowest version number; withdrawn versions excluded), then re-reads the alias and
     the versions and sets it again while they disagree. The versions only grow, every write is
     followed by its writer's check, so whatever the interleaving the alias ends on the best version.
-    ``is_champion``: this version is the best at this writer's last check (a better one registered
-    later takes the alias from it; the deploy step checks again before it serves: deploy.py)."""
+    ``is_champion``: this version is the best at this writer's last check. A better version registered
+    after that check takes the alias (its run deploys too, and the served model is whichever deploy step
+    applies last): the single-writer rule for serving is docs/cluster-guide.md's, one run per model at a
+    time (KFP recurring runs: max_concurrency=1)."""
     previous = champion_version(client, model_name)
     for _ in range(CHAMPION_ATTEMPTS):
         best = best_version(client, model_name)
