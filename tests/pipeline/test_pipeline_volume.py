@@ -129,3 +129,36 @@ def test_both_images_run_as_the_uid_the_pods_and_the_permissions_job_use(repo_ro
     from llmft.components.lib.pytorchjob import TrainJobSpec
 
     assert TrainJobSpec.__dataclass_fields__["run_as_user"].default == IMAGE_UID
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("trainjob", r"forbidden \(HTTP 403\).*Apply deploy/cluster-role\.yaml"),  # the runtime preflight first
+        ("kubeflow", r"^/data does not exist: the volume is not mounted there"),  # then the volume check
+    ],
+)
+def test_the_plan_step_on_a_cluster_runs_the_runtime_and_volume_preflights(backend, expected, monkeypatch, tmp_path):
+    """plan_run itself (components/plan.py), as a KFP task pod runs it, against fakes at the client boundary."""
+    from kfp import dsl
+    from llmft.components.lib import cluster as cluster_module
+    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.plan import plan_run
+    from plan_helpers import CLUSTER, parameters
+    from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi
+
+    if backend == "kubeflow" and os.path.exists("/data"):
+        pytest.skip("this machine has a /data: the unmounted case cannot be played here")
+    for key, value in CLUSTER.items():
+        monkeypatch.setenv(key, value)
+    custom = FakeTrainerCustomApi()
+    custom.forbidden = {"clustertrainingruntimes"}
+    fake = cluster_module.Cluster("team-a", custom_api=custom, core_api=FakeTrainerCoreApi())
+    monkeypatch.setattr(cluster_module, "Cluster", lambda *args, **kwargs: fake)
+    values = parameters(training_backend=backend)
+    artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
+    with pytest.raises(ConfigError, match=expected):
+        plan_run.python_func(
+            plan=artifact, **values, run_id="r1", compiled=compiled_settings("llm-finetune-hpo", values)
+        )
+    assert not os.path.exists(artifact.path), "no plan.json after a failed preflight"
