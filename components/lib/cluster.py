@@ -290,10 +290,18 @@ class Cluster:
         )
 
     def delete_custom_object(
-        self, group: str, version: str, plural: str, name: str, namespace: str | None = None
+        self,
+        group: str,
+        version: str,
+        plural: str,
+        name: str,
+        namespace: str | None = None,
+        propagation: str = "Background",
     ) -> dict:
-        """Delete with ``propagationPolicy: Background``: the garbage collector then deletes what the
-        object owns (a PyTorchJob's pods, an Experiment's trials) without the caller waiting."""
+        """Delete with ``propagationPolicy: Background`` (default): the object goes at once and the
+        garbage collector then deletes what it owns (a PyTorchJob's pods, an Experiment's trials).
+        ``Foreground``: the object stays (``deletionTimestamp`` set) until every dependent that blocks
+        its deletion is gone, so "the object is gone" means "its pods are gone" too."""
         ns = namespace or self.namespace
         return self._call(
             f"delete {plural}.{group}/{version} {ns}/{name}",
@@ -303,7 +311,7 @@ class Cluster:
             ns,
             plural,
             name,
-            propagation_policy="Background",
+            propagation_policy=propagation,
         )
 
     # -- pods -------------------------------------------------------------------------------

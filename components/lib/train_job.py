@@ -176,7 +176,7 @@ def run_job(
         else:
             if state == "failed":
                 print_fn(f"PyTorchJob {name} failed in an earlier attempt (not permanently): recreating it")
-                _delete_and_wait(cluster, name, namespace, timeout_s=300.0, poll_s=min(poll_s, 5.0))
+                _delete_and_wait(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
             _submit(cluster, spec, owner if owner is not None else run_owner_reference(cluster), print_fn)
         final = wait_for_job(
             cluster,
@@ -292,14 +292,50 @@ def _get_job(cluster, name: str, namespace: str, api_retries: int, print_fn) -> 
 
 
 def _delete_and_wait(cluster, name: str, namespace: str, *, timeout_s: float, poll_s: float) -> None:
+    """Delete the failed job with foreground propagation and wait until it and its pods are gone, so
+    the job recreated under the same name never meets them (see :func:`wait_until_gone`)."""
+    from llmft.components.lib.cluster import ClusterError
     from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 
-    cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+    try:
+        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
+    except ClusterError as exc:
+        if exc.status != 404:
+            raise
+    wait_until_gone(
+        f"PyTorchJob {namespace}/{name}",
+        lambda: _get_job(cluster, name, namespace, 3, print) is not None,
+        lambda: [p.metadata.name for p in _job_pods(cluster, name, namespace)],
+        timeout_s=timeout_s,
+        poll_s=poll_s,
+    )
+
+
+RECREATE_WAIT_S = 300.0
+"""How long a retry waits for a failed job (and its terminating pods) to go before recreating it."""
+
+
+def wait_until_gone(what: str, exists, pods, *, timeout_s: float = RECREATE_WAIT_S, poll_s: float = 5.0) -> None:
+    """Poll until ``exists()`` is false and ``pods()`` (names) is empty; else a TransientError naming them.
+
+    A job deleted with background propagation vanishes at once while its pods still run their
+    grace period (Kubernetes garbage collection: kubernetes.io/docs/concepts/architecture/
+    garbage-collection). A new job of the same name then meets them: the operator cannot create
+    pods under the same names (AlreadyExists), and a terminating trainer still writing its SIGTERM
+    checkpoint would share the run directory with the new one. Foreground deletion keeps the job
+    until its pods (``blockOwnerDeletion``: Training Operator v1.9.4 job_controller.go 222-233) are
+    gone; the pod check also covers pods that do not block it."""
     deadline = time.monotonic() + timeout_s
-    while _get_job(cluster, name, namespace, 3, print) is not None:
+    while True:
+        left = [what] if exists() else []
+        left += [f"pod {p}" for p in pods()]
+        if not left:
+            return
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"PyTorchJob {name} was not deleted within {timeout_s:.0f}s; delete it by hand and retry"
+            raise TransientError(
+                f"{what} from an earlier attempt was not gone within {timeout_s:.0f}s (still there: "
+                f"{', '.join(left)}); a new one under the same name would collide with it. A pod stuck "
+                "Terminating on a lost node needs `kubectl delete pod <pod> --grace-period=0 --force`; then retry."
             )
         time.sleep(poll_s)
 

@@ -203,18 +203,26 @@ def get_trainjob(cluster: Cluster, name: str, namespace: str) -> dict | None:
         raise
 
 
-def delete_and_wait(cluster: Cluster, name: str, namespace: str, *, timeout_s: float, poll_s: float) -> None:
-    """Delete the TrainJob (its JobSet and pods go with it: owner references) and wait until it is gone."""
+def delete_and_wait(
+    cluster: Cluster, name: str, namespace: str, *, poll_s: float, timeout_s: float | None = None
+) -> None:
+    """Delete the TrainJob with foreground propagation (its JobSet, Jobs and pods go first: each
+    owner reference blocks its owner's deletion) and wait until it and its node pods are gone, so
+    the TrainJob recreated under the same name never meets them (train_job.wait_until_gone)."""
+    from llmft.components.lib.train_job import RECREATE_WAIT_S, wait_until_gone
+
     try:
-        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
     except ClusterError as exc:
         if exc.status != 404:
             raise
-    deadline = time.monotonic() + timeout_s
-    while get_trainjob(cluster, name, namespace) is not None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"TrainJob {namespace}/{name} was not deleted within {timeout_s:.0f}s; delete it")
-        time.sleep(poll_s)
+    wait_until_gone(
+        f"TrainJob {namespace}/{name}",
+        lambda: get_trainjob(cluster, name, namespace) is not None,
+        lambda: [p.metadata.name for p in node_pods(cluster, name, namespace)],
+        timeout_s=RECREATE_WAIT_S if timeout_s is None else timeout_s,
+        poll_s=poll_s,
+    )
 
 
 def delete_trainjobs_by_label(cluster: Cluster, label_selector: str, namespace: str | None = None) -> list[str]:
@@ -253,7 +261,7 @@ def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: fl
     if previous is not None and condition is not None:
         raise_if_final(cluster, previous, namespace, earlier=True)
         print_fn(f"TrainJob {namespace}/{name} Failed in an earlier attempt ({condition.get('reason')}): recreating")
-        delete_and_wait(cluster, name, namespace, timeout_s=300.0, poll_s=min(poll_s, 5.0))
+        delete_and_wait(cluster, name, namespace, poll_s=min(poll_s, 5.0))
     cluster.create_custom_object(GROUP, VERSION, PLURAL, body, namespace=namespace)
     return "created"
 

@@ -106,6 +106,11 @@ def set_condition(status: dict, new: dict) -> None:
     status["conditions"] = [*kept, new]
 
 
+def _owner_uid(pod) -> str | None:
+    owners = pod.metadata.owner_references or []
+    return next((o.uid for o in owners if o.controller), None)
+
+
 def is_finished(obj: dict) -> bool:
     conditions = (obj.get("status") or {}).get("conditions") or []
     return any(c["type"] in ("Succeeded", "Failed") and c["status"] == "True" for c in conditions)
@@ -251,6 +256,7 @@ class ClusterSim:
         self.terminating: list[tuple[Container, float]] = []
         self.history: list[tuple[str, int]] = []  # (pod, exit code) of every container that ended
         self.started: list[str] = []  # the pod of every container started, in order
+        self.collisions: list[str] = []  # pods a new job could not create: an old one of that name still terminating
         self.ports: dict[str, int] = {}
         self.servers: dict[str, FakeVllm] = {}
         self.katib: dict | None = None  # {"early_stopping": bool, "metrics_file": Path}: Masters are Katib trials
@@ -308,6 +314,7 @@ class ClusterSim:
                 if container.proc.poll() is not None or time.monotonic() > deadline:
                     container.kill_all()
                     self.terminating.remove((container, deadline))
+                    self.core.remove_pod(self.namespace, container.pod)  # the kubelet confirmed: gone from the API
 
     def _apply_chaos(self, container: Container) -> None:
         for rule in self.chaos:
@@ -326,9 +333,17 @@ class ClusterSim:
     def _pod(self, name: str):
         return next((p for p in self.pods() if p.metadata.name == name), None)
 
+    def _key(self, plural: str, name: str) -> tuple:
+        group, version = {"pytorchjobs": ("kubeflow.org", "v1")}[plural]
+        return (group, version, self.namespace, plural, name)
+
     # -- the Training Operator ---------------------------------------------------------------------
     def _reconcile_job(self, job: dict) -> None:
         name, status = job["metadata"]["name"], job.setdefault("status", {})
+        if job["metadata"].get("deletionTimestamp"):  # pytorchjob_controller.go 149: a deleting job is not synced
+            if not [p for p in self.pods(name) if _owner_uid(p) == job["metadata"]["uid"]]:
+                self.custom.objects.pop(self._key("pytorchjobs", name), None)  # the GC drops foregroundDeletion
+            return
         policy = (job["spec"].get("runPolicy") or {}).get("cleanPodPolicy") or "None"
         if is_finished(job):
             self._clean_pods(name, policy)
@@ -366,6 +381,10 @@ class ClusterSim:
         if pod is None:
             self._create_pod(job, rtype, index, rspec)
             return
+        if _owner_uid(pod) != job["metadata"]["uid"]:  # an earlier job's pod, still terminating
+            self.collisions.append(pod_name)  # the operator's create fails: pods "<name>" already exists
+            self.core.add_event(self.namespace, name, "FailedCreatePod", f'pods "{pod_name}" already exists')
+            return
         if pod.status.phase != "Failed":
             return
         code = pod.status.container_statuses[0].state.terminated.exit_code
@@ -398,8 +417,14 @@ class ClusterSim:
             "training.kubeflow.org/replica-index": str(index),
             **({JOB_ROLE_LABEL: "master"} if rtype == "Master" else {}),
         }
+        owner = client.V1OwnerReference(  # job_controller.go 222-233: blockOwnerDeletion true
+            api_version="kubeflow.org/v1", kind="PyTorchJob", name=name, uid=job["metadata"]["uid"],
+            controller=True, block_owner_deletion=True,
+        )  # fmt: skip
         pod = client.V1Pod(
-            metadata=client.V1ObjectMeta(name=pod_name, namespace=self.namespace, labels=labels, uid=uuid.uuid4().hex),
+            metadata=client.V1ObjectMeta(
+                name=pod_name, namespace=self.namespace, labels=labels, uid=uuid.uuid4().hex, owner_references=[owner]
+            ),
             status=client.V1PodStatus(phase="Pending", conditions=[], container_statuses=[]),
         )
         self.core.pods.setdefault(self.namespace, []).append(pod)
@@ -522,12 +547,19 @@ class ClusterSim:
         )
 
     def _delete_pod(self, pod_name: str) -> None:
-        """The pod goes from the API at once; its container gets SIGTERM, SIGKILL after the grace period."""
-        self.core.remove_pod(self.namespace, pod_name)
+        """Graceful deletion: the pod stays in the API, Terminating (``deletionTimestamp`` set), while its
+        container gets SIGTERM and, after the grace period, SIGKILL; it goes from the API when the
+        container has ended (:meth:`refresh`). A pod whose container has ended goes at once."""
+        pod = self._pod(pod_name)
+        if pod is None or pod.metadata.deletion_timestamp is not None:
+            return
         container = self.containers.pop(pod_name, None)
-        if container is not None and container.proc.poll() is None:
-            container.signal(signal.SIGTERM)
-            self.terminating.append((container, time.monotonic() + self.grace_s))
+        if container is None or container.proc.poll() is not None:
+            self.core.remove_pod(self.namespace, pod_name)
+            return
+        pod.metadata.deletion_timestamp = datetime.datetime.now(datetime.UTC)
+        container.signal(signal.SIGTERM)
+        self.terminating.append((container, time.monotonic() + self.grace_s))
 
     def _clean_pods(self, job: str, policy: str) -> None:
         for pod in self.pods(job):
@@ -535,7 +567,10 @@ class ClusterSim:
                 self._delete_pod(pod.metadata.name)
 
     def on_delete(self, key: tuple, obj: dict) -> None:
-        """Garbage collection of what the deleted object owned (background propagation)."""
+        """Garbage collection of what the deleted object owned: its pods are deleted (gracefully). With
+        background propagation the object is gone already; with foreground it stays until they are
+        (:meth:`_reconcile_job`; kubernetes.io/docs/concepts/architecture/garbage-collection
+        #foreground-cascading-deletion)."""
         with self._lock:
             plural, name = key[3], key[4]
             if plural == "pytorchjobs":

@@ -73,6 +73,7 @@ class FakeCustomObjectsApi:
         self.before_read: Callable[[], None] | None = None
         self.on_delete: Callable[[tuple, dict], None] | None = None
         self.failures: list[int] = []
+        self.propagations: list[str | None] = []  # propagationPolicy of every delete call
         self.unserved: set[str] = set()  # plurals whose CRD is not installed: 404 on every call
         self._version = 100
 
@@ -101,7 +102,10 @@ class FakeCustomObjectsApi:
             raise api_error(409, f'{plural}.{group} "{key[-1]}" already exists')
         stored = copy.deepcopy(body)
         stored["metadata"].update(
-            namespace=namespace, resourceVersion=self._next_version(), generation=1, uid=f"uid-{key[-1]}"
+            namespace=namespace,
+            resourceVersion=self._next_version(),
+            generation=1,
+            uid=f"uid-{key[-1]}-{self._version}",
         )
         self.objects[key] = stored
         return copy.deepcopy(stored)
@@ -160,12 +164,24 @@ class FakeCustomObjectsApi:
         return copy.deepcopy(self.objects[key])
 
     @_maybe_async
-    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, propagation_policy=None, **_):
+        """Background (or no policy): the object goes at once; the garbage collector deletes its
+        dependents afterwards (``on_delete``). Foreground, with a controller behind ``on_delete``:
+        the object stays, with ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer, until
+        that controller has seen its blocking dependents go (apiserver registry/generic/registry/store.go
+        ``updateForGracefulDeletionAndFinalizers``; kubernetes.io/docs/concepts/architecture/garbage-collection)."""
         key = (group, version, namespace, plural, name)
         self.calls.append(("delete", *key))
-        deleted = self.objects.pop(key, None)
-        if deleted is None:
+        self.propagations.append(propagation_policy)
+        if key not in self.objects:
             raise api_error(404, f'{plural}.{group} "{name}" not found')
+        if propagation_policy == "Foreground" and self.on_delete is not None:
+            deleted = self.objects[key]
+            if not deleted["metadata"].get("deletionTimestamp"):
+                deleted["metadata"].update(deletionTimestamp="2026-11-26T10:00:00Z", finalizers=["foregroundDeletion"])
+                self.on_delete(key, deleted)
+            return {"kind": "Status", "status": "Success"}
+        deleted = self.objects.pop(key)
         if self.on_delete is not None:
             self.on_delete(key, deleted)
         return {"kind": "Status", "status": "Success"}

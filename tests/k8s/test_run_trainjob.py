@@ -88,6 +88,10 @@ def start(sim: TrainerSim, job: dict) -> None:
         sim.set_state(index, RUNNING)
 
 
+def seen(sim: TrainerSim, job: dict) -> None:
+    """A GET that changes nothing."""
+
+
 def log(index: int, text: str):
     return lambda sim, job: sim.core.append_log(NS, sim.pods[index], text)
 
@@ -257,7 +261,7 @@ def test_a_retried_task_reuses_a_complete_job_and_recreates_a_failed_one(crd_dir
 
     failed = TrainerSim(crd_dir)
     _existing(failed, job, {"conditions": [{"type": "Failed", "status": "True", "reason": "FailedJobs"}]})
-    failed.script(start, condition("Complete", "AllJobsCompleted"))
+    failed.script(seen, start, condition("Complete", "AllJobsCompleted"))  # seen: the retry's look at the old job
     assert run_trainjob(failed.cluster, job, timeout_s=5, poll_s=0.01, print_fn=lambda _: None)["succeeded"]
     verbs = [c[0] for c in failed.custom.calls if c[0] in ("delete", "create")]
     assert verbs == ["delete", "create"]
@@ -320,3 +324,32 @@ def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
     assert wait_budget(job, 7200, created + 600) == 3000 + JOB_WAIT_GRACE_S  # re-attached 10 minutes in
     assert wait_budget(job, 60, created + 600) == 60
     assert wait_budget({"metadata": {}, "spec": {}}, 60, created) == 60
+
+
+def test_a_failed_trainjob_is_recreated_only_after_its_node_pods_are_gone(crd_dir):
+    """Issue 29.5: the retry deletes the Failed TrainJob with foreground propagation and waits until
+    its node pods (still terminating) are gone before it creates the new one under the same name
+    (Kubernetes garbage collection: kubernetes.io/docs/concepts/architecture/garbage-collection)."""
+    sim = TrainerSim(crd_dir)
+    job = _trainjob()
+    _existing(sim, job, {"conditions": [{"type": "Failed", "status": "True", "reason": "FailedJobs"}]})
+    start(sim, trainjob_to_dict(job))  # the old job's node pods, terminating
+    events: list[str] = []
+    list_pods, create = sim.core.list_namespaced_pod, sim.custom.create_namespaced_custom_object
+
+    def listing(namespace, label_selector=None, **kwargs):
+        events.append("list")
+        if events.count("list") == 3 and "gone" not in events:
+            sim.core.pods[NS], sim.pods = [], []  # the kubelet confirmed their end: gone from the API
+            events.append("gone")
+        return list_pods(namespace, label_selector=label_selector, **kwargs)
+
+    def creating(*args, **kwargs):
+        events.append("create")
+        return create(*args, **kwargs)
+
+    sim.core.list_namespaced_pod, sim.custom.create_namespaced_custom_object = listing, creating
+    sim.script(start, condition("Complete", "AllJobsCompleted"))
+    assert run_trainjob(sim.cluster, job, timeout_s=5, poll_s=0.01, print_fn=lambda _: None)["succeeded"]
+    assert sim.custom.propagations == ["Foreground"]
+    assert events.index("gone") < events.index("create"), events

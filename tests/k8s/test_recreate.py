@@ -1,0 +1,45 @@
+"""A failed job is recreated under the same name only once it and its pods are gone (issue 29.5):
+foreground deletion, then a bounded wait (components/lib/train_job.py ``wait_until_gone``). On the
+simulated cluster of cluster_sim.py, which keeps a deleted pod in the API while it terminates and
+models background vs foreground propagation (Kubernetes garbage collection:
+kubernetes.io/docs/concepts/architecture/garbage-collection). No real cluster runs here."""
+
+from __future__ import annotations
+
+import pytest
+from cluster_sim import condition, set_condition
+from conftest import SIM_NAMESPACE, sim_plan
+from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION, build_pytorchjob, pytorchjob_to_dict
+from llmft.components.lib.train_job import build_train_job_spec, run_on_cluster, wait_until_gone
+from llmft.trainer.errors import TransientError
+
+
+@pytest.mark.slow
+def test_a_failed_job_is_recreated_only_after_its_pods_are_gone(sim, fake_cluster, fake_custom_api, sim_volume):
+    """An earlier attempt's job Failed (not permanently) while its master still ran (cleanPodPolicy
+    None keeps it). The retry deletes it; with background propagation the job vanished at once and
+    the new job met the old master still terminating (committing its SIGTERM checkpoint): the
+    operator could not create ``<job>-master-0`` (AlreadyExists). Foreground: no collision."""
+    plan = sim_plan(sim_volume, run_id="run-recreate", max_steps=6)
+    overrides = plan.trainer.command_overrides(f"{sim_volume}/tokenized/demo")
+    first = pytorchjob_to_dict(build_pytorchjob(build_train_job_spec(plan.job, overrides)))
+    first["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
+    fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, first)
+    master = f"{plan.job.name}-master-0"
+    sim.wait_for_log(master, "step=1 ")
+    old = fake_custom_api.objects[(GROUP, VERSION, SIM_NAMESPACE, PLURAL, plan.job.name)]
+    set_condition(old["status"], condition("Failed", "PyTorchJobFailed", "a lost node, past the backoff limit"))
+    printed: list[str] = []
+    result = run_on_cluster(plan.job, overrides, cluster=fake_cluster, poll_s=0.2, owner={}, print_fn=printed.append)
+    assert result["succeeded"] and not result["reattached"]
+    assert any("recreating it" in line for line in printed)
+    assert fake_custom_api.propagations == ["Foreground"]
+    assert sim.collisions == [], "the new job met the old job's terminating pod"
+    assert sim.started == [master, master]
+
+
+def test_the_wait_for_a_deleted_job_is_bounded_and_names_what_is_left():
+    with pytest.raises(TransientError) as error:
+        wait_until_gone("PyTorchJob team-a/x", lambda: False, lambda: ["x-master-0"], timeout_s=0, poll_s=0)
+    message = str(error.value)
+    assert "pod x-master-0" in message and "--grace-period=0 --force" in message and "\n" not in message
