@@ -228,6 +228,59 @@ def _lora_shape_row(tokens: int, d_in: int, d_out: int) -> dict:
     return row
 
 
+def check_lora_dropout() -> dict:
+    """LoRA dropout kernels (trainer/fastpath/lora_dropout_triton.py) against the torch reference of the same
+    Philox mask: the mask bit for bit, the three ops in float64 on fresh bf16 inputs; then the fused linear's
+    forward + backward at p = 0.05 against p = 0 (tokens x 1536 -> 1536, r 16; and a q/k/v group)."""
+    import torch
+    from llmft.trainer.fastpath import lora_dropout as ld
+    from llmft.trainer.fastpath.lora import lora_linear
+    from llmft.trainer.fastpath.lora_groups import grouped_lora_linear
+
+    out: dict = {"triton": ld._use_triton(torch.empty(8, 64, device="cuda", dtype=torch.bfloat16), 16)}
+    m, k, r, p = 4099, 1544, 16, 0.05
+    for n in (1, 2, 3):
+        seeds = ld.draw_seeds(n, torch.device("cuda"))
+        ones = torch.ones(m, n * r, device="cuda", dtype=torch.bfloat16)
+        a = torch.full((n * r, k), 1.0 / r, device="cuda", dtype=torch.bfloat16)
+        got = torch.ops.llmft.lora_drop_up_add(
+            torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), ones, a, seeds, p, r
+        )
+        want = sum(ld.keep_mask(seeds[j], m, k, p).to(torch.int32) for j in range(n))
+        counts = torch.round(got.float() / ld.scale(p)).to(torch.int32)
+        x, a, dh, base = (
+            torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n * r, k), (m, n * r), (m, k))
+        )
+        x64, a64, dh64, base64 = x.double(), a.double(), dh.double(), base.double()
+        out[f"siblings_{n}"] = {
+            "mask_mismatches": int((counts != want).sum()),
+            "keep_fraction": float(ld.keep_mask(seeds[0], m, k, p).float().mean()),
+            "down_rel_err": rel_err(ld.dropped_down(x, a, seeds, p, r), ld._ref_down(x64, a64, seeds, p, r)),
+            "up_add_rel_err": rel_err(
+                ld.dropped_up_add(base, dh, a, seeds, p, r), ld._ref_up_add(base64, dh64, a64, seeds, p, r)
+            ),
+            "grad_a_rel_err": rel_err(ld.dropped_grad_a(dh, x, seeds, p, r), ld._ref_grad_a(dh64, x64, seeds, p, r)),
+        }
+    tokens, d = 16384, 1536
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(d, d, device="cuda", dtype=torch.bfloat16) * 0.02
+    la = (torch.randn(r, d, device="cuda") * 0.02).requires_grad_()
+    lb = (torch.randn(d, r, device="cuda") * 0.02).requires_grad_()
+    g = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    ws = [w, w[:256], w[:256]]
+    gg = torch.randn(tokens, d + 512, device="cuda", dtype=torch.bfloat16)
+    las = [(torch.randn(r, d, device="cuda") * 0.02).requires_grad_() for _ in ws]
+    lbs = [(torch.randn(wi.shape[0], r, device="cuda") * 0.02).requires_grad_() for wi in ws]
+    for drop in (0.0, 0.05):
+        out[f"linear_ms_p{drop}"] = bench(
+            lambda drop=drop: lora_linear(x, w, None, la, lb, 2.0, dropout=drop).backward(g)
+        )
+        out[f"qkv_group_ms_p{drop}"] = bench(
+            lambda drop=drop: grouped_lora_linear(x, ws, [None] * 3, las, lbs, (2.0,) * 3, (drop,) * 3).backward(gg)
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -241,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         ("attention", check_attention),
         ("loss", check_loss),
         ("lora", check_lora),
+        ("lora_dropout", check_lora_dropout),
         ("lora_breakdown_ms", lora_breakdown),
     ):
         try:

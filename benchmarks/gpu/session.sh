@@ -141,6 +141,15 @@ write_model_dir; write_model_dir('$2', Path('/tmp/llmft-project/models'))" && ec
     ;;
   # Issue 13: the product rows. `project-product` runs `llmft train --config <shipped config>` with only the
   # model, data, step count and output folder set (arm_product.py); `project` is the tuned arm beside it.
+  round3)  # issue 28 item 1, one H100, one call: kernel checks (the Philox LoRA dropout kernels bit for bit), then
+           # the tuned 1.5B arm at dropout 0 and 0.05 side by side, then the product row (shipped config, dropout 0.05)
+    bench --label r3 --jobs "check" --deadline-s 100 --arm-timeout-s 95
+    bench --label r3-drop0 --jobs "project:qwen2.5-1.5b:lora" $P --deadline-s $((280 - SECONDS)) --arm-timeout-s 170
+    bench --label r3-drop05 --jobs "project:qwen2.5-1.5b:lora" $P --extra "--override lora.dropout=0.05" \
+      --deadline-s $((430 - SECONDS)) --arm-timeout-s 150
+    bench --label r3 --jobs "project-product:qwen2.5-1.5b:lora" $P --deadline-s $((585 - SECONDS)) \
+      --arm-timeout-s $((580 - SECONDS))
+    ;;
   product)  # one H100, one call, by priority; each line's deadline is absolute (bash SECONDS), later rows may be skipped
     bench --label product --jobs "check" --deadline-s 80 --arm-timeout-s 75
     bench --label product --jobs "project-product:qwen2.5-1.5b:lora,project:qwen2.5-1.5b:lora" $P \

@@ -15,12 +15,12 @@ kept in fp32 by PEFT, pull the activations up to fp32 for their matmuls. Here:
   returned in the adapters' own dtype (fp32 master weights stay fp32).
 
 LoRA dropout keeps PEFT's semantics: in training mode the adapter path sees
-``drop(x) = x * mask / (1 - p)`` with a Bernoulli(1 - p) mask (``torch.native_dropout``,
-the kernel ``nn.Dropout`` runs, drawn in the same order as PEFT draws it: one mask per
-adapted linear, when that linear runs); the base path sees ``x`` itself. The boolean mask
-is saved for the backward (1 byte per input element) and ``drop(x)`` is rebuilt from
-``x`` there, instead of keeping PEFT's fp32 copy of the dropped input (4 bytes). In eval
-mode (or ``p = 0``) there is no mask and no extra memory.
+``drop(x) = x * mask / (1 - p)`` with a Bernoulli(1 - p) mask, one mask per adapted linear,
+drawn when that linear runs; the base path sees ``x`` itself. The mask is a function of two
+seed words drawn from torch's generator and the element's (row, column) (lora_dropout.py:
+Philox, made in registers by Triton kernels on CUDA inside the adapter's thin matmuls): no
+mask is stored and the input is read no extra time. In eval mode (or ``p = 0``) nothing is drawn.
+The 4-bit path (qlora.py) still draws its mask with ``torch.native_dropout`` (:func:`drop_input`).
 
 :func:`fuse_lora_linears` swaps this forward into every PEFT ``lora.Linear``
 that it covers exactly (one active adapter, no DoRA or other variant, unmerged,
@@ -37,6 +37,7 @@ from __future__ import annotations
 import types
 
 import torch
+from llmft.trainer.fastpath.lora_dropout import draw_seeds, dropped_down, dropped_grad_a, dropped_up_add
 
 
 def drop_input(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -49,6 +50,13 @@ def drop_input(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor | 
 def redrop(x: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
     """``drop(x)`` rebuilt from its mask (the backward's copy of what the forward computed)."""
     return x if mask is None else x * mask * (1.0 / (1.0 - p))
+
+
+def _grad_a(g_h, x2, seeds, p: float, rank: int, dtype) -> torch.Tensor:
+    """dA = g_h^T drop(x), the mask regenerated from ``seeds`` (None: no dropout)."""
+    if seeds is None:
+        return (g_h.t() @ x2).to(dtype)
+    return dropped_grad_a(g_h, x2, seeds, p, rank).to(dtype)
 
 
 def spans(sizes) -> list[tuple[int, int]]:
@@ -67,11 +75,11 @@ class _LoraLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, in_shape[-1])
         a = lora_a.to(x.dtype)
         b = lora_b.to(x.dtype)
-        xd, mask = drop_input(x2, p)
-        h = xd @ a.t()
+        seeds = draw_seeds(1, x.device) if p > 0 else None
+        h = x2 @ a.t() if seeds is None else dropped_down(x2, a, seeds, p, a.shape[0])
         out = torch.addmm(bias.to(x.dtype), x2, weight.t()) if bias is not None else x2 @ weight.t()
         out.addmm_(h, b.t(), alpha=scaling)
-        ctx.save_for_backward(x2, weight, a, b, h, mask)
+        ctx.save_for_backward(x2, weight, a, b, h, seeds)
         ctx.scaling, ctx.p = scaling, p
         ctx.in_shape = in_shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -79,23 +87,23 @@ class _LoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, weight, a, b, h, mask = ctx.saved_tensors
+        x2, weight, a, b, h, seeds = ctx.saved_tensors
         a_dtype, b_dtype, w_dtype, bias_dtype = ctx.dtypes
         g_out = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
         g_h = (g_out @ b) * ctx.scaling
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = g_out @ weight.to(x2.dtype)
-            if mask is None:
+            if seeds is None:
                 grad_x.addmm_(g_h, a)
             else:
-                grad_x += redrop(g_h @ a, mask, ctx.p)
+                grad_x = dropped_up_add(grad_x, g_h, a, seeds, ctx.p, a.shape[0])
             grad_x = grad_x.view(ctx.in_shape)
         if ctx.needs_input_grad[1]:
             grad_w = (g_out.t() @ x2).to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = g_out.sum(0).to(bias_dtype)
-        grad_a = (g_h.t() @ redrop(x2, mask, ctx.p)).to(a_dtype) if ctx.needs_input_grad[3] else None
+        grad_a = _grad_a(g_h, x2, seeds, ctx.p, a.shape[0], a_dtype) if ctx.needs_input_grad[3] else None
         grad_b = ((g_out.t() @ h) * ctx.scaling).to(b_dtype) if ctx.needs_input_grad[4] else None
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None
 
@@ -111,12 +119,12 @@ class _LoraLinearConcatFunction(torch.autograd.Function):
         in_shape = x.shape
         x2 = x.reshape(-1, in_shape[-1])
         a = lora_a.to(x.dtype)
-        xd, mask = drop_input(x2, p)
-        h = xd @ a.t()
+        seeds = draw_seeds(1, x.device) if p > 0 else None
+        h = x2 @ a.t() if seeds is None else dropped_down(x2, a, seeds, p, a.shape[0])
         xh = torch.cat([x2, h], dim=1)
         wb = torch.cat([weight.to(x.dtype), lora_b.to(x.dtype) * scaling], dim=1)
         out = torch.addmm(bias.to(x.dtype), xh, wb.t()) if bias is not None else xh @ wb.t()
-        ctx.save_for_backward(xh, weight, a, lora_b, mask)
+        ctx.save_for_backward(xh, weight, a, lora_b, seeds)
         ctx.scaling, ctx.p = scaling, p
         ctx.in_shape = in_shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -124,7 +132,7 @@ class _LoraLinearConcatFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        xh, weight, a, lora_b, mask = ctx.saved_tensors
+        xh, weight, a, lora_b, seeds = ctx.saved_tensors
         a_dtype, b_dtype, w_dtype, bias_dtype = ctx.dtypes
         d_in = weight.shape[1]
         g_out = grad_out.reshape(-1, grad_out.shape[-1]).to(xh.dtype)
@@ -133,19 +141,16 @@ class _LoraLinearConcatFunction(torch.autograd.Function):
         g_h = both[:, d_in:]
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            if mask is None:
+            if seeds is None:
                 grad_x = torch.addmm(both[:, :d_in], g_h, a)
             else:
-                grad_x = both[:, :d_in] + redrop(g_h @ a, mask, ctx.p)
+                grad_x = dropped_up_add(both[:, :d_in], g_h, a, seeds, ctx.p, a.shape[0])
             grad_x = grad_x.view(ctx.in_shape)
         if ctx.needs_input_grad[1]:
             grad_w = (g_out.t() @ xh[:, :d_in]).to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = g_out.sum(0).to(bias_dtype)
-        if ctx.needs_input_grad[3]:
-            grad_a = (g_h.t() @ redrop(xh[:, :d_in], mask, ctx.p)).to(a_dtype)
-        else:
-            grad_a = None
+        grad_a = _grad_a(g_h, xh[:, :d_in], seeds, ctx.p, a.shape[0], a_dtype) if ctx.needs_input_grad[3] else None
         grad_b = ((g_out.t() @ xh[:, d_in:]) * ctx.scaling).to(b_dtype) if ctx.needs_input_grad[4] else None
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None
 

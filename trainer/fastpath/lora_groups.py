@@ -21,10 +21,11 @@ returns its slice, with any other input it computes as before. Same sums as
 the per-projection path, so the result is exact up to rounding order.
 
 LoRA dropout (PEFT's semantics, lora.py): each sibling draws its own mask over
-the shared input, in the order the layer calls them (q, k, v; gate, up), and its
-adapter reads its own dropped input; the base matmul reads the input itself.
-With dropout on, ``h`` takes one thin matmul per sibling instead of one for the
-group, and the backward rebuilds each dropped input from its boolean mask.
+the shared input (its own seed words, lora_dropout.py), in the order the layer calls
+them (q, k, v; gate, up), and its adapter reads its own dropped input; the base matmul
+reads the input itself. On CUDA one kernel makes every sibling's mask from one read of
+the input; nothing is stored for the backward but the seeds. Siblings group only with
+one dropout probability and one rank.
 
 4-bit siblings (QLoRA) group when they share one quantization layout (input width, block size,
 quant type, double quantization, storage dtype): qlora.py dequantizes them into one stacked
@@ -36,7 +37,8 @@ from __future__ import annotations
 import types
 
 import torch
-from llmft.trainer.fastpath.lora import adapter_in_use, drop_input, dropout_p, redrop, spans
+from llmft.trainer.fastpath.lora import adapter_in_use, dropout_p, spans
+from llmft.trainer.fastpath.lora_dropout import draw_seeds, dropped_down, dropped_grad_a, dropped_up_add
 from llmft.trainer.fastpath.qlora import is_4bit, layout, lora_4bit_linear, out_features
 
 # (parent attribute names) that transformers' decoder layers call with one shared input.
@@ -58,13 +60,10 @@ class _GroupedLoraFunction(torch.autograd.Function):
         in_shape = x.shape
         x2 = x.reshape(-1, in_shape[-1])
         a = torch.cat([la.to(x.dtype) for la in lora_as])
-        if any(dropouts):  # PEFT: one mask per sibling, drawn in call order
-            dropped = [drop_input(x2, p) for p in dropouts]
-            masks = [mask for _, mask in dropped]
-            ranks = spans([la.shape[0] for la in lora_as])
-            h = torch.cat([xd @ a[k0:k1].t() for (xd, _), (k0, k1) in zip(dropped, ranks, strict=True)], dim=1)
+        seeds = _seeds(dropouts, lora_as, x.device)
+        if seeds is not None:  # PEFT: one mask per sibling (its own seed words), drawn in call order
+            h = dropped_down(x2, a, seeds, dropouts[0], lora_as[0].shape[0])
         else:
-            masks = [None] * n
             h = x2 @ a.t()
         xh = torch.cat([x2, h], dim=1)
         wb = _stacked_weight(weights, lora_bs, scalings, x.dtype)
@@ -72,7 +71,7 @@ class _GroupedLoraFunction(torch.autograd.Function):
             out = torch.addmm(torch.cat([b.to(x.dtype) for b in biases]), xh, wb.t())
         else:
             out = xh @ wb.t()
-        ctx.save_for_backward(xh, a, *weights, *lora_bs, *masks)
+        ctx.save_for_backward(xh, a, *weights, *lora_bs, seeds)
         ctx.scalings, ctx.dropouts, ctx.in_shape = scalings, dropouts, in_shape
         ctx.dtypes = [t.dtype if t is not None else None for t in tensors]
         return out.view(*in_shape[:-1], out.shape[-1])
@@ -81,7 +80,7 @@ class _GroupedLoraFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         xh, a, *rest = ctx.saved_tensors
         scalings, dropouts, n = ctx.scalings, ctx.dropouts, len(ctx.scalings)
-        weights, lora_bs, masks = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        weights, lora_bs, seeds = rest[:n], rest[n : 2 * n], rest[2 * n]
         d_in = ctx.in_shape[-1]
         x2 = xh[:, :d_in]
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(xh.dtype)
@@ -90,25 +89,21 @@ class _GroupedLoraFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         rows = spans([w.shape[0] for w in weights])
         ranks = spans([b.shape[1] for b in lora_bs])
-        dropped = any(dropouts)
+        rank = ranks[0][1]
         grad_x = None
         if ctx.needs_input_grad[0]:
-            if not dropped:
+            if seeds is None:
                 grad_x = torch.addmm(both[:, :d_in], dh, a)
             else:
-                grad_x = both[:, :d_in].clone()
-                for (k0, k1), mask, p in zip(ranks, masks, dropouts, strict=True):
-                    grad_x += redrop(dh[:, k0:k1] @ a[k0:k1], mask, p)
+                grad_x = dropped_up_add(both[:, :d_in], dh, a, seeds, dropouts[0], rank)
             grad_x = grad_x.view(ctx.in_shape)
         grads = [None] * (4 * n)
         if not any(needs[2 * n : 3 * n]):
             grad_a = None
-        elif not dropped:
+        elif seeds is None:
             grad_a = dh.t() @ x2
         else:
-            grad_a = torch.cat(
-                [dh[:, k0:k1].t() @ redrop(x2, m, p) for (k0, k1), m, p in zip(ranks, masks, dropouts, strict=True)]
-            )
+            grad_a = dropped_grad_a(dh, x2, seeds, dropouts[0], rank)
         grad_b = g.t() @ xh[:, d_in:] if any(needs[3 * n :]) else None
         for i in range(n):
             (r0, r1), (k0, k1) = rows[i], ranks[i]
@@ -121,6 +116,15 @@ class _GroupedLoraFunction(torch.autograd.Function):
             if needs[3 * n + i]:
                 grads[3 * n + i] = (grad_b[r0:r1, k0:k1] * scalings[i]).to(ctx.dtypes[3 * n + i])
         return (grad_x, None, None, *grads)
+
+
+def _seeds(dropouts, lora_as, device) -> torch.Tensor | None:
+    """One seed pair per sibling when dropout is on (None when off)."""
+    if not any(dropouts):
+        return None
+    if len(set(dropouts)) != 1 or len({la.shape[0] for la in lora_as}) != 1:
+        raise ValueError("grouped LoRA projections with dropout need one dropout and one rank for all siblings")
+    return draw_seeds(len(dropouts), device)
 
 
 def grouped_lora_linear(x, weights, biases, lora_as, lora_bs, scalings, dropouts=None) -> torch.Tensor:
@@ -177,7 +181,14 @@ def _why_not_groupable(members) -> str | None:
         return "some projections have a bias and some do not"
     if len({tuple(m.lora_A) for m in members}) != 1:
         return "projections carry different adapters"
+    if four_bit == {False} and len({_dropout_and_ranks(m) for m in members}) != 1:
+        return "projections differ in LoRA dropout or rank (one dropout kernel serves the group)"
     return None
+
+
+def _dropout_and_ranks(module) -> tuple:
+    drops = tuple(float(getattr(d, "p", 0.0)) for d in module.lora_dropout.values())
+    return drops, tuple(a.weight.shape[0] for a in module.lora_A.values())
 
 
 def group_lora_projections(model: torch.nn.Module) -> dict[str, str]:
