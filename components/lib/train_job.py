@@ -433,6 +433,7 @@ def wait_for_job(
 
     follow = MasterLogFollower(cluster, name, namespace, print_fn)
     pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn)
+    starts = _start_watcher(f"PyTorchJob {namespace}/{name}")
     errors, started = 0, time.time()
     while True:
         try:
@@ -456,6 +457,7 @@ def wait_for_job(
             return job
         if _condition(job, "Failed"):
             raise_for_failure(cluster, job, lines=log_tail)
+        _check_starts(cluster, starts, name, namespace)
         pending()
         if time.time() > until:
             raise JobTimedOut(
@@ -464,6 +466,29 @@ def wait_for_job(
                 f"{_master_tail(cluster, name, namespace, log_tail)}"
             )
         time.sleep(poll_s)
+
+
+def _start_watcher(what: str):
+    """A StartWatcher (components/lib/pod_starts.py) for the ``pytorch`` containers of a job."""
+    from llmft.components.lib import pod_starts
+    from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
+
+    return pod_starts.StartWatcher(what, PYTORCHJOB_CONTAINER, limit=pod_starts.NEVER_STARTED_LIMIT)
+
+
+def _check_starts(cluster, starts, name: str, namespace: str) -> None:
+    """Feed this poll's pods to ``starts``; when its pods never start, delete the job and re-raise."""
+    from llmft.components.lib.cluster import ClusterError
+    from llmft.components.lib.pod_starts import JobNeverStarts
+    from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
+
+    try:
+        starts(_job_pods(cluster, name, namespace))
+    except ClusterError:
+        return  # the next poll reads them
+    except JobNeverStarts:
+        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+        raise
 
 
 # --- why pods stay Pending ------------------------------------------------------------------------

@@ -256,6 +256,8 @@ class ClusterSim:
         self.terminating: list[tuple[Container, float]] = []
         self.history: list[tuple[str, int]] = []  # (pod, exit code) of every container that ended
         self.started: list[str] = []  # the pod of every container started, in order
+        self.never_start: dict[str, tuple[str, str]] = {}  # pod name prefix -> (reason, message) of a pod that
+        # fails before its container runs (kubelet admission: UnexpectedAdmissionError for a GPU it cannot allocate)
         self.collisions: list[str] = []  # pods a new job could not create: an old one of that name still terminating
         self.ports: dict[str, int] = {}
         self.servers: dict[str, FakeVllm] = {}
@@ -387,7 +389,10 @@ class ClusterSim:
             return
         if pod.status.phase != "Failed":
             return
-        code = pod.status.container_statuses[0].state.terminated.exit_code
+        code = 0xBEEF  # pod.go 339-348: a container that never ran has this magic exit code (retryable)
+        for status in pod.status.container_statuses or []:
+            if status.state is not None and status.state.terminated is not None:
+                code = status.state.terminated.exit_code
         if rspec.get("restartPolicy") == "ExitCode" and code >= 128:  # pod.go 352-366: recreate it
             self._delete_pod(pod_name)
             set_condition(
@@ -429,6 +434,10 @@ class ClusterSim:
         )
         self.core.pods.setdefault(self.namespace, []).append(pod)
         self.core.logs[(self.namespace, pod_name)] = ""
+        failed = next((why for prefix, why in self.never_start.items() if pod_name.startswith(prefix)), None)
+        if failed is not None:  # the kubelet fails it before any container runs (no container status)
+            pod.status.phase, pod.status.reason, pod.status.message = "Failed", *failed
+            return None
         problem = self._schedule(pod_name, spec, container)
         if problem is not None:
             return self._pend(pod, *problem)

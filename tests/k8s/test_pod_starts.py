@@ -1,0 +1,58 @@
+"""Pods that never start (issue 29.3): under restartPolicy ExitCode the Training Operator recreates a
+pod whose container never ran (exit code 0xbeef, kubeflow/trainer v1.9.4
+pkg/controller.v1/common/pod.go 339-366, retryable by pkg/util/train/train_util.go 24-26) until
+activeDeadlineSeconds; the launcher stops the job after NEVER_STARTED_LIMIT such recreations
+(components/lib/pod_starts.py). On the simulated cluster of cluster_sim.py; no real cluster runs here."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SIM_NAMESPACE, sim_plan
+from kubernetes import client
+from llmft.components.lib import pod_starts
+from llmft.components.lib.pod_starts import JobNeverStarts, StartWatcher
+from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
+from llmft.components.lib.train_job import run_on_cluster
+from llmft.trainer.errors import EXIT_TRANSIENT
+
+NOT_ADMITTED = (
+    "UnexpectedAdmissionError",
+    "Allocate failed due to no healthy devices present; cannot allocate unhealthy devices nvidia.com/gpu",
+)
+
+
+def test_a_job_whose_pods_never_start_is_stopped_with_their_reason(
+    sim, fake_cluster, fake_custom_api, sim_volume, monkeypatch
+):
+    monkeypatch.setattr(pod_starts, "NEVER_STARTED_LIMIT", 3)
+    plan = sim_plan(sim_volume, run_id="run-never-starts", job_timeout_s=30)
+    sim.never_start[f"{plan.job.name}-master-0"] = NOT_ADMITTED
+    with pytest.raises(JobNeverStarts) as error:
+        run_on_cluster(plan.job, plan.trainer.command_overrides(f"{sim_volume}/tokenized/demo"), cluster=fake_cluster,
+                       poll_s=0.2, owner={}, print_fn=lambda _: None)  # fmt: skip
+    message = str(error.value)
+    assert "recreated 3 times" in message and "UnexpectedAdmissionError: Allocate failed" in message
+    assert "\n" not in message and error.value.exit_code == EXIT_TRANSIENT
+    assert (GROUP, VERSION, SIM_NAMESPACE, PLURAL, plan.job.name) not in fake_custom_api.objects
+    assert sim.started == []
+
+
+def _pod(uid: str, *, ran: bool = False, reason: str | None = None):
+    state = client.V1ContainerState(running=client.V1ContainerStateRunning()) if ran else None
+    statuses = [client.V1ContainerStatus(name="pytorch", image="i", image_id="", ready=ran, restart_count=0,
+                                         state=state)] if ran else []  # fmt: skip
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name="job-master-0", uid=uid),
+        status=client.V1PodStatus(phase="Failed" if reason else "Running", reason=reason, container_statuses=statuses),
+    )
+
+
+def test_a_pod_that_ran_in_between_starts_the_count_again():
+    watcher = StartWatcher("PyTorchJob team-a/job", "pytorch", limit=2)
+    watcher([_pod("a", reason="Evicted")])
+    watcher([_pod("b", reason="Evicted")])  # one recreation without a start
+    watcher([_pod("c", ran=True)])  # a container ran (and may have checkpointed): the count restarts
+    watcher([_pod("d", reason="Evicted")])
+    watcher([_pod("e", reason="Evicted")])  # one since the start
+    with pytest.raises(JobNeverStarts, match="recreated 2 times.*job-master-0: Evicted"):
+        watcher([_pod("f", reason="Evicted")])
