@@ -18,6 +18,10 @@ the run, and keeps it until the process ends:
   warning. A record of another host cannot be checked from here (a filesystem whose locks do not
   span hosts would let both runs in): the run refuses and says how to clear it. A pod restarted by
   the Training Operator or JobSet keeps its hostname (the pod name), so its restart takes over.
+- **A lock the filesystem has not let go of yet**: the flock is held, but the record names this
+  host and no such process runs here: a restarted pod whose previous incarnation's lock a network
+  filesystem keeps until its lease expires (NFSv4: about 90 s after a lost client). The run waits
+  up to ``RELEASE_WAIT_S`` for it, then exits 200 (transient: the restart tries again).
 - **No flock** (some FUSE or object-store filesystems): a warning, and the holder record alone
   guards the directory (a live holder on this host still refuses a second run).
 """
@@ -32,10 +36,11 @@ import socket
 import time
 from pathlib import Path
 
-from llmft.trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError, TransientError
 
 LOCK_FILE = ".llmft-run.lock"
 WAIT_POLL_S = 1.0
+RELEASE_WAIT_S = 300.0  # how long a restarted run waits for the filesystem to release its predecessor's lock
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -78,20 +83,27 @@ def acquire(output_dir: str | os.PathLike, *, wait: bool = False, say=print) -> 
 
 
 def _wait_for_lock(fd: int, path: Path, wait: bool, say) -> None:
-    announced = False
+    announced, deadline = False, time.monotonic() + RELEASE_WAIT_S
     while True:
         locked = _try_flock(fd, path, say)
         holder = read_record(fd)
-        if locked or (locked is None and not (holder and _same_machine(holder) and _alive(holder))):
+        live_here = bool(holder) and _same_machine(holder) and _alive(holder)
+        if locked or (locked is None and not live_here):
             return
-        if not wait:
+        predecessor = locked is False and bool(holder) and _same_host(holder) and not live_here
+        if not (wait or predecessor):
             raise OutputDirInUseError(
                 f"output_dir={path.parent} is in use by another run: {describe(holder)} (lock {path}). Wait for it "
                 "to finish (llmft train --wait, or wait_for_output_dir=true), stop it, or choose another output_dir"
             )
         if not announced:
-            say(f"[llmft] output_dir={path.parent} is in use by {describe(holder)}; waiting for it to end (--wait)")
+            say(f"[llmft] output_dir={path.parent} is in use by {describe(holder)}; waiting for it to end")
             announced = True
+        if predecessor and time.monotonic() > deadline:
+            raise TransientError(
+                f"output_dir={path.parent}: the filesystem still holds the lock of {describe(holder)}, an earlier "
+                f"run of this host that no longer runs, after {RELEASE_WAIT_S:g} s; exit 200 so the run is retried"
+            )
         time.sleep(WAIT_POLL_S)
 
 

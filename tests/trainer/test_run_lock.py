@@ -115,3 +115,28 @@ def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path):
         runlock.acquire(tmp_path)  # another open file description: flock conflicts even within one process
     lock.release()
     runlock.acquire(tmp_path).release()
+
+
+def test_a_lock_still_held_for_a_gone_predecessor_of_this_host_is_waited_for_then_exit_200(tmp_path, monkeypatch):
+    """A restarted pod (same hostname) whose predecessor's flock a network filesystem has not released
+    yet (an NFS lease): waiting, not exit 1; past RELEASE_WAIT_S, exit 200 so the restart tries again."""
+    import fcntl
+
+    from llmft.trainer.errors import EXIT_TRANSIENT, TransientError
+
+    path = _write_holder(
+        tmp_path, pid=2**22 + 17, host=socket.gethostname(), boot_id="earlier-boot", start=1, since="x"
+    )
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the filesystem still holds it for the gone predecessor
+    monkeypatch.setattr(runlock, "RELEASE_WAIT_S", 0.0)
+    monkeypatch.setattr(runlock, "WAIT_POLL_S", 0.01)
+    said: list[str] = []
+    try:
+        with pytest.raises(TransientError, match="an earlier run of this host") as failure:
+            runlock.acquire(tmp_path, say=said.append)
+        assert failure.value.exit_code == EXIT_TRANSIENT and said and "waiting" in said[0]
+    finally:
+        os.close(fd)
+    runlock.acquire(tmp_path, say=said.append).release()  # released: the next start takes it over
+    assert "took over" in said[-1]
