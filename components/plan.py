@@ -51,7 +51,7 @@ def plan_run(
     worker_cpu: str = "8",
     worker_memory: str = "64Gi",
     gpu_node_selector: str = "",
-    job_timeout_s: int = 2 * 24 * 3600,
+    job_timeout_s: int = 24 * 3600,
     trainer_image: str = "",
     pvc_name: str = "llmft-data",
     data_root: str = "/data",
@@ -126,7 +126,8 @@ def plan_run(
         worker_memory: Memory request and limit of each training pod, including the 8Gi /dev/shm.
         gpu_node_selector: label=value[,label=value] the GPU pods must match ('' = none; the GPU request places
             them). Fixed when compiling (the evaluate task applies it).
-        job_timeout_s: How long the train step waits for its PyTorchJob.
+        job_timeout_s: The job's activeDeadlineSeconds, and how long the train step waits for it (default one
+            day: a stuck job holds its GPUs no longer; raise it for longer runs, up to the task's 3-day timeout).
         trainer_image: Image of the training pods and Katib trials (default: the one compiled in).
         pvc_name: The ReadWriteMany data/checkpoint PVC.
         data_root: Where the PVC is mounted (keep /data on a cluster).

@@ -163,8 +163,8 @@ class TrainJobSpec:
     """Replica restart policy; ExitCode retries 128-255 (preemption) and fails fast on 1-127."""
     backoff_limit: int = 3
     """Pod restarts before the job is marked Failed."""
-    active_deadline_seconds: int | None = 172_800
-    """Wall-clock limit of the whole job (None = unlimited)."""
+    active_deadline_seconds: int | None = 24 * 3600
+    """Wall-clock limit of the whole job (None = unlimited); the default is the pipelines' ``job_timeout_s``."""
     ttl_seconds_after_finished: int | None = None
     """Delete the finished job after this many seconds (None = keep)."""
     clean_pod_policy: str = "None"

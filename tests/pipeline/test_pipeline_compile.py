@@ -54,7 +54,7 @@ FINETUNE_PARAMETERS = {
     "worker_cpu": ("STRING", "8"),
     "worker_memory": ("STRING", "64Gi"),
     "gpu_node_selector": ("STRING", ""),
-    "job_timeout_s": ("NUMBER_INTEGER", 172800),
+    "job_timeout_s": ("NUMBER_INTEGER", 86400),
     "trainer_image": ("STRING", None),
     "pvc_name": ("STRING", "llmft-data"),
     "data_root": ("STRING", "/data"),
