@@ -91,7 +91,8 @@ class DeployRequest:
     form_reason: str = ""
     """Why that form (logged)."""
     vllm_options: Mapping[str, Any] = field(default_factory=dict)
-    """mode vllm: keyword arguments of :class:`llmft.components.lib.vllm_local.VllmServer` (port, log_path, ...)."""
+    """mode vllm: ``max_tokens`` of the answers and keyword arguments of
+    :class:`llmft.components.lib.vllm_local.VllmServer` (port, log_path, extra_argv, ...)."""
 
 
 def serve_spec(req: DeployRequest):

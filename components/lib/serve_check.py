@@ -104,6 +104,7 @@ def serve_check(
     max_lora_rank: int | None = None,
     merged_dir: str | Path | None = None,
     server_options: dict[str, Any] | None = None,
+    max_tokens: int = 32,
 ) -> dict[str, Any]:
     """Serve ``adapter_dir`` (as ``name``) with a real vLLM and smoke-test it; ``{"models", "answers"}``.
     Every refusal is a one-line LlmftError (exit 1) and nothing is served after it."""
@@ -126,7 +127,8 @@ def serve_check(
                     f"{adapter}: no adapter_config.json: not a PEFT adapter (or a full model, which this check does "
                     "not serve); pass the adapter directory the trainer wrote"
                 )
-            req = _deploy_request(adapter, base_dir, name, prompt, form, rank, dict(server_options or {}))
+            options = {**(server_options or {}), "max_tokens": max_tokens}
+            req = _deploy_request(adapter, base_dir, name, prompt, form, rank, options)
             result = deploy_promoted(req, manifest_path=Path(tmp) / "inferenceservice.yaml")
         except LlmftError as exc:  # a list of problems (servability) on one line
             raise type(exc)(one_line(str(exc))) from None

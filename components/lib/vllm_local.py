@@ -193,6 +193,7 @@ class VllmServer:
         print_fn: Callable[[str], Any] = print,
         command: Sequence[str] | None = None,
         stop_grace_s: float = 30.0,
+        extra_argv: Sequence[str] = (),
     ):
         self.argv, self.host, self.port = list(argv), host, port
         self.venv, self.runtime_lora, self.startup_timeout_s = venv, runtime_lora, startup_timeout_s
@@ -200,6 +201,7 @@ class VllmServer:
         self.print_fn = print_fn
         self.command = list(command) if command else None  # tests: a stand-in for the vLLM module
         self.stop_grace_s = stop_grace_s
+        self.extra_argv = list(extra_argv)  # flags of this local run only, e.g. --enforce-eager (never the manifest's)
         self.process: subprocess.Popen | None = None
         self._old_sigterm: Any = None
         self._own_log = False
@@ -247,7 +249,7 @@ class VllmServer:
             os.close(handle)
             self.log_path, self._own_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        full = [*command, "--host", self.host, "--port", str(self.port), *self.argv]
+        full = [*command, "--host", self.host, "--port", str(self.port), *self.argv, *self.extra_argv]
         self.print_fn(f"vllm: starting {' '.join(full)} (log: {self.log_path})")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(  # noqa: S603 - our own argv

@@ -36,6 +36,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--max-lora-rank", type=int, help="vLLM --max-lora-rank (default: the InferenceService's)")
     check.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default 0: a free one)")
     check.add_argument("--log", help="vLLM's log file (default: a temporary file, named when vLLM fails)")
+    check.add_argument("--max-tokens", type=int, default=32, help="greedy answer length in tokens (32)")
     check.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to answer (900)"
     )
@@ -60,6 +61,7 @@ def run_check(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         merged_dir=args.merged_dir,
         server_options=options,
+        max_tokens=args.max_tokens,
     )
     print(f"served models: {', '.join(result['models'])}")
     for name, text in result["answers"].items():

@@ -112,6 +112,7 @@ def test_serve_check_lora_form(serving_venv, trained_adapter, tiny_model_dir, tm
     cmd = [sys.executable, "-m", "llmft", "serve", "check", "--adapter", str(trained_adapter), "--name", "m"]
     cmd += ["--prompt", "What is the capital of France?", "--json", str(out), "--port", str(port)]
     cmd += ["--base", str(tiny_model_dir), "--max-lora-rank", "8", "--log", str(tmp_path / "vllm.log")]
+    cmd += ["--max-tokens", "8"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     log = tmp_path / "vllm.log"
     assert done.returncode == 0, (done.stderr[-2000:], log.read_text()[-4000:] if log.is_file() else "no vLLM log")
@@ -144,13 +145,13 @@ def test_deploy_mode_vllm_merged_form(serving_venv, trained_adapter, tiny_model_
         mode="vllm",
         form="merged",
         model_dir=str(merged),
-        vllm_options={"log_path": tmp_path / "vllm.log"},
+        # --enforce-eager: a plain model is torch.compiled at start (a minute or two here), a LoRA one is not
+        vllm_options={"log_path": tmp_path / "vllm.log", "max_tokens": 8, "extra_argv": ["--enforce-eager"]},
     )
     result = deploy_promoted(req, manifest_path=tmp_path / "isvc.yaml")
     assert result["status"] == "served-vllm"
     assert result["models"] == ["m"] and list(result["answers"]) == ["m"]
-    assert result["argv"][:4] == ["--model", str(merged), "--served-model-name", "m"]
-    assert not any(a.startswith("--enable-lora") for a in result["argv"])
+    assert result["argv"] == ["--model", str(merged), "--served-model-name", "m", "--dtype=bfloat16"]
 
 
 def test_vllm_refusals_carry_vllm_reason(serving_venv, trained_adapter, tiny_model_dir, tmp_path):
