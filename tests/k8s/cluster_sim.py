@@ -707,6 +707,44 @@ def katib_wrap(command: list[str], args: list[str], *, early_stopping: bool, met
     return head, [" ".join(words)]
 
 
+TRIAL_OWNER = ("kubeflow.org/v1beta1", "Trial")
+
+
+def katib_trial_job(obj: dict, get) -> tuple[str, str] | None:
+    """Katib v0.19.0's pod webhook walk to the object a Trial created (``getKatibJob``,
+    pkg/webhook/v1beta1/pod/inject_webhook.go 255-300): an object owned by a Trial (apiVersion
+    kubeflow.org/v1beta1, kind Trial) is the trial's job; else each owner is read (``get(apiVersion,
+    kind, name)``: the webhook's client Get, needing RBAC on that kind) and searched the same way.
+    (kind, name) of that job, or None (no injection)."""
+    owners = (obj.get("metadata") or {}).get("ownerReferences") or []
+    if any((o["apiVersion"], o["kind"]) == TRIAL_OWNER for o in owners):
+        return obj["kind"], obj["metadata"]["name"]
+    for owner in owners:
+        nested = get(owner["apiVersion"], owner["kind"], owner["name"])
+        found = katib_trial_job(nested, get) if nested is not None else None
+        if found is not None:
+            return found
+    return None
+
+
+def katib_mutates(pod: dict, get, trials: dict[str, dict]) -> str:
+    """What Katib's webhook does to ``pod`` (inject_webhook.go 110-129 MutationRequired, 131-166 Mutate):
+    ``none`` (no trial found: the job's name must be a Trial's), ``labels`` (a trial's pod that is not
+    its primary pod: utils.go 41-52 isPrimaryPod), or ``collector`` (the metrics collector injected
+    and the primary container wrapped, which must exist: utils.go getPrimaryContainerIndex)."""
+    found = katib_trial_job(pod, get)
+    if found is None or found[1] not in trials:
+        return "none"
+    spec = trials[found[1]]["spec"]
+    primary = spec.get("primaryPodLabels")
+    labels = pod["metadata"].get("labels") or {}
+    if primary and any(labels.get(k) != v for k, v in primary.items()):
+        return "labels"
+    names = [c["name"] for c in pod["spec"]["containers"]]
+    assert spec["primaryContainerName"] in names, f"primary container {spec['primaryContainerName']} not in {names}"
+    return "collector"
+
+
 def katib_early_stop(container: Container, metrics_dir: Path) -> None:
     """The collector's early stop (file-metricscollector/main.go 263-296): mark the main process's
     pid file ``early-stopped``, then SIGTERM its single child."""

@@ -23,7 +23,7 @@ from llmft.trainer.io import is_complete
 VALUES = {"learning_rate": "0.005", "lora_r": "4", "lora_alpha": "8", "lora_dropout": "0.0", "warmup_ratio": "0.0"}
 
 
-def trial(plan, name: str, *, early_stopping: bool, data: str, max_steps: int = 400) -> dict:
+def trial(plan, name: str, *, early_stopping: bool, data: str, max_steps: int = 400, eval_every: int = 0) -> dict:
     """The trial PyTorchJob Katib would create: the sweep step's template with the trial's values."""
     spec = apply_overrides(SweepSpec(name="llmft-sweep-t"), [f"early_stopping={str(early_stopping).lower()}"])
     body = sweep_trial_job(
@@ -31,7 +31,7 @@ def trial(plan, name: str, *, early_stopping: bool, data: str, max_steps: int = 
         job=plan.job,
         model=plan.trainer.model,
         data=data,
-        fixed_overrides=[f"max_steps={max_steps}", "save_every=0", "eval_every=0"],
+        fixed_overrides=[f"max_steps={max_steps}", "save_every=0", f"eval_every={eval_every}"],
         base_overrides=plan.trainer.overrides,
     )
     values = {**VALUES, "trial_name": name}
@@ -150,3 +150,32 @@ def test_the_script_starts_one_child_for_katibs_collector():
     script = katib_trial_script(TrainJobSpec(name="t"), early_stopping=True)
     assert script.startswith("{ ") and script.endswith("; }") and script.count(" & ") == 1
     assert "$(" not in script, "Kubernetes would try to expand $(...) as a variable"
+
+
+@pytest.mark.slow
+def test_katibs_stdout_collector_reads_the_trainers_real_eval_lines(sim, fake_cluster, sim_volume, tmp_path):
+    """Issue 29.7: the metrics file of a real trial (the trainer's stdout and stderr, redirected by
+    Katib's wrapper, utils.go 155-221) parsed as Katib v0.19.0's StdOut collector parses it
+    (pkg/metricscollector/v1beta1/file-metricscollector/file-metricscollector.go 72-126, mirrored by
+    katib/metrics.parse_metric_lines, with the Experiment's filter METRICS_FILTER) gives exactly the
+    evaluations the trainer recorded in metrics.jsonl: none missed, none invented by other lines
+    (train steps, warnings, progress), values to the printed 6 decimals."""
+    from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC, parse_metric_lines
+
+    plan = sim_plan(sim_volume, run_id="sweep-metrics")
+    metrics = _metrics(tmp_path)
+    metrics.parent.mkdir()
+    sim.katib = {"early_stopping": True, "metrics_file": metrics}
+    body = trial(plan, "trial-metrics", early_stopping=True, data=f"{sim_volume}/tokenized/demo", max_steps=4,
+                 eval_every=2)  # fmt: skip
+    fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, body)
+    wait_for_job(fake_cluster, "trial-metrics", fake_cluster.namespace, timeout_s=600, poll_s=0.2,
+                 print_fn=lambda _: None)  # fmt: skip
+    names = [OBJECTIVE_METRIC, *ADDITIONAL_METRICS]
+    observed = parse_metric_lines(metrics.read_text(errors="replace"), names, METRICS_FILTER)
+    run = sim_volume / "sweeps" / "llmft-sweep-t" / "trial-metrics"
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert len(evals) >= 2, events
+    expected = [(name, round(e[name], 6)) for e in evals for name in names]
+    assert observed == expected, metrics.read_text()[-2000:]

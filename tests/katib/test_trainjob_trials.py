@@ -140,3 +140,44 @@ def test_the_hpo_step_runs_trainjob_trials_for_training_backend_trainjob(tmp_pat
     assert trial["spec"]["trainer"]["numNodes"] == 2 and trial["spec"]["trainer"]["numProcPerNode"] == 8
     assert "data=/data/tokenized/abc123" in trial["spec"]["trainer"]["args"][0]
     assert created["spec"]["trialTemplate"]["primaryContainerName"] == "node"
+
+
+def _owned(obj: dict, owner: dict) -> dict:
+    reference = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+                 "uid": f"uid-{owner['metadata']['name']}", "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+    obj.setdefault("metadata", {})["ownerReferences"] = [reference]
+    return obj
+
+
+def test_katibs_webhook_walks_from_a_trainjob_trials_pods_to_the_trial_and_injects_node_zero(built, crd_dir):
+    """Issue 29.7: Katib v0.19.0 injects its metrics collector into a pod when the owner chain leads to a
+    Trial (pkg/webhook/v1beta1/pod/inject_webhook.go 110-129, 255-300): Pod -> Job (the Job controller
+    owns its pods) -> JobSet (the JobSet controller owns its Jobs) -> TrainJob (trainer v2.3.0
+    pkg/runtime/framework/plugins/jobset/jobset.go 427-433) -> Trial (katib
+    pkg/controller.v1beta1/trial/trial_controller.go 332), and the trial's job carries the trial's name.
+    Katib's controller may read JobSets and TrainJobs (its manifests/v1beta1/components/controller/rbac.yaml
+    93-110). Only the primary pod (primaryPodLabels: node 0) gets the collector, and it has the primary
+    container; with a link of the chain unreadable nothing is injected."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
+    from cluster_sim import katib_mutates
+
+    sim = _simulator()
+    name = f"{built['metadata']['name']}-x7k2m9qz"
+    template = built["spec"]["trialTemplate"]
+    trial = {"apiVersion": "kubeflow.org/v1beta1", "kind": "Trial", "metadata": {"name": name},
+             "spec": {k: template[k] for k in ("primaryPodLabels", "primaryContainerName")}}  # fmt: skip
+    trainjob = _owned(_as_katib_creates_it(built, name), trial)
+    jobset_spec = sim.build_jobset(sim.load_runtime(crd_dir, "torch_distributed"), trainjob)
+    jobset = _owned({"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": name}}, trainjob)
+    job = _owned({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-node-0"}}, jobset)
+    pods = [_owned(p, job) for p in sim.node_pods(jobset_spec, name, "team-a")]
+    objects = {(o["apiVersion"], o["kind"], o["metadata"]["name"]): o for o in (trial, trainjob, jobset, job)}
+
+    def get(api_version: str, kind: str, obj_name: str):
+        return objects.get((api_version, kind, obj_name))
+
+    index = "batch.kubernetes.io/job-completion-index"
+    done = {p["metadata"]["labels"][index]: katib_mutates(p, get, {name: trial}) for p in pods}
+    assert done["0"] == "collector" and all(v == "labels" for k, v in done.items() if k != "0"), done
+    del objects[("jobset.x-k8s.io/v1alpha2", "JobSet", name)]  # e.g. no RBAC on jobsets: the walk stops
+    assert katib_mutates(pods[0], get, {name: trial}) == "none"
