@@ -47,7 +47,7 @@ def deploy_adapter(
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # deploy_mode=local loads the base model: before transformers is imported
-    from llmft.components.lib.deployment import DeployRequest, deploy_promoted
+    from llmft.components.lib.deployment import DEFAULT_PROMPTS, DeployRequest, deploy_promoted
     from llmft.components.lib.registry import is_champion
     from llmft.components.lib.serving_form import read_form
 
@@ -79,7 +79,7 @@ def deploy_adapter(
         form=form.form,
         model_dir=form.model_dir,
         form_reason=form.reason,
-        **({"prompts": tuple(settings.prompts)} if settings.prompts else {}),
+        prompts=tuple(settings.prompts) or DEFAULT_PROMPTS,
     )
     os.makedirs(manifest.path, exist_ok=True)
     result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))

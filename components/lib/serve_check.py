@@ -109,14 +109,14 @@ def serve_check(
     """Serve ``adapter_dir`` (as ``name``) with a real vLLM and smoke-test it; ``{"models", "answers"}``.
     Every refusal is a one-line LlmftError (exit 1) and nothing is served after it."""
     from llmft.components.lib.deployment import deploy_promoted
-    from llmft.components.lib.serving import ServeSpec
+    from llmft.components.lib.serving import DEFAULT_MAX_LORA_RANK
     from llmft.components.lib.serving_form import prepare_serving_form
 
     adapter = Path(adapter_dir).resolve()
     if not adapter.is_dir():
         raise ConfigError(f"--adapter {adapter_dir}: not a directory")
     base_dir = base_model_dir(adapter, base)
-    rank = max_lora_rank or ServeSpec.__dataclass_fields__["max_lora_rank"].default
+    rank = max_lora_rank or DEFAULT_MAX_LORA_RANK
     with tempfile.TemporaryDirectory(prefix="llmft-serve-check-") as tmp:
         try:
             form = prepare_serving_form(

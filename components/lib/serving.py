@@ -55,6 +55,8 @@ HF_TOKEN_SECRET = SecretEnv("HF_TOKEN", "llmft-hf-token", "HF_TOKEN")
 FORM_LABEL = "llmft/served-form"
 """Label of the InferenceService: ``lora`` (base + adapter as a LoRA module) or ``merged`` (one plain model)."""
 LORA_FLAGS = ("--enable-lora", "--lora-modules", "--max-lora-rank")
+DEFAULT_MAX_LORA_RANK = 64
+"""vLLM ``--max-lora-rank`` of a :class:`ServeSpec` that names none (``llmft serve check`` without one)."""
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -81,7 +83,7 @@ class ServeSpec:
     """Namespace (None = the Cluster's namespace)."""
     model_name: str | None = None
     """Served name of the base model (None = ``<lora_name>-base``); never the LoRA name."""
-    max_lora_rank: int = 64
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     """vLLM ``--max-lora-rank``: at least the adapter's rank."""
     max_model_len: int | None = None
     """Context length the server allocates for (None = the model's maximum)."""

@@ -343,7 +343,8 @@ def _post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
 def _message(body: Any) -> str:
     """The error message of a vLLM error answer, on one line."""
     if isinstance(body, dict):
-        inner = body.get("error") if isinstance(body.get("error"), dict) else body
+        error = body.get("error")
+        inner: dict = error if isinstance(error, dict) else body
         body = inner.get("message") or inner.get("detail") or body
     return " ".join(str(body).split())
 
