@@ -49,7 +49,11 @@ if triton is not None:
         k1 = tl.load(seed_ptr + 2 * j + 1).to(tl.uint32, bitcast=True)
         return k0, k1
 
-    @triton.jit
+    def _configs(shapes):
+        return [triton.Config({"BM": bm, "BK": bk}, num_warps=w) for bm, bk, w in shapes]
+
+    @triton.autotune(_configs([(32, 64, 4), (32, 128, 4), (64, 64, 4), (128, 64, 8)]), key=["K", "N_SIB", "R"])
+    @triton.jit(do_not_specialize=["M"])
     def _down_kernel(x_ptr, a_ptr, h_ptr, seed_ptr, M, K, sxm, sam, shm, thresh, scale,
                     N_SIB: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
@@ -89,7 +93,8 @@ if triton is not None:
         if N_SIB > 2:
             tl.store(dst + 2 * R, (acc2 * scale).to(h_ptr.dtype.element_ty), mask=row_ok)
 
-    @triton.jit
+    @triton.autotune(_configs([(64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 128, 4)]), key=["K", "N_SIB", "R"])
+    @triton.jit(do_not_specialize=["M"])
     def _up_add_kernel(base_ptr, dh_ptr, a_ptr, out_ptr, seed_ptr, M, K, sbm, sdm, sam, thresh, scale,
                       N_SIB: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -109,8 +114,13 @@ if triton is not None:
         base = tl.load(base_ptr + ptrs, mask=row_ok & col_ok, other=0.0)
         tl.store(out_ptr + ptrs, (base.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
 
-    @triton.jit
-    def _grad_a_kernel(dh_ptr, x_ptr, ga_ptr, seed_ptr, M, K, sdm, sxm, thresh, scale, ROWS_PER,
+    @triton.autotune(
+        _configs([(64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 128, 4)]),
+        key=["K", "N_SIB", "R"],
+        reset_to_zero=["ga_ptr"],
+    )
+    @triton.jit(do_not_specialize=["M"])
+    def _grad_a_kernel(dh_ptr, x_ptr, ga_ptr, seed_ptr, M, K, sdm, sxm, thresh, scale, SPLITS,
                       N_SIB: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         pid_k, pid_s = tl.program_id(0), tl.program_id(1)
         offs_k = pid_k * BK + tl.arange(0, BK)
@@ -119,7 +129,7 @@ if triton is not None:
         for j in tl.static_range(N_SIB):
             k0, k1 = _seed_words(seed_ptr, j)
             acc = tl.zeros([R, BK], dtype=tl.float32)
-            for m_start in range(pid_s * ROWS_PER, tl.minimum(M, (pid_s + 1) * ROWS_PER), BM):
+            for m_start in range(pid_s * BM, M, SPLITS * BM):
                 offs_m = m_start + tl.arange(0, BM)
                 row_ok = offs_m[:, None] < M
                 x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=row_ok & col_ok, other=0.0)
@@ -137,10 +147,9 @@ if triton is not None:
         x2, a = x2.contiguous(), a.contiguous().to(x2.dtype)
         n, (m, k) = seeds.shape[0], x2.shape
         h = torch.empty((m, n * rank), dtype=x2.dtype, device=x2.device)
-        bm, bk = 64, 64
-        _down_kernel[(triton.cdiv(m, bm),)](
+        _down_kernel[lambda meta: (triton.cdiv(m, meta["BM"]),)](
             x2, a, h, seeds.contiguous(), m, k, x2.stride(0), a.stride(0), h.stride(0), threshold(p), _scale(p),
-            N_SIB=n, R=rank, BM=bm, BK=bk,
+            N_SIB=n, R=rank,
         )  # fmt: skip
         return h
 
@@ -155,10 +164,9 @@ if triton is not None:
         base, dh, a = base.contiguous(), dh.contiguous().to(base.dtype), a.contiguous().to(base.dtype)
         n, (m, k) = seeds.shape[0], base.shape
         out = torch.empty_like(base)
-        bm, bk = 64, 128
-        _up_add_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
+        _up_add_kernel[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(k, meta["BK"]))](
             base, dh, a, out, seeds.contiguous(), m, k, base.stride(0), dh.stride(0), a.stride(0), threshold(p),
-            _scale(p), N_SIB=n, R=rank, BM=bm, BK=bk,
+            _scale(p), N_SIB=n, R=rank,
         )  # fmt: skip
         return out
 
@@ -171,13 +179,10 @@ if triton is not None:
         x2, dh = x2.contiguous(), dh.contiguous().to(x2.dtype)
         n, (m, k) = seeds.shape[0], x2.shape
         ga = torch.zeros((n * rank, k), dtype=torch.float32, device=x2.device)
-        bm, bk = 64, 128
-        k_blocks = triton.cdiv(k, bk)
-        splits = max(1, min(triton.cdiv(m, bm), 528 // k_blocks))
-        rows_per = triton.cdiv(triton.cdiv(m, splits), bm) * bm
-        _grad_a_kernel[(k_blocks, triton.cdiv(m, rows_per))](
-            dh, x2, ga, seeds.contiguous(), m, k, dh.stride(0), x2.stride(0), threshold(p), _scale(p), rows_per,
-            N_SIB=n, R=rank, BM=bm, BK=bk,
+        splits = max(1, min(triton.cdiv(m, 64), 528 // triton.cdiv(k, 128)))
+        _grad_a_kernel[lambda meta: (triton.cdiv(k, meta["BK"]), splits)](
+            dh, x2, ga, seeds.contiguous(), m, k, dh.stride(0), x2.stride(0), threshold(p), _scale(p), splits,
+            N_SIB=n, R=rank,
         )  # fmt: skip
         return ga
 
