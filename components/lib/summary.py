@@ -132,7 +132,7 @@ def _deploy_lines(facts: dict[str, Any]) -> list[str]:
     for sample in (deployment.get("samples") or [])[:1]:
         lines += [
             f"sample      prompt:  {sample['prompt']}",
-            f"            base:    {_clip(sample['base'])}",
+            f"            base:    {_clip(sample['base'] if sample['base'] is not None else '(none: merged form)')}",
             f"            adapter: {_clip(sample['adapter'])}",
         ]
     return lines

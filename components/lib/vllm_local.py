@@ -383,5 +383,6 @@ def serve_and_check(
                 raise VllmRefusedError(f"vLLM smoke test failed: {' '.join(str(exc).split())}") from None
             models = smoke["models"]
             answers = {adapter: smoke["text"]} | ({base: smoke["base_text"]} if base else {})
-            samples.append({"prompt": prompt, "answers": answers})
+            # base/adapter: the keys of deploy_mode=local's samples (the run summary reads them); None: merged form
+            samples.append({"prompt": prompt, "answers": answers, "base": smoke["base_text"], "adapter": smoke["text"]})
     return {"models": models, "answers": samples[0]["answers"], "samples": samples, "argv": argv}

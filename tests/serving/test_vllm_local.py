@@ -272,3 +272,17 @@ def test_ctrl_c_while_waiting_stops_the_server(fake_server, tmp_path, monkeypatc
             pass
     assert started and _gone(started[0])
     assert server.process is None and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_run_summary_reads_vllm_samples_of_both_forms():
+    """deploy_mode=vllm's deployment.json in the run summary (llmft pipeline run-local): the LoRA form's base and
+    adapter answers, and the merged form's one model."""
+    from llmft.components.lib.summary import _deploy_lines
+
+    lora = {"prompt": "q?", "answers": {"m": "A", "m-base": "B"}, "base": "B", "adapter": "A"}
+    merged = {"prompt": "q?", "answers": {"m": "A"}, "base": None, "adapter": "A"}
+    for sample, base in ((lora, "B"), (merged, "(none: merged form)")):
+        deployment = {"status": "served-vllm", "mode": "vllm", "samples": [sample], "manifest": "m.yaml"}
+        lines = _deploy_lines({"deployment": deployment})
+        assert any(line.endswith(f"base:    {base}") for line in lines), lines
+        assert any(line.endswith("adapter: A") for line in lines), lines

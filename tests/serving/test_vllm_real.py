@@ -151,6 +151,7 @@ def test_deploy_mode_vllm_merged_form(serving_venv, trained_adapter, tiny_model_
     result = deploy_promoted(req, manifest_path=tmp_path / "isvc.yaml")
     assert result["status"] == "served-vllm"
     assert result["models"] == ["m"] and list(result["answers"]) == ["m"]
+    assert result["samples"][0]["base"] is None and result["samples"][0]["adapter"] == result["answers"]["m"]
     assert result["argv"] == ["--model", str(merged), "--served-model-name", "m", "--dtype=bfloat16"]
 
 
