@@ -27,8 +27,14 @@ played by tests/k8s/cluster_sim.py, which runs this code against real `llmft tra
 * **Pending is explained.** When pods stay Pending, their events and waiting reasons (no GPU, an
   untolerated taint, an unbound PVC, ImagePullBackOff, a missing Secret) are printed, at most once
   every ``pending_every`` polls.
-* **Cancel frees GPUs.** SIGTERM deletes the job (components/lib/cleanup.py), and the job is owned
-  by the run's Argo Workflow, never by this pod (see cleanup.py for why).
+* **Cancel frees GPUs; eviction does not.** SIGTERM deletes the job when the run was cancelled or
+  timed out, and keeps it when this pod was evicted (the retry re-attaches): components/lib/cleanup.py
+  ``sigterm_cause``. The job is owned by the run's Argo Workflow, never by this pod.
+* **A recreated job never meets its predecessor.** A failed job is deleted with foreground
+  propagation and recreated only once it and its pods are gone (:func:`wait_until_gone`).
+* **Pods that never start are counted.** The operator recreates a pod whose container never ran
+  (exit ``0xbeef``) without end; after ``NEVER_STARTED_LIMIT`` such recreations the job is deleted
+  and the step fails with the pods' reasons (components/lib/pod_starts.py).
 """
 
 from __future__ import annotations

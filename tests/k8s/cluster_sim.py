@@ -19,9 +19,19 @@ plays the controllers behind it, each rule following the upstream source it cite
     Failed;
   - ``cleanPodPolicy`` on a finished job (``pkg/controller.v1/common/job.go`` 43-69): None keeps
     every pod, Running deletes the Running and Pending ones, All deletes all;
-  - deleting a job deletes its pods (owner references, background propagation).
+  - a pod whose container never ran gets exit code 0xbeef and is recreated (``pod.go`` 339-366;
+    ``ClusterSim.never_start`` makes pods fail before start, as a kubelet admission error does);
+  - pods are owned by their job (``job_controller.go`` 222-233, blockOwnerDeletion); deleting a job
+    deletes its pods: with background propagation the job goes at once, with foreground it stays
+    (``deletionTimestamp``) until its pods are gone (kubernetes.io/docs/concepts/architecture/
+    garbage-collection); a new job's pod whose name an old, terminating pod still holds is not
+    created (AlreadyExists; ``ClusterSim.collisions``).
+* KFP 2.4/2.5 and Argo v3.4.17 (``ClusterSim.kfp_launcher``): the launcher pod owned by its Workflow;
+  cancel (``activeDeadlineSeconds`` 0), ``spec.shutdown``, the Workflow's deadline and an eviction
+  (``DisruptionTarget`` condition) each end in SIGTERM to the launcher, which is the test's process.
 * Kubelet and container runtime: deleting a pod sends SIGTERM to the container's main process and
-  SIGKILL after ``terminationGracePeriodSeconds`` (default 30 s); when the main process exits, every
+  SIGKILL after ``terminationGracePeriodSeconds`` (default 30 s), the pod staying in the API
+  (Terminating) until its container has ended; when the main process exits, every
   other process of the container dies too (the kernel ends a PID namespace with its init; with a
   shared one, containerd's runc shim kills them, ``ShouldKillAllOnExit``); ``$(VAR)`` and ``$$`` in
   command and args are expanded from the container's env (k8s.io/kubernetes
@@ -32,7 +42,8 @@ plays the controllers behind it, each rule following the upstream source it cite
   and an image that cannot be pulled stay Pending with the waiting reason, condition and event the
   scheduler and kubelet write.
 * Katib v0.19.0 (:func:`katib_wrap`): the metrics-collector wrapper of a trial's primary container
-  (``pkg/webhook/v1beta1/pod/utils.go`` 155-221) and the collector's early stop
+  (``pkg/webhook/v1beta1/pod/utils.go`` 155-221), the webhook's walk from a pod to its Trial
+  (:func:`katib_mutates`, ``inject_webhook.go`` 110-166, 255-300) and the collector's early stop
   (``cmd/metricscollector/v1beta1/file-metricscollector/main.go`` 263-296); Experiments go Running.
 * KServe v0.20.0 (:class:`FakeVllm`): an InferenceService turns Ready with a URL (Ready condition
   plus ``status.url``: ``pkg/apis/serving/v1beta1/inference_service_status.go`` 306-309); its
