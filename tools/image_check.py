@@ -18,9 +18,9 @@ module, the component's own source as compiled, its function, and every import i
 loaded the way ``kfp.dsl.executor_main`` loads them; and the PyTorchJob and TrainJob containers
 (`llmft pipeline render-job`) with their own command and args plus ``--print-config``.
 
-Not covered: the Python version of the trainer image (3.12 there; the check uses its own
-interpreter), CUDA, the non-root USER, and the Katib trial's ``sh -c`` wrapper (its ``llmft train``
-arguments are the PyTorchJob's). pip's cache is reused; a warm cache makes the check a few minutes.
+Not covered: the Python version of the trainer image (3.12 there; the venvs are made by the python3 on
+this machine's PATH), CUDA, the non-root USER, and the Katib trial's ``sh -c`` wrapper (its ``llmft train``
+arguments are the PyTorchJob's). pip's cache is reused.
 
     python tools/image_check.py [--torch-spec torch==2.13.0] [--torch-index URL] [--work DIR]
 """
@@ -288,12 +288,14 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def run(argv: list[str], *, env: dict[str, str], cwd: str | Path, what: str, stdin: str | None = None) -> str:
+def run(
+    argv: list[str], *, env: dict[str, str], cwd: str | Path, what: str, stdin: str | None = None, shown: str = ""
+) -> str:
     """Run ``argv`` (printed first); its stdout, or CheckFailed naming ``what`` with the output's tail.
 
     With VIRTUAL_ENV in ``env`` (an image's), the program must come from that venv (but for creating it):
     nothing of this machine's own Python may stand in for the image's, nor be installed into."""
-    shown = shlex.join(argv)
+    shown = shown or shlex.join(argv)
     log(f"  $ {shown if len(shown) < 400 else shown[:400] + ' ...'}")
     program, started = shutil.which(argv[0], path=env.get("PATH")) or argv[0], time.monotonic()
     venv = env.get("VIRTUAL_ENV")
@@ -449,13 +451,12 @@ def check_containers(envs: dict[str, dict[str, str]], out: Path) -> None:
     trainer, pipeline = envs["trainer"], envs["pipeline"]
     run(["llmft", "train", "--help"], env=trainer, cwd=out, what="trainer image: llmft train --help")
     for image, entries in compiled_executors(pipeline, out).items():
-        env = envs[role_of[image]]
+        env = {**envs[role_of[image]], "_KFP_RUNTIME": "true"}  # as the compiled command sets it
         log(f"  {role_of[image]} image: {', '.join(task for task, _, _ in entries)}")
         probe = json.dumps([[program, function] for _, program, function in entries])
         what = f"{role_of[image]} image: the components' entry points"
-        loaded = run(
-            ["python3", "-c", EXECUTOR_PROBE], env={**env, "_KFP_RUNTIME": "true"}, cwd=out, what=what, stdin=probe
-        )
+        shown = f'_KFP_RUNTIME=true python3 -c "$EXECUTOR_PROBE"  # {len(entries)} compiled components on stdin'
+        loaded = run(["python3", "-c", EXECUTOR_PROBE], env=env, cwd=out, what=what, stdin=probe, shown=shown)
         log("    " + loaded.strip().replace("\n", "\n    "))
     for kind, image, argv in job_containers(pipeline, out):
         check = ["--print-config"] if argv[:2] == ["llmft", "train"] else ["--help"]

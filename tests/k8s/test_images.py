@@ -6,6 +6,8 @@ from __future__ import annotations
 import configparser
 import importlib
 import importlib.util
+import io
+import json
 import re
 import shlex
 import sys
@@ -283,3 +285,31 @@ def test_the_torch_install_takes_the_given_spec_and_index(repo_root, tmp_path):
     (torch,) = [c for c in plan if not isinstance(c, str) and any(a.startswith("torch") for a in c.argv)]
     assert torch.argv == ["pip", "install", "torch==9.9.9", "--index-url", "https://index.example/cpu"]
     assert "cu128" in torch.note
+
+
+COMPILED_HEADER = "import kfp\nfrom kfp import dsl\nfrom kfp.dsl import *\nfrom typing import *\n\n"
+"""How KFP starts the program of a lightweight component it compiles (the component's source follows)."""
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ("    import json\n    from llmft.components.lib.plan import read_plan\n", None),
+        ("    from llmft.components.lib.plan import no_such_name\n", "no_such_name"),
+        ("    if plan:\n        from components.lib.plan import read_plan\n", "No module named 'components'"),
+    ],
+)
+def test_the_executor_probe_resolves_every_import_in_a_components_body(tmp_path, monkeypatch, capsys, body, error):
+    """What the check runs in an image for each compiled component: KFP's loader, the function by name, then every
+    import in its body, conditional ones too; an import the image cannot satisfy fails it."""
+    program = COMPILED_HEADER + f"def step(plan: Input[Artifact]):\n{body}"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps([[program, "step"]])))
+    monkeypatch.chdir(tmp_path)  # as in the image: no checkout on sys.path to shadow the installed package
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(REPO_ROOT))])
+    monkeypatch.setitem(sys.modules, "ephemeral_component", None)
+    if error is None:
+        exec(image_check.EXECUTOR_PROBE, {})
+        assert capsys.readouterr().out == "step: llmft.components.lib.plan.read_plan\n"
+    else:
+        with pytest.raises(ImportError, match=error):
+            exec(image_check.EXECUTOR_PROBE, {})
