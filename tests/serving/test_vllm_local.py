@@ -286,3 +286,20 @@ def test_the_run_summary_reads_vllm_samples_of_both_forms():
         lines = _deploy_lines({"deployment": deployment})
         assert any(line.endswith(f"base:    {base}") for line in lines), lines
         assert any(line.endswith("adapter: A") for line in lines), lines
+
+
+def test_deploy_mode_vllm_that_cannot_serve_returns_nothing_deployed(small_adapter, tmp_path, monkeypatch):
+    """The deploy step writes deployment.json only from what deploy_promoted returns: a vLLM that cannot start
+    raises (one line, exit 1) after the manifest, so nothing is marked deployed."""
+    import shutil
+
+    from llmft.components.lib.deployment import deploy_promoted
+
+    monkeypatch.setenv(vllm_local.SERVING_VENV_ENV, str(tmp_path / "no-venv"))
+    volume = tmp_path / "vol"
+    shutil.copytree(small_adapter, volume / "models" / "m" / "adapter")
+    shutil.copytree(small_adapter.parent / "base", volume / "base-models" / "tiny")
+    with pytest.raises(VllmRefusedError, match="make serving-venv") as refused:
+        deploy_promoted(deploy_request(volume, "adapter", mode="vllm"), manifest_path=tmp_path / "isvc.yaml")
+    assert refused.value.exit_code == 1 and "\n" not in str(refused.value)
+    assert (tmp_path / "isvc.yaml").is_file()  # the manifest was written and validated first
