@@ -54,6 +54,24 @@ write_model_dir('llama-3-8b', Path('/tmp/llmft-project/models'))" && echo "8B ch
   echo "done at ${SECONDS}s"; exit 0
 fi
 
+# Second 4-GPU call (`bash benchmarks/gpu/scaleout.sh zero3-multinode`): ZeRO-3 8B full on 2 then 4 GPUs, both
+# with gradient checkpointing (the 2-GPU arm ran out of memory without it), then the multi-node path.
+if [ "${1:-}" = "zero3-multinode" ]; then
+  CUDA_VISIBLE_DEVICES=0 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \
+write_model_dir('llama-3-8b', Path('/tmp/llmft-project/models'))" && echo "8B checkpoint written at ${SECONDS}s"
+  wait; cat "$W/ds_install.log"
+  Z3="--override distributed.backend=deepspeed --override distributed.zero_stage=3 --no-compile"
+  Z3="$Z3 --override model.gradient_checkpointing=true"
+  CUDA_VISIBLE_DEVICES=0,1 bench --out "$OUT" --label zero3-ckpt-2gpu --jobs "check,project:llama-3-8b:full" --steps 8 \
+    --warmup 3 --extra "--nproc 2 $Z3" --deadline-s $(left 250) --arm-timeout-s $(left 250)
+  bench --out "$OUT" --label zero3-ckpt-4gpu --jobs "project:llama-3-8b:full" --steps 8 --warmup 3 \
+    --extra "--nproc 4 $Z3" --deadline-s $(left 420) --arm-timeout-s $(left 420)
+  timeout $(left 570) python3 -m llmft.benchmarks.gpu.multinode --model qwen2.5-0.5b --gpus-per-node 2 --steps 30 \
+    --preempt-at 10 --timeout 80 --logs "$W/multinode-logs" --json-out "$OUT/multinode.json" 2>&1 | tail -n 40
+  tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' --exclude='./models' --exclude='./data' --exclude='./runs' .
+  echo "done at ${SECONDS}s"; exit 0
+fi
+
 # The 8B checkpoint once, before the arms read it.
 CUDA_VISIBLE_DEVICES=0 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \
 write_model_dir('llama-3-8b', Path('/tmp/llmft-project/models'))" && echo "8B checkpoint written at ${SECONDS}s"
@@ -63,17 +81,17 @@ Z3="--override distributed.backend=deepspeed --override distributed.zero_stage=3
 # 1. ZeRO-3 8B full on GPUs 2,3 (separate result folder, merged below) beside 8B LoRA on GPU 0; then ZeRO-3 on 4.
 (CUDA_VISIBLE_DEVICES=2,3 python3 -m llmft bench train --work "$W" --out "$W/z2out" --label zero3-2gpu \
   --jobs "project:llama-3-8b:full" --steps 8 --warmup 3 --extra "--nproc 2 $Z3" \
-  --deadline-s $(left 300) --arm-timeout-s $(left 300) > "$W/z2.log" 2>&1) &
+  --deadline-s $(left 330) --arm-timeout-s $(left 330) > "$W/z2.log" 2>&1) &
 Z2=$!
 CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label 1gpu --jobs "check,project:llama-3-8b:lora" --steps 14 --warmup 4 \
   --deadline-s $(left 300) --arm-timeout-s $(left 300)
 wait $Z2; tail -n 30 "$W/z2.log"; bench --out "$OUT" --jobs "" --merge-from "$W/z2out"; df -h /tmp | tail -1
 bench --out "$OUT" --label zero3-4gpu --jobs "project:llama-3-8b:full" --steps 8 --warmup 3 --extra "--nproc 4 $Z3" \
-  --deadline-s $(left 420) --arm-timeout-s $(left 420)
+  --deadline-s $(left 450) --arm-timeout-s $(left 450)
 
 # 2. 8B LoRA DDP on 4 GPUs, then 2.
 bench --out "$OUT" --label ddp-4gpu --jobs "project:llama-3-8b:lora" --steps 14 --warmup 4 --extra "--nproc 4" \
-  --deadline-s $(left 530) --arm-timeout-s $(left 530)
+  --deadline-s $(left 565) --arm-timeout-s $(left 565)
 [ $(left 585) -gt 90 ] && CUDA_VISIBLE_DEVICES=0,1 bench --out "$OUT" --label ddp-2gpu --jobs "project:llama-3-8b:lora" \
   --steps 14 --warmup 4 --extra "--nproc 2" --deadline-s $(left 585) --arm-timeout-s $(left 585)
 
