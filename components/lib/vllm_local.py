@@ -162,10 +162,12 @@ def check_port_free(host: str, port: int) -> None:
 def vllm_reason(log_text: str) -> str:
     """vLLM's own reason from the tail of its log: the last ``SomeError: message`` line, else the last line."""
     lines = [line.strip() for line in log_text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        match = _REASON.search(line)
+    for index in range(len(lines) - 1, -1, -1):
+        match = _REASON.search(lines[index])
         if match and not match.group(2).startswith("Traceback"):
-            return f"{match.group(1)}: {match.group(2)}"
+            reason = f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"
+            detail = next((line for line in lines[index + 1 :] if "Value error, " in line), None)  # pydantic's why
+            return f"{reason}: {detail.split('Value error, ', 1)[1]}" if detail else reason
     return lines[-1] if lines else "(no output)"
 
 

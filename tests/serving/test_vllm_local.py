@@ -96,6 +96,16 @@ def test_vllms_reason_is_the_last_error_line_of_its_log():
     )
     assert vllm_reason(log) == "ValueError: LoRA rank 16 is greater than max_lora_rank 8."
     assert vllm_reason("just a line\n\n") == "just a line"
+    pydantic = textwrap.dedent(
+        """\
+        (APIServer pid=9) pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+          Value error, Invalid repository ID or local directory specified: '/m'.
+        Please verify the following requirements:
+        """
+    )
+    assert vllm_reason(pydantic) == (
+        "ValidationError: 1 validation error for ModelConfig: Invalid repository ID or local directory specified: '/m'."
+    )
 
 
 def test_no_serving_venv_names_the_make_target(tmp_path, monkeypatch):

