@@ -320,12 +320,10 @@ def build_context(dockerfile: Path, destination: Path) -> Path:
     sends them (the checkout's files, filtered by the .dockerignore), copied to ``destination``."""
     patterns = dockerignore_patterns(dockerfile)
     sources = [src for srcs, dest in copies(instructions(dockerfile)) if not dest.startswith("/") for src in srcs]
-    for name in checkout_files():
-        if any(name == s or name.startswith(s.rstrip("/") + "/") for s in sources) and dockerignore_keeps(
-            patterns, name
-        ):
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO_ROOT / name, destination / name, follow_symlinks=False)
+    copied = [n for n in checkout_files() if any(n == s or n.startswith(s.rstrip("/") + "/") for s in sources)]
+    for name in (n for n in copied if dockerignore_keeps(patterns, n)):
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, destination / name, follow_symlinks=False)
     return destination
 
 
