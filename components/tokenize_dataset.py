@@ -37,6 +37,7 @@ def tokenize_dataset(
         run_plan.layout.root,
         max_length=data.max_length,
         pack=data.packing,
+        revision=run_plan.trainer.revision,
     )
     output_dir = manifest["path"]
 

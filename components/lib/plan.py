@@ -190,6 +190,8 @@ class TrainerPlan:
     """``key=value`` overrides (the pipeline's, then ``train_overrides``)."""
     user_overrides: tuple[str, ...] = ()
     """The ``train_overrides`` part alone (the sweep warns when its best values replace one)."""
+    revision: str | None = None
+    """``model.revision`` of the overrides: the tokenize step reads the tokenizer the trainer loads."""
 
     def command_overrides(self, data_dir: str, extra: typing.Sequence[str] = ()) -> list[str]:
         """The full list for the trainer: the plan's, ``data=``, then ``extra`` (a sweep's best, which win)."""
@@ -478,8 +480,14 @@ def trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan:
     if p.mlflow_experiment:
         overrides.append(f"observe.mlflow_experiment={p.mlflow_experiment}")
     user = extra_override_list(p.train_overrides, "train_overrides")
+    revisions = [o.split("=", 1)[1] for o in user if o.startswith("model.revision=")]
     return TrainerPlan(
-        model=p.model, method=p.method, run_dir=run_dir, overrides=(*overrides, *user), user_overrides=tuple(user)
+        model=p.model,
+        method=p.method,
+        run_dir=run_dir,
+        overrides=(*overrides, *user),
+        user_overrides=tuple(user),
+        revision=(revisions[-1] or None) if revisions else None,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 
 def tokenize_to_volume(
-    input_dir: str | Path, model: str, root: str | Path, *, max_length: int, pack: bool
+    input_dir: str | Path, model: str, root: str | Path, *, max_length: int, pack: bool, revision: str | None = None
 ) -> dict[str, Any]:
     """Tokenize ``input_dir`` into ``<root>/tokenized/<cache_key>``; the manifest gains ``path``. A local
     ``model`` directory without weights or tokenizer is refused first (it could not be trained on)."""
@@ -21,9 +21,9 @@ def tokenize_to_volume(
     from llmft.trainer.model_dir import check_model_dir
 
     check_model_dir(model)
-    key = cache_key_for(input_dir, model, max_length=max_length, pack=pack)
+    key = cache_key_for(input_dir, model, max_length=max_length, pack=pack, revision=revision)
     output_dir = Path(root) / "tokenized" / key
-    manifest = tokenize_dataset(input_dir, model, output_dir, max_length=max_length, pack=pack)
+    manifest = tokenize_dataset(input_dir, model, output_dir, max_length=max_length, pack=pack, revision=revision)
     if manifest["cache_key"] != key:  # the tokenizer's key definition moved: keep the folder honest
         from llmft.trainer.errors import DataError
 

@@ -86,6 +86,11 @@ def _add_tokenize(sub) -> None:
         default=None,
         help="fallback template when the tokenizer has none: 'chatml', a .jinja file, or Jinja text",
     )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="hub revision (branch, tag or commit) of --model's tokenizer: give the trainer's model.revision",
+    )
     p.set_defaults(func=run_tokenize)
 
 
@@ -155,6 +160,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         max_drop_fraction=args.max_drop_fraction,
         force=args.force,
+        revision=args.revision,
     )
     print(tokenize_summary(manifest, args.output))
     return 0

@@ -269,3 +269,10 @@ def test_plan_dataclasses_are_frozen():
     plan = make_plan()
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.run_id = "other"
+
+
+def test_the_plan_carries_model_revision_from_train_overrides():
+    """The tokenize step tokenizes with the tokenizer revision the trainer loads (the last override wins)."""
+    pinned = "b" * 40
+    assert make_plan(train_overrides=f"model.revision=v1 model.revision={pinned}").trainer.revision == pinned
+    assert make_plan().trainer.revision is None

@@ -69,8 +69,10 @@ def tokenize_dataset(
     chat_template: str | None = None,
     max_drop_fraction: float = DEFAULT_MAX_DROP_FRACTION,
     force: bool = False,
+    revision: str | None = None,
 ) -> dict:
-    """Tokenize every split of a prepared dataset; return the manifest (``cache_hit`` set)."""
+    """Tokenize every split of a prepared dataset; return the manifest (``cache_hit`` set). ``revision``
+    pins a hub model's tokenizer to the revision the trainer loads (``model.revision``)."""
     output_dir = Path(output_dir)
     _check_drop_fraction(max_drop_fraction)
     inputs = (input_dir, *([model] if Path(model).exists() else []))
@@ -83,6 +85,7 @@ def tokenize_dataset(
         truncation=truncation,
         num_proc=num_proc,
         chat_template=chat_template,
+        revision=revision,
     )
     cached = cached_manifest(output_dir, identity["cache_key"])
     if cached is not None:
@@ -132,6 +135,7 @@ def cache_key_for(
     pack: bool = True,
     truncation: str = "drop",
     chat_template: str | None = None,
+    revision: str | None = None,
 ) -> str:
     """The cache key ``tokenize_dataset`` gives these inputs, without tokenizing anything
     (loads the tokenizer and hashes the data files). Lets a pipeline pick a content-addressed
@@ -144,16 +148,17 @@ def cache_key_for(
         truncation=truncation,
         num_proc=None,
         chat_template=chat_template,
+        revision=revision,
     )[3]["cache_key"]
 
 
-def _resolve_inputs(input_dir, model, *, max_length, pack, truncation, num_proc, chat_template):
+def _resolve_inputs(input_dir, model, *, max_length, pack, truncation, num_proc, chat_template, revision=None):
     """Validate arguments, find the splits, load the tokenizer and template; return
     (split files, tokenizer, plan, identity incl. cache key)."""
     _check_arguments(max_length, truncation, num_proc)
     input_dir = Path(input_dir)
     split_files = find_split_files(input_dir)
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, revision)
     template, template_source = resolve_chat_template(tokenizer, chat_template)
     if template is None and any(_has_conversations(p) for p in split_files.values()):
         raise missing_template_error(model)
@@ -161,6 +166,7 @@ def _resolve_inputs(input_dir, model, *, max_length, pack, truncation, num_proc,
     max_chars = max_length * longest_token_chars(tokenizer) * NORMALIZER_SLACK
     plan = EncodePlan(template, end_of_turn, max_length, truncation, max_chars)
     identity = _identity(input_dir, split_files, model, tokenizer, plan, template_source, pack)
+    identity["revision"] = revision
     return split_files, tokenizer, plan, identity
 
 
@@ -210,13 +216,14 @@ def find_split_files(input_dir: Path) -> dict[str, Path]:
     return files
 
 
-def load_tokenizer(model: str):
-    """AutoTokenizer for a hub id or a local directory (HF_TOKEN and offline mode honoured)."""
+def load_tokenizer(model: str, revision: str | None = None):
+    """AutoTokenizer for a hub id (at ``revision``, the trainer's ``model.revision``) or a local directory
+    (HF_TOKEN and offline mode honoured)."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            model, token=os.environ.get("HF_TOKEN") or None, trust_remote_code=False
+            model, revision=revision, token=os.environ.get("HF_TOKEN") or None, trust_remote_code=False
         )
     except Exception as exc:  # noqa: BLE001 - surface any loader failure as a user error
         raise DataError(
