@@ -86,11 +86,11 @@ def _wait_for_lock(fd: int, path: Path, wait: bool, say) -> None:
     announced, deadline = False, time.monotonic() + RELEASE_WAIT_S
     while True:
         locked = _try_flock(fd, path, say)
-        holder = read_record(fd)
-        live_here = bool(holder) and _same_machine(holder) and _alive(holder)
+        holder = read_record(fd) or None  # an empty record is no holder
+        live_here = holder is not None and _same_machine(holder) and _alive(holder)
         if locked or (locked is None and not live_here):
             return
-        predecessor = locked is False and bool(holder) and _same_host(holder) and not live_here
+        predecessor = locked is False and holder is not None and _same_host(holder) and not live_here
         if not (wait or predecessor):
             raise OutputDirInUseError(
                 f"output_dir={path.parent} is in use by another run: {describe(holder)} (lock {path}). Wait for it "

@@ -110,8 +110,8 @@ def signals_held() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for signum in dict.fromkeys(held):
-            signal.raise_signal(signum)
+        for held_signal in dict.fromkeys(held):
+            signal.raise_signal(held_signal)
 
 
 def _init_worker(parent: int, initializer: Callable | None, initargs: tuple) -> None:
