@@ -216,14 +216,15 @@ def gather_until_accumulated(param: torch.Tensor) -> None:
 
     if getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
         return
-    param.all_gather()
-    handle = None
+    zero_param: Any = param  # DeepSpeed adds all_gather/partition to its parameters
+    zero_param.all_gather()
+    handles: list = []
 
-    def release(p: torch.Tensor) -> None:
-        handle.remove()
+    def release(p: Any) -> None:
+        handles.pop().remove()
         p.partition()
 
-    handle = param.register_post_accumulate_grad_hook(release)
+    handles.append(param.register_post_accumulate_grad_hook(release))
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -251,7 +252,8 @@ def fused_causal_lm_loss(
     """
     with lm_head_bypassed(model) as head:
         hidden = model(input_ids=input_ids, use_cache=False, **forward_kwargs).logits
-    inputs = getattr(model, "module", model).get_input_embeddings()
+    inner: Any = getattr(model, "module", model)  # DDP
+    inputs = inner.get_input_embeddings()
     untied = inputs is None or inputs.weight is not head.weight
     with gathered_weight(head.weight):
         return fused_linear_cross_entropy(
