@@ -93,15 +93,19 @@ def test_old_defaults_run_out_at_64_samples_and_fit_at_16():
 
 
 def test_activations_are_the_derived_per_token_count():
-    """Fast path: b (8H + 3I) per token and layer (Qwen2.5-1.5B: 78,336 bytes); dropout adds one mask byte
-    per adapted input element (6H + I) uncompiled, nothing compiled (measured); PEFT eager keeps fp32
-    copies: 40H + 10I."""
+    """Fast path: b (8H + 3I) per token and layer (Qwen2.5-1.5B: 78,336 bytes); LoRA dropout adds nothing
+    (Philox masks, two seed words per linear); the 4-bit path's native dropout adds one mask byte per
+    adapted input element (6H + I) uncompiled, nothing compiled (measured); PEFT eager keeps fp32 copies:
+    40H + 10I."""
     shape = _setup("qwen2.5-1.5b").shape
     h, i = shape.hidden, shape.intermediate
     assert memory.activation_bytes_per_token(_setup("qwen2.5-1.5b"), 1000) == 2 * (8 * h + 3 * i) == 78336
     assert memory.activation_bytes_per_token(_setup("qwen2.5-1.5b", lora_dropout=0.1), 1000) == 78336
     uncompiled = _setup("qwen2.5-1.5b", compile=False)
     dropout = _setup("qwen2.5-1.5b", compile=False, lora_dropout=0.1)
+    assert memory.activation_bytes_per_token(dropout, 1000) == memory.activation_bytes_per_token(uncompiled, 1000)
+    uncompiled = _setup("qwen2.5-1.5b", "qlora", compile=False)
+    dropout = _setup("qwen2.5-1.5b", "qlora", compile=False, lora_dropout=0.1)
     extra = memory.activation_bytes_per_token(dropout, 1000) - memory.activation_bytes_per_token(uncompiled, 1000)
     assert extra == 6 * h + i
     eager = _setup("qwen2.5-1.5b", **{**PLAIN, "lora_dropout": 0.0})

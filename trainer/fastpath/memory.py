@@ -28,10 +28,10 @@ layer (all-linear: S_in = 6H + I, S_out = 3H + 2 KV + 2I).
      attention output, counted above); PEFT's LoRA casts each adapted input to fp32: 4 S_in;
      full fine-tuning eager under autocast casts each linear's input: b (6H + I); DeepSpeed's
      bf16 model reads the same tensors: b (2H + I);
-   - LoRA dropout: the fused path uncompiled keeps one boolean mask per adapted input (S_in);
-     compiled, nothing (measured: 46.5 GiB with dropout 0.05 against 46.3 without, where a kept
-     mask would add 8.7 GiB: the compiled graph does not keep them); PEFT keeps the fp32
-     dropped input and its mask (5 S_in);
+   - LoRA dropout: the fused LoRA path keeps no mask (two seed words per linear, lora_dropout.py;
+     measured 46.3 GiB at dropout 0.05 and at 0, issue 28); the fused 4-bit path uncompiled keeps
+     one boolean mask per adapted input (S_in), compiled nothing (measured: 46.5 GiB against 46.3
+     where a kept mask would add 8.7 GiB); PEFT keeps the fp32 dropped input and its mask (5 S_in);
    - compiled layers around PEFT's LoRA keep its fp32 adapter outputs (4 S_out; the float32
      [tokens, 8960] QLoRA buffers measured on an H100 were this plus PEFT's kbit preparation making every activation
      float32, which the trainer no longer runs: trainer/fastpath/qlora.py);
@@ -247,7 +247,8 @@ def activation_bytes_per_token(setup: Setup, tokens: int) -> float:
         eager_autocast = not setup.compile and setup.zero_stage == 0
         out += b * (6 * h + i) if eager_autocast else b * (2 * h + i)
     elif setup.fused_lora:
-        out += b * (2 * h + i) + (s_in if setup.lora_dropout > 0 and not setup.compile else 0)
+        kept_mask = setup.lora_dropout > 0 and not setup.compile and setup.method == "qlora"
+        out += b * (2 * h + i) + (s_in if kept_mask else 0)
     else:
         out += 4 * s_in + (5 * s_in if setup.lora_dropout > 0 else 0) + (4 * s_out if setup.compile else 0)
     if not setup.varlen:
