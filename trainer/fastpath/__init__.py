@@ -6,6 +6,8 @@
 - ``loss``: fused linear cross-entropy over supervised positions only, chunked,
   never materializing full-vocab logits (the lm_head gathered under DeepSpeed ZeRO-3).
 - ``lora``: a fused LoRA linear (LoRA dropout included) swapped into PEFT's lora.Linear modules.
+- ``lora_dropout``: LoRA dropout masks as a function of (seed words, row, column) (Philox), made in
+  registers by Triton kernels on CUDA (``lora_dropout_triton``): no mask stored, no extra input read.
 - ``lora_groups``: q/k/v and gate/up (one shared input) as one fused node each.
 - ``compile``: torch.compile of the decoder layers in place.
 - ``resolve``: ``auto`` settings -> which pieces apply to this device, method and model, and why
