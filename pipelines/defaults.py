@@ -148,7 +148,9 @@ def resolve_local_arguments(
     elif args["model"] == REAL_MODEL:
         from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
 
-        args["model"] = str(ensure_real_model(Path(DEFAULT_CACHE).resolve()))
+        # on the "volume", as KServe (and deploy_mode=vllm) serve a base model: copied from the shared cache
+        target = data_root / "base-models" / "smollm2-135m-instruct"
+        args["model"] = str(ensure_real_model(target, cache=Path(DEFAULT_CACHE).resolve()))
     if str(args["dataset"]).startswith("sample:"):
         from llmft.trainer.data.samples import sample_path
 

@@ -107,12 +107,21 @@ def build_real_model(output: str | Path, *, source: str | Path | None = None, fo
     return output
 
 
-def ensure_real_model(path: str | Path, *, source: str | Path | None = None) -> Path:
-    """``path`` if it already holds a real model this program wrote, else build it there (the cache that
-    ``make demo-real`` and the tests share)."""
-    from llmft.trainer.io import owner_kind
+def ensure_real_model(path: str | Path, *, source: str | Path | None = None, cache: str | Path | None = None) -> Path:
+    """``path`` if it already holds a real model this program wrote, else write it there: copied from ``cache``
+    (itself built first when needed: the cache that ``make demo-real`` and the tests share), or built."""
+    from llmft.trainer.io import OWNER_FILE, owner_kind
 
     path = Path(path)
     if owner_kind(path) == REAL_MODEL_KIND and (path / "model.safetensors").is_file():
         return path
-    return build_real_model(path, source=source)
+    if cache is None or Path(cache).resolve() == path.resolve():
+        return build_real_model(path, source=source)
+    from llmft.trainer.safe_files import copy_file
+
+    cached = ensure_real_model(cache, source=source)
+    with atomic_directory(path, kind=REAL_MODEL_KIND) as tmp:
+        for item in sorted(cached.iterdir()):
+            if item.name != OWNER_FILE:
+                copy_file(item, tmp / item.name, cached)
+    return path

@@ -7,10 +7,10 @@ import json
 import shutil
 
 import pytest
-from llmft.trainer.errors import ConfigError, DataError
-from llmft.trainer.real_model import GGUF_FILE, INSTALL_HINT, find_gguf
 
 from llmft.cli import main
+from llmft.trainer.errors import ConfigError, DataError
+from llmft.trainer.real_model import GGUF_FILE, INSTALL_HINT, find_gguf
 
 
 def test_missing_gguf_is_one_line_naming_what_to_install(tmp_path, monkeypatch, capsys):
@@ -147,3 +147,17 @@ def test_hub_ids_are_left_to_the_loaders():
     from llmft.trainer.model_dir import check_model_dir
 
     check_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")  # not a local path: nothing to check here
+
+
+def test_the_volume_copy_comes_from_the_cache_once(tmp_path):
+    from llmft.trainer.io import atomic_directory, owner_kind
+    from llmft.trainer.real_model import REAL_MODEL_KIND, ensure_real_model
+
+    cache = tmp_path / "cache"
+    with atomic_directory(cache, kind=REAL_MODEL_KIND) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"weights")
+        (tmp / "config.json").write_text("{}")
+    target = ensure_real_model(tmp_path / "volume" / "model", cache=cache)  # no conversion: the cache is complete
+    assert (target / "model.safetensors").read_bytes() == b"weights" and owner_kind(target) == REAL_MODEL_KIND
+    (cache / "model.safetensors").write_bytes(b"changed")
+    assert (ensure_real_model(target, cache=cache) / "model.safetensors").read_bytes() == b"weights"  # kept
