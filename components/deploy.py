@@ -2,6 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model, Output
+
 from llmft.components.images import PIPELINE_IMAGE
 
 
@@ -43,7 +44,7 @@ def deploy_adapter(
     import json
     import os
 
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # deploy_mode=local loads the base model: before transformers is imported

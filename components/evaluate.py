@@ -3,6 +3,7 @@ base model, the previous champion and the new adapter answer the same prompts si
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
+
 from llmft.components.images import TRAINER_IMAGE
 
 
@@ -32,7 +33,7 @@ def evaluate_perplexity(
     import json
     import os
 
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # before transformers is imported

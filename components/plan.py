@@ -12,6 +12,7 @@ knob = a parameter here (with its Args line) plus its use in components/lib/plan
 
 from kfp import dsl
 from kfp.dsl import Artifact, Output
+
 from llmft.components.images import PIPELINE_IMAGE
 
 
@@ -172,8 +173,9 @@ def plan_run(
     Outputs: ``plan`` (plan.json, read by every later step).
     """
     values = dict(locals())  # first statement: exactly the parameters, handed to the plan builder by name
-    from llmft.components.lib.plan import build_plan, write_plan
+    from llmft.components.lib.plan import build_plan
     from llmft.components.lib.plan_checks import preflight_secrets
+    from llmft.components.lib.plan_schema import write_plan
     from llmft.components.lib.trainjob_runtime import preflight_runtime
     from llmft.components.lib.volume_access import check_volume_writable
 

@@ -3,6 +3,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Output
+
 from llmft.components.images import TRAINER_IMAGE
 
 
@@ -24,7 +25,7 @@ def prepare_dataset(
     import json
     import os
 
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # before datasets/huggingface_hub are imported

@@ -2,6 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model, Output
+
 from llmft.components.images import PIPELINE_IMAGE
 
 
@@ -26,7 +27,7 @@ def promote_best_checkpoint(
     import json
     import os
 
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.promote import promote_to_volume, promoted_destination
 
     run_plan = read_plan(plan.path)

@@ -2,6 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Model, Output
+
 from llmft.components.images import PIPELINE_IMAGE
 
 
@@ -37,7 +38,7 @@ def register_model(
     import os
     from pathlib import Path
 
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.registry import Lineage, register_adapter, registration_from_run
     from llmft.components.lib.serving_form import EXPORT_MANIFEST_FILE, FORM_FILE, read_form
 

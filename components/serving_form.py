@@ -2,6 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model, Output
+
 from llmft.components.images import TRAINER_IMAGE
 
 
@@ -24,7 +25,7 @@ def choose_serving_form(
     Outputs: ``serving`` (serving.json: form, reason, servability problems, the directory to serve,
     the export manifest; metadata ``form``, ``model_dir``), read by register and deploy.
     """
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # a hub base model is read from the volume's cache: before transformers

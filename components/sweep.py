@@ -7,6 +7,7 @@ and the plan's job, submitted through components.lib.cluster, waited for, best t
 # No `from __future__ import annotations`: KFP reads the real parameter annotations.
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Output
+
 from llmft.components.images import KATIB_IMAGE
 
 
@@ -35,7 +36,7 @@ def sweep_hyperparameters(
     import os
     import shlex
 
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.sweep import run_sweep_step
 
     run_plan = read_plan(plan.path)

@@ -2,6 +2,7 @@
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
+
 from llmft.components.images import PIPELINE_IMAGE
 
 
@@ -36,7 +37,7 @@ def train_model(
     import os
     import shlex
 
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.train_job import read_training_manifest, training_metrics
 
     run_plan = read_plan(plan.path)

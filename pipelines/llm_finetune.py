@@ -33,12 +33,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kfp import dsl, kubernetes
+
 from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
 from llmft.components.images import IMAGE_UID
-from llmft.components.lib.plan import DATA_MOUNT, SWEEP_PREFIX, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.lib.plan_checks import TASK_RESOURCE_GROUPS, TASK_SECRET_KINDS, compiled_settings, parse_secret
+from llmft.components.lib.plan_schema import DATA_MOUNT, SWEEP_PREFIX, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_run
 from llmft.components.prepare_dataset import prepare_dataset
 from llmft.components.promote import promote_best_checkpoint

@@ -96,7 +96,7 @@ def merged_answers(run_dir: str | Path, facts: dict[str, Any]) -> dict[str, str]
     import dataclasses
 
     from llmft.components.lib.deployment import DeployRequest, deploy_promoted
-    from llmft.components.lib.plan import read_plan
+    from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.serving_form import merged_model
 
     plan = read_plan(Path(run_dir) / "plan-run" / "plan")

@@ -46,17 +46,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.cluster import ClusterError, call_with_retries
+from llmft.components.lib.plan_schema import KFP_POD_ENV, RUN_ID_LABEL, on_kfp_cluster, parse_time, run_label
 from llmft.trainer.errors import EXIT_PREEMPTED
-
-RUN_ID_LABEL = "pipelines.kubeflow.org/run-id"
-"""Label every job, trial and Experiment of a pipeline run carries (value: :func:`run_label`)."""
 
 RUN_RESOURCES: tuple[tuple[str, str, str, str], ...] = (
     ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"),
@@ -67,11 +66,6 @@ RUN_RESOURCES: tuple[tuple[str, str, str, str], ...] = (
 
 FINISHED_CONDITIONS = ("Succeeded", "Failed", "Complete")
 """Condition types (status True) that mark a job or Experiment finished (TrainJob says Complete)."""
-
-
-def run_label(run_id: str) -> str:
-    """The run-id label value: a valid label value (63 characters of [A-Za-z0-9_.-], alphanumeric ends)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "", run_id)[:63].strip("_.-")
 
 
 def run_selector(run_id: str) -> str:
@@ -87,7 +81,6 @@ def cleanup_run(cluster, run_id: str, *, print_fn: Callable[[str], Any] = print)
     """Delete every unfinished job and Experiment labelled with ``run_id``; returns what was deleted
     and kept, by kind. Raises ClusterError naming every object it could not delete (and the kubectl
     command to do it by hand) after trying them all."""
-    from llmft.components.lib.cluster import ClusterError
 
     selector = run_selector(run_id)
     report: dict[str, list[str]] = {"deleted": [], "kept": []}
@@ -107,7 +100,6 @@ def cleanup_run(cluster, run_id: str, *, print_fn: Callable[[str], Any] = print)
 
 def _cleanup_kind(cluster, resource: tuple[str, str, str, str], selector: str, report: dict, print_fn) -> list[str]:
     """Delete the unfinished objects of one kind matching ``selector``; returns the problems met."""
-    from llmft.components.lib.cluster import ClusterError, call_with_retries
 
     group, version, plural, kind = resource
     try:
@@ -139,14 +131,12 @@ def _cleanup_kind(cluster, resource: tuple[str, str, str, str], selector: str, r
 def cleanup_after_run(run_id: str, *, environ: Mapping[str, str] | None = None, cluster=None) -> dict:
     """The ``cleanup-run`` exit task's body: clean up on a cluster; under kfp.local nothing was
     started outside the run's own processes (local backends), so nothing is left to delete."""
-    from llmft.components.lib.plan import on_kfp_cluster
 
     if not on_kfp_cluster(environ) and cluster is None:
         print(f"kfp.local run {run_id}: no cluster jobs to clean up")
         return {"deleted": [], "kept": [], "skipped": True}
-    from llmft.components.lib.cluster import Cluster
 
-    return cleanup_run(cluster or Cluster(), run_id)
+    return cleanup_run(cluster or cluster_module.Cluster(), run_id)
 
 
 DISRUPTION_CONDITION = "DisruptionTarget"
@@ -176,8 +166,6 @@ def sigterm_cause(cluster, *, environ: Mapping[str, str] | None = None, now: flo
       cancel is the usual reason and a job left behind would hold its GPUs until its deadline.
     """
     from kubernetes import client
-    from llmft.components.lib.cluster import ClusterError
-    from llmft.components.lib.plan import KFP_POD_ENV
 
     now = time.time() if now is None else now
     pod_name = (os.environ if environ is None else environ).get(KFP_POD_ENV, "")
@@ -209,13 +197,12 @@ def sigterm_cause(cluster, *, environ: Mapping[str, str] | None = None, now: flo
 
 def _workflow_cause(workflow: Mapping[str, Any], now: float) -> tuple[str, str]:
     """Argo's own test (exec_control.go 38-64, operator.go 574-584) of whether it stops this pod."""
-    from llmft.components.lib.train_job import _parse_time
 
     name, spec = workflow["metadata"]["name"], workflow.get("spec") or {}
     if spec.get("shutdown"):
         return "cancelled", f"Workflow {name} has spec.shutdown {spec['shutdown']}"
     deadline = spec.get("activeDeadlineSeconds")
-    started = _parse_time((workflow.get("status") or {}).get("startedAt"))
+    started = parse_time((workflow.get("status") or {}).get("startedAt"))
     if deadline is not None and int(deadline) == 0:
         return "cancelled", f"Workflow {name} has activeDeadlineSeconds 0 (the run was cancelled)"
     if deadline is not None and started is not None and now >= int(started) + int(deadline):
@@ -281,8 +268,6 @@ def run_owner_reference(
     controller owner of this pod, whose name KFP sets in KFP_POD_NAME). None outside a KFP pod or
     when the pod cannot be read; ``blockOwnerDeletion`` stays false (setting it needs RBAC on
     workflows' finalizers)."""
-    from llmft.components.lib.cluster import ClusterError
-    from llmft.components.lib.plan import KFP_POD_ENV
 
     pod_name = (os.environ if environ is None else environ).get(KFP_POD_ENV, "")
     if not pod_name:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmft.trainer.errors import LlmftError
+from llmft.trainer.errors import LlmftError, TransientError
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 """Where Kubernetes mounts a pod's service-account token and namespace."""
@@ -370,3 +371,32 @@ class Cluster:
         training = TrainingClient(client_configuration=configuration, namespace=self.namespace, job_kind=job_kind)
         training.custom_api, training.core_api = custom_api, core_api
         return training
+
+
+RECREATE_WAIT_S = 300.0
+"""How long a retry waits for a failed job (and its terminating pods) to go before recreating it."""
+
+
+def wait_until_gone(what: str, exists, pods, *, timeout_s: float = RECREATE_WAIT_S, poll_s: float = 5.0) -> None:
+    """Poll until ``exists()`` is false and ``pods()`` (names) is empty; else a TransientError naming them.
+
+    A job deleted with background propagation vanishes at once while its pods still run their
+    grace period (Kubernetes garbage collection: kubernetes.io/docs/concepts/architecture/
+    garbage-collection). A new job of the same name then meets them: the operator cannot create
+    pods under the same names (AlreadyExists), and a terminating trainer still writing its SIGTERM
+    checkpoint would share the run directory with the new one. Foreground deletion keeps the job
+    until its pods (``blockOwnerDeletion``: Training Operator v1.9.4 job_controller.go 222-233) are
+    gone; the pod check also covers pods that do not block it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [what] if exists() else []
+        left += [f"pod {p}" for p in pods()]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise TransientError(
+                f"{what} from an earlier attempt was not gone within {timeout_s:.0f}s (still there: "
+                f"{', '.join(left)}); a new one under the same name would collide with it. A pod stuck "
+                "Terminating on a lost node needs `kubectl delete pod <pod> --grace-period=0 --force`; then retry."
+            )
+        time.sleep(poll_s)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from llmft.trainer.errors import ConfigError, LlmftError
 
 CRD_FILE = "serving.kserve.io_inferenceservices.yaml"
@@ -97,7 +98,7 @@ class DeployRequest:
 
 def serve_spec(req: DeployRequest):
     """The :class:`ServeSpec` of the request (adapter and, if there, base model from the PVC)."""
-    from llmft.components.lib.plan import DataLayout
+    from llmft.components.lib.plan_schema import DataLayout
     from llmft.components.lib.pytorchjob import SecretEnv
     from llmft.components.lib.serving import ServeSpec
 
@@ -186,7 +187,7 @@ def deploy_promoted(
     http_get=None,
 ) -> dict[str, Any]:
     """Run the whole deploy step; return the facts for deployment.json."""
-    from llmft.components.lib.plan import DEPLOY_MODES
+    from llmft.components.lib.plan_schema import DEPLOY_MODES
     from llmft.components.lib.serving import build_inference_service, isvc_to_dict, served_models
 
     if req.mode not in DEPLOY_MODES:

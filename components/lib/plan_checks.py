@@ -14,7 +14,8 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from llmft.components.lib.plan import (
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.plan_schema import (
     COMPILED_PARAMETERS,
     DATA_MOUNT,
     DEPLOY_MODES,
@@ -25,6 +26,8 @@ from llmft.components.lib.plan import (
     Resources,
     SecretMount,
 )
+from llmft.components.lib.servability import VLLM_MAX_LORA_RANKS
+from llmft.components.lib.sweep import check_servable_ranks, check_trial_overrides
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.names import check_k8s_name, check_path_component
 
@@ -259,7 +262,6 @@ def check_serving(plan, config) -> str:
     Returns why the adapter will be served merged ('' = as a LoRA module, or decided after promotion)."""
     if config.method == "full" or not plan.serving.deploy:
         return ""
-    from llmft.components.lib.servability import VLLM_MAX_LORA_RANKS
 
     rank, mode = plan.serving.max_lora_rank, plan.serving.serving_mode
     if rank not in VLLM_MAX_LORA_RANKS:
@@ -282,7 +284,6 @@ def check_serving(plan, config) -> str:
 
 def check_sweep(plan, max_lora_rank: int) -> None:
     """The sweep spec parses, its ranks are servable, and its fixed trial settings clash with nothing."""
-    from llmft.components.lib.sweep import check_servable_ranks, check_trial_overrides
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     sweep = plan.sweep
@@ -303,9 +304,8 @@ def check_sweep(plan, max_lora_rank: int) -> None:
 def preflight_secrets(plan, cluster=None) -> list[str]:
     """On a cluster: read every Secret the run mounts (tasks, job, InferenceService); raise ConfigError
     naming each missing Secret or key. Returns notes for what could not be checked (no RBAC to read Secrets)."""
-    from llmft.components.lib.cluster import Cluster
 
-    cluster = cluster or Cluster()
+    cluster = cluster or cluster_module.Cluster()
     wanted: dict[tuple[str, str], set[str]] = {}
     for secret in (*plan.task_secrets, *plan.job.secrets):
         wanted.setdefault((secret.name, cluster.namespace), set()).update(secret.keys)

@@ -573,10 +573,6 @@ def pytorchjob_webhook_errors(job: dict) -> list[str]:
     return errors
 
 
-class TrainingJobFailed(RuntimeError):
-    """The PyTorchJob reached Failed; the message carries the master's last log lines."""
-
-
 class MasterLogFollower:
     """Prints the new lines of the master pod's log each time it is called (once per poll of the
     wait), reading through the Cluster. A pod recreated under the same name (a restart under
@@ -608,3 +604,39 @@ class MasterLogFollower:
             for line in lines[start:]:
                 self.print_fn(f"[{pod_name}] {line}")
             self.lines_seen[key] = len(lines)
+
+
+# --- a JobPlan's PyTorchJob ------------------------------------------------------------------
+
+
+def overrides_mapping(overrides: list[str]) -> dict[str, str]:
+    """``["lora.r=16", ...]`` -> ``{"lora.r": "16", ...}`` (the form TrainJobSpec takes; a later key wins)."""
+    return dict(item.split("=", 1) for item in overrides)
+
+
+def build_train_job_spec(job, overrides: list[str], *, name: str | None = None, namespace: str | None = None):
+    """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer with ``overrides``.
+
+    Every Secret key the plan names is a required reference (no ``optional``): a missing one is
+    named by the plan step's preflight, not discovered by a pod stuck in CreateContainerConfigError.
+    ``activeDeadlineSeconds`` is the plan's job timeout; ``cleanPodPolicy: Running`` deletes the
+    Workers still running when the job fails, so they free their GPUs."""
+    secret_envs = tuple(SecretEnv(key, s.name, key, optional=False) for s in job.secrets for key in s.keys)
+    return TrainJobSpec(
+        name=name or job.name,
+        namespace=namespace or None,
+        image=job.image,
+        overrides=overrides_mapping(overrides),
+        num_nodes=job.num_workers,
+        gpus_per_node=job.gpus_per_worker,
+        cpu=job.resources.cpu,
+        cpu_limit=job.resources.cpu,
+        memory=job.resources.memory,
+        pvcs=(PvcMount(job.pvc_name, job.mount_path),),
+        secret_envs=secret_envs,
+        env=dict(job.env),
+        node_selector=dict(job.node_selector),
+        labels=dict(job.labels),
+        active_deadline_seconds=int(job.timeout_s),
+        clean_pod_policy="Running",
+    )

@@ -89,7 +89,7 @@ class FormChoice:
 
 def choose_form(adapter_dir: str | Path, serving_mode: str, max_lora_rank: int) -> FormChoice:
     """The form to serve the adapter in; AdapterNotServableError for ``lora`` when vLLM refuses it."""
-    from llmft.components.lib.plan import SERVING_MODES
+    from llmft.components.lib.plan_schema import SERVING_MODES
     from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
 
     if serving_mode not in SERVING_MODES:

@@ -22,6 +22,12 @@ import hashlib
 import re
 from collections.abc import Sequence
 
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
+from llmft.components.lib.plan_schema import job_name
+from llmft.components.lib.pytorchjob import build_train_job_spec, trial_pytorchjob_dict
+from llmft.components.lib.trainjob import trial_trainjob_dict
+
 PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"  # = katib.tracking.PARENT_RUN_ENV (what the trainer reads)
 DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "eval.max_sequences=512")
 """Fixed trainer settings of every trial when ``sweep_trial_overrides`` is empty: short runs,
@@ -69,8 +75,6 @@ def sweep_trial_job(
     ``base_overrides`` are the final training's own (the plan's trainer overrides: target modules,
     seed, ``train_overrides``, ...), so a trial tunes the model the train step trains; the keys a
     trial sets itself, the searched ones and the fixed trial settings replace theirs."""
-    from llmft.components.lib.pytorchjob import trial_pytorchjob_dict
-    from llmft.components.lib.train_job import build_train_job_spec, job_name
     from llmft.katib.experiment import TRIAL_NAME_PLACEHOLDER, trial_overrides
     from llmft.trainer.errors import ConfigError
 
@@ -101,8 +105,6 @@ def sweep_trial_job(
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
     if job.backend == "trainjob":  # Kubeflow Trainer v2 trials (components/lib/trainjob.py)
-        from llmft.components.lib.trainjob import trial_trainjob_dict
-
         return trial_trainjob_dict(spec, runtime=job.runtime, early_stopping=sweep.early_stopping)
     return trial_pytorchjob_dict(spec, early_stopping=sweep.early_stopping)
 
@@ -220,8 +222,6 @@ def _run_local(spec, tokenized_dir, model, method, fixed, workdir, mlflow_experi
 
 
 def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
-    from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
-    from llmft.components.lib.cluster import Cluster
     from llmft.katib import status as katib_status
     from llmft.katib.experiment import GROUP, PLURAL, VERSION, to_yaml
     from llmft.katib.webhook_rules import check_experiment
@@ -230,7 +230,7 @@ def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
     body["metadata"].setdefault("labels", {}).update(job["job"].labels)  # the run-id label: cleanup finds it
     check_experiment(body)
     (output_dir / "experiment.yaml").write_text(to_yaml(body))
-    cluster = cluster or Cluster(spec.namespace)
+    cluster = cluster or cluster_module.Cluster(spec.namespace)
     namespace = spec.namespace or cluster.namespace
     owner = run_owner_reference(cluster) if namespace == cluster.namespace else None
     if owner:  # the run's Workflow owns the Experiment (and so, through Katib, its trials): cleanup.py

@@ -39,19 +39,44 @@ played by tests/k8s/cluster_sim.py, which runs this code against real `llmft tra
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import json
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError, TransientError
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib import pod_starts, trainjob
+from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
+from llmft.components.lib.cluster import (
+    PYTORCHJOB_CONTAINER,
+    RECREATE_WAIT_S,
+    ClusterError,
+    call_with_retries,
+    wait_until_gone,
+)
+from llmft.components.lib.plan_schema import (
+    JOB_WAIT_GRACE_S,
+    JobFailedPermanently,
+    JobTimedOut,
+    TrainingJobFailed,
+    parse_time,
+)
+from llmft.components.lib.pod_starts import JobNeverStarts
+from llmft.components.lib.pytorchjob import (
+    GROUP,
+    JOB_NAME_LABEL,
+    JOB_ROLE_LABEL,
+    KIND,
+    PLURAL,
+    VERSION,
+    MasterLogFollower,
+    build_pytorchjob,
+    build_train_job_spec,
+)
+from llmft.components.lib.trainjob_run import run_trainjob_on_cluster
+from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError
 
-JOB_WAIT_GRACE_S = 300
-"""How long after the job's deadline the launcher still waits for the operator to mark it Failed."""
 API_RETRIES = 10
 """Transient API errors in a row the wait loop tolerates before it gives up."""
 PENDING_EVERY = 10
@@ -59,56 +84,6 @@ PENDING_EVERY = 10
 DEADLINE_MESSAGE = "active longer than specified deadline"
 """What the operator writes into the Failed condition when activeDeadlineSeconds ends a job
 (kubeflow/trainer v1.9.4 pkg/controller.v1/common/job.go 212)."""
-
-
-class JobFailedPermanently(LlmftError):
-    """A replica exited 1-127 (bad input, or the trainer's restart budget spent): retrying cannot help."""
-
-
-class JobTimedOut(TransientError):
-    """The job ran into its deadline, or did not finish while this attempt waited (exit 200)."""
-
-
-def job_name(run_id: str) -> str:
-    """A DNS-1035 PyTorchJob name, stable for a pipeline run (so retries find it)."""
-    cleaned = re.sub(r"[^a-z0-9]", "", run_id.lower())[:12]
-    digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
-    return f"llmft-{cleaned}-{digest}" if cleaned else f"llmft-{digest}"
-
-
-def overrides_mapping(overrides: list[str]) -> dict[str, str]:
-    """``["lora.r=16", ...]`` -> ``{"lora.r": "16", ...}`` (the form TrainJobSpec takes; a later key wins)."""
-    return dict(item.split("=", 1) for item in overrides)
-
-
-def build_train_job_spec(job, overrides: list[str], *, name: str | None = None, namespace: str | None = None):
-    """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer with ``overrides``.
-
-    Every Secret key the plan names is a required reference (no ``optional``): a missing one is
-    named by the plan step's preflight, not discovered by a pod stuck in CreateContainerConfigError.
-    ``activeDeadlineSeconds`` is the plan's job timeout; ``cleanPodPolicy: Running`` deletes the
-    Workers still running when the job fails, so they free their GPUs."""
-    from llmft.components.lib.pytorchjob import PvcMount, SecretEnv, TrainJobSpec
-
-    secret_envs = tuple(SecretEnv(key, s.name, key, optional=False) for s in job.secrets for key in s.keys)
-    return TrainJobSpec(
-        name=name or job.name,
-        namespace=namespace or None,
-        image=job.image,
-        overrides=overrides_mapping(overrides),
-        num_nodes=job.num_workers,
-        gpus_per_node=job.gpus_per_worker,
-        cpu=job.resources.cpu,
-        cpu_limit=job.resources.cpu,
-        memory=job.resources.memory,
-        pvcs=(PvcMount(job.pvc_name, job.mount_path),),
-        secret_envs=secret_envs,
-        env=dict(job.env),
-        node_selector=dict(job.node_selector),
-        labels=dict(job.labels),
-        active_deadline_seconds=int(job.timeout_s),
-        clean_pod_policy="Running",
-    )
 
 
 # --- the train step's entry point ---------------------------------------------------------------
@@ -127,14 +102,9 @@ def run_on_cluster(
 ) -> dict:
     """The train step's cluster backends: the plan's job (``job``, a JobPlan) run to its end with
     ``overrides``; returns a summary once it Succeeded (see :func:`run_job`)."""
-    from llmft.components.lib.cleanup import delete_on_sigterm
-    from llmft.components.lib.cluster import Cluster
 
-    cluster = cluster or Cluster()
+    cluster = cluster or cluster_module.Cluster()
     if job.backend == "trainjob":  # Kubeflow Trainer v2 (components/lib/trainjob_run.py)
-        from llmft.components.lib import trainjob
-        from llmft.components.lib.trainjob_run import run_trainjob_on_cluster
-
         with delete_on_sigterm(cluster, trainjob.GROUP, trainjob.VERSION, trainjob.PLURAL, job.name):
             return run_trainjob_on_cluster(job, overrides, poll_s=poll_s, cluster=cluster)
     return run_job(
@@ -163,8 +133,6 @@ def run_job(
     """Submit the PyTorchJob of ``spec`` (a TrainJobSpec), or re-attach to it, and wait for its end
     (the module docstring lists the rules). SIGTERM deletes it. ``owner``: its ownerReference
     (default: the run's Argo Workflow when in a KFP pod, else none)."""
-    from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
-    from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 
     if poll_s <= 0 or timeout_s < poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) <= timeout_s ({timeout_s})")
@@ -208,7 +176,6 @@ def run_job(
 def _submit(cluster, spec, owner: dict | None, print_fn) -> None:
     """Create the PyTorchJob through the Training Operator SDK's TrainingClient."""
     from kubernetes import client as k8s
-    from llmft.components.lib.pytorchjob import KIND, build_pytorchjob
 
     job = build_pytorchjob(spec)
     if owner:
@@ -239,14 +206,12 @@ def _condition(job: dict, kind: str) -> dict | None:
 
 
 def _job_pods(cluster, name: str, namespace: str) -> list:
-    from llmft.components.lib.pytorchjob import JOB_NAME_LABEL
 
     return cluster.list_pods(f"{JOB_NAME_LABEL}={name}", namespace=namespace)
 
 
 def _exit_codes(pod) -> list[int]:
     """Exit codes of the pod's ``pytorch`` container (current and last state)."""
-    from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
 
     codes = []
     for status in (pod.status.container_statuses or []) if pod.status else []:
@@ -281,8 +246,6 @@ def job_state(cluster, job: dict) -> str:
 
 
 def _get_job(cluster, name: str, namespace: str, api_retries: int, print_fn) -> dict | None:
-    from llmft.components.lib.cluster import ClusterError, call_with_retries
-    from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 
     try:
         return call_with_retries(
@@ -300,8 +263,6 @@ def _get_job(cluster, name: str, namespace: str, api_retries: int, print_fn) -> 
 def _delete_and_wait(cluster, name: str, namespace: str, *, timeout_s: float, poll_s: float) -> None:
     """Delete the failed job with foreground propagation and wait until it and its pods are gone, so
     the job recreated under the same name never meets them (see :func:`wait_until_gone`)."""
-    from llmft.components.lib.cluster import ClusterError
-    from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 
     try:
         cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
@@ -317,37 +278,7 @@ def _delete_and_wait(cluster, name: str, namespace: str, *, timeout_s: float, po
     )
 
 
-RECREATE_WAIT_S = 300.0
-"""How long a retry waits for a failed job (and its terminating pods) to go before recreating it."""
-
-
-def wait_until_gone(what: str, exists, pods, *, timeout_s: float = RECREATE_WAIT_S, poll_s: float = 5.0) -> None:
-    """Poll until ``exists()`` is false and ``pods()`` (names) is empty; else a TransientError naming them.
-
-    A job deleted with background propagation vanishes at once while its pods still run their
-    grace period (Kubernetes garbage collection: kubernetes.io/docs/concepts/architecture/
-    garbage-collection). A new job of the same name then meets them: the operator cannot create
-    pods under the same names (AlreadyExists), and a terminating trainer still writing its SIGTERM
-    checkpoint would share the run directory with the new one. Foreground deletion keeps the job
-    until its pods (``blockOwnerDeletion``: Training Operator v1.9.4 job_controller.go 222-233) are
-    gone; the pod check also covers pods that do not block it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [what] if exists() else []
-        left += [f"pod {p}" for p in pods()]
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            raise TransientError(
-                f"{what} from an earlier attempt was not gone within {timeout_s:.0f}s (still there: "
-                f"{', '.join(left)}); a new one under the same name would collide with it. A pod stuck "
-                "Terminating on a lost node needs `kubectl delete pod <pod> --grace-period=0 --force`; then retry."
-            )
-        time.sleep(poll_s)
-
-
 def pod_log_tail(cluster, pod: str, namespace: str, lines: int = 50) -> str:
-    from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, ClusterError
 
     try:
         text = cluster.read_pod_log(pod, container=PYTORCHJOB_CONTAINER, tail_lines=lines, namespace=namespace)
@@ -358,7 +289,6 @@ def pod_log_tail(cluster, pod: str, namespace: str, lines: int = 50) -> str:
 
 
 def _master_tail(cluster, name: str, namespace: str, lines: int) -> str:
-    from llmft.components.lib.pytorchjob import JOB_NAME_LABEL, JOB_ROLE_LABEL
 
     try:
         pods = cluster.list_pods(f"{JOB_NAME_LABEL}={name},{JOB_ROLE_LABEL}=master", namespace=namespace)
@@ -371,7 +301,6 @@ def _master_tail(cluster, name: str, namespace: str, lines: int) -> str:
 
 def raise_for_failure(cluster, job: dict, *, earlier: bool = False, lines: int = 50) -> None:
     """Raise the error that says why ``job`` Failed: permanent exit, deadline, or other."""
-    from llmft.components.lib.pytorchjob import TrainingJobFailed
 
     name, namespace = job["metadata"]["name"], job["metadata"].get("namespace") or cluster.namespace
     failed = _condition(job, "Failed") or {}
@@ -400,20 +329,11 @@ def raise_for_failure(cluster, job: dict, *, earlier: bool = False, lines: int =
 # --- waiting ------------------------------------------------------------------------------------
 
 
-def _parse_time(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def wait_deadline(job: dict, timeout_s: float, now: float) -> float:
     """Wall-clock time to stop waiting: the job's own deadline (startTime + activeDeadlineSeconds,
     also for a job this attempt re-attached to) plus a grace for the operator to mark it, or
     ``timeout_s`` (+ grace) from ``now`` before the operator set a startTime."""
-    started = _parse_time((job.get("status") or {}).get("startTime"))
+    started = parse_time((job.get("status") or {}).get("startTime"))
     deadline = ((job.get("spec") or {}).get("runPolicy") or {}).get("activeDeadlineSeconds")
     if started is not None and deadline:
         return started + float(deadline) + JOB_WAIT_GRACE_S
@@ -434,8 +354,6 @@ def wait_for_job(
 ) -> dict:
     """Poll the job until Succeeded (returned) or Failed (:func:`raise_for_failure`), streaming the
     master's log, explaining Pending pods, retrying transient API errors; JobTimedOut past the deadline."""
-    from llmft.components.lib.cluster import ClusterError
-    from llmft.components.lib.pytorchjob import JOB_NAME_LABEL, MasterLogFollower
 
     follow = MasterLogFollower(cluster, name, namespace, print_fn)
     pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn)
@@ -476,17 +394,12 @@ def wait_for_job(
 
 def _start_watcher(what: str):
     """A StartWatcher (components/lib/pod_starts.py) for the ``pytorch`` containers of a job."""
-    from llmft.components.lib import pod_starts
-    from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
 
     return pod_starts.StartWatcher(what, PYTORCHJOB_CONTAINER, limit=pod_starts.NEVER_STARTED_LIMIT)
 
 
 def _check_starts(cluster, starts, name: str, namespace: str) -> None:
     """Feed this poll's pods to ``starts``; when its pods never start, delete the job and re-raise."""
-    from llmft.components.lib.cluster import ClusterError
-    from llmft.components.lib.pod_starts import JobNeverStarts
-    from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 
     try:
         starts(_job_pods(cluster, name, namespace))
@@ -547,7 +460,6 @@ class PendingReporter:
         self.every, self.print_fn, self.polls = max(1, every), print_fn, 0
 
     def __call__(self) -> list[str]:
-        from llmft.components.lib.cluster import ClusterError
 
         self.polls += 1
         if self.polls % self.every:

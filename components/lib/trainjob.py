@@ -35,13 +35,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from llmft.components.lib.plan_schema import DEFAULT_RUNTIME
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.names import RFC1035_LABEL, RFC1123_SUBDOMAIN
 
 GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
 API_VERSION = f"{GROUP}/{VERSION}"
-DEFAULT_RUNTIME = "torch-distributed"
-"""The ClusterTrainingRuntime a default Kubeflow Trainer v2 install ships (manifests/base/runtimes)."""
 RUNTIME_KINDS = ("ClusterTrainingRuntime", "TrainingRuntime")
 TRAINER_JOB = TRAINER_CONTAINER = "node"
 """Replicated job and container of the trainer nodes (pkg/constants/constants.go 68-69, ``Node``)."""

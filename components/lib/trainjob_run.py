@@ -34,10 +34,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmft.components.lib.cluster import Cluster, ClusterError
-from llmft.components.lib.pytorchjob import TrainingJobFailed
-from llmft.components.lib.trainjob import GROUP, PLURAL, TRAINER_CONTAINER, TRAINER_JOB, VERSION
-from llmft.components.lib.trainjob_runtime import check_runtime
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
+from llmft.components.lib.plan_schema import (
+    JOB_WAIT_GRACE_S,
+    JobFailedPermanently,
+    JobTimedOut,
+    TrainingJobFailed,
+    parse_time,
+)
+from llmft.components.lib.pytorchjob import build_train_job_spec
+from llmft.components.lib.trainjob import (
+    GROUP,
+    PLURAL,
+    TRAINER_CONTAINER,
+    TRAINER_JOB,
+    VERSION,
+    build_trainjob,
+    parse_runtime_ref,
+    trainjob_to_dict,
+)
+from llmft.components.lib.trainjob_runtime import check_runtime, sdk_backend
 from llmft.trainer.errors import TransientError
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
@@ -76,20 +93,6 @@ class PermanentExit(Exception):
 def is_permanent(code: int) -> bool:
     """ExitCode semantics (Training Operator ``pkg/util/train/train_util.go``): 1-127 permanent."""
     return 1 <= code <= 127
-
-
-def sdk_backend(cluster: Cluster, namespace: str | None = None):
-    """The Kubeflow SDK's ``KubernetesBackend`` (what ``TrainerClient`` delegates every call to) on
-    ``cluster``'s API objects, in ``namespace`` (default: the cluster's)."""
-    from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend
-
-    class SdkBackend(KubernetesBackend):
-        def __init__(self):  # the SDK's __init__ loads a kubeconfig itself; the Cluster already has one
-            self.custom_api, self.core_api = cluster.custom_api, cluster.core_api
-            self.namespace = namespace or cluster.namespace
-            self.verify_backend()
-
-    return SdkBackend()
 
 
 def node_pods(cluster: Cluster, name: str, namespace: str) -> list:
@@ -209,7 +212,6 @@ def delete_and_wait(
     """Delete the TrainJob with foreground propagation (its JobSet, Jobs and pods go first: each
     owner reference blocks its owner's deletion) and wait until it and its node pods are gone, so
     the TrainJob recreated under the same name never meets them (train_job.wait_until_gone)."""
-    from llmft.components.lib.train_job import RECREATE_WAIT_S, wait_until_gone
 
     try:
         cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
@@ -267,7 +269,6 @@ def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: fl
 
 
 def _permanent(namespace: str, name: str, what: str, when: str, tail: str, action: str = "") -> Exception:
-    from llmft.components.lib.train_job import JobFailedPermanently
 
     found = re.search(r"exited (\d+)", what)
     code = int(found.group(1)) if found else 1
@@ -281,7 +282,6 @@ def _permanent(namespace: str, name: str, what: str, when: str, tail: str, actio
 def raise_if_final(cluster: Cluster, job: dict, namespace: str, *, earlier: bool = False, lines: int = 50) -> None:
     """For a Failed TrainJob: JobTimedOut when its deadline ended it, JobFailedPermanently when a node
     exited 1-127; otherwise return (a retry may recreate it)."""
-    from llmft.components.lib.train_job import JobTimedOut
 
     name = job["metadata"]["name"]
     condition = terminal_condition(job) or {}
@@ -314,9 +314,8 @@ def wait_budget(job: dict, timeout_s: float, now: float) -> float:
     """Seconds to wait for ``job``: ``timeout_s``, cut for a job created by an earlier attempt to its own
     deadline (creation + activeDeadlineSeconds, the controller's clock: trainjob_controller.go 155-167)
     plus the launcher's grace, so a re-attached wait never outlives the train task."""
-    from llmft.components.lib.train_job import JOB_WAIT_GRACE_S, _parse_time
 
-    created = _parse_time((job.get("metadata") or {}).get("creationTimestamp"))
+    created = parse_time((job.get("metadata") or {}).get("creationTimestamp"))
     deadline = (job.get("spec") or {}).get("activeDeadlineSeconds")
     if created is None or not deadline:
         return timeout_s
@@ -337,8 +336,6 @@ def run_trainjob(
     ``JobFailedPermanently`` (the job is suspended); Failed by the deadline or no end within
     ``timeout_s`` -> ``JobTimedOut`` (the job keeps running until its activeDeadlineSeconds); Failed
     otherwise -> :class:`TrainJobFailed`; each with the failing node's log tail."""
-    from llmft.components.lib.train_job import JobTimedOut
-    from llmft.components.lib.trainjob import parse_runtime_ref, trainjob_to_dict
 
     if poll_s <= 0 or timeout_s <= poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) < timeout_s ({timeout_s})")
@@ -396,8 +393,6 @@ def run_trainjob(
 
 def run_trainjob_on_cluster(job, overrides: list[str], *, poll_s: float = 30.0, cluster=None) -> dict:
     """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run."""
-    from llmft.components.lib.train_job import build_train_job_spec
-    from llmft.components.lib.trainjob import build_trainjob
 
     trainjob = build_trainjob(build_train_job_spec(job, overrides), runtime=job.runtime)
-    return run_trainjob(cluster or Cluster(), trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s)
+    return run_trainjob(cluster or cluster_module.Cluster(), trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s)

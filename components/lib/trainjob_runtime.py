@@ -26,6 +26,9 @@ missing, shadowed, invalid, not a torch runtime, or no answer (TimeoutError -> T
 
 from __future__ import annotations
 
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.cluster import TRANSIENT_STATUSES, Cluster, _server_message
+from llmft.components.lib.trainjob import parse_runtime_ref
 from llmft.trainer.errors import ConfigError, TransientError
 
 RBAC_FILES = {
@@ -42,7 +45,6 @@ _CLUSTER_STEP_MARK = "checked both namespaced and cluster scope"
 
 def _api_status(exc: BaseException) -> tuple[int | None, str]:
     """(HTTP status, server message) of the ApiException behind the SDK's RuntimeError."""
-    from llmft.components.lib.cluster import _server_message
 
     cause = exc.__cause__
     status = getattr(cause, "status", None)
@@ -51,7 +53,6 @@ def _api_status(exc: BaseException) -> tuple[int | None, str]:
 
 def explain_read_error(exc: RuntimeError, kind: str, name: str, namespace: str) -> Exception:
     """The SDK's RuntimeError from ``get_runtime`` -> ConfigError (or TransientError for a busy server)."""
-    from llmft.components.lib.cluster import TRANSIENT_STATUSES
 
     status, message = _api_status(exc)
     cluster_step = _CLUSTER_STEP_MARK in str(exc)
@@ -133,9 +134,20 @@ def preflight_runtime(plan, cluster=None) -> None:
     pipeline's service account, before any GPU is requested."""
     if plan.job.backend != "trainjob":
         return
-    from llmft.components.lib.cluster import Cluster
-    from llmft.components.lib.trainjob import parse_runtime_ref
-    from llmft.components.lib.trainjob_run import sdk_backend
 
-    cluster = cluster or Cluster()
+    cluster = cluster or cluster_module.Cluster()
     check_runtime(sdk_backend(cluster), *parse_runtime_ref(plan.job.runtime))
+
+
+def sdk_backend(cluster: Cluster, namespace: str | None = None):
+    """The Kubeflow SDK's ``KubernetesBackend`` (what ``TrainerClient`` delegates every call to) on
+    ``cluster``'s API objects, in ``namespace`` (default: the cluster's)."""
+    from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend
+
+    class SdkBackend(KubernetesBackend):
+        def __init__(self):  # the SDK's __init__ loads a kubeconfig itself; the Cluster already has one
+            self.custom_api, self.core_api = cluster.custom_api, cluster.core_api
+            self.namespace = namespace or cluster.namespace
+            self.verify_backend()
+
+    return SdkBackend()

@@ -45,7 +45,7 @@ def render_job(arguments: dict, backend: str, *, run_id: str, namespace: str | N
     """The job body (a dict, as the API server receives it) for pipeline parameters ``arguments``."""
     from llmft.components.lib.plan import build_plan
     from llmft.components.lib.plan_checks import compiled_settings
-    from llmft.components.lib.train_job import build_train_job_spec
+    from llmft.components.lib.pytorchjob import build_train_job_spec
     from llmft.components.plan import parameter_defaults
     from llmft.trainer.errors import ConfigError
 

@@ -6,7 +6,7 @@ import argparse
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    from llmft.components.lib.plan import SERVING_MODES
+    from llmft.components.lib.plan_schema import SERVING_MODES
 
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     check = sub.add_parser(

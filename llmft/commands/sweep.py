@@ -46,7 +46,7 @@ JOB_PARAMETERS = (
 )
 """Pipeline parameters `llmft sweep create` accepts for the trial job (defaults: the pipeline's)."""
 ALIASES = {"image": "trainer_image"}
-TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "katib" / "experiment_template.yaml"
+TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "katib" / "experiment_template.yaml"  # llmft/katib
 # The settings katib/experiment_template.yaml was rendered from (a test keeps the two equal).
 TEMPLATE_ARGS = (
     "data=/data/tokenized/CACHE_KEY",
@@ -147,8 +147,9 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
 def trial_job(settings: dict, name: str):
     """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
     the plan's own job builder (so a trial gets what the pipeline's trials get)."""
-    from llmft.components.lib.plan import DataLayout, Images, Parameters, job_plan
+    from llmft.components.lib.plan import Parameters, job_plan
     from llmft.components.lib.plan_checks import SECRET_PARAMETERS, check_image, parse_secret
+    from llmft.components.lib.plan_schema import DataLayout, Images
     from llmft.components.plan import parameter_defaults
     from llmft.katib.errors import SweepError
 
@@ -169,7 +170,8 @@ def trial_job(settings: dict, name: str):
 def build_from_settings(items: list[str]):
     """The Experiment (typed model) for ``llmft sweep create key=value ...``; its trials carry the
     trainer overrides the pipeline's train step would use with the same parameters."""
-    from llmft.components.lib.plan import DataLayout, trainer_plan
+    from llmft.components.lib.plan import trainer_plan
+    from llmft.components.lib.plan_schema import DataLayout
     from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
     from llmft.katib.experiment import SweepSpec, apply_overrides
 

@@ -210,3 +210,96 @@ def test_the_static_reader_sees_what_it_must():
     assert "katib" in names, "class bodies run at import time"
     assert "kfp" not in names and "kubeflow_katib_api" not in names
     assert "llmft.trainer.data.io" in names and "llmft.trainer.components.plan" in names
+
+
+# --- no import cycles --------------------------------------------------------------------------
+
+# Cycles that remain, each a set of modules that import one another (function-local imports
+# included). Each entry is a debt: remove it when the cycle is broken; the test fails on any
+# other cycle, and on an entry that is no longer a cycle (so the list only shrinks).
+KNOWN_CYCLES = (
+    {"llmft.trainer.config", "llmft.trainer.config_checks"},
+    {"llmft.trainer.fastpath.moe", "llmft.trainer.fastpath.moe_aux"},
+    {"llmft.trainer.fp8", "llmft.trainer.merge", "llmft.trainer.model"},
+    {"llmft.trainer.fastpath.lora_dropout", "llmft.trainer.fastpath.lora_dropout_triton"},
+    {"llmft.trainer.fastpath.lora", "llmft.trainer.fastpath.qlora"},
+    {"llmft.components.lib.comparison", "llmft.components.lib.registry"},
+    {"llmft.commands.pipeline", "llmft.commands.render_job"},
+)
+
+
+def import_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """module -> the llmft.* modules it imports anywhere in its file (module level, function-local,
+    TYPE_CHECKING). ``from pkg import mod`` is an arrow to ``pkg.mod``, not to the package."""
+    files = {module_name(p): p for folder in (*SUBPACKAGES, "llmft") for p in package_files(folder)}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = [t for t in _imported(node, name, is_package) if t in files]
+            submodules = [t for t in targets[1:] if isinstance(node, ast.ImportFrom)]
+            graph[name].update(t for t in (submodules or targets) if t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    found = cycles(graph)
+    new = [c for c in found if c not in KNOWN_CYCLES]
+    assert not new, "import cycles (a function-local import hides one; move the shared part down):\n" + "\n".join(
+        " <-> ".join(sorted(c)) + "\n    " + "\n    ".join(f"{m} -> {sorted(graph[m] & c)}" for m in sorted(c))
+        for c in new
+    )
+    gone = [c for c in KNOWN_CYCLES if c not in found]
+    assert not gone, f"no longer a cycle, remove it from KNOWN_CYCLES: {gone}"
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert sorted(map(sorted, cycles(graph))) == [["a", "b", "c"], ["e", "e2"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_plan_schema_is_the_bottom_of_components_lib():
+    """components/lib/plan_schema.py imports no other module of components (everything there may import it)."""
+    graph = import_graph()
+    assert "llmft.components.lib.plan_schema" in graph
+    assert not {m for m in graph["llmft.components.lib.plan_schema"] if m.startswith("llmft.components")}

@@ -12,9 +12,11 @@ import pytest
 from conftest import SIM_NAMESPACE, sim_plan
 from k8s_fakes import api_error
 from kubernetes import client
-from llmft.components.lib.cleanup import RUN_ID_LABEL, cleanup_after_run, cleanup_run, run_label
+
+from llmft.components.lib.cleanup import cleanup_after_run, cleanup_run
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.train_job import JobFailedPermanently, run_on_cluster
+from llmft.components.lib.plan_schema import RUN_ID_LABEL, JobFailedPermanently, run_label
+from llmft.components.lib.train_job import run_on_cluster
 
 RUN = "7e1f0c2a-55aa-4c1b-9d3e-31f2a8b6c0de"
 OTHER = "0b9d7c6e-1111-4a2b-8c3d-4e5f60718293"

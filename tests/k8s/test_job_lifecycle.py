@@ -14,14 +14,18 @@ import time
 import pytest
 from cluster_sim import Chaos
 from conftest import SIM_NAMESPACE, TINY_TRAIN, sim_plan
+
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION, build_pytorchjob, pytorchjob_to_dict
-from llmft.components.lib.train_job import (
-    JobFailedPermanently,
-    JobTimedOut,
+from llmft.components.lib.plan_schema import JobFailedPermanently, JobTimedOut
+from llmft.components.lib.pytorchjob import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    build_pytorchjob,
     build_train_job_spec,
-    run_on_cluster,
+    pytorchjob_to_dict,
 )
+from llmft.components.lib.train_job import run_on_cluster
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR
 from llmft.trainer.io import is_complete
 

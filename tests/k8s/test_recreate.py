@@ -9,8 +9,17 @@ from __future__ import annotations
 import pytest
 from cluster_sim import condition, set_condition
 from conftest import SIM_NAMESPACE, sim_plan
-from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION, build_pytorchjob, pytorchjob_to_dict
-from llmft.components.lib.train_job import build_train_job_spec, run_on_cluster, wait_until_gone
+
+from llmft.components.lib.cluster import wait_until_gone
+from llmft.components.lib.pytorchjob import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    build_pytorchjob,
+    build_train_job_spec,
+    pytorchjob_to_dict,
+)
+from llmft.components.lib.train_job import run_on_cluster
 from llmft.trainer.errors import TransientError
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from llmft.components.lib.pytorchjob import TrainingJobFailed, TrainJobSpec, build_pytorchjob, pytorchjob_to_dict
-from llmft.components.lib.train_job import JobTimedOut, run_job
+
+from llmft.components.lib.plan_schema import JobTimedOut, TrainingJobFailed
+from llmft.components.lib.pytorchjob import TrainJobSpec, build_pytorchjob, pytorchjob_to_dict
+from llmft.components.lib.train_job import run_job
 
 NS = "team-a"
 SPEC = TrainJobSpec(

@@ -9,16 +9,6 @@ import dataclasses
 
 import pytest
 from kubernetes import client
-from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.train_job import JobFailedPermanently, JobTimedOut, build_train_job_spec, run_on_cluster
-from llmft.components.lib.trainjob import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
-from llmft.components.lib.trainjob_run import (
-    PERMANENT_EXIT_ANNOTATION,
-    TrainJobFailed,
-    delete_trainjobs_by_label,
-    run_trainjob,
-)
-from llmft.trainer.errors import ConfigError
 from trainer_v2_sim import (
     FakeTrainerCoreApi,
     FakeTrainerCustomApi,
@@ -27,6 +17,19 @@ from trainer_v2_sim import (
     make_plan,
     node_pods,
 )
+
+from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.plan_schema import JobFailedPermanently, JobTimedOut
+from llmft.components.lib.pytorchjob import build_train_job_spec
+from llmft.components.lib.train_job import run_on_cluster
+from llmft.components.lib.trainjob import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
+from llmft.components.lib.trainjob_run import (
+    PERMANENT_EXIT_ANNOTATION,
+    TrainJobFailed,
+    delete_trainjobs_by_label,
+    run_trainjob,
+)
+from llmft.trainer.errors import ConfigError
 
 NS = "team-a"
 DATA = "/data/tokenized/0123abcd"
@@ -316,11 +319,11 @@ def test_the_train_step_dispatches_backend_trainjob(crd_dir):
 
 
 def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
-    from llmft.components.lib.train_job import JOB_WAIT_GRACE_S, _parse_time
+    from llmft.components.lib.plan_schema import JOB_WAIT_GRACE_S, parse_time
     from llmft.components.lib.trainjob_run import wait_budget
 
     job = {"metadata": {"creationTimestamp": "2026-11-26T10:00:00Z"}, "spec": {"activeDeadlineSeconds": 3600}}
-    created = _parse_time("2026-11-26T10:00:00Z")
+    created = parse_time("2026-11-26T10:00:00Z")
     assert wait_budget(job, 7200, created + 600) == 3000 + JOB_WAIT_GRACE_S  # re-attached 10 minutes in
     assert wait_budget(job, 60, created + 600) == 60
     assert wait_budget({"metadata": {}, "spec": {}}, 60, created) == 60

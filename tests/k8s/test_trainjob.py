@@ -9,17 +9,12 @@ import dataclasses
 import jsonschema
 import pytest
 import yaml
-from llmft.components.lib.pytorchjob import ElasticSpec, build_pytorchjob, pytorchjob_to_dict
-from llmft.components.lib.train_job import build_train_job_spec
-from llmft.components.lib.trainjob import (
-    DEFAULT_RUNTIME,
-    build_trainjob,
-    parse_runtime_ref,
-    trainjob_admission_errors,
-    trainjob_to_dict,
-)
-from llmft.trainer.errors import ConfigError
 from trainer_v2_sim import build_jobset, load_runtime, make_plan, node_pods, strategic_merge
+
+from llmft.components.lib.plan_schema import DEFAULT_RUNTIME
+from llmft.components.lib.pytorchjob import ElasticSpec, build_pytorchjob, build_train_job_spec, pytorchjob_to_dict
+from llmft.components.lib.trainjob import build_trainjob, parse_runtime_ref, trainjob_admission_errors, trainjob_to_dict
+from llmft.trainer.errors import ConfigError
 
 DATA = "/data/tokenized/0123abcd"
 

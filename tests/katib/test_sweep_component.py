@@ -9,10 +9,11 @@ import pytest
 import yaml
 from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan, trial_words
 from kfp import dsl
+
 from llmft.components.images import KATIB_IMAGE
 from llmft.components.lib import sweep as sweep_lib
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.plan import write_plan
+from llmft.components.lib.plan_schema import write_plan
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.katib.errors import ExperimentFailed
 from llmft.pipelines.llm_finetune_hpo import TASK_ORDER, compile_pipeline

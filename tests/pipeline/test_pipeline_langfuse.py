@@ -16,13 +16,15 @@ import pytest
 import yaml
 from kfp import dsl
 from langfuse_fake import FakeLangfuse
+from plan_helpers import CLUSTER, make_plan, parameters
+
 from llmft.components.lib.comparison import PROMOTED_PATH_TAG, compare_in_langfuse, dataset_name
-from llmft.components.lib.plan import build_plan, write_plan
+from llmft.components.lib.plan import build_plan
 from llmft.components.lib.plan_checks import compiled_settings
+from llmft.components.lib.plan_schema import write_plan
 from llmft.components.lib.promote import promoted_destination
 from llmft.components.lib.registry import Lineage, register_adapter, registration_from_run
 from llmft.trainer.errors import ConfigError
-from plan_helpers import CLUSTER, make_plan, parameters
 
 pytestmark = pytest.mark.slow
 
@@ -125,12 +127,13 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     world, langfuse, tiny_model_dir, base_loads
 ):
     import torch
+    from mlflow import MlflowClient
+
     from llmft.components.evaluate import evaluate_perplexity
     from llmft.components.lib.generations import generate_answers, load_tokenizer, prompt_set
     from llmft.components.register import register_model
     from llmft.components.serving_form import choose_serving_form
     from llmft.trainer.langfuse_sink import read_run_record
-    from mlflow import MlflowClient
 
     root, plan = world["root"], world["plan"]
     plan_artifact = artifact(dsl.Artifact, root, "plan")

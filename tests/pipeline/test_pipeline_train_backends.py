@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
+from plan_helpers import RUN_ID, make_plan
+
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.deployment import crd_schema_errors
 from llmft.components.lib.local_train import TrainingFailed, run_local_training, train_command
-from llmft.components.lib.pytorchjob import TrainingJobFailed
-from llmft.components.lib.train_job import job_name, run_on_cluster
-from plan_helpers import RUN_ID, make_plan
+from llmft.components.lib.plan_schema import TrainingJobFailed, job_name
+from llmft.components.lib.train_job import run_on_cluster
 
 NS = "team-a"
 PLAN = make_plan(

@@ -16,8 +16,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from llmft.components.images import IMAGE_UID
-from llmft.components.lib.plan import DataLayout
+from llmft.components.lib.plan_schema import DataLayout
 from llmft.components.lib.volume_access import PERMISSIONS_FILE, PROBE_PREFIX, check_volume_writable, written_folders
 from llmft.trainer.errors import EXIT_USER_ERROR, ConfigError
 
@@ -141,11 +142,12 @@ def test_both_images_run_as_the_uid_the_pods_and_the_permissions_job_use(repo_ro
 def test_the_plan_step_on_a_cluster_runs_the_runtime_and_volume_preflights(backend, expected, monkeypatch, tmp_path):
     """plan_run itself (components/plan.py), as a KFP task pod runs it, against fakes at the client boundary."""
     from kfp import dsl
+    from plan_helpers import CLUSTER, parameters
+    from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi
+
     from llmft.components.lib import cluster as cluster_module
     from llmft.components.lib.plan_checks import compiled_settings
     from llmft.components.plan import plan_run
-    from plan_helpers import CLUSTER, parameters
-    from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi
 
     if backend == "kubeflow" and os.path.exists("/data"):
         pytest.skip("this machine has a /data: the unmounted case cannot be played here")
