@@ -328,7 +328,8 @@ def build_context(dockerfile: Path, destination: Path) -> Path:
 
 
 def checkout_files() -> list[str]:
-    """What a fresh clone holds (tracked, and untracked files git does not ignore)."""
+    """What a fresh clone holds (tracked, and untracked files git does not ignore): files, and the
+    symlinks llmft/<folder> -> ../<folder> as links (Docker's COPY keeps them, and copies the folders)."""
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
         cwd=REPO_ROOT,
@@ -336,7 +337,7 @@ def checkout_files() -> list[str]:
         text=True,
         check=True,
     ).stdout.splitlines()
-    return [name for name in listed if (REPO_ROOT / name).is_file()]
+    return [name for name in listed if (REPO_ROOT / name).is_file() or (REPO_ROOT / name).is_symlink()]
 
 
 def build_wheel(context: Path, out: Path) -> Path:

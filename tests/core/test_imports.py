@@ -10,7 +10,7 @@
   runs at import time, ``if TYPE_CHECKING:`` blocks excepted) and for real (each module
   imported in a fresh interpreter, sys.modules read after each).
 - Nothing imports the bare folder names (``import trainer``): only ``llmft.trainer`` and its
-  siblings exist once installed (setup.cfg package_dir; tests/core/test_packaging.py).
+  siblings exist once installed (llmft/<folder> links; tests/core/test_packaging.py).
 """
 
 from __future__ import annotations

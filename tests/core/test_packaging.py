@@ -1,10 +1,11 @@
 """What installing the distribution puts into site-packages: one import root, ``llmft``.
 
 The folders trainer/, components/, pipelines/, katib/, benchmarks/ stay at the top of the
-checkout but install as ``llmft.trainer``, ``llmft.components``, ... (setup.cfg ``package_dir``),
-so a wheel never adds generic names such as ``trainer`` (a PyPI distribution of that name exists).
-setup.cfg lists the packages by hand: these tests hold the list to the folders on disk, build a
-wheel of a clean copy of the checkout and read it, and look for commands and snippets in the
+checkout; ``llmft/<folder>`` is a committed relative symlink to each, so the checkout holds a plain
+package tree that Python, setuptools, mypy and structure tools read without a mapping, and a wheel
+never adds generic names such as ``trainer`` (a PyPI distribution of that name exists).
+setup.cfg lists the packages by hand: these tests hold the links and the list to the folders on disk,
+build a wheel of a clean copy of the checkout and read it, and look for commands and snippets in the
 docs, notebooks, scripts and Dockerfiles that still name a bare folder (``python -m trainer``).
 The Python modules' own imports are read by tests/core/test_imports.py.
 """
@@ -12,8 +13,10 @@ The Python modules' own imports are read by tests/core/test_imports.py.
 from __future__ import annotations
 
 import configparser
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import zipfile
@@ -33,54 +36,58 @@ def _setup_cfg() -> configparser.ConfigParser:
     return parser
 
 
-def _package_dir() -> dict[str, str]:
-    raw = _setup_cfg()["options"]["package_dir"]
-    pairs = (line.split("=", 1) for line in raw.splitlines() if line.strip())
-    return {name.strip(): folder.strip() for name, folder in pairs}
-
-
 def _packages() -> list[str]:
     raw = _setup_cfg()["options"]["packages"]
     return [line.strip() for line in raw.splitlines() if line.strip()]
 
 
 def _source_dirs() -> dict[str, Path]:
-    """Every folder of the package on disk -> its import name (trainer/data -> llmft.trainer.data)."""
+    """Every folder of the import root on disk, links followed -> its import name (llmft/trainer/data ->
+    llmft.trainer.data)."""
     found = {}
-    for name, folder in _package_dir().items():
-        root = REPO / folder
-        for directory in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
-            parts = directory.relative_to(root).parts
-            if "__pycache__" in parts or any(part.startswith(".") for part in parts):
-                continue
-            found[".".join((name, *parts))] = directory
+    for directory, _, _ in os.walk(REPO / "llmft", followlinks=True):
+        parts = Path(directory).relative_to(REPO).parts
+        if "__pycache__" in parts or any(part.startswith(".") for part in parts):
+            continue
+        found[".".join(parts)] = Path(directory)
     return found
 
 
-def checkout_files() -> list[str]:
-    """The files a fresh clone has (git's view: tracked, and untracked not ignored), else a walk."""
+def _git(*args: str) -> list[str]:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def checkout_files(links: bool = False) -> list[str]:
+    """The files a fresh clone has (git's view: tracked, and untracked not ignored), else a walk;
+    with ``links``, the symlinks too (llmft/trainer -> ../trainer)."""
     try:
-        listed = subprocess.run(
-            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.splitlines()
+        listed = _git("ls-files", "--cached", "--others", "--exclude-standard")
     except (OSError, subprocess.CalledProcessError):
         skip = {".git", ".venv", "build", "dist", "runs", "mlruns", "__pycache__"}
         listed = [
             str(p.relative_to(REPO))
             for p in REPO.rglob("*")
-            if p.is_file() and not skip.intersection(p.relative_to(REPO).parts)
+            if (p.is_file() or p.is_symlink()) and not skip.intersection(p.relative_to(REPO).parts)
         ]
-    return sorted(f for f in listed if (REPO / f).is_file())
+    return sorted(f for f in listed if (REPO / f).is_file() or (links and (REPO / f).is_symlink()))
 
 
-def test_package_dir_maps_every_folder_under_the_import_root():
-    assert _package_dir() == {"llmft": "llmft", **{f"llmft.{name}": name for name in SUBPACKAGES}}
+def test_the_import_root_links_each_folder():
+    assert "package_dir" not in _setup_cfg()["options"], "llmft/ is a plain package tree: no package_dir mapping"
     for name in SUBPACKAGES:
-        assert (REPO / name / "__init__.py").is_file(), f"{name}/ is mapped to llmft.{name} but is not a package"
+        link = REPO / "llmft" / name
+        assert link.is_symlink(), f"llmft/{name} must be a symlink to ../{name}"
+        assert os.readlink(link) == f"../{name}", f"llmft/{name} must be the relative link ../{name}"
+        assert (REPO / name / "__init__.py").is_file(), f"{name}/ is linked as llmft.{name} but is not a package"
+
+
+def test_git_stores_the_links_as_links():
+    try:
+        staged = _git("ls-files", "-s", "--", *(f"llmft/{name}" for name in SUBPACKAGES))
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    modes = {line.split("\t")[1]: line.split()[0] for line in staged}
+    assert modes == {f"llmft/{name}": "120000" for name in SUBPACKAGES}, f"git must store symlinks (120000): {modes}"
 
 
 def test_the_package_list_is_the_folders_on_disk():
@@ -99,9 +106,9 @@ def test_the_package_list_is_the_folders_on_disk():
 @pytest.mark.slow  # builds a wheel with pip (about 2 s)
 def test_the_wheel_holds_only_llmft(tmp_path):
     source = tmp_path / "src"
-    for name in checkout_files():
+    for name in checkout_files(links=True):
         (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, source / name)
+        shutil.copy2(REPO / name, source / name, follow_symlinks=False)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q"]
         + ["-w", str(tmp_path / "dist"), str(source)],
@@ -111,9 +118,12 @@ def test_the_wheel_holds_only_llmft(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    entries = zipfile.ZipFile(wheel).infolist()
+    names = {entry.filename for entry in entries}
     roots = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert roots == {"llmft"}, f"the wheel installs {sorted(roots)} into site-packages; only llmft may be there"
+    links = [e.filename for e in entries if stat.S_ISLNK(e.external_attr >> 16)]
+    assert not links, f"the wheel must hold the files, not the links: {links}"
     modules = {
         "/".join(name.split(".")) + "/" + path.name
         for name, directory in _source_dirs().items()

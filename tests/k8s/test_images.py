@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from llmft import SUBPACKAGES
 from llmft.components import images
 from llmft.trainer.errors import ConfigError
 
@@ -185,11 +187,10 @@ def _copies_sources_after(steps, index: int) -> bool:
 
 @pytest.mark.parametrize("role", sorted(images.DOCKERFILES))
 def test_the_build_context_holds_every_folder_the_package_maps(repo_root, role):
-    """Each image COPYs, and its .dockerignore lets through, every folder setup.cfg's package_dir maps
-    and the files the wheel's metadata reads; the check builds its wheel from exactly these."""
-    setup = configparser.ConfigParser()
-    setup.read(repo_root / "setup.cfg")
-    mapped = {line.split("=")[1].strip() for line in setup["options"]["package_dir"].splitlines() if "=" in line}
+    """Each image COPYs, and its .dockerignore lets through, llmft/ and every folder its symlinks
+    (llmft/trainer -> ../trainer, ...) point to, and the files the wheel's metadata reads; the check
+    builds its wheel from exactly these."""
+    mapped = {"llmft", *SUBPACKAGES}
     dockerfile = repo_root / images.DOCKERFILES[role][0]
     copied = {
         src.rstrip("/") for srcs, dest in image_check.copies(image_check.instructions(dockerfile)) for src in srcs
@@ -207,6 +208,15 @@ def test_the_build_context_holds_every_folder_the_package_maps(repo_root, role):
         ".git/HEAD",
     ):
         assert not image_check.dockerignore_keeps(patterns, dropped), dropped
+
+
+def test_the_build_context_keeps_the_import_roots_links(repo_root, tmp_path):
+    """Docker's COPY of llmft/ keeps llmft/trainer -> ../trainer as a link and the next COPY brings the
+    folder: the check's context must hold the same, or its wheel would lack every subpackage."""
+    context = image_check.build_context(repo_root / images.DOCKERFILES["trainer"][0], tmp_path / "ctx")
+    for name in SUBPACKAGES:
+        link = context / "llmft" / name
+        assert link.is_symlink() and (link / "__init__.py").is_file(), f"the context lacks llmft/{name} -> ../{name}"
 
 
 def test_the_check_runs_the_trainer_dockerfile_as_written_but_torch_and_the_source(repo_root, tmp_path):
