@@ -38,7 +38,7 @@ def train_model(
     import shlex
 
     from llmft.components.lib.plan_schema import read_plan
-    from llmft.components.lib.train_job import read_training_manifest, training_metrics
+    from llmft.components.lib.pytorchjob_launch import read_training_manifest, training_metrics
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()
@@ -58,7 +58,7 @@ def train_model(
             timeout_s=job.timeout_s,
         )
     else:
-        from llmft.components.lib.train_job import run_on_cluster
+        from llmft.components.lib.pytorchjob_launch import run_on_cluster
 
         run_on_cluster(job, overrides)
 

@@ -1,6 +1,6 @@
 """The run directory (``output_dir``): what a run may touch there, and whether it may start.
 
-:func:`plan_run` makes every decision that needs no model and no GPU, reading only: the
+:func:`plan_start` makes every decision that needs no model and no GPU, reading only: the
 model source exists, the tokenized data and its splits are usable, ``output_dir`` is ours,
 a fresh run does not land on an old one, which checkpoint to resume and whether it matches,
 and the restart budget. ``llmft train --nproc N`` runs it before starting any rank (so a bad
@@ -42,7 +42,7 @@ RETRYABLE_OUTCOMES = ("running", 130, 143, 200)  # "running": died without recor
 
 
 @dataclass
-class RunPlan:
+class StartPlan:
     """What rank 0 decided before loading anything; broadcast to every rank."""
 
     dataset: dict  # the tokenized dataset's manifest
@@ -55,7 +55,7 @@ class RunPlan:
     lock: runlock.RunLock | None = field(default=None, repr=False, compare=False)  # rank 0's, never broadcast
 
 
-def plan_run(cfg, config_dict: dict) -> RunPlan:
+def plan_start(cfg, config_dict: dict) -> StartPlan:
     """Every check that reads only (see the module docstring); raises LlmftError."""
     from llmft.trainer.data.loader import dataset_info
 
@@ -66,7 +66,7 @@ def plan_run(cfg, config_dict: dict) -> RunPlan:
     check_fresh_start(cfg.output_dir, cfg.resume)
     total_steps = planned_steps(cfg, dataset)
     resume_path = ckpt.find_resume_checkpoint(cfg.resume, cfg.output_dir)
-    plan = RunPlan(dataset, total_steps, uuid.uuid4().hex[:12], resume_path, eval_note=eval_note)
+    plan = StartPlan(dataset, total_steps, uuid.uuid4().hex[:12], resume_path, eval_note=eval_note)
     if resume_path is not None:
         plan.resume_diffs = ckpt.check_compatible(resume_path, config_dict, dataset["cache_key"], cfg.force_resume)
         state = ckpt.read_state(resume_path)
@@ -76,7 +76,7 @@ def plan_run(cfg, config_dict: dict) -> RunPlan:
     return plan
 
 
-def decide(cfg, config_dict: dict, info) -> RunPlan:
+def decide(cfg, config_dict: dict, info) -> StartPlan:
     """Rank 0 locks output_dir, plans the run and claims the directory; every rank gets the same plan (or
     error). Rank 0's lock rides on its plan (``plan.lock``, set after the broadcast) until the trainer closes."""
     from llmft.trainer.distributed import broadcast_object
@@ -86,7 +86,7 @@ def decide(cfg, config_dict: dict, info) -> RunPlan:
         try:
             check_ownership(cfg.output_dir, cfg.force_output_dir)  # before a lock file is written into it
             lock = runlock.acquire(cfg.output_dir, wait=cfg.wait_for_output_dir, say=_say)
-            plan = plan_run(cfg, config_dict)
+            plan = plan_start(cfg, config_dict)
             claim_run(cfg, plan)
         except LlmftError as exc:
             error = exc
@@ -103,7 +103,7 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def claim_run(cfg, plan: RunPlan) -> None:
+def claim_run(cfg, plan: StartPlan) -> None:
     """Rank 0: create and mark ``output_dir``, and record this start in the restart budget."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)

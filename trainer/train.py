@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from llmft.trainer import checkpoint as ckpt
 from llmft.trainer import rundir
 from llmft.trainer.config import TrainConfig, config_to_dict
@@ -79,7 +80,7 @@ class Trainer:
 
     # Set by build(); None before, which close() allows for (a build that failed part-way).
     info: DistInfo
-    plan: rundir.RunPlan
+    plan: rundir.StartPlan
     loader: PackedLoader
     engine: Engine
     observer: Observer
@@ -466,6 +467,7 @@ class Trainer:
     def _manifest(self) -> dict:
         import peft
         import transformers
+
         from llmft.trainer.model import base_model_identity
 
         final_metrics = {k: self.last_eval.get(k) for k in ("eval_loss", "perplexity", "tokens")}

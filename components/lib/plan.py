@@ -54,7 +54,7 @@ from llmft.components.lib.plan_schema import (
     run_label,
 )
 from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
-from llmft.components.lib.trainjob import parse_runtime_ref
+from llmft.components.lib.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.volume_space import check_volume_space
 from llmft.trainer.errors import ConfigError
 

@@ -1,6 +1,6 @@
 """Build, validate and run the trainer's PyTorchJob (Training Operator v1, kubeflow.org/v1).
 
-``build_pytorchjob(TrainJobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
+``build_pytorchjob(PyTorchJobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
 one Master plus ``num_nodes - 1`` Workers, each running
 ``llmft train --nproc N --config FILE key=value ...`` (torchrun -m llmft.trainer underneath)
 in a container named ``pytorch``.
@@ -14,7 +14,7 @@ resumes from the last committed checkpoint).
 ``trial_pytorchjob_dict`` gives the same job as a plain dict without metadata.name /
 namespace, ready to embed as a Katib trial template (katib/ takes the dict; it never
 imports components/), its command wrapped for Katib's metrics collector
-(:func:`katib_trial_script`). components/lib/train_job.py submits the job through the
+(:func:`katib_trial_script`). components/lib/pytorchjob_launch.py submits the job through the
 TrainingClient and waits for it.
 """
 
@@ -122,7 +122,7 @@ class ElasticSpec:
 
 
 @dataclass(frozen=True)
-class TrainJobSpec:
+class PyTorchJobSpec:
     """Everything that varies between PyTorchJobs of this project."""
 
     name: str
@@ -183,7 +183,7 @@ class TrainJobSpec:
     """UID the pods run as (the trainer image's non-root user); None = image default."""
 
 
-def _spec_errors(spec: TrainJobSpec) -> list[str]:
+def _spec_errors(spec: PyTorchJobSpec) -> list[str]:
     errors = []
     longest_pod = f"{spec.name}-worker-{max(spec.num_nodes - 2, 0)}"
     if not is_k8s_name(spec.name, kind="dns1035") or len(longest_pod) > 63:
@@ -223,7 +223,7 @@ def _spec_errors(spec: TrainJobSpec) -> list[str]:
     return errors
 
 
-def _elastic_errors(spec: TrainJobSpec) -> list[str]:
+def _elastic_errors(spec: PyTorchJobSpec) -> list[str]:
     el = spec.elastic
     if el is None:
         return []
@@ -240,7 +240,7 @@ def _elastic_errors(spec: TrainJobSpec) -> list[str]:
     return errors
 
 
-def _volume_and_env_errors(spec: TrainJobSpec) -> list[str]:
+def _volume_and_env_errors(spec: PyTorchJobSpec) -> list[str]:
     errors = []
     paths = [p.mount_path for p in spec.pvcs] + ["/dev/shm"]
     for pvc in spec.pvcs:
@@ -275,7 +275,7 @@ def _override_errors(overrides: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def resolved_nproc(spec: TrainJobSpec) -> str:
+def resolved_nproc(spec: PyTorchJobSpec) -> str:
     """``nprocPerNode`` as the operator wants it: a string."""
     if spec.nproc_per_node is not None:
         return str(spec.nproc_per_node)
@@ -296,7 +296,7 @@ def format_override_value(value: Any) -> str:
     return str(value)
 
 
-def trainer_command(spec: TrainJobSpec) -> tuple[list[str], list[str]]:
+def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
     """(command, args) of the ``pytorch`` container.
 
     ``llmft train --nproc N`` starts ``torchrun --nproc-per-node=N -m llmft.trainer ...`` as its
@@ -314,7 +314,7 @@ def trainer_command(spec: TrainJobSpec) -> tuple[list[str], list[str]]:
     return ["llmft"], args
 
 
-def _env(spec: TrainJobSpec) -> list:
+def _env(spec: PyTorchJobSpec) -> list:
     from kubernetes import client as k8s
 
     env = [k8s.V1EnvVar(name=name, value=str(value)) for name, value in spec.env.items()]
@@ -324,7 +324,7 @@ def _env(spec: TrainJobSpec) -> list:
     return env
 
 
-def _resources(spec: TrainJobSpec):
+def _resources(spec: PyTorchJobSpec):
     from kubernetes import client as k8s
 
     requests: dict[str, str] = {}
@@ -340,7 +340,7 @@ def _resources(spec: TrainJobSpec):
     return k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None)
 
 
-def _volumes(spec: TrainJobSpec) -> tuple[list, list]:
+def _volumes(spec: PyTorchJobSpec) -> tuple[list, list]:
     from kubernetes import client as k8s
 
     volumes = [
@@ -365,14 +365,14 @@ def _volumes(spec: TrainJobSpec) -> tuple[list, list]:
     return volumes, mounts
 
 
-def _tolerations(spec: TrainJobSpec) -> list:
+def _tolerations(spec: PyTorchJobSpec) -> list:
     from kubernetes import client as k8s
 
     chosen = spec.tolerations if spec.tolerations is not None else ((GPU_TOLERATION,) if spec.gpus_per_node else ())
     return [k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect) for t in chosen]
 
 
-def pod_template(spec: TrainJobSpec):
+def pod_template(spec: PyTorchJobSpec):
     """The ``V1PodTemplateSpec`` every replica runs (also validated on its own as a Pod)."""
     from kubernetes import client as k8s
 
@@ -410,7 +410,7 @@ def pod_template(spec: TrainJobSpec):
     )
 
 
-def build_pytorchjob(spec: TrainJobSpec):
+def build_pytorchjob(spec: PyTorchJobSpec):
     """The PyTorchJob for ``spec`` (``KubeflowOrgV1PyTorchJob``); raises ConfigError, listing
     every problem, before anything reaches the cluster."""
     from kubeflow.training import models
@@ -477,7 +477,7 @@ def _shell_safe(value: str) -> bool:
     return not re.search(r"[\s;&|<>`$\\'\"()]", stripped)
 
 
-def katib_trial_script(spec: TrainJobSpec, *, early_stopping: bool) -> str:
+def katib_trial_script(spec: PyTorchJobSpec, *, early_stopping: bool) -> str:
     """The ``sh -c`` script of a Katib trial's container: the trainer command, with signals and exit
     codes kept through Katib's wrapper.
 
@@ -508,7 +508,7 @@ def katib_trial_script(spec: TrainJobSpec, *, early_stopping: bool) -> str:
     )
 
 
-def trial_pytorchjob_dict(spec: TrainJobSpec, *, early_stopping: bool = True) -> dict:
+def trial_pytorchjob_dict(spec: PyTorchJobSpec, *, early_stopping: bool = True) -> dict:
     """The PyTorchJob as a Katib trial template: no metadata.name/namespace (Katib sets them),
     overrides may hold ``${trialParameters.name}`` placeholders, and every replica runs
     :func:`katib_trial_script` through ``sh -c`` (``early_stopping``: the Experiment's)."""
@@ -610,11 +610,11 @@ class MasterLogFollower:
 
 
 def overrides_mapping(overrides: list[str]) -> dict[str, str]:
-    """``["lora.r=16", ...]`` -> ``{"lora.r": "16", ...}`` (the form TrainJobSpec takes; a later key wins)."""
+    """``["lora.r=16", ...]`` -> ``{"lora.r": "16", ...}`` (the form PyTorchJobSpec takes; a later key wins)."""
     return dict(item.split("=", 1) for item in overrides)
 
 
-def build_train_job_spec(job, overrides: list[str], *, name: str | None = None, namespace: str | None = None):
+def build_pytorchjob_spec(job, overrides: list[str], *, name: str | None = None, namespace: str | None = None):
     """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer with ``overrides``.
 
     Every Secret key the plan names is a required reference (no ``optional``): a missing one is
@@ -622,7 +622,7 @@ def build_train_job_spec(job, overrides: list[str], *, name: str | None = None, 
     ``activeDeadlineSeconds`` is the plan's job timeout; ``cleanPodPolicy: Running`` deletes the
     Workers still running when the job fails, so they free their GPUs."""
     secret_envs = tuple(SecretEnv(key, s.name, key, optional=False) for s in job.secrets for key in s.keys)
-    return TrainJobSpec(
+    return PyTorchJobSpec(
         name=name or job.name,
         namespace=namespace or None,
         image=job.image,

@@ -1,7 +1,7 @@
 """The train step on a cluster: submit the run's PyTorchJob, or re-attach to it, and wait for it.
 
-:func:`build_train_job_spec` turns the plan's :class:`~llmft.components.lib.plan.JobPlan` and the
-trainer overrides into a :class:`TrainJobSpec` (image, resources, node selector, Secrets, the data
+:func:`build_pytorchjob_spec` turns the plan's :class:`~llmft.components.lib.plan.JobPlan` and the
+trainer overrides into a :class:`PyTorchJobSpec` (image, resources, node selector, Secrets, the data
 PVC at the plan's mount path, the run-id label, ``activeDeadlineSeconds`` = the plan's job timeout,
 ``cleanPodPolicy: Running``); Katib trials are built by the same function. :func:`run_on_cluster`
 runs it. What a real cluster does, and what this module does about it (each upstream rule is
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib import pod_starts, trainjob
+from llmft.components.lib import pod_starts, trainjob_spec
 from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.cluster import (
     PYTORCHJOB_CONTAINER,
@@ -72,9 +72,9 @@ from llmft.components.lib.pytorchjob import (
     VERSION,
     MasterLogFollower,
     build_pytorchjob,
-    build_train_job_spec,
+    build_pytorchjob_spec,
 )
-from llmft.components.lib.trainjob_run import run_trainjob_on_cluster
+from llmft.components.lib.trainjob_launch import run_trainjob_on_cluster
 from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError
 
 API_RETRIES = 10
@@ -104,12 +104,12 @@ def run_on_cluster(
     ``overrides``; returns a summary once it Succeeded (see :func:`run_job`)."""
 
     cluster = cluster or cluster_module.Cluster()
-    if job.backend == "trainjob":  # Kubeflow Trainer v2 (components/lib/trainjob_run.py)
-        with delete_on_sigterm(cluster, trainjob.GROUP, trainjob.VERSION, trainjob.PLURAL, job.name):
+    if job.backend == "trainjob":  # Kubeflow Trainer v2 (components/lib/trainjob_launch.py)
+        with delete_on_sigterm(cluster, trainjob_spec.GROUP, trainjob_spec.VERSION, trainjob_spec.PLURAL, job.name):
             return run_trainjob_on_cluster(job, overrides, poll_s=poll_s, cluster=cluster)
     return run_job(
         cluster,
-        build_train_job_spec(job, overrides),
+        build_pytorchjob_spec(job, overrides),
         timeout_s=float(job.timeout_s),
         poll_s=poll_s,
         print_fn=print_fn,
@@ -130,7 +130,7 @@ def run_job(
     pending_every: int = PENDING_EVERY,
     owner: dict | None = None,
 ) -> dict:
-    """Submit the PyTorchJob of ``spec`` (a TrainJobSpec), or re-attach to it, and wait for its end
+    """Submit the PyTorchJob of ``spec`` (a PyTorchJobSpec), or re-attach to it, and wait for its end
     (the module docstring lists the rules). SIGTERM deletes it. ``owner``: its ownerReference
     (default: the run's Argo Workflow when in a KFP pod, else none)."""
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.plan_schema import job_name
-from llmft.components.lib.pytorchjob import build_train_job_spec, trial_pytorchjob_dict
-from llmft.components.lib.trainjob import trial_trainjob_dict
+from llmft.components.lib.pytorchjob import build_pytorchjob_spec, trial_pytorchjob_dict
+from llmft.components.lib.trainjob_spec import trial_trainjob_dict
 
 PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"  # = katib.tracking.PARENT_RUN_ENV (what the trainer reads)
 DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "eval.max_sequences=512")
@@ -101,10 +101,10 @@ def sweep_trial_job(
     ]
     if mlflow_experiment:
         overrides.append(f"observe.mlflow_experiment={mlflow_experiment}")
-    spec = build_train_job_spec(job, overrides, name=job_name(sweep.name), namespace=sweep.namespace)
+    spec = build_pytorchjob_spec(job, overrides, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
-    if job.backend == "trainjob":  # Kubeflow Trainer v2 trials (components/lib/trainjob.py)
+    if job.backend == "trainjob":  # Kubeflow Trainer v2 trials (components/lib/trainjob_spec.py)
         return trial_trainjob_dict(spec, runtime=job.runtime, early_stopping=sweep.early_stopping)
     return trial_pytorchjob_dict(spec, early_stopping=sweep.early_stopping)
 

@@ -1,7 +1,7 @@
 """Run the trainer's TrainJob: submit (or re-attach), watch, fail with the failing node's log tail.
 
 Submitted and watched the way the Kubeflow SDK does it: the body is the SDK's own model
-(``kubeflow_trainer_api``, built in trainjob.py) sent with ``create_namespaced_custom_object``,
+(``kubeflow_trainer_api``, built in trainjob_spec.py) sent with ``create_namespaced_custom_object``,
 as ``KubernetesBackend.train`` does; the wait is the SDK's ``wait_for_job_status`` (TrainJob
 status from the ``Complete`` / ``Failed`` conditions) and ``get_runtime``/``delete_job``, all on
 :class:`SdkBackend`, the SDK's ``KubernetesBackend`` whose API objects are the project's
@@ -24,7 +24,7 @@ so a retried task fails the same way instead of recreating it) and the step fail
 node's log (``JobFailedPermanently``, exit 1). 128-255 (143 preempted, 130, 137, 200 transient) are
 left to the in-place restart, which resumes from the newest checkpoint, and reported with the
 restart count. ``DeadlineExceeded`` and a wait that outlives ``timeout_s`` are ``JobTimedOut``
-(exit 200), as on the PyTorchJob path (components/lib/train_job.py).
+(exit 200), as on the PyTorchJob path (components/lib/pytorchjob_launch.py).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from llmft.components.lib.plan_schema import (
     TrainingJobFailed,
     parse_time,
 )
-from llmft.components.lib.pytorchjob import build_train_job_spec
-from llmft.components.lib.trainjob import (
+from llmft.components.lib.pytorchjob import build_pytorchjob_spec
+from llmft.components.lib.trainjob_runtime import check_runtime, sdk_backend
+from llmft.components.lib.trainjob_spec import (
     GROUP,
     PLURAL,
     TRAINER_CONTAINER,
@@ -54,7 +55,6 @@ from llmft.components.lib.trainjob import (
     parse_runtime_ref,
     trainjob_to_dict,
 )
-from llmft.components.lib.trainjob_runtime import check_runtime, sdk_backend
 from llmft.trainer.errors import TransientError
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
@@ -211,7 +211,7 @@ def delete_and_wait(
 ) -> None:
     """Delete the TrainJob with foreground propagation (its JobSet, Jobs and pods go first: each
     owner reference blocks its owner's deletion) and wait until it and its node pods are gone, so
-    the TrainJob recreated under the same name never meets them (train_job.wait_until_gone)."""
+    the TrainJob recreated under the same name never meets them (cluster.wait_until_gone)."""
 
     try:
         cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
@@ -394,5 +394,5 @@ def run_trainjob(
 def run_trainjob_on_cluster(job, overrides: list[str], *, poll_s: float = 30.0, cluster=None) -> dict:
     """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run."""
 
-    trainjob = build_trainjob(build_train_job_spec(job, overrides), runtime=job.runtime)
+    trainjob = build_trainjob(build_pytorchjob_spec(job, overrides), runtime=job.runtime)
     return run_trainjob(cluster or cluster_module.Cluster(), trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s)

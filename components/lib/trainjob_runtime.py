@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import TRANSIENT_STATUSES, Cluster, _server_message
-from llmft.components.lib.trainjob import parse_runtime_ref
+from llmft.components.lib.trainjob_spec import parse_runtime_ref
 from llmft.trainer.errors import ConfigError, TransientError
 
 RBAC_FILES = {

@@ -1,6 +1,6 @@
 """Build and validate the trainer's TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1).
 
-``build_trainjob(TrainJobSpec, runtime)`` returns the Kubeflow SDK's own model
+``build_trainjob(PyTorchJobSpec, runtime)`` returns the Kubeflow SDK's own model
 (``kubeflow_trainer_api.models.TrainerV1alpha1TrainJob``) of a TrainJob that references a
 (Cluster)TrainingRuntime (default ``torch-distributed``, the one a default install ships) and
 overrides what the trainer needs through the v2.3 API:
@@ -27,7 +27,7 @@ PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR/PORT, which torchrun (under `
 reads: the same command serves PyTorchJob and TrainJob.
 
 ``trial_trainjob_dict`` gives the same job as a plain dict without metadata.name/namespace, the
-Katib trial template (katib/ takes the dict). Running it: components/lib/trainjob_run.py.
+Katib trial template (katib/ takes the dict). Running it: components/lib/trainjob_launch.py.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def parse_runtime_ref(value: str) -> tuple[str, str]:
 
 
 def trainjob_spec_errors(spec) -> list[str]:
-    """The PyTorchJob builder's checks of a ``TrainJobSpec`` plus what differs for a TrainJob."""
+    """The PyTorchJob builder's checks of a ``PyTorchJobSpec`` plus what differs for a TrainJob."""
     from llmft.components.lib.pytorchjob import _spec_errors  # one set of resource/env/volume checks
 
     errors = [e for e in _spec_errors(spec) if not e.startswith("name ")]

@@ -2,7 +2,7 @@
 
 The job is built by the launcher's own code from a plan built from the given pipeline
 parameters: ``build_plan`` (as the plan-run step does on a cluster), then
-``plan.trainer.command_overrides(<tokenized dir>)`` and ``build_train_job_spec`` (as the train
+``plan.trainer.command_overrides(<tokenized dir>)`` and ``build_pytorchjob_spec`` (as the train
 step does), then ``build_pytorchjob`` or ``build_trainjob``. Only the tokenized folder (known once
 the tokenize step ran) and the run id (the KFP run's) are placeholders.
 """
@@ -45,7 +45,7 @@ def render_job(arguments: dict, backend: str, *, run_id: str, namespace: str | N
     """The job body (a dict, as the API server receives it) for pipeline parameters ``arguments``."""
     from llmft.components.lib.plan import build_plan
     from llmft.components.lib.plan_checks import compiled_settings
-    from llmft.components.lib.pytorchjob import build_train_job_spec
+    from llmft.components.lib.pytorchjob import build_pytorchjob_spec
     from llmft.components.plan import parameter_defaults
     from llmft.trainer.errors import ConfigError
 
@@ -55,9 +55,9 @@ def render_job(arguments: dict, backend: str, *, run_id: str, namespace: str | N
     values = {**parameter_defaults(), **arguments, "training_backend": BACKENDS[backend]}
     plan = build_plan(values, run_id=run_id, compiled=compiled_settings("llm-finetune", values), environ=RENDER_POD)
     overrides = plan.trainer.command_overrides(data or plan.layout.tokenized("CACHE_KEY"))
-    spec = build_train_job_spec(plan.job, overrides, namespace=namespace)
+    spec = build_pytorchjob_spec(plan.job, overrides, namespace=namespace)
     if backend == "trainjob":
-        from llmft.components.lib.trainjob import build_trainjob, trainjob_to_dict
+        from llmft.components.lib.trainjob_spec import build_trainjob, trainjob_to_dict
 
         return trainjob_to_dict(build_trainjob(spec, runtime=plan.job.runtime))
     from llmft.components.lib.pytorchjob import build_pytorchjob, pytorchjob_to_dict

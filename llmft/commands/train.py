@@ -88,11 +88,11 @@ def preflight(args: argparse.Namespace) -> None:
     """Validate the config and plan the run before any rank starts (raises LlmftError)."""
     from llmft.trainer.config import config_to_dict, load_config
     from llmft.trainer.config_checks import validate
-    from llmft.trainer.rundir import plan_run
+    from llmft.trainer.rundir import plan_start
 
     cfg = load_config(args.config, args.overrides)
     validate(cfg)
-    plan_run(cfg, config_to_dict(cfg))
+    plan_start(cfg, config_to_dict(cfg))
 
 
 def launch(cmd: list[str]) -> int:

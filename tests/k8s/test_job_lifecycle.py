@@ -1,5 +1,5 @@
 """The train step's job on a simulated cluster (cluster_sim.py): the real launcher
-(components/lib/train_job.py) against the Training Operator's documented semantics, with real
+(components/lib/pytorchjob_launch.py) against the Training Operator's documented semantics, with real
 `llmft train` processes on the tiny model as the pods. No real cluster runs here.
 
 Each test names the issue-15 item it covers."""
@@ -22,10 +22,10 @@ from llmft.components.lib.pytorchjob import (
     PLURAL,
     VERSION,
     build_pytorchjob,
-    build_train_job_spec,
+    build_pytorchjob_spec,
     pytorchjob_to_dict,
 )
-from llmft.components.lib.train_job import run_on_cluster
+from llmft.components.lib.pytorchjob_launch import run_on_cluster
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR
 from llmft.trainer.io import is_complete
 
@@ -134,7 +134,7 @@ def test_a_job_past_its_deadline_is_a_timeout_and_frees_its_pods(sim, fake_clust
 def test_a_retry_reattaches_to_the_running_job_and_never_deletes_it(sim, fake_cluster, fake_custom_api, sim_volume):
     """Item 7: the first attempt's launcher pod died; its job runs on; the retry waits for it."""
     plan = sim_plan(sim_volume, run_id="run-reattach", max_steps=6)
-    first = pytorchjob_to_dict(build_pytorchjob(build_train_job_spec(plan.job, _overrides(plan))))
+    first = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, _overrides(plan))))
     fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, first)
     master = f"{plan.job.name}-master-0"
     sim.wait_for_log(master, "step=1 ")  # the first attempt's job trains

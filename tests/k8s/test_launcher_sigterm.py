@@ -16,9 +16,10 @@ import pytest
 from cluster_sim import ClusterSim
 from conftest import SIM_NAMESPACE, sim_plan
 from k8s_fakes import api_error
+
 from llmft.components.lib.cleanup import sigterm_cause
 from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
-from llmft.components.lib.train_job import run_on_cluster
+from llmft.components.lib.pytorchjob_launch import run_on_cluster
 
 LAUNCHER = "llm-finetune-x7k2p-system-container-impl-1"
 WORKFLOW = "llm-finetune-x7k2p"

@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
+
 from llmft.components.lib import pod_starts
 from llmft.components.lib.pod_starts import JobNeverStarts, StartWatcher
 from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
-from llmft.components.lib.train_job import run_on_cluster
+from llmft.components.lib.pytorchjob_launch import run_on_cluster
 from llmft.trainer.errors import EXIT_TRANSIENT
 
 NOT_ADMITTED = (

@@ -6,14 +6,15 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from llmft.components import images
 from llmft.components.lib.pytorchjob import (
     DEFAULT_SECRET_ENVS,
     ElasticSpec,
     PvcMount,
+    PyTorchJobSpec,
     SecretEnv,
     Toleration,
-    TrainJobSpec,
     build_pytorchjob,
     pytorchjob_to_dict,
     pytorchjob_webhook_errors,
@@ -24,8 +25,8 @@ from llmft.trainer.errors import ConfigError
 
 DATA = PvcMount("llmft-data", "/mnt/data")
 VARIANTS = {
-    "one-node-cpu": TrainJobSpec(name="ft-cpu", overrides={"max_steps": 5}),
-    "one-node-gpu": TrainJobSpec(
+    "one-node-cpu": PyTorchJobSpec(name="ft-cpu", overrides={"max_steps": 5}),
+    "one-node-gpu": PyTorchJobSpec(
         name="ft-1x8",
         gpus_per_node=8,
         cpu="32",
@@ -34,7 +35,7 @@ VARIANTS = {
         config_path="/mnt/data/configs/qwen7b.yaml",
         overrides={"lora.r": 16},
     ),
-    "multi-node": TrainJobSpec(
+    "multi-node": PyTorchJobSpec(
         name="ft-2x8",
         num_nodes=4,
         gpus_per_node=8,
@@ -45,10 +46,10 @@ VARIANTS = {
         env={"NCCL_DEBUG": "WARN"},
         labels={"kueue.x-k8s.io/queue-name": "gpu"},
     ),
-    "elastic": TrainJobSpec(
+    "elastic": PyTorchJobSpec(
         name="ft-elastic", num_nodes=3, gpus_per_node=4, elastic=ElasticSpec(min_nodes=2, max_nodes=4, max_restarts=5)
     ),
-    "no-secrets": TrainJobSpec(
+    "no-secrets": PyTorchJobSpec(
         name="ft-nosecret",
         secret_envs=(),
         run_as_user=None,
@@ -57,7 +58,7 @@ VARIANTS = {
         ttl_seconds_after_finished=3600,
         nproc_per_node="auto",
     ),
-    "custom-secret": TrainJobSpec(
+    "custom-secret": PyTorchJobSpec(
         name="ft-secret",
         secret_envs=(SecretEnv("HF_TOKEN", "my-hf", "token", False),),
         image_pull_secrets=("regcred",),
@@ -147,7 +148,7 @@ def test_elastic_policy_never_carries_nproc():
 
 
 def test_overrides_render_as_yaml_values_in_order():
-    spec = TrainJobSpec(
+    spec = PyTorchJobSpec(
         name="x",
         config_path="/c.yaml",
         overrides={
@@ -198,7 +199,7 @@ def test_overrides_render_as_yaml_values_in_order():
     ],
 )
 def test_bad_specs_fail_before_the_cluster_with_the_field_named(change, message):
-    spec = TrainJobSpec(**{"name": "ok", **change})
+    spec = PyTorchJobSpec(**{"name": "ok", **change})
     with pytest.raises(ConfigError, match=message):
         build_pytorchjob(spec)
 
@@ -262,7 +263,7 @@ def test_crd_schema_catches_type_errors(pytorchjob_crd_errors):
 
 
 def test_trial_template_has_no_name_and_keeps_katib_placeholders(pytorchjob_crd_errors):
-    spec = TrainJobSpec(
+    spec = PyTorchJobSpec(
         name="trial",
         num_nodes=2,
         gpus_per_node=1,
@@ -285,6 +286,6 @@ def test_trial_template_has_no_name_and_keeps_katib_placeholders(pytorchjob_crd_
 
 
 def test_trial_template_refuses_arguments_that_break_the_metrics_collector_shell():
-    spec = TrainJobSpec(name="trial", overrides={"run_name": "my run; rm -rf /"})
+    spec = PyTorchJobSpec(name="trial", overrides={"run_name": "my run; rm -rf /"})
     with pytest.raises(ConfigError, match="shell"):
         trial_pytorchjob_dict(spec)

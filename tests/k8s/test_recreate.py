@@ -1,5 +1,5 @@
 """A failed job is recreated under the same name only once it and its pods are gone (issue 29.5):
-foreground deletion, then a bounded wait (components/lib/train_job.py ``wait_until_gone``). On the
+foreground deletion, then a bounded wait (components/lib/pytorchjob_launch.py ``wait_until_gone``). On the
 simulated cluster of cluster_sim.py, which keeps a deleted pod in the API while it terminates and
 models background vs foreground propagation (Kubernetes garbage collection:
 kubernetes.io/docs/concepts/architecture/garbage-collection). No real cluster runs here."""
@@ -16,10 +16,10 @@ from llmft.components.lib.pytorchjob import (
     PLURAL,
     VERSION,
     build_pytorchjob,
-    build_train_job_spec,
+    build_pytorchjob_spec,
     pytorchjob_to_dict,
 )
-from llmft.components.lib.train_job import run_on_cluster
+from llmft.components.lib.pytorchjob_launch import run_on_cluster
 from llmft.trainer.errors import TransientError
 
 
@@ -31,7 +31,7 @@ def test_a_failed_job_is_recreated_only_after_its_pods_are_gone(sim, fake_cluste
     operator could not create ``<job>-master-0`` (AlreadyExists). Foreground: no collision."""
     plan = sim_plan(sim_volume, run_id="run-recreate", max_steps=6)
     overrides = plan.trainer.command_overrides(f"{sim_volume}/tokenized/demo")
-    first = pytorchjob_to_dict(build_pytorchjob(build_train_job_spec(plan.job, overrides)))
+    first = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, overrides)))
     first["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
     fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, first)
     master = f"{plan.job.name}-master-0"

@@ -1,4 +1,4 @@
-"""train_job.run_job (submitted through the real TrainingClient) against fakes at the
+"""pytorchjob_launch.run_job (submitted through the real TrainingClient) against fakes at the
 kubernetes-client boundary with a scripted operator: what is submitted, how Succeeded / Failed /
 timeout end, what the logs show. tests/k8s/test_job_lifecycle.py runs the same code against the
 controller simulator with real trainer processes."""
@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 
 from llmft.components.lib.plan_schema import JobTimedOut, TrainingJobFailed
-from llmft.components.lib.pytorchjob import TrainJobSpec, build_pytorchjob, pytorchjob_to_dict
-from llmft.components.lib.train_job import run_job
+from llmft.components.lib.pytorchjob import PyTorchJobSpec, build_pytorchjob, pytorchjob_to_dict
+from llmft.components.lib.pytorchjob_launch import run_job
 
 NS = "team-a"
-SPEC = TrainJobSpec(
+SPEC = PyTorchJobSpec(
     name="ft-run", num_nodes=2, gpus_per_node=8, config_path="/mnt/data/c.yaml", overrides={"max_steps": 100}
 )
 MASTER, WORKER = "ft-run-master-0", "ft-run-worker-0"

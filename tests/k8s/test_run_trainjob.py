@@ -20,15 +20,15 @@ from trainer_v2_sim import (
 
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.plan_schema import JobFailedPermanently, JobTimedOut
-from llmft.components.lib.pytorchjob import build_train_job_spec
-from llmft.components.lib.train_job import run_on_cluster
-from llmft.components.lib.trainjob import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
-from llmft.components.lib.trainjob_run import (
+from llmft.components.lib.pytorchjob import build_pytorchjob_spec
+from llmft.components.lib.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.trainjob_launch import (
     PERMANENT_EXIT_ANNOTATION,
     TrainJobFailed,
     delete_trainjobs_by_label,
     run_trainjob,
 )
+from llmft.components.lib.trainjob_spec import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
 from llmft.trainer.errors import ConfigError
 
 NS = "team-a"
@@ -162,7 +162,7 @@ def _plan(**changes):
 
 def _trainjob(**changes):
     plan = _plan(**changes)
-    spec = build_train_job_spec(plan.job, plan.trainer.command_overrides(DATA), namespace=NS)
+    spec = build_pytorchjob_spec(plan.job, plan.trainer.command_overrides(DATA), namespace=NS)
     return build_trainjob(spec, runtime=plan.job.runtime)
 
 
@@ -320,7 +320,7 @@ def test_the_train_step_dispatches_backend_trainjob(crd_dir):
 
 def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
     from llmft.components.lib.plan_schema import JOB_WAIT_GRACE_S, parse_time
-    from llmft.components.lib.trainjob_run import wait_budget
+    from llmft.components.lib.trainjob_launch import wait_budget
 
     job = {"metadata": {"creationTimestamp": "2026-11-26T10:00:00Z"}, "spec": {"activeDeadlineSeconds": 3600}}
     created = parse_time("2026-11-26T10:00:00Z")

@@ -12,8 +12,13 @@ import yaml
 from trainer_v2_sim import build_jobset, load_runtime, make_plan, node_pods, strategic_merge
 
 from llmft.components.lib.plan_schema import DEFAULT_RUNTIME
-from llmft.components.lib.pytorchjob import ElasticSpec, build_pytorchjob, build_train_job_spec, pytorchjob_to_dict
-from llmft.components.lib.trainjob import build_trainjob, parse_runtime_ref, trainjob_admission_errors, trainjob_to_dict
+from llmft.components.lib.pytorchjob import ElasticSpec, build_pytorchjob, build_pytorchjob_spec, pytorchjob_to_dict
+from llmft.components.lib.trainjob_spec import (
+    build_trainjob,
+    parse_runtime_ref,
+    trainjob_admission_errors,
+    trainjob_to_dict,
+)
 from llmft.trainer.errors import ConfigError
 
 DATA = "/data/tokenized/0123abcd"
@@ -39,7 +44,7 @@ def runtime_crd_errors(crd_dir):
 
 def _spec(**changes):
     plan = make_plan(training_backend="trainjob", **changes)
-    return plan, build_train_job_spec(plan.job, plan.trainer.command_overrides(DATA))
+    return plan, build_pytorchjob_spec(plan.job, plan.trainer.command_overrides(DATA))
 
 
 PLANS = {
@@ -202,7 +207,7 @@ def test_admission_rules_catch_an_env_patch_of_the_node_container_and_a_bad_mana
 
 
 def test_a_misspelt_field_is_refused_not_dropped():
-    from llmft.components.lib.trainjob import parse_trainjob
+    from llmft.components.lib.trainjob_spec import parse_trainjob
 
     _, spec = _spec()
     body = trainjob_to_dict(build_trainjob(spec))

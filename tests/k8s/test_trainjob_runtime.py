@@ -13,9 +13,9 @@ import yaml
 from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi, load_runtime, make_plan
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.trainjob import GROUP, PLURAL, VERSION
-from llmft.components.lib.trainjob_run import run_trainjob
+from llmft.components.lib.trainjob_launch import run_trainjob
 from llmft.components.lib.trainjob_runtime import RBAC_FILES, preflight_runtime
+from llmft.components.lib.trainjob_spec import GROUP, PLURAL, VERSION
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR, ConfigError, TransientError
 
 NS = "team-a"
@@ -100,12 +100,12 @@ def test_the_sdks_timeout_is_a_one_line_transient_error(crd_dir):
 
 def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(crd_dir):
     """get_job times out (backend.py 437-440) or its get_runtime does: a transient fault, not JobTimedOut."""
-    from llmft.components.lib.pytorchjob import build_train_job_spec
-    from llmft.components.lib.trainjob import build_trainjob
+    from llmft.components.lib.pytorchjob import build_pytorchjob_spec
+    from llmft.components.lib.trainjob_spec import build_trainjob
 
     cluster = _cluster(crd_dir)
     plan = make_plan(training_backend="trainjob")
-    job = build_trainjob(build_train_job_spec(plan.job, ["data=/data/tokenized/x"]), runtime=plan.job.runtime)
+    job = build_trainjob(build_pytorchjob_spec(plan.job, ["data=/data/tokenized/x"]), runtime=plan.job.runtime)
 
     def stall(obj, count):  # after the submit, the server stops answering
         cluster.custom_api.unanswered.add(PLURAL)

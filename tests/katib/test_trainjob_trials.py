@@ -14,15 +14,15 @@ import jsonschema
 import pytest
 import yaml
 from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan
+
+from llmft.commands.sweep import TEMPLATE_ARGS, build_from_settings
 from llmft.components import images
 from llmft.components.lib import sweep as sweep_lib
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.trainjob import trainjob_admission_errors
+from llmft.components.lib.trainjob_spec import trainjob_admission_errors
 from llmft.katib.experiment import experiment_dict, load_yaml, override_bindings, parse_experiment
 from llmft.katib.trial_kinds import TRAINJOB
 from llmft.katib.webhook_rules import validate_experiment
-
-from llmft.commands.sweep import TEMPLATE_ARGS, build_from_settings
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "katib" / "experiment_template_trainjob.yaml"
 DEFAULT_IMAGE = f"{images.IMAGE_REGISTRY}/llmft-trainer:{images.IMAGE_TAG}"

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import yaml
+
 from llmft.components.lib.plan_checks import TASK_SECRET_KINDS
 from llmft.pipelines.llm_finetune import (
     CLEANUP_TASK,
@@ -331,7 +332,7 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     from llmft.components.lib.pytorchjob import build_pytorchjob, pytorchjob_to_dict
     from llmft.components.lib.serving import build_inference_service, isvc_to_dict
     from llmft.components.lib.sweep import sweep_trial_job
-    from llmft.components.lib.train_job import build_train_job_spec
+    from llmft.components.lib.pytorchjob_launch import build_pytorchjob_spec
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     spec = next(yaml.safe_load_all(open(sys.argv[1])))
@@ -342,7 +343,7 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
     compiled = body["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
     plan = build_plan(values, run_id="run-1", compiled=compiled, environ={"KFP_POD_NAME": "p"})
-    job = pytorchjob_to_dict(build_pytorchjob(build_train_job_spec(plan.job, plan.trainer.command_overrides("/d"))))
+    job = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, plan.trainer.command_overrides("/d"))))
     sweep = apply_overrides(SweepSpec(name=plan.sweep.experiment), list(plan.sweep.settings))
     trial = sweep_trial_job(sweep, job=plan.job, model=plan.trainer.model, data="/data/tokenized/k")
     request = DeployRequest(adapter_dir="/data/models/m/run-1", base_model="org/m", adapter_name="m", version="1",

@@ -11,7 +11,7 @@ from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.deployment import crd_schema_errors
 from llmft.components.lib.local_train import TrainingFailed, run_local_training, train_command
 from llmft.components.lib.plan_schema import TrainingJobFailed, job_name
-from llmft.components.lib.train_job import run_on_cluster
+from llmft.components.lib.pytorchjob_launch import run_on_cluster
 
 NS = "team-a"
 PLAN = make_plan(

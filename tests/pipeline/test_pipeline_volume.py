@@ -127,9 +127,9 @@ def test_both_images_run_as_the_uid_the_pods_and_the_permissions_job_use(repo_ro
     for dockerfile in ("Dockerfile.pipeline", "Dockerfile.trainer"):
         text = (repo_root / "docker" / dockerfile).read_text()
         assert f"--uid {IMAGE_UID}" in text and f"USER {IMAGE_UID}\n" in text, dockerfile
-    from llmft.components.lib.pytorchjob import TrainJobSpec
+    from llmft.components.lib.pytorchjob import PyTorchJobSpec
 
-    assert TrainJobSpec.__dataclass_fields__["run_as_user"].default == IMAGE_UID
+    assert PyTorchJobSpec.__dataclass_fields__["run_as_user"].default == IMAGE_UID
 
 
 @pytest.mark.parametrize(
