@@ -19,7 +19,7 @@ Only when Langfuse is configured (LANGFUSE_PUBLIC_KEY/SECRET_KEY, from the Secre
    side by side, item by item;
 4. the training trace gets an event naming the comparison.
 
-The result is the ``langfuse`` section of evaluation.json; :func:`version_link_tags` turns it into
+The result is the ``langfuse`` section of evaluation.json; registry.py's :func:`version_link_tags` turns it into
 the MLflow model version's tags and :func:`record_registration` (the register step) writes the
 MLflow version into the training trace.
 """
@@ -31,10 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.lib import generations as gen
+from llmft.components.lib.registry import PROMOTED_PATH_TAG, champion_version, version_perplexity
 from llmft.trainer import langfuse_sink
-
-PROMOTED_PATH_TAG = "llmft.promoted_path"
-LINK_TAG_PREFIX = "llmft.langfuse."
 
 
 def dataset_name(model_name: str) -> str:
@@ -57,7 +55,6 @@ def previous_champion(
     if reason := prepare_mlflow(uri, required=False):
         return None, reason
     try:
-        from llmft.components.lib.registry import champion_version, version_perplexity
         from mlflow import MlflowClient
 
         version = champion_version(MlflowClient(tracking_uri=uri), model_name)
@@ -245,25 +242,6 @@ def _trace_url(client, trace_id: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------- the links
-
-
-def version_link_tags(evaluation: dict) -> dict[str, str]:
-    """MLflow tags that lead from the model version to Langfuse (empty without a comparison)."""
-    section = evaluation.get("langfuse") or {}
-    tags: dict[str, str] = {}
-    training = section.get("training") or {}
-    new_run = (section.get("runs") or {}).get(section.get("new")) or {}
-    for key, value in {
-        "trace_id": training.get("trace_id"),
-        "trace_url": section.get("training_trace_url"),
-        "dataset": section.get("dataset"),
-        "dataset_run": new_run.get("run_name"),
-        "dataset_run_url": new_run.get("url"),
-        "host": section.get("host"),
-    }.items():
-        if value:
-            tags[LINK_TAG_PREFIX + key] = str(value)[:5000]
-    return tags
 
 
 def record_registration(facts: dict, evaluation: dict, tracking_uri: str = "") -> bool:

@@ -19,7 +19,7 @@ The version and the run also carry links (:attr:`Registration.links`): ``llmft.p
 (the promoted adapter on the volume, which the next run's evaluate step answers with as the
 previous champion) and, when the evaluate step compared the adapters in Langfuse,
 ``llmft.langfuse.*`` (the training trace, the dataset and the new adapter's dataset run;
-components/lib/comparison.py ``version_link_tags``).
+``version_link_tags`` below).
 
 Idempotent on retry: the run and the version carry the tag
 ``llmft.registration_key = <pipeline run id>/<task>``. A retried task finds them and
@@ -51,6 +51,11 @@ CHAMPION_ATTEMPTS = 5
 LINEAGE_PREFIX = "llmft."
 ADAPTER_ARTIFACT_PATH = "adapter"
 MAX_PARAM_CHARS = 6000  # MLflow's param value limit is 6000 characters
+
+PROMOTED_PATH_TAG = "llmft.promoted_path"
+"""The model-version tag naming the promoted adapter's directory."""
+LINK_TAG_PREFIX = "llmft.langfuse."
+"""Prefix of the model-version tags that lead to Langfuse."""
 
 
 @dataclass(frozen=True)
@@ -303,9 +308,10 @@ def _ensure_registered_model(client, name: str) -> None:
 
 
 def _client(tracking_uri: str | None, secret_name: str = ""):
+    from mlflow import MlflowClient
+
     from llmft.trainer.errors import ConfigError
     from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
-    from mlflow import MlflowClient
 
     uri = tracking_uri_without_credentials(tracking_uri or None)  # credentials go to MLFLOW_TRACKING_PASSWORD
     if not uri:
@@ -382,7 +388,6 @@ def registration_from_run(
     tags: dict[str, str] | None = None,
 ) -> Registration:
     """Assemble a :class:`Registration` from the files the earlier steps wrote (``tags``: more version tags)."""
-    from llmft.components.lib.comparison import PROMOTED_PATH_TAG, version_link_tags
 
     promoted_dir = Path(promoted_dir)
     best = (
@@ -419,3 +424,22 @@ def registration_from_run(
         links={PROMOTED_PATH_TAG: str(promoted_dir), **version_link_tags(evaluation)},
         tags=dict(tags or {}),
     )
+
+
+def version_link_tags(evaluation: dict) -> dict[str, str]:
+    """MLflow tags that lead from the model version to Langfuse (empty without a comparison)."""
+    section = evaluation.get("langfuse") or {}
+    tags: dict[str, str] = {}
+    training = section.get("training") or {}
+    new_run = (section.get("runs") or {}).get(section.get("new")) or {}
+    for key, value in {
+        "trace_id": training.get("trace_id"),
+        "trace_url": section.get("training_trace_url"),
+        "dataset": section.get("dataset"),
+        "dataset_run": new_run.get("run_name"),
+        "dataset_run_url": new_run.get("url"),
+        "host": section.get("host"),
+    }.items():
+        if value:
+            tags[LINK_TAG_PREFIX + key] = str(value)[:5000]
+    return tags

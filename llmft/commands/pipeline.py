@@ -21,10 +21,10 @@ import re
 import time
 from pathlib import Path
 
+from llmft.commands import render_job
+from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
+
 CRON_FIELD = re.compile(r"^[0-9*?/,\-LW#A-Za-z]+$")
-YAML_SUFFIXES = (".yaml", ".yml")
-"""What KFP's compiler accepts as a package path (kfp/compiler/pipeline_spec_builder.py, write_pipeline_spec_to_file,
-about line 2303 in kfp 2.17)."""
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -77,9 +77,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     schedule.add_argument("--max-concurrency", type=int, default=1, help="runs of this schedule at once")
     schedule.set_defaults(func=run_schedule)
 
-    from llmft.commands.render_job import add_parser as add_render_job
-
-    add_render_job(sub)  # render-job: the PyTorchJob / TrainJob the train step would submit
+    render_job.add_parser(sub)  # render-job: the PyTorchJob / TrainJob the train step would submit
 
 
 def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,38 +164,6 @@ def client_auth(args: argparse.Namespace, environ=None) -> dict:
     return kwargs
 
 
-def _pipeline(hpo: bool, defaults: dict | None = None):
-    """The pipeline (GraphComponent); with ``defaults``, built with them as parameter defaults."""
-    from llmft.trainer.errors import ConfigError
-
-    try:
-        from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline
-        from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
-    except ImportError as exc:
-        raise ConfigError(f"cannot import the pipelines ({exc}); install the `pipeline` extra") from None
-    if defaults:
-        return build_pipeline(hpo=hpo, defaults=defaults)
-    return llm_finetune_hpo_pipeline if hpo else llm_finetune_pipeline
-
-
-def _arguments(args: argparse.Namespace) -> dict:
-    """The ``key=value`` arguments, typed by the pipeline's parameters."""
-    from llmft.pipelines.defaults import parse_arguments
-
-    return parse_arguments(args.arguments, _pipeline(args.hpo))
-
-
-def check_yaml_output(output: str, *, force: bool) -> None:
-    """``--output`` of compile and render-job: a .yaml/.yml file name, and nothing there this program did
-    not write (trainer/io.py ``check_owned_file``); checked before any work."""
-    from llmft.trainer.errors import ConfigError
-    from llmft.trainer.io import check_owned_file
-
-    if not output.endswith(YAML_SUFFIXES):
-        raise ConfigError(f"--output {output}: the output is a YAML file; give it a .yaml name, e.g. {output}.yaml")
-    check_owned_file(output, force=force)
-
-
 def run_compile(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -206,7 +172,7 @@ def run_compile(args: argparse.Namespace) -> int:
     from llmft.trainer.io import write_owned_file
 
     check_yaml_output(args.output, force=args.force)
-    pipeline = _pipeline(args.hpo, _arguments(args))
+    pipeline = load_pipeline(args.hpo, typed_arguments(args))
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "pipeline.yaml"
         compiler.Compiler().compile(pipeline, package_path=str(package))
@@ -271,8 +237,8 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    arguments = _arguments(args)
-    pipeline = _pipeline(args.hpo, arguments)
+    arguments = typed_arguments(args)
+    pipeline = load_pipeline(args.hpo, arguments)
     result = _api_call(
         args,
         _client(args).create_run_from_pipeline_func,
@@ -294,8 +260,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     from kfp import compiler
 
     cron = validate_cron(args.cron)
-    arguments = _arguments(args)
-    pipeline = _pipeline(args.hpo, arguments)
+    arguments = typed_arguments(args)
+    pipeline = load_pipeline(args.hpo, arguments)
     client = _client(args)
     experiment = _api_call(args, client.create_experiment, args.experiment, namespace=args.namespace)
     with tempfile.TemporaryDirectory() as tmp:
@@ -322,7 +288,7 @@ def run_local(args: argparse.Namespace) -> int:
     from llmft.pipelines.defaults import DEFAULT_WORK_DIR, REAL_WORK_DIR
     from llmft.pipelines.local_run import run_pipeline_locally
 
-    pipeline = _pipeline(args.hpo)
+    pipeline = load_pipeline(args.hpo)
     extra_defaults: dict = {}
     if args.hpo:
         from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS
@@ -332,7 +298,7 @@ def run_local(args: argparse.Namespace) -> int:
         from llmft.pipelines.defaults import REAL_LOCAL_DEFAULTS
 
         extra_defaults = {**extra_defaults, **REAL_LOCAL_DEFAULTS}
-    overrides = _arguments(args)
+    overrides = typed_arguments(args)
     started = time.perf_counter()
     outcome = run_pipeline_locally(
         overrides,

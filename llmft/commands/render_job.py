@@ -14,6 +14,8 @@ import re
 
 import yaml
 
+from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
+
 BACKENDS = {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
 """--backend -> the pipeline's training_backend value."""
 RENDER_POD = {"KFP_POD_NAME": "llmft-render-job"}
@@ -84,11 +86,10 @@ _Dumper.add_representer(
 
 
 def run_render_job(args: argparse.Namespace) -> int:
-    from llmft.commands.pipeline import _arguments, check_yaml_output
     from llmft.trainer.io import write_owned_file
 
     check_yaml_output(args.output, force=args.force)
-    body = render_job(_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data)
+    body = render_job(typed_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data)
     header = (
         f"# {body['kind']} the train step would submit (llmft pipeline render-job --backend {args.backend}).\n"
         "# Placeholders: the run id in the name and labels, CACHE_KEY in data= (the tokenize step's folder).\n"

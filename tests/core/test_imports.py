@@ -223,8 +223,6 @@ KNOWN_CYCLES = (
     {"llmft.trainer.fp8", "llmft.trainer.merge", "llmft.trainer.model"},
     {"llmft.trainer.fastpath.lora_dropout", "llmft.trainer.fastpath.lora_dropout_triton"},
     {"llmft.trainer.fastpath.lora", "llmft.trainer.fastpath.qlora"},
-    {"llmft.components.lib.comparison", "llmft.components.lib.registry"},
-    {"llmft.commands.pipeline", "llmft.commands.render_job"},
 )
 
 

@@ -18,12 +18,12 @@ from kfp import dsl
 from langfuse_fake import FakeLangfuse
 from plan_helpers import CLUSTER, make_plan, parameters
 
-from llmft.components.lib.comparison import PROMOTED_PATH_TAG, compare_in_langfuse, dataset_name
+from llmft.components.lib.comparison import compare_in_langfuse, dataset_name
 from llmft.components.lib.plan import build_plan
 from llmft.components.lib.plan_checks import compiled_settings
 from llmft.components.lib.plan_schema import write_plan
 from llmft.components.lib.promote import promoted_destination
-from llmft.components.lib.registry import Lineage, register_adapter, registration_from_run
+from llmft.components.lib.registry import PROMOTED_PATH_TAG, Lineage, register_adapter, registration_from_run
 from llmft.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.slow
