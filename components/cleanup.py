@@ -1,6 +1,7 @@
 """Exit handler of both pipelines: delete what a failed run left running (its jobs hold GPUs)."""
 
 from kfp import dsl
+
 from llmft.components.images import PIPELINE_IMAGE
 
 

@@ -48,6 +48,7 @@ from kubeflow_katib_api.models import (
     V1beta1TrialParameterSpec,
     V1beta1TrialTemplate,
 )
+
 from llmft.katib import search_space as ss
 from llmft.katib.errors import SweepError
 from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC

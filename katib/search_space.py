@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubeflow_katib_api.models import V1beta1FeasibleSpace, V1beta1ParameterSpec
+
 from llmft.katib.errors import SweepError
 
 PARAMETER_TYPES = ("double", "int", "discrete", "categorical")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kubeflow_katib_api.models import V1beta1ExperimentStatus
+
 from llmft.katib.errors import ExperimentFailed, SweepError, SweepTimeout
 from llmft.katib.experiment import GROUP, PLURAL, VERSION, experiment_dict, override_bindings
 

@@ -28,6 +28,7 @@ from typing import cast
 
 import numpy as np
 import torch
+
 from llmft.trainer.config import diff_configs
 from llmft.trainer.distributed import DistInfo, barrier
 from llmft.trainer.errors import ConfigError

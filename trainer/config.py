@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from llmft.trainer.errors import ConfigError
 
 Auto = typing.Literal["auto"]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.optim import clip_grad_norm
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from llmft.trainer.data.loader import MicroBatch, eval_micro_batches
 from llmft.trainer.data.shards import open_split
 from llmft.trainer.distributed import DistInfo, all_reduce_sum

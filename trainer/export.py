@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.hf_files import TOKENIZER_FILES
 from llmft.trainer.safe_files import copy_file, present, read_text
@@ -201,6 +202,7 @@ def export_adapter(
 def _manifest(fmt: str, adapter_dir: Path, prov: Provenance, config: dict, **extra) -> dict:
     import peft
     import transformers
+
     from llmft.trainer.io import sha256_file
 
     return {

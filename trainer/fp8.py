@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from llmft.trainer.errors import ConfigError
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
@@ -342,10 +343,11 @@ def write_fp8_checkpoint(
     """Convert a dense model directory (the tiny model) into transformers' fine-grained FP8 format:
     every decoder Linear weight becomes float8_e4m3fn + ``weight_scale_inv`` (one per ``block``),
     everything else bfloat16; ``config.json`` gets the ``quantization_config`` transformers reads."""
+    from safetensors.torch import save_file
+
     from llmft.trainer.io import atomic_directory, share_files
     from llmft.trainer.merge import BaseCheckpoint
     from llmft.trainer.safe_files import copy_file
-    from safetensors.torch import save_file
 
     base = BaseCheckpoint.open(str(source))
     config = read_model_config(base.directory)

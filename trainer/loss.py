@@ -18,6 +18,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
 from llmft.trainer.data.shards import IGNORE_INDEX
 
 

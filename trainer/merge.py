@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fp8 import (
     QuantFormat,
@@ -47,7 +49,6 @@ from llmft.trainer.fp8 import (
 )
 from llmft.trainer.safe_files import check_file, copy_file, present, read_text
 from llmft.trainer.weights_io import DTYPES, INDEX_FILE, Entry, ShardStream, plan_shards, read_header
-from safetensors import safe_open
 
 ADAPTER_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

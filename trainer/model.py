@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from llmft.trainer.config import LoraConfig, ModelConfig, TrainConfig
 from llmft.trainer.errors import ConfigError
 
@@ -193,8 +194,9 @@ def register_attention(name: str) -> None:
 
 def _zero3_init(ds_config: dict | None):
     """While the returned object lives, from_pretrained partitions weights over ranks (zero.Init)."""
-    from llmft.trainer.distributed import import_deepspeed
     from transformers.integrations import HfDeepSpeedConfig
+
+    from llmft.trainer.distributed import import_deepspeed
 
     import_deepspeed()
 

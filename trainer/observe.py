@@ -38,6 +38,7 @@ def peak_flops(device, override_tflops: float = 0.0) -> float | None:
     if device.type != "cuda":
         return None
     import torch
+
     from llmft.trainer.fastpath.flops import peak_flops as peak_flops_by_name  # the one table of peaks
 
     return peak_flops_by_name(torch.cuda.get_device_name(device))

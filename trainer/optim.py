@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from llmft.trainer.config import OptimConfig, ScheduleConfig
 
 

@@ -10,6 +10,7 @@ import gc
 import signal
 
 import torch
+
 from llmft.trainer.errors import LlmftError, SignalStop
 
 

@@ -97,6 +97,7 @@ def _check_models(base_model_path: str, adapter_path: str, merged_path: str | No
     import contextlib
 
     import torch
+
     from llmft.trainer.fp8 import load_base_model
 
     if merged_path is None:
@@ -105,8 +106,9 @@ def _check_models(base_model_path: str, adapter_path: str, merged_path: str | No
 
         model = PeftModel.from_pretrained(base, adapter_path).eval()
         return model, model, model.disable_adapter
-    from llmft.trainer.fp8 import read_model_config
     from transformers import AutoModelForCausalLM
+
+    from llmft.trainer.fp8 import read_model_config
 
     stored = getattr(torch, str(read_model_config(merged_path).get("dtype") or "float32"))
     base = load_base_model(base_model_path, None, "lora", {"dtype": stored}).float().eval()

@@ -1,5 +1,6 @@
-from llmft.trainer.tiny_model import num_parameters
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmft.trainer.tiny_model import num_parameters
 
 
 def test_tiny_model_loads_with_auto_classes(tiny_model_dir):

@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+
 from llmft.benchmarks import data_bench
 
 pytestmark = pytest.mark.slow  # runs the data benchmark with its process pool

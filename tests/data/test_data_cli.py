@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from data_helpers import chat, write_jsonl
-from llmft.trainer.data.samples import sample_path
 
 from llmft.cli import main
+from llmft.trainer.data.samples import sample_path
 
 
 def _llmft(repo_root: Path) -> list[str]:

@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
-from llmft.trainer.errors import EXIT_INTERRUPTED, EXIT_TRANSIENT
-from llmft.trainer.io import OWNER_FILE, is_complete, owner_kind
 
 from llmft.cli import main
+from llmft.trainer.errors import EXIT_INTERRUPTED, EXIT_TRANSIENT
+from llmft.trainer.io import OWNER_FILE, is_complete, owner_kind
 
 
 def llmft(*args: str, cwd: Path | None = None, timeout: int = 180, env: dict | None = None):
@@ -226,8 +226,9 @@ STRICT_TEMPLATE = (  # the rule Llama 2 / Mistral templates enforce, verbatim in
 def test_prepare_accepts_exactly_the_role_orders_a_strict_chat_template_renders(
     tmp_path, tiny_model_dir, roles, reason
 ):
-    from llmft.trainer.data.prepare import prepare_dataset
     from transformers import AutoTokenizer
+
+    from llmft.trainer.data.prepare import prepare_dataset
 
     row = {"messages": [{"role": r, "content": f"{r} {i}"} for i, r in enumerate(roles)]}
     src = write_jsonl(tmp_path / "d.jsonl", [*good_rows(4), row])
@@ -316,9 +317,8 @@ def test_full_or_read_only_disk_exits_200_with_one_line(tmp_path, fault):
 
 
 def test_cli_maps_every_failure_to_its_exit_code_and_one_line(monkeypatch, capsys):
-    from llmft.trainer.errors import EXIT_INTERNAL
-
     from llmft.cli import run_command
+    from llmft.trainer.errors import EXIT_INTERNAL
 
     def raising(exc):
         def func(_args):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from data_helpers import read_jsonl, write_jsonl
+
 from llmft.trainer.data.formats import RowReject, convert_row, detect_format
 from llmft.trainer.data.prepare import prepare_dataset
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from data_helpers import chat, write_jsonl
+from transformers import AutoTokenizer
+
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split
 from llmft.trainer.data.templates import (
     ReplyLocator,
@@ -19,7 +21,6 @@ from llmft.trainer.data.templates import (
     special_token_texts,
 )
 from llmft.trainer.data.tokenize import tokenize_dataset
-from transformers import AutoTokenizer
 
 MULTI_TURN = chat(
     "What is the capital of France?",

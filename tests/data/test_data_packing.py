@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from float_bounds import close, decoder_reduction_length, rounding_bound
+from transformers import AutoModelForCausalLM
+
 from llmft.trainer.data.packing import best_fit_pack
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split
-from transformers import AutoModelForCausalLM
 
 
 def _reference_best_fit(lengths, capacity):

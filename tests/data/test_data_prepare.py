@@ -6,9 +6,10 @@ import json
 import random
 import tracemalloc
 
-import llmft.trainer.data.prepare as prepare_module
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
+
+import llmft.trainer.data.prepare as prepare_module
 from llmft.trainer.data.prepare import prepare_dataset
 from llmft.trainer.data.samples import sample_names, sample_path
 from llmft.trainer.errors import DataError

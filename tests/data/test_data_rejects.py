@@ -7,6 +7,7 @@ import json
 
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
+
 from llmft.trainer.data.formats import REJECT_FIXES
 from llmft.trainer.data.prepare import prepare_dataset
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
 from llmft.trainer.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 ROWS = 60_000

@@ -8,11 +8,12 @@ import shutil
 import numpy as np
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
+from transformers import AutoTokenizer
+
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split, read_manifest
 from llmft.trainer.data.tokenize import cache_key_for, tokenize_dataset
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import is_complete
-from transformers import AutoTokenizer
 
 MANIFEST_KEYS = {
     "cache_key",

@@ -27,11 +27,12 @@ from data_helpers import chat, write_jsonl
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
+from transformers import AutoTokenizer
+
 from llmft.trainer.data import encode
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split
 from llmft.trainer.data.templates import end_of_turn_marker, resolve_chat_template, special_token_texts
 from llmft.trainer.data.tokenize import tokenize_dataset
-from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.slow  # property tests over five real tokenizers, seconds each
 

@@ -8,8 +8,9 @@ import pytest
 @pytest.fixture()
 def small_qwen2():
     import torch
-    from llmft.trainer.fastpath.attention import register
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from llmft.trainer.fastpath.attention import register
 
     register()
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from float_bounds import close, decoder_reduction_length
+
 from llmft.trainer.data.shards import position_ids_for
 from llmft.trainer.fastpath.attention import packed_attention_kwargs
 from llmft.trainer.fastpath.compile import compile_decoder_layers, decoder_layers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from llmft.trainer.fastpath import flops
 
 QWEN_1_5B = flops.ModelShape(

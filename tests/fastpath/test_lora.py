@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from float_bounds import close, decoder_reduction_length
+from peft import LoraConfig, get_peft_model
+
 from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears
 from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections
-from peft import LoraConfig, get_peft_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

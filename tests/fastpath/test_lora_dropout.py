@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
+
 from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears, lora_linear
 from llmft.trainer.fastpath.lora_dropout import draw_seeds, keep_mask, philox, threshold
 from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections, grouped_lora_linear
-from peft import LoraConfig, get_peft_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64: a different mask or a missing 1/(1-p) moves values by O(1)

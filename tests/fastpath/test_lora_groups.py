@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import llmft.trainer.fastpath.lora as lora_module
 import pytest
 import torch
 from float_bounds import close, decoder_reduction_length
+from peft import LoraConfig, get_peft_model
+
+import llmft.trainer.fastpath.lora as lora_module
 from llmft.trainer.fastpath.lora import fuse_lora_linears, take_given_output
 from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections, grouped_lora_linear
-from peft import LoraConfig, get_peft_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from llmft.trainer.fastpath.loss import IGNORE_INDEX, fused_linear_cross_entropy, shift_packed_labels
 
 

@@ -5,6 +5,7 @@ makes keeps every measured run inside the card with the margin it documents."""
 from __future__ import annotations
 
 import pytest
+
 from llmft.trainer.fastpath import memory
 from llmft.trainer.fastpath.flops import shape_from_config
 

@@ -8,10 +8,11 @@ import copy
 
 import pytest
 import torch
-from llmft.trainer.errors import ConfigError
-from llmft.trainer.fastpath import flops, moe
 from moe_model import tiny_moe, tiny_moe_config
 from peft import LoraConfig, get_peft_model
+
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.fastpath import flops, moe
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -178,8 +179,9 @@ def test_4bit_experts_equal_their_dequantized_weights_and_are_never_saved():
 
 def _compiled_graphs_of_a_4bit_moe(layers: int) -> int:
     """Distinct graphs dynamo captures for one forward + backward of compiled decoder layers."""
-    from llmft.trainer.fastpath.compile import compile_decoder_layers
     from torch._dynamo.utils import counters
+
+    from llmft.trainer.fastpath.compile import compile_decoder_layers
 
     model = _peft(tiny_moe(num_hidden_layers=layers), ATTENTION)
     moe.quantize_experts_4bit(model)

@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from moe_model import save_tiny_moe_dir, tiny_moe
+from peft import LoraConfig, get_peft_model
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
 from llmft.trainer.data.shards import position_ids_for
 from llmft.trainer.fastpath import moe
 from llmft.trainer.fastpath.moe_aux import find_router_aux, router_aux_metrics, with_router_aux_loss
 from llmft.trainer.loss import token_nll_sum
-from moe_model import save_tiny_moe_dir, tiny_moe
-from peft import LoraConfig, get_peft_model
-from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 pytestmark = pytest.mark.slow  # trains a tiny MoE model, in process and with `python -m llmft.trainer`
 

@@ -21,11 +21,12 @@ from float_bounds import close, decoder_reduction_length, eps
 
 bnb = pytest.importorskip("bitsandbytes")
 
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from qlora_model import TARGETS, dequantized, linear_4bit, to_4bit  # noqa: E402
+
 from llmft.trainer.fastpath import qlora  # noqa: E402
 from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears  # noqa: E402
 from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from qlora_model import TARGETS, dequantized, linear_4bit, to_4bit  # noqa: E402
 
 
 def _qwen2(dtype=torch.float32, attn="sdpa", layers=2):
@@ -249,9 +250,10 @@ def test_trainer_qlora_computes_in_bf16_and_keeps_no_float32_projection_activati
     with the fused path no float32 tensor of a projection's width (k/v 32, MLP 96, q/k/v 128, gate/up 192)
     is kept for the backward. Both contrasts keep some: PEFT's kbit preparation (what the trainer ran
     before: every activation float32) and PEFT's own lora.Linear4bit (its fp32 cast of down_proj's input)."""
+    from peft import prepare_model_for_kbit_training
+
     from llmft.trainer.config import LoraConfig as TrainerLoraConfig
     from llmft.trainer.model import apply_lora
-    from peft import prepare_model_for_kbit_training
 
     lora = TrainerLoraConfig(r=4, alpha=8, dropout=0.05, target_modules=tuple(TARGETS))
     base = to_4bit(_qwen2(torch.bfloat16))

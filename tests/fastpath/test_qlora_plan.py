@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from llmft.trainer.config import load_config
 from llmft.trainer.fastpath import memory
 from llmft.trainer.fastpath.flops import shape_from_config

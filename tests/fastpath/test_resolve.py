@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from llmft.trainer.config import load_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath.resolve import (

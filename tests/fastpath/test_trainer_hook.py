@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from float_bounds import close, decoder_reduction_length
+
 from llmft.trainer.data.shards import position_ids_for
 from llmft.trainer.fastpath import apply_kernels, fused_token_nll_sum, packed_forward_kwargs
 

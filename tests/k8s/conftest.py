@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import yaml
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
+
 from llmft.components.lib.cluster import Cluster
 
 KUBERNETES_VERSION = "1.30.0"

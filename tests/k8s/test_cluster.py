@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
+
 from llmft.components.lib.cluster import Cluster, ClusterError, current_namespace
 from llmft.trainer.errors import LlmftError
 

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+
 from llmft.components.lib.local_check import AdapterHasNoEffectError, local_generation_check
 from llmft.components.lib.servability import (
     AdapterNotServableError,

@@ -4,6 +4,7 @@ deploy waits for Ready through the cluster module, the smoke test checks the ans
 from __future__ import annotations
 
 import pytest
+
 from llmft.components import images
 from llmft.components.lib.pytorchjob import Toleration
 from llmft.components.lib.serving import (

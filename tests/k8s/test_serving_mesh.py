@@ -13,6 +13,7 @@ import http.server
 import threading
 
 import pytest
+
 from llmft.components.lib.serving import MESH_DENIAL, smoke_test
 
 

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 import yaml
 from katib_helpers import build_body
+
 from llmft.katib.experiment import ALGORITHMS
 
 

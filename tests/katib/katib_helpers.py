@@ -7,6 +7,7 @@ import copy
 import json
 
 from kubernetes.client.rest import ApiException
+
 from llmft.katib.experiment import experiment_dict
 
 JOB = {"model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY", "pvc_name": "llmft-data"}

@@ -8,6 +8,7 @@ import re
 import pytest
 import yaml
 from katib_helpers import JOB, build_body, trial_words
+
 from llmft.components.lib.pytorchjob import pytorchjob_webhook_errors
 from llmft.katib.errors import SweepError
 from llmft.katib.experiment import (

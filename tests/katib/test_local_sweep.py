@@ -12,6 +12,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+
 from llmft.katib import search_space as ss
 from llmft.katib.errors import ExperimentFailed, SweepError
 from llmft.katib.experiment import SweepSpec, apply_overrides

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.local_sweep import run_local_sweep
 from llmft.katib.metrics import parse_metric_lines

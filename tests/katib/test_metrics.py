@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from llmft.katib.metrics import METRICS_FILTER, parse_metric_lines, reduce_metric, summarize
 
 NAMES = ["eval_loss", "perplexity"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 from katib_helpers import BEST, FakeKatibApi, katib_status, trial_words
+
+from llmft.cli import main as llmft_main
 from llmft.components.lib.cluster import Cluster
 from llmft.katib import status as katib_status_mod
 from llmft.katib.errors import ExperimentFailed, SweepError
 from llmft.katib.status import parse_state
-
-from llmft.cli import main as llmft_main
 
 EXPECTED_BEST = ["optim.lr=0.00031", "lora.r=32", "lora.alpha=64", "lora.dropout=0.02", "schedule.warmup_ratio=0.05"]
 

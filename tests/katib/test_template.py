@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import yaml
-from llmft.components import images
-from llmft.katib.experiment import experiment_dict, load_yaml, parse_experiment
-from llmft.katib.webhook_rules import validate_experiment
 
 from llmft.cli import main as llmft_main
 from llmft.commands.sweep import TEMPLATE_ARGS, TEMPLATE_PATH, build_from_settings
+from llmft.components import images
+from llmft.katib.experiment import experiment_dict, load_yaml, parse_experiment
+from llmft.katib.webhook_rules import validate_experiment
 
 # The default image, whatever LLMFT_TRAINER_IMAGE says in this environment.
 DEFAULT_IMAGE = f"{images.IMAGE_REGISTRY}/llmft-trainer:{images.IMAGE_TAG}"

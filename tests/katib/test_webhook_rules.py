@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from llmft.katib.errors import SweepError
 from llmft.katib.webhook_rules import check_experiment, validate_experiment
 

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from llmft.trainer.mlflow_settings import CREDENTIAL_VARS, tracking_uri_without_credentials
 
 REGISTER_SCRIPT = """
@@ -108,8 +109,9 @@ def test_credentials_move_from_the_uri_into_mlflows_variables(monkeypatch):
 
 
 def test_a_tracking_uri_parameter_with_a_password_is_refused_without_echoing_it():
-    from llmft.trainer.errors import ConfigError
     from plan_helpers import make_plan
+
+    from llmft.trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="mlflow_tracking_uri.*MLFLOW_TRACKING_PASSWORD") as refused:
         make_plan(mlflow_tracking_uri="http://alice:hunter2@mlflow.example:5000")

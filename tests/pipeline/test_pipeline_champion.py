@@ -11,8 +11,9 @@ import threading
 import uuid
 
 import pytest
-from llmft.components.lib.registry import CHAMPION_ALIAS, WITHDRAWN_TAG, is_champion, register_adapter
 from test_pipeline_registry import registration
+
+from llmft.components.lib.registry import CHAMPION_ALIAS, WITHDRAWN_TAG, is_champion, register_adapter
 
 WAIT_S = 60  # a hook that waits longer than this means the interleaving did not happen: fail, never hang
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from llmft.components.lib.summary import render_summary
-from llmft.trainer.errors import ConfigError
 
 from llmft.cli import main
 from llmft.commands.pipeline import validate_cron
+from llmft.components.lib.summary import render_summary
+from llmft.trainer.errors import ConfigError
 
 
 class FakeKfpClient:

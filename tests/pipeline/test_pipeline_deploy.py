@@ -8,6 +8,7 @@ import pytest
 import yaml
 from adapter_helpers import deploy_request, peft_adapter
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
+
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.deployment import crd_schema_errors, deploy_promoted
 from llmft.components.lib.local_check import AdapterHasNoEffectError
@@ -109,6 +110,7 @@ def test_one_shared_name_reaches_only_the_base_model(volume, kserve):
     """Why item 4 matters: with `--model_name=m --lora-modules m=...` (the old manifest) vLLM of
     KServe 0.15/0.16 resolves `m` to the base model, so the adapter is never used."""
     from cluster_sim import FakeVllm
+
     from llmft.components.lib.serving import smoke_test
 
     server = FakeVllm(

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_pipeline_promote_eval import evaluation, make_checkpoint
+
 from llmft.components.lib.promote import promote
 from llmft.components.lib.registry import Lineage, Registration, register_adapter
 from llmft.trainer.errors import EXIT_TRANSIENT, ConfigError, TransientError
 from llmft.trainer.io import is_complete
-from test_pipeline_promote_eval import evaluation, make_checkpoint
 
 MLFLOW_VARS = (
     "MLFLOW_HTTP_REQUEST_TIMEOUT",
@@ -124,12 +125,13 @@ def test_register_against_a_dead_server_fails_at_once_with_one_transient_error(t
 
 
 def test_mlflow_client_settings_are_set_once_and_user_values_win(monkeypatch):
-    from llmft.trainer.mlflow_settings import HTTP_SETTINGS, configure_mlflow_http, prepare_mlflow
     from mlflow.environment_variables import (
         MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
         MLFLOW_HTTP_REQUEST_MAX_RETRIES,
         MLFLOW_HTTP_REQUEST_TIMEOUT,
     )
+
+    from llmft.trainer.mlflow_settings import HTTP_SETTINGS, configure_mlflow_http, prepare_mlflow
 
     for name in MLFLOW_VARS:
         monkeypatch.delenv(name, raising=False)

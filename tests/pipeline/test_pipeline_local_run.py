@@ -7,6 +7,7 @@ import json
 
 import pytest
 import yaml
+
 from llmft.components.lib.summary import render_summary
 from llmft.pipelines.llm_finetune import TASK_ORDER
 from llmft.pipelines.local_run import ANSI

@@ -11,9 +11,9 @@ import io
 
 import pytest
 import yaml
-from llmft.trainer.io import OWNED_FILE_MARK
 
 from llmft.cli import main
+from llmft.trainer.io import OWNED_FILE_MARK
 
 MINE = "my own notes, not a pipeline\n"
 RENDER = ["pipeline", "render-job", "--backend", "pytorchjob", "mlflow_tracking_uri=http://mlflow:5000"]

@@ -6,11 +6,12 @@ train_overrides=model.trust_remote_code=true was passed on to the training pods 
 from __future__ import annotations
 
 import pytest
+from plan_helpers import RUN_ID, make_plan, parameters
+
 from llmft.components.lib.plan import build_plan
 from llmft.components.lib.plan_checks import REMOTE_CODE_ENV, compiled_settings
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.names import NAME_MAX
-from plan_helpers import RUN_ID, make_plan, parameters
 
 
 def test_a_model_name_longer_than_a_file_name_is_refused_by_the_plan(tmp_path):

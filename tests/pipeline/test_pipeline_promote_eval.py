@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from llmft.components.lib.evaluation import (
     complete_checkpoints,
     evaluate_run,
@@ -191,9 +192,10 @@ def test_promote_refuses_an_adapter_vllm_cannot_serve_before_anything_is_copied(
     """The servability gate runs in the promote step: an adapter the vLLM runtime would
     refuse (here rank 16 over --max-lora-rank 8) is never promoted, so never registered; the same
     adapter passes under a runtime that serves rank 16."""
-    from llmft.components.lib.servability import AdapterNotServableError
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from llmft.components.lib.servability import AdapterNotServableError
 
     run = tmp_path / "run"
     checkpoint = make_checkpoint(run, 10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
 from llmft.components.lib.registry import (
     CHAMPION_ALIAS,
     KEY_TAG,

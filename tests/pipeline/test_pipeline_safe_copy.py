@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from test_pipeline_promote_eval import evaluation, make_checkpoint
+
 from llmft.components.lib.promote import promote_to_volume
 from llmft.trainer.safe_files import UnsafeInputError
-from test_pipeline_promote_eval import evaluation, make_checkpoint
 
 SECRET = "CANARY-private-key\n"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from adapter_helpers import deploy_request, peft_adapter
+
 from llmft.components.lib.serving_form import (
     FORM_TAG,
     REASON_TAG,
@@ -137,6 +138,7 @@ def test_kserve_serves_the_merged_dora_model_alone_and_the_smoke_test_reaches_it
     flag; CRD-valid; the simulated KServe (tests/k8s/cluster_sim.py) serves it and the smoke test asks it."""
     from cluster_sim import ClusterSim
     from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
+
     from llmft.components.lib.cluster import Cluster
     from llmft.components.lib.deployment import crd_schema_errors, deploy_promoted
 

@@ -10,9 +10,10 @@ import shutil
 from collections import namedtuple
 
 import pytest
+from plan_helpers import make_plan
+
 from llmft.components.lib import volume_space
 from llmft.trainer.errors import ConfigError
-from plan_helpers import make_plan
 
 QWEN_7B = {  # Qwen/Qwen2.5-7B-Instruct config.json (the pipeline's default model)
     "hidden_size": 3584,

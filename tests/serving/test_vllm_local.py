@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from adapter_helpers import deploy_request
 from adapter_variants import renamed_module_adapter, wider_adapter, without_weights
+
+from llmft.cli import main
 from llmft.components.lib import vllm_local
 from llmft.components.lib.deployment import serve_spec
 from llmft.components.lib.serving import build_inference_service, isvc_to_dict
 from llmft.components.lib.vllm_local import VllmRefusedError, VllmServer, manifest_argv, vllm_argv, vllm_reason
 from llmft.trainer.errors import ConfigError
-
-from llmft.cli import main
 
 VOLUME = Path("/data")
 

@@ -58,6 +58,7 @@ print(json.dumps(out))
 
 def _isvc(volume: Path, adapter: str, **change) -> tuple[dict, object]:
     from adapter_helpers import deploy_request
+
     from llmft.components.lib.deployment import serve_spec
     from llmft.components.lib.serving import build_inference_service, isvc_to_dict
 
@@ -131,6 +132,7 @@ def test_deploy_mode_vllm_merged_form(serving_venv, trained_adapter, tiny_model_
     import shutil
 
     from adapter_helpers import deploy_request
+
     from llmft.components.lib.deployment import deploy_promoted
     from llmft.components.lib.serving_form import merged_model
 
@@ -160,6 +162,7 @@ def test_vllm_refusals_carry_vllm_reason(serving_venv, trained_adapter, tiny_mod
     (rank above the maximum, a module it has no LoRA layer for, missing files) each give a one-line error
     with vLLM's own reason; a second server on the same port is refused before it starts."""
     from adapter_variants import renamed_module_adapter, wider_adapter, without_weights
+
     from llmft.components.lib.vllm_local import VllmRefusedError, VllmServer
 
     argv = ["--model", str(tiny_model_dir), "--served-model-name", "m-base", "--enable-lora", "--max-lora-rank=8"]

@@ -7,6 +7,7 @@ from argparse import Namespace
 
 import numpy as np
 import pytest
+
 from llmft.benchmarks import train_bench
 from llmft.benchmarks.gpu import common
 from llmft.benchmarks.gpu.arm_project import write_dataset
@@ -100,8 +101,9 @@ def test_trainer_logged_mfu_is_time_weighted_like_the_benchmarks(tmp_path, monke
 
 
 def test_peer_variant_builds_the_flex_block_mask_uncompiled(monkeypatch):
-    from llmft.benchmarks.gpu.arm_hf import build_block_masks_eagerly
     from transformers import masking_utils
+
+    from llmft.benchmarks.gpu.arm_hf import build_block_masks_eagerly
 
     seen = []
     monkeypatch.setattr(masking_utils, "create_block_mask", lambda *a, **k: seen.append(k) or "mask")
@@ -141,9 +143,8 @@ def test_product_arm_is_llmft_train_with_a_shipped_config_and_only_model_data_st
     from pathlib import Path
 
     from llmft.benchmarks.gpu import arm_product
-    from llmft.trainer.config import load_config
-
     from llmft.cli import build_group_parser
+    from llmft.trainer.config import load_config
 
     repo = Path(__file__).resolve().parents[2]
     args = Namespace(profile="short", samples_per_step=64, naive_steps=6, steps=30, warmup=4, extra="--micro 8")

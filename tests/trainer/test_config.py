@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from llmft.trainer.config import (
     TrainConfig,
     config_from_dict,

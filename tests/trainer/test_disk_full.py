@@ -23,10 +23,11 @@ import subprocess
 import sys
 
 import pytest
+from trainer_helpers import REPO, clean_env, train_in_process
+
 from llmft.trainer.__main__ import describe_failure
 from llmft.trainer.errors import EXIT_TRANSIENT
 from llmft.trainer.storage import DiskFullError, disk_guard
-from trainer_helpers import REPO, clean_env, train_in_process
 
 ENOSPC_TEXT = "Error while serializing: I/O error: No space left on device (os error 28)"
 

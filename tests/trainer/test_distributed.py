@@ -12,8 +12,9 @@ import time
 import pytest
 import torch
 from float_bounds import rounding_bound
-from llmft.trainer.io import is_complete
 from trainer_helpers import REPO, adapter_tensors, clean_env, events, run_trainer, train_in_process
+
+from llmft.trainer.io import is_complete
 
 pytestmark = pytest.mark.slow
 

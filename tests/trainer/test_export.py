@@ -163,9 +163,10 @@ def test_shard_limited_merge_opens_one_shard_at_a_time(tiny_model_dir, tmp_path,
     """A base in several shards merged into several small output shards: every input file is opened
     once and never beside another, each output shard stays within the limit (or holds one larger
     tensor), and the result equals the unlimited merge tensor by tensor."""
+    from transformers import AutoModelForCausalLM
+
     from llmft.trainer import merge
     from llmft.trainer.export import export_adapter
-    from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded-base"
     shutil.copytree(tiny_model_dir, sharded, ignore=shutil.ignore_patterns("model.safetensors", ".llmft-owner.json"))
@@ -264,8 +265,9 @@ def cli(*argv: str) -> tuple[int, str, str]:
 
 @pytest.mark.slow
 def test_export_merged_from_final(trained_run, tiny_model_dir, tmp_path):
-    from llmft.trainer.io import is_complete, sha256_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmft.trainer.io import is_complete, sha256_file
 
     final = trained_run / "final"
     code, out, err = cli(

@@ -55,8 +55,9 @@ def test_writer_matches_transformers_quantizer(tiny_model_dir, fp8_dir):
 
 
 def test_dequantization_equals_transformers_and_stays_within_fp8_error(tiny_model_dir, fp8_dir):
-    from llmft.trainer.fp8 import dequantize
     from transformers import AutoModelForCausalLM
+
+    from llmft.trainer.fp8 import dequantize
 
     model = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32)  # CPU: transformers dequantizes
     loaded = model.state_dict()
@@ -169,10 +170,11 @@ def run_overrides(fp8_dir, tokenized_dir, output) -> dict:
 
 @pytest.mark.slow
 def test_lora_trains_evaluates_and_exports_on_an_fp8_base(fp8_dir, tokenized_dir, tmp_path):
-    from llmft.trainer.evaluate import evaluate_perplexity
-    from llmft.trainer.export import export_adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from llmft.trainer.evaluate import evaluate_perplexity
+    from llmft.trainer.export import export_adapter
 
     result = train(run_overrides(fp8_dir, tokenized_dir, tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -279,11 +281,12 @@ def test_compressed_tensors_fp8_base_loads_dequantized_and_merges(tiny_model_dir
     """compressed-tensors FP8 (the package is in the fp8 extra): LoRA loads it dequantized through
     transformers with the same values our reader computes, and the streaming merge over it equals
     PEFT's merge over that loaded base; QLoRA gets a dense bf16 copy."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
     from llmft.trainer.export import export_adapter
     from llmft.trainer.fp8 import load_base_model, load_plan
     from llmft.trainer.merge import BaseCheckpoint
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     base = write_compressed_fp8(tiny_model_dir, tmp_path / "ct-fp8")
     model = load_base_model(str(base), None, "lora", {"dtype": torch.float32})

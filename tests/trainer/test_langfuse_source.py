@@ -9,8 +9,9 @@ import sys
 
 import pytest
 from langfuse_fake import FakeLangfuse
-from llmft.trainer.langfuse_sink import item_row
 from trainer_helpers import REPO, clean_env
+
+from llmft.trainer.langfuse_sink import item_row
 
 ITEMS = [
     {"input": "What is 2+2?", "expected_output": "4"},

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 from langfuse_fake import FakeLangfuse
-from llmft.trainer.langfuse_sink import RUN_RECORD, run_trace_id, seeded_id
 from trainer_helpers import REPO, clean_env, events, run_trainer
+
+from llmft.trainer.langfuse_sink import RUN_RECORD, run_trace_id, seeded_id
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,10 @@ import os
 
 import numpy as np
 import pytest
+from trainer_helpers import train_in_process
+
 from llmft.trainer.data.loader import PackedLoader, balanced_shares, shift_targets
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split
-from trainer_helpers import train_in_process
 
 
 def _sequences_of(loader: PackedLoader, step: int) -> list[tuple]:
@@ -197,8 +198,9 @@ def test_full_finetune_checkpoint_and_final_load_with_from_pretrained(
     final = evaluate_perplexity(str(run / "final"), str(tokenized_dir))
     reported = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     from float_bounds import decoder_reduction_length, rounding_bound
-    from llmft.trainer.data.shards import open_split
     from transformers import AutoConfig
+
+    from llmft.trainer.data.shards import open_split
 
     # the same weights evaluated by another code path: fp32 rounding of the forward and of the mean over
     # the validation tokens (tests/float_bounds.py)

@@ -11,10 +11,11 @@ import signal
 import numpy as np
 import pytest
 import torch
+from trainer_helpers import KATIB_REGEX, adapter_tensors, events
+
 from llmft.trainer.config import load_config
 from llmft.trainer.config_checks import validate
 from llmft.trainer.train import Trainer
-from trainer_helpers import KATIB_REGEX, adapter_tensors, events
 
 pytestmark = pytest.mark.slow  # every test reads one tiny LoRA training run
 
@@ -162,10 +163,11 @@ def test_summary_tells_steady_state_speed_and_fast_path(lora_run):
 def test_perplexity_matches_independent_reference_loop(lora_run, tiny_model_dir, tokenized_dir):
     """exp(mean token NLL), computed document by document without packing, equals what the
     trainer reported and what evaluate_perplexity returns."""
-    from llmft.trainer.data.shards import open_split
-    from llmft.trainer.evaluate import evaluate_perplexity
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from llmft.trainer.data.shards import open_split
+    from llmft.trainer.evaluate import evaluate_perplexity
 
     _, out, _, _, _, _ = lora_run
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -234,8 +236,9 @@ def test_one_base_load_scores_the_base_and_every_adapter_exactly_as_separate_loa
     load's to the bit (the same float32 operations on the same weights)."""
     import shutil
 
-    from llmft.trainer.evaluate import PerplexityEvaluator, evaluate_perplexity
     from safetensors.torch import load_file, save_file
+
+    from llmft.trainer.evaluate import PerplexityEvaluator, evaluate_perplexity
 
     _, out, _, _, _, _ = lora_run
     doubled = shutil.copytree(out / "final", tmp_path / "doubled")
@@ -265,8 +268,9 @@ def test_an_adapter_that_fails_to_load_leaves_no_half_wrapped_base_behind(
     the evaluator forgets that base, so the next score reads a clean one."""
     import shutil
 
-    from llmft.trainer.evaluate import PerplexityEvaluator
     from safetensors import SafetensorError
+
+    from llmft.trainer.evaluate import PerplexityEvaluator
 
     _, out, _, _, _, _ = lora_run
     broken = shutil.copytree(out / "final", tmp_path / "broken")

@@ -20,8 +20,9 @@ import time
 
 import pytest
 import torch
-from llmft.trainer.io import is_complete
 from trainer_helpers import REPO, adapter_tensors, clean_env, events
+
+from llmft.trainer.io import is_complete
 
 pytestmark = pytest.mark.slow
 

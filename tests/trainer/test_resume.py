@@ -7,8 +7,9 @@ import signal
 
 import pytest
 import torch
-from llmft.trainer.io import is_complete
 from trainer_helpers import adapter_tensors, events, run_trainer, train_in_process
+
+from llmft.trainer.io import is_complete
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from trainer_helpers import REPO, clean_env
+
 from llmft.trainer import runlock
 from llmft.trainer.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
-from trainer_helpers import REPO, clean_env
 
 LLMFT = [str(Path(sys.executable).parent / "llmft")]
 

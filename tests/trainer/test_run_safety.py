@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from trainer_helpers import REPO, clean_env, events, run_trainer, train_in_process
+
 from llmft.trainer import rundir
 from llmft.trainer.io import is_complete
-from trainer_helpers import REPO, clean_env, events, run_trainer, train_in_process
 
 pytestmark = pytest.mark.slow
 

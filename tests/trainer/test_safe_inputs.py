@@ -16,9 +16,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from llmft.trainer.hf_files import TOKENIZER_FILES
 
 from llmft.cli import main
+from llmft.trainer.hf_files import TOKENIZER_FILES
 
 SECRET = "root:x:0:0:CANARY-not-for-artifacts:/root:/bin/bash\n"
 

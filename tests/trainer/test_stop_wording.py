@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from llmft.trainer.__main__ import describe_failure
 from llmft.trainer.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 

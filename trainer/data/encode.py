@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from llmft.trainer.data.shards import IGNORE_INDEX
 from llmft.trainer.data.templates import (
     ReplyLocator,

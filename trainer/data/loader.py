@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from llmft.trainer.data.shards import IGNORE_INDEX, TokenizedSplit, open_split, read_manifest
 from llmft.trainer.errors import DataError
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
 from llmft.trainer.data.encode import EncodePlan, encode_chunk, init_worker
 from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, NORMALIZER_SLACK
 from llmft.trainer.data.packing import best_fit_pack, packing_efficiency

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from llmft.trainer.fastpath.lora import drop_input, redrop
 from llmft.trainer.fastpath.lora import spans as block_spans
 

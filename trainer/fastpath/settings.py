@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath import memory
 from llmft.trainer.fastpath.flops import ALL_LINEAR, shape_from_config
@@ -129,8 +130,9 @@ def _world_size() -> int:
 def enable_checkpointing(model, layers: int) -> int:
     """Non-reentrant activation checkpointing on the first ``layers`` decoder layers (all when
     ``layers`` covers them, through transformers' own switch); returns how many layers recompute."""
-    from llmft.trainer.fastpath.compile import decoder_layers
     from torch.utils.checkpoint import checkpoint
+
+    from llmft.trainer.fastpath.compile import decoder_layers
 
     if layers <= 0:
         return 0
