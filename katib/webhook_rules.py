@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmft.katib.errors import SweepError
-from llmft.trainer.names import RFC1035_LABEL
+from llmft.katib.k8s_names import RFC1035_LABEL
 
 # Katib's default katib-config (v0.19) suggestion and early-stopping services.
 KNOWN_ALGORITHMS = (
@@ -52,7 +52,7 @@ COLLECTOR_KINDS = ("StdOut", "File", "TensorFlowEvent", "PrometheusMetric", "Cus
 METRIC_STRATEGIES = ("min", "max", "latest")
 TRIAL_META_KEYS = ("Name", "Namespace", "Kind", "APIVersion", "Labels", "Annotations")
 
-NAME_RE = RFC1035_LABEL  # the one Kubernetes-name validator (trainer/names.py)
+NAME_RE = RFC1035_LABEL  # the one Kubernetes-name validator (katib/k8s_names.py)
 NAME_MAX = 40  # platform-facts.md: the suggestion's deployment/service names are derived from it
 PARAM_FORMAT = "${trialParameters.%s}"
 PARAM_RE = re.compile(r"\$\{trialParameters\..+?\}")

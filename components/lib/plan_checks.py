@@ -28,8 +28,9 @@ from llmft.components.lib.plan_schema import (
 )
 from llmft.components.lib.servability import VLLM_MAX_LORA_RANKS
 from llmft.components.lib.sweep import check_servable_ranks, check_trial_overrides
+from llmft.components.lib.volume_paths import check_path_component
+from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.names import check_k8s_name, check_path_component
 
 SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hf": (("HF_TOKEN",), ("HF_TOKEN",)),

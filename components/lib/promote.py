@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.volume_paths import check_path_component, path_under
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.hf_files import TOKENIZER_FILES
 from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete
-from llmft.trainer.names import check_path_component, path_under
 from llmft.trainer.safe_files import check_file, copy_file
 
 DECISION_FILE = "promotion.json"

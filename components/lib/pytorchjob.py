@@ -28,8 +28,8 @@ from typing import Any
 
 from llmft.components import images
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, Cluster, ClusterError
+from llmft.katib.k8s_names import is_k8s_name
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.names import is_k8s_name
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 MASTER_PORT = 23456

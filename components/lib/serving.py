@@ -45,8 +45,8 @@ from typing import Any
 from llmft.components import images
 from llmft.components.lib.cluster import Cluster, ClusterError
 from llmft.components.lib.pytorchjob import GPU_TOLERATION, SecretEnv, Toleration
+from llmft.katib.k8s_names import is_k8s_name
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.names import is_k8s_name
 
 GROUP, VERSION, PLURAL, KIND = "serving.kserve.io", "v1beta1", "inferenceservices", "InferenceService"
 MODEL_MOUNT = "/mnt/models"

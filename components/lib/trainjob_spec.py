@@ -36,8 +36,8 @@ import re
 from typing import Any
 
 from llmft.components.lib.plan_schema import DEFAULT_RUNTIME
+from llmft.katib.k8s_names import RFC1035_LABEL, RFC1123_SUBDOMAIN
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.names import RFC1035_LABEL, RFC1123_SUBDOMAIN
 
 GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
 API_VERSION = f"{GROUP}/{VERSION}"

@@ -10,8 +10,8 @@ from plan_helpers import RUN_ID, make_plan, parameters
 
 from llmft.components.lib.plan import build_plan
 from llmft.components.lib.plan_checks import REMOTE_CODE_ENV, compiled_settings
+from llmft.components.lib.volume_paths import NAME_MAX
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.names import NAME_MAX
 
 
 def test_a_model_name_longer_than_a_file_name_is_refused_by_the_plan(tmp_path):
