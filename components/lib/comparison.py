@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.lib import generations as gen
+from llmft.components.lib.evaluation import adapter_dir
+from llmft.components.lib.promote import promoted_destination
 from llmft.components.lib.registry import PROMOTED_PATH_TAG, champion_version, version_perplexity
 from llmft.trainer import langfuse_sink
 
@@ -66,8 +68,6 @@ def previous_champion(
 
 
 def _champion_adapter(version, perplexity, model_name, data_root, base_model, run_id) -> tuple[dict | None, str]:
-    from llmft.components.lib.evaluation import adapter_dir
-    from llmft.components.lib.promote import promoted_destination
     from llmft.trainer.io import is_complete
 
     tags, label = version.tags or {}, f"champion v{version.version}"
@@ -131,7 +131,6 @@ def _compare(
     """``size``, ``max_new_tokens``: generations.PROMPT_SET_SIZE and MAX_NEW_TOKENS unless given;
     ``evaluator``: the evaluate step's :class:`~llmft.trainer.evaluate.PerplexityEvaluator`, whose
     loaded base the comparison reuses (a new one otherwise)."""
-    from llmft.components.lib.evaluation import adapter_dir
     from llmft.trainer.data.loader import dataset_info
     from llmft.trainer.evaluate import PerplexityEvaluator
 

@@ -31,6 +31,20 @@ from typing import Any
 
 import yaml
 
+from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.local_check import local_generation_check
+from llmft.components.lib.plan_schema import DEPLOY_MODES, DataLayout
+from llmft.components.lib.pytorchjob import SecretEnv
+from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
+from llmft.components.lib.serving import (
+    ServeSpec,
+    build_inference_service,
+    deploy_inference_service,
+    isvc_to_dict,
+    served_models,
+    smoke_test,
+)
+from llmft.components.lib.vllm_local import serve_and_check
 from llmft.trainer.errors import ConfigError, LlmftError
 
 CRD_FILE = "serving.kserve.io_inferenceservices.yaml"
@@ -98,9 +112,6 @@ class DeployRequest:
 
 def serve_spec(req: DeployRequest):
     """The :class:`ServeSpec` of the request (adapter and, if there, base model from the PVC)."""
-    from llmft.components.lib.plan_schema import DataLayout
-    from llmft.components.lib.pytorchjob import SecretEnv
-    from llmft.components.lib.serving import ServeSpec
 
     layout = DataLayout(req.data_root)
     extra: dict[str, Any] = {"runtime": req.runtime} if req.runtime else {}
@@ -187,8 +198,6 @@ def deploy_promoted(
     http_get=None,
 ) -> dict[str, Any]:
     """Run the whole deploy step; return the facts for deployment.json."""
-    from llmft.components.lib.plan_schema import DEPLOY_MODES
-    from llmft.components.lib.serving import build_inference_service, isvc_to_dict, served_models
 
     if req.mode not in DEPLOY_MODES:
         raise ConfigError(f"deploy_mode {req.mode!r}: use one of {', '.join(DEPLOY_MODES)}")
@@ -228,7 +237,6 @@ def deploy_promoted(
 
 def _check_lora(req: DeployRequest) -> None:
     """The adapter vLLM loads as a LoRA module: refused here, not when the server starts."""
-    from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
 
     if not (Path(req.adapter_dir) / "adapter_config.json").is_file():
         raise LlmftError(
@@ -261,7 +269,6 @@ def _check_merged(req: DeployRequest) -> None:
 
 
 def _local_check(req: DeployRequest) -> dict[str, Any]:
-    from llmft.components.lib.local_check import local_generation_check
 
     merged = req.model_dir if req.form == "merged" else None
     samples = local_generation_check(req.base_model, req.adapter_dir, list(req.prompts), merged_path=merged)
@@ -274,7 +281,6 @@ def _local_check(req: DeployRequest) -> dict[str, Any]:
 
 
 def _vllm_check(req: DeployRequest, body: dict, names: tuple[str, ...]) -> dict[str, Any]:
-    from llmft.components.lib.vllm_local import serve_and_check
 
     served = serve_and_check(
         body, names, list(req.prompts), pvc_name=req.pvc_name, data_root=req.data_root, **dict(req.vllm_options)
@@ -287,8 +293,6 @@ def _vllm_check(req: DeployRequest, body: dict, names: tuple[str, ...]) -> dict[
 
 
 def _deploy_to_kserve(req: DeployRequest, body: dict, cluster, http_post, http_get) -> dict[str, Any]:
-    from llmft.components.lib.cluster import Cluster
-    from llmft.components.lib.serving import deploy_inference_service, served_models, smoke_test
 
     cluster = cluster or Cluster(req.namespace or None)
     served = deploy_inference_service(cluster, body, timeout_s=req.timeout_s)

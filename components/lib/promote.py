@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.servability import require_vllm_servable
 from llmft.components.lib.volume_paths import check_path_component, path_under
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.hf_files import TOKENIZER_FILES
@@ -206,7 +207,6 @@ def _checked_destination(destination: Path, root: str | Path | None) -> Path:
 def require_servable_adapter(promoted: Path, max_lora_rank: int) -> None:
     """AdapterNotServableError when the promoted copy's LoRA adapter is one vLLM (``--max-lora-rank``
     ``max_lora_rank``) would refuse; full weights are not checked here."""
-    from llmft.components.lib.servability import require_vllm_servable
 
     for config in (p for p in servable_files(promoted) if p.name == "adapter_config.json"):
         require_vllm_servable(config.parent, max_lora_rank=max_lora_rank)

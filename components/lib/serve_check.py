@@ -18,6 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.deployment import DeployRequest, deploy_promoted
+from llmft.components.lib.serving import DEFAULT_MAX_LORA_RANK
+from llmft.components.lib.serving_form import prepare_serving_form
 from llmft.trainer.errors import ConfigError, LlmftError
 
 RESULT_KEYS = ("answers", "models")
@@ -55,7 +58,6 @@ def check_result_target(path: Path) -> None:
 
 
 def _deploy_request(adapter: Path, base: Path, name: str, prompt: str, form, max_lora_rank: int, options: dict):
-    from llmft.components.lib.deployment import DeployRequest
 
     model_dir = Path(form.model_dir).resolve()
     root = Path(os.path.commonpath([adapter, base, model_dir])).parent  # the "PVC": holds all of them
@@ -108,9 +110,6 @@ def serve_check(
 ) -> dict[str, Any]:
     """Serve ``adapter_dir`` (as ``name``) with a real vLLM and smoke-test it; ``{"models", "answers"}``.
     Every refusal is a one-line LlmftError (exit 1) and nothing is served after it."""
-    from llmft.components.lib.deployment import deploy_promoted
-    from llmft.components.lib.serving import DEFAULT_MAX_LORA_RANK
-    from llmft.components.lib.serving_form import prepare_serving_form
 
     adapter = Path(adapter_dir).resolve()
     if not adapter.is_dir():

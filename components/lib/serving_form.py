@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.plan_schema import SERVING_MODES
+from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
 from llmft.trainer.errors import ConfigError
 
 FORM_FILE = "serving.json"
@@ -89,8 +91,6 @@ class FormChoice:
 
 def choose_form(adapter_dir: str | Path, serving_mode: str, max_lora_rank: int) -> FormChoice:
     """The form to serve the adapter in; AdapterNotServableError for ``lora`` when vLLM refuses it."""
-    from llmft.components.lib.plan_schema import SERVING_MODES
-    from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
 
     if serving_mode not in SERVING_MODES:
         raise ConfigError(f"serving_mode {serving_mode!r}: use one of {', '.join(SERVING_MODES)}")

@@ -36,6 +36,14 @@ import re
 from typing import Any
 
 from llmft.components.lib.plan_schema import DEFAULT_RUNTIME
+from llmft.components.lib.pytorchjob import (
+    _shell_safe,
+    _spec_errors,
+    format_override_value,
+    katib_trial_script,
+    pod_template,
+    resolved_nproc,
+)
 from llmft.katib.k8s_names import RFC1035_LABEL, RFC1123_SUBDOMAIN
 from llmft.trainer.errors import ConfigError
 
@@ -70,7 +78,6 @@ def parse_runtime_ref(value: str) -> tuple[str, str]:
 
 def trainjob_spec_errors(spec) -> list[str]:
     """The PyTorchJob builder's checks of a ``PyTorchJobSpec`` plus what differs for a TrainJob."""
-    from llmft.components.lib.pytorchjob import _spec_errors  # one set of resource/env/volume checks
 
     errors = [e for e in _spec_errors(spec) if not e.startswith("name ")]
     longest_pod = f"{spec.name}-{TRAINER_JOB}-0-{max(spec.num_nodes - 1, 0)}{POD_SUFFIX}"
@@ -96,7 +103,6 @@ def _k8s(obj) -> Any:
 
 def trainjob_body(spec, runtime: str = DEFAULT_RUNTIME) -> dict:
     """The TrainJob for ``spec`` as a plain dict (the PyTorchJob replica's pod, mapped onto TrainJob fields)."""
-    from llmft.components.lib.pytorchjob import pod_template, resolved_nproc
 
     kind, name = parse_runtime_ref(runtime)
     template = _k8s(pod_template(spec))
@@ -226,7 +232,6 @@ def trial_trainjob_dict(spec, runtime: str = DEFAULT_RUNTIME, *, early_stopping:
     job is named after the trial), overrides may hold ``${trialParameters.name}`` placeholders, and the
     trainer runs :func:`~llmft.components.lib.pytorchjob.katib_trial_script` through ``sh -c``, as a
     PyTorchJob trial does: Katib wraps the ``node`` container's command the same way."""
-    from llmft.components.lib.pytorchjob import _shell_safe, format_override_value, katib_trial_script
 
     arguments = [f"{k}={format_override_value(v)}" for k, v in spec.overrides.items()]
     unsafe = [a for a in [*arguments, spec.config_path or ""] if not _shell_safe(a)]

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.serving import MODEL_MOUNT
+from llmft.components.lib.serving import MODEL_MOUNT, _urllib_get, smoke_test
 from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError, TransientError
 
 SERVING_VENV_ENV = "LLMFT_SERVING_VENV"
@@ -274,7 +274,6 @@ class VllmServer:
 
     def wait_ready(self, poll_s: float = 2.0) -> None:
         """Until ``GET /v1/models`` answers 200; VllmRefusedError with vLLM's reason when it exits first."""
-        from llmft.components.lib.serving import _urllib_get
 
         deadline = time.monotonic() + self.startup_timeout_s
         assert self.process is not None
@@ -370,7 +369,6 @@ def serve_and_check(
     """Serve the manifest's model(s) with a real vLLM, run the deploy step's smoke test (every name in
     ``names`` = ``served_models(spec)`` listed; the adapter's greedy chat answer is not the base's) for each
     prompt, stop the server. Returns ``{"models", "answers": {name: text} (first prompt), "samples", "argv"}``."""
-    from llmft.components.lib.serving import smoke_test
 
     argv = manifest_argv(isvc, pvc_name, data_root)
     adapter, base = names[-1], (names[0] if len(names) == 2 else None)
