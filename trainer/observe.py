@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainer")
 
 
-def peak_flops(device, override_tflops: float = 0.0) -> float | None:
-    """Dense bf16 peak FLOP/s of one device, or None when unknown (CPU)."""
+def device_peak_flops(device, override_tflops: float = 0.0) -> float | None:
+    """Dense bf16 peak FLOP/s of one torch ``device`` (observe.peak_tflops wins), or None when unknown (CPU).
+    The table of peaks by device name is trainer/fastpath/flops.py's ``peak_flops``."""
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type != "cuda":
@@ -149,10 +150,13 @@ class SpeedMeter:
 
     def report(self) -> dict:
         """The speed section of the summary, training_manifest.json and the final metrics event."""
+        from llmft.trainer.fastpath.flops import mfu  # fastpath stays optional: imported where it is used
+
         self._now()  # the queued kernels of the last steps finish inside the phase that launched them
         steady = self.step_counts["steady"] > 0
         phase = "steady" if steady else "warmup"  # too few steps for a steady state: every step
         seconds = max(self.seconds[phase], 1e-9)
+        work = self.flops[phase]
         return {
             "load_s": self.load_s,
             "warmup_s": self.seconds["warmup"],
@@ -163,9 +167,7 @@ class SpeedMeter:
             "eval_and_save_s": self.paused,
             "tokens_per_s": self.tokens[phase] / seconds,
             "tokens_per_s_per_device": self.tokens[phase] / seconds / self.world_size,
-            "mfu": self.flops[phase] / seconds / (self.peak * self.world_size)
-            if (self.peak and self.flops[phase] is not None)
-            else None,
+            "mfu": mfu(work, seconds, self.peak and self.peak * self.world_size) if work is not None else None,
             "steady_state": steady,
         }
 

@@ -50,9 +50,17 @@ from llmft.trainer.distributed import (
 )
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.evaluate import evaluate_model
+from llmft.trainer.fastpath.flops import mfu
 from llmft.trainer.fastpath.moe_aux import router_aux_metrics
 from llmft.trainer.io import atomic_write_json
-from llmft.trainer.observe import Observer, SpeedMeter, memory_metrics, peak_flops, step_flops_counter, summary_screen
+from llmft.trainer.observe import (
+    Observer,
+    SpeedMeter,
+    device_peak_flops,
+    memory_metrics,
+    step_flops_counter,
+    summary_screen,
+)
 from llmft.trainer.steps import STOP, StepCounters, Stopped, collect_garbage, scheduled_gc, seed_all
 
 
@@ -105,7 +113,9 @@ class Trainer:
         cfg = self.cfg
         self._handlers = STOP.install()
         self.info = init_distributed(cfg.distributed.comm_backend, cfg.distributed.timeout_s)
-        self.speed = SpeedMeter(self.info.device, peak_flops(self.info.device, cfg.observe.peak_tflops), self.world)
+        self.speed = SpeedMeter(
+            self.info.device, device_peak_flops(self.info.device, cfg.observe.peak_tflops), self.world
+        )
         self.method = choose_method(cfg, self.info.device)
         self.plan = rundir.decide(self.cfg, self.config_dict, self.info)
         self.total_steps = self.plan.total_steps
@@ -354,7 +364,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
         }
         if self.speed.peak and window["flops"] is not None:
-            metrics["mfu"] = window["flops"] / (dt * self.speed.peak * self.world)
+            metrics["mfu"] = mfu(window["flops"], dt, self.speed.peak * self.world)
         metrics.update(memory_metrics(self.info.device))
         metrics.update(router_aux_metrics(self.engine.module, reduce=all_reduce_sum))  # MoE configs that ask for it
         self.last_tokens_per_s = metrics["tokens_per_s"]
