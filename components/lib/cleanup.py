@@ -165,7 +165,7 @@ def sigterm_cause(cluster, *, environ: Mapping[str, str] | None = None, now: flo
     * ``unknown``: outside a KFP pod, or the pod or Workflow cannot be read (RBAC): deleted, as a
       cancel is the usual reason and a job left behind would hold its GPUs until its deadline.
     """
-    from kubernetes import client
+    from kubernetes import client  # heavy: kubernetes
 
     now = time.time() if now is None else now
     pod_name = (os.environ if environ is None else environ).get(KFP_POD_ENV, "")

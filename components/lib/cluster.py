@@ -69,7 +69,6 @@ def call_with_retries(
 ) -> Any:
     """``fn()``, retried up to ``attempts`` times (doubling waits) while it raises a transient
     ClusterError; a permanent error, or the last transient one, is raised."""
-    import time
 
     for attempt in range(1, attempts + 1):
         try:
@@ -102,7 +101,7 @@ def current_namespace(service_account_dir: Path = SERVICE_ACCOUNT_DIR, config_fi
         if namespace:
             return namespace
     try:
-        from kubernetes import config
+        from kubernetes import config  # heavy: kubernetes
 
         _, active = config.list_kube_config_contexts(config_file=config_file)
         namespace = (active or {}).get("context", {}).get("namespace")
@@ -161,7 +160,7 @@ class Cluster:
     @property
     def custom_api(self):
         if self._custom_api is None:
-            from kubernetes import client
+            from kubernetes import client  # heavy: kubernetes
 
             self._custom_api = client.CustomObjectsApi(self.api_client)
         return self._custom_api
@@ -169,13 +168,13 @@ class Cluster:
     @property
     def core_api(self):
         if self._core_api is None:
-            from kubernetes import client
+            from kubernetes import client  # heavy: kubernetes
 
             self._core_api = client.CoreV1Api(self.api_client)
         return self._core_api
 
     def _load_api_client(self):
-        from kubernetes import client, config
+        from kubernetes import client, config  # heavy: kubernetes
 
         configuration = client.Configuration()
         in_pod = (self._service_account_dir / "token").is_file() and self._config_file is None
@@ -203,8 +202,8 @@ class Cluster:
 
     # -- one wrapper for every call ---------------------------------------------------------
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        import urllib3
-        from kubernetes.client.rest import ApiException
+        import urllib3  # heavy: urllib3
+        from kubernetes.client.rest import ApiException  # heavy: kubernetes
 
         try:
             return fn(*args, **kwargs)
@@ -363,8 +362,8 @@ class Cluster:
     def training_client(self, job_kind: str = "PyTorchJob"):
         """A ``kubeflow.training.TrainingClient`` whose API calls go through this Cluster's
         ``custom_api`` and ``core_api`` (so one configuration, and one fake in tests)."""
-        from kubeflow.training import TrainingClient
-        from kubernetes import client
+        from kubeflow.training import TrainingClient  # heavy: kubeflow
+        from kubernetes import client  # heavy: kubernetes
 
         custom_api, core_api = self.custom_api, self.core_api  # loads the configuration if needed
         configuration = getattr(self._api_client, "configuration", None) or client.Configuration()

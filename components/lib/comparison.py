@@ -35,6 +35,8 @@ from llmft.components.lib.evaluation import adapter_dir
 from llmft.components.lib.promote import promoted_destination
 from llmft.components.lib.registry import PROMOTED_PATH_TAG, champion_version, version_perplexity
 from llmft.trainer import langfuse_sink
+from llmft.trainer.io import is_complete
+from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
 
 
 def dataset_name(model_name: str) -> str:
@@ -48,7 +50,6 @@ def previous_champion(
     model_name: str, tracking_uri: str, *, data_root: str, base_model: str, run_id: str
 ) -> tuple[dict | None, str]:
     """``({version, adapter, perplexity}, "")`` for the current champion's adapter, or ``(None, why not)``."""
-    from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
 
     uri = tracking_uri_without_credentials(tracking_uri or None)  # credentials go to MLFLOW_TRACKING_PASSWORD
     if not uri:
@@ -57,7 +58,7 @@ def previous_champion(
     if reason := prepare_mlflow(uri, required=False):
         return None, reason
     try:
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # heavy: mlflow
 
         version = champion_version(MlflowClient(tracking_uri=uri), model_name)
     except Exception as exc:  # noqa: BLE001 - the comparison goes on without a champion
@@ -68,7 +69,6 @@ def previous_champion(
 
 
 def _champion_adapter(version, perplexity, model_name, data_root, base_model, run_id) -> tuple[dict | None, str]:
-    from llmft.trainer.io import is_complete
 
     tags, label = version.tags or {}, f"champion v{version.version}"
     if tags.get("llmft.pipeline_run_id") == run_id:
@@ -131,8 +131,8 @@ def _compare(
     """``size``, ``max_new_tokens``: generations.PROMPT_SET_SIZE and MAX_NEW_TOKENS unless given;
     ``evaluator``: the evaluate step's :class:`~llmft.trainer.evaluate.PerplexityEvaluator`, whose
     loaded base the comparison reuses (a new one otherwise)."""
-    from llmft.trainer.data.loader import dataset_info
-    from llmft.trainer.evaluate import PerplexityEvaluator
+    from llmft.trainer.data.loader import dataset_info  # heavy: numpy
+    from llmft.trainer.evaluate import PerplexityEvaluator  # heavy: torch
 
     split, max_new_tokens = evaluation["split"], max_new_tokens or gen.MAX_NEW_TOKENS
     prompts = gen.prompt_set(prepared_dir, size or gen.PROMPT_SET_SIZE, split=split)
@@ -169,7 +169,7 @@ def _compare(
 def record_runs(prompts, answers: dict, scores: dict, *, model_name, run_id, base_model, training) -> dict:
     """The dataset items and one dataset run per model (see the module docstring); the ``langfuse``
     section of evaluation.json."""
-    from langfuse import Evaluation
+    from langfuse import Evaluation  # heavy: langfuse
 
     client = langfuse_sink.get_client()
     name = dataset_name(model_name)

@@ -23,6 +23,7 @@ stays the champion; ``deploy_policy=always`` deploys it anyway.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from llmft.components.lib.serving import (
 )
 from llmft.components.lib.vllm_local import serve_and_check
 from llmft.trainer.errors import ConfigError, LlmftError
+from llmft.trainer.io import atomic_write_text, is_complete
 
 CRD_FILE = "serving.kserve.io_inferenceservices.yaml"
 CRD_DIR_ENV = "LLMFT_CRD_DIR"
@@ -158,7 +160,7 @@ def find_crd(crd_dir: str | None = None) -> Path | None:
 
 def crd_schema_errors(obj: dict[str, Any], crd_path: str | Path) -> list[str]:
     """Every place ``obj`` violates the CRD's openAPIV3Schema for its apiVersion (jsonschema)."""
-    import jsonschema
+    import jsonschema  # heavy: jsonschema
 
     with open(crd_path) as fh:
         crd = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
@@ -170,7 +172,6 @@ def crd_schema_errors(obj: dict[str, Any], crd_path: str | Path) -> list[str]:
 
 def write_manifest(isvc_dict: dict[str, Any], path: str | Path, *, crd_dir: str | None = None) -> dict[str, Any]:
     """Write the manifest (atomically) and validate it; raises ConfigError on schema errors."""
-    from llmft.trainer.io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(isvc_dict, sort_keys=False))
     crd = find_crd(crd_dir)
@@ -253,9 +254,6 @@ def _check_lora(req: DeployRequest) -> None:
 
 def _check_merged(req: DeployRequest) -> None:
     """The merged model the serving-form step wrote: complete, a plain model (no quantization_config)."""
-    import json
-
-    from llmft.trainer.io import is_complete
 
     config = Path(req.model_dir) / "config.json"
     if not req.model_dir or not is_complete(req.model_dir) or not config.is_file():

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.errors import DataError
 from llmft.trainer.io import is_complete
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -62,13 +63,11 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate the base model and every complete checkpoint; return the evaluation dict."""
     if evaluate_fn is None:
-        from llmft.trainer.evaluate import PerplexityEvaluator
+        from llmft.trainer.evaluate import PerplexityEvaluator  # heavy: torch
 
         evaluate_fn = PerplexityEvaluator()  # the base loads once for itself and every adapter
     checkpoints = complete_checkpoints(run_dir)
     if not checkpoints:
-        from llmft.trainer.errors import DataError
-
         raise DataError(
             f"{run_dir}/checkpoints holds no complete checkpoint (step-N with a COMPLETE marker): "
             "did the training step finish? Check its logs."
@@ -132,10 +131,10 @@ def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 def plot_png(evaluation: dict[str, Any], history: list[dict[str, Any]]) -> bytes:
     """Two panels: training/eval loss by step, and eval perplexity per checkpoint vs the base model."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
     steps, losses = _series(history, "loss")

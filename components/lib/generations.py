@@ -70,7 +70,7 @@ def exact_match(answer: str, reference: str) -> float | None:
 
 def load_tokenizer(model_path: str, chat_template: str | None = None):
     """The base model's tokenizer with the chat template the data was tokenized with, padding on the left."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: transformers
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if chat_template:
@@ -85,7 +85,7 @@ def generate_answers(
     model, tokenizer, prompts: list[Prompt], *, max_new_tokens: int = MAX_NEW_TOKENS, end_of_turn: str | None = None
 ) -> list[str]:
     """Greedy answers, in the order of ``prompts``; generation stops at EOS or ``end_of_turn``."""
-    import torch
+    import torch  # heavy: torch
 
     stop = [tokenizer.eos_token_id]
     if end_of_turn and end_of_turn in tokenizer.get_vocab():

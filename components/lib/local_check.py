@@ -8,6 +8,7 @@ the check (:class:`AdapterHasNoEffectError`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import NamedTuple, cast
@@ -43,7 +44,7 @@ def local_generation_check(
     adapter works. The base loads as the trainer loads it (an FP8 base dequantized:
     ``llmft.trainer.fp8.load_base_model``); beside a merged model its weights are first rounded to the
     merged model's dtype, so an adapter that changes nothing gives the very same logits."""
-    import torch
+    import torch  # heavy: torch
 
     if not prompts:
         raise ConfigError("local_generation_check: give at least one prompt")
@@ -86,7 +87,7 @@ def local_generation_check(
 def _check_tokenizer(base_model_path: str, tuned_path: str):
     """The tokenizer saved beside the adapter or the merged model (with the chat template it was trained
     on), else the base model's."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: transformers
 
     has_own_tokenizer = os.path.isfile(os.path.join(tuned_path, "tokenizer_config.json"))
     return AutoTokenizer.from_pretrained(tuned_path if has_own_tokenizer else base_model_path)
@@ -94,21 +95,20 @@ def _check_tokenizer(base_model_path: str, tuned_path: str):
 
 def _check_models(base_model_path: str, adapter_path: str, merged_path: str | None):
     """(model answering as the base, the fine-tuned model, context in which the first is the base), in float32."""
-    import contextlib
 
-    import torch
+    import torch  # heavy: torch
 
-    from llmft.trainer.fp8 import load_base_model
+    from llmft.trainer.fp8 import load_base_model  # heavy: torch
 
     if merged_path is None:
         base = load_base_model(base_model_path, None, "lora", {"dtype": torch.float32})
-        from peft import PeftModel
+        from peft import PeftModel  # heavy: peft
 
         model = PeftModel.from_pretrained(base, adapter_path).eval()
         return model, model, model.disable_adapter
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: transformers
 
-    from llmft.trainer.fp8 import read_model_config
+    from llmft.trainer.fp8 import read_model_config  # heavy: torch
 
     stored = getattr(torch, str(read_model_config(merged_path).get("dtype") or "float32"))
     base = load_base_model(base_model_path, None, "lora", {"dtype": stored}).float().eval()

@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from llmft.katib.metrics import parse_metric_lines, summarize
 from llmft.trainer.errors import LlmftError
 
 LOG_TAIL_LINES = 40
@@ -46,7 +47,6 @@ def run_local_training(
     On ``timeout_s`` the launcher gets SIGTERM (the trainer commits a checkpoint and exits 143).
     Raises :class:`TrainingFailed` with the exit code and the last log lines on failure.
     """
-    from llmft.katib.metrics import parse_metric_lines, summarize
 
     command = train_command(overrides, nproc=nproc)
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)

@@ -31,6 +31,7 @@ from llmft.components.lib.sweep import check_servable_ranks, check_trial_overrid
 from llmft.components.lib.volume_paths import check_path_component
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.mlflow_settings import redacted_uri
 
 SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hf": (("HF_TOKEN",), ("HF_TOKEN",)),
@@ -181,7 +182,7 @@ def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
 
 def check_training(trainer):
     """Load the trainer config the train step will use; raises ConfigError naming the field."""
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config import load_config  # heavy: yaml
 
     try:
         return load_config(None, trainer.command_overrides("<tokenized>"))
@@ -191,7 +192,7 @@ def check_training(trainer):
 
 def check_resources(group: str, cpu: str, memory: str):
     """``<group>_cpu`` / ``<group>_memory`` as Kubernetes quantities above zero."""
-    from kubernetes.utils import parse_quantity
+    from kubernetes.utils import parse_quantity  # heavy: kubernetes
 
     for suffix, value, example in (("cpu", cpu, "'4' or '500m'"), ("memory", memory, "'16Gi'")):
         try:
@@ -234,8 +235,6 @@ def check_tracking(p, on_cluster: bool, environ: Mapping[str, str]) -> None:
     MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
     the train step copies it into the training job's environment."""
     if p.mlflow_tracking_uri:
-        from llmft.trainer.mlflow_settings import redacted_uri
-
         if redacted_uri(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
             raise _fail(
                 "mlflow_tracking_uri",
@@ -285,7 +284,7 @@ def check_serving(plan, config) -> str:
 
 def check_sweep(plan, max_lora_rank: int) -> None:
     """The sweep spec parses, its ranks are servable, and its fixed trial settings clash with nothing."""
-    from llmft.katib.experiment import SweepSpec, apply_overrides
+    from llmft.katib.experiment import SweepSpec, apply_overrides  # heavy: kubeflow_katib_api
 
     sweep = plan.sweep
     if sweep.backend not in SWEEP_BACKENDS:

@@ -315,7 +315,7 @@ def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
 
 
 def _env(spec: PyTorchJobSpec) -> list:
-    from kubernetes import client as k8s
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     env = [k8s.V1EnvVar(name=name, value=str(value)) for name, value in spec.env.items()]
     for s in spec.secret_envs:
@@ -325,7 +325,7 @@ def _env(spec: PyTorchJobSpec) -> list:
 
 
 def _resources(spec: PyTorchJobSpec):
-    from kubernetes import client as k8s
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
@@ -341,7 +341,7 @@ def _resources(spec: PyTorchJobSpec):
 
 
 def _volumes(spec: PyTorchJobSpec) -> tuple[list, list]:
-    from kubernetes import client as k8s
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     volumes = [
         k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.shm_size))
@@ -366,7 +366,7 @@ def _volumes(spec: PyTorchJobSpec) -> tuple[list, list]:
 
 
 def _tolerations(spec: PyTorchJobSpec) -> list:
-    from kubernetes import client as k8s
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     chosen = spec.tolerations if spec.tolerations is not None else ((GPU_TOLERATION,) if spec.gpus_per_node else ())
     return [k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect) for t in chosen]
@@ -374,7 +374,7 @@ def _tolerations(spec: PyTorchJobSpec) -> list:
 
 def pod_template(spec: PyTorchJobSpec):
     """The ``V1PodTemplateSpec`` every replica runs (also validated on its own as a Pod)."""
-    from kubernetes import client as k8s
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     command, args = trainer_command(spec)
     volumes, mounts = _volumes(spec)
@@ -413,8 +413,8 @@ def pod_template(spec: PyTorchJobSpec):
 def build_pytorchjob(spec: PyTorchJobSpec):
     """The PyTorchJob for ``spec`` (``KubeflowOrgV1PyTorchJob``); raises ConfigError, listing
     every problem, before anything reaches the cluster."""
-    from kubeflow.training import models
-    from kubernetes import client as k8s
+    from kubeflow.training import models  # heavy: kubeflow
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     errors = _spec_errors(spec)
     if errors:
@@ -465,7 +465,7 @@ def build_pytorchjob(spec: PyTorchJobSpec):
 
 def pytorchjob_to_dict(job) -> dict:
     """The job as the API server sees it (camelCase keys, no None values)."""
-    from kubeflow.training.api_client import ApiClient
+    from kubeflow.training.api_client import ApiClient  # heavy: kubeflow
 
     return ApiClient().sanitize_for_serialization(job)
 

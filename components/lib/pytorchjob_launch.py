@@ -175,7 +175,7 @@ def run_job(
 
 def _submit(cluster, spec, owner: dict | None, print_fn) -> None:
     """Create the PyTorchJob through the Training Operator SDK's TrainingClient."""
-    from kubernetes import client as k8s
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     job = build_pytorchjob(spec)
     if owner:

@@ -37,9 +37,13 @@ KFP retry policy is the one place a dead server is retried.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
 
 CHAMPION_ALIAS = "champion"
 KEY_TAG = "llmft.registration_key"
@@ -209,7 +213,7 @@ def _champion_facts(version: str, perplexity: float, best, previous) -> dict[str
 
 def champion_version(client, model_name: str):
     """The version the ``champion`` alias points at, or None when the alias is unset."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # heavy: mlflow
 
     try:
         return client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
@@ -251,7 +255,7 @@ def _alias_facts(is_champion: bool, champion: str, previous: str | None, previou
 
 def _log_run(client, reg: Registration) -> tuple[str, str]:
     """Create (or on retry reuse) the registration run; log params, metrics, artifacts."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param, RunTag  # heavy: mlflow
 
     experiment_id = _experiment_id(client, reg.experiment)
     run = _find_run_by_key(client, experiment_id, reg.lineage.key)
@@ -284,7 +288,7 @@ def _find_run_by_key(client, experiment_id: str, key: str):
 
 
 def _experiment_id(client, name: str) -> str:
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # heavy: mlflow
 
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
@@ -298,7 +302,7 @@ def _experiment_id(client, name: str) -> str:
 
 
 def _ensure_registered_model(client, name: str) -> None:
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # heavy: mlflow
 
     try:
         client.create_registered_model(name, description="LoRA adapters fine-tuned by kfp-llm-finetune")
@@ -308,10 +312,7 @@ def _ensure_registered_model(client, name: str) -> None:
 
 
 def _client(tracking_uri: str | None, secret_name: str = ""):
-    from mlflow import MlflowClient
-
-    from llmft.trainer.errors import ConfigError
-    from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
+    from mlflow import MlflowClient  # heavy: mlflow
 
     uri = tracking_uri_without_credentials(tracking_uri or None)  # credentials go to MLFLOW_TRACKING_PASSWORD
     if not uri:
@@ -371,7 +372,6 @@ def _redacted_uri(client) -> str:
 
 
 def _now_ms() -> int:
-    import time
 
     return int(time.time() * 1000)
 

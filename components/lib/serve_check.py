@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,6 @@ def one_line(text: str) -> str:
 
 def isvc_name(name: str) -> str:
     """A DNS-1035 InferenceService name for the served name ``name`` (the manifest is written, not applied)."""
-    import re
 
     label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:45].rstrip("-")
     return label if label[:1].isalpha() else f"m-{label}"[:45].rstrip("-")

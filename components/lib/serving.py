@@ -233,7 +233,7 @@ def server_args(spec: ServeSpec) -> list[str]:
 
 
 def _predictor_env(spec: ServeSpec) -> list:
-    from kubernetes import client as k8s
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     if spec.base_model_path is not None or spec.merged_model_path is not None:  # everything is on the PVC
         return [k8s.V1EnvVar(name="HF_HUB_OFFLINE", value="1")]
@@ -246,8 +246,8 @@ def _predictor_env(spec: ServeSpec) -> list:
 
 def build_inference_service(spec: ServeSpec):
     """The ``V1beta1InferenceService`` for ``spec``; raises ConfigError listing every problem."""
-    import kserve
-    from kubernetes import client as k8s
+    import kserve  # heavy: kserve
+    from kubernetes import client as k8s  # heavy: kubernetes
 
     errors = _serve_spec_errors(spec)
     if errors:
@@ -297,7 +297,7 @@ def build_inference_service(spec: ServeSpec):
 
 def isvc_to_dict(isvc) -> dict:
     """The InferenceService as the API server sees it (camelCase keys, no None values)."""
-    from kserve.api_client import ApiClient
+    from kserve.api_client import ApiClient  # heavy: kserve
 
     return ApiClient().sanitize_for_serialization(isvc)
 

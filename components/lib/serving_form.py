@@ -31,6 +31,7 @@ from typing import Any
 from llmft.components.lib.plan_schema import SERVING_MODES
 from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.io import atomic_write_json, is_complete, sha256_file
 
 FORM_FILE = "serving.json"
 EXPORT_MANIFEST_FILE = "export_manifest.json"
@@ -124,8 +125,7 @@ def _summary(problem: str, adapter_dir: Path) -> str:
 def merged_model(adapter_dir: str | Path, merged_dir: str | Path, *, dtype: str = MERGED_DTYPE) -> tuple[dict, bool]:
     """(export manifest, reused): the adapter merged into its base at ``merged_dir``; an existing complete
     merge of the same adapter weights in ``dtype`` is reused (a retried step), anything else of ours replaced."""
-    from llmft.trainer.export import DTYPES, EXPORT_MANIFEST, export_adapter
-    from llmft.trainer.io import is_complete, sha256_file
+    from llmft.trainer.export import DTYPES, EXPORT_MANIFEST, export_adapter  # heavy: torch
 
     adapter_dir, merged_dir = Path(adapter_dir), Path(merged_dir)
     if is_complete(merged_dir) and (merged_dir / EXPORT_MANIFEST).is_file():
@@ -170,7 +170,6 @@ def prepare_serving_form(
 
 def write_form(form: ServingForm, directory: str | Path) -> Path:
     """``<directory>/serving.json`` (and the export manifest beside it, for MLflow); returns serving.json's path."""
-    from llmft.trainer.io import atomic_write_json
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

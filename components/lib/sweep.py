@@ -19,14 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.plan_schema import job_name
 from llmft.components.lib.pytorchjob import build_pytorchjob_spec, trial_pytorchjob_dict
 from llmft.components.lib.trainjob_spec import trial_trainjob_dict
+from llmft.katib import status as katib_status
+from llmft.katib.errors import ExperimentFailed
+from llmft.katib.tracking import ParentRun
+from llmft.katib.webhook_rules import check_experiment
+from llmft.trainer.errors import ConfigError
 
 PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"  # = katib.tracking.PARENT_RUN_ENV (what the trainer reads)
 DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "eval.max_sequences=512")
@@ -45,7 +52,6 @@ def experiment_name(run_id: str) -> str:
 
 def check_trial_overrides(sweep, fixed_overrides: Sequence[str]) -> None:
     """Refuse fixed trial settings that set a key the sweep sets itself (searched or per trial)."""
-    from llmft.trainer.errors import ConfigError
 
     searched = {p.config_key for p in sweep.search_space}
     clashes = [o for o in fixed_overrides if o.split("=", 1)[0] in searched | set(TRIAL_OWNED_KEYS)]
@@ -75,8 +81,7 @@ def sweep_trial_job(
     ``base_overrides`` are the final training's own (the plan's trainer overrides: target modules,
     seed, ``train_overrides``, ...), so a trial tunes the model the train step trains; the keys a
     trial sets itself, the searched ones and the fixed trial settings replace theirs."""
-    from llmft.katib.experiment import TRIAL_NAME_PLACEHOLDER, trial_overrides
-    from llmft.trainer.errors import ConfigError
+    from llmft.katib.experiment import TRIAL_NAME_PLACEHOLDER, trial_overrides  # heavy: kubeflow_katib_api
 
     if not data:
         raise ConfigError(
@@ -111,14 +116,13 @@ def sweep_trial_job(
 
 def build_sweep_experiment(sweep, **job):
     """The ``V1beta1Experiment`` for ``sweep`` whose trials run :func:`sweep_trial_job` (``**job``)."""
-    from llmft.katib.experiment import build_experiment
+    from llmft.katib.experiment import build_experiment  # heavy: kubeflow_katib_api
 
     return build_experiment(sweep, sweep_trial_job(sweep, **job))
 
 
 def check_servable_ranks(sweep, max_lora_rank: int) -> None:
     """Refuse a search space whose LoRA ranks the vLLM runtime (``--max-lora-rank``) would not serve."""
-    from llmft.trainer.errors import ConfigError
 
     for param in sweep.search_space:
         if param.config_key != "lora.r":
@@ -158,10 +162,8 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
 
     Returns ``{"experiment", "best_overrides", "metrics"}``; raises ``ExperimentFailed`` when
     the sweep fails or no trial reports the objective."""
-    import os
-    from pathlib import Path
 
-    from llmft.katib.experiment import SweepSpec, apply_overrides
+    from llmft.katib.experiment import SweepSpec, apply_overrides  # heavy: kubeflow_katib_api
 
     sweep, trainer = plan.sweep, plan.trainer
     spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
@@ -173,8 +175,6 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
         result = _run_local(spec, tokenized_dir, trainer.model, trainer.method, fixed, sweep.workdir, experiment)
     else:
-        from llmft.katib.tracking import ParentRun
-
         with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:
             result = _run_katib(
                 spec,
@@ -199,8 +199,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
 
 
 def _run_local(spec, tokenized_dir, model, method, fixed, workdir, mlflow_experiment) -> dict:
-    from llmft.katib.errors import ExperimentFailed
-    from llmft.katib.local_sweep import run_local_sweep
+    from llmft.katib.local_sweep import run_local_sweep  # heavy: kubeflow_katib_api, optuna
 
     args = [f"model.name_or_path={model}", f"data={tokenized_dir}", f"method={method}", *fixed]
     result = run_local_sweep(
@@ -222,9 +221,7 @@ def _run_local(spec, tokenized_dir, model, method, fixed, workdir, mlflow_experi
 
 
 def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
-    from llmft.katib import status as katib_status
-    from llmft.katib.experiment import GROUP, PLURAL, VERSION, to_yaml
-    from llmft.katib.webhook_rules import check_experiment
+    from llmft.katib.experiment import GROUP, PLURAL, VERSION, to_yaml  # heavy: kubeflow_katib_api
 
     body = build_sweep_experiment(spec, **job).to_dict()
     body["metadata"].setdefault("labels", {}).update(job["job"].labels)  # the run-id label: cleanup finds it

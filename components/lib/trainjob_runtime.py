@@ -119,7 +119,7 @@ def check_runtime(backend, kind: str, name: str) -> None:
     runtime = get_runtime(backend, kind, name)
     if runtime.kind.value != kind:
         raise shadow_error(kind, name, backend.namespace, runtime.kind.value)
-    from kubeflow.trainer.constants import constants as sdk
+    from kubeflow.trainer.constants import constants as sdk  # heavy: kubeflow
 
     if tuple(runtime.trainer.command) != tuple(sdk.TORCH_COMMAND):  # the SDK's mark of mlPolicy.torch
         raise ConfigError(
@@ -142,7 +142,7 @@ def preflight_runtime(plan, cluster=None) -> None:
 def sdk_backend(cluster: Cluster, namespace: str | None = None):
     """The Kubeflow SDK's ``KubernetesBackend`` (what ``TrainerClient`` delegates every call to) on
     ``cluster``'s API objects, in ``namespace`` (default: the cluster's)."""
-    from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend
+    from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend  # heavy: kubeflow
 
     class SdkBackend(KubernetesBackend):
         def __init__(self):  # the SDK's __init__ loads a kubeconfig itself; the Cluster already has one

@@ -96,7 +96,7 @@ def trainjob_spec_errors(spec) -> list[str]:
 
 def _k8s(obj) -> Any:
     """A kubernetes-client model as the API server sees it (camelCase, no None)."""
-    from kubernetes import client
+    from kubernetes import client  # heavy: kubernetes
 
     return client.ApiClient().sanitize_for_serialization(obj)
 
@@ -161,7 +161,7 @@ def build_trainjob(spec, runtime: str = DEFAULT_RUNTIME):
 
 def parse_trainjob(body: dict):
     """``body`` as the SDK's model; refuses a field the model does not know (pydantic drops them silently)."""
-    from kubeflow_trainer_api import models
+    from kubeflow_trainer_api import models  # heavy: kubeflow_trainer_api
 
     model = models.TrainerV1alpha1TrainJob.from_dict(body)
     dropped = _dropped_paths(body, model.to_dict(), "")

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import json
 import os
 import re
 import signal
@@ -35,6 +37,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,7 +74,7 @@ def serving_venv() -> Path:
     """Where the serving virtualenv is: ``$LLMFT_SERVING_VENV``, else ``.venv-serving`` in the checkout."""
     if os.environ.get(SERVING_VENV_ENV):
         return Path(os.environ[SERVING_VENV_ENV])
-    import llmft
+    import llmft  # heavy: llmft
 
     checkout = Path(llmft.__file__).resolve().parent.parent
     return checkout / SERVING_VENV_DIR if (checkout / "setup.cfg").is_file() else Path.cwd() / SERVING_VENV_DIR
@@ -174,8 +178,6 @@ def vllm_reason(log_text: str) -> str:
 def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
     """The server dies with its launcher even when the launcher is SIGKILLed (Linux prctl PR_SET_PDEATHSIG)."""
     with contextlib.suppress(Exception):
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
@@ -323,9 +325,6 @@ class VllmServer:
 
 def _post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
     """POST JSON; (status, the answer as JSON, or as text: vLLM answers a loaded adapter in plain text)."""
-    import json
-    import urllib.error
-    import urllib.request
 
     request = urllib.request.Request(
         url, data=json.dumps(payload).encode(), method="POST", headers={"Content-Type": "application/json"}

@@ -56,7 +56,7 @@ def model_config(name_or_path: str) -> dict | None:
     path = Path(name_or_path) / "config.json"
     if not path.is_file():
         try:
-            from huggingface_hub import try_to_load_from_cache
+            from huggingface_hub import try_to_load_from_cache  # heavy: huggingface_hub
         except ImportError:
             return None
         cached = try_to_load_from_cache(name_or_path, "config.json")
@@ -72,8 +72,8 @@ def model_config(name_or_path: str) -> dict | None:
 
 def estimate(config: dict, *, method: str, lora_rank: int, targets: tuple[str, ...], keep_last: int, merged: bool):
     """The :class:`Footprint` of a run on the model ``config`` (a config.json dict)."""
-    from llmft.trainer.fastpath.flops import ALL_LINEAR, shape_from_config
-    from llmft.trainer.fastpath.memory import Setup, adapter_parameters, parameter_counts
+    from llmft.trainer.fastpath.flops import ALL_LINEAR, shape_from_config  # heavy: torch, transformers
+    from llmft.trainer.fastpath.memory import Setup, adapter_parameters, parameter_counts  # heavy: torch, transformers
 
     shape = shape_from_config(config)
     _, total = parameter_counts(shape, bool(config.get("tie_word_embeddings", False)))
