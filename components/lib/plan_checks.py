@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
+from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.plan_schema import (
     COMPILED_PARAMETERS,
@@ -141,8 +142,6 @@ def check_compiled(p, settings: Mapping[str, Any]) -> None:
 
 
 def check_image(reference: str) -> str:
-    from llmft.components.images import check_pinned
-
     return check_pinned(reference, source="pipeline parameter `trainer_image`")
 
 

@@ -305,3 +305,29 @@ def test_the_plan_schema_is_the_bottom_of_components_lib():
         if _under(name, ("llmft.components",))
     ]
     assert not siblings, siblings
+
+
+def _deferred_imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, source line) of each import inside a function body of the file."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import | ast.ImportFrom):
+                    marked = "# heavy:" in lines[inner.end_lineno - 1] or "# heavy:" in lines[inner.lineno - 2]
+                    if not marked:
+                        yield inner.lineno, lines[inner.lineno - 1].strip()
+
+
+def test_components_lib_defers_an_import_only_for_a_heavy_dependency():
+    """A function-local import in components/lib hides nothing: it defers a heavy or optional package
+    (kubernetes, mlflow, torch, ...) and says so with ``# heavy: <package>``; everything else is imported
+    at module level, where the cycle check and a reader see it."""
+    offenders = sorted(
+        {
+            f"{path.relative_to(REPO)}:{line}: {text}"
+            for path in package_files("components/lib")
+            for line, text in _deferred_imports(path)
+        }
+    )
+    assert not offenders, "import at module level, or mark the deferral `# heavy: <package>`:\n" + "\n".join(offenders)
