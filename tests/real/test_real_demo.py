@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from llmft.pipelines.defaults import DEMO_PROBES, REAL_LOCAL_DEFAULTS
 from llmft.pipelines.real_demo import answer_pairs, learning_report
 

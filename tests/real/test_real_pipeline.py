@@ -11,6 +11,7 @@ checkout: .cache/real-model)."""
 from __future__ import annotations
 
 import pytest
+
 from llmft.pipelines.defaults import REAL_LOCAL_DEFAULTS
 
 SHORT = {
