@@ -219,7 +219,6 @@ def test_the_static_reader_sees_what_it_must():
 # other cycle, and on an entry that is no longer a cycle (so the list only shrinks).
 KNOWN_CYCLES = (
     {"llmft.trainer.config", "llmft.trainer.config_checks"},
-    {"llmft.trainer.fastpath.moe", "llmft.trainer.fastpath.moe_aux"},
     {"llmft.trainer.fp8", "llmft.trainer.merge", "llmft.trainer.model"},
     {"llmft.trainer.fastpath.lora_dropout", "llmft.trainer.fastpath.lora_dropout_triton"},
     {"llmft.trainer.fastpath.lora", "llmft.trainer.fastpath.qlora"},

@@ -36,6 +36,9 @@ from typing import Any, Literal, cast
 
 import torch
 
+from llmft.trainer.fastpath.moe_aux import install_router_aux
+from llmft.trainer.fastpath.moe_layout import base_experts, model_config, moe_blocks
+
 EXPERT_TARGETS = {
     "experts": ("experts.gate_up_proj", "experts.down_proj"),
     "experts.gate_up_proj": ("experts.gate_up_proj",),
@@ -50,20 +53,8 @@ DENSE_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 # ----------------------------------------------------------------------------- finding the pieces
 
 
-def moe_blocks(model) -> list[Any]:
-    """The sparse MoE blocks: modules with an ``experts`` child and a ``gate`` (router) child (duck-typed)."""
-    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate") and m is not model]
-
-
 def is_moe(model) -> bool:
     return bool(moe_blocks(model))
-
-
-def base_experts(module) -> Any:
-    """The transformers experts module under any PEFT ``ParamWrapper`` nesting."""
-    while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):
-        module = module.base_layer
-    return module
 
 
 def expert_wrappers(module) -> dict[str, Any]:
@@ -411,7 +402,7 @@ def apply_moe(
     blocks = moe_blocks(model)
     if not blocks:
         return None
-    config = _config(model)
+    config = model_config(model)
     report = {
         "layers": len(blocks),
         "experts": int(getattr(config, "num_experts", 0) or 0),
@@ -424,8 +415,6 @@ def apply_moe(
         report.update(swap_grouped_experts(model))
     if report["experts_4bit"]:
         report["frozen_fp32_to_bf16"] = frozen_to_compute_dtype(model, compute_dtype(base_experts(blocks[0].experts)))
-    from llmft.trainer.fastpath.moe_aux import install_router_aux
-
     report["router_aux_loss_coef"] = install_router_aux(model, aux_coef)
     return report
 
@@ -442,11 +431,6 @@ def frozen_to_compute_dtype(model, dtype: torch.dtype) -> int:
             param.data = param.data.to(dtype)
             count += 1
     return count
-
-
-def _config(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, "config", None)
 
 
 # ----------------------------------------------------------------------------- 4-bit helpers

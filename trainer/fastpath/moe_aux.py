@@ -34,6 +34,8 @@ import functools
 
 import torch
 
+from llmft.trainer.fastpath.moe_layout import base_experts, model_config, moe_blocks
+
 ATTRIBUTE = "_llmft_router_aux"
 
 
@@ -85,9 +87,7 @@ def _document_ids(batch: dict, tokens: int, device) -> tuple[torch.Tensor, int]:
 def install_router_aux(model, coef: float | None = None) -> float:
     """Hook every router of ``model`` when the load-balancing loss is on; returns the coefficient
     (0.0 = off). ``coef`` None reads the model config the way transformers does."""
-    from llmft.trainer.fastpath.moe import _config, base_experts, moe_blocks
-
-    config = _config(model)
+    config = model_config(model)
     if coef is None:
         coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         coef = coef if getattr(config, "output_router_logits", False) else 0.0
