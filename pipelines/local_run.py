@@ -126,6 +126,7 @@ def run_pipeline_locally(
     """Run the pipeline (default ``llm_finetune_pipeline``) through kfp.local with the local
     defaults (plus ``extra_defaults``); never raises for a failed task (see the outcome)."""
     from kfp import local
+
     from llmft.components.lib.summary import collect_run_facts, latest_run_dir
     from llmft.pipelines.defaults import resolve_local_arguments
 

@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+
 from llmft.benchmarks.gpu import common
 
 DEVICE = "cuda"  # a CPU smoke run sets "cpu"
@@ -46,6 +47,7 @@ def packed_micro_batches(samples: common.Samples, per_step: int, micro: int, ste
 
 def to_device(mb: dict) -> dict:
     import torch
+
     from llmft.trainer.fastpath.attention import packed_attention_kwargs
 
     def put(array, dtype):
@@ -65,6 +67,7 @@ def to_device(mb: dict) -> dict:
 
 def build(model_name: str, method: str, compile_layers: bool, fuse_lora: bool):
     import torch
+
     from llmft.trainer.fastpath import attention, lora
     from llmft.trainer.fastpath import compile as fp_compile
 
@@ -91,6 +94,7 @@ def build(model_name: str, method: str, compile_layers: bool, fuse_lora: bool):
 
 def train_step(model, params, opt, micros_on_device, n_supervised: int, autocast: bool):
     import torch
+
     from llmft.trainer.fastpath.loss import fused_causal_lm_loss
 
     total = torch.zeros((), device=DEVICE)
@@ -115,6 +119,7 @@ def train_step(model, params, opt, micros_on_device, n_supervised: int, autocast
 
 def run(a) -> dict:
     import torch
+
     from llmft.trainer.fastpath import attention, flops, lora
 
     if a.lora_mode:

@@ -21,6 +21,7 @@ import argparse
 import sys
 
 import numpy as np
+
 from llmft.benchmarks.gpu import common
 
 
@@ -60,9 +61,10 @@ def _qlora_base(model_name: str, attn: str, work: str):
     from pathlib import Path
 
     import torch
-    from llmft.benchmarks.gpu.arm_project import write_model_dir
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from llmft.benchmarks.gpu.arm_project import write_model_dir
 
     path = write_model_dir(model_name, Path(work) / "models")
     quant = BitsAndBytesConfig(
@@ -197,6 +199,7 @@ def run(
     work: str = "/tmp/llmft-project",
 ) -> dict:
     import torch
+
     from llmft.trainer.fastpath import flops
 
     if arm == "peer" and block_mask == "eager":

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from llmft.benchmarks.gpu import common
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from llmft.benchmarks.gpu import common
 
 SEED = 42
@@ -36,6 +37,7 @@ def write_model_dir(model: str, root: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
+
     from llmft.trainer.tiny_model import build_tokenizer
 
     net = common.build_model(model, "sdpa", dtype="bfloat16")

@@ -57,8 +57,9 @@ def matmul_tflops(n: int = 8192) -> float:
 
 def check_attention() -> dict:
     import torch
-    from llmft.trainer.fastpath.attention import _cuda_varlen, _reference_per_document, bucket_max_length
     from torch.nn.attention.varlen import varlen_attn
+
+    from llmft.trainer.fastpath.attention import _cuda_varlen, _reference_per_document, bucket_max_length
 
     lengths = [1, 17, 300, 1024, 700, 129, 64, 2048, 5, 333]
     total = sum(lengths)
@@ -112,6 +113,7 @@ def check_attention() -> dict:
 def check_loss() -> dict:
     import torch
     import torch.nn.functional as F
+
     from llmft.trainer.fastpath.loss import fused_linear_cross_entropy
 
     tokens, dim, vocab = 16384, 1536, 151936
@@ -149,8 +151,9 @@ def check_loss() -> dict:
 
 def check_lora() -> dict:
     import torch
-    from llmft.trainer.fastpath.lora import fuse_lora_linears
     from peft import LoraConfig, get_peft_model
+
+    from llmft.trainer.fastpath.lora import fuse_lora_linears
 
     class One(torch.nn.Module):
         def __init__(self):
@@ -201,6 +204,7 @@ def lora_breakdown() -> dict:
 
 def _lora_shape_row(tokens: int, d_in: int, d_out: int) -> dict:
     import torch
+
     from llmft.trainer.fastpath.lora import lora_linear
 
     x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -233,6 +237,7 @@ def check_lora_dropout() -> dict:
     Philox mask: the mask bit for bit, the three ops in float64 on fresh bf16 inputs; then the fused linear's
     forward + backward at p = 0.05 against p = 0 (tokens x 1536 -> 1536, r 16; and a q/k/v group)."""
     import torch
+
     from llmft.trainer.fastpath import lora_dropout as ld
     from llmft.trainer.fastpath.lora import lora_linear
     from llmft.trainer.fastpath.lora_groups import grouped_lora_linear

@@ -21,9 +21,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
 
 def _model(layers: int, dtype):
     import torch
-    from llmft.trainer.fastpath import moe
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from llmft.trainer.fastpath import moe
 
     config = common.hf_config("qwen3-30b-a3b")
     config.num_hidden_layers = layers
@@ -66,6 +67,7 @@ def _timed(model, ids) -> dict:
 def run(layers: int, tokens: int, json_out: str) -> dict:
     """Each stage's result (or its error) is written to ``json_out`` as soon as it is known."""
     import torch
+
     from llmft.trainer.fastpath import moe
     from llmft.trainer.fastpath.compile import compile_decoder_layers
 
@@ -100,6 +102,7 @@ def run(layers: int, tokens: int, json_out: str) -> dict:
 def _check_4bit(layers: int, ids) -> dict:
     """4-bit experts: equal to the same model holding the dequantized weights; no weight kept for backward."""
     import torch
+
     from llmft.trainer.fastpath import moe
 
     model = _model(layers, torch.bfloat16)

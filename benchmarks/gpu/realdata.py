@@ -56,8 +56,9 @@ def qwen3_tokenizer_dir() -> Path:
 def write_model(model: str, root: Path) -> Path:
     """Random-init ``model`` (seed 0, bf16, as the benchmark's arms build it) + the Qwen3 tokenizer."""
     import torch
-    from llmft.benchmarks.gpu import common
     from transformers import AutoTokenizer
+
+    from llmft.benchmarks.gpu import common
 
     out = root / f"{model}-qwen3tok"
     if (out / "config.json").is_file():
@@ -90,10 +91,11 @@ def reference(model_dir: Path, data: Path, config: Path, steps: int, out: Path, 
     """Plain PEFT: HF Trainer + PEFT LoRA over the same documents, the shipped config's settings,
     about the same tokens per optimizer step as the product (its sequences' worth of documents)."""
     import torch
-    from llmft.trainer.config import load_config
-    from llmft.trainer.data.shards import open_split
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    from llmft.trainer.config import load_config
+    from llmft.trainer.data.shards import open_split
 
     cfg = load_config(str(config), [f"model.name_or_path={model_dir}", f"data={data}"])
     train = _documents(data, "train")

@@ -82,8 +82,9 @@ def profile_steps(spec: str, out_dir: str) -> None:
     backward, optimizer, logging). Prints how much of the wall time the GPU ran kernels (the rest
     is the GPU waiting on the host) and the top kernels; writes a Chrome trace to ``out_dir``."""
     import torch
-    from llmft.trainer.train import Trainer
     from torch.profiler import ProfilerActivity, profile
+
+    from llmft.trainer.train import Trainer
 
     first, last = (int(v) for v in spec.split(":"))
     original, state = Trainer.forward_backward, {}

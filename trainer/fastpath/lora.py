@@ -37,6 +37,7 @@ from __future__ import annotations
 import types
 
 import torch
+
 from llmft.trainer.fastpath.lora_dropout import draw_seeds, dropped_down, dropped_grad_a, dropped_up_add
 
 
