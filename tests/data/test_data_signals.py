@@ -23,7 +23,9 @@ from llmft.trainer.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 ROWS = 60_000
 EXIT_BOUND_S = 10.0  # generous: a clean stop takes well under a second; the bug was a hang of minutes
-DELAYS_S = (0.2, 0.5, 0.7, 0.9, 1.1, 1.3, 1.6, 2.0, 2.5)
+# When to signal, as fractions of one whole prepare on this machine (from llmft's SIGTERM handler to its exit):
+# the pool starting (the hang was there), reading, writing and stopping, however fast or loaded the machine is.
+DELAY_FRACTIONS = (0.02, 0.08, 0.15, 0.25, 0.35, 0.5, 0.65, 0.8, 0.92)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,22 @@ def big_jsonl(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def prepare_seconds(big_jsonl, tmp_path_factory) -> float:
+    """How long one prepare of ``big_jsonl`` runs here, from llmft's start (its SIGTERM handler) to its exit."""
+    out = tmp_path_factory.mktemp("timed") / "out"
+    script = Path(sys.executable).parent / "llmft"
+    proc = subprocess.Popen(
+        [str(script), "data", "prepare", "--input", str(big_jsonl), "--output", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_for_sigterm_handler(proc)
+    started = time.monotonic()
+    assert proc.wait(timeout=600) == 0
+    return time.monotonic() - started
+
+
 def _session_alive(sid: int) -> list[int]:
     """Live (not zombie) processes of session ``sid``."""
     alive = []
@@ -51,6 +69,21 @@ def _session_alive(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":  # fields after the name: state ppid pgrp session
             alive.append(int(stat_file.parent.name))
     return alive
+
+
+def _wait_for_sigterm_handler(proc: subprocess.Popen, bound_s: float = 120.0) -> None:
+    """Until ``proc`` catches SIGTERM (its SigCgt mask in /proc: llmft's handler is installed), or it exits."""
+    deadline = time.monotonic() + bound_s
+    bit = 1 << (signal.SIGTERM - 1)
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return
+        caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+        if int(caught, 16) & bit:
+            return
+        time.sleep(0.01)
 
 
 class Outcome(NamedTuple):
@@ -66,12 +99,16 @@ def _stop_prepare(tmp_path: Path, rows: Path, signum: int, delay: float) -> Outc
     command = [str(script), "data", "prepare", "--input", str(rows), "--output", str(tmp_path / "out")]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
+        _wait_for_sigterm_handler(proc)  # the delays count from llmft's start, not the interpreter's (load-proof)
         time.sleep(delay)
         running = proc.poll() is None
-        if signum == signal.SIGINT:
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
-        else:
-            proc.send_signal(signum)  # the kubelet signals the container's main process only
+        try:
+            if signum == signal.SIGINT:
+                os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+            else:
+                proc.send_signal(signum)  # the kubelet signals the container's main process only
+        except ProcessLookupError:  # it ended between the poll and the signal
+            running = False
         try:
             _out, err = proc.communicate(timeout=EXIT_BOUND_S)
         except subprocess.TimeoutExpired:
@@ -88,12 +125,15 @@ def _stop_prepare(tmp_path: Path, rows: Path, signum: int, delay: float) -> Outc
         proc.wait(timeout=30)
 
 
-def _assert_every_delay_stops_cleanly(tmp_path: Path, rows: Path, signum: int, code: int, needle: str) -> None:
+def _assert_every_delay_stops_cleanly(
+    tmp_path: Path, rows: Path, seconds: float, signum: int, code: int, needle: str
+) -> None:
     """At every delay: a clean stop, or a complete output where the run had finished before the signal."""
     landed = 0
-    for delay in DELAYS_S:
+    for fraction in DELAY_FRACTIONS:
+        delay = round(fraction * seconds, 3)
         result = _stop_prepare(tmp_path, rows, signum, delay)
-        where = f"{signal.Signals(signum).name} {delay} s in"
+        where = f"{signal.Signals(signum).name} {delay} s in (of {seconds:.2f} s)"
         assert result.code is not None, f"{where}: no exit within {EXIT_BOUND_S} s (hung)"
         assert not result.leftovers, f"{where}: processes left behind: {result.leftovers}"
         temp = list(tmp_path.glob(".out.*"))
@@ -112,16 +152,20 @@ def _assert_every_delay_stops_cleanly(tmp_path: Path, rows: Path, signum: int, c
             assert result.code == 0, (where, result.code, result.err)
             assert (tmp_path / "out" / "report.json").is_file(), where
             shutil.rmtree(tmp_path / "out")
-    assert landed >= len(DELAYS_S) // 2, f"only {landed} signals came while the prepare ran: make the input larger"
+    assert landed >= len(DELAY_FRACTIONS) // 2, f"only {landed} signals came while the prepare ran"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_sigterm_at_any_moment_of_prepare_exits_143_with_nothing_left(tmp_path, big_jsonl):
-    _assert_every_delay_stops_cleanly(tmp_path, big_jsonl, signal.SIGTERM, EXIT_PREEMPTED, "stopped by SIGTERM")
+def test_sigterm_at_any_moment_of_prepare_exits_143_with_nothing_left(tmp_path, big_jsonl, prepare_seconds):
+    _assert_every_delay_stops_cleanly(
+        tmp_path, big_jsonl, prepare_seconds, signal.SIGTERM, EXIT_PREEMPTED, "stopped by SIGTERM"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ctrl_c_at_any_moment_of_prepare_exits_130_with_nothing_left(tmp_path, big_jsonl):
-    _assert_every_delay_stops_cleanly(tmp_path, big_jsonl, signal.SIGINT, EXIT_INTERRUPTED, "interrupted")
+def test_ctrl_c_at_any_moment_of_prepare_exits_130_with_nothing_left(tmp_path, big_jsonl, prepare_seconds):
+    _assert_every_delay_stops_cleanly(
+        tmp_path, big_jsonl, prepare_seconds, signal.SIGINT, EXIT_INTERRUPTED, "interrupted"
+    )
