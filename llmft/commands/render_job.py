@@ -43,8 +43,11 @@ def add_parser(sub) -> None:
     render.set_defaults(func=run_render_job)
 
 
-def render_job(arguments: dict, backend: str, *, run_id: str, namespace: str | None, data: str | None) -> dict:
-    """The job body (a dict, as the API server receives it) for pipeline parameters ``arguments``."""
+def render_job(
+    arguments: dict, backend: str, *, run_id: str, namespace: str | None, data: str | None, hpo: bool = False
+) -> dict:
+    """The job body (a dict, as the API server receives it) for pipeline parameters ``arguments``, checked as
+    the plan step of that pipeline (``hpo``: the sweep pipeline, whose trial overrides are checked too)."""
     from llmft.components.lib.plan import build_plan
     from llmft.components.lib.plan_checks import compiled_settings
     from llmft.components.lib.pytorchjob import build_pytorchjob_spec
@@ -55,7 +58,8 @@ def render_job(arguments: dict, backend: str, *, run_id: str, namespace: str | N
     if given != BACKENDS[backend]:
         raise ConfigError(f"training_backend={given} contradicts --backend {backend}; drop one of them")
     values = {**parameter_defaults(), **arguments, "training_backend": BACKENDS[backend]}
-    plan = build_plan(values, run_id=run_id, compiled=compiled_settings("llm-finetune", values), environ=RENDER_POD)
+    pipeline = "llm-finetune-hpo" if hpo else "llm-finetune"
+    plan = build_plan(values, run_id=run_id, compiled=compiled_settings(pipeline, values), environ=RENDER_POD)
     overrides = plan.trainer.command_overrides(data or plan.layout.tokenized("CACHE_KEY"))
     spec = build_pytorchjob_spec(plan.job, overrides, namespace=namespace)
     if backend == "trainjob":
@@ -89,7 +93,9 @@ def run_render_job(args: argparse.Namespace) -> int:
     from llmft.trainer.io import write_owned_file
 
     check_yaml_output(args.output, force=args.force)
-    body = render_job(typed_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data)
+    body = render_job(
+        typed_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data, hpo=args.hpo
+    )
     header = (
         f"# {body['kind']} the train step would submit (llmft pipeline render-job --backend {args.backend}).\n"
         "# Placeholders: the run id in the name and labels, CACHE_KEY in data= (the tokenize step's folder).\n"

@@ -83,3 +83,15 @@ def test_compile_replaces_its_own_file_and_a_foreign_one_with_force(tmp_path):
     out.write_text(MINE)
     assert cli(*COMPILE, "--output", str(out), "--force")[0] == 0
     assert out.read_text().startswith(OWNED_FILE_MARK)
+
+
+def test_render_job_hpo_checks_the_sweep_pipelines_trial_overrides(tmp_path):
+    """`--hpo` renders with the HPO pipeline's plan checks: trust_remote_code in the trial overrides is refused there
+    as in its plan step (rendered as the plain pipeline it was accepted: exit 0, a job written)."""
+    out = tmp_path / "job.yaml"
+    argv = ["pipeline", "render-job", "--backend", "pytorchjob", "--hpo", "--output", str(out)]
+    code, err = cli(
+        *argv, "mlflow_tracking_uri=http://mlflow:5000", "sweep_trial_overrides=model.trust_remote_code=true"
+    )
+    assert code == 1 and "trust_remote_code" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
