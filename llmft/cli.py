@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -77,8 +78,15 @@ def build_group_parser(group: str) -> argparse.ArgumentParser:
     return parser
 
 
+# Loggers whose warnings are noise before a command's one-line result: bitsandbytes (imported by peft) warns at
+# import on AVX512-BF16 CPUs that it cannot fetch an optional CPU kernel from a hub (backends/cpu/ops.py).
+QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     top = _top_parser()
     if not argv or argv[0] not in GROUPS:
         args = top.parse_args(argv)  # handles --help/--version/unknown group

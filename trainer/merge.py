@@ -236,6 +236,12 @@ def read_adapter(directory: str | Path) -> Adapter:
             )
         else:
             full[name.replace(".base_layer.", ".")] = tensor
+    missing = [key for key in ("r", "lora_alpha") if key not in config]
+    if missing:
+        raise ConfigError(
+            f"{directory}/adapter_config.json: no {' or '.join(missing)} field; save the adapter with PEFT's "
+            "save_pretrained (its LoraConfig writes both)"
+        )
     modules, biases = {}, {}
     for module, found in parts.items():
         lora = _lora_module(module, found, config, weights)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +58,42 @@ def test_readme_command_reference_matches_cli(repo_root):
     assert documented == _cli_commands(), (
         f"README only: {sorted(documented - _cli_commands())}; CLI only: {sorted(_cli_commands() - documented)}"
     )
+
+
+def _lora_adapter(directory: Path, **config) -> Path:
+    """A minimal PEFT LoRA folder: adapter_config.json (``config`` over r 8, one q_proj) and zero weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    config = {"peft_type": "LORA", "base_model_name_or_path": "x", "r": 8, "target_modules": ["q_proj"], **config}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {f"base_model.model.q_proj.lora_{ab}.weight": torch.zeros(8, 8) for ab in "AB"}
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+def test_an_adapter_config_without_lora_alpha_is_bad_input_not_a_bug(tmp_path):
+    """Found by the probe: a KeyError (exit 3, "internal error") before; now exit 1 naming the file and field."""
+    from llmft.trainer.errors import ConfigError
+    from llmft.trainer.merge import read_adapter
+
+    with pytest.raises(ConfigError, match=r"adapter_config\.json: no lora_alpha field"):
+        read_adapter(_lora_adapter(tmp_path / "adapter"))
+
+
+@pytest.mark.slow
+def test_an_export_refusal_is_the_only_line_on_stderr(tmp_path):
+    """peft imports bitsandbytes, whose CPU backend warns at import on AVX512-BF16 CPUs (H100 hosts among them)
+    that it cannot fetch an optional kernel from a hub: that warning stood before the one-line error."""
+    adapter = _lora_adapter(tmp_path / "adapter", lora_alpha=16)
+    (adapter / "generation_config.json").symlink_to("/etc/passwd")
+    llmft = str(Path(sys.executable).parent / "llmft")
+    out = subprocess.run(
+        [llmft, "export", "--adapter", str(adapter), "--output", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "is a symlink" in out.stderr, out.stderr
