@@ -71,6 +71,13 @@ def _session_alive(sid: int) -> list[int]:
     return alive
 
 
+def _default_stop_signals() -> None:
+    """In the child: SIGINT and SIGTERM at their default dispositions. A shell starts a background job with SIGINT
+    ignored, and Python then leaves it ignored: a Ctrl-C could never land (CI ran the suite that way)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _wait_for_sigterm_handler(proc: subprocess.Popen, bound_s: float = 120.0) -> None:
     """Until ``proc`` catches SIGTERM (its SigCgt mask in /proc: llmft's handler is installed), or it exits."""
     deadline = time.monotonic() + bound_s
@@ -97,7 +104,14 @@ def _stop_prepare(tmp_path: Path, rows: Path, signum: int, delay: float) -> Outc
     """Start a prepare, send ``signum`` after ``delay`` s, wait for it; the session is killed afterwards."""
     script = Path(sys.executable).parent / "llmft"
     command = [str(script), "data", "prepare", "--input", str(rows), "--output", str(tmp_path / "out")]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_stop_signals,  # as from a terminal, even when this test runs in a background job
+    )
     try:
         _wait_for_sigterm_handler(proc)  # the delays count from llmft's start, not the interpreter's (load-proof)
         time.sleep(delay)
