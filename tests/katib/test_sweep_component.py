@@ -210,7 +210,8 @@ def test_the_step_logic_imports_in_the_kfp_executor_runtime():
 
     code = (
         "import kfp.dsl as d; assert not hasattr(d, 'component'); "
-        "from llmft.components.lib.sweep import run_sweep_step; from llmft.components.lib.plan_schema import read_plan; "
+        "from llmft.components.lib.sweep import run_sweep_step; "
+        "from llmft.components.lib.plan_schema import read_plan; "
         "print('ok')"
     )
     done = subprocess.run(
