@@ -55,14 +55,16 @@ def run_tiny_model(args: argparse.Namespace) -> int:
     if getattr(args, "fp8", False):
         from llmft.trainer.fp8 import build_tiny_fp8_model as build_tiny_model
     path = build_tiny_model(args.output, seed=args.seed, force=args.force)
+    print(f"tiny model written to {path} ({_shape(path)})")
+    return 0
+
+
+def _shape(path) -> str:
+    """'<model type>, <N> layers, vocab <V>' of the model folder ``path``."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    print(
-        f"tiny model written to {path} ({config.model_type}, {config.num_hidden_layers} layers, vocab "
-        f"{config.vocab_size})"
-    )
-    return 0
+    return f"{config.model_type}, {config.num_hidden_layers} layers, vocab {config.vocab_size}"
 
 
 def run_real_model(args: argparse.Namespace) -> int:
@@ -72,11 +74,5 @@ def run_real_model(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     path = build_real_model(args.output, source=args.source, force=args.force)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    print(
-        f"SmolLM2-135M-Instruct written to {path} ({config.model_type}, {config.num_hidden_layers} layers, "
-        f"vocab {config.vocab_size}) in {time.perf_counter() - started:.0f} s"
-    )
+    print(f"SmolLM2-135M-Instruct written to {path} ({_shape(path)}) in {time.perf_counter() - started:.0f} s")
     return 0
