@@ -36,7 +36,7 @@ help:
 	@echo "make lint      ruff format --check and ruff check (line length 120)"
 	@echo "make format    ruff format, then ruff check --fix"
 	@echo "make typecheck mypy over the llmft import root (.ci/typecheck)"
-	@echo "make import-guard  import directions and packaging (tests/core/test_imports.py, test_packaging.py)"
+	@echo "make import-guard  import directions, the structure a tool reads, packaging (lint-imports, tests/core/test_imports.py, test_structure.py, test_packaging.py)"
 	@echo "make config-reference  regenerate docs/config-reference.md from trainer/config.py"
 	@echo "make compile   compile the KFP pipelines to build/*.yaml"
 	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands (~6 min)"
@@ -89,7 +89,8 @@ typecheck: $(STAMP)
 	VENV=$(VENV) .ci/typecheck
 
 import-guard: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests/core/test_imports.py tests/core/test_packaging.py
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m pytest -q -p no:cacheprovider tests/core/test_imports.py tests/core/test_structure.py tests/core/test_packaging.py
 
 check: lint typecheck import-guard
 
