@@ -106,8 +106,9 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
             *mask,
             *common,
         ]
-    if arm == "project-product":  # the shipped config decides everything else: no --extra, no micro batch
+    if arm == "project-product":  # the shipped config decides everything else: of --extra only --nproc
         run = ["--model", model, "--method", method, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        run += ["--nproc", str(_extra_nproc(args.extra))]
         return [py, "-m", "llmft.benchmarks.gpu.arm_product", *run, "--profile", args.profile, *common[-2:]]
     micro = DEFAULT_MICRO.get((model, method), 32)
     module = "llmft.benchmarks.gpu.arm_fast" if arm == "fastpath" else "llmft.benchmarks.gpu.arm_project"
@@ -126,6 +127,12 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
         *common,
         *args.extra.split(),
     ]
+
+
+def _extra_nproc(extra: str) -> int:
+    """The ``--nproc N`` (or ``--nproc=N``) in ``--extra``, else 1: the one launch flag a product arm takes."""
+    words = extra.replace("=", " ").split()
+    return int(words[words.index("--nproc") + 1]) if "--nproc" in words else 1
 
 
 MIN_ARM_TIMEOUT_S = 30.0

@@ -46,11 +46,15 @@ PRODUCT_KEYS = ("model.name_or_path", "data", "max_steps", "output_dir")
 """The only settings this arm passes; everything else is the shipped config's."""
 
 
-def product_command(config: str | Path, model_dir: Path, data_dir: Path, out_dir: Path, steps: int) -> list[str]:
-    """``llmft train --config <shipped config>`` plus exactly :data:`PRODUCT_KEYS`."""
+def product_command(
+    config: str | Path, model_dir: Path, data_dir: Path, out_dir: Path, steps: int, nproc: int = 1
+) -> list[str]:
+    """``llmft train [--nproc N] --config <shipped config>`` plus exactly :data:`PRODUCT_KEYS` (``--nproc`` is
+    the launcher's flag, not a setting: the config's global batch is split over the ranks)."""
     values = (model_dir, data_dir, steps, out_dir)
     overrides = [f"{key}={value}" for key, value in zip(PRODUCT_KEYS, values, strict=True)]
-    return [sys.executable, "-m", "llmft", "train", "--config", str(config), *overrides]
+    launch = ["--nproc", str(nproc)] if nproc > 1 else []
+    return [sys.executable, "-m", "llmft", "train", *launch, "--config", str(config), *overrides]
 
 
 def product_config(model: str, method: str) -> tuple[Path, int]:
@@ -113,7 +117,8 @@ def step_documents(data_dir: Path, cfg, steps: int) -> dict[int, np.ndarray]:
 
 
 def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: str, warmup: int, peak) -> dict:
-    """Throughput between the first train record at or after ``warmup`` and the last one."""
+    """Throughput between the first train record at or after ``warmup`` and the last one; ``peak`` is the
+    FLOP/s of every GPU of the run together (MFU per GPU)."""
     from llmft.trainer.fastpath import flops
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
@@ -134,7 +139,7 @@ def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: st
     logged_tps = final.get("tokens_per_s")
     return {
         "tokens_per_s": bench_tps,
-        "mfu": work / span / peak if peak else None,
+        "mfu": flops.mfu(work, span, peak),
         "steps_timed": len(steps),
         "tokens_per_step_mean": tokens / len(steps),
         "step_s_p50": float(np.percentile(step_s, 50)),
@@ -165,7 +170,7 @@ def run(a) -> dict:
         samples, max_length, root / "data" / f"product-{a.model}-{a.profile}-{max_length}-{len(samples.lengths)}"
     )
     out_dir = root / "runs" / f"product-{a.model}-{a.method}-{int(time.time())}"
-    cmd = product_command(config.relative_to(REPO), model_dir, data_dir, out_dir, a.steps)
+    cmd = product_command(config.relative_to(REPO), model_dir, data_dir, out_dir, a.steps, a.nproc)
     started = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -184,7 +189,7 @@ def run(a) -> dict:
         "command": cmd,
         "data_max_length": max_length,
         "samples_per_step": None,
-        "gpus": 1,
+        "gpus": a.nproc,
         "steps": a.steps,
         "trainer_returncode": proc.returncode,
         "trainer_wall_s": wall,
@@ -193,7 +198,10 @@ def run(a) -> dict:
     if proc.returncode == 0 and metrics_path.is_file():
         shape = flops.shape_from_config(common.hf_config(a.model))
         docs = step_documents(data_dir, cfg, a.steps)
-        result.update(summarize(metrics_path, docs, shape, a.method, a.warmup, flops.peak_flops(result["device"])))
+        peak = flops.peak_flops(result["device"])
+        result.update(summarize(metrics_path, docs, shape, a.method, a.warmup, peak and peak * a.nproc))
+        if result.get("tokens_per_s"):
+            result["tokens_per_s_per_gpu"] = result["tokens_per_s"] / a.nproc
     common.write_json(a.json_out, result)
     common.remove_run_dir(out_dir)  # the real CLI wrote its checkpoint and final/: measured, not kept
     return result
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="short", choices=sorted(common.PROFILES))
     p.add_argument("--steps", type=int, default=30, help="max_steps (the shipped config logs every 10)")
     p.add_argument("--warmup", type=int, default=10, help="time from the first train record at or after this step")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (llmft train --nproc); the global batch is the config's")
     p.add_argument("--arm-name", default="project-product")
     p.add_argument("--work", default="/tmp/llmft-project", help="shared with the project arm (model checkpoints)")
     p.add_argument("--json-out", required=True)

@@ -140,7 +140,7 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
     bench_tps = sum(tokens[i] for i in timed) / span
     logged_tps = sum(tokens[i] for i in timed) / sum(tokens[i] / train[i]["tokens_per_s"] for i in timed)
     peak = flops.peak_flops(common.device_info()["device"])
-    bench_mfu = sum(wflops[i] for i in timed) / span / peak / a.nproc if peak else None
+    bench_mfu = flops.mfu(sum(wflops[i] for i in timed), span, peak and peak * a.nproc)
     # The trainer's own window times (its tokens / its tokens/s) weight its per-window MFU.
     logged_dt = [tokens[i] / train[i]["tokens_per_s"] for i in timed]
     logged_mfu = (

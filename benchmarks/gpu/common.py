@@ -180,6 +180,8 @@ def summarize(timer: StepTimer, warmup: int, flops_per_step: list[float], peak: 
     """Throughput over the steps after ``warmup``; first-step time reported as compile/warm-up."""
     import torch
 
+    from llmft.trainer.fastpath.flops import mfu
+
     timed = slice(warmup, None)
     seconds = sum(timer.times[timed])
     tokens = sum(timer.tokens[timed])
@@ -191,7 +193,7 @@ def summarize(timer: StepTimer, warmup: int, flops_per_step: list[float], peak: 
         "tokens_per_s": tokens / seconds if seconds else None,
         "supervised_tokens_per_s": supervised / seconds if seconds else None,
         "tflops_per_s": flops / seconds / 1e12 if seconds else None,
-        "mfu": (flops / seconds / peak) if (seconds and peak) else None,
+        "mfu": mfu(flops, seconds, peak),
         "step_s_p50": float(np.percentile(steps, 50)),
         "step_s_p90": float(np.percentile(steps, 90)),
         "first_step_s": timer.times[0] if timer.times else None,

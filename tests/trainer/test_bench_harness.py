@@ -193,6 +193,42 @@ def test_product_dataset_is_packed_like_llmft_data_tokenize(tmp_path):
     assert sorted(docs) == [1, 2, 3] and all(0 < d.sum() <= 4 * 1024 for d in docs.values())
 
 
+def test_product_arm_takes_only_nproc_from_extra_as_llmft_train_nproc(tmp_path):
+    """A multi-GPU product row: the launcher's --nproc reaches `llmft train`; no other --extra word does."""
+    from llmft.benchmarks.gpu import arm_product
+    from llmft.cli import build_group_parser
+
+    args = Namespace(
+        profile="short", samples_per_step=64, naive_steps=6, steps=12, warmup=10, extra="--micro 8 --nproc=2"
+    )
+    job = train_bench._job_command("project-product:qwen3-30b-a3b:qlora", args, tmp_path / "x.json")
+    assert job[job.index("--nproc") + 1] == "2" and "--micro" not in job
+    relative, _ = arm_product.PRODUCT_CONFIGS[("qwen3-30b-a3b", "qlora")]
+    cmd = arm_product.product_command(relative, tmp_path / "m", tmp_path / "d", tmp_path / "o", 12, nproc=2)
+    parsed = build_group_parser("train").parse_args(cmd[4:])
+    assert parsed.nproc == "2" and parsed.config == relative
+    assert [o.split("=", 1)[0] for o in parsed.overrides] == list(arm_product.PRODUCT_KEYS)
+
+
+def test_benchmark_mfu_is_the_trainers_one_formula(tmp_path, monkeypatch):
+    """Issue 26: every arm's MFU is trainer/fastpath/flops.py mfu(), not a formula of its own."""
+    from llmft.benchmarks.gpu import arm_product
+    from llmft.trainer.fastpath import flops
+
+    calls = []
+    monkeypatch.setattr(flops, "mfu", lambda work, seconds, peak: calls.append((work, seconds, peak)) or 0.123)
+    shape = flops.shape_from_config(common.hf_config("qwen2.5-0.5b"))
+    docs = {s: np.array([100 * s, 50]) for s in range(1, 13)}
+    records = [{"event": "train", "step": s, "time": float(s), "loss": 1.0} for s in (10, 12)]
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    assert arm_product.summarize(tmp_path / "m.jsonl", docs, shape, "lora", warmup=10, peak=2e15)["mfu"] == 0.123
+    assert calls[-1][1:] == (2.0, 2e15)
+    timer = common.StepTimer()
+    timer.times, timer.tokens, timer.supervised = [1.0, 0.5, 0.5], [10, 10, 10], [5, 5, 5]
+    assert common.summarize(timer, 1, [1e12, 1e12, 1e12], 1e15)["mfu"] == 0.123
+    assert calls[-1] == (2e12, 1.0, 1e15)
+
+
 def test_product_throughput_comes_from_record_times_and_the_loaders_tokens(tmp_path):
     from llmft.benchmarks.gpu import arm_product
     from llmft.trainer.fastpath import flops
