@@ -1,8 +1,10 @@
 """Evaluate every complete checkpoint of a run, and the base model, on the validation split.
 
 :func:`evaluate_run` is the logic of the `evaluate-perplexity` step: it lists the run's
-``checkpoints/step-N`` folders that carry a COMPLETE marker (a half-written checkpoint is
-never loaded), evaluates the base model and each checkpoint with the trainer's own
+checkpoints with the trainer's own listing (:func:`llmft.trainer.checkpoint.complete_checkpoints`:
+``checkpoints/step-N`` with its COMPLETE marker and ``trainer_state.json``, of the run_id that
+``final/training_manifest.json`` names; a half-written checkpoint, or one another run left in the
+folder, is never loaded), evaluates the base model and each checkpoint with the trainer's own
 :class:`llmft.trainer.evaluate.PerplexityEvaluator` (so the numbers match what the trainer logs;
 the base loads once for all adapters),
 and returns one JSON-able dict that the promote step reads.
@@ -21,27 +23,13 @@ import html
 import io
 import json
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llmft.trainer.errors import DataError
-from llmft.trainer.io import is_complete
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """``[(step, path)]`` of the run's complete checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    found = []
-    for child in root.iterdir() if root.is_dir() else []:
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
 
 
 def adapter_dir(checkpoint: Path) -> Path | None:
@@ -62,16 +50,19 @@ def evaluate_run(
     **eval_kwargs: Any,
 ) -> dict[str, Any]:
     """Evaluate the base model and every complete checkpoint; return the evaluation dict."""
+    from llmft.trainer.checkpoint import complete_checkpoints, finished_run_id  # heavy: torch
+
+    run_id = finished_run_id(run_dir)
+    checkpoints = complete_checkpoints(run_dir, run_id)
+    if not checkpoints:
+        raise DataError(
+            f"{run_dir}/checkpoints holds no complete checkpoint of run {run_id} (step-N with a COMPLETE marker and "
+            "trainer_state.json): did the training step finish? Check its logs."
+        )
     if evaluate_fn is None:
         from llmft.trainer.evaluate import PerplexityEvaluator  # heavy: torch
 
         evaluate_fn = PerplexityEvaluator()  # the base loads once for itself and every adapter
-    checkpoints = complete_checkpoints(run_dir)
-    if not checkpoints:
-        raise DataError(
-            f"{run_dir}/checkpoints holds no complete checkpoint (step-N with a COMPLETE marker): "
-            "did the training step finish? Check its logs."
-        )
     base = evaluate_fn(base_model, str(dataset_dir), split=split, **eval_kwargs)
     results = []
     for step, path in checkpoints:

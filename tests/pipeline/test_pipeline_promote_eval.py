@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from llmft.components.lib.evaluation import (
-    complete_checkpoints,
-    evaluate_run,
-    render_html,
-    render_markdown,
-)
+from llmft.components.lib.evaluation import evaluate_run, render_html, render_markdown
 from llmft.components.lib.promote import PromotionRefused, decide, promote
+from llmft.trainer.errors import DataError
 from llmft.trainer.io import is_complete
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TRAINER_RUN = "0123456789ab"  # the trainer's run_id (trainer/rundir.py plan_start), kept in trainer_state.json
 
 
-def make_checkpoint(run_dir: Path, step: int, *, complete: bool = True, lora: bool = True) -> Path:
+def make_checkpoint(
+    run_dir: Path, step: int, *, complete: bool = True, lora: bool = True, run_id: str | None = TRAINER_RUN
+) -> Path:
+    """A checkpoint laid out as trainer/checkpoint.py writes it; ``run_id=None``: no trainer_state.json."""
     path = run_dir / "checkpoints" / f"step-{step}"
     (path / "rng").mkdir(parents=True)
     if lora:
@@ -34,10 +34,17 @@ def make_checkpoint(run_dir: Path, step: int, *, complete: bool = True, lora: bo
     (path / "optimizer.pt").write_bytes(b"optimizer")
     (path / "scheduler.pt").write_bytes(b"scheduler")
     (path / "rng" / "rank-0.pt").write_bytes(b"rng")
-    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    if run_id is not None:
+        (path / "trainer_state.json").write_text(json.dumps({"step": step, "run_id": run_id}))
     if complete:
         (path / "COMPLETE").write_text("ok\n")
     return path
+
+
+def finish_run(run_dir: Path, run_id: str = TRAINER_RUN) -> None:
+    """``final/training_manifest.json`` as the trainer writes it at the end of a run (it names the run_id)."""
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "final" / "training_manifest.json").write_text(json.dumps({"run_id": run_id, "steps": 30}))
 
 
 def evaluation(base_ppl: float, *ppls: float, run_dir: Path | None = None) -> dict:
@@ -63,15 +70,36 @@ def evaluation(base_ppl: float, *ppls: float, run_dir: Path | None = None) -> di
 # ----------------------------------------------------------------------------- evaluate
 
 
-def test_only_complete_checkpoints_are_listed(tmp_path):
+def test_only_the_finished_runs_complete_checkpoints_are_evaluated(tmp_path):
+    """The trainer's listing (trainer/checkpoint.py complete_checkpoints): COMPLETE marker, trainer_state.json
+    and the run_id of final/training_manifest.json. A folder another run left (force_output_dir), or a
+    step-N that is not the trainer's, is never loaded as this run's model."""
     make_checkpoint(tmp_path, 10)
     make_checkpoint(tmp_path, 20, complete=False)
     make_checkpoint(tmp_path, 30)
-    (tmp_path / "checkpoints" / ".step-40.partial").mkdir()
-    assert [step for step, _ in complete_checkpoints(tmp_path)] == [10, 30]
+    make_checkpoint(tmp_path, 40, run_id="another-run")
+    make_checkpoint(tmp_path, 50, run_id=None)  # a COMPLETE marker, no trainer_state.json
+    (tmp_path / "checkpoints" / ".step-60.partial").mkdir()
+    finish_run(tmp_path)
+    seen = []
+
+    def fake_evaluate(model_path, dataset_dir, *, adapter_path=None, split="val"):
+        seen.append(adapter_path)
+        return {"eval_loss": 1.0, "perplexity": 2.7}
+
+    result = evaluate_run(tmp_path, "base", "d", evaluate_fn=fake_evaluate)
+    assert [c["step"] for c in result["checkpoints"]] == [10, 30]
+    assert seen == [None, str(tmp_path / "checkpoints/step-10"), str(tmp_path / "checkpoints/step-30")]
+
+
+def test_a_run_that_did_not_finish_is_not_evaluated(tmp_path):
+    make_checkpoint(tmp_path, 10)
+    with pytest.raises(DataError, match=r"final/training_manifest.json: missing .* did not finish"):
+        evaluate_run(tmp_path, "base", "d", evaluate_fn=lambda *a, **k: pytest.fail("nothing may be evaluated"))
 
 
 def test_evaluate_run_scores_base_and_each_checkpoint_with_its_adapter(tmp_path):
+    finish_run(tmp_path)
     make_checkpoint(tmp_path, 10)
     make_checkpoint(tmp_path, 20)
     make_checkpoint(tmp_path, 30, complete=False)
@@ -93,6 +121,7 @@ def test_evaluate_run_scores_base_and_each_checkpoint_with_its_adapter(tmp_path)
 
 
 def test_full_weight_checkpoints_are_loaded_as_the_model(tmp_path):
+    finish_run(tmp_path)
     make_checkpoint(tmp_path, 5, lora=False)
     seen = []
     evaluate_run(
@@ -107,8 +136,9 @@ def test_full_weight_checkpoints_are_loaded_as_the_model(tmp_path):
 
 
 def test_no_complete_checkpoint_is_a_clear_error(tmp_path):
+    finish_run(tmp_path)
     make_checkpoint(tmp_path, 10, complete=False)
-    with pytest.raises(Exception, match="no complete checkpoint"):
+    with pytest.raises(DataError, match="no complete checkpoint of run"):
         evaluate_run(tmp_path, "base", "d", evaluate_fn=lambda *a, **k: {})
 
 
