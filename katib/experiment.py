@@ -53,6 +53,8 @@ from llmft.katib import search_space as ss
 from llmft.katib.errors import SweepError
 from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC
 from llmft.katib.trial_kinds import PYTORCHJOB, TRIAL_KINDS, trial_kind
+from llmft.trainer.config import parse_bool, split_assignment
+from llmft.trainer.errors import ConfigError
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1beta1", "experiments", "Experiment"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -364,10 +366,10 @@ def apply_overrides(spec: SweepSpec, overrides: Sequence[str]) -> SweepSpec:
     fields = {f.name: f for f in dataclasses.fields(SweepSpec) if f.name != "search_space"}
     hints = typing.get_type_hints(SweepSpec)
     for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise SweepError(f"override {item!r}: expected key=value")
+        try:
+            key, value = split_assignment(item, "max_trials=8")
+        except ConfigError as exc:
+            raise SweepError(f"override {exc}") from None
         if key.startswith("space."):
             spec = dataclasses.replace(spec, search_space=ss.with_override(spec.search_space, key[6:], value))
             continue
@@ -386,9 +388,7 @@ def _coerce(key: str, value: str, hint: Any) -> Any:
         hint = next(a for a in args if a is not type(None))
     try:
         if hint is bool:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1", "yes", "on")
+            return parse_bool(value)
         if hint is int:
             return int(value)
         if typing.get_origin(hint) is tuple:

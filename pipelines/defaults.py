@@ -99,15 +99,12 @@ def pipeline_inputs(pipeline=None) -> dict[str, Any]:
 
 
 def _coerce(name: str, raw: str, kfp_type: str) -> Any:
+    from llmft.trainer.config import parse_bool
     from llmft.trainer.errors import ConfigError
 
     try:
         if kfp_type == "Boolean":
-            if raw.lower() in ("true", "1", "yes"):
-                return True
-            if raw.lower() in ("false", "0", "no"):
-                return False
-            raise ValueError
+            return parse_bool(raw)
         if kfp_type == "Integer":
             return int(raw)
         if kfp_type == "Float":
@@ -119,15 +116,14 @@ def _coerce(name: str, raw: str, kfp_type: str) -> Any:
 
 def parse_arguments(items: list[str], pipeline=None) -> dict[str, Any]:
     """``["lora_r=16", "deploy=false"]`` -> typed arguments, checked against the pipeline's parameters."""
+    from llmft.trainer.config import split_assignment
     from llmft.trainer.errors import ConfigError
 
     inputs = pipeline_inputs(pipeline)
     out: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
-            raise ConfigError(f"argument `{item}`: expected key=value (e.g. lora_r=16)")
-        name, raw = item.split("=", 1)
-        name = name.strip().replace("-", "_")
+        name, raw = split_assignment(item, "lora_r=16")
+        name = name.replace("-", "_")
         if name not in inputs:
             raise ConfigError(f"unknown pipeline parameter `{name}`; known: {', '.join(sorted(inputs))}")
         out[name] = _coerce(name, raw, inputs[name].type)

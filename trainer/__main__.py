@@ -147,19 +147,16 @@ def use_expandable_segments() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Parse, then one :class:`~llmft.trainer.train.Trainer`: build -> train -> close."""
-    from llmft.trainer.config import config_to_dict, load_config
-    from llmft.trainer.config_checks import validate
+    from llmft.trainer.config import config_to_yaml, load_config_checked
 
-    cfg = load_config(args.config, args.overrides)
+    cfg, warnings = load_config_checked(args.config, args.overrides)  # validated once
     if args.print_config:
-        import yaml
-
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        print(config_to_yaml(cfg), end="")
         return 0
     from llmft.trainer.errors import EXIT_OK
     from llmft.trainer.train import Stopped, Trainer
 
-    trainer = Trainer(cfg, validate(cfg))
+    trainer = Trainer(cfg, warnings)
     code = EXIT_OK
     try:
         trainer.build()

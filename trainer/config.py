@@ -19,7 +19,11 @@ from typing import Any
 
 import yaml
 
+from llmft.trainer.config_checks import validate
 from llmft.trainer.errors import ConfigError
+
+RUN_CONFIG_FILE = "config.yaml"
+"""The resolved config the pipeline's plan step writes into the run directory (``llmft train --config``)."""
 
 Auto = typing.Literal["auto"]
 """The value of a setting the trainer decides for itself (kernels.*, gradient checkpointing, micro batch)."""
@@ -319,13 +323,14 @@ class _Source:
         self.path = path or "<defaults>"
         self.lines: dict[str, int] = {}
         self.overridden: set[str] = set()
+        self.names: dict[str, str] = {}  # key -> where a program took it from (e.g. a pipeline parameter)
 
     def where(self, key: str) -> str:
         if key in self.overridden:
             return f"override `{key}=...`"
         if key in self.lines:
             return f"{self.path}, line {self.lines[key]}"
-        return self.path
+        return self.names.get(key, self.path)
 
 
 def _compose_yaml(path: Path, source: _Source) -> dict:
@@ -375,11 +380,32 @@ def _node_to_dict(node: yaml.MappingNode, prefix: str, source: _Source) -> dict:
     return out
 
 
+BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+"""The words a ``key=value`` boolean may be, everywhere (trainer, pipeline arguments, sweep settings)."""
+
+
+def split_assignment(text: str, example: str = "lora.r=16") -> tuple[str, str]:
+    """``key=value`` -> (key, raw value): the one key=value grammar of llmft (the trainer's overrides,
+    the pipeline's arguments, the sweep's settings). The key is stripped; the value is kept as written."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"`{text}`: expected key=value (for example {example})")
+    return key.strip(), raw
+
+
+def parse_bool(raw: str) -> bool:
+    """A boolean word of :data:`BOOL_WORDS` (any case); ValueError otherwise."""
+    try:
+        return BOOL_WORDS[raw.strip().lower()]
+    except KeyError:
+        raise ValueError(raw) from None
+
+
 def _apply_override(tree: dict, text: str, source: _Source) -> None:
-    if "=" not in text:
-        raise ConfigError(f"override `{text}`: expected key=value (for example lora.r=16)")
-    key, raw = text.split("=", 1)
-    key = key.strip()
+    try:
+        key, raw = split_assignment(text)
+    except ConfigError:
+        raise ConfigError(f"override `{text}`: expected key=value (for example lora.r=16)") from None
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
@@ -394,17 +420,50 @@ def _apply_override(tree: dict, text: str, source: _Source) -> None:
     source.overridden.add(key)
 
 
-def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
-    """Defaults <- YAML file <- ``key=value`` overrides, type-checked and validated."""
+def load_config_checked(path: str | None, overrides: list[str] | None = None) -> tuple[TrainConfig, list[str]]:
+    """Defaults <- YAML file <- ``key=value`` overrides, type-checked and validated once; the config
+    and the warnings to log."""
     source = _Source(path)
     tree = _compose_yaml(Path(path), source) if path else {}
-    for text in overrides or []:
+    return _resolve(tree, overrides or [], source)
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """:func:`load_config_checked` without the warnings."""
+    return load_config_checked(path, overrides)[0]
+
+
+def resolve_config(
+    settings: dict,
+    overrides: typing.Sequence[str] = (),
+    *,
+    source_name: str = "<settings>",
+    names: typing.Mapping[str, str] | None = None,
+) -> tuple[TrainConfig, list[str]]:
+    """Defaults <- ``settings`` (a nested dict of typed values, e.g. ``{"lora": {"r": 16}}``) <-
+    ``key=value`` overrides, type-checked and validated once: what a program that holds typed values
+    (the pipeline's plan step) builds a config from, with the same checks as a YAML file. ``names``
+    (dotted key -> e.g. "pipeline parameter `lora_r`") says where a bad value came from."""
+    source = _Source(source_name)
+    source.names = dict(names or {})
+    return _resolve(_deep_copy(settings), list(overrides), source)
+
+
+def _deep_copy(tree: dict) -> dict:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def _resolve(tree: dict, overrides: list[str], source: _Source) -> tuple[TrainConfig, list[str]]:
+    for text in overrides:
         _apply_override(tree, text, source)
     cfg = _build(TrainConfig, tree, "", source)
-    from llmft.trainer.config_checks import validate  # it reads the tree this module defines
+    return cfg, validate(cfg, source.where)
 
-    validate(cfg, source.where)
-    return cfg
+
+def config_to_yaml(cfg: TrainConfig) -> str:
+    """The whole config as YAML (every field, in declaration order): what ``--print-config`` prints
+    and what the plan step writes as ``config.yaml``."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
 def config_from_dict(data: dict, source_name: str = "<dict>") -> TrainConfig:
@@ -474,6 +533,8 @@ def _coerce(value: Any, tp, key: str, source: _Source) -> Any:
         if tp is bool:
             if isinstance(value, bool):
                 return value
+            if isinstance(value, str):  # a word YAML does not read as a boolean (e.g. "1" quoted)
+                return parse_bool(value)
             raise ValueError
         if tp is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):

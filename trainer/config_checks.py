@@ -1,21 +1,21 @@
 """Checks of a loaded :class:`~llmft.trainer.config.TrainConfig`: every value in range, no NaN or
 infinity, closed choices, and the combinations that cannot work. The loader
-(:func:`~llmft.trainer.config.load_config`) already refused unknown keys and wrong types."""
+(:func:`~llmft.trainer.config.load_config_checked`) already refused unknown keys and wrong types, and
+calls :func:`validate` once per load."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from llmft.trainer.errors import ConfigError
 
-if TYPE_CHECKING:
-    from llmft.trainer.config import TrainConfig
 
-
-def validate(cfg: TrainConfig, where=lambda key: "config") -> list[str]:
-    """Raise ConfigError on an invalid value or combination; return warnings to log."""
+def validate(cfg: Any, where=lambda key: "config") -> list[str]:
+    """Raise ConfigError on an invalid value or combination of ``cfg`` (a TrainConfig); return warnings
+    to log. trainer/config.py imports this module (its loader validates once), so this one reads the
+    tree by attribute and never imports it back (no import cycle)."""
     _check_choices(cfg, "", where)
     _check_finite(cfg, "", where)
     checks = [

@@ -31,6 +31,7 @@ from llmft.components.lib.servability import VLLM_MAX_LORA_RANKS
 from llmft.components.lib.sweep import check_servable_ranks, check_trial_overrides
 from llmft.components.lib.volume_paths import check_path_component
 from llmft.katib.k8s_names import check_k8s_name
+from llmft.trainer.config import BOOL_WORDS, split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import redacted_uri
 
@@ -171,9 +172,10 @@ def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
     """Split free-form ``key=value`` overrides, refusing keys the plan sets itself."""
     items = shlex.split(text or "")
     for item in items:
-        key = item.split("=", 1)[0].strip()
-        if "=" not in item:
-            raise ConfigError(f"{what}: `{item}` is not key=value (e.g. save_every=50)")
+        try:
+            key = split_assignment(item, "save_every=50")[0]
+        except ConfigError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
         if key in PIPELINE_OWNED_KEYS:
             raise ConfigError(f"{what}: `{key}` is set by the pipeline; use the pipeline parameter instead")
     return items
@@ -359,6 +361,7 @@ def compiled_settings(pipeline: str, values: Mapping[str, Any], environ: Mapping
 REMOTE_CODE_ENV = "LLMFT_ALLOW_REMOTE_CODE"
 """Set to 1 where the pipeline is compiled to let its runs set ``model.trust_remote_code=true``."""
 REMOTE_CODE_KEY = "model.trust_remote_code"
+TRUE_WORDS = tuple(word for word, value in BOOL_WORDS.items() if value)
 
 
 def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tuple[str, ...] = ()) -> bool:
@@ -366,8 +369,7 @@ def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tupl
     from the model's repository in pods that hold the run's credentials: refused unless the pipeline was
     compiled with :data:`REMOTE_CODE_ENV`=1, and then announced in a WARNING line. Returns whether it is on."""
     wanted = bool(config.model.trust_remote_code) or any(
-        item.partition("=")[0].strip() == REMOTE_CODE_KEY
-        and item.partition("=")[2].strip().lower() in ("true", "yes", "on", "1")
+        split_assignment(item)[0] == REMOTE_CODE_KEY and split_assignment(item)[1].strip().lower() in TRUE_WORDS
         for item in trial_overrides
     )
     if not wanted:

@@ -128,12 +128,15 @@ def make_cluster(args: argparse.Namespace):
 def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
     """``key=value`` items -> (sweep overrides, job settings, fixed train overrides)."""
     from llmft.katib.errors import SweepError
+    from llmft.trainer.config import split_assignment
+    from llmft.trainer.errors import ConfigError
 
     sweep, job, train = [], {}, []
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SweepError(f"{item!r}: expected key=value")
+        try:
+            key, value = split_assignment(item, "max_trials=8")
+        except ConfigError as exc:
+            raise SweepError(str(exc)) from None
         key = ALIASES.get(key, key)
         if key.startswith("train."):
             train.append(f"{key[6:]}={value}")

@@ -87,11 +87,9 @@ def run(args: argparse.Namespace) -> int:
 def preflight(args: argparse.Namespace) -> None:
     """Validate the config and plan the run before any rank starts (raises LlmftError)."""
     from llmft.trainer.config import config_to_dict, load_config
-    from llmft.trainer.config_checks import validate
     from llmft.trainer.rundir import plan_start
 
-    cfg = load_config(args.config, args.overrides)
-    validate(cfg)
+    cfg = load_config(args.config, args.overrides)  # validated once, by the loader
     plan_start(cfg, config_to_dict(cfg))
 
 

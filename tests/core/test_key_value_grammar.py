@@ -1,0 +1,43 @@
+"""One key=value grammar (issue 26): the trainer's overrides, the pipeline's CLI arguments and the
+sweep's settings split ``key=value`` and read booleans the same way (trainer/config.py
+``split_assignment`` / ``parse_bool``). Before, katib accepted on/off and pipelines/defaults did not."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmft.katib.errors import SweepError
+from llmft.katib.experiment import SweepSpec, apply_overrides
+from llmft.pipelines.defaults import parse_arguments
+from llmft.trainer.config import BOOL_WORDS, load_config
+from llmft.trainer.errors import ConfigError
+
+REQUIRED = ["model.name_or_path=m", "data=d"]
+
+
+@pytest.mark.parametrize("word", sorted(BOOL_WORDS))
+def test_every_boolean_word_means_the_same_everywhere(word):
+    expected = BOOL_WORDS[word]
+    assert parse_arguments([f"deploy={word.upper()}"])["deploy"] is expected
+    assert apply_overrides(SweepSpec(), [f"early_stopping={word}"]).early_stopping is expected
+    quoted = f"observe.tensorboard='{word}'"  # quoted: YAML leaves it a string, the grammar reads it
+    assert load_config(None, [*REQUIRED, quoted]).observe.tensorboard is expected
+
+
+def test_a_word_that_is_no_boolean_is_refused_everywhere():
+    with pytest.raises(ConfigError, match="deploy"):
+        parse_arguments(["deploy=maybe"])
+    with pytest.raises(SweepError, match="early_stopping"):
+        apply_overrides(SweepSpec(), ["early_stopping=maybe"])
+    with pytest.raises(ConfigError, match="observe.tensorboard"):
+        load_config(None, [*REQUIRED, "observe.tensorboard=maybe"])
+
+
+@pytest.mark.parametrize("item", ["no-equals-sign", "=value"])
+def test_an_item_without_a_key_is_refused_everywhere(item):
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_arguments([item])
+    with pytest.raises(SweepError, match="expected key=value"):
+        apply_overrides(SweepSpec(), [item])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, [*REQUIRED, item])
