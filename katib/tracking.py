@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"
 DEFAULT_EXPERIMENT = "llmft"
 """The trainer's default MLflow experiment (observe.mlflow_experiment, else MLFLOW_EXPERIMENT_NAME, else this)."""
 

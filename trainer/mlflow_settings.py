@@ -30,6 +30,10 @@ from urllib.parse import unquote, urlsplit
 
 from llmft.trainer.errors import TransientError
 
+PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"
+"""The MLflow run a trainer's run nests under (a sweep's parent run): set by the sweep (katib/tracking.py,
+components/lib/sweep.py) on each trial, read by the trainer (trainer/observe.py)."""
+
 CONNECT_TIMEOUT_S = 5.0
 HTTP_SETTINGS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",  # seconds per request (MLflow's default: 120)

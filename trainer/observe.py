@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from llmft.trainer.config import flatten_dict
 from llmft.trainer.io import atomic_write_text
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
 if TYPE_CHECKING:
     from llmft.trainer.langfuse_sink import RunTrace
@@ -299,7 +300,7 @@ class Observer:
             mlflow.set_tracking_uri(uri)
             experiment = self.cfg.observe.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "llmft"
             mlflow.set_experiment(experiment)
-            parent = os.environ.get("LLMFT_MLFLOW_PARENT_RUN_ID") or None
+            parent = os.environ.get(PARENT_RUN_ENV) or None
             if resume_run_id:
                 run = mlflow.start_run(run_id=resume_run_id)
             else:

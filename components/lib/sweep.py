@@ -34,8 +34,8 @@ from llmft.katib.errors import ExperimentFailed
 from llmft.katib.tracking import ParentRun
 from llmft.katib.webhook_rules import check_experiment
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
-PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"  # = katib.tracking.PARENT_RUN_ENV (what the trainer reads)
 DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "eval.max_sequences=512")
 """Fixed trainer settings of every trial when ``sweep_trial_overrides`` is empty: short runs,
 several evals (medianstop needs start_step of them)."""

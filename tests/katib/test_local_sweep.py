@@ -17,6 +17,7 @@ from llmft.katib import search_space as ss
 from llmft.katib.errors import ExperimentFailed, SweepError
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.local_sweep import grid_combinations, optuna_distributions, run_local_sweep
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
 pytestmark = pytest.mark.slow  # every sweep starts its trials as processes
 
@@ -165,4 +166,4 @@ def test_mlflow_parent_run_and_trial_env(tmp_path, fake_python, monkeypatch):
     assert MlflowClient(uri).get_experiment(run.info.experiment_id).name == "sweeps-test"
     history = MlflowClient(uri).get_metric_history(run.info.run_id, "trial_eval_loss")
     assert sorted(m.step for m in history) == [0, 1]
-    assert os.environ.get("LLMFT_MLFLOW_PARENT_RUN_ID") is None  # nothing leaks into this process
+    assert os.environ.get(PARENT_RUN_ENV) is None  # nothing leaks into this process

@@ -17,6 +17,7 @@ from llmft.components.lib.plan_schema import write_plan
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.katib.errors import ExperimentFailed
 from llmft.pipelines.llm_finetune_hpo import TASK_ORDER, compile_pipeline
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
 BEST_OVERRIDES = ["optim.lr=0.00031", "lora.r=32", "lora.alpha=64", "lora.dropout=0.02", "schedule.warmup_ratio=0.05"]
 
@@ -247,7 +248,7 @@ def test_with_mlflow_the_sweep_is_a_parent_run_of_its_trials(tmp_path, monkeypat
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"] == uri and "observe.mlflow_experiment=sweeps" in trial_words(container)
     client = MlflowClient(uri)
-    parent = client.get_run(env["LLMFT_MLFLOW_PARENT_RUN_ID"])
+    parent = client.get_run(env[PARENT_RUN_ENV])
     assert parent.info.status == "FINISHED" and parent.info.run_name.startswith("sweep-llmft-sweep-")
     assert client.get_experiment(parent.info.experiment_id).name == "sweeps"
     assert parent.data.metrics["best_eval_loss"] == 1.25 and parent.data.params["best.lora.r"] == "32"

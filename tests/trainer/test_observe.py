@@ -12,6 +12,7 @@ import time
 import pytest
 from trainer_helpers import events, train_in_process
 
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 from llmft.trainer.observe import SpeedMeter, summary_screen
 
 
@@ -35,7 +36,7 @@ def test_mlflow_child_run_gets_params_metrics_and_final_artifacts(base_overrides
     mlflow.set_tracking_uri(mlflow_uri)
     experiment = mlflow.create_experiment("sweep", artifact_location=str(tmp_path / "artifacts"))
     parent = MlflowClient(mlflow_uri).create_run(experiment).info.run_id
-    monkeypatch.setenv("LLMFT_MLFLOW_PARENT_RUN_ID", parent)
+    monkeypatch.setenv(PARENT_RUN_ENV, parent)
     code, stdout = train_in_process(
         base_overrides("tracked", max_steps=2, eval_every=1, observe__mlflow_experiment="sweep")
     )
