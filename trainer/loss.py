@@ -7,7 +7,7 @@ target count of the whole global batch, so the result does not depend on how
 ranks and micro batches split it.
 
 A fused loss (``kernels.fused_loss``, ``auto`` = on on CUDA; :func:`loss_fn_for` reads the
-resolved choice from ``model.llmft_fastpath``) swaps in
+resolved choice from the model's :class:`~llmft.trainer.fastpath.resolve.FastPath`) swaps in
 ``llmft.trainer.fastpath.fused_token_nll_sum``, which has the same signature and returns
 the same quantity without materialising the full [tokens, vocab] logits.
 """
@@ -15,11 +15,15 @@ the same quantity without materialising the full [tokens, vocab] logits.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from llmft.trainer.data.shards import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from llmft.trainer.fastpath.resolve import FastPath
 
 
 def forward_inputs(batch: dict, varlen: bool = False) -> dict:
@@ -55,13 +59,12 @@ def loss_fn(fused: bool = False, attn_implementation: str = "sdpa"):
     return with_router_aux_loss(_select_loss_fn(fused, attn_implementation))
 
 
-def loss_fn_for(fast_path: dict | None):
-    """The loss the model's resolved fast path (``model.llmft_fastpath``, trainer.fastpath.resolve)
-    selects: fused when ``fused_loss`` is on, document boundaries for the attention it runs."""
-    if not fast_path:
+def loss_fn_for(fast_path: FastPath | None):
+    """The loss the model's fast-path decision (what ``trainer.model.load_model`` returned) selects:
+    fused when ``fused_loss`` is on, document boundaries for the attention it runs."""
+    if fast_path is None:
         return loss_fn(False, "sdpa")
-    fused = bool(fast_path.get("fused_loss", {}).get("on"))
-    return loss_fn(fused, fast_path.get("attention", {}).get("value", "sdpa"))
+    return loss_fn(fast_path.fused_loss.on, fast_path.attention)
 
 
 def _select_loss_fn(fused: bool, attn_implementation: str):

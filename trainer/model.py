@@ -9,16 +9,20 @@ HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE flags honoured by transformers itself.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmft.trainer.config import LoraConfig, ModelConfig, TrainConfig
 from llmft.trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmft.trainer.fastpath.resolve import FastPath
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -76,8 +80,8 @@ def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zer
     return kwargs
 
 
-def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None = None):
-    """The base model with the method applied, on ``device``, in training mode.
+def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None = None) -> tuple[Any, FastPath]:
+    """The base model with the method applied, on ``device``, in training mode, and its fast-path decision.
 
     For full fine-tuning under DDP the weights stay float32 (bf16 autocast does the
     compute); LoRA/QLoRA keep the frozen base in the compute dtype and the adapter
@@ -85,7 +89,8 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
 
     The ``auto`` settings (attention, kernels.*, gradient checkpointing) are resolved first
     (trainer.fastpath.settings: from config.json, no weights; a ``true`` that cannot apply fails
-    here), and the model carries what was switched on and why as ``model.llmft_fastpath``.
+    here); the returned :class:`~llmft.trainer.fastpath.resolve.FastPath` says what was switched
+    on, why anything is off, and what applying did.
     """
     from llmft.trainer.fp8 import load_base_model  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
 
@@ -134,25 +139,14 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
             group_lora=fast.grouped_lora.on,
             compile_cache_dir=cfg.kernels.compile_cache_dir or None,
         )
-    model.llmft_fastpath = fast_path_dict(
-        cfg, fast, applied, {**settings.memory.as_dict(), "checkpointed_layers": checkpointed}
-    )
+    decision = fast.applied(applied, dataclasses.replace(settings.memory, checkpointed_layers=checkpointed))
+    if cfg.kernels.fused_lora is True and not decision.fused_lora.on:
+        raise ConfigError(f"kernels.fused_lora=true: {decision.fused_lora.why}; set it to auto or false")
     moe_report = moe.apply_moe(model, fuse_lora=cfg.kernels.fused_lora is not False, freeze_router=cfg.method != "full")
     if moe_report is not None:  # frozen router, grouped experts, load-balancing loss
-        model.llmft_fastpath = {**(getattr(model, "llmft_fastpath", None) or {}), "moe": moe_report}
+        decision = dataclasses.replace(decision, moe=moe_report)
     model.train()
-    return model
-
-
-def fast_path_dict(cfg: TrainConfig, fast, applied: dict, memory: dict) -> dict:
-    """What the run uses for speed and why anything is off (trainer.fastpath.resolve's report);
-    ``kernels.fused_lora=true`` that no LoRA linear could take is a ConfigError."""
-    from llmft.trainer.fastpath.resolve import fast_path_report
-
-    report = fast_path_report(fast, applied, memory)
-    if cfg.kernels.fused_lora is True and not report["fused_lora"]["on"]:
-        raise ConfigError(f"kernels.fused_lora=true: {report['fused_lora']['why']}; set it to auto or false")
-    return report
+    return model, decision
 
 
 def apply_fastpath_kernels(

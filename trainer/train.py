@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,6 +64,9 @@ from llmft.trainer.observe import (
 )
 from llmft.trainer.steps import STOP, StepCounters, Stopped, collect_garbage, scheduled_gc, seed_all
 
+if TYPE_CHECKING:
+    from llmft.trainer.fastpath.resolve import FastPath
+
 
 @dataclass(frozen=True)
 class Method:
@@ -91,6 +95,7 @@ class Trainer:
     plan: rundir.StartPlan
     loader: PackedLoader
     engine: Engine
+    fast_path: FastPath  # what trainer.model.load_model switched on for speed, why anything is off
     observer: Observer
 
     def __init__(self, cfg: TrainConfig, warnings: list[str] | None = None):
@@ -122,7 +127,7 @@ class Trainer:
         self.loader = self._loader()
         seed_all(cfg.seed)  # identical initialisation on every rank
         self.tokenizer = self._load_tokenizer()
-        model = self._load_model()
+        model, self.fast_path = self._load_model()
         seed_all(cfg.seed + 7919 * (self.info.rank + 1))  # per-rank dropout stream
         self.engine = self._engine(model)
         self.loss_fn = self._loss_fn()
@@ -239,11 +244,6 @@ class Trainer:
         self.wall_time_before = float(state.get("wall_time_s", 0.0))
         return state.get("mlflow_run_id")
 
-    @property
-    def fast_path(self) -> dict | None:
-        """What trainer.model switched on for speed (and why anything is off), as it reports it."""
-        return getattr(self.engine.module, "llmft_fastpath", None)
-
     def _announce(self, model) -> None:
         from llmft.trainer.model import parameter_counts
 
@@ -261,11 +261,10 @@ class Trainer:
             f"{self.world} rank(s) on {self.info.device.type}; {self.total_steps} steps of "
             f"{self.loader.global_sequences} sequences ({self.loader.accum_steps} micro step(s) per rank)"
         )
-        if self.fast_path:
-            from llmft.trainer.fastpath.resolve import describe as describe_fast_path
+        from llmft.trainer.fastpath.resolve import describe as describe_fast_path
 
-            obs.info(describe_fast_path(self.fast_path))
-        obs.event("fast_path", self.start_step, {"fast_path": self.fast_path})
+        obs.info(describe_fast_path(self.fast_path))
+        obs.event("fast_path", self.start_step, {"fast_path": self.fast_path.as_dict()})
         if plan.resume_diffs:
             obs.info("force_resume=true: resuming although these differ:\n  " + "\n  ".join(plan.resume_diffs))
         if plan.resume_path:
@@ -490,7 +489,7 @@ class Trainer:
             "final_metrics": {"train_loss": self.last_train_loss, **final_metrics},
             "evaluation": self.plan.eval_note or "on",
             "eval_history": self.eval_history,
-            "fast_path": self.fast_path,
+            "fast_path": self.fast_path.as_dict(),
             "world_size": self.world,
             "mlflow_run_id": self.observer.mlflow_run_id,
             "versions": {module.__name__: module.__version__ for module in (torch, transformers, peft)},

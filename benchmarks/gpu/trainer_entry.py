@@ -38,7 +38,7 @@ def main() -> int:
     original = trainer_model.load_model
 
     def load_model(cfg, device, **kwargs):
-        model = original(cfg, device, **kwargs)
+        model, fast_path = original(cfg, device, **kwargs)
         if cfg.kernels.compile and not hooked:
             print(
                 f"[trainer_entry] fast path applied by the harness: {apply_kernels(model, compile_layers=True)}",
@@ -50,7 +50,7 @@ def main() -> int:
             segments = torch.cuda.memory._snapshot()["segments"]
             print(f"[trainer_entry] expandable segments: {any(s.get('is_expandable') for s in segments)}", flush=True)
         print(f"[trainer_entry] loaded={time.time()}", flush=True)  # compile time = first step record - this
-        return model
+        return model, fast_path
 
     trainer_model.load_model = load_model
     if os.environ.get("BENCH_SKIP_SAVES") == "1":

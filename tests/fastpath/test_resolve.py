@@ -3,6 +3,7 @@ nothing on CPU, per-piece reasons, explicit values win, `true` where a piece can
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,9 +12,9 @@ import torch
 from llmft.trainer.config import load_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath.resolve import (
+    FastPath,
     ModelInfo,
     describe,
-    fast_path_report,
     model_info_from_config,
     resolve_fast_path,
 )
@@ -147,25 +148,40 @@ def test_model_info_from_transformers_configs():
 
 
 def test_report_is_a_plain_dict_with_every_piece_and_why():
+    from llmft.trainer.fastpath.memory import MemoryPlan
+
     fast = resolve_fast_path(_cfg(), CUDA, QWEN)
     applied = {"fused_lora": 196, "lora_kept": {}, "grouped_lora": 56, "compiled_layers": 28}
-    memory = {
-        "micro_sequences": 8,
-        "checkpointed_layers": 0,
-        "layers": 28,
-        "micro_why": "auto: the step's 8 sequence(s) per rank in one forward fit",
-        "checkpointing_why": "auto: off, the micro batch fits without it",
+    memory = MemoryPlan(
+        micro_sequences=8,
+        checkpointed_layers=0,
+        layers=28,
+        micro_why="auto: the step's 8 sequence(s) per rank in one forward fit",
+        checkpointing_why="auto: off, the micro batch fits without it",
+        estimate_gib=41.0,
+        budget_gib=71.2,
+        free_gib=78.5,
+        parts_gib={"activations": 33.0},
+    )
+    decision = fast.applied(applied, memory)
+    assert isinstance(decision, FastPath) and decision.fused_lora.count == 196 and decision.compile.count == 28
+    report = decision.as_dict()
+    assert json.loads(json.dumps(report)) == report
+    # the keys metrics.jsonl and training_manifest.json have always carried (benchmarks/ read them)
+    assert report["fused_lora"] == {"on": True, "why": "auto", "modules": 196, "kept": {}}
+    assert report["grouped_lora"] == {"on": True, "why": "auto", "groups": 56, "ungrouped": {}}
+    assert report["gradient_checkpointing"] == {"on": False, "why": memory.checkpointing_why, "layers": 0}
+    assert report["micro_batch"] == {"sequences": 8, "why": memory.micro_why}
+    assert report["memory"] == {
         "estimate_gib": 41.0,
         "budget_gib": 71.2,
         "free_gib": 78.5,
         "parts_gib": {"activations": 33.0},
     }
-    report = fast_path_report(fast, applied, memory)
-    assert json.loads(json.dumps(report)) == report
     for piece in ("attention", "fused_loss", "fused_lora", "grouped_lora", "compile", "gradient_checkpointing"):
         assert set(report[piece]) >= {"on", "why"}, piece
     assert report["fused_lora"]["modules"] == 196 and report["compile"]["layers"] == 28
-    line = describe(report)
+    line = describe(decision)
     assert line.startswith("fast path: on: attention llmft_varlen, fused_loss, fused_lora (196 modules), ")
     assert "off: gradient_checkpointing (auto: off, the micro batch fits without it)" in line
     assert "micro batch: 8 sequence(s)" in line and "est. 41.0 of 71.2 GiB" in line
@@ -175,7 +191,10 @@ def test_report_is_a_plain_dict_with_every_piece_and_why():
 def test_report_turns_fused_lora_off_when_no_module_could_take_it():
     fast = resolve_fast_path(_cfg(), CUDA, QWEN)
     kept = {"model.layers.0.self_attn.q_proj": "base layer is Linear4bit, not nn.Linear"}
-    report = fast_path_report(fast, {"fused_lora": 0, "lora_kept": kept, "grouped_lora": 0}, None)
+    decision = fast.applied({"fused_lora": 0, "lora_kept": kept, "grouped_lora": 0})
+    assert not decision.fused_lora.on and decision.fused_lora.left_out == kept
+    report = decision.as_dict()
+    assert set(report) == {"attention", "fused_loss", "fused_lora", "grouped_lora", "compile"}  # no memory plan
     assert report["fused_lora"] == {
         "on": False,
         "why": "no LoRA linear could take it (base layer is Linear4bit, not nn.Linear)",
@@ -183,4 +202,4 @@ def test_report_turns_fused_lora_off_when_no_module_could_take_it():
         "kept": kept,
     }
     assert not report["grouped_lora"]["on"]
-    assert "moe {'layers': 2}" in describe({**report, "moe": {"layers": 2}})
+    assert "moe {'layers': 2}" in describe(dataclasses.replace(decision, moe={"layers": 2}))

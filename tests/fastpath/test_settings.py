@@ -1,5 +1,5 @@
 """A run's auto settings end to end on CPU: resolved once from config.json + the data manifest + the
-free memory, applied by trainer.model.load_model, reported as model.llmft_fastpath."""
+free memory, applied by trainer.model.load_model, which returns the typed FastPath decision beside the model."""
 
 from __future__ import annotations
 
@@ -61,16 +61,18 @@ def test_an_unreadable_model_is_one_config_error(tmp_path):
 def test_load_model_reports_what_it_switched_on(tiny_model_dir):
     from llmft.trainer.model import load_model
 
-    plain = load_model(_cfg(tiny_model_dir, "d", "lora.r=4"), torch.device("cpu"))
-    report = plain.llmft_fastpath
+    _, decision = load_model(_cfg(tiny_model_dir, "d", "lora.r=4"), torch.device("cpu"))
+    assert not decision.fused_loss.on and decision.fused_loss.why == "cpu"
+    report = decision.as_dict()
     assert json.loads(json.dumps(report)) == report
     assert not any(report[p]["on"] for p in ("attention", "fused_loss", "fused_lora", "grouped_lora", "compile"))
     assert report["gradient_checkpointing"] == {"on": False, "why": "cpu: off", "layers": 0}
-    fast = load_model(
+    fast, decision = load_model(
         _cfg(tiny_model_dir, "d", "lora.r=4", "kernels.fused_lora=true", "model.gradient_checkpointing=true"),
         torch.device("cpu"),
     )
-    report = fast.llmft_fastpath
+    assert decision.memory is not None and decision.memory.checkpointed_layers == 4
+    report = decision.as_dict()
     assert report["fused_lora"]["on"] and report["fused_lora"]["modules"] == 28 and report["fused_lora"]["kept"] == {}
     assert report["grouped_lora"]["groups"] == 8 and report["gradient_checkpointing"]["layers"] == 4
     layers = [m for m in fast.modules() if type(m).__name__.endswith("DecoderLayer")]

@@ -11,7 +11,7 @@
 - ``lora_groups``: q/k/v and gate/up (one shared input) as one fused node each.
 - ``compile``: torch.compile of the decoder layers in place.
 - ``resolve``: ``auto`` settings -> which pieces apply to this device, method and model, and why
-  not; the ``model.llmft_fastpath`` report and its ``fast path:`` log line.
+  not; the typed decision (``FastPath``, returned by trainer.model.load_model) and its ``fast path:`` log line.
 - ``memory``: the memory model of a step; the micro batch and checkpointed layers that fit.
 - ``settings``: both of the above resolved once per run (config.json, data manifest, free memory).
 - ``flops``: model FLOPs per step (LoRA 4N + adapters, full 6N, causal attention

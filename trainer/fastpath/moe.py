@@ -26,7 +26,7 @@ is requested; 5.17 and 5.24 alike), so the frozen base experts need no help. Wha
 
 The grouped matmul is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where the dtype
 and strides allow it, else a per-expert matmul loop over the sorted tokens (same result).
-:func:`apply_moe` switches these on and returns what ran, for ``model.llmft_fastpath``.
+:func:`apply_moe` switches these on and returns what ran, for the ``FastPath`` decision's ``moe``.
 """
 
 from __future__ import annotations

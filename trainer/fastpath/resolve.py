@@ -13,18 +13,23 @@
 - An explicit ``true``/``false`` wins; ``true`` where the piece cannot apply is a one-line
   :class:`~llmft.trainer.errors.ConfigError` before any weights load.
 
-:func:`fast_path_report` turns the decisions (plus what applying them did, and the memory plan)
-into the plain dict the model carries as ``model.llmft_fastpath``: ``{piece: {"on": bool,
-"why": str, ...}}``, logged as one ``fast path:`` line (:func:`describe`), written to
-metrics.jsonl and to final/training_manifest.json.
+:meth:`FastPath.applied` adds what applying the decisions did (modules fused, layers compiled) and
+the memory plan; ``trainer.model.load_model`` returns that typed decision beside the model.
+:meth:`FastPath.as_dict` is its plain form ``{piece: {"on": bool, "why": str, ...}}``, written to
+metrics.jsonl and to final/training_manifest.json; :func:`describe` is its one ``fast path:`` log line.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from llmft.trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmft.trainer.fastpath.memory import MemoryPlan
 
 VARLEN = "llmft_varlen"
 PIECES = ("fused_loss", "fused_lora", "grouped_lora", "compile")
@@ -41,18 +46,38 @@ class ModelInfo:
     head_bias: bool = False
 
 
+# What a piece's count counts, and the name of the modules it left out, in the written report.
+_UNITS: dict[str, tuple[str, str | None]] = {
+    "fused_lora": ("modules", "kept"),
+    "grouped_lora": ("groups", "ungrouped"),
+    "compile": ("layers", None),
+    "gradient_checkpointing": ("layers", None),
+}
+
+
 @dataclass(frozen=True)
 class Piece:
+    """One piece on or off, why, and (once applied) how many modules took it and which did not, why."""
+
     on: bool
     why: str
+    count: int | None = None
+    left_out: Mapping[str, str] | None = None
 
-    def as_dict(self) -> dict:
-        return {"on": self.on, "why": self.why}
+    def as_dict(self, name: str = "") -> dict:
+        out: dict[str, Any] = {"on": self.on, "why": self.why}
+        unit, left_out = _UNITS.get(name, ("count", "left_out"))
+        if self.count is not None:
+            out[unit] = self.count
+            if left_out is not None:
+                out[left_out] = dict(self.left_out or {})
+        return out
 
 
 @dataclass(frozen=True)
 class FastPath:
-    """The resolved settings: attention implementation plus one :class:`Piece` per kernel."""
+    """The fast-path decision: attention implementation plus one :class:`Piece` per kernel, each on or
+    off with why; once applied (:meth:`applied`), what applying did, the memory plan and MoE's report."""
 
     attention: str
     attention_why: str
@@ -60,10 +85,56 @@ class FastPath:
     fused_lora: Piece
     grouped_lora: Piece
     compile: Piece
+    memory: MemoryPlan | None = None
+    """The micro batch and checkpointed layers (trainer.fastpath.memory), as applied."""
+    moe: Mapping[str, Any] | None = None
+    """What trainer.fastpath.moe.apply_moe did on an MoE model (frozen routers, grouped experts)."""
 
     @property
     def varlen(self) -> bool:
         return self.attention == VARLEN
+
+    @property
+    def gradient_checkpointing(self) -> Piece | None:
+        if self.memory is None:
+            return None
+        layers = self.memory.checkpointed_layers
+        return Piece(layers > 0, self.memory.checkpointing_why, count=layers)
+
+    def applied(self, done: Mapping[str, Any], memory: MemoryPlan | None = None) -> FastPath:
+        """This decision plus what :func:`llmft.trainer.fastpath.apply_kernels` returned (``done``: modules
+        fused, kept on PEFT with their reasons, groups, compiled layers) and the memory plan as applied.
+        Fused LoRA that no module could take, or grouping that formed no group, turns off with the reason."""
+        lora, grouped, compiled = self.fused_lora, self.grouped_lora, self.compile
+        if lora.on:
+            kept = dict(done.get("lora_kept", {}))
+            lora = replace(lora, count=done.get("fused_lora", 0), left_out=kept)
+            if not lora.count:
+                reasons = sorted(set(kept.values())) or ["no LoRA linear in the model"]
+                lora = replace(lora, on=False, why=f"no LoRA linear could take it ({reasons[0]})")
+        if grouped.on:
+            grouped = replace(grouped, count=done.get("grouped_lora", 0), left_out=dict(done.get("lora_ungrouped", {})))
+            if not grouped.count:
+                grouped = replace(grouped, on=False, why="no q/k/v or gate/up siblings all fused")
+        if compiled.on:
+            compiled = replace(compiled, count=done.get("compiled_layers", 0))
+        return replace(self, fused_lora=lora, grouped_lora=grouped, compile=compiled, memory=memory)
+
+    def as_dict(self) -> dict:
+        """The plain form written to metrics.jsonl and final/training_manifest.json."""
+        report: dict[str, Any] = {
+            "attention": {"on": self.varlen, "value": self.attention, "why": self.attention_why},
+            **{name: getattr(self, name).as_dict(name) for name in PIECES},
+        }
+        if self.memory is not None:
+            report["gradient_checkpointing"] = self.gradient_checkpointing.as_dict("gradient_checkpointing")  # type: ignore[union-attr]
+            report["micro_batch"] = {"sequences": self.memory.micro_sequences, "why": self.memory.micro_why}
+            report["memory"] = {
+                k: getattr(self.memory, k) for k in ("estimate_gib", "budget_gib", "free_gib", "parts_gib")
+            }
+        if self.moe is not None:
+            report["moe"] = dict(self.moe)
+        return report
 
 
 def model_info_from_config(config) -> ModelInfo:
@@ -173,48 +244,11 @@ def _lora_blocker(cfg, zero3: bool) -> str | None:
 # ----------------------------------------------------------------------------- the report
 
 
-def fast_path_report(fast: FastPath, applied: dict, memory: dict | None = None) -> dict:
-    """The plain dict of ``model.llmft_fastpath``: every piece on/off with why, what applying did.
-
-    ``applied`` is what :func:`llmft.trainer.fastpath.apply_kernels` returned (modules fused, kept
-    on PEFT with their reasons, groups, compiled layers); ``memory`` the memory plan's dict.
-    """
-    lora = fast.fused_lora.as_dict()
-    if fast.fused_lora.on:
-        lora.update(modules=applied.get("fused_lora", 0), kept=applied.get("lora_kept", {}))
-        if not lora["modules"]:
-            reasons = sorted(set(lora["kept"].values())) or ["no LoRA linear in the model"]
-            lora.update(on=False, why=f"no LoRA linear could take it ({reasons[0]})")
-    grouped = fast.grouped_lora.as_dict()
-    if fast.grouped_lora.on:
-        grouped.update(groups=applied.get("grouped_lora", 0), ungrouped=applied.get("lora_ungrouped", {}))
-        if not grouped["groups"]:
-            grouped.update(on=False, why="no q/k/v or gate/up siblings all fused")
-    compiled = fast.compile.as_dict()
-    if fast.compile.on:
-        compiled["layers"] = applied.get("compiled_layers", 0)
-    report = {
-        "attention": {"on": fast.varlen, "value": fast.attention, "why": fast.attention_why},
-        "fused_loss": fast.fused_loss.as_dict(),
-        "fused_lora": lora,
-        "grouped_lora": grouped,
-        "compile": compiled,
-    }
-    if memory:
-        report["gradient_checkpointing"] = {
-            "on": memory["checkpointed_layers"] > 0,
-            "why": memory["checkpointing_why"],
-            "layers": memory["checkpointed_layers"],
-        }
-        report["micro_batch"] = {"sequences": memory["micro_sequences"], "why": memory["micro_why"]}
-        report["memory"] = {k: memory[k] for k in ("estimate_gib", "budget_gib", "free_gib", "parts_gib")}
-    return report
-
-
-def describe(report: dict) -> str:
+def describe(fast: FastPath) -> str:
     """One log line: ``fast path: on: ...; off: piece (why), ...; micro batch: ...; memory: ...``
     (keys it does not know, e.g. ``moe``, are appended as they are). No ``name=value`` pairs: Katib's
     stdout metrics collector would read them as metrics."""
+    report = fast.as_dict()
     on: list[str] = []
     off: list[str] = []
     other: list[str] = []
