@@ -123,7 +123,7 @@ def find_provenance(adapter_dir: Path, adapter_config: dict, base_override: str 
 
 def check_base_identity(base_dir: Path, prov: Provenance) -> str | None:
     """The content hash of ``base_dir``; ConfigError when the run recorded a different one."""
-    from llmft.trainer.model import content_hash
+    from llmft.trainer.model_dir import content_hash
 
     expected = prov.base_identity.get("content_hash")
     if not expected:

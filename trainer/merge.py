@@ -2,7 +2,7 @@
 
 The model is never instantiated: :class:`BaseCheckpoint` reads the base's safetensors (through
 ``model.safetensors.index.json`` when sharded) one file at a time with ``safe_open``, each tensor
-is dequantized if it is stored in FP8 (trainer/fp8.py), merged if the adapter targets it, cast to
+is dequantized if it is stored in FP8 (trainer/fp8_format.py), merged if the adapter targets it, cast to
 the output dtype and appended to its output shard (files of at most ``max_shard_bytes``, planned
 from the input headers). Peak memory: one tensor with its float32 merge temporaries, plus the adapter.
 
@@ -39,7 +39,8 @@ import torch
 from safetensors import safe_open
 
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.fp8 import (
+from llmft.trainer.fp8_format import (
+    FP8_DTYPES,
     QuantFormat,
     dequantize_stored,
     is_side_tensor,
@@ -112,15 +113,9 @@ class BaseCheckpoint:
                     scale = scale_name_for(name, self.fmt) if dequantize_fp8 else None
                     if scale and scale in present:
                         tensor = dequantize_stored(tensor, handle.get_tensor(scale), self.fmt)
-                    elif dequantize_fp8 and tensor.dtype in _fp8_dtypes():
+                    elif dequantize_fp8 and tensor.dtype in FP8_DTYPES:
                         raise ConfigError(f"{self.directory / file}: {name} is FP8 but has no {scale or 'scale'}")
                     yield name, tensor
-
-
-def _fp8_dtypes():
-    from llmft.trainer.fp8 import FP8_DTYPES
-
-    return FP8_DTYPES
 
 
 def weight_files(directory: Path) -> list[str]:

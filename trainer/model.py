@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +18,7 @@ import torch
 
 from llmft.trainer.config import LoraConfig, ModelConfig, TrainConfig
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.model_dir import content_hash
 
 if TYPE_CHECKING:
     from llmft.trainer.fastpath.resolve import FastPath
@@ -276,32 +275,6 @@ def base_model_identity(model_cfg: ModelConfig, model) -> dict:
     if local.is_dir():
         ident["content_hash"], ident["content_hash_method"] = content_hash(local)
     return ident
-
-
-def content_hash(directory: Path, full_limit: int = 2 << 30) -> tuple[str, str]:
-    """sha256 over config + weight files; above ``full_limit`` bytes, over each file's size,
-    safetensors header and first/last MiB (a fingerprint, named as such)."""
-    files = sorted(p for p in directory.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
-    total = sum(p.stat().st_size for p in files)
-    method = "sha256" if total <= full_limit else "sha256-fingerprint(size,header,head,tail)"
-    h = hashlib.sha256()
-    for path in files:
-        h.update(path.name.encode())
-        with open(path, "rb") as fh:
-            if method == "sha256":
-                while block := fh.read(1 << 20):
-                    h.update(block)
-            else:
-                _fingerprint(fh, path, h)
-    return h.hexdigest(), method
-
-
-def _fingerprint(fh, path: Path, h) -> None:
-    size = os.fstat(fh.fileno()).st_size
-    h.update(str(size).encode())
-    h.update(fh.read(1 << 20))
-    fh.seek(max(0, size - (1 << 20)))
-    h.update(fh.read(1 << 20))
 
 
 def save_tokenizer_and_generation(model, tokenizer, directory: Path) -> None:

@@ -7,11 +7,16 @@ directory and the fix, where otherwise tokenizing would succeed and the train st
 later. The pipeline's tokenize step calls it first (components/lib/tokenized.py); a missing chat template
 is the tokenizer's own check (:func:`llmft.trainer.data.templates.missing_template_error`), also before any
 row is tokenized. A hub id (no such local directory) is not checked here: the loaders report it.
+
+:func:`content_hash` identifies a local base model's files (the run manifest records it; export and the
+FP8 dequantized copy check against it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 from llmft.trainer.errors import DataError
@@ -59,3 +64,29 @@ def missing_weights(path: Path) -> str:
     if any(path.glob("*.bin")):
         return "weights only as pickle (*.bin), which this project never loads; no model.safetensors"
     return "no weights (model.safetensors or model.safetensors.index.json)"
+
+
+def content_hash(directory: Path, full_limit: int = 2 << 30) -> tuple[str, str]:
+    """sha256 over config + weight files; above ``full_limit`` bytes, over each file's size,
+    safetensors header and first/last MiB (a fingerprint, named as such)."""
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    method = "sha256" if total <= full_limit else "sha256-fingerprint(size,header,head,tail)"
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as fh:
+            if method == "sha256":
+                while block := fh.read(1 << 20):
+                    h.update(block)
+            else:
+                _fingerprint(fh, path, h)
+    return h.hexdigest(), method
+
+
+def _fingerprint(fh, path: Path, h) -> None:
+    size = os.fstat(fh.fileno()).st_size
+    h.update(str(size).encode())
+    h.update(fh.read(1 << 20))
+    fh.seek(max(0, size - (1 << 20)))
+    h.update(fh.read(1 << 20))

@@ -108,7 +108,7 @@ def _check_models(base_model_path: str, adapter_path: str, merged_path: str | No
         return model, model, model.disable_adapter
     from transformers import AutoModelForCausalLM  # heavy: transformers
 
-    from llmft.trainer.fp8 import read_model_config  # heavy: torch
+    from llmft.trainer.fp8_format import read_model_config  # heavy: torch
 
     stored = getattr(torch, str(read_model_config(merged_path).get("dtype") or "float32"))
     base = load_base_model(base_model_path, None, "lora", {"dtype": stored}).float().eval()

@@ -14,8 +14,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from llmft.trainer.fastpath.dropout_mask import keep_mask, philox, threshold
 from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears, lora_linear
-from llmft.trainer.fastpath.lora_dropout import draw_seeds, keep_mask, philox, threshold
+from llmft.trainer.fastpath.lora_dropout import draw_seeds
 from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections, grouped_lora_linear
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

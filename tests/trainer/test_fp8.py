@@ -57,7 +57,7 @@ def test_writer_matches_transformers_quantizer(tiny_model_dir, fp8_dir):
 def test_dequantization_equals_transformers_and_stays_within_fp8_error(tiny_model_dir, fp8_dir):
     from transformers import AutoModelForCausalLM
 
-    from llmft.trainer.fp8 import dequantize
+    from llmft.trainer.fp8_format import dequantize
 
     model = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32)  # CPU: transformers dequantizes
     loaded = model.state_dict()
@@ -76,7 +76,7 @@ def test_dequantization_equals_transformers_and_stays_within_fp8_error(tiny_mode
 def test_partial_edge_blocks_use_the_configured_block():
     """A weight whose sides are not multiples of the block (DeepSeek-V3's ceil grid): each scale
     covers its 32 x 32 block, the last ones partial."""
-    from llmft.trainer.fp8 import dequantize
+    from llmft.trainer.fp8_format import dequantize
 
     q = torch.randn(40, 72).clamp(-4, 4).to(torch.float8_e4m3fn)
     scale = torch.arange(1.0, 7.0).reshape(2, 3)
@@ -105,7 +105,8 @@ def test_load_plan_dense_and_lora(tiny_model_dir, fp8_dir):
 def test_qlora_resolves_to_a_cached_bf16_copy(fp8_dir, tmp_path, monkeypatch):
     """QLoRA keeps its 4-bit config but loads a dequantized bf16 copy (transformers refuses a
     BitsAndBytesConfig for an FP8 checkpoint); the copy is built once and reused."""
-    from llmft.trainer.fp8 import dequantize, load_base_model, load_plan
+    from llmft.trainer.fp8 import load_base_model, load_plan
+    from llmft.trainer.fp8_format import dequantize
     from llmft.trainer.io import COMPLETE_MARKER
 
     monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))

@@ -20,7 +20,7 @@ drawn when that linear runs; the base path sees ``x`` itself. The mask is a func
 seed words drawn from torch's generator and the element's (row, column) (lora_dropout.py:
 Philox, made in registers by Triton kernels on CUDA inside the adapter's thin matmuls): no
 mask is stored and the input is read no extra time. In eval mode (or ``p = 0``) nothing is drawn.
-The 4-bit path (qlora.py) still draws its mask with ``torch.native_dropout`` (:func:`drop_input`).
+The 4-bit path (qlora.py) still draws its mask with ``torch.native_dropout`` (lora_dropout.drop_input).
 
 :func:`fuse_lora_linears` swaps this forward into every PEFT ``lora.Linear``
 that it covers exactly (one active adapter, no DoRA or other variant, unmerged,
@@ -41,32 +41,11 @@ import torch
 from llmft.trainer.fastpath.lora_dropout import draw_seeds, dropped_down, dropped_grad_a, dropped_up_add
 
 
-def drop_input(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(``x`` with inverted dropout ``p`` applied, its boolean keep-mask); ``(x, None)`` when p is 0."""
-    if p <= 0.0:
-        return x, None
-    return torch.native_dropout(x, p, True)
-
-
-def redrop(x: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
-    """``drop(x)`` rebuilt from its mask (the backward's copy of what the forward computed)."""
-    return x if mask is None else x * mask * (1.0 / (1.0 - p))
-
-
 def _grad_a(g_h, x2, seeds, p: float, rank: int, dtype) -> torch.Tensor:
     """dA = g_h^T drop(x), the mask regenerated from ``seeds`` (None: no dropout)."""
     if seeds is None:
         return (g_h.t() @ x2).to(dtype)
     return dropped_grad_a(g_h, x2, seeds, p, rank).to(dtype)
-
-
-def spans(sizes) -> list[tuple[int, int]]:
-    """(start, end) of consecutive blocks of ``sizes`` along one axis (siblings' rows or ranks in a group)."""
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
 
 
 class _LoraLinearFunction(torch.autograd.Function):

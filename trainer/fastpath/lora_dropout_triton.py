@@ -2,7 +2,7 @@
 the adapter's thin matmuls. Registered as torch custom ops (``torch.ops.llmft.lora_drop_*``), so
 compiled decoder layers call them as opaque kernels. Up to 3 siblings (q/k/v) share one read of x.
 
-The mask of element (row, col) is lora_dropout.keep_mask's: benchmarks/gpu/check_kernels.py compares
+The mask of element (row, col) is dropout_mask.keep_mask's: benchmarks/gpu/check_kernels.py compares
 the two bit for bit on the device, and tests/fastpath/test_lora_dropout.py checks the torch reference
 against PEFT on CPU.
 """
@@ -139,8 +139,8 @@ if triton is not None:
             dst = ga_ptr + (j * R + offs_r)[:, None] * K + offs_k[None, :]
             tl.atomic_add(dst, acc * scale, mask=col_ok)
 
-    from llmft.trainer.fastpath.lora_dropout import scale as _scale
-    from llmft.trainer.fastpath.lora_dropout import threshold
+    from llmft.trainer.fastpath.dropout_mask import scale as _scale
+    from llmft.trainer.fastpath.dropout_mask import threshold
 
     @torch.library.custom_op("llmft::lora_drop_down", mutates_args=())
     def lora_drop_down(x2: torch.Tensor, a: torch.Tensor, seeds: torch.Tensor, p: float, rank: int) -> torch.Tensor:

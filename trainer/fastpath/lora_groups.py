@@ -38,8 +38,8 @@ import types
 
 import torch
 
-from llmft.trainer.fastpath.lora import adapter_in_use, dropout_p, spans
-from llmft.trainer.fastpath.lora_dropout import draw_seeds, dropped_down, dropped_grad_a, dropped_up_add
+from llmft.trainer.fastpath.lora import adapter_in_use, dropout_p
+from llmft.trainer.fastpath.lora_dropout import draw_seeds, dropped_down, dropped_grad_a, dropped_up_add, spans
 from llmft.trainer.fastpath.qlora import is_4bit, layout, lora_4bit_linear, out_features
 
 # (parent attribute names) that transformers' decoder layers call with one shared input.

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from llmft.trainer.fastpath.lora import drop_input, redrop
-from llmft.trainer.fastpath.lora import spans as block_spans
+from llmft.trainer.fastpath.lora_dropout import drop_input, redrop
+from llmft.trainer.fastpath.lora_dropout import spans as block_spans
 
 _DEQUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what bitsandbytes dequantizes to
 
