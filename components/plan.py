@@ -170,10 +170,11 @@ def plan_run(
         run_id: (set by the pipeline) the KFP run id.
         compiled: (set by the pipeline) its name and the values its tasks were compiled with.
 
-    Outputs: ``plan`` (plan.json, read by every later step).
+    Outputs: ``plan`` (plan.json, read by every later step) and, on the volume, the trainer's resolved
+    config ``<data_root>/runs/<run_id>/config.yaml`` (the training job runs ``llmft train --config`` it).
     """
     values = dict(locals())  # first statement: exactly the parameters, handed to the plan builder by name
-    from llmft.components.lib.plan import build_plan
+    from llmft.components.lib.plan import build_plan, write_run_config
     from llmft.components.lib.plan_checks import preflight_secrets
     from llmft.components.lib.plan_schema import write_plan
     from llmft.components.lib.trainjob_runtime import preflight_runtime
@@ -189,11 +190,12 @@ def plan_run(
         check_volume_writable(run_plan.layout)
     else:
         print("kfp.local: Secret preflight skipped (credentials come from this environment)")
+    write_run_config(run_plan)  # the trainer's resolved config on the volume, before the plan is handed on
     write_plan(run_plan, plan.path)
     plan.metadata.update({"schema_version": run_plan.schema_version, "run_id": run_plan.run_id})
     plan.metadata.update({"trainer_image": run_plan.images.trainer, "job": run_plan.job.name})
     print(f"plan: {run_plan.pipeline} run {run_plan.run_id}; trainer image {run_plan.images.trainer}")
-    print("trainer overrides: " + " ".join(run_plan.trainer.overrides))
+    print(f"trainer config: {run_plan.trainer.config_path} (llmft train --config; data= after tokenize)")
     if run_plan.serving.form_note:
         print(f"serving form: merged ({run_plan.serving.form_note})")
 

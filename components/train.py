@@ -17,15 +17,16 @@ def train_model(
     """Run the project's trainer on the tokenized shards and output the run directory.
 
     ``training_backend=kubeflow`` builds the plan's PyTorchJob (Master + Workers running
-    ``llmft train --nproc N key=value ...``, restart policy ExitCode, the plan's image,
+    ``llmft train --nproc N --config <run_dir>/config.yaml data=<tokenized>``: the config the plan
+    step resolved and wrote, plus the tokenized data only tokenize knows; restart policy ExitCode, the plan's image,
     resources, node selector, data PVC and Secrets), submits it through the Training Operator,
     waits for its conditions while streaming the master's logs, and on failure fails with the
     job's last log lines. ``training_backend=trainjob`` does the same with a Kubeflow Trainer v2
     TrainJob on the plan's ``training_runtime`` (docs/trainer-v2.md). ``training_backend=local``
     (kfp.local only) runs the same ``llmft train`` command as a subprocess of this step.
 
-    ``sweep_best``: the HPO pipeline's sweep output (``key=value`` pairs), appended after the
-    plan's overrides so they win.
+    ``sweep_best``: the HPO pipeline's sweep output (``key=value`` pairs), passed after ``--config``
+    so they win over the plan's config.
 
     The run directory ``<data_root>/runs/<run_id>`` is stable across retries of this task, and
     the trainer resumes from its newest complete checkpoint (``resume=auto``).
@@ -43,7 +44,7 @@ def train_model(
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()
     trainer, job = run_plan.trainer, run_plan.job
-    overrides = trainer.command_overrides(tokenized.metadata["path"], shlex.split(sweep_best or ""))
+    launch = trainer.launch(tokenized.metadata["path"], shlex.split(sweep_best or ""))
 
     if job.backend == "local":
         from llmft.components.lib.local_train import run_local_training
@@ -51,7 +52,7 @@ def train_model(
         os.makedirs(trainer.run_dir, exist_ok=True)
         tracking = run_plan.registry.tracking_uri
         run_local_training(
-            overrides,
+            launch,
             nproc=max(1, job.num_workers),
             log_path=os.path.join(trainer.run_dir, "train.log"),
             env={"MLFLOW_TRACKING_URI": tracking} if tracking else {},
@@ -60,7 +61,7 @@ def train_model(
     else:
         from llmft.components.lib.pytorchjob_launch import run_on_cluster
 
-        run_on_cluster(job, overrides)
+        run_on_cluster(job, launch)
 
     manifest = read_training_manifest(trainer.run_dir)
     os.makedirs(run.path, exist_ok=True)

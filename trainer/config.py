@@ -324,10 +324,11 @@ class _Source:
         self.lines: dict[str, int] = {}
         self.overridden: set[str] = set()
         self.names: dict[str, str] = {}  # key -> where a program took it from (e.g. a pipeline parameter)
+        self.override_label = "override"  # what the key=value items are called (e.g. train_overrides)
 
     def where(self, key: str) -> str:
         if key in self.overridden:
-            return f"override `{key}=...`"
+            return f"{self.override_label} `{key}=...`"
         if key in self.lines:
             return f"{self.path}, line {self.lines[key]}"
         return self.names.get(key, self.path)
@@ -439,13 +440,15 @@ def resolve_config(
     *,
     source_name: str = "<settings>",
     names: typing.Mapping[str, str] | None = None,
+    override_label: str = "override",
 ) -> tuple[TrainConfig, list[str]]:
     """Defaults <- ``settings`` (a nested dict of typed values, e.g. ``{"lora": {"r": 16}}``) <-
     ``key=value`` overrides, type-checked and validated once: what a program that holds typed values
     (the pipeline's plan step) builds a config from, with the same checks as a YAML file. ``names``
-    (dotted key -> e.g. "pipeline parameter `lora_r`") says where a bad value came from."""
+    (dotted key -> e.g. "pipeline parameter `lora_r`") and ``override_label`` (e.g. "train_overrides")
+    say where a bad value came from."""
     source = _Source(source_name)
-    source.names = dict(names or {})
+    source.names, source.override_label = dict(names or {}), override_label
     return _resolve(_deep_copy(settings), list(overrides), source)
 
 
@@ -568,6 +571,13 @@ def diff_configs(old: dict, new: dict, *, ignore_prefixes: tuple[str, ...] = RES
         if a != b:
             lines.append(f"{key}: {a!r} -> {b!r}")
     return lines
+
+
+def changed_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """Dotted key -> value of every leaf that differs from the defaults (what a command line without
+    the config file must carry to rebuild ``cfg``)."""
+    default = flatten_dict(config_to_dict(TrainConfig()))
+    return {k: v for k, v in flatten_dict(config_to_dict(cfg)).items() if default.get(k) != v}
 
 
 def flatten_dict(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -8,7 +8,8 @@ config is one line, not one per rank); rank 0 runs it again and then :func:`clai
 
 - **Ownership.** The trainer marks ``output_dir`` with the owner file (kind ``training-run``)
   and refuses a non-empty directory without it (another program's folder, or llmft output of
-  another kind) unless ``force_output_dir=true``; a launcher's ``train.log`` alone is allowed.
+  another kind) unless ``force_output_dir=true``; a launcher's ``train.log`` and the plan step's
+  ``config.yaml`` alone are allowed.
 - **No mixing.** ``resume=never`` in a directory that already holds a run is refused: a fresh
   run would prune and overwrite the old run's checkpoints and metrics. Use a new output_dir.
 - **One run at a time.** Rank 0 locks ``output_dir`` (trainer/runlock.py) before planning; a
@@ -31,12 +32,14 @@ from pathlib import Path
 
 from llmft.trainer import checkpoint as ckpt
 from llmft.trainer import runlock
+from llmft.trainer.config import RUN_CONFIG_FILE
 from llmft.trainer.errors import ConfigError, DataError, LlmftError, OutputNotOursError
 from llmft.trainer.io import atomic_write_json, owner_kind, write_owner
 
 RUN_KIND = "training-run"
 RESTARTS_FILE = "restarts.json"
-LAUNCHER_FILES = frozenset({"train.log", runlock.LOCK_FILE})  # a launcher's log; the lock of a run that failed early
+# a launcher's log; the lock of a run that failed early; the config the pipeline's plan step wrote for this run
+LAUNCHER_FILES = frozenset({"train.log", runlock.LOCK_FILE, RUN_CONFIG_FILE})
 RUN_CONTENTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard")
 RETRYABLE_OUTCOMES = ("running", 130, 143, 200)  # "running": died without recording (SIGKILL, abort, crash)
 

@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from llmft.components.lib.pytorchjob import PyTorchJobSpec, trainer_command
 from llmft.katib.metrics import parse_metric_lines, summarize
 from llmft.trainer.errors import LlmftError
 
@@ -27,15 +28,20 @@ class TrainingFailed(LlmftError):
     """The training processes exited non-zero; the message carries their last log lines."""
 
 
-def train_command(overrides: list[str], *, nproc: int = 1) -> list[str]:
-    """``python -m llmft train --nproc N <overrides>``: the command of a PyTorchJob replica, run here."""
+def train_command(launch, *, nproc: int = 1) -> list[str]:
+    """``python -m llmft train --nproc N --config <config.yaml> key=value ...``: the command of a
+    PyTorchJob replica (``launch``, a TrainerLaunch), run here."""
     if nproc < 1:
         raise LlmftError(f"nproc must be >= 1, got {nproc}")
-    return [sys.executable, "-m", "llmft", "train", "--nproc", str(nproc), *overrides]
+    spec = PyTorchJobSpec(
+        name="local", config_path=launch.config_path, overrides=launch.overrides, nproc_per_node=str(nproc)
+    )
+    command, args = trainer_command(spec)
+    return [sys.executable, "-m", *command, *args]
 
 
 def run_local_training(
-    overrides: list[str],
+    launch,
     *,
     nproc: int = 1,
     log_path: str | Path | None = None,
@@ -48,7 +54,7 @@ def run_local_training(
     Raises :class:`TrainingFailed` with the exit code and the last log lines on failure.
     """
 
-    command = train_command(overrides, nproc=nproc)
+    command = train_command(launch, nproc=nproc)
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
     observations: list[tuple[str, float]] = []
     log = open(log_path, "a", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed below

@@ -5,12 +5,18 @@ The first task of both pipelines (``plan-run``, components/plan.py) hands its pa
 :class:`RunPlan`: a typed tree that every later task reads back with :func:`read_plan`.
 Nothing after the plan takes a knob; each task takes the plan plus its data artifacts.
 
-A knob's whole route, e.g. ``lora_r``::
+A knob's whole route, e.g. ``lora_r`` (one name per layer, one typed value)::
 
     components/plan.py          plan_run(..., lora_r: int = 16, ...)   signature + docstring (the
                                                                        pipelines' parameter list)
-    components/lib/plan.py      f"lora.r={p.lora_r}"                   -> TrainerPlan.overrides
-    components/train.py         plan.trainer.command_overrides(data)   -> the trainer's key=value list
+    components/lib/plan.py      {"lora": {"r": p.lora_r}}              -> TrainConfig.lora.r (int), validated
+                                                                          once: TrainerPlan.config
+    components/plan.py          write_run_config(plan)                 -> <run_dir>/config.yaml ``lora: r: 16``
+    components/train.py         llmft train --config <run_dir>/config.yaml data=<tokenized>
+                                                                       -> the trainer reads TrainConfig.lora.r
+
+Only what a later step decides travels as ``key=value`` on the trainer's command line: the
+tokenized data's path (tokenize's cache key), a sweep's best values, and Katib's trial values.
 
 Parameters that the compiled YAML applies to the KFP tasks themselves (the Secrets the tasks
 mount, the evaluate task's GPU node selector) are fixed when the pipeline is compiled: KFP
@@ -56,7 +62,9 @@ from llmft.components.lib.plan_schema import (
 from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
 from llmft.components.lib.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.volume_space import check_volume_space
+from llmft.trainer.config import RUN_CONFIG_FILE, config_to_yaml, resolve_config
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.io import write_owned_file
 
 # --- the builder ------------------------------------------------------------------------------
 
@@ -108,7 +116,7 @@ def build_plan(
     )
     secrets = {kind: checks.parse_secret(kind, getattr(p, param)) for kind, param in checks.SECRET_PARAMETERS.items()}
     trainer = trainer_plan(p, layout, run_id)
-    config = checks.check_training(trainer)
+    config = trainer.config
     pipeline = settings.get("pipeline", "llm-finetune")
     trials = tuple(shlex.split(p.sweep_trial_overrides or "")) if pipeline.endswith("-hpo") else ()
     checks.check_remote_code(config, settings, trials)
@@ -155,36 +163,75 @@ def _data_plan(p: Parameters, layout: DataLayout, run_id: str) -> DataPlan:
     )
 
 
+TRAINER_PARAMETERS = {
+    "model.name_or_path": "model",
+    "method": "method",
+    "lora.r": "lora_r",
+    "lora.alpha": "lora_alpha",
+    "lora.dropout": "lora_dropout",
+    "lora.target_modules": "lora_target_modules",
+    "optim.lr": "learning_rate",
+    "seed": "seed",
+    "max_steps": "max_steps",
+    "epochs": "epochs",
+    "observe.mlflow_experiment": "mlflow_experiment",
+}
+"""Trainer key -> the pipeline parameter that sets it (named in a refusal)."""
+
+
+def trainer_settings(p: Parameters, run_dir: str, run_id: str) -> dict[str, Any]:
+    """The only place pipeline parameters become trainer settings (``lora_r`` -> ``lora.r``), typed."""
+    settings: dict[str, Any] = {
+        "model": {"name_or_path": p.model},
+        "output_dir": run_dir,
+        "method": p.method,
+        "lora": {"r": p.lora_r, "alpha": p.lora_alpha, "dropout": p.lora_dropout},
+        "optim": {"lr": p.learning_rate},
+        "seed": p.seed,
+        "resume": "auto",  # a retried task continues from the newest complete checkpoint
+        "observe": {"run_name": f"pipeline-{run_id}"},
+        "max_steps": max(p.max_steps, 0),
+    }
+    settings["lora"]["target_modules"] = p.lora_target_modules
+    if p.max_steps <= 0:
+        settings["epochs"] = p.epochs
+    if p.mlflow_experiment:
+        settings["observe"]["mlflow_experiment"] = p.mlflow_experiment
+    return settings
+
+
 def trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan:
-    """The only place pipeline parameters become trainer keys (``lora_r`` -> ``lora.r``)."""
+    """The trainer's config, resolved and validated once: the parameters' settings, then ``train_overrides``
+    (the one key=value parser); ``data`` stays unset: only tokenize knows its path (its cache key)."""
 
     run_dir = layout.run_dir(run_id)
-    overrides = [
-        f"model.name_or_path={p.model}",
-        f"output_dir={run_dir}",
-        f"method={p.method}",
-        f"lora.r={p.lora_r}",
-        f"lora.alpha={p.lora_alpha}",
-        f"lora.dropout={p.lora_dropout}",
-        f"lora.target_modules={p.lora_target_modules}",
-        f"optim.lr={p.learning_rate}",
-        f"seed={p.seed}",
-        "resume=auto",  # a retried task continues from the newest complete checkpoint
-        f"observe.run_name=pipeline-{run_id}",
-    ]
-    overrides += [f"max_steps={p.max_steps}"] if p.max_steps > 0 else ["max_steps=0", f"epochs={p.epochs}"]
-    if p.mlflow_experiment:
-        overrides.append(f"observe.mlflow_experiment={p.mlflow_experiment}")
     user = extra_override_list(p.train_overrides, "train_overrides")
-    revisions = [o.split("=", 1)[1] for o in user if o.startswith("model.revision=")]
-    return TrainerPlan(
-        model=p.model,
-        method=p.method,
-        run_dir=run_dir,
-        overrides=(*overrides, *user),
-        user_overrides=tuple(user),
-        revision=(revisions[-1] or None) if revisions else None,
-    )
+    names = {key: f"pipeline parameter `{name}`" for key, name in TRAINER_PARAMETERS.items()}
+    try:
+        config, _ = resolve_config(
+            trainer_settings(p, run_dir, run_id),
+            [*user, f"data={PENDING_DATA}"],
+            source_name="pipeline training parameters",
+            names=names,
+            override_label="train_overrides",
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"pipeline training parameters: {exc}") from None
+    config = dataclasses.replace(config, data="")
+    return TrainerPlan(config=config, config_path=f"{run_dir}/{RUN_CONFIG_FILE}", user_overrides=tuple(user))
+
+
+PENDING_DATA = "<tokenized>"
+"""Stands in for the tokenized data while the plan validates (tokenize names the folder later)."""
+
+
+def write_run_config(plan: RunPlan) -> str:
+    """Write the plan's trainer config as ``<run_dir>/config.yaml`` (atomic: temp + rename). A retried
+    plan task replaces a config.yaml llmft wrote (same parameters, same text); a file llmft did not
+    write, or a symlink, is refused (trainer.io.write_owned_file: OutputNotOursError, exit 1)."""
+    header = f"the resolved trainer config of run {plan.run_id} (plan step); the train step adds data=<tokenized>"
+    write_owned_file(plan.trainer.config_path, config_to_yaml(plan.trainer.config), command=f"pipeline plan: {header}")
+    return plan.trainer.config_path
 
 
 def job_plan(p: Parameters, layout: DataLayout, run_id: str, images: Images, secrets: Mapping) -> JobPlan:

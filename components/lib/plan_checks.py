@@ -181,16 +181,6 @@ def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
     return items
 
 
-def check_training(trainer):
-    """Load the trainer config the train step will use; raises ConfigError naming the field."""
-    from llmft.trainer.config import load_config  # heavy: yaml
-
-    try:
-        return load_config(None, trainer.command_overrides("<tokenized>"))
-    except ConfigError as exc:
-        raise ConfigError(f"pipeline training parameters: {exc}") from None
-
-
 def check_resources(group: str, cpu: str, memory: str):
     """``<group>_cpu`` / ``<group>_memory`` as Kubernetes quantities above zero."""
     from kubernetes.utils import parse_quantity  # heavy: kubernetes

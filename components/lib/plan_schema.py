@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.config import TrainConfig, config_from_dict, split_assignment
 from llmft.trainer.errors import ConfigError, LlmftError, TransientError
 
 DEFAULT_RUNTIME = "torch-distributed"
 """The ClusterTrainingRuntime a default Kubeflow Trainer v2 install ships (manifests/base/runtimes)."""
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
 """Version of plan.json's layout; :func:`read_plan` refuses any other."""
 PLAN_FILE = "plan.json"
 DATA_MOUNT = "/data"
@@ -170,22 +171,55 @@ class DataPlan:
 
 @dataclass(frozen=True)
 class TrainerPlan:
-    """The trainer's command line, minus the tokenized data the tokenize step finds."""
+    """The trainer's resolved config, built and validated once by the plan step, which writes it as
+    ``<run_dir>/config.yaml`` (:data:`config_path`): the job runs ``llmft train --config <config_path>``
+    plus only what is decided after the plan (:meth:`launch`)."""
 
-    model: str
-    method: str
-    run_dir: str
-    """output_dir of the run: stable across retries, so a retry resumes."""
-    overrides: tuple[str, ...]
-    """``key=value`` overrides (the pipeline's, then ``train_overrides``)."""
+    config: TrainConfig
+    """Every trainer setting, typed (``config.lora.r`` is the pipeline's ``lora_r``)."""
+    config_path: str
+    """``<run_dir>/config.yaml`` on the volume."""
     user_overrides: tuple[str, ...] = ()
     """The ``train_overrides`` part alone (the sweep warns when its best values replace one)."""
-    revision: str | None = None
-    """``model.revision`` of the overrides: the tokenize step reads the tokenizer the trainer loads."""
 
-    def command_overrides(self, data_dir: str, extra: typing.Sequence[str] = ()) -> list[str]:
-        """The full list for the trainer: the plan's, ``data=``, then ``extra`` (a sweep's best, which win)."""
-        return [*self.overrides, f"data={data_dir}", *extra]
+    @property
+    def model(self) -> str:
+        return self.config.model.name_or_path
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def run_dir(self) -> str:
+        """output_dir of the run: stable across retries, so a retry resumes."""
+        return self.config.output_dir
+
+    @property
+    def revision(self) -> str | None:
+        """``model.revision``: the tokenize step reads the tokenizer the trainer loads."""
+        return self.config.model.revision or None
+
+    def launch(self, data_dir: str, extra: typing.Sequence[str] = ()) -> TrainerLaunch:
+        """The trainer's arguments: this config plus what only a later step knows, the tokenized data
+        ``data_dir`` (its path holds tokenize's cache key) and ``extra``, ``key=value`` items of a
+        sweep's best (which win)."""
+        return TrainerLaunch(self.config_path, post_plan_overrides(data_dir, extra))
+
+
+def post_plan_overrides(data_dir: str, extra: typing.Sequence[str] = ()) -> dict[str, str]:
+    """``{"data": data_dir, <key>: <value> of each extra item}`` (the one key=value grammar)."""
+    return {"data": data_dir, **dict(split_assignment(item) for item in extra)}
+
+
+@dataclass(frozen=True)
+class TrainerLaunch:
+    """What ``llmft train`` is started with: ``--config config_path`` then ``key=value`` of ``overrides``."""
+
+    config_path: str | None
+    """The resolved config on the volume (None: the trainer's defaults)."""
+    overrides: Mapping[str, Any]
+    """Settings decided after the plan only (the tokenized data, a sweep's best, Katib's trial values)."""
 
 
 @dataclass(frozen=True)
@@ -310,6 +344,8 @@ def _from_data(tp: Any, value: Any) -> Any:
     """Rebuild a value of type ``tp`` (dataclass, tuple[X, ...], X | None, dict, scalar) from JSON data."""
     if value is None:
         return None
+    if tp is TrainConfig:  # the trainer's own typed reader
+        return config_from_dict(value, "plan.json trainer.config")
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         hints = typing.get_type_hints(tp)

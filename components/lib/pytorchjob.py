@@ -609,13 +609,9 @@ class MasterLogFollower:
 # --- a JobPlan's PyTorchJob ------------------------------------------------------------------
 
 
-def overrides_mapping(overrides: list[str]) -> dict[str, str]:
-    """``["lora.r=16", ...]`` -> ``{"lora.r": "16", ...}`` (the form PyTorchJobSpec takes; a later key wins)."""
-    return dict(item.split("=", 1) for item in overrides)
-
-
-def build_pytorchjob_spec(job, overrides: list[str], *, name: str | None = None, namespace: str | None = None):
-    """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer with ``overrides``.
+def build_pytorchjob_spec(job, launch, *, name: str | None = None, namespace: str | None = None):
+    """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer as ``launch`` says (a TrainerLaunch:
+    ``--config`` the plan's config.yaml, then the ``key=value`` decided after the plan).
 
     Every Secret key the plan names is a required reference (no ``optional``): a missing one is
     named by the plan step's preflight, not discovered by a pod stuck in CreateContainerConfigError.
@@ -626,7 +622,8 @@ def build_pytorchjob_spec(job, overrides: list[str], *, name: str | None = None,
         name=name or job.name,
         namespace=namespace or None,
         image=job.image,
-        overrides=overrides_mapping(overrides),
+        config_path=launch.config_path,
+        overrides=dict(launch.overrides),
         num_nodes=job.num_workers,
         gpus_per_node=job.gpus_per_worker,
         cpu=job.resources.cpu,

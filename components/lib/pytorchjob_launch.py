@@ -1,7 +1,8 @@
 """The train step on a cluster: submit the run's PyTorchJob, or re-attach to it, and wait for it.
 
 :func:`build_pytorchjob_spec` turns the plan's :class:`~llmft.components.lib.plan.JobPlan` and the
-trainer overrides into a :class:`PyTorchJobSpec` (image, resources, node selector, Secrets, the data
+trainer's launch (``--config`` the plan's config.yaml, then ``data=`` and a sweep's best) into a
+:class:`PyTorchJobSpec` (image, resources, node selector, Secrets, the data
 PVC at the plan's mount path, the run-id label, ``activeDeadlineSeconds`` = the plan's job timeout,
 ``cleanPodPolicy: Running``); Katib trials are built by the same function. :func:`run_on_cluster`
 runs it. What a real cluster does, and what this module does about it (each upstream rule is
@@ -91,7 +92,7 @@ DEADLINE_MESSAGE = "active longer than specified deadline"
 
 def run_on_cluster(
     job,
-    overrides: list[str],
+    launch,
     *,
     poll_s: float = 30.0,
     cluster=None,
@@ -100,16 +101,16 @@ def run_on_cluster(
     pending_every: int = PENDING_EVERY,
     owner: dict | None = None,
 ) -> dict:
-    """The train step's cluster backends: the plan's job (``job``, a JobPlan) run to its end with
-    ``overrides``; returns a summary once it Succeeded (see :func:`run_job`)."""
+    """The train step's cluster backends: the plan's job (``job``, a JobPlan) run to its end as ``launch``
+    (a TrainerLaunch) says; returns a summary once it Succeeded (see :func:`run_job`)."""
 
     cluster = cluster or cluster_module.Cluster()
     if job.backend == "trainjob":  # Kubeflow Trainer v2 (components/lib/trainjob_launch.py)
         with delete_on_sigterm(cluster, trainjob_spec.GROUP, trainjob_spec.VERSION, trainjob_spec.PLURAL, job.name):
-            return run_trainjob_on_cluster(job, overrides, poll_s=poll_s, cluster=cluster)
+            return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster)
     return run_job(
         cluster,
-        build_pytorchjob_spec(job, overrides),
+        build_pytorchjob_spec(job, launch),
         timeout_s=float(job.timeout_s),
         poll_s=poll_s,
         print_fn=print_fn,

@@ -21,18 +21,20 @@ import dataclasses
 import hashlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
-from llmft.components.lib.plan_schema import job_name
+from llmft.components.lib.plan_schema import TrainerLaunch, job_name
 from llmft.components.lib.pytorchjob import build_pytorchjob_spec, trial_pytorchjob_dict
 from llmft.components.lib.trainjob_spec import trial_trainjob_dict
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
 from llmft.katib.tracking import ParentRun
 from llmft.katib.webhook_rules import check_experiment
+from llmft.trainer.config import split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
@@ -41,6 +43,11 @@ DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "ev
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
+
+
+SETTINGS_NOT_CARRIED = ("output_dir", "observe.mlflow_experiment")
+"""Of ``settings`` (no config file): the final training's own place, and its MLflow experiment (a trial's
+is the sweep's, or the trainer's default)."""
 
 
 def experiment_name(run_id: str) -> str:
@@ -66,21 +73,22 @@ def sweep_trial_job(
     sweep,
     *,
     job,
-    model: str,
     data: str,
-    method: str = "lora",
+    config_path: str | None = None,
+    settings: Mapping[str, Any] | None = None,
     fixed_overrides: Sequence[str] = DEFAULT_TRIAL_OVERRIDES,
     mlflow_parent_run_id: str = "",
     mlflow_experiment: str = "",
-    base_overrides: Sequence[str] = (),
 ) -> dict:
     """The trial's job as a dict (a PyTorchJob; a TrainJob for backend trainjob): ``job`` (the plan's
     JobPlan: image, resources, Secrets, node selector) running the trainer on the existing tokenized
     shards ``data`` (never re-tokenized), each trial in ``<volume>/sweeps/<experiment>/<trial name>``.
 
-    ``base_overrides`` are the final training's own (the plan's trainer overrides: target modules,
-    seed, ``train_overrides``, ...), so a trial tunes the model the train step trains; the keys a
-    trial sets itself, the searched ones and the fixed trial settings replace theirs."""
+    A trial starts from the final training's config, so it tunes the model the train step trains:
+    ``config_path`` (the plan's config.yaml: ``llmft train --config``), or, where no plan step wrote
+    one (``llmft sweep create``), ``settings`` (dotted key -> value) on the command line. Then the
+    keys a trial sets itself, the fixed trial settings and the searched ones (Katib's
+    ``${trialParameters.x}``) replace theirs."""
     from llmft.katib.experiment import TRIAL_NAME_PLACEHOLDER, trial_overrides  # heavy: kubeflow_katib_api
 
     if not data:
@@ -89,24 +97,17 @@ def sweep_trial_job(
             "(e.g. data=/data/tokenized/<cache key>); trials never tokenize"
         )
     check_trial_overrides(sweep, fixed_overrides)
-    replaced = {*TRIAL_OWNED_KEYS, "observe.mlflow_experiment", *(p.config_key for p in sweep.search_space)}
-    replaced |= {o.split("=", 1)[0] for o in fixed_overrides}
-    if "max_steps" in replaced:  # a trial's own length: the final training's epochs do not apply
-        replaced.add("epochs")
-    overrides = [
-        *(o for o in base_overrides if o.split("=", 1)[0] not in replaced),
-        f"model.name_or_path={model}",
-        f"data={data}",
-        f"method={method}",
-        f"output_dir={job.mount_path}/sweeps/{sweep.name}/{TRIAL_NAME_PLACEHOLDER}",
-        "resume=auto",
-        f"observe.run_name={TRIAL_NAME_PLACEHOLDER}",
-        *fixed_overrides,
-        *trial_overrides(sweep),
-    ]
+    trial: dict[str, Any] = {
+        "data": data,
+        "output_dir": f"{job.mount_path}/sweeps/{sweep.name}/{TRIAL_NAME_PLACEHOLDER}",
+        "observe.run_name": TRIAL_NAME_PLACEHOLDER,
+        **dict(split_assignment(item) for item in [*fixed_overrides, *trial_overrides(sweep)]),
+    }
     if mlflow_experiment:
-        overrides.append(f"observe.mlflow_experiment={mlflow_experiment}")
-    spec = build_pytorchjob_spec(job, overrides, name=job_name(sweep.name), namespace=sweep.namespace)
+        trial["observe.mlflow_experiment"] = mlflow_experiment
+    base = {k: v for k, v in (settings or {}).items() if k not in {*trial, *SETTINGS_NOT_CARRIED}}
+    launch = TrainerLaunch(config_path, {**base, **trial})
+    spec = build_pytorchjob_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
     if job.backend == "trainjob":  # Kubeflow Trainer v2 trials (components/lib/trainjob_spec.py)
@@ -173,7 +174,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     os.makedirs(output_dir, exist_ok=True)
     experiment = plan.registry.experiment
     if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
-        result = _run_local(spec, tokenized_dir, trainer.model, trainer.method, fixed, sweep.workdir, experiment)
+        result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment)
     else:
         with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:
             result = _run_katib(
@@ -183,11 +184,9 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
                 poll_s,
                 Path(output_dir),
                 job=plan.job,
-                model=trainer.model,
                 data=tokenized_dir,
-                method=trainer.method,
+                config_path=trainer.config_path,
                 fixed_overrides=fixed,
-                base_overrides=trainer.overrides,
                 mlflow_parent_run_id=parent.run_id or "",
                 mlflow_experiment=parent.experiment if parent.run_id else experiment,
             )
@@ -198,10 +197,11 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     return result
 
 
-def _run_local(spec, tokenized_dir, model, method, fixed, workdir, mlflow_experiment) -> dict:
+def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment) -> dict:
     from llmft.katib.local_sweep import run_local_sweep  # heavy: kubeflow_katib_api, optuna
 
-    args = [f"model.name_or_path={model}", f"data={tokenized_dir}", f"method={method}", *fixed]
+    # the final training's config, as the Katib trials; each trial's run is named after its output_dir
+    args = ["--config", config_path, f"data={tokenized_dir}", "observe.run_name=", *fixed]
     result = run_local_sweep(
         spec, trials=spec.max_trials, trainer_args=args, workdir=workdir, mlflow_experiment=mlflow_experiment
     )

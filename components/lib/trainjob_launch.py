@@ -391,8 +391,8 @@ def run_trainjob(
     }
 
 
-def run_trainjob_on_cluster(job, overrides: list[str], *, poll_s: float = 30.0, cluster=None) -> dict:
+def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None) -> dict:
     """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run."""
 
-    trainjob = build_trainjob(build_pytorchjob_spec(job, overrides), runtime=job.runtime)
+    trainjob = build_trainjob(build_pytorchjob_spec(job, launch), runtime=job.runtime)
     return run_trainjob(cluster or cluster_module.Cluster(), trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s)

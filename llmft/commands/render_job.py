@@ -2,9 +2,11 @@
 
 The job is built by the launcher's own code from a plan built from the given pipeline
 parameters: ``build_plan`` (as the plan-run step does on a cluster), then
-``plan.trainer.command_overrides(<tokenized dir>)`` and ``build_pytorchjob_spec`` (as the train
-step does), then ``build_pytorchjob`` or ``build_trainjob``. Only the tokenized folder (known once
-the tokenize step ran) and the run id (the KFP run's) are placeholders.
+``plan.trainer.launch(<tokenized dir>)`` and ``build_pytorchjob_spec`` (as the train step does),
+then ``build_pytorchjob`` or ``build_trainjob``. Only the tokenized folder (known once the tokenize
+step ran) and the run id (the KFP run's) are placeholders. The job runs ``llmft train --config
+<run_dir>/config.yaml data=...``; the file's header shows that config.yaml as the plan step would
+write it on the volume (this command writes nothing there).
 """
 
 from __future__ import annotations
@@ -48,10 +50,18 @@ def render_job(
 ) -> dict:
     """The job body (a dict, as the API server receives it) for pipeline parameters ``arguments``, checked as
     the plan step of that pipeline (``hpo``: the sweep pipeline, whose trial overrides are checked too)."""
+    return render_job_and_config(arguments, backend, run_id=run_id, namespace=namespace, data=data, hpo=hpo)[0]
+
+
+def render_job_and_config(
+    arguments: dict, backend: str, *, run_id: str, namespace: str | None, data: str | None, hpo: bool = False
+) -> tuple[dict, str]:
+    """:func:`render_job`'s body, and the config.yaml the plan step would write (path line, then its YAML)."""
     from llmft.components.lib.plan import build_plan
     from llmft.components.lib.plan_checks import compiled_settings
     from llmft.components.lib.pytorchjob import build_pytorchjob_spec
     from llmft.components.plan import parameter_defaults
+    from llmft.trainer.config import config_to_yaml
     from llmft.trainer.errors import ConfigError
 
     given = arguments.get("training_backend", BACKENDS[backend])
@@ -60,15 +70,16 @@ def render_job(
     values = {**parameter_defaults(), **arguments, "training_backend": BACKENDS[backend]}
     pipeline = "llm-finetune-hpo" if hpo else "llm-finetune"
     plan = build_plan(values, run_id=run_id, compiled=compiled_settings(pipeline, values), environ=RENDER_POD)
-    overrides = plan.trainer.command_overrides(data or plan.layout.tokenized("CACHE_KEY"))
-    spec = build_pytorchjob_spec(plan.job, overrides, namespace=namespace)
+    launch = plan.trainer.launch(data or plan.layout.tokenized("CACHE_KEY"))
+    spec = build_pytorchjob_spec(plan.job, launch, namespace=namespace)
+    config = f"{plan.trainer.config_path}:\n{config_to_yaml(plan.trainer.config)}"
     if backend == "trainjob":
         from llmft.components.lib.trainjob_spec import build_trainjob, trainjob_to_dict
 
-        return trainjob_to_dict(build_trainjob(spec, runtime=plan.job.runtime))
+        return trainjob_to_dict(build_trainjob(spec, runtime=plan.job.runtime)), config
     from llmft.components.lib.pytorchjob import build_pytorchjob, pytorchjob_to_dict
 
-    return pytorchjob_to_dict(build_pytorchjob(spec))
+    return pytorchjob_to_dict(build_pytorchjob(spec)), config
 
 
 # Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (katib/experiment.py has
@@ -93,12 +104,14 @@ def run_render_job(args: argparse.Namespace) -> int:
     from llmft.trainer.io import write_owned_file
 
     check_yaml_output(args.output, force=args.force)
-    body = render_job(
+    body, config = render_job_and_config(
         typed_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data, hpo=args.hpo
     )
     header = (
         f"# {body['kind']} the train step would submit (llmft pipeline render-job --backend {args.backend}).\n"
         "# Placeholders: the run id in the name and labels, CACHE_KEY in data= (the tokenize step's folder).\n"
+        "# The trainer reads --config, which the plan step writes on the volume (not written by this command):\n"
+        + "".join(f"#   {line}\n" for line in config.splitlines())
     )
     text = yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=120, default_flow_style=False)
     write_owned_file(args.output, header + text, command="pipeline render-job", force=args.force)

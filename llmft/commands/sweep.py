@@ -171,27 +171,28 @@ def trial_job(settings: dict, name: str):
 
 
 def build_from_settings(items: list[str]):
-    """The Experiment (typed model) for ``llmft sweep create key=value ...``; its trials carry the
-    trainer overrides the pipeline's train step would use with the same parameters."""
+    """The Experiment (typed model) for ``llmft sweep create key=value ...``; its trials start from the
+    trainer config the pipeline's plan would resolve from the same parameters. No plan step writes a
+    config.yaml on the volume here, so the trials carry its non-default settings as key=value."""
     from llmft.components.lib.plan import trainer_plan
     from llmft.components.lib.plan_schema import DataLayout
     from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
     from llmft.katib.experiment import SweepSpec, apply_overrides
+    from llmft.trainer.config import changed_settings
 
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)
     fixed = {key: value for key, value in (o.split("=", 1) for o in (*DEFAULT_TRIAL_OVERRIDES, *train))}
     data = job.pop("data", "")
     plan_job, p = trial_job(job, spec.name)
+    config = trainer_plan(p, DataLayout(p.data_root), spec.name).config
     return build_sweep_experiment(
         spec,
         job=plan_job,
-        model=p.model,
-        method=p.method,
         data=data,
+        settings=changed_settings(config),
         fixed_overrides=[f"{k}={v}" for k, v in fixed.items()],
         mlflow_experiment=job.get("mlflow_experiment", ""),
-        base_overrides=trainer_plan(p, DataLayout(p.data_root), spec.name).overrides,
     )
 
 

@@ -114,7 +114,7 @@ def sim_volume(tmp_path_factory, tiny_model_dir):
 
 def sim_plan(volume: Path, *, hpo: bool = False, run_id: str = SIM_RUN_ID, **changes):
     """A plan (the real builder, the pipelines' defaults) whose job trains the tiny model on ``volume``."""
-    from llmft.components.lib.plan import build_plan
+    from llmft.components.lib.plan import build_plan, write_run_config
     from llmft.components.lib.plan_checks import compiled_settings
     from llmft.components.plan import parameter_defaults
 
@@ -131,7 +131,9 @@ def sim_plan(volume: Path, *, hpo: bool = False, run_id: str = SIM_RUN_ID, **cha
         **changes,
     }
     compiled = compiled_settings("llm-finetune-hpo" if hpo else "llm-finetune", values)
-    return build_plan(values, run_id=run_id, compiled=compiled, environ={"MLFLOW_TRACKING_URI": "unused-here"})
+    plan = build_plan(values, run_id=run_id, compiled=compiled, environ={"MLFLOW_TRACKING_URI": "unused-here"})
+    write_run_config(plan)  # as the plan step does: the job's `llmft train --config` reads it on the volume
+    return plan
 
 
 @pytest.fixture

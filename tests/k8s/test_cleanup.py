@@ -117,7 +117,7 @@ def test_jobs_are_owned_by_the_runs_workflow_never_by_the_launcher_pod(
     ]
     plan = sim_plan(sim_volume, run_id=RUN)
     with pytest.raises(JobFailedPermanently):  # bad data: the job is created, then fails at once
-        run_on_cluster(plan.job, plan.trainer.command_overrides("/missing"), poll_s=0.2, cluster=fake_cluster,
+        run_on_cluster(plan.job, plan.trainer.launch("/missing"), poll_s=0.2, cluster=fake_cluster,
                        print_fn=lambda _: None)  # fmt: skip
     (job,) = fake_custom_api.created("pytorchjobs")
     assert job["metadata"]["ownerReferences"] == [

@@ -34,7 +34,7 @@ DATA = "tokenized/demo"
 
 
 def _overrides(plan, data: str | None = None) -> list[str]:
-    return plan.trainer.command_overrides(data or f"{plan.layout.root}/{DATA}")
+    return plan.trainer.launch(data or f"{plan.layout.root}/{DATA}")
 
 
 def _run(plan, cluster, *, data: str | None = None, **kwargs):

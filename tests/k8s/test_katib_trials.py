@@ -19,6 +19,7 @@ from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 from llmft.components.lib.pytorchjob_launch import wait_for_job
 from llmft.components.lib.sweep import sweep_trial_job
 from llmft.katib.experiment import SweepSpec, apply_overrides
+from llmft.trainer.config import load_config
 from llmft.trainer.io import is_complete
 
 VALUES = {"learning_rate": "0.005", "lora_r": "4", "lora_alpha": "8", "lora_dropout": "0.0", "warmup_ratio": "0.0"}
@@ -30,10 +31,9 @@ def trial(plan, name: str, *, early_stopping: bool, data: str, max_steps: int = 
     body = sweep_trial_job(
         spec,
         job=plan.job,
-        model=plan.trainer.model,
         data=data,
+        config_path=plan.trainer.config_path,
         fixed_overrides=[f"max_steps={max_steps}", "save_every=0", f"eval_every={eval_every}"],
-        base_overrides=plan.trainer.overrides,
     )
     values = {**VALUES, "trial_name": name}
     job = json.loads(re.sub(r"\$\{trialParameters\.([a-z_]+)\}", lambda m: values[m.group(1)], json.dumps(body)))
@@ -55,24 +55,27 @@ def _wait_for(path: Path, text: str, timeout_s: float = 180.0, sim=None) -> None
 
 
 def test_the_trial_carries_the_final_trainings_settings(sim_volume):
-    """The sweep tunes the model the train step trains: train_overrides, target modules and seed
-    reach every trial (the keys a trial sets itself, and the searched ones, stay the trial's)."""
+    """The sweep tunes the model the train step trains: each trial starts from the plan's config.yaml
+    (``--config``: train_overrides, target modules and seed), and only the keys a trial sets itself,
+    the fixed trial settings and the searched ones are key=value on its command line."""
     plan = sim_plan(
         sim_volume, lora_target_modules="q_proj,v_proj", seed=7, train_overrides=f"optim.weight_decay=0.05 {TINY_TRAIN}"
     )
     job = trial(plan, "t-1", early_stopping=True, data="/d")
     script = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]
     words = script.split()
-    for expected in (
-        "lora.target_modules=q_proj,v_proj",
-        "seed=7",
-        "optim.weight_decay=0.05",
-        "batch.global_sequences=4",
-    ):
-        assert expected in words, expected
-    assert "optim.lr=0.005" in words and f"optim.lr={plan.parameters['learning_rate']}" not in words
-    assert "output_dir=/data/sweeps/llmft-sweep-t/t-1".replace("/data", str(sim_volume)) in words
-    assert "max_steps=400" in words and not [w for w in words if w.startswith("epochs=")]
+    config_path = words[words.index("--config") + 1]
+    arguments = words[words.index("--config") + 2 : words.index("&")]
+    assert config_path == plan.trainer.config_path and not {"seed=7", "optim.weight_decay=0.05"} & set(arguments)
+    cfg = load_config(config_path, arguments)  # what the trial's trainer resolves
+    assert (cfg.lora.target_modules, cfg.seed, cfg.optim.weight_decay, cfg.batch.global_sequences) == (
+        ("q_proj", "v_proj"),
+        7,
+        0.05,
+        4,
+    )
+    assert cfg.optim.lr == 0.005 and cfg.lora.r == 4 and cfg.max_steps == 400 and cfg.data == "/d"
+    assert cfg.output_dir == f"{sim_volume}/sweeps/llmft-sweep-t/t-1" and cfg.observe.run_name == "t-1"
 
 
 @pytest.mark.slow

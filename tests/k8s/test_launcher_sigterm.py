@@ -91,7 +91,7 @@ def _launch(plan, fake_cluster, printed: list, stop) -> int:
     try:
         threading.Thread(target=stop, daemon=True).start()
         with pytest.raises(SystemExit) as stopped:
-            run_on_cluster(plan.job, plan.trainer.command_overrides(f"{plan.layout.root}/tokenized/demo"),
+            run_on_cluster(plan.job, plan.trainer.launch(f"{plan.layout.root}/tokenized/demo"),
                            cluster=fake_cluster, poll_s=0.2, owner={}, print_fn=printed.append)  # fmt: skip
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -114,7 +114,7 @@ def test_an_evicted_launcher_keeps_the_job_and_the_retry_reattaches(
     assert any("SIGTERM (evicted: " in line and "keeping pytorchjobs" in line for line in printed), printed[-5:]
     assert _job_key(plan) in fake_custom_api.objects and master in sim.running()
     monkeypatch.setenv("KFP_POD_NAME", LAUNCHER.replace("-1", "-2"))  # the retry's pod
-    result = run_on_cluster(plan.job, plan.trainer.command_overrides(f"{sim_volume}/tokenized/demo"),
+    result = run_on_cluster(plan.job, plan.trainer.launch(f"{sim_volume}/tokenized/demo"),
                             cluster=fake_cluster, poll_s=0.2, owner={}, print_fn=printed.append)  # fmt: skip
     assert result["succeeded"] and result["reattached"]
     assert [c[0] for c in fake_custom_api.calls if c[0] in ("create", "delete") and c[4] == PLURAL] == ["create"]

@@ -29,7 +29,7 @@ def test_a_job_whose_pods_never_start_is_stopped_with_their_reason(
     plan = sim_plan(sim_volume, run_id="run-never-starts", job_timeout_s=30)
     sim.never_start[f"{plan.job.name}-master-0"] = NOT_ADMITTED
     with pytest.raises(JobNeverStarts) as error:
-        run_on_cluster(plan.job, plan.trainer.command_overrides(f"{sim_volume}/tokenized/demo"), cluster=fake_cluster,
+        run_on_cluster(plan.job, plan.trainer.launch(f"{sim_volume}/tokenized/demo"), cluster=fake_cluster,
                        poll_s=0.2, owner={}, print_fn=lambda _: None)  # fmt: skip
     message = str(error.value)
     assert "recreated 3 times" in message and "UnexpectedAdmissionError: Allocate failed" in message

@@ -30,7 +30,7 @@ def test_a_failed_job_is_recreated_only_after_its_pods_are_gone(sim, fake_cluste
     the new job met the old master still terminating (committing its SIGTERM checkpoint): the
     operator could not create ``<job>-master-0`` (AlreadyExists). Foreground: no collision."""
     plan = sim_plan(sim_volume, run_id="run-recreate", max_steps=6)
-    overrides = plan.trainer.command_overrides(f"{sim_volume}/tokenized/demo")
+    overrides = plan.trainer.launch(f"{sim_volume}/tokenized/demo")
     first = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, overrides)))
     first["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
     fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, first)

@@ -162,7 +162,7 @@ def _plan(**changes):
 
 def _trainjob(**changes):
     plan = _plan(**changes)
-    spec = build_pytorchjob_spec(plan.job, plan.trainer.command_overrides(DATA), namespace=NS)
+    spec = build_pytorchjob_spec(plan.job, plan.trainer.launch(DATA), namespace=NS)
     return build_trainjob(spec, runtime=plan.job.runtime)
 
 
@@ -314,7 +314,7 @@ def test_the_train_step_dispatches_backend_trainjob(crd_dir):
     sim.script(start, condition("Complete", "AllJobsCompleted"))
     plan = _plan()
     job = dataclasses.replace(plan.job, timeout_s=5)
-    result = run_on_cluster(job, plan.trainer.command_overrides(DATA), poll_s=0.01, cluster=sim.cluster)
+    result = run_on_cluster(job, plan.trainer.launch(DATA), poll_s=0.01, cluster=sim.cluster)
     assert result["succeeded"] and [b["kind"] for b in _created(sim)] == ["TrainJob"]
 
 

@@ -44,7 +44,7 @@ def runtime_crd_errors(crd_dir):
 
 def _spec(**changes):
     plan = make_plan(training_backend="trainjob", **changes)
-    return plan, build_pytorchjob_spec(plan.job, plan.trainer.command_overrides(DATA))
+    return plan, build_pytorchjob_spec(plan.job, plan.trainer.launch(DATA))
 
 
 PLANS = {

@@ -105,7 +105,9 @@ def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(cr
 
     cluster = _cluster(crd_dir)
     plan = make_plan(training_backend="trainjob")
-    job = build_trainjob(build_pytorchjob_spec(plan.job, ["data=/data/tokenized/x"]), runtime=plan.job.runtime)
+    job = build_trainjob(
+        build_pytorchjob_spec(plan.job, plan.trainer.launch("/data/tokenized/x")), runtime=plan.job.runtime
+    )
 
     def stall(obj, count):  # after the submit, the server stops answering
         cluster.custom_api.unanswered.add(PLURAL)

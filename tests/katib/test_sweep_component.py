@@ -154,9 +154,10 @@ def test_component_output_feeds_the_train_step(tmp_path, monkeypatch):
     artifact, metrics = dsl.Artifact(uri=str(tmp_path / "sweep")), dsl.Metrics(uri=str(tmp_path / "m"))
     output = sweep_hyperparameters.python_func(plan=plan_artifact, tokenized=tokenized, sweep=artifact, metrics=metrics)
     assert shlex.split(output) == BEST_OVERRIDES[:4]
-    # what the train step does with it: the plan's overrides (train_overrides last), data, then the best
-    command = plan.trainer.command_overrides("/data/tokenized/abc", shlex.split(output))
-    assert command.index("lora.r=8") < command.index("lora.r=32") and command[-4:] == BEST_OVERRIDES[:4]
+    # what the train step does with it: the plan's config (train_overrides' lora.r=8), then data and the best
+    launch = plan.trainer.launch("/data/tokenized/abc", shlex.split(output))
+    assert plan.trainer.config.lora.r == 8 and launch.config_path == plan.trainer.config_path
+    assert [f"{k}={v}" for k, v in launch.overrides.items()] == ["data=/data/tokenized/abc", *BEST_OVERRIDES[:4]]
     created = api.created[0][1]
     assert [p["name"] for p in created["spec"]["parameters"]] == [
         "learning_rate",

@@ -343,9 +343,9 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
     compiled = body["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
     plan = build_plan(values, run_id="run-1", compiled=compiled, environ={"KFP_POD_NAME": "p"})
-    job = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, plan.trainer.command_overrides("/d"))))
+    job = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, plan.trainer.launch("/d"))))
     sweep = apply_overrides(SweepSpec(name=plan.sweep.experiment), list(plan.sweep.settings))
-    trial = sweep_trial_job(sweep, job=plan.job, model=plan.trainer.model, data="/data/tokenized/k")
+    trial = sweep_trial_job(sweep, job=plan.job, config_path=plan.trainer.config_path, data="/data/tokenized/k")
     request = DeployRequest(adapter_dir="/data/models/m/run-1", base_model="org/m", adapter_name="m", version="1",
         deploy=True, mode="kserve", name="m", namespace="", gpus=1, max_lora_rank=64, pvc_name="llmft-data",
         data_root="/data", runtime=plan.serving.runtime)

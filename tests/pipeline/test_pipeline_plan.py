@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from plan_helpers import CLUSTER, RUN_ID, make_plan, parameters
 
-from llmft.components.lib.plan import Parameters, build_plan
+from llmft.components.lib.plan import Parameters, build_plan, write_run_config
 from llmft.components.lib.plan_checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
 from llmft.components.lib.plan_schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
 from llmft.components.plan import parameter_defaults, plan_run
 from llmft.trainer.config import load_config
-from llmft.trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError, OutputNotOursError
+from llmft.trainer.io import OWNED_FILE_MARK
 
 
 def test_the_builder_reads_every_parameter_of_the_signature():
@@ -40,20 +43,57 @@ def test_plan_round_trips_through_plan_json(tmp_path):
         RunPlan.from_json(json.dumps(data))
 
 
-def test_lora_r_becomes_lora_r_in_one_place_and_reaches_the_trainer():
+def test_lora_r_reaches_the_trainer_as_an_int_through_config_yaml(tmp_path):
+    """Issue 26: lora_r (pipeline) -> TrainConfig.lora.r (int, in the plan) -> config.yaml -> the trainer's
+    TrainConfig.lora.r; the trainer's command line carries --config plus only what tokenize and the sweep
+    decide (data=, the best values), never the plan's settings."""
     plan = make_plan(
-        lora_r=8, lora_alpha=16.0, learning_rate=1e-4, max_steps=0, epochs=2.0, train_overrides="save_every=50"
+        data_root=str(tmp_path),
+        lora_r=8,
+        lora_alpha=16.0,
+        learning_rate=1e-4,
+        max_steps=0,
+        epochs=2.0,
+        train_overrides="save_every=50",
     )
-    command = plan.trainer.command_overrides("/data/tokenized/k", ["lora.r=32"])
-    assert "lora.r=8" in plan.trainer.overrides and command[-2:] == ["data=/data/tokenized/k", "lora.r=32"]
-    cfg = load_config(None, command)
-    assert (cfg.lora.r, cfg.lora.alpha, cfg.optim.lr, cfg.epochs, cfg.save_every) == (32, 16.0, 1e-4, 2.0, 50)
+    assert plan.trainer.config.lora.r == 8 and type(plan.trainer.config.lora.r) is int
+    assert write_run_config(plan) == plan.trainer.config_path == f"{plan.trainer.run_dir}/config.yaml"
+    text = Path(plan.trainer.config_path).read_text()
+    assert text.startswith(OWNED_FILE_MARK) and yaml.safe_load(text)["lora"]["r"] == 8
+    launch = plan.trainer.launch(f"{tmp_path}/tokenized/k")
+    assert launch.overrides == {"data": f"{tmp_path}/tokenized/k"}
+    cfg = load_config(launch.config_path, [f"{k}={v}" for k, v in launch.overrides.items()])
+    assert (
+        cfg.lora.r == 8 and type(cfg.lora.r) is int and cfg == dataclasses.replace(plan.trainer.config, data=cfg.data)
+    )
+    assert (cfg.lora.alpha, cfg.optim.lr, cfg.epochs, cfg.save_every) == (16.0, 1e-4, 2.0, 50)
     assert (cfg.model.name_or_path, cfg.output_dir, cfg.resume) == (
         "Qwen/Qwen2.5-7B-Instruct",
         plan.trainer.run_dir,
         "auto",
     )
-    assert load_config(None, make_plan(max_steps=7).trainer.command_overrides("d")).max_steps == 7
+    best = plan.trainer.launch("d", ["lora.r=32"])  # a sweep's best wins over the config
+    assert load_config(best.config_path, [f"{k}={v}" for k, v in best.overrides.items()]).lora.r == 32
+    assert make_plan(max_steps=7).trainer.config.max_steps == 7
+
+
+def test_a_retried_plan_rewrites_its_config_yaml_but_never_a_foreign_one(tmp_path):
+    plan = make_plan(data_root=str(tmp_path))
+    write_run_config(plan)
+    first = Path(plan.trainer.config_path).read_text()
+    write_run_config(plan)  # a retried plan task: same parameters, same file
+    assert Path(plan.trainer.config_path).read_text() == first
+    Path(plan.trainer.config_path).write_text("lora:\n  r: 64\n")  # somebody's own file
+    with pytest.raises(OutputNotOursError, match="did not write"):
+        write_run_config(plan)
+    assert Path(plan.trainer.config_path).read_text() == "lora:\n  r: 64\n"
+
+
+def test_a_bad_training_parameter_names_the_pipeline_parameter():
+    with pytest.raises(ConfigError, match=r"pipeline parameter `lora_r`: `lora.r` must be > 0"):
+        make_plan(lora_r=0)
+    with pytest.raises(ConfigError, match=r"train_overrides `optim.beta1=...`: `optim.beta1` must be in"):
+        make_plan(train_overrides="optim.beta1=2")
 
 
 @pytest.mark.parametrize(
@@ -256,12 +296,15 @@ def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch, capsys):
 
     monkeypatch.delenv("KFP_POD_NAME", raising=False)
     artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
-    plan_run.python_func(plan=artifact, **parameters(lora_r=8, max_lora_rank=8), run_id="r1", compiled="")
+    plan_run.python_func(
+        plan=artifact, **parameters(lora_r=8, max_lora_rank=8, data_root=str(tmp_path)), run_id="r1", compiled=""
+    )
     plan = read_plan(artifact.path)
-    assert plan.run_id == "r1" and "lora.r=8" in plan.trainer.overrides and not plan.on_cluster
+    assert plan.run_id == "r1" and plan.trainer.config.lora.r == 8 and not plan.on_cluster
+    assert load_config(plan.trainer.config_path, ["data=d"]) == dataclasses.replace(plan.trainer.config, data="d")
     assert artifact.metadata["trainer_image"] == plan.images.trainer
     assert "serving form" not in capsys.readouterr().out  # a plain adapter: decided after promotion
-    dora = parameters(lora_r=8, max_lora_rank=8, train_overrides="lora.use_dora=true")
+    dora = parameters(lora_r=8, max_lora_rank=8, train_overrides="lora.use_dora=true", data_root=str(tmp_path))
     plan_run.python_func(plan=artifact, **dora, run_id="r2", compiled="")
     assert "serving form: merged (lora.use_dora=true (DoRA)" in capsys.readouterr().out
     assert read_plan(artifact.path).serving.form_note.startswith("lora.use_dora=true")

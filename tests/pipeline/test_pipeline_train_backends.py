@@ -10,7 +10,7 @@ from plan_helpers import RUN_ID, make_plan
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.deployment import crd_schema_errors
 from llmft.components.lib.local_train import TrainingFailed, run_local_training, train_command
-from llmft.components.lib.plan_schema import TrainingJobFailed, job_name
+from llmft.components.lib.plan_schema import TrainerLaunch, TrainingJobFailed, job_name
 from llmft.components.lib.pytorchjob_launch import run_on_cluster
 
 NS = "team-a"
@@ -26,7 +26,7 @@ PLAN = make_plan(
     gpu_node_selector="nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
     trainer_image="registry.example.com/ml/llmft-trainer:1.2.3",
 )
-OVERRIDES = PLAN.trainer.command_overrides("/data/tokenized/abc")
+LAUNCH = PLAN.trainer.launch("/data/tokenized/abc")
 NAME = job_name(RUN_ID)
 MASTER = f"{NAME}-master-0"
 
@@ -76,7 +76,7 @@ def fakes():
 
 
 def _run(cluster, plan=PLAN):
-    return run_on_cluster(plan.job, plan.trainer.command_overrides("/data/tokenized/abc"), poll_s=0.01, cluster=cluster)
+    return run_on_cluster(plan.job, plan.trainer.launch("/data/tokenized/abc"), poll_s=0.01, cluster=cluster)
 
 
 def test_succeeded_job_is_the_intended_pytorchjob(fakes, crd_dir):
@@ -92,7 +92,9 @@ def test_succeeded_job_is_the_intended_pytorchjob(fakes, crd_dir):
     pod = master["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["llmft"] and container["image"] == "registry.example.com/ml/llmft-trainer:1.2.3"
-    assert container["args"][:2] == ["train", "--nproc"] and set(OVERRIDES) <= set(container["args"])
+    # the plan's resolved config.yaml, then only what tokenize decided: no plan setting on the command line
+    config = f"{PLAN.trainer.run_dir}/config.yaml"
+    assert container["args"] == ["train", "--nproc", "8", "--config", config, "data=/data/tokenized/abc"]
     assert {"name": "pvc-0", "mountPath": "/data"} in container["volumeMounts"]
     assert {"name": "pvc-0", "persistentVolumeClaim": {"claimName": "llmft-data"}} in pod["volumes"]
     env = {e["name"]: e for e in container["env"]}
@@ -154,11 +156,11 @@ def test_job_names_are_stable_valid_and_distinct():
 @pytest.mark.slow
 def test_the_local_backend_runs_the_command_of_a_job_replica(tmp_path):
     """`llmft train --nproc N`: the one launcher (SIGTERM -> 143), exactly what the PyTorchJob runs."""
-    command = train_command(["lora.r=8"], nproc=2)
-    assert command[1:] == ["-m", "llmft", "train", "--nproc", "2", "lora.r=8"]
+    command = train_command(TrainerLaunch("/c.yaml", {"lora.r": 8}), nproc=2)
+    assert command[1:] == ["-m", "llmft", "train", "--nproc", "2", "--config", "/c.yaml", "lora.r=8"]
     with pytest.raises(TrainingFailed) as error:  # a real torchrun + trainer, refusing a bad config
         run_local_training(
-            ["lora.r=0", "model.name_or_path=x", "data=y", f"output_dir={tmp_path}"],
+            TrainerLaunch(None, {"lora.r": 0, "model.name_or_path": "x", "data": "y", "output_dir": str(tmp_path)}),
             log_path=tmp_path / "train.log",
             timeout_s=120,
         )
