@@ -43,6 +43,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hub_cache(tmp_path_factory, tiny_model_dir) -> Path:
+    """An offline hub cache holding the tiny model as ``tiny_hub.TINY_HUB_ID`` at two commits whose
+    tokenizers differ (tests/tiny_hub.py). Point HF_HUB_CACHE at it (in-process: ``use_tiny_hub``)."""
+    from tiny_hub import build_hub_cache
+
+    return build_hub_cache(tmp_path_factory.mktemp("hub"), tiny_model_dir)
+
+
+@pytest.fixture
+def use_tiny_hub(monkeypatch, tiny_hub_cache) -> str:
+    """This process reads the hub from ``tiny_hub_cache`` (huggingface_hub reads HF_HUB_CACHE once, at import:
+    its constant is what transformers consults on each load). Returns the model's hub id."""
+    from huggingface_hub import constants
+    from tiny_hub import TINY_HUB_ID
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tiny_hub_cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tiny_hub_cache))
+    return TINY_HUB_ID
+
+
+@pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory (about a minute to convert, once, then cached).
     Without its source (`make install` unpacks it) the test is skipped here, and fails under CI=true."""

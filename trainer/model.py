@@ -48,14 +48,6 @@ def check_method_supported(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError("method=qlora needs the bitsandbytes package: pip install 'kfp-llm-finetune[gpu]'") from None
 
 
-def load_tokenizer(model_cfg: ModelConfig):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        model_cfg.name_or_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
-    )
-
-
 def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zero3: bool, attention: str) -> dict:
     kwargs: dict[str, Any] = {
         "revision": cfg.model.revision,

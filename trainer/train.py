@@ -166,22 +166,17 @@ class Trainer:
         )
 
     def _load_tokenizer(self):
-        """The base model's tokenizer, carrying the chat template the data was tokenized with
-        (what serving must use). A missing directory or unknown hub id is one ConfigError."""
-        from llmft.trainer import model as model_lib
+        """The base model's tokenizer at ``model.revision``, carrying the chat template the data was tokenized
+        with (what serving must use). A missing directory or unknown hub id is one ConfigError."""
+        from llmft.trainer.tokenizer import load_tokenizer
 
-        name = self.cfg.model.name_or_path
-        try:
-            tokenizer = model_lib.load_tokenizer(self.cfg.model)
-        except (OSError, ValueError) as exc:  # HFValidationError is a ValueError
-            raise ConfigError(
-                f"model.name_or_path={name!r}: cannot load its tokenizer ({_first_line(exc)}); give a local model "
-                "directory or a hub id this machine can reach (HF_TOKEN for gated models)"
-            ) from None
-        template = self.plan.dataset.get("chat_template")
-        if template and getattr(tokenizer, "chat_template", None) != template:
-            tokenizer.chat_template = template
-        return tokenizer
+        model = self.cfg.model
+        return load_tokenizer(
+            model.name_or_path,
+            model.revision,
+            chat_template=self.plan.dataset.get("chat_template"),
+            trust_remote_code=model.trust_remote_code,
+        )
 
     def _load_model(self):
         # Called through the module: the benchmark harness wraps model.load_model.

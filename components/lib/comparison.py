@@ -139,7 +139,7 @@ def _compare(
     if not prompts:
         return {"note": f"{prepared_dir}: no conversation in the {split} split to answer"}
     manifest = dataset_info(tokenized_dir)
-    tokenizer = gen.load_tokenizer(base_model, manifest.get("chat_template"))
+    tokenizer = gen.generation_tokenizer(base_model, manifest)
     best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
     adapter = adapter_dir(Path(best["path"]))
     # label -> (model, adapter, known metrics)

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmft.trainer.tokenizer import load_tokenizer
+
 PROMPT_SET_SIZE = 16
 """Prompts per comparison: enough to see a difference, few enough to read (and to generate on one GPU in seconds)."""
 MAX_NEW_TOKENS = 128
@@ -68,13 +70,12 @@ def exact_match(answer: str, reference: str) -> float | None:
     return float(normalize(answer) == normalize(reference))
 
 
-def load_tokenizer(model_path: str, chat_template: str | None = None):
-    """The base model's tokenizer with the chat template the data was tokenized with, padding on the left."""
-    from transformers import AutoTokenizer  # heavy: transformers
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if chat_template:
-        tokenizer.chat_template = chat_template
+def generation_tokenizer(base_model: str, tokenized: dict):
+    """The tokenizer the data was tokenized with, read as the trainer reads it
+    (:func:`llmft.trainer.tokenizer.load_tokenizer`): ``base_model`` at the ``revision`` and with the
+    ``chat_template`` of ``tokenized`` (the tokenized dataset's manifest.json), ready for batched
+    generation: padding on the left, with EOS as the pad token when it has none."""
+    tokenizer = load_tokenizer(base_model, tokenized.get("revision"), chat_template=tokenized.get("chat_template"))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

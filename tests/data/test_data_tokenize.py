@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split, read_manifest
 from llmft.trainer.data.tokenize import cache_key_for, tokenize_dataset
-from llmft.trainer.errors import DataError
+from llmft.trainer.errors import ConfigError, DataError
 from llmft.trainer.io import is_complete
 
 MANIFEST_KEYS = {
@@ -244,7 +244,7 @@ def test_nothing_trainable_fails_and_bad_inputs_are_named(tmp_path, tiny_model_d
         tokenize_dataset(src, str(tiny_model_dir), tmp_path / "out", max_length=8, num_proc=1)
     with pytest.raises(DataError, match="no train.jsonl"):
         tokenize_dataset(tmp_path, str(tiny_model_dir), tmp_path / "out", num_proc=1)
-    with pytest.raises(DataError, match="cannot load the tokenizer"):
+    with pytest.raises(ConfigError, match=r"^model='.*no-model': cannot load the tokenizer \(.*\)\. Fix: "):
         tokenize_dataset(src, str(tmp_path / "no-model"), tmp_path / "out", num_proc=1)
     with pytest.raises(DataError, match="--truncation"):
         tokenize_dataset(src, str(tiny_model_dir), tmp_path / "out", truncation="cut")

@@ -7,35 +7,15 @@ templates differ give two cache keys: tokenizing at a pinned commit must give th
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-REPO = "acme/tiny-chat"
-MAIN = "a" * 40
-PINNED = "b" * 40
-
-
-def _hub_cache(root: Path, tiny_model_dir: Path) -> Path:
-    repo = root / f"models--{REPO.replace('/', '--')}"
-    for commit, marker in ((MAIN, "main"), (PINNED, "pinned")):
-        snapshot = repo / "snapshots" / commit
-        shutil.copytree(tiny_model_dir, snapshot)
-        template = snapshot / "chat_template.jinja"
-        if template.is_file():
-            template.write_text(f"{{#- {marker} -#}}" + template.read_text())
-        else:
-            config = json.loads((snapshot / "tokenizer_config.json").read_text())
-            config["chat_template"] = f"{{#- {marker} -#}}" + config["chat_template"]
-            (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(MAIN)
-    return root
+from tiny_hub import HUB_MAIN as MAIN
+from tiny_hub import HUB_PINNED as PINNED
+from tiny_hub import TINY_HUB_ID as REPO
 
 
 def _cache_key(cache: Path, prepared: Path, model: str, revision: str | None) -> str:
@@ -56,8 +36,8 @@ def _cache_key(cache: Path, prepared: Path, model: str, revision: str | None) ->
 
 
 @pytest.mark.slow
-def test_tokenize_reads_the_tokenizer_at_the_trainers_revision(tmp_path, tiny_model_dir, prepared_sample):
-    cache = _hub_cache(tmp_path / "hub", tiny_model_dir)
+def test_tokenize_reads_the_tokenizer_at_the_trainers_revision(tiny_hub_cache, prepared_sample):
+    cache = tiny_hub_cache
     snapshots = cache / f"models--{REPO.replace('/', '--')}" / "snapshots"
     pinned = _cache_key(cache, prepared_sample, REPO, PINNED)
     assert pinned == _cache_key(cache, prepared_sample, str(snapshots / PINNED), None)

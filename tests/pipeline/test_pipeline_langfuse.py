@@ -130,7 +130,7 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     from mlflow import MlflowClient
 
     from llmft.components.evaluate import evaluate_perplexity
-    from llmft.components.lib.generations import generate_answers, load_tokenizer, prompt_set
+    from llmft.components.lib.generations import generate_answers, generation_tokenizer, prompt_set
     from llmft.components.register import register_model
     from llmft.components.serving_form import choose_serving_form
     from llmft.trainer.langfuse_sink import read_run_record
@@ -176,7 +176,7 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model = PeftModel.from_pretrained(base, f"{world['run_dir']}/checkpoints/{new}").eval()
     manifest = json.loads((world["tokenized"] / "manifest.json").read_text())
-    tokenizer = load_tokenizer(str(tiny_model_dir), manifest["chat_template"])
+    tokenizer = generation_tokenizer(str(tiny_model_dir), manifest)
     expected = generate_answers(model, tokenizer, prompts, max_new_tokens=8, end_of_turn=manifest["end_of_turn"])
     recorded = runs[f"{RUN_ID}/{new}"]
     assert [recorded[i["id"]].output for i in items] == expected

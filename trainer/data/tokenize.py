@@ -48,6 +48,7 @@ from llmft.trainer.data.templates import (
 )
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import atomic_directory, atomic_write_json, check_output_target, is_complete, sha256_file
+from llmft.trainer.tokenizer import load_tokenizer
 
 FORMAT_VERSION = 2  # 2: replies located in their own turn and tokenized as their own pieces (new labels)
 SPLITS = ("train", "val", "test")
@@ -159,7 +160,7 @@ def _resolve_inputs(input_dir, model, *, max_length, pack, truncation, num_proc,
     _check_arguments(max_length, truncation, num_proc)
     input_dir = Path(input_dir)
     split_files = find_split_files(input_dir)
-    tokenizer = load_tokenizer(model, revision)
+    tokenizer = fast_tokenizer(model, revision)
     template, template_source = resolve_chat_template(tokenizer, chat_template)
     if template is None and any(_has_conversations(p) for p in split_files.values()):
         raise missing_template_error(model)
@@ -217,20 +218,10 @@ def find_split_files(input_dir: Path) -> dict[str, Path]:
     return files
 
 
-def load_tokenizer(model: str, revision: str | None = None):
-    """AutoTokenizer for a hub id (at ``revision``, the trainer's ``model.revision``) or a local directory
-    (HF_TOKEN and offline mode honoured)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            model, revision=revision, token=os.environ.get("HF_TOKEN") or None, trust_remote_code=False
-        )
-    except Exception as exc:  # noqa: BLE001 - surface any loader failure as a user error
-        raise DataError(
-            f"cannot load the tokenizer of {model!r}: {type(exc).__name__}: {exc}. Fix: check the model id or "
-            "path; set HF_TOKEN for gated models; offline (HF_HUB_OFFLINE=1) the model must be in the local cache."
-        ) from exc
+def fast_tokenizer(model: str, revision: str | None = None):
+    """The tokenizer the trainer loads (:func:`llmft.trainer.tokenizer.load_tokenizer`, at ``revision``, the
+    trainer's ``model.revision``); tokenization needs a fast one (tokenizer.json) for its offsets."""
+    tokenizer = load_tokenizer(model, revision, field="model")
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"{model!r} has no fast tokenizer (tokenizer.json); tokenization needs one for offsets")
     return tokenizer
