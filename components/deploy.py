@@ -48,39 +48,20 @@ def deploy_adapter(
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # deploy_mode=local loads the base model: before transformers is imported
-    from llmft.components.lib.deployment import DEFAULT_PROMPTS, DeployRequest, deploy_promoted
-    from llmft.components.lib.registry import is_champion
+    from llmft.components.lib.deployment import deploy_promoted, plan_deploy_request
     from llmft.components.lib.serving_form import read_form
 
     form = read_form(serving.path)
     settings = run_plan.serving
     with open(os.path.join(registration.path, "registration.json")) as fh:
         registered = json.load(fh)
-    request = DeployRequest(
+    request = plan_deploy_request(
+        run_plan,
         adapter_dir=promoted.metadata["path"],
-        base_model=run_plan.trainer.model,
-        adapter_name=registered["model_name"],
-        version=str(registered["version"]),
-        deploy=settings.deploy,
-        mode=settings.mode,
-        name=settings.name,
-        namespace=settings.namespace,
-        gpus=settings.gpus,
-        max_lora_rank=settings.max_lora_rank,
-        pvc_name=settings.pvc_name,
-        data_root=run_plan.layout.root,
-        timeout_s=settings.timeout_s,
-        cpu=settings.resources.cpu,
-        memory=settings.resources.memory,
-        runtime=settings.runtime,
-        node_selector=settings.node_selector,
-        hf_secret=settings.hf_secret,
-        is_champion=is_champion(registered),
-        deploy_policy=settings.deploy_policy,
+        registered=registered,
         form=form.form,
         model_dir=form.model_dir,
         form_reason=form.reason,
-        prompts=tuple(settings.prompts) or DEFAULT_PROMPTS,
     )
     os.makedirs(manifest.path, exist_ok=True)
     result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))

@@ -95,33 +95,22 @@ def merged_answers(run_dir: str | Path, facts: dict[str, Any]) -> dict[str, str]
     vLLM server with the merged model as the one served name)."""
     import dataclasses
 
-    from llmft.components.lib.deployment import DeployRequest, deploy_promoted
+    from llmft.components.lib.deployment import deploy_promoted, plan_deploy_request
     from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.serving_form import merged_model
 
     plan = read_plan(Path(run_dir) / "plan-run" / "plan")
     adapter_dir = str(facts["promotion"]["destination"])
     merged_model(adapter_dir, plan.serving.merged_dir)
-    settings = plan.serving
-    request = DeployRequest(
+    request = plan_deploy_request(  # the deploy step's own request, serving the merged form
+        plan,
         adapter_dir=adapter_dir,
-        base_model=plan.trainer.model,
-        adapter_name=facts["registration"]["model_name"],
-        version=str(facts["registration"]["version"]),
-        deploy=True,
-        mode=settings.mode,
-        name=settings.name,
-        namespace=settings.namespace,
-        gpus=settings.gpus,
-        max_lora_rank=settings.max_lora_rank,
-        pvc_name=settings.pvc_name,
-        data_root=plan.layout.root,
+        registered=facts["registration"],
         form="merged",
-        model_dir=settings.merged_dir,
+        model_dir=plan.serving.merged_dir,
         form_reason="make demo-real: the merged form served alone, beside the run's LoRA form",
     )
-    if settings.prompts:
-        request = dataclasses.replace(request, prompts=tuple(settings.prompts))
+    request = dataclasses.replace(request, deploy=True, is_champion=True)  # served whatever the run's policy said
     manifest = Path(run_dir) / "demo-real-merged" / "inferenceservice.yaml"
     manifest.parent.mkdir(parents=True, exist_ok=True)
     result = deploy_promoted(request, manifest_path=manifest)

@@ -35,7 +35,9 @@ pipeline's train step all read one configuration: a tree of frozen dataclasses i
 2. a YAML file, `llmft train --config FILE`, whose keys map 1:1 onto the tree (unknown
    keys are errors naming the file, line and key);
 3. `key=value` overrides on the command line, nested with dots: `lora.r=16 optim.lr=1e-4`.
-   Lists are written in YAML flow style: `lora.target_modules=[q_proj,v_proj]`.
+   Lists are written in YAML flow style: `lora.target_modules=[q_proj,v_proj]`. Booleans are
+   true/false, yes/no, on/off or 1/0 (the one `key=value` grammar of llmft: pipeline arguments
+   and sweep settings read them the same way).
 
 ```yaml
 # my-run.yaml: any subset of the keys below
@@ -49,7 +51,10 @@ max_steps: 1000
 ```
 
 The pipeline sets `model.name_or_path`, `data`, `output_dir`, `method` and `resume` itself;
-its `train_overrides` parameter passes any other field as `key=value` pairs. On resume,
+its `train_overrides` parameter passes any other field as `key=value` pairs. Its plan step
+resolves and validates the whole config once and writes it as `<run_dir>/config.yaml`; the
+training job runs `llmft train --config <run_dir>/config.yaml data=<tokenized>` (plus a sweep's
+best values in the HPO pipeline), so the file shows exactly what the run trains with. On resume,
 changing a field that alters the training math (learning rate, seed, data, ...) is refused
 with a diff unless `force_resume=true`.
 """

@@ -36,6 +36,7 @@ from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.local_check import local_generation_check
 from llmft.components.lib.plan_schema import DEPLOY_MODES, DataLayout
 from llmft.components.lib.pytorchjob import SecretEnv
+from llmft.components.lib.registry import is_champion
 from llmft.components.lib.servability import AdapterNotServableError, check_vllm_servable
 from llmft.components.lib.serving import (
     ServeSpec,
@@ -110,6 +111,41 @@ class DeployRequest:
     vllm_options: Mapping[str, Any] = field(default_factory=dict)
     """mode vllm: ``max_tokens`` of the answers and keyword arguments of
     :class:`llmft.components.lib.vllm_local.VllmServer` (port, log_path, extra_argv, ...)."""
+
+
+def plan_deploy_request(
+    run_plan, *, adapter_dir: str, registered: Mapping[str, Any], form: str, model_dir: str = "", form_reason: str = ""
+) -> DeployRequest:
+    """The one DeployRequest of a run: the plan's serving settings (``run_plan``, a RunPlan) for the promoted
+    adapter ``adapter_dir`` the register step recorded as ``registered`` (registration.json), served in
+    ``form`` (serving.json). The deploy step sends it as is; ``make demo-real`` changes the form it serves."""
+    settings = run_plan.serving
+    return DeployRequest(
+        adapter_dir=adapter_dir,
+        base_model=run_plan.trainer.model,
+        adapter_name=registered["model_name"],
+        version=str(registered["version"]),
+        deploy=settings.deploy,
+        mode=settings.mode,
+        name=settings.name,
+        namespace=settings.namespace,
+        gpus=settings.gpus,
+        max_lora_rank=settings.max_lora_rank,
+        pvc_name=settings.pvc_name,
+        data_root=run_plan.layout.root,
+        timeout_s=settings.timeout_s,
+        cpu=settings.resources.cpu,
+        memory=settings.resources.memory,
+        runtime=settings.runtime,
+        node_selector=settings.node_selector,
+        hf_secret=settings.hf_secret,
+        is_champion=is_champion(registered),
+        deploy_policy=settings.deploy_policy,
+        form=form,
+        model_dir=model_dir,
+        form_reason=form_reason,
+        prompts=tuple(settings.prompts) or DEFAULT_PROMPTS,
+    )
 
 
 def serve_spec(req: DeployRequest):

@@ -55,6 +55,7 @@ def run_local_training(
     """
 
     command = train_command(launch, nproc=nproc)
+    print("training: " + " ".join(command[2:]), flush=True)  # llmft train --nproc N --config ... data=...
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
     observations: list[tuple[str, float]] = []
     log = open(log_path, "a", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed below

@@ -147,10 +147,20 @@ def test_a_registration_without_the_is_champion_key_is_not_the_champion():
     assert not is_champion({}) and not is_champion({"is_champion": False}) and not is_champion({"is_champion": "yes"})
 
 
-def test_the_deploy_component_decides_with_is_champion():
+def test_the_deploy_request_decides_with_is_champion():
+    """The one DeployRequest builder (the deploy step's and make demo-real's) reads registration.json
+    through is_champion: a missing key never deploys under deploy_policy=champion."""
     import inspect
 
-    from llmft.components.deploy import deploy_adapter
+    from plan_helpers import make_plan
 
-    source = inspect.getsource(deploy_adapter.python_func)
-    assert "is_champion=is_champion(registered)" in source and 'get("is_champion", True)' not in source
+    from llmft.components.deploy import deploy_adapter
+    from llmft.components.lib.deployment import plan_deploy_request
+
+    assert "plan_deploy_request(" in inspect.getsource(deploy_adapter.python_func)
+    plan = make_plan()
+    kwargs = {"adapter_dir": "/data/models/m/r", "form": "lora"}
+    old = plan_deploy_request(plan, registered={"model_name": "m", "version": 2}, **kwargs)
+    champion = plan_deploy_request(plan, registered={"model_name": "m", "version": 3, "is_champion": True}, **kwargs)
+    assert not old.is_champion and champion.is_champion and champion.version == "3"
+    assert champion.base_model == plan.trainer.model and champion.max_lora_rank == plan.serving.max_lora_rank
