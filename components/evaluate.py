@@ -38,11 +38,11 @@ def evaluate_perplexity(
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # before transformers is imported
     from llmft.components.lib.comparison import compare_in_langfuse
-    from llmft.components.lib.evaluation import evaluate_run, read_metrics_history, render_html
-    from llmft.trainer.evaluate import PerplexityEvaluator
+    from llmft.components.lib.evaluation import base_evaluator, evaluate_run, read_metrics_history, render_html
 
     run_dir = run.metadata["path"]
-    evaluator = PerplexityEvaluator()  # one load of the base for the perplexities and the comparison
+    # one load of the base (at the trainer's model.revision) for the perplexities and the comparison
+    evaluator = base_evaluator(run_plan.trainer.config.model)
     result = evaluate_run(run_dir, run_plan.trainer.model, tokenized.metadata["path"], evaluate_fn=evaluator)
     compared = compare_in_langfuse(
         result,

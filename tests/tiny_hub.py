@@ -2,9 +2,9 @@
 ``use_tiny_hub`` fixtures of tests/conftest.py build and select it).
 
 huggingface_hub's cache layout: ``models--<org>--<name>/snapshots/<commit>`` with ``refs/main`` naming the
-default commit. The two snapshots' tokenizers differ, so a test can tell which one a caller loaded:
-``model_max_length`` (HUB_MAX_LENGTH) and a leading ``{#- main -#}`` / ``{#- pinned -#}`` comment in the
-chat template.
+default commit. The two snapshots differ, so a test can tell which one a caller loaded: the tokenizer's
+``model_max_length`` (HUB_MAX_LENGTH) and a leading ``{#- main -#}`` / ``{#- pinned -#}`` comment in its chat
+template; the model's config.json carries ``hub_snapshot`` (HUB_MARKER, kept as an attribute of the config).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def build_hub_cache(root: Path, tiny_model_dir: Path) -> Path:
         else:
             config["chat_template"] = f"{{#- {marker} -#}}" + config["chat_template"]
         (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+        model_config = json.loads((snapshot / "config.json").read_text())
+        (snapshot / "config.json").write_text(json.dumps({**model_config, "hub_snapshot": marker}))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(HUB_MAIN)
     return root

@@ -27,9 +27,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.config import ModelConfig
 from llmft.trainer.errors import DataError
 
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def base_evaluator(model: ModelConfig):
+    """A :class:`~llmft.trainer.evaluate.PerplexityEvaluator` that loads the base as the trainer loaded it:
+    the run's ``model.revision`` and ``model.trust_remote_code``."""
+    from llmft.trainer.evaluate import PerplexityEvaluator  # heavy: torch
+
+    return PerplexityEvaluator(revision=model.revision or None, trust_remote_code=model.trust_remote_code)
 
 
 def adapter_dir(checkpoint: Path) -> Path | None:

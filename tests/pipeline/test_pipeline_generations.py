@@ -4,7 +4,7 @@ tokenize step and the trainer use). The tiny model sits in an offline hub cache 
 
 from __future__ import annotations
 
-from tiny_hub import HUB_MAIN, HUB_MAX_LENGTH, HUB_PINNED
+from tiny_hub import HUB_MAIN, HUB_MARKER, HUB_MAX_LENGTH, HUB_PINNED
 
 from llmft.components.lib.generations import generation_tokenizer
 
@@ -22,3 +22,15 @@ def test_a_manifest_without_a_revision_reads_the_default_branch_and_its_template
     tokenizer = generation_tokenizer(use_tiny_hub, {"cache_key": "k"})
     assert tokenizer.model_max_length == HUB_MAX_LENGTH[HUB_MAIN]
     assert tokenizer.chat_template.startswith("{#- main -#}")
+
+
+def test_the_evaluate_step_loads_the_base_at_the_trainers_revision(use_tiny_hub):
+    """The perplexities (and the comparison, which reuses the evaluator) score the base the adapter was trained
+    over: the commit ``model.revision`` names, not the default branch."""
+    from llmft.components.lib.evaluation import base_evaluator
+    from llmft.trainer.config import ModelConfig
+
+    for revision, commit in ((HUB_PINNED, HUB_PINNED), (None, HUB_MAIN)):
+        evaluator = base_evaluator(ModelConfig(name_or_path=use_tiny_hub, revision=revision))
+        with evaluator.applied(use_tiny_hub) as model:
+            assert model.config.hub_snapshot == HUB_MARKER[commit]
