@@ -29,8 +29,8 @@ def sweep_hyperparameters(
     and every trial a child run.
 
     Outputs: ``sweep`` (experiment.yaml, best.txt, state.json), ``metrics`` (best eval loss,
-    trial counts). Returns the best ``key=value`` pairs; the train step appends them to the
-    plan's trainer overrides, so they win.
+    trial counts). Returns the best ``key=value`` pairs; the train step passes them after
+    ``--config <run_dir>/config.yaml`` (the plan's config, where every trial started too), so they win.
     """
     import json
     import os

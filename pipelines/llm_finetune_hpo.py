@@ -5,9 +5,10 @@ The same plan component, steps and platform settings as ``llm_finetune_pipeline`
 (pipelines/llm_finetune.py builds both); its parameters add the plan component's ``sweep_*``
 ones. The sweep step sits between tokenize and train: it creates a Katib Experiment whose trials
 run the trainer as PyTorchJobs (the plan's image, resources and Secrets) on the shards the
-tokenize step wrote (no trial tokenizes), waits for it, and hands the optimal trial's
-``key=value`` overrides to the train step, which appends them to the plan's trainer overrides,
-so they win over ``learning_rate`` / ``lora_*`` and ``train_overrides``. With MLflow configured
+tokenize step wrote (no trial tokenizes), each trial starting from the plan's config.yaml, waits for
+it, and hands the optimal trial's ``key=value`` pairs to the train step, which passes them after
+``--config <run_dir>/config.yaml``, so they win over ``learning_rate`` / ``lora_*`` and
+``train_overrides``. With MLflow configured
 the sweep is a parent run with one child run per trial.
 
 ``sweep_backend=local`` runs the trials with Optuna inside the sweep step's process instead

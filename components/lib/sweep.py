@@ -142,7 +142,7 @@ SHADOWING_KEYS = {"schedule.warmup_ratio": "schedule.warmup_steps"}
 
 
 def warn_shadowed(user_overrides: Sequence[str], best: Sequence[str]) -> None:
-    """The train step appends the sweep's best after the plan's overrides, so the best win. Print a
+    """The train step passes the sweep's best after the plan's config, so the best win. Print a
     warning for a ``train_overrides`` setting a best value replaces, or one that would make a swept
     value ineffective (``schedule.warmup_steps`` > 0 overrides ``schedule.warmup_ratio``)."""
     user_keys = {item.split("=", 1)[0]: item.split("=", 1)[-1] for item in user_overrides}

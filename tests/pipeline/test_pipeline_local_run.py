@@ -4,6 +4,7 @@ that must stop in the prepare step."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -33,8 +34,13 @@ def test_every_task_ran_and_left_its_artifacts(local_run):
         assert key in local_run.facts, key
     plan = local_run.facts["plan"]
     assert plan["on_cluster"] is False and plan["job"]["backend"] == "local"
-    assert f"lora.r={local_run.arguments['lora_r']}" in plan["trainer"]["overrides"]
+    # lora_r -> the plan's typed config -> <run_dir>/config.yaml -> `llmft train --config` (issue 26)
+    config_path = plan["trainer"]["config_path"]
+    assert plan["trainer"]["config"]["lora"]["r"] == local_run.arguments["lora_r"]
+    assert yaml.safe_load(Path(config_path).read_text())["lora"]["r"] == local_run.arguments["lora_r"]
     log = ANSI.sub("", local_run.log_path.read_text())  # the exit handler's task ran after the body
+    (command,) = [line for line in log.splitlines() if "training: llmft train" in line]
+    assert f"--config {config_path} data=" in command and "lora.r" not in command
     assert "Executing task 'cleanup-run'" in log and "no cluster jobs to clean up" in log
 
 

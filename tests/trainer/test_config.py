@@ -212,3 +212,17 @@ def test_python_yaml_tags_are_a_one_line_error_and_never_run(tmp_path):
     with pytest.raises(ConfigError, match=r"line 4"):
         load_config(str(nested), [])
     assert not marker.exists()
+
+
+def test_a_trainer_start_validates_the_config_once(tmp_path, monkeypatch, capsys):
+    """Issue 26: the loader validates, and the trainer's entry point uses the warnings it returned (it
+    validated twice before: in load_config, then again for the warnings)."""
+    import llmft.trainer.config as config_module
+    from llmft.trainer.__main__ import main
+
+    calls = []
+    real = config_module.validate
+    monkeypatch.setattr(config_module, "validate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    code = main([f"model.name_or_path={tmp_path}/no-model", f"data={tmp_path}/d", f"output_dir={tmp_path}/out"])
+    assert code == 1 and "no such directory" in capsys.readouterr().err  # stopped at the model, after validating
+    assert len(calls) == 1
