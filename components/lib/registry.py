@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,7 @@ def update_champion(client, model_name: str, version: str, perplexity: float) ->
     )
 
 
-def is_champion(facts: dict[str, Any]) -> bool:
+def is_champion(facts: Mapping[str, Any]) -> bool:
     """The register step's verdict in registration.json: only an explicit ``is_champion: true`` deploys
     under ``deploy_policy=champion``; a missing key (an older or partial file) is not the champion."""
     return facts.get("is_champion") is True
