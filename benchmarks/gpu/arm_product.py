@@ -12,7 +12,7 @@ into sequences of the config's ``max_length`` the way ``llmft data tokenize --pa
 what they would see on real data. Throughput comes from the trainer's metrics.jsonl train records
 (timestamps) and this arm's own token count of the steps between them (the trainer's loader
 over the same shards), after ``--warmup`` steps; MFU from the same FLOP formula the trainer logs
-(trainer.fastpath.flops over the documents' lengths). Both are compared with what the trainer
+(trainer.flops over the documents' lengths). Both are compared with what the trainer
 reported itself (its logged windows and its steady-state summary).
 
 python -m llmft.benchmarks.gpu.arm_product --model qwen2.5-1.5b --method lora --json-out F
@@ -119,7 +119,7 @@ def step_documents(data_dir: Path, cfg, steps: int) -> dict[int, np.ndarray]:
 def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: str, warmup: int, peak) -> dict:
     """Throughput between the first train record at or after ``warmup`` and the last one; ``peak`` is the
     FLOP/s of every GPU of the run together (MFU per GPU)."""
-    from llmft.trainer.fastpath import flops
+    from llmft.trainer import flops
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("event") == "train"]
@@ -157,8 +157,8 @@ def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: st
 
 def run(a) -> dict:
     from llmft.benchmarks.gpu.arm_project import write_model_dir
+    from llmft.trainer import flops
     from llmft.trainer.config import load_config
-    from llmft.trainer.fastpath import flops
 
     root = Path(a.work)
     config, max_length = product_config(a.model, a.method)
@@ -173,10 +173,13 @@ def run(a) -> dict:
     cmd = product_command(config.relative_to(REPO), model_dir, data_dir, out_dir, a.steps, a.nproc)
     started = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log_copy = Path(a.json_out).with_suffix(".trainer.log")  # streamed: an arm cut by its timeout keeps its log
+    with open(log_copy, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - started
-    print(proc.stdout[-20000:], flush=True)
-    Path(a.json_out).with_suffix(".trainer.log").write_text("$ " + " ".join(cmd) + "\n" + proc.stdout)
+    print(log_copy.read_text()[-20000:], flush=True)
     metrics_path = out_dir / "metrics.jsonl"
     if metrics_path.is_file():
         Path(a.json_out).with_suffix(".metrics.jsonl").write_text(metrics_path.read_text())

@@ -40,7 +40,10 @@ def write_model_dir(model: str, root: Path) -> Path:
 
     from llmft.trainer.tiny_model import build_tokenizer
 
-    net = common.build_model(model, "sdpa", dtype="bfloat16")
+    # Built on the GPU (fast random init), saved from host memory: saving converts transformers' fused expert
+    # tensors back to the checkpoint layout with copies, which the 30B MoE shape (61 GB) has no room for on an
+    # 80 GB card (CUDA out of memory on an H100, 2026-11-27; the 141 GB H200 had the room).
+    net = common.build_model(model, "sdpa", dtype="bfloat16").to("cpu")
     tmp = out.with_name(out.name + ".partial")
     net.save_pretrained(tmp, safe_serialization=True)
     build_tokenizer().save_pretrained(tmp)
@@ -113,7 +116,7 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
     Each train record closes a window of steps (log_every). Timing starts at the first
     record at or after step ``--warmup`` (compile and warm-up stay out of it).
     """
-    from llmft.trainer.fastpath import flops
+    from llmft.trainer import flops
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("event") == "train"]
@@ -169,7 +172,7 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
 
 
 def run(a) -> dict:
-    from llmft.trainer.fastpath import flops
+    from llmft.trainer import flops
 
     root = Path(a.work)
     vocab = common.MODEL_SHAPES[a.model]["vocab_size"]
