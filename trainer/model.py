@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmft.trainer import moe_model
 from llmft.trainer.config import LoraConfig, ModelConfig, TrainConfig
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.loss import BUILTIN_ATTENTION
 from llmft.trainer.model_dir import content_hash
 
 if TYPE_CHECKING:
@@ -86,9 +88,9 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     from llmft.trainer.fp8 import load_base_model  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
 
     check_method_supported(cfg, device)
-    from llmft.trainer.fastpath import moe  # MoE LoRA targets checked from config.json first
+    from llmft.trainer.fastpath import moe
 
-    moe.check_lora_config(cfg)
+    moe_model.check_lora_config(cfg)  # MoE LoRA targets checked from config.json first
     from llmft.trainer.fastpath.settings import run_settings
 
     settings = run_settings(cfg, device)
@@ -145,12 +147,8 @@ def apply_fastpath_kernels(
 ) -> dict:
     """kernels.compile / kernels.fused_lora: trainer.fastpath changes the model in place
     (parameter names, and so checkpoints, stay the same)."""
-    try:
-        from llmft.trainer.fastpath import apply_kernels
-    except ImportError as exc:
-        raise ConfigError(
-            f"kernels.compile / kernels.fused_lora need trainer.fastpath ({exc}); set both to false"
-        ) from None
+    from llmft.trainer.fastpath import apply_kernels
+
     return apply_kernels(
         model,
         compile_layers=compile_layers,
@@ -160,21 +158,12 @@ def apply_fastpath_kernels(
     )
 
 
-BUILTIN_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "paged_attention")
-
-
 def register_attention(name: str) -> None:
-    """An attention implementation other than transformers' own must come from trainer.fastpath,
-    which registers it (AttentionInterface) on import."""
+    """An attention implementation other than transformers' own comes from trainer.fastpath, which
+    registers it (AttentionInterface) on import; an unknown name is transformers' error at load time."""
     if name in BUILTIN_ATTENTION or name.startswith("kernels-community/"):
         return
-    try:
-        import llmft.trainer.fastpath  # noqa: F401 - registers its attention kernels
-    except ImportError as exc:
-        raise ConfigError(
-            f"model.attn_implementation={name!r} is not a transformers attention and "
-            f"llmft.trainer.fastpath could not register it ({exc}); use sdpa"
-        ) from None
+    import llmft.trainer.fastpath  # noqa: F401 - registers its attention kernels
 
 
 def _zero3_init(ds_config: dict | None):
@@ -203,10 +192,8 @@ def apply_lora(model, lora: LoraConfig, *, qlora: bool = False):
     targets: dict[str, Any] = {
         "target_modules": "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
     }
-    from llmft.trainer.fastpath import moe  # on MoE models, router never, experts opt-in
-
-    if moe.is_moe(model):
-        targets = moe.peft_targets(lora.target_modules, model, lora.dropout)
+    if moe_model.is_moe(model):  # on MoE models, router never, experts opt-in
+        targets = moe_model.peft_targets(lora.target_modules, model, lora.dropout)
     peft_cfg = PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; it divides by r, a float works

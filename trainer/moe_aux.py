@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from llmft.trainer.fastpath.moe_layout import base_experts, model_config, moe_blocks
+from llmft.trainer.moe_model import base_experts, model_config, moe_blocks
 
 ATTRIBUTE = "_llmft_router_aux"
 

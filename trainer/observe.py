@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmft.trainer import flops
 from llmft.trainer.config import flatten_dict
 from llmft.trainer.io import atomic_write_text
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
@@ -34,23 +35,19 @@ log = logging.getLogger("trainer")
 
 def device_peak_flops(device, override_tflops: float = 0.0) -> float | None:
     """Dense bf16 peak FLOP/s of one torch ``device`` (observe.peak_tflops wins), or None when unknown (CPU).
-    The table of peaks by device name is trainer/fastpath/flops.py's ``peak_flops``."""
+    The table of peaks by device name is trainer/flops.py's ``peak_flops``."""
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
     import torch
 
-    from llmft.trainer.fastpath.flops import peak_flops as peak_flops_by_name  # the one table of peaks
-
-    return peak_flops_by_name(torch.cuda.get_device_name(device))
+    return flops.peak_flops(torch.cuda.get_device_name(device))  # the one table of peaks
 
 
 def step_flops_counter(model, method: str, lora_rank: int):
-    """``doc_lengths -> model FLOPs of one step``, by trainer/fastpath/flops.py (the formula the
+    """``doc_lengths -> model FLOPs of one step``, by trainer/flops.py (the formula the
     benchmark uses), or None when the model's shape or adapted modules are not ones it knows."""
-    from llmft.trainer.fastpath import flops
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     targets = sorted(
         {name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if ".lora_A." in name}
@@ -151,8 +148,6 @@ class SpeedMeter:
 
     def report(self) -> dict:
         """The speed section of the summary, training_manifest.json and the final metrics event."""
-        from llmft.trainer.fastpath.flops import mfu  # fastpath stays optional: imported where it is used
-
         self._now()  # the queued kernels of the last steps finish inside the phase that launched them
         steady = self.step_counts["steady"] > 0
         phase = "steady" if steady else "warmup"  # too few steps for a steady state: every step
@@ -168,7 +163,7 @@ class SpeedMeter:
             "eval_and_save_s": self.paused,
             "tokens_per_s": self.tokens[phase] / seconds,
             "tokens_per_s_per_device": self.tokens[phase] / seconds / self.world_size,
-            "mfu": mfu(work, seconds, self.peak and self.peak * self.world_size) if work is not None else None,
+            "mfu": flops.mfu(work, seconds, self.peak and self.peak * self.world_size) if work is not None else None,
             "steady_state": steady,
         }
 

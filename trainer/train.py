@@ -51,9 +51,9 @@ from llmft.trainer.distributed import (
 )
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.evaluate import evaluate_model
-from llmft.trainer.fastpath.flops import mfu
-from llmft.trainer.fastpath.moe_aux import router_aux_metrics
+from llmft.trainer.flops import mfu
 from llmft.trainer.io import atomic_write_json
+from llmft.trainer.moe_aux import router_aux_metrics
 from llmft.trainer.observe import (
     Observer,
     SpeedMeter,
@@ -178,8 +178,9 @@ class Trainer:
             trust_remote_code=model.trust_remote_code,
         )
 
-    def _load_model(self):
-        # Called through the module: the benchmark harness wraps model.load_model.
+    def _load_model(self) -> tuple[Any, FastPath]:
+        """The model with the method applied, and its fast-path decision (trainer.model.load_model).
+        Called through the module: the benchmark harness wraps model.load_model."""
         from llmft.trainer import model as model_lib
         from llmft.trainer.distributed import deepspeed_config
 
@@ -219,9 +220,9 @@ class Trainer:
         )
 
     def _loss_fn(self):
-        from llmft.trainer.loss import loss_fn_for
+        from llmft.trainer.loss import loss_fn
 
-        return loss_fn_for(self.fast_path)  # what trainer.model resolved (kernels.fused_loss, attention)
+        return loss_fn(self.fast_path.fused_loss.on, self.fast_path.attention)  # what trainer.model resolved
 
     def _resume(self, path: Path) -> str | None:
         """Restore the planned checkpoint (weights, optimizer, scheduler, RNG, counters); returns

@@ -65,13 +65,20 @@ def to_device(mb: dict) -> dict:
     }
 
 
-def build(model_name: str, method: str, compile_layers: bool, fuse_lora: bool):
+def build(
+    model_name: str,
+    method: str,
+    compile_layers: bool,
+    fuse_lora: bool,
+    lora_mode: str = "auto",
+    gqa_mode: str = "repeat",
+):
     import torch
 
     from llmft.trainer.fastpath import attention, lora
     from llmft.trainer.fastpath import compile as fp_compile
 
-    attention.register()
+    attention.register(gqa_mode)
     dtype = "bfloat16" if method == "lora" else "float32"
     model = common.build_model(model_name, attention.ATTENTION_NAME, dtype=dtype)
     if method == "lora":
@@ -80,7 +87,7 @@ def build(model_name: str, method: str, compile_layers: bool, fuse_lora: bool):
         config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
         if fuse_lora:
-            skipped = lora.fuse_lora_linears(model)
+            skipped = lora.fuse_lora_linears(model, lora_mode)
             assert not skipped, skipped
     compile_s = 0.0
     if compile_layers:
@@ -120,13 +127,11 @@ def train_step(model, params, opt, micros_on_device, n_supervised: int, autocast
 def run(a) -> dict:
     import torch
 
-    from llmft.trainer.fastpath import attention, flops, lora
+    from llmft.trainer import flops
 
-    if a.lora_mode:
-        lora.LORA_MODE = a.lora_mode
-    if a.gqa_mode:
-        attention.GQA_MODE = a.gqa_mode
-    model, params, opt, compile_call_s = build(a.model, a.method, not a.no_compile, not a.no_fuse_lora)
+    model, params, opt, compile_call_s = build(
+        a.model, a.method, not a.no_compile, not a.no_fuse_lora, lora_mode=a.lora_mode, gqa_mode=a.gqa_mode
+    )
     samples = common.make_samples(a.samples_per_step * a.steps, a.profile, common.MODEL_SHAPES[a.model]["vocab_size"])
     plan = packed_micro_batches(samples, a.samples_per_step, a.micro, a.steps)
     shape = flops.shape_from_config(common.hf_config(a.model))
@@ -151,8 +156,8 @@ def run(a) -> dict:
         "micro_batch": a.micro,
         "compiled": not a.no_compile,
         "fused_lora": not a.no_fuse_lora,
-        "lora_mode": lora.LORA_MODE,
-        "gqa_mode": attention.GQA_MODE,
+        "lora_mode": a.lora_mode,
+        "gqa_mode": a.gqa_mode,
         **common.device_info(),
     }
     result.update(common.summarize(timer, a.warmup, per_step_flops, flops.peak_flops(result["device"])))
@@ -195,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fuse-lora", action="store_true")
     p.add_argument("--arm-name", default="fastpath")
     p.add_argument("--profile-steps", type=int, default=0, help="after timing, profile this many steps")
-    p.add_argument("--lora-mode", default=None, help="override trainer.fastpath.lora.LORA_MODE")
-    p.add_argument("--gqa-mode", default=None, help="override trainer.fastpath.attention.GQA_MODE")
+    p.add_argument("--lora-mode", default="auto", help="fused LoRA form (trainer.fastpath.lora.LORA_MODES)")
+    p.add_argument(
+        "--gqa-mode", default="repeat", help="GQA into the varlen kernel (trainer.fastpath.attention.GQA_MODES)"
+    )
     p.add_argument("--json-out", required=True)
     a = p.parse_args(argv)
     result = run(a)

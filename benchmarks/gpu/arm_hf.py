@@ -200,7 +200,7 @@ def run(
 ) -> dict:
     import torch
 
-    from llmft.trainer.fastpath import flops
+    from llmft.trainer import flops
 
     if arm == "peer" and block_mask == "eager":
         build_block_masks_eagerly()

@@ -59,7 +59,8 @@ def check_attention() -> dict:
     import torch
     from torch.nn.attention.varlen import varlen_attn
 
-    from llmft.trainer.fastpath.attention import _cuda_varlen, _reference_per_document, bucket_max_length
+    from llmft.trainer.fastpath.attention import _cuda_varlen, _reference_per_document
+    from llmft.trainer.loss import bucket_max_length
 
     lengths = [1, 17, 300, 1024, 700, 129, 64, 2048, 5, 333]
     total = sum(lengths)

@@ -24,7 +24,7 @@ def _model(layers: int, dtype):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from llmft.trainer.fastpath import moe
+    from llmft.trainer import moe_model
 
     config = common.hf_config("qwen3-30b-a3b")
     config.num_hidden_layers = layers
@@ -32,7 +32,7 @@ def _model(layers: int, dtype):
     with torch.device("cuda"):
         net = AutoModelForCausalLM.from_config(config, dtype=dtype)
     net.set_experts_implementation("eager")
-    spec = moe.peft_targets(TARGETS, net, 0.0)
+    spec = moe_model.peft_targets(TARGETS, net, 0.0)
     torch.manual_seed(1)
     lora = LoraConfig(r=16, lora_alpha=32, init_lora_weights=False, **spec)
     return get_peft_model(net, lora)

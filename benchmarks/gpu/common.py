@@ -180,7 +180,7 @@ def summarize(timer: StepTimer, warmup: int, flops_per_step: list[float], peak: 
     """Throughput over the steps after ``warmup``; first-step time reported as compile/warm-up."""
     import torch
 
-    from llmft.trainer.fastpath.flops import mfu
+    from llmft.trainer.flops import mfu
 
     timed = slice(warmup, None)
     seconds = sum(timer.times[timed])

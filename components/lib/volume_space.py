@@ -72,8 +72,8 @@ def model_config(name_or_path: str) -> dict | None:
 
 def estimate(config: dict, *, method: str, lora_rank: int, targets: tuple[str, ...], keep_last: int, merged: bool):
     """The :class:`Footprint` of a run on the model ``config`` (a config.json dict)."""
-    from llmft.trainer.fastpath.flops import ALL_LINEAR, shape_from_config  # heavy: torch, transformers
     from llmft.trainer.fastpath.memory import Setup, adapter_parameters, parameter_counts  # heavy: torch, transformers
+    from llmft.trainer.flops import ALL_LINEAR, shape_from_config  # heavy: torch, transformers
 
     shape = shape_from_config(config)
     _, total = parameter_counts(shape, bool(config.get("tie_word_embeddings", False)))

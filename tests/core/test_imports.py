@@ -278,6 +278,20 @@ def test_no_import_cycles():
     )
 
 
+# What a run needs to be correct, on the fast path or not: none of it may need trainer.fastpath to import.
+CORRECTNESS = ("loss.py", "flops.py", "moe_model.py", "moe_aux.py", "fp8_format.py", "model_dir.py")
+
+
+@pytest.mark.parametrize("name", CORRECTNESS)
+def test_correctness_does_not_import_the_fast_path_at_module_level(name):
+    """The loss and the packed batch's document boundaries, the FLOP count and MFU, an MoE model's LoRA
+    targets, frozen routers and load-balancing loss live outside trainer/fastpath (issue 26: they imported
+    it at module level, so the ImportError guards around it could never fire)."""
+    path = REPO / "trainer" / name
+    found = [f"line {line}: {imported}" for line, imported in imports(path, import_time_only=True)]
+    assert not [f for f in found if "llmft.trainer.fastpath" in f], found
+
+
 def test_the_cycle_finder_finds_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
     assert sorted(map(sorted, cycles(graph))) == [["a", "b", "c"], ["e", "e2"]]

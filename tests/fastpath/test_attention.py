@@ -10,10 +10,10 @@ from float_bounds import close, decoder_reduction_length
 from llmft.trainer.data.shards import position_ids_for
 from llmft.trainer.fastpath.attention import (
     ATTENTION_NAME,
-    bucket_max_length,
     cu_seqlens_from_position_ids,
     packed_attention_kwargs,
 )
+from llmft.trainer.loss import bucket_max_length
 
 DOC_LENGTHS = [5, 11, 1, 8]
 
@@ -91,3 +91,21 @@ def test_batch_of_rows_with_broadcast_positions(small_qwen2):
         rows = [small_qwen2.model(input_ids=ids[i : i + 1], use_cache=False).last_hidden_state[0] for i in range(2)]
     rows = torch.stack(rows)  # fp32 rounding of the same sums in another order: tests/float_bounds.py
     torch.testing.assert_close(batched, rows, **close(rows, decoder_reduction_length(small_qwen2.config, ids.numel())))
+
+
+def test_the_gqa_mode_is_an_argument_of_register():
+    """How GQA reaches the varlen kernel is chosen when registering (data), not by a module global."""
+    from transformers import AttentionInterface
+
+    from llmft.trainer.fastpath import attention
+
+    with pytest.raises(ValueError, match="GQA mode 'sideways'"):
+        attention.register("sideways")
+    try:
+        attention.register("native")
+        registered = AttentionInterface._global_mapping[ATTENTION_NAME]
+        assert registered.keywords == {"gqa_mode": "native"}  # a partial of varlen_attention_forward
+    finally:
+        attention.register()
+    assert AttentionInterface._global_mapping[ATTENTION_NAME] is attention.varlen_attention_forward
+    assert not hasattr(attention, "GQA_MODE")

@@ -109,3 +109,20 @@ def test_both_fused_forms_match_reference_in_float64():
             torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
             for leaf, ref_leaf in zip(mine, leaves, strict=True):
                 torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_the_fused_form_is_an_argument_each_module_keeps(small_qwen2, monkeypatch):
+    """The form (epilogue / concat / auto) is data passed to fuse_lora_linears, kept per module and
+    handed to lora_linear on every call: no module global a caller sets from outside."""
+    from llmft.trainer.fastpath import lora
+
+    model = _peft(small_qwen2)
+    with pytest.raises(ValueError, match="LoRA mode 'sideways'"):
+        fuse_lora_linears(model, "sideways")
+    assert fuse_lora_linears(model, "concat") == {}
+    seen = []
+    real = lora.lora_linear
+    monkeypatch.setattr(lora, "lora_linear", lambda *a, **k: seen.append(k["mode"]) or real(*a, **k))
+    model(input_ids=torch.randint(0, small_qwen2.config.vocab_size, (1, 5)), use_cache=False)
+    assert seen and set(seen) == {"concat"}
+    assert not hasattr(lora, "LORA_MODE")

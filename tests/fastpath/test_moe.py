@@ -11,14 +11,15 @@ import torch
 from moe_model import tiny_moe, tiny_moe_config
 from peft import LoraConfig, get_peft_model
 
+from llmft.trainer import flops, moe_model
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.fastpath import flops, moe
+from llmft.trainer.fastpath import moe
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def _peft(model, targets, dropout=0.0):
-    spec = moe.peft_targets(targets, model, dropout)
+    spec = moe_model.peft_targets(targets, model, dropout)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False, **spec)
     torch.manual_seed(1)  # init_lora_weights=False: random A and B, so every path carries signal
     return get_peft_model(model, config)
@@ -111,14 +112,14 @@ def test_all_linear_is_attention_only_and_the_router_stays_frozen():
     adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".lora_A." in n}
     assert adapted == set(ATTENTION)  # PEFT alone would also adapt gate.weight and both expert tensors
     assert moe.apply_moe(model)["routers_frozen"] == 2
-    routers = [b.gate.weight for b in moe.moe_blocks(model)]
+    routers = [b.gate.weight for b in moe_model.moe_blocks(model)]
     input_ids = torch.randint(0, 97, (1, 9))
     model(input_ids=input_ids).logits.sum().backward()
     assert all(not w.requires_grad and w.grad is None for w in routers)
 
 
 def test_experts_option_maps_to_peft_target_parameters():
-    spec = moe.peft_targets(["q_proj", "experts"], tiny_moe(), 0.0)
+    spec = moe_model.peft_targets(["q_proj", "experts"], tiny_moe(), 0.0)
     assert spec == {"target_modules": ["q_proj"], "target_parameters": ["experts.down_proj", "experts.gate_up_proj"]}
 
 
@@ -132,7 +133,7 @@ def test_experts_option_maps_to_peft_target_parameters():
 )
 def test_bad_moe_targets_are_refused_with_the_fix(targets, dropout, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        moe.peft_targets(targets, tiny_moe(), dropout)
+        moe_model.peft_targets(targets, tiny_moe(), dropout)
 
 
 def test_targets_are_checked_from_config_json_before_loading(tmp_path):
@@ -140,15 +141,15 @@ def test_targets_are_checked_from_config_json_before_loading(tmp_path):
 
     tiny_moe_config().save_pretrained(tmp_path)  # config only: no weights needed for the check
     base = [f"model.name_or_path={tmp_path}", "data=/nowhere", "lora.dropout=0.05"]
-    moe.check_lora_config(load_config(None, [*base, "lora.target_modules=[q_proj,v_proj]"]))
+    moe_model.check_lora_config(load_config(None, [*base, "lora.target_modules=[q_proj,v_proj]"]))
     with pytest.raises(ConfigError, match="set lora.dropout=0"):
-        moe.check_lora_config(load_config(None, [*base, "lora.target_modules=[q_proj,experts]"]))
+        moe_model.check_lora_config(load_config(None, [*base, "lora.target_modules=[q_proj,experts]"]))
 
 
 def test_a_router_adapter_is_refused():
     model = get_peft_model(tiny_moe(), LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["gate.weight"]))
     with pytest.raises(ConfigError, match="router must stay frozen"):
-        moe.freeze_routers(model)
+        moe_model.freeze_routers(model)
 
 
 # ----------------------------------------------------------------------------- 4-bit experts
@@ -159,14 +160,14 @@ def test_4bit_experts_equal_their_dequantized_weights_and_are_never_saved():
     model = _peft(tiny_moe(), [*ATTENTION, "experts"])
     reference = copy.deepcopy(model)
     assert moe.quantize_experts_4bit(model) == 2
-    for block, ref_block in zip(moe.moe_blocks(model), moe.moe_blocks(reference), strict=True):
-        experts, ref_experts = moe.base_experts(block.experts), moe.base_experts(ref_block.experts)
+    for block, ref_block in zip(moe_model.moe_blocks(model), moe_model.moe_blocks(reference), strict=True):
+        experts, ref_experts = moe_model.base_experts(block.experts), moe_model.base_experts(ref_block.experts)
         with torch.no_grad():  # the reference holds exactly the weights the 4-bit store gives back
             ref_experts.gate_up_proj.copy_(experts.gate_up_proj)
             ref_experts.down_proj.copy_(experts.down_proj)
     report = moe.apply_moe(model)
     assert report["experts_4bit"] == 2 and report["lora_experts"] == 2
-    shapes = {tuple(moe.base_experts(b.experts).gate_up_proj.shape) for b in moe.moe_blocks(model)}
+    shapes = {tuple(moe_model.base_experts(b.experts).gate_up_proj.shape) for b in moe_model.moe_blocks(model)}
     saved = []
     input_ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):

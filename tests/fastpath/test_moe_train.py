@@ -1,5 +1,5 @@
 """MoE through training: the load-balancing loss per document and per supervised token
-(trainer/fastpath/moe_aux.py) against transformers' own loss taken on each document alone, and a
+(trainer/moe_aux.py) against transformers' own loss taken on each document alone, and a
 tiny Qwen3-MoE trained end to end by the real trainer CLI with LoRA on attention and experts."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from llmft.trainer.data.shards import position_ids_for
 from llmft.trainer.fastpath import moe
-from llmft.trainer.fastpath.moe_aux import find_router_aux, router_aux_metrics, with_router_aux_loss
 from llmft.trainer.loss import token_nll_sum
+from llmft.trainer.moe_aux import find_router_aux, router_aux_metrics, with_router_aux_loss
 
 pytestmark = pytest.mark.slow  # trains a tiny MoE model, in process and with `python -m llmft.trainer`
 

@@ -1,4 +1,4 @@
-"""llmft.trainer.fastpath.fused_token_nll_sum is a drop-in for trainer.loss.token_nll_sum."""
+"""trainer.loss.fused_token_nll_sum (trainer.fastpath's fused loss) is a drop-in for trainer.loss.token_nll_sum."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from float_bounds import close, decoder_reduction_length
 
 from llmft.trainer.data.shards import position_ids_for
-from llmft.trainer.fastpath import apply_kernels, fused_token_nll_sum, packed_forward_kwargs
+from llmft.trainer.fastpath import apply_kernels
+from llmft.trainer.loss import fused_token_nll_sum, packed_forward_kwargs
 
 
 def _batch(vocab: int, lengths: list[int]) -> dict:

@@ -2,7 +2,7 @@
 
 DeepSpeed ZeRO-3 with ``stage3_param_persistence_threshold=0`` partitions every weight, the
 (tied) lm_head included. The same packed batch goes through the trainer's plain loss
-(``trainer.loss.token_nll_sum``) and the fused one (``fastpath.fused_token_nll_sum``, which
+(``trainer.loss.token_nll_sum``) and the fused one (``trainer.loss.fused_token_nll_sum``, which
 gathers the head); rank 0 writes both losses, every trainable parameter's full gradient for
 each, and whether the head really was a partition (empty on this rank) before the loss. LoRA
 (frozen head) and full fine-tuning (trained, tied head) run one after the other.
@@ -66,8 +66,7 @@ def _grads(engine, model) -> dict:
 
 def check(method: str) -> dict:
     from llmft.trainer.distributed import import_deepspeed
-    from llmft.trainer.fastpath import fused_token_nll_sum
-    from llmft.trainer.loss import token_nll_sum
+    from llmft.trainer.loss import fused_token_nll_sum, token_nll_sum
 
     deepspeed = import_deepspeed()
     ds_config = {

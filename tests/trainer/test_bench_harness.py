@@ -68,7 +68,7 @@ def test_results_file_is_named_date_device(tmp_path):
 
 def test_trainer_logged_mfu_is_time_weighted_like_the_benchmarks(tmp_path, monkeypatch):
     from llmft.benchmarks.gpu import arm_project
-    from llmft.trainer.fastpath import flops
+    from llmft.trainer import flops
 
     monkeypatch.setattr(common, "device_info", lambda: {"device": "NVIDIA H100 80GB HBM3"})
     steps, per_step = 8, 4
@@ -211,9 +211,9 @@ def test_product_arm_takes_only_nproc_from_extra_as_llmft_train_nproc(tmp_path):
 
 
 def test_benchmark_mfu_is_the_trainers_one_formula(tmp_path, monkeypatch):
-    """Issue 26: every arm's MFU is trainer/fastpath/flops.py mfu(), not a formula of its own."""
+    """Issue 26: every arm's MFU is trainer/flops.py mfu(), not a formula of its own."""
     from llmft.benchmarks.gpu import arm_product
-    from llmft.trainer.fastpath import flops
+    from llmft.trainer import flops
 
     calls = []
     monkeypatch.setattr(flops, "mfu", lambda work, seconds, peak: calls.append((work, seconds, peak)) or 0.123)
@@ -231,7 +231,7 @@ def test_benchmark_mfu_is_the_trainers_one_formula(tmp_path, monkeypatch):
 
 def test_product_throughput_comes_from_record_times_and_the_loaders_tokens(tmp_path):
     from llmft.benchmarks.gpu import arm_product
-    from llmft.trainer.fastpath import flops
+    from llmft.trainer import flops
 
     shape = flops.shape_from_config(common.hf_config("qwen2.5-0.5b"))
     docs = {s: np.array([100 * s, 50]) for s in range(1, 31)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmft.trainer.fastpath import flops
+from llmft.trainer import flops
 
 QWEN_1_5B = flops.ModelShape(
     n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, intermediate=8960, vocab=151936

@@ -99,12 +99,12 @@ def test_langfuse_and_mlflow_unconfigured_are_single_info_lines(base_overrides, 
 
 @pytest.mark.slow
 def test_trainer_mfu_is_the_benchmarks_flop_formula(base_overrides, tiny_model_dir, tokenized_dir, tmp_path):
-    """Every logged MFU is trainer/fastpath/flops.py's step_flops (what the benchmark counts) for that
+    """Every logged MFU is trainer/flops.py's step_flops (what the benchmark counts) for that
     step's documents, over the step's time, against the configured peak."""
     from transformers import AutoConfig
 
+    from llmft.trainer import flops
     from llmft.trainer.data.loader import PackedLoader
-    from llmft.trainer.fastpath import flops
 
     peak_tflops = 1e-3
     code, _ = train_in_process(base_overrides("mfu", max_steps=3, observe__peak_tflops=peak_tflops))

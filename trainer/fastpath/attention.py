@@ -24,6 +24,7 @@ interface, so no dense (L x L) mask is ever created for this implementation.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any, cast
@@ -32,24 +33,30 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmft.trainer.loss import bucket_max_length
+
 ATTENTION_NAME = "llmft_varlen"
+GQA_MODES = ("repeat", "native")
+"""How grouped-query attention reaches the kernel when torch's varlen_attn has no ``enable_gqa`` flag
+(torch 2.11): "native" passes the Hkv key/value heads as they are (FlashAttention's varlen kernel
+handles H % Hkv == 0 itself), "repeat" expands them to H heads first. Chosen when registering
+(:func:`register`); benchmarks/gpu/check_kernels.py checks both against a float64 reference on the GPU."""
 
 
-def register() -> str:
-    """Register ``llmft_varlen`` with transformers' AttentionInterface; returns the name. Idempotent."""
+def register(gqa_mode: str = "repeat") -> str:
+    """Register ``llmft_varlen`` with transformers' AttentionInterface; returns the name. Idempotent
+    (a later call's ``gqa_mode``, one of :data:`GQA_MODES`, replaces an earlier one's)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
+    if gqa_mode not in GQA_MODES:
+        raise ValueError(f"GQA mode {gqa_mode!r}: one of {GQA_MODES}")
+    forward = varlen_attention_forward
+    if gqa_mode != "repeat":
+        forward = functools.wraps(varlen_attention_forward)(
+            functools.partial(varlen_attention_forward, gqa_mode=gqa_mode)
+        )
+    AttentionInterface.register(ATTENTION_NAME, forward)
     return ATTENTION_NAME
-
-
-def bucket_max_length(n: int) -> int:
-    """Round a longest-document length up to a power of two (>= 128).
-
-    The kernel only sizes its grid from it, so rounding up is cheap, and a
-    handful of distinct values keeps ``torch.compile`` from recompiling.
-    """
-    return max(128, 1 << (int(n) - 1).bit_length())
 
 
 def packed_attention_kwargs(doc_lengths: Sequence[int] | np.ndarray, device=None) -> dict:
@@ -94,15 +101,7 @@ def _read_varlen_signature() -> frozenset[str]:
 _VARLEN_PARAMS = _read_varlen_signature()
 
 
-# How grouped-query attention reaches the kernel when torch's varlen_attn has no
-# ``enable_gqa`` flag (torch 2.11): "native" passes the Hkv key/value heads as they
-# are (FlashAttention's varlen kernel handles H % Hkv == 0 itself), "repeat"
-# expands them to H heads first. benchmarks/gpu/check_kernels.py checks both
-# against a float64 reference on the GPU.
-GQA_MODE = "repeat"
-
-
-def _cuda_varlen(q, k, v, cu, max_len: int, scale: float | None, gqa_mode: str | None = None):
+def _cuda_varlen(q, k, v, cu, max_len: int, scale: float | None, gqa_mode: str = "repeat"):
     """q/k/v: (T, H, D). Calls torch's FlashAttention varlen kernel, causal, in bf16/fp16."""
     from torch.nn.attention.varlen import varlen_attn
 
@@ -115,7 +114,7 @@ def _cuda_varlen(q, k, v, cu, max_len: int, scale: float | None, gqa_mode: str |
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        elif (gqa_mode or GQA_MODE) == "repeat":
+        elif gqa_mode == "repeat":
             rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -154,6 +153,7 @@ def varlen_attention_forward(
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
     position_ids: torch.Tensor | None = None,
+    gqa_mode: str = "repeat",
     **kwargs,
 ):
     """transformers attention function: query (B, H, L, D), key/value (B, Hkv, L, D) -> ((B, L, H, D), None)."""
@@ -176,7 +176,7 @@ def varlen_attention_forward(
     cu = cu.to(device=q.device, dtype=torch.int32)
     if q.is_cuda:
         max_len = int(max_length_q) if max_length_q is not None else bucket_max_length(length)
-        out = _cuda_varlen(q, k, v, cu, max_len, scaling)
+        out = _cuda_varlen(q, k, v, cu, max_len, scaling, gqa_mode)
     else:
         out = _reference_per_document(q, k, v, cu, scaling)
     return out.reshape(batch, length, heads, dim), None

@@ -135,17 +135,20 @@ class _LoraLinearConcatFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None
 
 
-# Which form each fused linear uses: "epilogue" (addmm into the base output),
-# "concat" (adapter folded into K), or "auto" (concat when d_out > d_in).
-LORA_MODE = "auto"
+LORA_MODES = ("auto", "epilogue", "concat")
+"""Which form a fused linear uses: "epilogue" (addmm into the base output), "concat" (adapter folded
+into K), or "auto" (concat when d_out > d_in). Chosen per call (:func:`lora_linear`'s ``mode``) or per
+model (:func:`fuse_lora_linears`' ``mode``, which each fused module keeps)."""
 
 
 def lora_linear(
-    x, weight, bias, lora_a, lora_b, scaling: float, mode: str | None = None, dropout: float = 0.0
+    x, weight, bias, lora_a, lora_b, scaling: float, mode: str = "auto", dropout: float = 0.0
 ) -> torch.Tensor:
     """``x W^T + b + scaling * (drop(x) A^T) B^T`` as one autograd node (see module doc);
-    ``dropout`` is the LoRA dropout probability of a module in training mode (0 in eval mode)."""
-    mode = mode or LORA_MODE
+    ``mode`` one of :data:`LORA_MODES`; ``dropout`` is the LoRA dropout probability of a module in
+    training mode (0 in eval mode)."""
+    if mode not in LORA_MODES:
+        raise ValueError(f"LoRA mode {mode!r}: one of {LORA_MODES}")
     if mode == "auto":
         mode = "concat" if weight.shape[0] > weight.shape[1] else "epilogue"
     fn = _LoraLinearConcatFunction if mode == "concat" else _LoraLinearFunction
@@ -190,7 +193,8 @@ def _fused_forward(self, x, *args, **kwargs):
         from llmft.trainer.fastpath.qlora import lora_4bit_linear
 
         lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
-        return lora_4bit_linear(x, [base], [lora_a], [lora_b], [self.scaling[name]], [dropout_p(self, name)])
+        drop = [dropout_p(self, name)]
+        return lora_4bit_linear(x, [base], [lora_a], [lora_b], [self.scaling[name]], drop, self._llmft_lora_mode)
     return lora_linear(
         x,
         base.weight,
@@ -198,6 +202,7 @@ def _fused_forward(self, x, *args, **kwargs):
         self.lora_A[name].weight,
         self.lora_B[name].weight,
         self.scaling[name],
+        mode=self._llmft_lora_mode,
         dropout=dropout_p(self, name),
     )
 
@@ -236,12 +241,15 @@ def is_lora_linear(module) -> bool:
     return isinstance(module, LoraLinear) or (cls.__name__ == "Linear4bit" and cls.__module__ == "peft.tuners.lora.bnb")
 
 
-def fuse_lora_linears(model: torch.nn.Module) -> dict[str, str]:
-    """Swap the fused forward into every PEFT lora.Linear (or lora.Linear4bit) it covers exactly.
+def fuse_lora_linears(model: torch.nn.Module, mode: str = "auto") -> dict[str, str]:
+    """Swap the fused forward into every PEFT lora.Linear (or lora.Linear4bit) it covers exactly;
+    each runs the form ``mode`` names (:data:`LORA_MODES`).
 
     Returns ``{module name: reason}`` for the LoRA linears left on PEFT's forward
     (empty when every one was fused). Idempotent.
     """
+    if mode not in LORA_MODES:
+        raise ValueError(f"LoRA mode {mode!r}: one of {LORA_MODES}")
     skipped: dict[str, str] = {}
     for name, module in model.named_modules():
         if not is_lora_linear(module) or hasattr(module, "_llmft_peft_forward"):
@@ -251,6 +259,7 @@ def fuse_lora_linears(model: torch.nn.Module) -> dict[str, str]:
             skipped[name] = reason
             continue
         module._llmft_peft_forward = module.forward
+        module._llmft_lora_mode = mode
         module.forward = types.MethodType(_fused_forward, module)
     return skipped
 

@@ -113,7 +113,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from llmft.trainer.fastpath.flops import ALL_LINEAR, ModelShape
+from llmft.trainer.flops import ALL_LINEAR, ModelShape
 
 ATTENTION = ALL_LINEAR[:4]  # q, k, v, o
 

@@ -1,4 +1,6 @@
-"""Mixture-of-experts models (Qwen3-MoE shape): LoRA targets, a frozen router, grouped experts.
+"""Mixture-of-experts models (Qwen3-MoE shape), fast: grouped experts, expert LoRA, 4-bit experts.
+What training needs on any path (LoRA targets, frozen routers, the load-balancing loss) is
+trainer/moe_model.py's and trainer/moe_aux.py's; :func:`apply_moe` applies both and reports.
 
 transformers 5.x (5.17 on the GPU image, 5.24 here) stores a layer's experts as two fused 3-D
 parameters, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] (``Qwen3MoeExperts``,
@@ -10,7 +12,7 @@ is requested; 5.17 and 5.24 alike), so the frozen base experts need no help. Wha
 - **LoRA targets.** PEFT 0.21 rewrites ``target_modules="all-linear"`` on these models into
   ``target_parameters`` that include the router (``gate.weight``) and both expert tensors
   (``peft/utils/transformers_weight_conversion.py``, ``_resolve_string_target_modules``).
-  :func:`peft_targets` resolves targets itself: ``all-linear`` = the attention projections;
+  trainer/moe_model.py's ``peft_targets`` resolves targets itself: ``all-linear`` = the attention projections;
   ``experts`` (or ``experts.gate_up_proj`` / ``experts.down_proj``) = LoRA on the expert tensors
   through PEFT's ``target_parameters``; the router is never adapted and stays frozen.
 - **Expert LoRA.** PEFT's ``ParamWrapper`` applies an expert adapter by parametrizing the whole
@@ -36,25 +38,10 @@ from typing import Any, Literal, cast
 
 import torch
 
-from llmft.trainer.fastpath.moe_aux import install_router_aux
-from llmft.trainer.fastpath.moe_layout import base_experts, model_config, moe_blocks
-
-EXPERT_TARGETS = {
-    "experts": ("experts.gate_up_proj", "experts.down_proj"),
-    "experts.gate_up_proj": ("experts.gate_up_proj",),
-    "experts.down_proj": ("experts.down_proj",),
-}
-"""``lora.target_modules`` names that put LoRA on the fused expert tensors (PEFT target_parameters)."""
-
-ROUTER_NAMES = ("gate", "router", "gate.weight")
-DENSE_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
-
+from llmft.trainer.moe_aux import install_router_aux
+from llmft.trainer.moe_model import base_experts, freeze_routers, model_config, moe_blocks
 
 # ----------------------------------------------------------------------------- finding the pieces
-
-
-def is_moe(model) -> bool:
-    return bool(moe_blocks(model))
 
 
 def expert_wrappers(module) -> dict[str, Any]:
@@ -64,86 +51,6 @@ def expert_wrappers(module) -> dict[str, Any]:
         found[module.parameter_name] = module
         module = module.base_layer
     return found
-
-
-def config_is_moe(config) -> bool:
-    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    return int(get("num_experts", 0) or get("num_local_experts", 0) or 0) > 0
-
-
-# ----------------------------------------------------------------------------- LoRA targets
-
-
-def peft_targets(target_modules, model, dropout: float) -> dict:
-    """``target_modules`` / ``target_parameters`` for PEFT's LoraConfig on an MoE model.
-
-    ``all-linear`` -> the decoder's ``nn.Linear`` leaf names (the attention projections; never the
-    router or lm_head); ``experts`` (or one expert tensor) -> PEFT ``target_parameters``.
-    Raises ConfigError for the router, for dense-MLP names the model does not have, and for
-    expert LoRA with dropout (PEFT's ParamWrapper cannot apply dropout).
-    """
-    return resolve_targets(list(target_modules), _linear_leaf_names(model), dropout)
-
-
-def check_lora_config(cfg) -> None:
-    """The same checks from the model's config.json alone, before any weights load (no-op for a
-    dense model, or when the config cannot be read here: loading then reports that)."""
-    if cfg.method == "full":
-        return
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(
-            cfg.model.name_or_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-        )
-    except (OSError, ValueError, KeyError):  # not loadable here, or an architecture this transformers lacks
-        return
-    if not config_is_moe(config):
-        return
-    linear = {"q_proj", "k_proj", "v_proj", "o_proj"}
-    layers, step = int(config.num_hidden_layers), int(getattr(config, "decoder_sparse_step", 1) or 1)
-    if any(i in (getattr(config, "mlp_only_layers", None) or ()) or (i + 1) % step for i in range(layers)):
-        linear |= set(DENSE_MLP_NAMES)
-    resolve_targets(list(cfg.lora.target_modules), linear, cfg.lora.dropout)
-
-
-def resolve_targets(names: list[str], linear: set[str], dropout: float) -> dict:
-    from llmft.trainer.errors import ConfigError
-
-    where = f"lora.target_modules={names}"
-    linear = set(linear) - set(ROUTER_NAMES)  # a router that is an nn.Linear is still the router
-    router = sorted(set(names) & set(ROUTER_NAMES))
-    if router:
-        raise ConfigError(
-            f"{where}: {router} is the MoE router, which stays frozen (vLLM has no LoRA layer for it either); remove it"
-        )
-    dense = sorted((set(names) & set(DENSE_MLP_NAMES)) - linear)
-    if dense:
-        raise ConfigError(
-            f"{where}: this mixture-of-experts model has no {dense} layers (its experts are fused 3-D tensors); "
-            "use `experts` to put LoRA on the experts, or list attention projections only"
-        )
-    parameters = [p for n in names if n in EXPERT_TARGETS for p in EXPERT_TARGETS[n]]
-    modules = [n for n in names if n not in EXPERT_TARGETS]
-    if "all-linear" in modules:
-        modules = sorted((set(modules) - {"all-linear"}) | linear)
-    if parameters and dropout > 0:
-        raise ConfigError(
-            f"{where}: LoRA on the experts takes no dropout (PEFT applies it to the fused expert weight, where "
-            f"dropout cannot act on the input); set lora.dropout=0 (it is {dropout})"
-        )
-    if not modules and not parameters:
-        raise ConfigError(f"{where}: names no attention projection and no `experts`")
-    return {"target_modules": modules or None, "target_parameters": sorted(set(parameters)) or None}
-
-
-def _linear_leaf_names(model) -> set[str]:
-    """Leaf names of the decoder's nn.Linear modules (lm_head and anything outside the layers excluded)."""
-    names = set()
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and "lora_" not in name:
-            names.add(name.rsplit(".", 1)[-1])
-    return names
 
 
 # ----------------------------------------------------------------------------- grouped matmul
@@ -340,19 +247,6 @@ def swap_grouped_experts(model) -> dict:
 
 
 # ----------------------------------------------------------------------------- router, 4-bit, report
-
-
-def freeze_routers(model) -> int:
-    """Every router's parameters frozen; raises ConfigError if one carries an adapter."""
-    from llmft.trainer.errors import ConfigError
-
-    count = 0
-    for block in moe_blocks(model):
-        if hasattr(block.gate, "lora_A") or hasattr(block.gate, "base_layer"):
-            raise ConfigError("a LoRA adapter sits on the MoE router; the router must stay frozen")
-        block.gate.requires_grad_(False)
-        count += 1
-    return count
 
 
 def quantize_experts_4bit(model, *, quant_type: str = "nf4", double_quant: bool = True) -> int:

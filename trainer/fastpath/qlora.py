@@ -262,12 +262,10 @@ class _Lora4bitFunction(torch.autograd.Function):
         return (grad_x, None, None, None, *grads)
 
 
-LORA4BIT_MODE = "auto"  # "concat", "epilogue", or "auto": concat where the group's d_out > d_in (lora.py's rule)
-
-
-def lora_4bit_linear(x, bases, lora_as, lora_bs, scalings, dropouts=None, mode: str | None = None) -> torch.Tensor:
+def lora_4bit_linear(x, bases, lora_as, lora_bs, scalings, dropouts=None, mode: str = "auto") -> torch.Tensor:
     """``[x W_i^T + b_i + s_i (drop_i(x) A_i^T) B_i^T for each 4-bit base i]`` side by side in one (..., sum
-    d_out) tensor; one base is the per-module fused path, several are a grouped q/k/v or gate/up."""
+    d_out) tensor; one base is the per-module fused path, several are a grouped q/k/v or gate/up. ``mode``:
+    "concat", "epilogue", or "auto" (concat where the group's d_out > d_in: lora.py's rule)."""
     biases = [b.bias for b in bases]
     if len({b is None for b in biases}) != 1:
         raise ValueError("grouped LoRA projections need all biases or none")
@@ -275,7 +273,6 @@ def lora_4bit_linear(x, bases, lora_as, lora_bs, scalings, dropouts=None, mode: 
         raise ValueError("grouped 4-bit projections need one quantization layout")
     first = layout(bases[0])
     rows = [out_features(b) for b in bases]
-    mode = mode or LORA4BIT_MODE
     concat = sum(rows) > first.in_features if mode == "auto" else mode == "concat"
     static = (
         tuple(rows),

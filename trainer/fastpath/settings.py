@@ -17,8 +17,8 @@ import torch
 
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath import memory
-from llmft.trainer.fastpath.flops import ALL_LINEAR, shape_from_config
 from llmft.trainer.fastpath.resolve import FastPath, model_info_from_config, resolve_fast_path
+from llmft.trainer.flops import ALL_LINEAR, shape_from_config
 
 _SETTINGS: dict = {}
 _FREE_AT_START: dict = {}
@@ -79,7 +79,7 @@ def free_memory_at_start(device: torch.device) -> int:
 
 def memory_setup(cfg, config, fast: FastPath, world_size: int) -> memory.Setup:
     """The memory model's inputs for this config and resolved fast path."""
-    from llmft.trainer.fastpath.moe import EXPERT_TARGETS
+    from llmft.trainer.moe_model import EXPERT_TARGETS
 
     targets = tuple(cfg.lora.target_modules)
     adapted = ALL_LINEAR if targets == ("all-linear",) else tuple(t for t in targets if t in ALL_LINEAR)
