@@ -149,7 +149,7 @@ _EXPERT_ALIASES = {"experts": ("experts.gate_up_proj", "experts.down_proj"), "ba
 def lora_adapter_flops_per_token(shape: ModelShape, rank: int, targets: Iterable[str] = ALL_LINEAR) -> int:
     """Forward + backward FLOPs of the LoRA adapters for one token: 6 r (d_in + d_out) each (an
     expert adapter: times the experts a token runs). ``ALL_LINEAR`` (all-linear) on an MoE layer
-    means its attention projections, as trainer.fastpath.moe resolves it."""
+    means its attention projections, as trainer.moe_model resolves it."""
     targets = set(targets)
     known = {name for _, shapes in shape.layer_groups() for name in shapes} | set(_EXPERT_ALIASES)
     unknown = sorted(targets - known - (set(ALL_LINEAR) if targets == set(ALL_LINEAR) else set()))

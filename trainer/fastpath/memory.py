@@ -150,7 +150,7 @@ class Setup:
         if self.method == "full":
             return {}
         shapes = self.shape.linear_shapes()
-        if self.shape.n_experts:  # all-linear on an MoE model: the attention projections (fastpath/moe.py)
+        if self.shape.n_experts:  # all-linear on an MoE model: the attention projections (moe_model.py)
             shapes = {k: v for k, v in shapes.items() if k in ATTENTION}
         return {k: v for k, v in shapes.items() if k in self.lora_targets}
 
