@@ -39,7 +39,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "train_config.json"  # not config.json: full weights carry the HF model config.json
 SCHEDULER_FILE = "scheduler.json"
-MANIFEST_FILE = "training_manifest.json"  # in final/, written when the run finished: names its run_id
+TRAINING_MANIFEST = "training_manifest.json"  # in final/, written when the run finished: names its run_id
 # What a DeepSpeed checkpoint may reference besides plain tensors (torch's weights_only set): the
 # globals of the ZeRO-1/2/3 checkpoints DeepSpeed 0.19 writes (listed with
 # torch.serialization.get_unsafe_globals_in_checkpoint), and the dynamic loss scaler of fp16 runs.
@@ -74,7 +74,7 @@ def complete_checkpoints(output_dir: str | Path, run_id: str | None = None) -> l
 def finished_run_id(output_dir: str | Path) -> str:
     """The ``run_id`` of the run that finished in ``output_dir`` (from ``final/training_manifest.json``): the
     one whose checkpoints :func:`complete_checkpoints` lists for the steps that read a finished run."""
-    path = Path(output_dir) / "final" / MANIFEST_FILE
+    path = Path(output_dir) / "final" / TRAINING_MANIFEST
     try:
         run_id = json.loads(path.read_text()).get("run_id")
     except (OSError, ValueError, AttributeError):
@@ -261,7 +261,7 @@ def _clear_target(final: Path) -> None:
     force_output_dir) is kept, renamed to ``<name>.kept-<time>``."""
     if not final.exists():
         return
-    if (final / STATE_FILE).is_file() or (final / MANIFEST_FILE).is_file():
+    if (final / STATE_FILE).is_file() or (final / TRAINING_MANIFEST).is_file():
         shutil.rmtree(final)
         return
     aside = final.with_name(f"{final.name}.kept-{time.strftime('%Y%m%dT%H%M%S')}")

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+from llmft.trainer.checkpoint import TRAINING_MANIFEST
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.hf_files import TOKENIZER_FILES
 from llmft.trainer.safe_files import copy_file, present, read_text
 
 EXPORT_MANIFEST = "export_manifest.json"
-TRAINING_MANIFEST = "training_manifest.json"
 DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 from llmft.trainer.errors import ConfigError, LlmftError
+from llmft.trainer.tokenizer import load_tokenizer
 
 
 class AdapterHasNoEffectError(LlmftError):
@@ -86,11 +87,9 @@ def local_generation_check(
 
 def _check_tokenizer(base_model_path: str, tuned_path: str):
     """The tokenizer saved beside the adapter or the merged model (with the chat template it was trained
-    on), else the base model's."""
-    from transformers import AutoTokenizer  # heavy: transformers
-
+    on), else the base model's (read by the project's one loader, trainer/tokenizer.py)."""
     has_own_tokenizer = os.path.isfile(os.path.join(tuned_path, "tokenizer_config.json"))
-    return AutoTokenizer.from_pretrained(tuned_path if has_own_tokenizer else base_model_path)
+    return load_tokenizer(tuned_path if has_own_tokenizer else base_model_path, field="model")
 
 
 def _check_models(base_model_path: str, adapter_path: str, merged_path: str | None):
