@@ -216,11 +216,14 @@ def run_local_sweep(
     timeout_s: float | None = None,
     echo: Callable[[str], None] = print,
     mlflow_experiment: str = "",
+    config_path: str | None = None,
 ) -> LocalSweepResult:
     """Run ``trials`` trials of ``spec``'s search space in sequence; the best is ``result.best``.
 
-    ``trainer_args`` are the fixed trainer overrides of every trial (model, data, steps, ...);
-    each trial adds ``output_dir=<workdir>/<name>-<timestamp>/trial-NNN`` and its sampled overrides."""
+    ``config_path``: the trainer config every trial starts from (``llmft train --config``; the HPO
+    pipeline's: the plan's config.yaml). ``trainer_args`` are the fixed trainer overrides of every
+    trial (model, data, steps, ...); each trial adds ``output_dir=<workdir>/<name>-<timestamp>/trial-NNN``
+    and its sampled overrides."""
     import optuna
 
     spec.check()
@@ -243,7 +246,8 @@ def run_local_sweep(
         f"sweep-{spec.name}", mlflow_experiment, params=params, tags={"llmft.sweep.algorithm": spec.algorithm}
     ) as parent:
         # resume=never first (the caller's args may override it): a trial never picks up old checkpoints
-        command = [python, "-m", "llmft", "train", "resume=never", *trainer_args]  # what a pod runs
+        config = ["--config", str(config_path)] if config_path else []
+        command = [python, "-m", "llmft", "train", *config, "resume=never", *trainer_args]  # what a pod runs
         sweep = _Sweep(
             spec,
             optuna_distributions(parameters),

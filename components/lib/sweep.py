@@ -201,9 +201,14 @@ def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experime
     from llmft.katib.local_sweep import run_local_sweep  # heavy: kubeflow_katib_api, optuna
 
     # the final training's config, as the Katib trials; each trial's run is named after its output_dir
-    args = ["--config", config_path, f"data={tokenized_dir}", "observe.run_name=", *fixed]
+    args = [f"data={tokenized_dir}", "observe.run_name=", *fixed]
     result = run_local_sweep(
-        spec, trials=spec.max_trials, trainer_args=args, workdir=workdir, mlflow_experiment=mlflow_experiment
+        spec,
+        trials=spec.max_trials,
+        trainer_args=args,
+        workdir=workdir,
+        mlflow_experiment=mlflow_experiment,
+        config_path=config_path,
     )
     print(result.table(), flush=True)
     best = result.best

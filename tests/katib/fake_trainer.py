@@ -13,8 +13,12 @@ import sys
 
 def main(argv: list[str]) -> int:
     assert argv[:3] == ["-m", "llmft", "train"], argv
-    overrides = dict(a.split("=", 1) for a in argv[3:])
-    print(f"args {' '.join(argv[3:])}")
+    args = argv[3:]
+    if args[:1] == ["--config"]:  # llmft train takes its options before the key=value items
+        print(f"config {args[1]}")
+        args = args[2:]
+    overrides = dict(a.split("=", 1) for a in args)
+    print(f"args {' '.join(args)}")
     print(f"parent_run={os.environ.get('LLMFT_MLFLOW_PARENT_RUN_ID', '')}")
     if overrides.get("lora.r") == "64":
         print("RuntimeError: CUDA out of memory", file=sys.stderr)

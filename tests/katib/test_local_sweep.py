@@ -93,6 +93,19 @@ def test_random_sweep_picks_the_lowest_eval_loss(tmp_path, fake_python, capsys):
     assert f"best: trial {best.number} eval_loss=" in table and best.overrides[0] in table
 
 
+def test_trials_start_from_the_config_file(tmp_path, fake_python):
+    """The HPO pipeline's local trials start from the plan's config.yaml: `--config` comes before the
+    key=value items (argparse refuses an option after them)."""
+    spec = apply_overrides(SweepSpec(algorithm="random", name="cfg"), [])
+    result = run_local_sweep(
+        spec, trials=1, trainer_args=["max_steps=3"], workdir=tmp_path, python=fake_python, config_path="/r/c.yaml"
+    )
+    log = next(Path(result.run_dir).glob("trial-000*.log")).read_text()
+    assert (
+        result.trials[0].status == "Succeeded" and "config /r/c.yaml" in log and "args resume=never max_steps=3" in log
+    )
+
+
 def test_every_sweep_gets_fresh_trial_folders(tmp_path, fake_python):
     spec = apply_overrides(SweepSpec(algorithm="random", name="again"), [])
     first = run_local_sweep(spec, trials=1, trainer_args=[], workdir=tmp_path, python=fake_python)
