@@ -73,6 +73,13 @@ def test_trainjob_passes_the_crd_schema_and_the_trainer_admission_rules(changes,
     }
 
 
+def test_the_trainjob_runs_the_plans_config_file_and_no_plan_setting():
+    """Issue 26: the trainer reads the plan's resolved config.yaml; only tokenize's folder follows it."""
+    plan, spec = _spec(lora_r=8, train_overrides="save_every=5")
+    args = trainjob_to_dict(build_trainjob(spec))["spec"]["trainer"]["args"]
+    assert args == ["train", "--nproc", "1", "--config", f"{plan.trainer.run_dir}/config.yaml", f"data={DATA}"]
+
+
 def test_shipped_runtimes_are_valid_cluster_training_runtimes(crd_dir, runtime_crd_errors):
     for name in ("torch_distributed", "deepspeed_distributed"):
         assert runtime_crd_errors(load_runtime(crd_dir, name)) == [], name

@@ -95,3 +95,22 @@ def test_render_job_hpo_checks_the_sweep_pipelines_trial_overrides(tmp_path):
     )
     assert code == 1 and "trust_remote_code" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+def test_render_job_shows_the_config_file_the_job_reads(tmp_path, backend):
+    """Issue 26: the rendered job runs `llmft train --config <run_dir>/config.yaml data=...` (no plan setting
+    on its command line); the header shows that config.yaml, lora_r=8 as lora.r: 8."""
+    out = tmp_path / "job.yaml"
+    argv = ["pipeline", "render-job", "--backend", backend, "mlflow_tracking_uri=http://mlflow:5000", "lora_r=8"]
+    assert cli(*argv, "--run-id", "r1", "--output", str(out))[0] == 0
+    text = out.read_text()
+    body = yaml.safe_load(text)
+    spec = body["spec"]
+    if backend == "trainjob":
+        args = spec["trainer"]["args"]
+    else:
+        args = spec["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"]
+    assert args[3:] == ["--config", "/data/runs/r1/config.yaml", "data=/data/tokenized/CACHE_KEY"]
+    header = [line.removeprefix("#   ") for line in text.splitlines() if line.startswith("#   ")]
+    assert header[0] == "/data/runs/r1/config.yaml:" and yaml.safe_load("\n".join(header[1:]))["lora"]["r"] == 8
