@@ -277,6 +277,9 @@ write_model_dir; write_model_dir('qwen3-30b-a3b', Path('/tmp/llmft-project/model
     CUDA_VISIBLE_DEVICES=0 bench --label r4-moe --jobs "project-product:qwen3-30b-a3b:qlora" --steps 14 --warmup 10 \
       --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
     grep -h "fast path\|steps of\|tokens/s  \|MFU  \|warm-up  \|model load" "$W"/project-product_qwen3*.trainer.log
+    # Item 4's try with what is left on GPU 0 (GPU 1's r4 product row is its baseline, same call)
+    TORCHINDUCTOR_CPP_WRAPPER=1 CUDA_VISIBLE_DEVICES=0 bench --label r4-host-cppwrapper \
+      --jobs "project-product:qwen2.5-1.5b:lora" $P --deadline-s $((585 - SECONDS)) --arm-timeout-s $((580 - SECONDS))
     wait; grep "\[bench\]" "$W/g1.log"; bench --jobs "" --merge-from "$W/g1out"
     tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' .; exit 0
     ;;
