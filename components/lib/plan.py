@@ -185,14 +185,18 @@ def trainer_settings(p: Parameters, run_dir: str, run_id: str) -> dict[str, Any]
         "model": {"name_or_path": p.model},
         "output_dir": run_dir,
         "method": p.method,
-        "lora": {"r": p.lora_r, "alpha": p.lora_alpha, "dropout": p.lora_dropout},
+        "lora": {
+            "r": p.lora_r,
+            "alpha": p.lora_alpha,
+            "dropout": p.lora_dropout,
+            "target_modules": p.lora_target_modules,  # "q_proj,v_proj": the loader makes it a tuple
+        },
         "optim": {"lr": p.learning_rate},
         "seed": p.seed,
         "resume": "auto",  # a retried task continues from the newest complete checkpoint
         "observe": {"run_name": f"pipeline-{run_id}"},
         "max_steps": max(p.max_steps, 0),
     }
-    settings["lora"]["target_modules"] = p.lora_target_modules
     if p.max_steps <= 0:
         settings["epochs"] = p.epochs
     if p.mlflow_experiment:
@@ -209,8 +213,8 @@ def trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan:
     names = {key: f"pipeline parameter `{name}`" for key, name in TRAINER_PARAMETERS.items()}
     try:
         config, _ = resolve_config(
-            trainer_settings(p, run_dir, run_id),
-            [*user, f"data={PENDING_DATA}"],
+            {**trainer_settings(p, run_dir, run_id), "data": PENDING_DATA},
+            user,
             source_name="pipeline training parameters",
             names=names,
             override_label="train_overrides",
