@@ -16,6 +16,11 @@ import importlib
 import logging
 import os
 import sys
+from importlib.metadata import version
+
+from llmft.trainer import errors
+from llmft.trainer.errors import EXIT_CODE_MEANINGS
+from llmft.trainer.storage import describe_disk_fault
 
 # group name -> (module, one-line help). Order is the order shown in --help.
 GROUPS: dict[str, tuple[str, str]] = {
@@ -34,8 +39,6 @@ GROUPS: dict[str, tuple[str, str]] = {
 
 
 def _epilog() -> str:
-    from llmft.trainer.errors import EXIT_CODE_MEANINGS
-
     codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODE_MEANINGS.items())
     return (
         "Run `llmft <group> --help` for the sub-commands of a group.\n\n"
@@ -62,8 +65,6 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("kfp-llm-finetune")
     except Exception:  # noqa: BLE001 - running from a source tree
         return "0+unknown"
@@ -119,8 +120,6 @@ def run_command(func, args) -> int:
 
 def describe_failure(exc: BaseException) -> tuple[int, str]:
     """(exit code, one-line message) for an exception that reached the command line."""
-    from llmft.trainer import errors
-    from llmft.trainer.storage import describe_disk_fault
 
     if isinstance(exc, errors.LlmftError):
         return exc.exit_code, _one_line(str(exc), keep_lines=True)

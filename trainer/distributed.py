@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -281,9 +282,9 @@ def bf16_all_reduce_hook(group, bucket):
 
 def import_deepspeed():
     """Import DeepSpeed and attach it to our process group (once); a clear error when missing."""
-    import importlib
 
     try:
+        # heavy: deepspeed
         import deepspeed
 
         # import_module returns the submodule itself; `import deepspeed.comm.torch as m` would bind

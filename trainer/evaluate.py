@@ -21,7 +21,9 @@ import torch
 from llmft.trainer.data.loader import MicroBatch, eval_micro_batches
 from llmft.trainer.data.shards import open_split
 from llmft.trainer.distributed import DistInfo, all_reduce_sum
-from llmft.trainer.loss import token_nll_sum
+from llmft.trainer.errors import DataError
+from llmft.trainer.loss import loss_fn, token_nll_sum
+from llmft.trainer.model import register_attention, resolve_dtype
 
 
 def perplexity(loss: float) -> float:
@@ -73,6 +75,7 @@ def evaluate_model(
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [nll sum, targets]
     if progress and rank == 0:
+        # heavy: tqdm
         from tqdm import tqdm
 
         batches = tqdm(batches, desc=f"evaluate {split}", unit="batch", mininterval=1.0)
@@ -87,8 +90,6 @@ def evaluate_model(
     model.train(was_training)
     total_nll, targets = sums.tolist()
     if targets == 0:
-        from llmft.trainer.errors import DataError
-
         raise DataError(f"{Path(dataset_dir) / split}: no supervised tokens to evaluate on")
     loss = total_nll / targets
     return {"eval_loss": loss, "perplexity": perplexity(loss), "tokens": int(targets)}
@@ -160,7 +161,6 @@ class PerplexityEvaluator:
 
     def score(self, model, dataset_dir: str, *, split: str = "val", micro_sequences: int = 4, max_sequences: int = 0):
         """:func:`evaluate_model` of a model from :meth:`applied`, on this evaluator's device."""
-        from llmft.trainer.loss import loss_fn
 
         return evaluate_model(
             model,
@@ -179,6 +179,7 @@ class PerplexityEvaluator:
         ``adapter_path`` applied, in eval mode; the adapter is removed on exit."""
         model = self._base(model_path)
         if adapter_path:
+            # heavy: peft
             from peft import PeftModel
 
             try:
@@ -194,8 +195,8 @@ class PerplexityEvaluator:
 
     def _base(self, model_path: str):
         if self._path != model_path:
+            # heavy: safetensors
             from llmft.trainer.fp8 import load_base_model
-            from llmft.trainer.model import register_attention, resolve_dtype
 
             self._model = None  # the previous model's memory is free before the next one loads
             register_attention(self.attn_implementation)

@@ -31,6 +31,8 @@ import torch
 from llmft.trainer.checkpoint import TRAINING_MANIFEST
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.hf_files import TOKENIZER_FILES
+from llmft.trainer.io import atomic_directory, atomic_write_json, sha256_file, share_files
+from llmft.trainer.model_dir import content_hash
 from llmft.trainer.safe_files import copy_file, present, read_text
 
 EXPORT_MANIFEST = "export_manifest.json"
@@ -123,7 +125,6 @@ def find_provenance(adapter_dir: Path, adapter_config: dict, base_override: str 
 
 def check_base_identity(base_dir: Path, prov: Provenance) -> str | None:
     """The content hash of ``base_dir``; ConfigError when the run recorded a different one."""
-    from llmft.trainer.model_dir import content_hash
 
     expected = prov.base_identity.get("content_hash")
     if not expected:
@@ -183,6 +184,7 @@ def export_adapter(
     force: bool = False,
 ) -> dict:
     """Write the merged model (``merge``) or the adapter bundle at ``output``; returns the manifest."""
+    # heavy: safetensors
     from llmft.trainer.merge import read_adapter, read_adapter_config
 
     adapter_dir = Path(adapter)
@@ -200,10 +202,11 @@ def export_adapter(
 
 
 def _manifest(fmt: str, adapter_dir: Path, prov: Provenance, config: dict, **extra) -> dict:
+    # heavy: peft
     import peft
-    import transformers
 
-    from llmft.trainer.io import sha256_file
+    # heavy: transformers
+    import transformers
 
     return {
         "format": fmt,
@@ -237,8 +240,6 @@ def _tokenizer_into(tmp: Path, prov: Provenance, fallback: Path | None) -> str:
 
 
 def _write_bundle(adapter_dir: Path, output: Path, prov: Provenance, config: dict, force: bool) -> dict:
-    from llmft.trainer.io import atomic_directory, atomic_write_json, share_files
-
     base_dir = Path(prov.base) if Path(prov.base).is_dir() else None
     with atomic_directory(output, kind=BUNDLE_KIND, force=force, marker=True, inputs=(adapter_dir,)) as tmp:
         for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -264,7 +265,7 @@ def _copy_run_files(tmp: Path, adapter_dir: Path, prov: Provenance) -> None:
 def _write_merged(
     adapter_dir: Path, output: Path, prov: Provenance, dtype: torch.dtype, shard_bytes: int, force: bool
 ) -> dict:
-    from llmft.trainer.io import atomic_write_json
+    # heavy: safetensors
     from llmft.trainer.merge import BaseCheckpoint, read_adapter, rewrite_checkpoint
 
     adapter = read_adapter(adapter_dir)

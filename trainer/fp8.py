@@ -28,13 +28,16 @@ The run log says which happened (one ``base model:`` line).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fp8_format import FINEGRAINED, QuantFormat, quant_format, read_model_config
@@ -42,6 +45,7 @@ from llmft.trainer.io import atomic_directory, is_complete, share_files
 from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
 from llmft.trainer.model_dir import content_hash
 from llmft.trainer.safe_files import copy_file
+from llmft.trainer.tiny_model import build_tiny_model
 
 # ----------------------------------------------------------------------------- loading for training
 
@@ -64,6 +68,7 @@ def base_format(name_or_path: str, revision: str | None = None) -> QuantFormat:
     if local.is_dir():
         return quant_format(read_model_config(local))
     try:
+        # heavy: transformers
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(name_or_path, revision=revision)
@@ -94,6 +99,7 @@ def load_plan(name_or_path: str, revision: str | None, method: str, kwargs: dict
 
 def _dequantize_config(fmt: QuantFormat):
     if fmt.method == FINEGRAINED:
+        # heavy: transformers
         from transformers import FineGrainedFP8Config
 
         return FineGrainedFP8Config(
@@ -102,12 +108,14 @@ def _dequantize_config(fmt: QuantFormat):
             modules_to_not_convert=fmt.config.get("modules_to_not_convert"),
         )
     try:
+        # heavy: compressed_tensors
         import compressed_tensors  # noqa: F401
     except ImportError:
         raise ConfigError(
             "the base model is stored with compressed-tensors (FP8); transformers loads it only with the "
             "compressed-tensors package: pip install 'kfp-llm-finetune[fp8]'"
         ) from None
+    # heavy: transformers
     from transformers import CompressedTensorsConfig
 
     return CompressedTensorsConfig(dequantize=True)  # the checkpoint's own config; only `dequantize` is taken
@@ -118,6 +126,7 @@ def load_base_model(name_or_path: str, revision: str | None, method: str, kwargs
     trainer/model.py makes). An FP8 base is dequantized (LoRA, full) or re-quantized to 4-bit from a
     bf16 copy (QLoRA); rank 0 prints one ``base model:`` line saying which, and the model carries
     the same facts as ``model.llmft_base_format`` (a dict) for the manifest."""
+    # heavy: transformers
     from transformers import AutoModelForCausalLM
 
     plan = load_plan(name_or_path, revision, method, kwargs)
@@ -153,7 +162,6 @@ def dequantized_copy(name_or_path: str, revision: str | None, dtype=torch.bfloat
 
     Keyed by the source's content hash; ranks of one node wait on a file lock while the first builds
     it, and a copy is only used once it carries its completion marker."""
-    import fcntl
 
     base = BaseCheckpoint.open(name_or_path, revision)
     digest, _ = content_hash(base.directory)
@@ -200,7 +208,6 @@ def write_fp8_checkpoint(
     """Convert a dense model directory (the tiny model) into transformers' fine-grained FP8 format:
     every decoder Linear weight becomes float8_e4m3fn + ``weight_scale_inv`` (one per ``block``),
     everything else bfloat16; ``config.json`` gets the ``quantization_config`` transformers reads."""
-    from safetensors.torch import save_file
 
     base = BaseCheckpoint.open(str(source))
     config = read_model_config(base.directory)
@@ -230,9 +237,6 @@ def write_fp8_checkpoint(
 
 def build_tiny_fp8_model(output: str | Path, *, seed: int = 0, force: bool = False) -> Path:
     """``llmft dev tiny-model --fp8``: the tiny model, stored in fine-grained FP8 (blocks of 32 x 32)."""
-    import tempfile
-
-    from llmft.trainer.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="llmft-tiny-dense-") as scratch:
         dense = build_tiny_model(Path(scratch) / "dense", seed=seed)

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.errors import OutputNotOursError
 from llmft.trainer.storage import disk_guard
 
 COMPLETE_MARKER = "COMPLETE"
@@ -127,7 +128,6 @@ def check_output_target(
     ``inputs`` or contains one, or that is the current directory or contains it, is refused even
     with ``force``: the input (or the folder the user stands in) would be deleted.
     """
-    from llmft.trainer.errors import OutputNotOursError
 
     target = Path(path).resolve()
     for item in inputs:
@@ -174,7 +174,6 @@ def write_owned_file(path: str | os.PathLike, text: str, *, command: str, force:
 
 def check_owned_file(path: str | os.PathLike, *, force: bool = False) -> None:
     """What :func:`write_owned_file` refuses, checked before any work (the command fails in one line first)."""
-    from llmft.trainer.errors import OutputNotOursError
 
     path = Path(path)
     if path.is_dir() and not path.is_symlink():

@@ -36,6 +36,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.errors import EXIT_CODE_MEANINGS, DataError, TransientError
+from llmft.trainer.io import atomic_write_json
+
 log = logging.getLogger("trainer")
 
 KEY_VARIABLES = ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY")
@@ -60,6 +63,7 @@ def host(environ: dict | None = None) -> str:
 
 def get_client():
     """The process's Langfuse client (the SDK keeps one per public key). Imports the SDK."""
+    # heavy: langfuse
     from langfuse import get_client as sdk_client
 
     return sdk_client()
@@ -132,7 +136,6 @@ class RunTrace:
         except Exception as exc:  # noqa: BLE001 - observability must never stop training
             log.warning("langfuse disabled: %s", exc)
             return None
-        from llmft.trainer.io import atomic_write_json
 
         record = {"trace_id": trace_id, "run_id": run_id, "run_name": run_name, "host": host()}
         atomic_write_json(Path(output_dir) / RUN_RECORD, record)
@@ -166,7 +169,6 @@ class RunTrace:
 
     def stopped(self, exit_code: int | None) -> None:
         """The process ends before the run does (SIGTERM/SIGINT with a checkpoint, or an error)."""
-        from llmft.trainer.errors import EXIT_CODE_MEANINGS
 
         meaning = EXIT_CODE_MEANINGS.get(exit_code, "ended early") if exit_code is not None else "ended early"
         self._event(
@@ -226,6 +228,7 @@ class RunTrace:
 def run_trace_attributes(run_name: str, run_id: str):
     """Context in which new observations carry the training trace's name, session, tags and run id
     (a root observation, as every one made with ``trace_context`` is, would otherwise rename the trace)."""
+    # heavy: langfuse
     from langfuse import propagate_attributes
 
     return propagate_attributes(
@@ -246,7 +249,6 @@ def add_to_run_trace(client, record: dict, name: str, metadata: dict) -> None:
 def dataset_rows(name: str) -> list[tuple[str, Any]]:
     """``[(item id, canonical row)]`` of the ACTIVE items of the Langfuse dataset ``name``, in the
     server's order. Raises DataError (no such dataset, no keys) or TransientError (server trouble)."""
-    from llmft.trainer.errors import DataError, TransientError
 
     spec = f"langfuse://{name}"
     if not configured():

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llmft.trainer.data.shards import IGNORE_INDEX
+from llmft.trainer.moe_aux import with_router_aux_loss
 
 # transformers' own attention implementations: they read no document boundaries from the loss's kwargs.
 BUILTIN_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "paged_attention")
@@ -73,6 +74,7 @@ def token_nll_sum(model, batch: dict, *, varlen: bool = False) -> torch.Tensor:
 def fused_token_nll_sum(model, batch: dict) -> torch.Tensor:
     """Drop-in for :func:`token_nll_sum`: the SUM of next-token NLL over supervised targets (0-d
     float32), through trainer.fastpath's fused linear cross-entropy (no full-vocab logits)."""
+    # optional: the fast path (trainer/fastpath), imported only where it is on
     from llmft.trainer.fastpath.loss import fused_causal_lm_loss  # only where kernels.fused_loss resolved on
 
     return fused_causal_lm_loss(
@@ -90,7 +92,6 @@ def loss_fn(fused: bool = False, attn_implementation: str = "sdpa"):
     trainer.fastpath (not one of transformers' own) also gets the document boundaries. On an MoE
     model whose config asks for it, training forwards also carry the load-balancing loss's gradient
     (per document, per supervised token: trainer/moe_aux.py); the value stays the NLL sum."""
-    from llmft.trainer.moe_aux import with_router_aux_loss
 
     return with_router_aux_loss(_select_loss_fn(fused, attn_implementation))
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fp8_format import (
@@ -48,7 +49,9 @@ from llmft.trainer.fp8_format import (
     read_model_config,
     scale_name_for,
 )
+from llmft.trainer.io import atomic_directory, share_files
 from llmft.trainer.safe_files import check_file, copy_file, present, read_text
+from llmft.trainer.storage import disk_guard
 from llmft.trainer.weights_io import DTYPES, INDEX_FILE, Entry, ShardStream, plan_shards, read_header
 
 ADAPTER_PREFIX = "base_model.model."
@@ -137,6 +140,7 @@ def local_model_dir(name_or_path: str, revision: str | None = None) -> Path:
     if local.is_dir():
         return local
     try:
+        # heavy: huggingface_hub
         from huggingface_hub import snapshot_download
 
         return Path(
@@ -212,7 +216,6 @@ class Adapter:
 
 def read_adapter(directory: str | Path) -> Adapter:
     """Read and check ``adapter_config.json`` + ``adapter_model.safetensors``."""
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     config = read_adapter_config(directory)
@@ -265,6 +268,7 @@ def read_adapter_config(directory: Path) -> dict:
 
 
 def _lora_module(module: str, found: dict, config: dict, weights: Path) -> LoraModule:
+    # heavy: peft
     from peft.utils.other import get_pattern_key
 
     embedding = "lora_embedding_A" in found
@@ -398,8 +402,6 @@ def rewrite_checkpoint(
     """Write ``base`` (merged with ``adapter``, dequantized, in ``dtype``) as a model directory at
     ``output``, atomically; ``extra(tmp, facts)`` adds more files before the commit. Returns the facts:
     ``{"shards": [file names], "bytes": total, "largest_tensor_bytes": the most held at once}``."""
-    from llmft.trainer.io import atomic_directory, share_files
-    from llmft.trainer.storage import disk_guard
 
     if adapter is not None:
         check_tied_embeddings(base, adapter)

@@ -16,9 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import llmft.trainer.fastpath  # noqa: F401 - registers its attention kernels
 from llmft.trainer import moe_model
 from llmft.trainer.config import LoraConfig, ModelConfig, TrainConfig
+from llmft.trainer.distributed import import_deepspeed
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.fastpath import apply_kernels, moe
+from llmft.trainer.fastpath.settings import enable_checkpointing, run_settings
 from llmft.trainer.loss import BUILTIN_ATTENTION
 from llmft.trainer.model_dir import content_hash
 
@@ -45,6 +49,7 @@ def check_method_supported(cfg: TrainConfig, device: torch.device) -> None:
             "none was found. Use method=lora on CPU, or run on a GPU node."
         )
     try:
+        # heavy: bitsandbytes
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise ConfigError("method=qlora needs the bitsandbytes package: pip install 'kfp-llm-finetune[gpu]'") from None
@@ -59,6 +64,7 @@ def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zer
         "use_safetensors": True,
     }
     if cfg.method == "qlora":
+        # heavy: transformers
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -85,13 +91,12 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     here); the returned :class:`~llmft.trainer.fastpath.resolve.FastPath` says what was switched
     on, why anything is off, and what applying did.
     """
+    # heavy: safetensors
     from llmft.trainer.fp8 import load_base_model  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
 
     check_method_supported(cfg, device)
-    from llmft.trainer.fastpath import moe
 
     moe_model.check_lora_config(cfg)  # MoE LoRA targets checked from config.json first
-    from llmft.trainer.fastpath.settings import run_settings
 
     settings = run_settings(cfg, device)
     fast = settings.fast
@@ -116,7 +121,6 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
         moe.quantize_experts_4bit(model, quant_type=cfg.qlora.quant_type, double_quant=cfg.qlora.double_quant)
     if cfg.method != "qlora" and not zero3:
         model.to(device)
-    from llmft.trainer.fastpath.settings import enable_checkpointing
 
     checkpointed = enable_checkpointing(model, settings.memory.checkpointed_layers)
     if cfg.method == "full":
@@ -147,7 +151,6 @@ def apply_fastpath_kernels(
 ) -> dict:
     """kernels.compile / kernels.fused_lora: trainer.fastpath changes the model in place
     (parameter names, and so checkpoints, stay the same)."""
-    from llmft.trainer.fastpath import apply_kernels
 
     return apply_kernels(
         model,
@@ -163,14 +166,12 @@ def register_attention(name: str) -> None:
     registers it (AttentionInterface) on import; an unknown name is transformers' error at load time."""
     if name in BUILTIN_ATTENTION or name.startswith("kernels-community/"):
         return
-    import llmft.trainer.fastpath  # noqa: F401 - registers its attention kernels
 
 
 def _zero3_init(ds_config: dict | None):
     """While the returned object lives, from_pretrained partitions weights over ranks (zero.Init)."""
+    # heavy: transformers
     from transformers.integrations import HfDeepSpeedConfig
-
-    from llmft.trainer.distributed import import_deepspeed
 
     import_deepspeed()
 
@@ -184,7 +185,10 @@ def apply_lora(model, lora: LoraConfig, *, qlora: bool = False):
     bf16 parameter that is not 4-bit (embeddings, norms, lm_head) to float32 (peft 0.21,
     peft/utils/other.py lines 204-209), which makes every activation float32 from the embeddings on
     (the float32 [tokens, 8960] buffers measured on an H100); QLoRA computes in bf16 end to end, like LoRA."""
+    # heavy: peft
     from peft import LoraConfig as PeftLoraConfig
+
+    # heavy: peft
     from peft import get_peft_model
 
     if qlora:

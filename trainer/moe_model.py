@@ -76,6 +76,7 @@ def check_lora_config(cfg) -> None:
     if cfg.method == "full":
         return
     try:
+        # heavy: transformers
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(

@@ -17,15 +17,16 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmft.trainer import flops
+from llmft.trainer import flops, langfuse_sink
 from llmft.trainer.config import flatten_dict
 from llmft.trainer.io import atomic_write_text
-from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV, prepare_mlflow, tracking_uri_without_credentials
 
 if TYPE_CHECKING:
     from llmft.trainer.langfuse_sink import RunTrace
@@ -40,6 +41,7 @@ def device_peak_flops(device, override_tflops: float = 0.0) -> float | None:
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
+    # heavy: torch
     import torch
 
     return flops.peak_flops(torch.cuda.get_device_name(device))  # the one table of peaks
@@ -62,6 +64,7 @@ def step_flops_counter(model, method: str, lora_rank: int):
 
 
 def memory_metrics(device) -> dict:
+    # heavy: torch
     import torch
 
     if device.type == "cuda":
@@ -69,7 +72,6 @@ def memory_metrics(device) -> dict:
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
         }
-    import resource
 
     return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -77,10 +79,10 @@ def memory_metrics(device) -> dict:
 def compiled_graphs() -> int:
     """How many graphs torch.compile has compiled in this process (dynamo's ``unique_graphs``
     counter: one more for every compilation and recompilation); 0 where nothing compiled."""
-    import sys
 
     if "torch._dynamo" not in sys.modules:
         return 0
+    # heavy: torch
     from torch._dynamo.utils import counters
 
     return int(counters["stats"].get("unique_graphs", 0))
@@ -114,6 +116,7 @@ class SpeedMeter:
 
     def _now(self) -> float:
         if self.device is not None and self.device.type == "cuda":
+            # heavy: torch
             import torch
 
             torch.cuda.synchronize(self.device)
@@ -196,6 +199,7 @@ class Observer:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         _truncate_events_after(self.metrics_path, start_step)
         if cfg.observe.tensorboard:
+            # heavy: torch
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(
@@ -204,6 +208,7 @@ class Observer:
         self._start_mlflow(config_dict, mlflow_run_id)
         self._start_langfuse(config_dict, run_id or self.run_name, start_step, total_steps)
         if cfg.observe.progress_bar:
+            # heavy: tqdm
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -245,6 +250,7 @@ class Observer:
         """Eval lines for Katib's StdOut collector, exactly `eval_loss=<v>` and `perplexity=<v>`."""
         if not self.active:
             return
+        # heavy: numpy, torch
         from llmft.trainer.evaluate import katib_lines
 
         self.event("eval", step, metrics)
@@ -279,8 +285,6 @@ class Observer:
     # ------------------------------------------------------------------ MLflow
 
     def _start_mlflow(self, config_dict: dict, resume_run_id: str | None) -> None:
-        from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
-
         uri = tracking_uri_without_credentials()  # a password in the URI moves to MLFLOW_TRACKING_PASSWORD
         if not uri:
             self.info("mlflow: MLFLOW_TRACKING_URI not set, not logging to MLflow")
@@ -290,6 +294,7 @@ class Observer:
             self.info(f"mlflow: {reason}; not logging to MLflow")
             return
         try:
+            # heavy: mlflow
             import mlflow
 
             mlflow.set_tracking_uri(uri)
@@ -315,6 +320,7 @@ class Observer:
         if not self._mlflow_ok:
             return
         try:
+            # heavy: mlflow
             import mlflow
 
             fn(mlflow)
@@ -325,8 +331,6 @@ class Observer:
     # ------------------------------------------------------------------ Langfuse
 
     def _start_langfuse(self, config_dict: dict, run_id: str, start_step: int, total_steps: int) -> None:
-        from llmft.trainer import langfuse_sink
-
         if not langfuse_sink.configured():
             self.info("langfuse: LANGFUSE_PUBLIC_KEY/LANGFUSE_SECRET_KEY not set, no trace")
             return

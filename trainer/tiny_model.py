@@ -63,7 +63,10 @@ def corpus_lines(n: int = 4000, seed: int = 0) -> list[str]:
 
 def build_tokenizer(vocab_size: int = 4096):
     """A byte-level BPE fast tokenizer with ChatML special tokens and chat template."""
+    # heavy: tokenizers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    # heavy: transformers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -91,7 +94,10 @@ def build_tokenizer(vocab_size: int = 4096):
 
 def build_model(tokenizer, *, hidden_size: int = 128, layers: int = 4, seed: int = 0):
     """A random-init Qwen2 causal LM sized for CPU tests (about 1.5-2 M parameters)."""
+    # heavy: torch
     import torch
+
+    # heavy: transformers
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     vocab = ((len(tokenizer) + 63) // 64) * 64

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 # The defaults live in the library (one place); the CLI only shows them. trainer/data/limits.py imports
 # nothing, so `llmft data --help` stays fast.
 from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
+from llmft.trainer.data.summary import prepare_summary, tokenize_summary
+from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError
 
 FORMAT_CHOICES = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 TRUNCATION_CHOICES = ("drop", "truncate", "error")
@@ -110,9 +113,6 @@ def _add_output(p: argparse.ArgumentParser) -> None:
 def _stop_cleanly_on_sigterm() -> None:
     """SIGTERM (a pod evicted or preempted) raises in the main thread like Ctrl-C does, so the
     half-written temporary folder is removed and the command exits 143 (retried) with one line."""
-    import signal
-
-    from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError
 
     class Terminated(LlmftError):
         exit_code = EXIT_PREEMPTED
@@ -125,8 +125,8 @@ def _stop_cleanly_on_sigterm() -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    # heavy: orjson
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.summary import prepare_summary
 
     _stop_cleanly_on_sigterm()
     report = prepare_dataset(
@@ -145,7 +145,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
-    from llmft.trainer.data.summary import tokenize_summary
+    # heavy: numpy, orjson
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     _stop_cleanly_on_sigterm()

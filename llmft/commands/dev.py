@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import time
+
+from llmft.trainer.real_model import build_real_model
+from llmft.trainer.tiny_model import build_tiny_model
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -50,17 +54,18 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tiny_model(args: argparse.Namespace) -> int:
-    from llmft.trainer.tiny_model import build_tiny_model
-
+    build = build_tiny_model
     if getattr(args, "fp8", False):
-        from llmft.trainer.fp8 import build_tiny_fp8_model as build_tiny_model
-    path = build_tiny_model(args.output, seed=args.seed, force=args.force)
+        # heavy: safetensors, torch
+        from llmft.trainer.fp8 import build_tiny_fp8_model as build
+    path = build(args.output, seed=args.seed, force=args.force)
     print(f"tiny model written to {path} ({_shape(path)})")
     return 0
 
 
 def _shape(path) -> str:
     """'<model type>, <N> layers, vocab <V>' of the model folder ``path``."""
+    # heavy: transformers
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -68,10 +73,6 @@ def _shape(path) -> str:
 
 
 def run_real_model(args: argparse.Namespace) -> int:
-    import time
-
-    from llmft.trainer.real_model import build_real_model
-
     started = time.perf_counter()
     path = build_real_model(args.output, source=args.source, force=args.force)
     print(f"SmolLM2-135M-Instruct written to {path} ({_shape(path)}) in {time.perf_counter() - started:.0f} s")

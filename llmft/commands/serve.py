@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from llmft.trainer.io import atomic_write_json
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    # heavy: yaml
     from llmft.components.lib.plan_schema import SERVING_MODES
 
     sub = parser.add_subparsers(dest="command", metavar="<command>")
@@ -44,10 +48,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
+    # heavy: yaml
     from llmft.components.lib.serve_check import check_result_target, serve_check
-    from llmft.trainer.io import atomic_write_json
 
     if args.json:
         check_result_target(Path(args.json))

@@ -47,6 +47,7 @@ class MicroBatch:
         """Tensors for the model: [1, T] rows plus cu_seqlens/max_seqlen for varlen kernels, and
         ``supervised``: the flat positions of the supervised targets, found here on the host so
         the fused loss needs no device-to-host sync to find them mid-step."""
+        # heavy: torch
         import torch
 
         def tensor(arr, dtype):

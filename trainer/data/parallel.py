@@ -16,6 +16,7 @@ parent's pid.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -26,6 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+
+from llmft.trainer.errors import TransientError
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -129,8 +132,6 @@ def die_with_parent(parent: int) -> None:
     """Make this process exit when ``parent`` does (PR_SET_PDEATHSIG on Linux, else a watchdog thread)."""
     if sys.platform.startswith("linux"):
         try:
-            import ctypes
-
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
                 if os.getppid() != parent:  # the parent died before the request took effect
@@ -161,8 +162,6 @@ def ordered_map(pool, fn: Callable, tasks: Iterable, window: int) -> Iterator:
         while pending:
             yield pending.popleft().result()
     except BrokenProcessPool as exc:
-        from llmft.trainer.errors import TransientError
-
         raise TransientError(
             "a worker process died (killed by the OS, most likely out of memory); nothing was written. "
             "Fix: lower --num-proc, or give the step more memory, and re-run"

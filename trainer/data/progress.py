@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 
 def progress(iterable: Iterable | None = None, *, desc: str, total: int | None = None, unit: str = "rows"):
+    # heavy: tqdm
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import sha256_file
+from llmft.trainer.langfuse_sink import dataset_rows
 from llmft.trainer.safe_files import check_file, open_file, read_text
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -159,7 +160,6 @@ class Source:
 
     def _langfuse_rows(self) -> Iterator[Row]:
         """Row number = the item's position in the dataset; the item id is in the hash."""
-        from llmft.trainer.langfuse_sink import dataset_rows
 
         for number, (item_id, row) in enumerate(dataset_rows(self.spec[len(LANGFUSE_SCHEME) :]), 1):
             self._hub_hash.update(json.dumps([item_id, row], sort_keys=True, default=str).encode())
@@ -234,6 +234,7 @@ def load_hub_dataset(dataset_id: str, split: str):
     HF_TOKEN (from a Kubernetes Secret in the pipeline) authenticates gated and private
     datasets; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE make ``datasets`` read only its cache.
     """
+    # heavy: datasets
     import datasets
 
     offline = bool(datasets.config.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "0") in (
@@ -310,7 +311,10 @@ def _maybe_json(key: str, value: Any) -> Any:
 
 
 def _parquet_rows(path: Path, label: str) -> Iterator[Row]:
+    # heavy: pyarrow
     import pyarrow
+
+    # heavy: pyarrow
     import pyarrow.parquet as pq
 
     number = 0

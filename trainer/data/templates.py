@@ -122,6 +122,7 @@ def batch_renderer(tokenizer, template: str):
     ``apply_chat_template``); falls back to the public call if that internal moves. Tests
     check that the ids equal ``apply_chat_template(..., tokenize=True)`` row for row."""
     try:
+        # heavy: transformers
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         compiled = _compile_jinja_template(template)

@@ -34,6 +34,9 @@ imported where they are used.
 from __future__ import annotations
 
 from llmft.trainer.fastpath.attention import register as _register_attention
+from llmft.trainer.fastpath.compile import compile_decoder_layers
+from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears
+from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections
 
 _register_attention()  # on import: trainer.model imports this package for a non-builtin attention name
 
@@ -52,19 +55,13 @@ def apply_kernels(
     done, for the run log."""
     report: dict = {"fused_lora": 0, "lora_kept": {}, "grouped_lora": 0, "compiled_layers": 0}
     if fuse_lora and hasattr(model, "peft_config"):
-        from llmft.trainer.fastpath.lora import count_fused, fuse_lora_linears
-
         report["lora_kept"] = fuse_lora_linears(model, lora_mode)
         report["fused_lora"] = count_fused(model)
         if group_lora:
-            from llmft.trainer.fastpath.lora_groups import count_grouped, group_lora_projections
-
             ungrouped = group_lora_projections(model)
             report["grouped_lora"] = count_grouped(model)
             if ungrouped:
                 report["lora_ungrouped"] = ungrouped
     if compile_layers:
-        from llmft.trainer.fastpath.compile import compile_decoder_layers
-
         report["compiled_layers"] = compile_decoder_layers(model, cache_dir=compile_cache_dir)
     return report

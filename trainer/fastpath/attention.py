@@ -32,6 +32,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
 from llmft.trainer.loss import bucket_max_length
 
@@ -46,6 +47,7 @@ handles H % Hkv == 0 itself), "repeat" expands them to H heads first. Chosen whe
 def register(gqa_mode: str = "repeat") -> str:
     """Register ``llmft_varlen`` with transformers' AttentionInterface; returns the name. Idempotent
     (a later call's ``gqa_mode``, one of :data:`GQA_MODES`, replaces an earlier one's)."""
+    # heavy: transformers
     from transformers import AttentionInterface
 
     if gqa_mode not in GQA_MODES:
@@ -91,6 +93,7 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 def _read_varlen_signature() -> frozenset[str]:
     try:
+        # optional: torch.nn.attention.varlen
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10: no varlen kernel (CPU reference path still works)
         return frozenset()
@@ -103,7 +106,6 @@ _VARLEN_PARAMS = _read_varlen_signature()
 
 def _cuda_varlen(q, k, v, cu, max_len: int, scale: float | None, gqa_mode: str = "repeat"):
     """q/k/v: (T, H, D). Calls torch's FlashAttention varlen kernel, causal, in bf16/fp16."""
-    from torch.nn.attention.varlen import varlen_attn
 
     params = _VARLEN_PARAMS
     kwargs: dict[str, Any] = {"scale": scale}

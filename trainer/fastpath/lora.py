@@ -39,6 +39,7 @@ import types
 import torch
 
 from llmft.trainer.fastpath.lora_dropout import draw_seeds, dropped_down, dropped_grad_a, dropped_up_add
+from llmft.trainer.fastpath.qlora import lora_4bit_linear, why_not_4bit
 
 
 def _grad_a(g_h, x2, seeds, p: float, rank: int, dtype) -> torch.Tensor:
@@ -190,8 +191,6 @@ def _fused_forward(self, x, *args, **kwargs):
         return self._llmft_peft_forward(x, *args, **kwargs)
     base = self.get_base_layer()
     if type(base) is not torch.nn.Linear:  # a 4-bit base (_why_not_fusable admitted nothing else)
-        from llmft.trainer.fastpath.qlora import lora_4bit_linear
-
         lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
         drop = [dropout_p(self, name)]
         return lora_4bit_linear(x, [base], [lora_a], [lora_b], [self.scaling[name]], drop, self._llmft_lora_mode)
@@ -211,8 +210,6 @@ def _why_not_fusable(module) -> str | None:
     """None when the module's LoRA can take the fused forward, else the reason."""
     base = module.get_base_layer()
     if type(base) is not torch.nn.Linear:
-        from llmft.trainer.fastpath.qlora import why_not_4bit
-
         reason = why_not_4bit(base)
         if reason is not None:
             return reason
@@ -235,6 +232,7 @@ def _why_not_fusable(module) -> str | None:
 def is_lora_linear(module) -> bool:
     """PEFT's ``lora.Linear``, or its ``lora.Linear4bit`` (a bitsandbytes 4-bit base; peft/tuners/lora/bnb.py
     defines it only where bitsandbytes imports, and it is no subclass of ``lora.Linear``)."""
+    # heavy: peft
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     cls = type(module)

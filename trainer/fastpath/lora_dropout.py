@@ -92,6 +92,7 @@ def _ref_grad_a(dh, x2, seeds, p, rank):
 
 
 def _use_triton(x2: torch.Tensor, rank: int) -> bool:
+    # heavy: triton
     from llmft.trainer.fastpath import lora_dropout_triton as kernels
 
     return kernels.available() and x2.is_cuda and kernels.supports(x2, rank)

@@ -201,6 +201,7 @@ def gathered_weight(weight: torch.Tensor):
     (read-only; released on exit); a no-op for an ordinary tensor."""
     if not hasattr(weight, "ds_id"):
         return contextlib.nullcontext()
+    # heavy: deepspeed
     import deepspeed
 
     return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
@@ -212,6 +213,7 @@ def gather_until_accumulated(param: torch.Tensor) -> None:
     reduced it). Autograd's AccumulateGrad copies a new gradient into the parameter's current
     shape (torch/csrc/autograd/functions/accumulate_grad.h, clone_obey_contract), which is empty
     while the parameter is a released partition. A no-op unless ``param`` is released."""
+    # heavy: deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     if getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:

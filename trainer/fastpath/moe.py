@@ -256,6 +256,7 @@ def quantize_experts_4bit(model, *, quant_type: str = "nf4", double_quant: bool 
     blocks = moe_blocks(model)
     if not blocks:
         return 0
+    # heavy: bitsandbytes
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
     count = 0

@@ -26,7 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.fastpath.attention import _VARLEN_PARAMS
 
 if TYPE_CHECKING:
     from llmft.trainer.fastpath.memory import MemoryPlan
@@ -158,6 +161,7 @@ def model_info_from_config(config) -> ModelInfo:
 
 def _model_class(config):
     try:
+        # heavy: transformers
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM._model_mapping[type(config)]
@@ -167,7 +171,6 @@ def _model_class(config):
 
 def varlen_unsupported(info: ModelInfo) -> str | None:
     """Why ``llmft_varlen`` cannot run this model, or None."""
-    from llmft.trainer.fastpath.attention import _VARLEN_PARAMS
 
     if not info.attention_interface:
         return "the model class does not use transformers' AttentionInterface"
@@ -176,8 +179,6 @@ def varlen_unsupported(info: ModelInfo) -> str | None:
     if info.attention_dropout > 0:
         return f"attention dropout {info.attention_dropout} > 0"
     if not _VARLEN_PARAMS:
-        import torch
-
         return f"torch {torch.__version__} has no varlen_attn (needs >= 2.10)"
     return None
 

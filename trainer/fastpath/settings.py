@@ -14,11 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
 
+from llmft.trainer.data.loader import dataset_info, resolve_global_sequences
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath import memory
+from llmft.trainer.fastpath.compile import decoder_layers
 from llmft.trainer.fastpath.resolve import FastPath, model_info_from_config, resolve_fast_path
 from llmft.trainer.flops import ALL_LINEAR, shape_from_config
+from llmft.trainer.moe_model import EXPERT_TARGETS
 
 _SETTINGS: dict = {}
 _FREE_AT_START: dict = {}
@@ -48,6 +53,7 @@ def micro_sequences_for(cfg, info) -> int:
 
 def model_config(model_cfg):
     """The base model's transformers config (config.json only); a one-line ConfigError when unreadable."""
+    # heavy: transformers
     from transformers import AutoConfig
 
     try:
@@ -66,7 +72,6 @@ def free_memory_at_start(device: torch.device) -> int:
     """Free bytes on ``device`` when first asked (before this process loads anything there); with
     several ranks the smallest over all of them, so every rank plans the same micro batch (DeepSpeed
     needs one accumulation count). Every rank asks at the same point: the loader's construction."""
-    import torch.distributed as dist
 
     key = str(device)
     if key not in _FREE_AT_START:
@@ -79,7 +84,6 @@ def free_memory_at_start(device: torch.device) -> int:
 
 def memory_setup(cfg, config, fast: FastPath, world_size: int) -> memory.Setup:
     """The memory model's inputs for this config and resolved fast path."""
-    from llmft.trainer.moe_model import EXPERT_TARGETS
 
     targets = tuple(cfg.lora.target_modules)
     adapted = ALL_LINEAR if targets == ("all-linear",) else tuple(t for t in targets if t in ALL_LINEAR)
@@ -107,7 +111,6 @@ def _memory_plan(cfg, device, world: int, config, fast: FastPath) -> memory.Memo
     if getattr(device, "type", device) != "cuda":
         return memory.cpu_plan(micro, checkpointing, layers)
     setup = memory_setup(cfg, config, fast, world)
-    from llmft.trainer.data.loader import dataset_info, resolve_global_sequences
 
     max_length = int(dataset_info(cfg.data)["max_length"])
     sequences = resolve_global_sequences(cfg.batch.global_sequences, cfg.batch.global_tokens, max_length)
@@ -122,17 +125,12 @@ def _memory_plan(cfg, device, world: int, config, fast: FastPath) -> memory.Memo
 
 
 def _world_size() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def enable_checkpointing(model, layers: int) -> int:
     """Non-reentrant activation checkpointing on the first ``layers`` decoder layers (all when
     ``layers`` covers them, through transformers' own switch); returns how many layers recompute."""
-    from torch.utils.checkpoint import checkpoint
-
-    from llmft.trainer.fastpath.compile import decoder_layers
 
     if layers <= 0:
         return 0
@@ -141,6 +139,6 @@ def enable_checkpointing(model, layers: int) -> int:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return len(blocks)
     for block in blocks[:layers]:  # transformers' GradientCheckpointingLayer reads these per layer
-        block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        block._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
         block.gradient_checkpointing = True
     return layers
