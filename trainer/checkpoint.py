@@ -280,6 +280,7 @@ def save_weights(engine, directory: Path, *, lora: bool, info: DistInfo) -> None
             model.save_pretrained(directory, state_dict=state, safe_serialization=True)
         return
     if zero3:
+        # heavy: deepspeed
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([p for p in model.parameters() if p.requires_grad]):
@@ -374,9 +375,11 @@ def check_deepspeed_files(folder: Path) -> None:
 
 
 def load_weights(model, path: Path, *, lora: bool) -> None:
+    # heavy: safetensors
     from safetensors.torch import load_file
 
     if lora:
+        # heavy: peft
         from peft import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))

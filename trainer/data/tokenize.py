@@ -184,6 +184,7 @@ def _check_arguments(max_length: int, truncation: str, num_proc: int | None) -> 
 def _checked_end_of_turn(tokenizer, template: str, source: str) -> str:
     """Compile the chat template and render a probe conversation with it; a template that is not valid
     Jinja, or fails on a plain user/assistant exchange, is a one-line DataError naming where it came from."""
+    # heavy: jinja2
     import jinja2
 
     where = "the tokenizer's chat template" if source == "tokenizer" else f"--chat-template ({source})"
