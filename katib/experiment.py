@@ -3,12 +3,13 @@
 The Experiment is built from Katib's own typed API models (``kubeflow-katib-api``)
 and its trial template is the project's PyTorchJob, given as a plain dict with
 ``${trialParameters.<name>}`` placeholders in the trainer's ``key=value``
-overrides. katib/ is a leaf package: it never builds the PyTorchJob itself; the
-callers (``llmft sweep``, the KFP sweep component) render it with
-``llmft.components.lib.pytorchjob`` and pass the dict in::
+overrides. katib/ builds no job itself; the callers (``llmft sweep``, the KFP sweep
+component) render it with ``llmft.components.lib.sweep.sweep_trial_job`` (the trainer's
+``llmft train --config <run_dir>/config.yaml data=... output_dir=<trial> <fixed> <searched>``)
+and pass the dict in::
 
     spec = SweepSpec(algorithm="tpe", max_trials=12)
-    job = render_pytorchjob(extra_args=trial_overrides(spec), output_dir=f"/pvc/sweeps/x/{TRIAL_NAME_PLACEHOLDER}")
+    job = sweep_trial_job(spec, job=plan.job, data=tokenized, config_path=plan.trainer.config_path)
     experiment = build_experiment(spec, job)          # V1beta1Experiment
     body = experiment.to_dict()                       # what the API server receives
 
