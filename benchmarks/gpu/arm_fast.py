@@ -16,13 +16,14 @@ import time
 import numpy as np
 
 from llmft.benchmarks.gpu import common
+from llmft.trainer import flops
+from llmft.trainer.data.shards import position_ids_for
 
 DEVICE = "cuda"  # a CPU smoke run sets "cpu"
 
 
 def packed_micro_batches(samples: common.Samples, per_step: int, micro: int, steps: int):
     """Host-side packed rows: for each step, a list of micro-batches (dicts of numpy arrays)."""
-    from llmft.trainer.data.shards import position_ids_for
 
     plan = []
     for step in range(steps):
@@ -46,8 +47,10 @@ def packed_micro_batches(samples: common.Samples, per_step: int, micro: int, ste
 
 
 def to_device(mb: dict) -> dict:
+    # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fastpath.attention import packed_attention_kwargs
 
     def put(array, dtype):
@@ -73,15 +76,20 @@ def build(
     lora_mode: str = "auto",
     gqa_mode: str = "repeat",
 ):
+    # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fastpath import attention, lora
+
+    # heavy: torch
     from llmft.trainer.fastpath import compile as fp_compile
 
     attention.register(gqa_mode)
     dtype = "bfloat16" if method == "lora" else "float32"
     model = common.build_model(model_name, attention.ATTENTION_NAME, dtype=dtype)
     if method == "lora":
+        # heavy: peft
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -100,8 +108,10 @@ def build(
 
 
 def train_step(model, params, opt, micros_on_device, n_supervised: int, autocast: bool):
+    # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fastpath.loss import fused_causal_lm_loss
 
     total = torch.zeros((), device=DEVICE)
@@ -125,9 +135,8 @@ def train_step(model, params, opt, micros_on_device, n_supervised: int, autocast
 
 
 def run(a) -> dict:
+    # heavy: torch
     import torch
-
-    from llmft.trainer import flops
 
     model, params, opt, compile_call_s = build(
         a.model, a.method, not a.no_compile, not a.no_fuse_lora, lora_mode=a.lora_mode, gqa_mode=a.gqa_mode
@@ -172,8 +181,13 @@ def run(a) -> dict:
 
 def profile(model, params, opt, plan, autocast: bool) -> list[dict]:
     """Top CUDA kernels over a few steps (torch.profiler), printed and returned."""
+    # heavy: torch
     import torch
+
+    # heavy: torch
     from torch.profiler import ProfilerActivity
+
+    # heavy: torch
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

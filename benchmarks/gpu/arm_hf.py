@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from llmft.benchmarks.gpu import common
+from llmft.benchmarks.gpu.arm_project import write_model_dir
+from llmft.trainer import flops
 
 
 def build_block_masks_eagerly() -> None:
@@ -33,6 +36,7 @@ def build_block_masks_eagerly() -> None:
     a ~15k-token packed row (benchmarks/NOTES.md). Built eagerly, the mask costs one dense
     Q x KV pass per forward; flex attention itself stays compiled.
     """
+    # heavy: transformers
     from transformers import masking_utils
 
     original = masking_utils.create_block_mask
@@ -45,6 +49,7 @@ def build_block_masks_eagerly() -> None:
 
 
 def _lora(model):
+    # heavy: peft
     from peft import LoraConfig, get_peft_model
 
     # On transformers-5 MoE models PEFT turns "all-linear" into the router and both expert tensors;
@@ -58,13 +63,15 @@ def _lora(model):
 def _qlora_base(model_name: str, attn: str, work: str):
     """QLoRA as people run it: HF + bitsandbytes NF4 (double quant, bf16 compute) from the same
     random-init checkpoint the project arm trains, then PEFT's prepare_model_for_kbit_training."""
-    from pathlib import Path
 
+    # heavy: torch
     import torch
-    from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from llmft.benchmarks.gpu.arm_project import write_model_dir
+    # heavy: peft
+    from peft import prepare_model_for_kbit_training
+
+    # heavy: transformers
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     path = write_model_dir(model_name, Path(work) / "models")
     quant = BitsAndBytesConfig(
@@ -81,6 +88,7 @@ def _qlora_base(model_name: str, attn: str, work: str):
 
 def _liger(model_name: str) -> str:
     """Liger's patch for the shape's family; SwiGLU off for MoE (transformers 5 fuses the experts)."""
+    # heavy: liger_kernel
     from liger_kernel import transformers as liger
 
     arch = common.MODEL_SHAPES[model_name]["arch"]
@@ -96,6 +104,7 @@ def _liger(model_name: str) -> str:
 
 
 def _pad_collate(features):
+    # heavy: torch
     import torch
 
     longest = max(len(f["input_ids"]) for f in features)
@@ -120,6 +129,7 @@ class _Recorder:
         self.step_index = 0
 
     def callback(self):
+        # heavy: transformers
         from transformers import TrainerCallback
 
         recorder = self
@@ -145,7 +155,10 @@ class _Recorder:
 
 
 def _trainer(arm: str, model, dataset, per_step: int, steps: int, recorder: _Recorder, out_dir: str, micro: int = 0):
+    # heavy: torch
     import torch
+
+    # heavy: transformers
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     micro = 8 if arm == "naive" else (micro or per_step)
@@ -198,9 +211,8 @@ def run(
     micro: int = 0,
     work: str = "/tmp/llmft-project",
 ) -> dict:
+    # heavy: torch
     import torch
-
-    from llmft.trainer import flops
 
     if arm == "peer" and block_mask == "eager":
         build_block_masks_eagerly()

@@ -32,6 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from llmft.benchmarks.gpu import common
+from llmft.benchmarks.gpu.arm_project import write_model_dir
+from llmft.trainer import flops
+from llmft.trainer.data.loader import PackedLoader, resolve_global_sequences
+from llmft.trainer.data.packing import best_fit_pack
+from llmft.trainer.data.shards import write_split
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT_CONFIGS: dict[tuple[str, str], tuple[str, int]] = {
@@ -77,8 +82,6 @@ def samples_for(steps: int, global_sequences: int, max_length: int, profile: str
 def write_product_dataset(samples: common.Samples, max_length: int, out: Path, val_docs: int = 32) -> Path:
     """Shards as ``llmft data tokenize --pack --max-length max_length`` writes them: longer documents
     dropped (its default ``--truncation drop``), the rest best-fit packed."""
-    from llmft.trainer.data.packing import best_fit_pack
-    from llmft.trainer.data.shards import write_split
 
     if (out / "manifest.json").is_file():
         return out
@@ -101,7 +104,6 @@ def write_product_dataset(samples: common.Samples, max_length: int, out: Path, v
 
 def step_documents(data_dir: Path, cfg, steps: int) -> dict[int, np.ndarray]:
     """Document lengths of every step 1..steps, as the trainer's loader deals them (one rank)."""
-    from llmft.trainer.data.loader import PackedLoader, resolve_global_sequences
 
     manifest = json.loads((data_dir / "manifest.json").read_text())
     sequences = resolve_global_sequences(
@@ -119,7 +121,6 @@ def step_documents(data_dir: Path, cfg, steps: int) -> dict[int, np.ndarray]:
 def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: str, warmup: int, peak) -> dict:
     """Throughput between the first train record at or after ``warmup`` and the last one; ``peak`` is the
     FLOP/s of every GPU of the run together (MFU per GPU)."""
-    from llmft.trainer import flops
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("event") == "train"]
@@ -156,8 +157,7 @@ def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: st
 
 
 def run(a) -> dict:
-    from llmft.benchmarks.gpu.arm_project import write_model_dir
-    from llmft.trainer import flops
+    # heavy: yaml
     from llmft.trainer.config import load_config
 
     root = Path(a.work)

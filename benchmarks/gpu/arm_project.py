@@ -27,6 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from llmft.benchmarks.gpu import common
+from llmft.trainer import flops
+from llmft.trainer.data.shards import write_split
+from llmft.trainer.tiny_model import build_tokenizer
 
 SEED = 42
 
@@ -36,9 +39,8 @@ def write_model_dir(model: str, root: Path) -> Path:
     out = root / model
     if (out / "config.json").is_file():
         return out
+    # heavy: torch
     import torch
-
-    from llmft.trainer.tiny_model import build_tokenizer
 
     # Built on the GPU (fast random init), saved from host memory: saving converts transformers' fused expert
     # tensors back to the checkpoint layout with copies, which the 30B MoE shape (61 GB) has no room for on an
@@ -55,7 +57,6 @@ def write_model_dir(model: str, root: Path) -> Path:
 
 def write_dataset(samples: common.Samples, pack: int, out: Path, val_docs: int = 32) -> Path:
     """Shards: sequence j of the benchmark's order sits where the trainer's permutation reads it."""
-    from llmft.trainer.data.shards import write_split
 
     n_seq = len(samples.lengths) // pack
     perm = np.random.default_rng([SEED, 0]).permutation(n_seq)
@@ -116,7 +117,6 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
     Each train record closes a window of steps (log_every). Timing starts at the first
     record at or after step ``--warmup`` (compile and warm-up stay out of it).
     """
-    from llmft.trainer import flops
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("event") == "train"]
@@ -172,8 +172,6 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
 
 
 def run(a) -> dict:
-    from llmft.trainer import flops
-
     root = Path(a.work)
     vocab = common.MODEL_SHAPES[a.model]["vocab_size"]
     samples = common.make_samples(a.samples_per_step * a.nproc * a.steps, a.profile, vocab)

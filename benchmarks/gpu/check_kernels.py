@@ -21,6 +21,7 @@ def rel_err(a, b) -> float:
 
 def bench(fn, warmup: int = 3, reps: int = 10) -> float:
     """Median milliseconds of fn() timed with CUDA events."""
+    # heavy: torch
     import torch
 
     for _ in range(warmup):
@@ -38,6 +39,7 @@ def bench(fn, warmup: int = 3, reps: int = 10) -> float:
 
 
 def matmul_tflops(n: int = 8192) -> float:
+    # heavy: torch
     import torch
 
     sets = [
@@ -56,10 +58,16 @@ def matmul_tflops(n: int = 8192) -> float:
 
 
 def check_attention() -> dict:
+    # heavy: torch
     import torch
+
+    # heavy: torch
     from torch.nn.attention.varlen import varlen_attn
 
+    # heavy: torch
     from llmft.trainer.fastpath.attention import _cuda_varlen, _reference_per_document
+
+    # heavy: torch
     from llmft.trainer.loss import bucket_max_length
 
     lengths = [1, 17, 300, 1024, 700, 129, 64, 2048, 5, 333]
@@ -112,9 +120,13 @@ def check_attention() -> dict:
 
 
 def check_loss() -> dict:
+    # heavy: torch
     import torch
+
+    # heavy: torch
     import torch.nn.functional as F
 
+    # heavy: torch
     from llmft.trainer.fastpath.loss import fused_linear_cross_entropy
 
     tokens, dim, vocab = 16384, 1536, 151936
@@ -151,9 +163,13 @@ def check_loss() -> dict:
 
 
 def check_lora() -> dict:
+    # heavy: torch
     import torch
+
+    # heavy: peft
     from peft import LoraConfig, get_peft_model
 
+    # heavy: torch
     from llmft.trainer.fastpath.lora import fuse_lora_linears
 
     class One(torch.nn.Module):
@@ -204,8 +220,10 @@ def lora_breakdown() -> dict:
 
 
 def _lora_shape_row(tokens: int, d_in: int, d_out: int) -> dict:
+    # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fastpath.lora import lora_linear
 
     x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -237,10 +255,16 @@ def check_lora_dropout() -> dict:
     """LoRA dropout kernels (trainer/fastpath/lora_dropout_triton.py) against the torch reference of the same
     Philox mask: the mask bit for bit, the three ops in float64 on fresh bf16 inputs; then the fused linear's
     forward + backward at p = 0.05 against p = 0 (tokens x 1536 -> 1536, r 16; and a q/k/v group)."""
+    # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fastpath import lora_dropout as ld
+
+    # heavy: torch
     from llmft.trainer.fastpath.lora import lora_linear
+
+    # heavy: torch
     from llmft.trainer.fastpath.lora_groups import grouped_lora_linear
 
     out: dict = {"triton": ld._use_triton(torch.empty(8, 64, device="cuda", dtype=torch.bfloat16), 16)}
@@ -288,6 +312,7 @@ def check_lora_dropout() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # heavy: torch
     import torch
 
     p = argparse.ArgumentParser()

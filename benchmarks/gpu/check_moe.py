@@ -20,10 +20,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
 
 
 def _model(layers: int, dtype):
+    # heavy: torch
     import torch
+
+    # heavy: peft
     from peft import LoraConfig, get_peft_model
+
+    # heavy: transformers
     from transformers import AutoModelForCausalLM
 
+    # heavy: torch
     from llmft.trainer import moe_model
 
     config = common.hf_config("qwen3-30b-a3b")
@@ -55,6 +61,7 @@ def _errors(got, truth) -> dict:
 
 
 def _timed(model, ids) -> dict:
+    # heavy: torch
     import torch
 
     torch.cuda.synchronize()
@@ -66,9 +73,13 @@ def _timed(model, ids) -> dict:
 
 def run(layers: int, tokens: int, json_out: str) -> dict:
     """Each stage's result (or its error) is written to ``json_out`` as soon as it is known."""
+    # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fastpath import moe
+
+    # heavy: torch
     from llmft.trainer.fastpath.compile import compile_decoder_layers
 
     ids = torch.randint(0, 151936, (1, tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -101,8 +112,10 @@ def run(layers: int, tokens: int, json_out: str) -> dict:
 
 def _check_4bit(layers: int, ids) -> dict:
     """4-bit experts: equal to the same model holding the dequantized weights; no weight kept for backward."""
+    # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fastpath import moe
 
     model = _model(layers, torch.bfloat16)

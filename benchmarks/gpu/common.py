@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+
+from llmft.trainer import flops as flop_count
 
 IGNORE_INDEX = -100
 
@@ -86,6 +90,7 @@ PROMPT_FRACTION = 0.35
 
 def hf_config(model: str, attn_implementation: str | None = None):
     """A transformers config of the named shape."""
+    # heavy: transformers
     from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     spec = dict(MODEL_SHAPES[model])
@@ -99,7 +104,10 @@ def hf_config(model: str, attn_implementation: str | None = None):
 
 def build_model(model: str, attn_implementation: str, seed: int = 0, dtype: str = "bfloat16"):
     """Random-init model of the named shape, built directly on the GPU (seeded: equal across arms)."""
+    # heavy: torch
     import torch
+
+    # heavy: transformers
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -158,12 +166,14 @@ class StepTimer:
     _last: float | None = None
 
     def start(self) -> None:
+        # heavy: torch
         import torch
 
         torch.cuda.synchronize()
         self._last = time.perf_counter()
 
     def step(self, tokens: int, supervised: int, loss: float | None = None) -> None:
+        # heavy: torch
         import torch
 
         torch.cuda.synchronize()
@@ -178,9 +188,8 @@ class StepTimer:
 
 def summarize(timer: StepTimer, warmup: int, flops_per_step: list[float], peak: float | None) -> dict:
     """Throughput over the steps after ``warmup``; first-step time reported as compile/warm-up."""
+    # heavy: torch
     import torch
-
-    from llmft.trainer.flops import mfu
 
     timed = slice(warmup, None)
     seconds = sum(timer.times[timed])
@@ -193,7 +202,7 @@ def summarize(timer: StepTimer, warmup: int, flops_per_step: list[float], peak: 
         "tokens_per_s": tokens / seconds if seconds else None,
         "supervised_tokens_per_s": supervised / seconds if seconds else None,
         "tflops_per_s": flops / seconds / 1e12 if seconds else None,
-        "mfu": mfu(flops, seconds, peak),
+        "mfu": flop_count.mfu(flops, seconds, peak),
         "step_s_p50": float(np.percentile(steps, 50)),
         "step_s_p90": float(np.percentile(steps, 90)),
         "first_step_s": timer.times[0] if timer.times else None,
@@ -206,10 +215,10 @@ def summarize(timer: StepTimer, warmup: int, flops_per_step: list[float], peak: 
 
 
 def device_info() -> dict:
+    # heavy: torch
     import torch
 
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    from importlib import metadata
 
     for name in ("transformers", "peft", "triton", "liger_kernel", "deepspeed"):
         try:
@@ -231,7 +240,6 @@ def remove_run_dir(run_dir: Path) -> None:
     """Delete a run folder an arm created for itself (``<work>/runs/<arm>-<time>``: checkpoints, final/,
     logs already copied out), so a call's later arms keep the disk. Nothing else: a path outside a
     ``runs`` folder or a symlink is left alone."""
-    import shutil
 
     run_dir = Path(run_dir)
     if run_dir.parent.name != "runs" or run_dir.is_symlink() or not run_dir.is_dir():

@@ -17,9 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out")
     p.add_argument("--title", default="")
     a = p.parse_args(argv)
+    # heavy: matplotlib
     import matplotlib
 
     matplotlib.use("Agg")
+    # heavy: matplotlib
     import matplotlib.pyplot as plt
 
     records = [json.loads(line) for line in Path(a.metrics).read_text().splitlines() if line.strip()]

