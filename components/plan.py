@@ -10,9 +10,12 @@ knob = a parameter here (with its Args line) plus its use in components/lib/plan
 # names are not defined. '' for trainer_image / serving_runtime = the value compiled into the
 # pipeline (COMPILE_TIME_DEFAULTS below; components/images.py and its LLMFT_* variables).
 
+import inspect
+
 from kfp import dsl
 from kfp.dsl import Artifact, Output
 
+from llmft.components import images
 from llmft.components.images import PIPELINE_IMAGE
 
 
@@ -206,14 +209,12 @@ INTERNAL_INPUTS = ("plan", "run_id", "compiled")
 
 def compile_time_defaults() -> dict:
     """Defaults taken from where the pipeline is compiled (components/images.py reads LLMFT_* at import)."""
-    from llmft.components import images
 
     return {"trainer_image": images.TRAINER_IMAGE, "serving_runtime": images.SERVING_RUNTIME}
 
 
 def parameter_defaults(*, hpo: bool = True) -> dict:
     """name -> default of every pipeline parameter (with the compile-time defaults filled in)."""
-    import inspect
 
     signature = inspect.signature(plan_run.python_func)
     values = {n: p.default for n, p in signature.parameters.items() if n not in INTERNAL_INPUTS}

@@ -117,6 +117,7 @@ def _short(value: str) -> str:
 
 def optuna_distributions(parameters) -> dict:
     """``{name: optuna distribution}`` for ``V1beta1ParameterSpec`` models, as Katib's Optuna service maps them."""
+    # heavy: optuna
     import optuna
 
     dists: dict[str, optuna.distributions.BaseDistribution] = {}
@@ -173,6 +174,7 @@ def make_sampler(algorithm: str, settings: Mapping[str, str], parameters, *, sta
     ceil(gamma * sqrt(n))) and prior_weight. grid: the GridSampler Katib's Optuna service uses, on
     Katib's grid. bayesianoptimization: Optuna's Gaussian-process sampler in place of skopt's GP.
     """
+    # heavy: optuna
     import optuna
 
     seed = int(settings["random_state"]) if "random_state" in settings else None
@@ -224,6 +226,7 @@ def run_local_sweep(
     pipeline's: the plan's config.yaml). ``trainer_args`` are the fixed trainer overrides of every
     trial (model, data, steps, ...); each trial adds ``output_dir=<workdir>/<name>-<timestamp>/trial-NNN``
     and its sampled overrides."""
+    # heavy: optuna
     import optuna
 
     spec.check()
@@ -317,6 +320,7 @@ def _fresh_run_dir(workdir: Path, name: str) -> Path:
 
 def _suggest(trial, name: str, dist):
     """Ask the sampler for one value of ``dist`` through Optuna's public API."""
+    # heavy: optuna
     import optuna
 
     if isinstance(dist, optuna.distributions.FloatDistribution):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
+from llmft.trainer.mlflow_settings import PARENT_RUN_ENV, tracking_uri_without_credentials
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -40,11 +40,10 @@ class ParentRun:
         self.run_id: str | None = None
 
     def __enter__(self) -> ParentRun:
-        from llmft.trainer.mlflow_settings import tracking_uri_without_credentials
-
         uri = tracking_uri_without_credentials()  # trials inherit the URI without a password in it
         if not uri:
             return self
+        # heavy: mlflow
         from mlflow import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)

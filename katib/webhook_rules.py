@@ -29,6 +29,7 @@ from typing import Any
 
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import RFC1035_LABEL
+from llmft.katib.trial_kinds import TRAINJOB
 
 # Katib's default katib-config (v0.19) suggestion and early-stopping services.
 KNOWN_ALGORITHMS = (
@@ -467,7 +468,6 @@ def _check_trial_spec(template: Mapping[str, Any]) -> list[Violation]:
 
 def _check_trainjob_template(template: Mapping[str, Any]) -> list[Violation]:
     """TrainJob trials (katib/trial_kinds.py): Katib's TrainJob defaults, and a trainer command to run."""
-    from llmft.katib.trial_kinds import TRAINJOB
 
     path = "spec.trialTemplate"
     out = []

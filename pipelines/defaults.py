@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from llmft.trainer.assets.sample_data.generate_facts import PROBES
+from llmft.trainer.data.samples import sample_path
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
+from llmft.trainer.tiny_model import build_tiny_model
 
 TINY_MODEL = "tiny"
 """Value of ``model`` that makes run-local build and use the project's tiny model."""
@@ -94,13 +98,14 @@ REAL_LOCAL_DEFAULTS: dict[str, Any] = {
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
     """name -> InputSpec of the pipeline's parameters (type and default)."""
     if pipeline is None:
+        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
         from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     return dict(pipeline.component_spec.inputs or {})
 
 
 def _coerce(name: str, raw: str, kfp_type: str) -> Any:
+    # heavy: yaml
     from llmft.trainer.config import parse_bool
-    from llmft.trainer.errors import ConfigError
 
     try:
         if kfp_type == "Boolean":
@@ -116,8 +121,8 @@ def _coerce(name: str, raw: str, kfp_type: str) -> Any:
 
 def parse_arguments(items: list[str], pipeline=None) -> dict[str, Any]:
     """``["lora_r=16", "deploy=false"]`` -> typed arguments, checked against the pipeline's parameters."""
+    # heavy: yaml
     from llmft.trainer.config import split_assignment
-    from llmft.trainer.errors import ConfigError
 
     inputs = pipeline_inputs(pipeline)
     out: dict[str, Any] = {}
@@ -142,14 +147,10 @@ def resolve_local_arguments(
     if args["model"] == TINY_MODEL:
         args["model"] = str(ensure_tiny_model(data_root / "base-models" / "tiny-model"))
     elif args["model"] == REAL_MODEL:
-        from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
-
         # on the "volume", as KServe (and deploy_mode=vllm) serve a base model: copied from the shared cache
         target = data_root / "base-models" / "smollm2-135m-instruct"
         args["model"] = str(ensure_real_model(target, cache=Path(DEFAULT_CACHE).resolve()))
     if str(args["dataset"]).startswith("sample:"):
-        from llmft.trainer.data.samples import sample_path
-
         args["dataset"] = str(sample_path(str(args["dataset"]).split(":", 1)[1]))
     args.setdefault("mlflow_tracking_uri", f"sqlite:///{work / 'mlflow.db'}")
     return args
@@ -159,6 +160,5 @@ def ensure_tiny_model(path: Path) -> Path:
     """Build the tiny model at ``path`` unless a complete one is already there (deterministic seed)."""
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
-    from llmft.trainer.tiny_model import build_tiny_model
 
     return build_tiny_model(path)

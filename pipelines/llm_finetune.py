@@ -32,13 +32,20 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from kfp import dsl, kubernetes
+from kfp import compiler, dsl, kubernetes
 
 from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
 from llmft.components.images import IMAGE_UID
-from llmft.components.lib.plan_checks import TASK_RESOURCE_GROUPS, TASK_SECRET_KINDS, compiled_settings, parse_secret
+from llmft.components.lib.plan_checks import (
+    SECRET_PARAMETERS,
+    TASK_RESOURCE_GROUPS,
+    TASK_SECRET_KINDS,
+    compiled_settings,
+    parse_node_selector,
+    parse_secret,
+)
 from llmft.components.lib.plan_schema import DATA_MOUNT, SWEEP_PREFIX, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_run
 from llmft.components.prepare_dataset import prepare_dataset
@@ -48,6 +55,7 @@ from llmft.components.serving_form import choose_serving_form
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.components.tokenize_dataset import tokenize_dataset
 from llmft.components.train import train_model
+from llmft.trainer.errors import ConfigError
 
 PIPELINE_NAME = "llm-finetune"
 DESCRIPTION = "Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM"
@@ -102,8 +110,6 @@ def pipeline_signature(*, hpo: bool, defaults: Mapping[str, Any] | None = None) 
         params.append(param.replace(default=default))
     unknown = set(defaults or {}) - {p.name for p in params}
     if unknown:
-        from llmft.trainer.errors import ConfigError
-
         raise ConfigError(f"unknown pipeline parameter(s) {sorted(unknown)}")
     return inspect.Signature(params)
 
@@ -111,6 +117,7 @@ def pipeline_signature(*, hpo: bool, defaults: Mapping[str, Any] | None = None) 
 def pipeline_docstring(description: str, signature: inspect.Signature) -> str:
     """``description`` plus an Args section with plan_run's description of each parameter (KFP
     parses it into the compiled YAML's parameter descriptions)."""
+    # heavy: docstring_parser
     import docstring_parser
 
     described = {p.arg_name: p.description for p in docstring_parser.parse(plan_run.python_func.__doc__).params}
@@ -153,8 +160,6 @@ def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: M
     for secret in task_secrets(step, static):
         kubernetes.use_secret_as_env(task, secret_name=secret.name, secret_key_to_env={k: k for k in secret.keys})
     if step in GPU_STEPS:
-        from llmft.components.lib.plan_checks import parse_node_selector
-
         task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
         for key, value in parse_node_selector(static["gpu_node_selector"]).items():
             kubernetes.add_node_selector(task, key, value)
@@ -165,7 +170,6 @@ def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: M
 
 def task_secrets(step: str, static: Mapping) -> list:
     """The Secrets (SecretMount) the compiled pipeline mounts into ``step``."""
-    from llmft.components.lib.plan_checks import SECRET_PARAMETERS
 
     mounts = [parse_secret(kind, static[SECRET_PARAMETERS[kind]]) for kind in TASK_SECRET_KINDS.get(step, ())]
     return [m for m in mounts if m is not None]
@@ -258,7 +262,6 @@ llm_finetune_pipeline = build_pipeline()
 
 def compile_pipeline(output: str, *, hpo: bool = False, defaults: Mapping[str, Any] | None = None) -> str:
     """Compile the pipeline (``defaults`` replace parameter defaults) to ``output`` (YAML); return the path."""
-    from kfp import compiler
 
     pipeline = build_pipeline(hpo=hpo, defaults=defaults) if (hpo or defaults) else llm_finetune_pipeline
     compiler.Compiler().compile(pipeline, package_path=output)

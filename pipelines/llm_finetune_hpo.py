@@ -18,6 +18,7 @@ the sweep is a parent run with one child run per trial.
 # No `from __future__ import annotations`: KFP reads the real parameter annotations.
 from llmft.pipelines.llm_finetune import SWEEP_RETRIES, SWEEP_TASK_TIMEOUT_S, build_pipeline  # noqa: F401
 from llmft.pipelines.llm_finetune import TASK_ORDER as BASE_TASK_ORDER
+from llmft.pipelines.llm_finetune import compile_pipeline as compile_any
 
 PIPELINE_NAME = "llm-finetune-hpo"
 TASK_ORDER = (*BASE_TASK_ORDER[:3], "sweep-hyperparameters", *BASE_TASK_ORDER[3:])
@@ -49,6 +50,5 @@ llm_finetune_hpo_pipeline = build_pipeline(hpo=True)
 
 def compile_pipeline(output: str, *, defaults=None) -> str:
     """Compile ``llm_finetune_hpo_pipeline`` (``defaults`` replace parameter defaults) to ``output``."""
-    from llmft.pipelines.llm_finetune import compile_pipeline as compile_any
 
     return compile_any(output, hpo=True, defaults=defaults)

@@ -16,12 +16,16 @@ import contextlib
 import io
 import os
 import re
+import sys
 import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmft.components.lib.summary import collect_run_facts, latest_run_dir, render_summary
+from llmft.pipelines.defaults import resolve_local_arguments
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STARTED = re.compile(r"Executing task '([^']+)'")
@@ -90,8 +94,6 @@ class LocalOutcome:
     facts: dict[str, Any] = field(default_factory=dict)
 
     def render(self, elapsed_s: float) -> str:
-        from llmft.components.lib.summary import render_summary
-
         if self.succeeded:
             return render_summary(self.facts, elapsed_s=elapsed_s, pipeline_name=self.pipeline_name)
         lines = [f"pipeline FAILED after {elapsed_s:.0f} s in task {self.failed_task or '?'}; its last log lines:"]
@@ -107,6 +109,7 @@ def prepare_local_mlflow(tracking_uri: str, experiment: str, artifact_root: Path
     (instead of ./mlruns in whatever directory the tasks run from)."""
     if not tracking_uri.startswith("sqlite:"):
         return
+    # heavy: mlflow
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
@@ -125,12 +128,11 @@ def run_pipeline_locally(
 ) -> LocalOutcome:
     """Run the pipeline (default ``llm_finetune_pipeline``) through kfp.local with the local
     defaults (plus ``extra_defaults``); never raises for a failed task (see the outcome)."""
+    # heavy: kfp
     from kfp import local
 
-    from llmft.components.lib.summary import collect_run_facts, latest_run_dir
-    from llmft.pipelines.defaults import resolve_local_arguments
-
     if pipeline is None:
+        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
         from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -172,6 +174,4 @@ def _isatty(stream) -> bool:
 
 
 def _screen():
-    import sys
-
     return sys.__stdout__ if sys.stdout is None else sys.stdout

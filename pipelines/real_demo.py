@@ -16,6 +16,7 @@ does; otherwise the report's problems say what is missing and the command exits 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,14 @@ def merged_answers(run_dir: str | Path, facts: dict[str, Any]) -> dict[str, str]
     (:func:`llmft.components.lib.serving_form.merged_model`, ``llmft export --merge``) at the plan's
     ``merged_dir`` and deployed with the run's deploy mode as form ``merged`` (deploy_mode=vllm: a second
     vLLM server with the merged model as the one served name)."""
-    import dataclasses
 
+    # heavy: yaml
     from llmft.components.lib.deployment import deploy_promoted, plan_deploy_request
+
+    # heavy: yaml
     from llmft.components.lib.plan_schema import read_plan
+
+    # heavy: yaml
     from llmft.components.lib.serving_form import merged_model
 
     plan = read_plan(Path(run_dir) / "plan-run" / "plan")

@@ -17,6 +17,10 @@ import signal
 import sys
 import threading
 
+from llmft.trainer import errors
+from llmft.trainer.errors import EXIT_OK, SignalStop
+from llmft.trainer.storage import describe_disk_fault
+
 EPILOG = """examples:
   llmft train --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
   llmft train --nproc 8 --config trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
@@ -43,6 +47,7 @@ def _rank_prefix() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # heavy: torch, yaml
     from llmft.trainer.distributed import write_rank_exit
 
     args = build_parser().parse_args(argv)
@@ -73,7 +78,6 @@ STARTUP_INTERRUPT = (
 def _stop_while_starting(signum, _frame) -> None:
     """SIGTERM before the trainer's own handlers (imports, config, planning): nothing to checkpoint yet,
     so stop at once with one line and exit 143 (a retried pod simply starts again)."""
-    from llmft.trainer.errors import SignalStop
 
     raise SignalStop(
         signum,
@@ -85,8 +89,6 @@ def _stop_while_starting(signum, _frame) -> None:
 def describe_failure(exc: BaseException) -> tuple[int, str]:
     """(exit code, message) for what ended a run: a user error keeps its lines (a resume diff),
     anything else is one line."""
-    from llmft.trainer import errors
-    from llmft.trainer.storage import describe_disk_fault
 
     if isinstance(exc, errors.LlmftError):
         return exc.exit_code, str(exc).strip()
@@ -126,6 +128,7 @@ def lost_peer(exc: BaseException) -> bool:
     trainer/rundir.py bounds the loop)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or "torch" not in sys.modules:
         return False
+    # heavy: torch
     import torch.distributed as dist
 
     if isinstance(exc, dist.DistError):
@@ -147,13 +150,14 @@ def use_expandable_segments() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Parse, then one :class:`~llmft.trainer.train.Trainer`: build -> train -> close."""
+    # heavy: yaml
     from llmft.trainer.config import config_to_yaml, load_config_checked
 
     cfg, warnings = load_config_checked(args.config, args.overrides)  # validated once
     if args.print_config:
         print(config_to_yaml(cfg), end="")
         return 0
-    from llmft.trainer.errors import EXIT_OK
+    # heavy: numpy, torch, yaml
     from llmft.trainer.train import Stopped, Trainer
 
     trainer = Trainer(cfg, warnings)

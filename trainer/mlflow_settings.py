@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import socket
 from urllib.parse import unquote, urlsplit
+from urllib.request import getproxies_environment, proxy_bypass_environment  # type: ignore[attr-defined]
 
 from llmft.trainer.errors import TransientError
 
@@ -101,8 +102,6 @@ def mlflow_unreachable(uri: str, timeout: float = CONNECT_TIMEOUT_S) -> str | No
 
 
 def _behind_proxy(scheme: str, host: str) -> bool:
-    from urllib.request import getproxies_environment, proxy_bypass_environment  # type: ignore[attr-defined]
-
     proxies = getproxies_environment()
     return scheme in proxies and not proxy_bypass_environment(host, proxies)
 

@@ -17,12 +17,19 @@ never taken as an argument (it would land in shell history and process listings)
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import tempfile
 import time
 from pathlib import Path
 
 from llmft.commands import render_job
 from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
+from llmft.pipelines.defaults import DEFAULT_WORK_DIR, REAL_LOCAL_DEFAULTS, REAL_WORK_DIR
+from llmft.pipelines.local_run import run_pipeline_locally
+from llmft.pipelines.real_demo import learning_report, merged_answers
+from llmft.trainer.errors import ConfigError, TransientError
+from llmft.trainer.io import write_owned_file
 
 CRON_FIELD = re.compile(r"^[0-9*?/,\-LW#A-Za-z]+$")
 
@@ -119,7 +126,6 @@ KF_SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 
 def _secret_value(flag: str, source: str, *, from_file: bool, environ) -> str:
     """The secret a flag names (a variable or a file); ConfigError naming the flag, never the value."""
-    from llmft.trainer.errors import ConfigError
 
     if from_file:
         try:
@@ -137,9 +143,6 @@ def _secret_value(flag: str, source: str, *, from_file: bool, environ) -> str:
 def client_auth(args: argparse.Namespace, environ=None) -> dict:
     """kfp.Client keyword arguments for the chosen credentials (``existing_token``, ``cookies`` or
     ``credentials``); empty without any (in-cluster, or a port-forward)."""
-    import os
-
-    from llmft.trainer.errors import ConfigError
 
     environ = os.environ if environ is None else environ
     kwargs: dict = {}
@@ -154,6 +157,7 @@ def client_auth(args: argparse.Namespace, environ=None) -> dict:
                 f"--sa-token: no token at {path}; mount the KFP service-account token volume there or set "
                 f"{KF_SA_TOKEN_ENV}, or use --token-file"
             )
+        # heavy: kfp
         from kfp.client import ServiceAccountTokenVolumeCredentials
 
         kwargs["credentials"] = ServiceAccountTokenVolumeCredentials(path=path)
@@ -165,11 +169,9 @@ def client_auth(args: argparse.Namespace, environ=None) -> dict:
 
 
 def run_compile(args: argparse.Namespace) -> int:
-    import tempfile
 
+    # heavy: kfp
     from kfp import compiler
-
-    from llmft.trainer.io import write_owned_file
 
     check_yaml_output(args.output, force=args.force)
     pipeline = load_pipeline(args.hpo, typed_arguments(args))
@@ -183,7 +185,6 @@ def run_compile(args: argparse.Namespace) -> int:
 
 def validate_cron(expression: str) -> str:
     """KFP's cron has six fields (seconds first); a five-field Unix cron is refused with the fix."""
-    from llmft.trainer.errors import ConfigError
 
     fields = expression.split()
     if len(fields) == 5:
@@ -203,10 +204,11 @@ def validate_cron(expression: str) -> str:
 
 
 def _client(args: argparse.Namespace):
+    # heavy: kfp
     import kfp
-    import urllib3
 
-    from llmft.trainer.errors import TransientError
+    # heavy: urllib3
+    import urllib3
 
     try:
         return kfp.Client(host=args.host, namespace=args.namespace or "kubeflow", **client_auth(args))
@@ -220,9 +222,8 @@ def _client(args: argparse.Namespace):
 
 def _api_call(args: argparse.Namespace, fn, *a, **kw):
     """One KFP API call; a 401/403 (the auth proxy refused us) becomes a one-line ConfigError with the fix."""
+    # heavy: kfp_server_api
     import kfp_server_api
-
-    from llmft.trainer.errors import ConfigError
 
     try:
         return fn(*a, **kw)
@@ -255,8 +256,8 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
-    import tempfile
 
+    # heavy: kfp
     from kfp import compiler
 
     cron = validate_cron(args.cron)
@@ -285,18 +286,14 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from llmft.pipelines.defaults import DEFAULT_WORK_DIR, REAL_WORK_DIR
-    from llmft.pipelines.local_run import run_pipeline_locally
-
     pipeline = load_pipeline(args.hpo)
     extra_defaults: dict = {}
     if args.hpo:
+        # heavy: kfp, kubeflow_katib_api, pydantic
         from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS
 
         extra_defaults = HPO_LOCAL_DEFAULTS
     if getattr(args, "real", False):
-        from llmft.pipelines.defaults import REAL_LOCAL_DEFAULTS
-
         extra_defaults = {**extra_defaults, **REAL_LOCAL_DEFAULTS}
     overrides = typed_arguments(args)
     started = time.perf_counter()
@@ -311,8 +308,6 @@ def run_local(args: argparse.Namespace) -> int:
     if not outcome.succeeded:
         return 1
     if getattr(args, "real", False):
-        from llmft.pipelines.real_demo import learning_report, merged_answers
-
         print("serving the merged model alone (the merged form) ...", flush=True)
         merged = merged_answers(outcome.run_dir, outcome.facts) if outcome.run_dir else None
         lines, problems = learning_report(outcome.facts, merged)

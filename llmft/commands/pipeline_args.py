@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from llmft.pipelines.defaults import parse_arguments
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.io import check_owned_file
+
 YAML_SUFFIXES = (".yaml", ".yml")
 """What KFP's compiler accepts as a package path (kfp/compiler/pipeline_spec_builder.py, write_pipeline_spec_to_file,
 about line 2303 in kfp 2.17)."""
@@ -12,10 +16,12 @@ about line 2303 in kfp 2.17)."""
 
 def load_pipeline(hpo: bool, defaults: dict | None = None):
     """The pipeline (GraphComponent); with ``defaults``, built with them as parameter defaults."""
-    from llmft.trainer.errors import ConfigError
 
     try:
+        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
         from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline
+
+        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
         from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
     except ImportError as exc:
         raise ConfigError(f"cannot import the pipelines ({exc}); install the `pipeline` extra") from None
@@ -26,7 +32,6 @@ def load_pipeline(hpo: bool, defaults: dict | None = None):
 
 def typed_arguments(args: argparse.Namespace) -> dict:
     """The ``key=value`` arguments, typed by the pipeline's parameters."""
-    from llmft.pipelines.defaults import parse_arguments
 
     return parse_arguments(args.arguments, load_pipeline(args.hpo))
 
@@ -34,8 +39,6 @@ def typed_arguments(args: argparse.Namespace) -> dict:
 def check_yaml_output(output: str, *, force: bool) -> None:
     """``--output`` of compile and render-job: a .yaml/.yml file name, and nothing there this program did
     not write (trainer/io.py ``check_owned_file``); checked before any work."""
-    from llmft.trainer.errors import ConfigError
-    from llmft.trainer.io import check_owned_file
 
     if not output.endswith(YAML_SUFFIXES):
         raise ConfigError(f"--output {output}: the output is a YAML file; give it a .yaml name, e.g. {output}.yaml")

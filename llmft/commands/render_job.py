@@ -17,6 +17,11 @@ import re
 import yaml
 
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
+from llmft.components.lib.pytorchjob import build_pytorchjob, build_pytorchjob_spec, pytorchjob_to_dict
+from llmft.components.lib.trainjob_spec import build_trainjob, trainjob_to_dict
+from llmft.trainer.config import config_to_yaml
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.io import write_owned_file
 
 BACKENDS = {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
 """--backend -> the pipeline's training_backend value."""
@@ -57,12 +62,14 @@ def render_job_and_config(
     arguments: dict, backend: str, *, run_id: str, namespace: str | None, data: str | None, hpo: bool = False
 ) -> tuple[dict, str]:
     """:func:`render_job`'s body, and the config.yaml the plan step would write (path line, then its YAML)."""
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan import build_plan
+
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan_checks import compiled_settings
-    from llmft.components.lib.pytorchjob import build_pytorchjob_spec
+
+    # heavy: kfp
     from llmft.components.plan import parameter_defaults
-    from llmft.trainer.config import config_to_yaml
-    from llmft.trainer.errors import ConfigError
 
     given = arguments.get("training_backend", BACKENDS[backend])
     if given != BACKENDS[backend]:
@@ -74,10 +81,7 @@ def render_job_and_config(
     spec = build_pytorchjob_spec(plan.job, launch, namespace=namespace)
     config = f"{plan.trainer.config_path}:\n{config_to_yaml(plan.trainer.config)}"
     if backend == "trainjob":
-        from llmft.components.lib.trainjob_spec import build_trainjob, trainjob_to_dict
-
         return trainjob_to_dict(build_trainjob(spec, runtime=plan.job.runtime)), config
-    from llmft.components.lib.pytorchjob import build_pytorchjob, pytorchjob_to_dict
 
     return pytorchjob_to_dict(build_pytorchjob(spec)), config
 
@@ -101,8 +105,6 @@ _Dumper.add_representer(
 
 
 def run_render_job(args: argparse.Namespace) -> int:
-    from llmft.trainer.io import write_owned_file
-
     check_yaml_output(args.output, force=args.force)
     body, config = render_job_and_config(
         typed_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data, hpo=args.hpo

@@ -23,7 +23,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.resources import files
 from pathlib import Path
+
+from llmft.components.lib.cluster import Cluster
+from llmft.katib.errors import SweepError
+from llmft.katib.webhook_rules import check_experiment
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.io import is_complete
+from llmft.trainer.tiny_model import build_tiny_model
 
 JOB_PARAMETERS = (
     "model",
@@ -113,7 +121,6 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_cluster(args: argparse.Namespace):
     """The one cluster module (tests replace this factory to inject a fake kubernetes client)."""
-    from llmft.components.lib.cluster import Cluster
 
     return Cluster(
         getattr(args, "namespace", None),
@@ -127,9 +134,8 @@ def make_cluster(args: argparse.Namespace):
 
 def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
     """``key=value`` items -> (sweep overrides, job settings, fixed train overrides)."""
-    from llmft.katib.errors import SweepError
+    # heavy: yaml
     from llmft.trainer.config import split_assignment
-    from llmft.trainer.errors import ConfigError
 
     sweep, job, train = [], {}, []
     for item in items:
@@ -150,11 +156,17 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
 def trial_job(settings: dict, name: str):
     """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
     the plan's own job builder (so a trial gets what the pipeline's trials get)."""
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.components.lib.plan import Parameters, job_plan
+
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.components.lib.plan_checks import SECRET_PARAMETERS, check_image, parse_secret
+
+    # heavy: yaml
     from llmft.components.lib.plan_schema import DataLayout, Images
+
+    # heavy: kfp
     from llmft.components.plan import parameter_defaults
-    from llmft.katib.errors import SweepError
 
     defaults = parameter_defaults()
     values = dict(defaults)
@@ -174,10 +186,19 @@ def build_from_settings(items: list[str]):
     """The Experiment (typed model) for ``llmft sweep create key=value ...``; its trials start from the
     trainer config the pipeline's plan would resolve from the same parameters. No plan step writes a
     config.yaml on the volume here, so the trials carry its non-default settings as key=value."""
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.components.lib.plan import trainer_plan
+
+    # heavy: yaml
     from llmft.components.lib.plan_schema import DataLayout
+
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
+
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.experiment import SweepSpec, apply_overrides
+
+    # heavy: yaml
     from llmft.trainer.config import changed_settings
 
     sweep_items, job, train = split_settings(items)
@@ -197,9 +218,8 @@ def build_from_settings(items: list[str]):
 
 
 def run_create(args: argparse.Namespace) -> int:
-    from llmft.katib.errors import SweepError
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.experiment import experiment_dict, load_yaml, to_yaml
-    from llmft.katib.webhook_rules import check_experiment
 
     if args.from_yaml:
         if args.settings:
@@ -225,6 +245,7 @@ def run_create(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace, body: dict) -> int:
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib import status as katib_status
 
     cluster = make_cluster(args)
@@ -246,6 +267,7 @@ def _submit(args: argparse.Namespace, body: dict) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib import status as katib_status
 
     cluster = make_cluster(args)
@@ -270,7 +292,10 @@ def run_best(args: argparse.Namespace) -> int:
 
 
 def _print_best(cluster, name: str, namespace: str) -> int:
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.experiment import GROUP, PLURAL, VERSION
+
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.status import best_overrides
 
     for line in best_overrides(cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)):
@@ -282,8 +307,10 @@ def _print_best(cluster, name: str, namespace: str) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from llmft.katib.errors import SweepError
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.experiment import SweepSpec, apply_overrides
+
+    # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.local_sweep import run_local_sweep
 
     sweep_items, job, train = split_settings(args.settings)
@@ -314,19 +341,17 @@ def run_local(args: argparse.Namespace) -> int:
 def local_inputs(workdir: Path, model: str | None, data: str | None) -> tuple[str, str]:
     """The model and tokenized data of a local sweep: given, or built once under ``workdir`` (tiny model,
     shipped sample data prepared and tokenized; a re-run is a cache hit)."""
-    from llmft.trainer.io import is_complete
 
     if model is None:
         model_dir = workdir / "tiny-model"
         if not (model_dir / "config.json").is_file():
-            from llmft.trainer.tiny_model import build_tiny_model
-
             build_tiny_model(model_dir)
         model = str(model_dir)
     if data is None:
-        from importlib.resources import files
-
+        # heavy: orjson
         from llmft.trainer.data.prepare import prepare_dataset
+
+        # heavy: numpy, orjson
         from llmft.trainer.data.tokenize import tokenize_dataset
 
         sample = files("llmft.trainer.assets.sample_data") / "alpaca_demo.jsonl"

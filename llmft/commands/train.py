@@ -18,6 +18,7 @@ bug, 200 an I/O fault) wins; else 143 / 130 when this command was signalled; els
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
+
+from llmft.trainer.__main__ import main
 
 STOP_CODES = (0, 130, 143)  # a rank that finished, or stopped by a signal after its checkpoint
 
@@ -74,8 +77,6 @@ def torchrun_command(nproc: str, argv: list[str], env: Mapping[str, str] | None 
 def run(args: argparse.Namespace) -> int:
     in_job = bool(os.environ.get("PET_NNODES") or os.environ.get("PET_MASTER_ADDR"))
     if args.print_config or args.nproc is None or (args.nproc == "1" and not in_job):
-        from llmft.trainer.__main__ import main
-
         return main(trainer_argv(args))
     if args.nproc not in ("auto", "gpu", "cpu") and not (args.nproc.isdigit() and int(args.nproc) >= 1):
         print(f"llmft train: --nproc must be a positive number, auto, gpu or cpu; got {args.nproc!r}", file=sys.stderr)
@@ -86,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
 def preflight(args: argparse.Namespace) -> None:
     """Validate the config and plan the run before any rank starts (raises LlmftError)."""
+    # heavy: yaml
     from llmft.trainer.config import config_to_dict, load_config
+
+    # heavy: numpy, torch, yaml
     from llmft.trainer.rundir import plan_start
 
     cfg = load_config(args.config, args.overrides)  # validated once, by the loader
@@ -95,6 +99,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 def launch(cmd: list[str]) -> int:
     """Run torchrun in its own session; forward SIGTERM/SIGINT; return :func:`launch_outcome`."""
+    # heavy: torch, yaml
     from llmft.trainer.distributed import EXIT_DIR_ENV, read_rank_exits
 
     exit_dir = tempfile.mkdtemp(prefix="llmft-ranks-")
@@ -139,8 +144,6 @@ def _die_with_parent() -> None:
     """In the child: get SIGTERM when this launcher dies (it runs in its own session, so a kill of
     the launcher's process group would not reach it). Linux only; elsewhere a no-op."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
