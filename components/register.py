@@ -41,6 +41,7 @@ def register_model(
     from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.registry import Lineage, register_adapter, registration_from_run
     from llmft.components.lib.serving_form import EXPORT_MANIFEST_FILE, FORM_FILE, read_form
+    from llmft.trainer.io import TRAINING_MANIFEST
 
     run_plan = read_plan(plan.path)
     registry = run_plan.registry
@@ -60,7 +61,7 @@ def register_model(
     extras = (
         Path(evaluation.path) / "evaluation.json",
         Path(promoted.path) / "promotion.json",
-        Path(run.path) / "training_manifest.json",
+        Path(run.path) / TRAINING_MANIFEST,
         Path(serving.path) / FORM_FILE,
         Path(serving.path) / EXPORT_MANIFEST_FILE,  # merged form only (a missing file is skipped)
     )
@@ -69,7 +70,7 @@ def register_model(
     reg = registration_from_run(
         promoted_dir=promoted.metadata["path"],
         evaluation=evaluated,
-        training_manifest=read(run, "training_manifest.json"),
+        training_manifest=read(run, TRAINING_MANIFEST),
         model_name=registry.model_name,
         experiment=registry.experiment,
         lineage=lineage,

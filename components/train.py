@@ -40,6 +40,7 @@ def train_model(
 
     from llmft.components.lib.plan_schema import read_plan
     from llmft.components.lib.pytorchjob_launch import read_training_manifest, training_metrics
+    from llmft.trainer.io import TRAINING_MANIFEST
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()
@@ -65,7 +66,7 @@ def train_model(
 
     manifest = read_training_manifest(trainer.run_dir)
     os.makedirs(run.path, exist_ok=True)
-    with open(os.path.join(run.path, "training_manifest.json"), "w") as fh:
+    with open(os.path.join(run.path, TRAINING_MANIFEST), "w") as fh:
         json.dump(manifest, fh, indent=2, sort_keys=True, default=str)
     run.metadata.update(
         {"path": trainer.run_dir, "base_model": trainer.model, "method": trainer.method, "backend": job.backend}

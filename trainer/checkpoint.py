@@ -32,14 +32,13 @@ import torch
 from llmft.trainer.config import diff_configs
 from llmft.trainer.distributed import DistInfo, barrier
 from llmft.trainer.errors import ConfigError, DataError
-from llmft.trainer.io import atomic_write_json, atomic_write_text, is_complete, share_files
+from llmft.trainer.io import TRAINING_MANIFEST, atomic_write_json, atomic_write_text, is_complete, share_files
 from llmft.trainer.storage import disk_guard
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "train_config.json"  # not config.json: full weights carry the HF model config.json
 SCHEDULER_FILE = "scheduler.json"
-TRAINING_MANIFEST = "training_manifest.json"  # in final/, written when the run finished: names its run_id
 # What a DeepSpeed checkpoint may reference besides plain tensors (torch's weights_only set): the
 # globals of the ZeRO-1/2/3 checkpoints DeepSpeed 0.19 writes (listed with
 # torch.serialization.get_unsafe_globals_in_checkpoint), and the dynamic loss scaler of fp16 runs.

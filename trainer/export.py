@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from llmft.trainer.checkpoint import TRAINING_MANIFEST
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.hf_files import TOKENIZER_FILES
-from llmft.trainer.io import atomic_directory, atomic_write_json, sha256_file, share_files
+from llmft.trainer.io import TRAINING_MANIFEST, atomic_directory, atomic_write_json, sha256_file, share_files
 from llmft.trainer.model_dir import content_hash
 from llmft.trainer.safe_files import copy_file, present, read_text
 

@@ -27,6 +27,9 @@ from llmft.trainer.errors import OutputNotOursError
 from llmft.trainer.storage import disk_guard
 
 COMPLETE_MARKER = "COMPLETE"
+TRAINING_MANIFEST = "training_manifest.json"
+"""Written by the trainer into ``final/`` when a run finished (names its run_id); the train step copies it
+into its KFP artifact, promote and register read it."""
 OWNER_FILE = ".llmft-owner.json"
 """Written into every directory this program creates as a whole (prepared data, tokenized
 shards, run directories, promoted adapters, the tiny model): ``{"kind": ..., "created": ...}``.

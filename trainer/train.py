@@ -56,7 +56,7 @@ from llmft.trainer.evaluate import evaluate_model
 from llmft.trainer.fastpath.resolve import describe as describe_fast_path
 from llmft.trainer.fastpath.settings import micro_sequences_for
 from llmft.trainer.flops import mfu
-from llmft.trainer.io import atomic_write_json
+from llmft.trainer.io import TRAINING_MANIFEST, atomic_write_json
 from llmft.trainer.loss import loss_fn
 from llmft.trainer.model import (
     autocast,
@@ -450,7 +450,7 @@ class Trainer:
 
         def extras(staging: Path) -> None:
             save_tokenizer_and_generation(self.engine.module, self.tokenizer, staging)
-            atomic_write_json(staging / "training_manifest.json", self._manifest())
+            atomic_write_json(staging / TRAINING_MANIFEST, self._manifest())
 
         return ckpt.write_final(
             self.cfg.output_dir, engine=self.engine, info=self.info, lora=self.method.adapter, extras=extras

@@ -180,27 +180,32 @@ TRAINER_PARAMETERS = {
 
 
 def trainer_settings(p: Parameters, run_dir: str, run_id: str) -> dict[str, Any]:
-    """The only place pipeline parameters become trainer settings (``lora_r`` -> ``lora.r``), typed."""
-    settings: dict[str, Any] = {
-        "model": {"name_or_path": p.model},
+    """The only place pipeline parameters become trainer settings (``lora_r`` -> ``lora.r``, by
+    :data:`TRAINER_PARAMETERS`), typed. ``epochs`` counts only without ``max_steps``; an empty
+    ``mlflow_experiment`` keeps the trainer's default."""
+    values = {key: getattr(p, name) for key, name in TRAINER_PARAMETERS.items()}
+    values["max_steps"] = max(p.max_steps, 0)
+    if p.max_steps > 0:
+        del values["epochs"]
+    if not p.mlflow_experiment:
+        del values["observe.mlflow_experiment"]
+    values |= {
         "output_dir": run_dir,
-        "method": p.method,
-        "lora": {
-            "r": p.lora_r,
-            "alpha": p.lora_alpha,
-            "dropout": p.lora_dropout,
-            "target_modules": p.lora_target_modules,  # "q_proj,v_proj": the loader makes it a tuple
-        },
-        "optim": {"lr": p.learning_rate},
-        "seed": p.seed,
         "resume": "auto",  # a retried task continues from the newest complete checkpoint
-        "observe": {"run_name": f"pipeline-{run_id}"},
-        "max_steps": max(p.max_steps, 0),
+        "observe.run_name": f"pipeline-{run_id}",
     }
-    if p.max_steps <= 0:
-        settings["epochs"] = p.epochs
-    if p.mlflow_experiment:
-        settings["observe"]["mlflow_experiment"] = p.mlflow_experiment
+    settings: dict[str, Any] = {}
+    for (
+        dotted,
+        value,
+    ) in (
+        values.items()
+    ):  # "lora.r" -> {"lora": {"r": ...}}; target_modules "q_proj,v_proj": the loader makes it a tuple
+        *sections, leaf = dotted.split(".")
+        node = settings
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
     return settings
 
 

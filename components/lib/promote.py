@@ -31,7 +31,7 @@ from llmft.components.lib.servability import require_vllm_servable
 from llmft.components.lib.volume_paths import check_path_component, path_under
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.hf_files import TOKENIZER_FILES
-from llmft.trainer.io import atomic_directory, atomic_write_json, is_complete
+from llmft.trainer.io import TRAINING_MANIFEST, atomic_directory, atomic_write_json, is_complete
 from llmft.trainer.safe_files import check_file, copy_file
 
 DECISION_FILE = "promotion.json"
@@ -47,7 +47,7 @@ SERVABLE_PATTERNS = (
     "config.json",
     "generation_config.json",
     *TOKENIZER_FILES,
-    "training_manifest.json",
+    TRAINING_MANIFEST,
     "README.md",
 )
 

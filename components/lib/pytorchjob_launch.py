@@ -77,6 +77,7 @@ from llmft.components.lib.pytorchjob import (
 )
 from llmft.components.lib.trainjob_launch import run_trainjob_on_cluster
 from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError
+from llmft.trainer.io import TRAINING_MANIFEST
 
 API_RETRIES = 10
 """Transient API errors in a row the wait loop tolerates before it gives up."""
@@ -479,7 +480,7 @@ class PendingReporter:
 
 def read_training_manifest(run_dir: str | Path) -> dict[str, Any]:
     """``<run>/final/training_manifest.json`` (written by the trainer at the end of a run)."""
-    path = Path(run_dir) / "final" / "training_manifest.json"
+    path = Path(run_dir) / "final" / TRAINING_MANIFEST
     if not path.is_file():
         raise LlmftError(f"{path} is missing: the training run did not finish (no final/ folder in {run_dir})")
     return json.loads(path.read_text())

@@ -13,12 +13,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.io import TRAINING_MANIFEST
+
 # (task folder, output folder, file) of each fact source
 SOURCES = {
     "plan": ("plan-run", "plan", "plan.json"),
     "data": ("prepare-dataset", "prepared", "report.json"),
     "tokens": ("tokenize-dataset", "tokenized", "manifest.json"),
-    "training": ("train-model", "run", "training_manifest.json"),
+    "training": ("train-model", "run", TRAINING_MANIFEST),
     "evaluation": ("evaluate-perplexity", "evaluation", "evaluation.json"),
     "promotion": ("promote-best-checkpoint", "promoted", "promotion.json"),
     "serving": ("choose-serving-form", "serving", "serving.json"),
