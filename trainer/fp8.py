@@ -1,16 +1,6 @@
-"""FP8 base checkpoints: train on them, and write a tiny one. The formats and their dequantization
-are trainer/fp8_format.py's; two FP8 formats are read:
-
-* transformers' fine-grained FP8 (``FineGrainedFP8Config``; ``config.json`` has
-  ``quantization_config.quant_method == "fp8"`` and ``weight_block_size``): every quantized
-  ``<module>.weight`` is ``float8_e4m3fn`` beside a float32 ``<module>.weight_scale_inv`` with one
-  value per ``weight_block_size`` block, and ``W = q * weight_scale_inv`` block by block
-  (transformers ``integrations/finegrained_fp8.py``: ``Fp8Quantize._quantize_one`` stores the inverse
-  scale ``max|block| / 448``, ``Fp8Dequantize._dequantize_one`` multiplies it back). This is the
-  format of the DeepSeek-V3 and Qwen3 ``-FP8`` releases.
-* compressed-tensors' float-quantized FP8 (``quant_method == "compressed-tensors"``): ``<module>.weight``
-  in FP8 beside a multiplicative ``<module>.weight_scale`` (per tensor, per output channel or per
-  block). transformers loads it only with the ``compressed-tensors`` package installed.
+"""FP8 base checkpoints: train on them, and write a tiny one. The two FP8 formats read (transformers'
+fine-grained FP8 and compressed-tensors' float-quantized FP8) and their dequantization are
+trainer/fp8_format.py's.
 
 How ``llmft train`` uses such a base (:func:`load_plan`, called by ``trainer/model.py``):
 
