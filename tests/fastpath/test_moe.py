@@ -194,6 +194,7 @@ def _compiled_graphs_of_a_4bit_moe(layers: int) -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow  # torch.compile of a 4-bit MoE model: about 5 s
 def test_4bit_experts_compile_once_for_every_layer():
     """parametrize gives each module its own class and compiled code guards on it: the 48 layers of the
     Qwen3-30B-A3B shape recompiled the MoE block per layer, past dynamo's limit (H200, 2026-11-26).

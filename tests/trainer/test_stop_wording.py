@@ -40,6 +40,7 @@ def test_a_ctrl_c_before_any_handler_is_not_called_a_second_one():
     assert code == EXIT_INTERRUPTED and "second" not in message and "starting" in message
 
 
+@pytest.mark.slow  # starts a Python process that imports the trainer
 def test_sigterm_while_the_trainer_starts_is_one_line_and_exit_143():
     """The trainer's entry point with its run replaced by one that gets SIGTERM before Trainer.build."""
     script = (
