@@ -25,12 +25,13 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.fp8_format import FINEGRAINED, QuantFormat, quant_format, read_model_config
+from llmft.trainer.fp8_format import FINEGRAINED, BaseFormat, QuantFormat, quant_format, read_model_config
 from llmft.trainer.io import atomic_directory, is_complete, share_files
 from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
 from llmft.trainer.model_dir import content_hash
@@ -48,8 +49,8 @@ class LoadPlan:
     """What to load: the model as given, or the dequantized bf16 copy of an FP8 base (QLoRA)."""
     kwargs: dict
     """from_pretrained keyword arguments."""
-    note: dict
-    """For the run log and the manifest: ``{"format", "action", ...}``."""
+    base: BaseFormat
+    """For the run log and the manifest."""
 
 
 def base_format(name_or_path: str, revision: str | None = None) -> QuantFormat:
@@ -73,18 +74,14 @@ def load_plan(name_or_path: str, revision: str | None, method: str, kwargs: dict
     fmt = base_format(name_or_path, revision)
     dtype = kwargs.get("dtype", torch.bfloat16)
     if not fmt.is_fp8:
-        return LoadPlan(name_or_path, kwargs, {"format": fmt.describe(), "action": "loaded as stored"})
+        return LoadPlan(name_or_path, kwargs, BaseFormat(fmt.describe(), "loaded as stored"))
     if method == "qlora":
         copy = dequantized_copy(name_or_path, revision, torch.bfloat16)
         plain = {k: v for k, v in kwargs.items() if k != "revision"}
-        note = {
-            "format": fmt.describe(),
-            "action": "dequantized to a bfloat16 copy, re-quantized to 4-bit by bitsandbytes",
-            "dequantized_copy": str(copy),
-        }
-        return LoadPlan(str(copy), plain, note)
-    note = {"format": fmt.describe(), "action": f"dequantized to {_dtype_name(dtype)} on load"}
-    return LoadPlan(name_or_path, {**kwargs, "quantization_config": _dequantize_config(fmt)}, note)
+        action = "dequantized to a bfloat16 copy, re-quantized to 4-bit by bitsandbytes"
+        return LoadPlan(str(copy), plain, BaseFormat(fmt.describe(), action, dequantized_copy=str(copy)))
+    base = BaseFormat(fmt.describe(), f"dequantized to {_dtype_name(dtype)} on load")
+    return LoadPlan(name_or_path, {**kwargs, "quantization_config": _dequantize_config(fmt)}, base)
 
 
 def _dequantize_config(fmt: QuantFormat):
@@ -112,10 +109,14 @@ def _dequantize_config(fmt: QuantFormat):
 
 
 def load_base_model(name_or_path: str, revision: str | None, method: str, kwargs: dict):
+    """The model of :func:`load_base` (evaluation and the local checks need no more)."""
+    return load_base(name_or_path, revision, method, kwargs)[0]
+
+
+def load_base(name_or_path: str, revision: str | None, method: str, kwargs: dict) -> tuple[Any, BaseFormat]:
     """``AutoModelForCausalLM.from_pretrained`` for a base in any supported format (the one call
-    trainer/model.py makes). An FP8 base is dequantized (LoRA, full) or re-quantized to 4-bit from a
-    bf16 copy (QLoRA); rank 0 prints one ``base model:`` line saying which, and the model carries
-    the same facts as ``model.llmft_base_format`` (a dict) for the manifest."""
+    trainer/model.py makes), and how it was loaded. An FP8 base is dequantized (LoRA, full) or
+    re-quantized to 4-bit from a bf16 copy (QLoRA); rank 0 prints one ``base model:`` line saying which."""
     # heavy: transformers
     from transformers import AutoModelForCausalLM
 
@@ -126,10 +127,9 @@ def load_base_model(name_or_path: str, revision: str | None, method: str, kwargs
     if plan.path != name_or_path:  # the adapter's base stays the model the user named
         model.name_or_path = name_or_path
         model.config._name_or_path = name_or_path
-    model.llmft_base_format = plan.note  # type: ignore[assignment]  # our own attribute, read by model.py
-    if plan.note["format"] != "dense" and os.environ.get("RANK", "0") == "0":
-        print(f"[llmft] base model: {plan.note['format']}: {plan.note['action']}", flush=True)
-    return model
+    if plan.base.format != "dense" and os.environ.get("RANK", "0") == "0":
+        print(f"[llmft] base model: {plan.base.format}: {plan.base.action}", flush=True)
+    return model, plan.base
 
 
 def _dtype_name(dtype) -> str:

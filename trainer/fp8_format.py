@@ -38,6 +38,25 @@ DROPPED_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".weig
 
 
 @dataclass(frozen=True)
+class BaseFormat:
+    """How the base model was loaded: its storage format and what loading did (trainer/fp8.py
+    ``load_plan``), for the ``base model:`` log line and the run manifest's ``base_format``."""
+
+    format: str
+    """e.g. ``dense``, ``FP8 (fine-grained, block [128, 128])``, ``FP8 (compressed-tensors)``."""
+    action: str
+    """e.g. ``loaded as stored``, ``dequantized to bfloat16 on load``."""
+    dequantized_copy: str | None = None
+    """QLoRA over an FP8 base: the bf16 copy that was loaded and re-quantized to 4-bit."""
+
+    def as_dict(self) -> dict[str, str]:
+        out = {"format": self.format, "action": self.action}
+        if self.dequantized_copy is not None:
+            out["dequantized_copy"] = self.dequantized_copy
+        return out
+
+
+@dataclass(frozen=True)
 class QuantFormat:
     """What ``config.json``'s ``quantization_config`` says about the stored weights."""
 

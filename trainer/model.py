@@ -92,7 +92,7 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     on, why anything is off, and what applying did.
     """
     # heavy: safetensors
-    from llmft.trainer.fp8 import load_base_model  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
+    from llmft.trainer.fp8 import load_base  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
 
     check_method_supported(cfg, device)
 
@@ -107,7 +107,7 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     zero3 = deepspeed and cfg.distributed.zero_stage == 3
     keep_alive = _zero3_init(ds_config) if zero3 else None  # must live through from_pretrained
     try:
-        model = load_base_model(
+        model, base = load_base(
             cfg.model.name_or_path,
             cfg.model.revision,
             cfg.method,
@@ -137,6 +137,7 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
             compile_cache_dir=cfg.kernels.compile_cache_dir or None,
         )
     decision = fast.applied(applied, dataclasses.replace(settings.memory, checkpointed_layers=checkpointed))
+    decision = dataclasses.replace(decision, base=base)
     if cfg.kernels.fused_lora is True and not decision.fused_lora.on:
         raise ConfigError(f"kernels.fused_lora=true: {decision.fused_lora.why}; set it to auto or false")
     moe_report = moe.apply_moe(model, fuse_lora=cfg.kernels.fused_lora is not False, freeze_router=cfg.method != "full")

@@ -481,7 +481,7 @@ class Trainer:
             **self._record(),
             "run_id": self.plan.run_id,
             "base_model": base_model_identity(self.cfg.model, self.engine.module),
-            "base_format": getattr(self.engine.module, "llmft_base_format", None),  # how the base was loaded (fp8.py)
+            "base_format": self.fast_path.base.as_dict() if self.fast_path.base else None,  # how the base was loaded
             "dataset": {"path": str(self.cfg.data), "cache_key": self.plan.dataset["cache_key"]},
             "final_metrics": {"train_loss": self.last_train_loss, **final_metrics},
             "evaluation": self.plan.eval_note or "on",

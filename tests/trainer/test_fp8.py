@@ -95,17 +95,20 @@ def test_load_plan_dense_and_lora(tiny_model_dir, fp8_dir):
 
     kwargs = {"dtype": torch.float32, "revision": None}
     dense = load_plan(str(tiny_model_dir), None, "lora", kwargs)
-    assert dense.path == str(tiny_model_dir) and dense.kwargs == kwargs and dense.note["format"] == "dense"
+    assert dense.path == str(tiny_model_dir) and dense.kwargs == kwargs and dense.base.format == "dense"
     lora = load_plan(str(fp8_dir), None, "lora", kwargs)
     config = lora.kwargs["quantization_config"]
     assert lora.path == str(fp8_dir) and config.dequantize is True and tuple(config.weight_block_size) == (32, 32)
-    assert lora.note == {"format": "FP8 (fine-grained, block [32, 32])", "action": "dequantized to float32 on load"}
+    assert lora.base.as_dict() == {
+        "format": "FP8 (fine-grained, block [32, 32])",
+        "action": "dequantized to float32 on load",
+    }
 
 
 def test_qlora_resolves_to_a_cached_bf16_copy(fp8_dir, tmp_path, monkeypatch):
     """QLoRA keeps its 4-bit config but loads a dequantized bf16 copy (transformers refuses a
     BitsAndBytesConfig for an FP8 checkpoint); the copy is built once and reused."""
-    from llmft.trainer.fp8 import load_base_model, load_plan
+    from llmft.trainer.fp8 import load_base, load_plan
     from llmft.trainer.fp8_format import dequantize
     from llmft.trainer.io import COMPLETE_MARKER
 
@@ -117,7 +120,7 @@ def test_qlora_resolves_to_a_cached_bf16_copy(fp8_dir, tmp_path, monkeypatch):
     copy = Path(plan.path)
     assert copy.parent == tmp_path / "cache" / "dequantized" and (copy / COMPLETE_MARKER).is_file()
     assert plan.kwargs == {"dtype": torch.bfloat16, "quantization_config": four_bit}
-    assert "4-bit" in plan.note["action"] and plan.note["dequantized_copy"] == str(copy)
+    assert "4-bit" in plan.base.action and plan.base.dequantized_copy == str(copy)
     config = json.loads((copy / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     fp8, dense = stored(fp8_dir), stored(copy)
@@ -130,8 +133,8 @@ def test_qlora_resolves_to_a_cached_bf16_copy(fp8_dir, tmp_path, monkeypatch):
     built = (copy / COMPLETE_MARKER).stat().st_mtime_ns
     assert load_plan(str(fp8_dir), None, "qlora", {"dtype": torch.bfloat16}).path == str(copy)
     assert (copy / COMPLETE_MARKER).stat().st_mtime_ns == built
-    model = load_base_model(str(fp8_dir), None, "qlora", {"dtype": torch.float32})  # CPU: no 4-bit step
-    assert model.llmft_base_format["dequantized_copy"] == str(copy)
+    model, base = load_base(str(fp8_dir), None, "qlora", {"dtype": torch.float32})  # CPU: no 4-bit step
+    assert base.dequantized_copy == str(copy)
     from peft import LoraConfig, get_peft_model
 
     adapter = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
@@ -286,12 +289,12 @@ def test_compressed_tensors_fp8_base_loads_dequantized_and_merges(tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     from llmft.trainer.export import export_adapter
-    from llmft.trainer.fp8 import load_base_model, load_plan
+    from llmft.trainer.fp8 import load_base, load_base_model, load_plan
     from llmft.trainer.merge import BaseCheckpoint
 
     base = write_compressed_fp8(tiny_model_dir, tmp_path / "ct-fp8")
-    model = load_base_model(str(base), None, "lora", {"dtype": torch.float32})
-    assert model.llmft_base_format["format"] == "FP8 (compressed-tensors)"
+    model, loaded_as = load_base(str(base), None, "lora", {"dtype": torch.float32})
+    assert loaded_as.format == "FP8 (compressed-tensors)"
     loaded = model.state_dict()
     ours = dict(BaseCheckpoint.open(str(base)).tensors(dequantize_fp8=True))
     assert set(ours) == set(loaded) - {"lm_head.weight"}

@@ -33,6 +33,7 @@ from llmft.trainer.fastpath.attention import _VARLEN_PARAMS
 
 if TYPE_CHECKING:
     from llmft.trainer.fastpath.memory import MemoryPlan
+    from llmft.trainer.fp8_format import BaseFormat
 
 VARLEN = "llmft_varlen"
 PIECES = ("fused_loss", "fused_lora", "grouped_lora", "compile")
@@ -92,6 +93,9 @@ class FastPath:
     """The micro batch and checkpointed layers (trainer.fastpath.memory), as applied."""
     moe: Mapping[str, Any] | None = None
     """What trainer.fastpath.moe.apply_moe did on an MoE model (frozen routers, grouped experts)."""
+    base: BaseFormat | None = None
+    """How the base weights were loaded (trainer/fp8.py: as stored, or an FP8 base dequantized); not a speed
+    piece, so not in :meth:`as_dict`: the run manifest records it as ``base_format``."""
 
     @property
     def varlen(self) -> bool:
