@@ -432,13 +432,28 @@ def job_containers(pipeline_env: dict[str, str], out: Path) -> list[tuple[str, s
         path = out / f"{backend}.yaml"
         argv = ["llmft", "pipeline", "render-job", "--backend", backend, "--output", str(path), PLACEHOLDER_MLFLOW]
         run(argv, env=pipeline_env, cwd=out, what="render-job")
-        stack = [yaml.safe_load(path.read_text())]
+        text = path.read_text()
+        config_path, config = rendered_config(text)
+        local_config = out / f"{backend}-config.yaml"  # the plan step writes it on the volume; here beside the job
+        local_config.write_text(config)
+        stack = [yaml.safe_load(text)]
         while stack:
             node = stack.pop()
             if isinstance(node, dict) and "image" in node and "command" in node:
-                found.append((backend, node["image"], list(node["command"]) + list(node.get("args", []))))
+                command = list(node["command"]) + list(node.get("args", []))
+                command = [str(local_config) if word == config_path else word for word in command]
+                found.append((backend, node["image"], command))
             stack += list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
     return found
+
+
+def rendered_config(text: str) -> tuple[str, str]:
+    """(path, YAML) of the config.yaml that a render-job header shows (``#   <path>:`` then the YAML,
+    each line indented by ``#   ``), which the job's ``llmft train --config <path>`` reads."""
+    lines = [line[len("#   ") :] for line in text.splitlines() if line.startswith("#   ")]
+    if not lines or not lines[0].endswith(":"):
+        raise SystemExit("error: image check failed: the render-job header shows no config.yaml")
+    return lines[0][:-1], "\n".join(lines[1:]) + "\n"
 
 
 def check_containers(envs: dict[str, dict[str, str]], out: Path) -> None:
