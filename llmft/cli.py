@@ -70,6 +70,14 @@ def _version() -> str:
         return "0+unknown"
 
 
+def parse_group_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options may come after ``key=value`` words (``llmft train lora.r=8 --config f.yaml data=...``):
+    intermixed parsing, where the group has no sub-commands (argparse cannot intermix those)."""
+    if any(isinstance(action, argparse._SubParsersAction) for action in parser._actions):
+        return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
+
+
 def build_group_parser(group: str) -> argparse.ArgumentParser:
     """The full parser of one group, importing only that group's module."""
     module_name, help_text = GROUPS[group]
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         top.print_help()
         return 2
     parser = build_group_parser(argv[0])
-    args = parser.parse_args(argv[1:])
+    args = parse_group_args(parser, argv[1:])
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

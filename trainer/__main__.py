@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     # heavy: torch, yaml
     from llmft.trainer.distributed import write_rank_exit
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value words before and after the options
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop_while_starting) if main_thread else None  # build() sets its own
     use_expandable_segments()

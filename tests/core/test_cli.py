@@ -97,3 +97,14 @@ def test_an_export_refusal_is_the_only_line_on_stderr(tmp_path):
     )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "is a symlink" in out.stderr, out.stderr
+
+
+def test_train_takes_options_between_key_value_words(tmp_path, capsys):
+    """`llmft train lora.r=8 --config f.yaml data=...` (an override, then the config, then more): argparse
+    alone stops at the option and refuses the words after it (exit 2)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  name_or_path: some/model\nlora:\n  alpha: 64\n")
+    assert main(["train", "lora.r=8", "--config", str(config), "data=/d", "--print-config", "seed=3"]) == 0
+    printed = capsys.readouterr().out
+    assert "  r: 8\n" in printed and "  alpha: 64.0\n" in printed
+    assert "data: /d\n" in printed and "seed: 3\n" in printed
