@@ -69,13 +69,17 @@ test: $(STAMP) $(SMOLLM2_STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The real CRD schemas beside the checkout (../shared/k8s-crds), when there: the deploy step validates the
+# InferenceService it writes against KServe's (components/lib/deployment.py, LLMFT_CRD_DIR).
+CRD_DIR ?= $(wildcard $(CURDIR)/../shared/k8s-crds)
+
 demo: $(STAMP)
-	$(LLMFT) pipeline run-local
+	LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(LLMFT) pipeline run-local
 
 # A real pretrained model end to end (opt-in, about 15 minutes on 2 cores): SmolLM2-135M-Instruct learns the
 # shipped made-up facts; deploy serves base + adapter, then the merged model alone, with a real vLLM.
 demo-real: $(STAMP) $(SMOLLM2_STAMP) $(SERVING_STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(LLMFT) pipeline run-local --real
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(LLMFT) pipeline run-local --real
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
