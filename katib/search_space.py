@@ -26,6 +26,7 @@ from typing import Any
 from kubeflow_katib_api.models import V1beta1FeasibleSpace, V1beta1ParameterSpec
 
 from llmft.katib.errors import SweepError
+from llmft.trainer.config import SETTING_NAMES
 
 PARAMETER_TYPES = ("double", "int", "discrete", "categorical")
 DISTRIBUTIONS = ("uniform", "logUniform", "normal", "logNormal")
@@ -103,6 +104,12 @@ class HyperParameter:
         return f"{self.config_key}={self.placeholder()}"
 
 
+def searched(name: str, **fields: Any) -> HyperParameter:
+    """A searched parameter of the default space: ``name`` is the setting's short name, its trainer key comes
+    from the one table (trainer/config.py SETTING_NAMES)."""
+    return HyperParameter(name=name, config_key=SETTING_NAMES[name], **fields)
+
+
 def trial_placeholder(name: str) -> str:
     """``${trialParameters.<name>}`` (Katib's TrialTemplateParamReplaceFormat)."""
     return "${trialParameters." + name + "}"
@@ -111,9 +118,8 @@ def trial_placeholder(name: str) -> str:
 # The default space for LoRA fine-tuning. Ranges are the usual ones for 0.5B-30B
 # decoder models; the grid keeps 3-4 points per axis (3*3*3*3*3 = 243 combinations).
 DEFAULT_SEARCH_SPACE: tuple[HyperParameter, ...] = (
-    HyperParameter(
-        name="learning_rate",
-        config_key="optim.lr",
+    searched(
+        "learning_rate",
         type="double",
         min="1e-05",
         max="0.001",
@@ -121,25 +127,22 @@ DEFAULT_SEARCH_SPACE: tuple[HyperParameter, ...] = (
         grid=("5e-05", "0.0001", "0.0002", "0.0005"),
         description="peak learning rate (log scale)",
     ),
-    HyperParameter(
-        name="lora_r",
-        config_key="lora.r",
+    searched(
+        "lora_r",
         type="discrete",
         values=("8", "16", "32", "64"),
         grid=("8", "16", "32"),
         description="LoRA rank",
     ),
-    HyperParameter(
-        name="lora_alpha",
-        config_key="lora.alpha",
+    searched(
+        "lora_alpha",
         type="discrete",
         values=("16", "32", "64"),
         grid=("16", "32", "64"),
         description="LoRA alpha (scaling = alpha / r)",
     ),
-    HyperParameter(
-        name="lora_dropout",
-        config_key="lora.dropout",
+    searched(
+        "lora_dropout",
         type="double",
         min="0.0",
         max="0.1",
@@ -147,9 +150,8 @@ DEFAULT_SEARCH_SPACE: tuple[HyperParameter, ...] = (
         grid=("0.0", "0.05", "0.1"),
         description="LoRA dropout",
     ),
-    HyperParameter(
-        name="warmup_ratio",
-        config_key="schedule.warmup_ratio",
+    searched(
+        "warmup_ratio",
         type="double",
         min="0.0",
         max="0.1",

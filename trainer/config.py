@@ -248,6 +248,24 @@ class TrainConfig:
     )
 
 
+SETTING_NAMES: dict[str, str] = {
+    "model": "model.name_or_path",
+    "method": "method",
+    "lora_r": "lora.r",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.target_modules",
+    "learning_rate": "optim.lr",
+    "warmup_ratio": "schedule.warmup_ratio",
+    "seed": "seed",
+    "max_steps": "max_steps",
+    "epochs": "epochs",
+    "mlflow_experiment": "observe.mlflow_experiment",
+}
+"""Short name -> trainer key of the settings that the pipeline's parameters (components/lib/plan.py) and the
+sweep's searched parameters (katib/search_space.py) name: the one place a knob's two names meet (``lora_r`` is
+``lora.r``). Short names are Python and Katib parameter names; trainer keys are what config.yaml and overrides use."""
+
 # Fields whose change does not alter the training math: allowed on resume.
 RESUME_SAFE_PREFIXES = (
     "output_dir",

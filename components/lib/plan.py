@@ -9,7 +9,7 @@ A knob's whole route, e.g. ``lora_r`` (one name per layer, one typed value)::
 
     components/plan.py          plan_run(..., lora_r: int = 16, ...)   signature + docstring (the
                                                                        pipelines' parameter list)
-    components/lib/plan.py      {"lora": {"r": p.lora_r}}              -> TrainConfig.lora.r (int), validated
+    components/lib/plan.py      lora.r = p.lora_r (SETTING_NAMES)      -> TrainConfig.lora.r (int), validated
                                                                           once: TrainerPlan.config
     components/plan.py          write_run_config(plan)                 -> <run_dir>/config.yaml ``lora: r: 16``
     components/train.py         llmft train --config <run_dir>/config.yaml data=<tokenized>
@@ -62,7 +62,7 @@ from llmft.components.lib.plan_schema import (
 from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
 from llmft.components.lib.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.volume_space import check_volume_space
-from llmft.trainer.config import RUN_CONFIG_FILE, config_to_yaml, resolve_config
+from llmft.trainer.config import RUN_CONFIG_FILE, SETTING_NAMES, config_to_yaml, resolve_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
 
@@ -163,19 +163,21 @@ def _data_plan(p: Parameters, layout: DataLayout, run_id: str) -> DataPlan:
     )
 
 
-TRAINER_PARAMETERS = {
-    "model.name_or_path": "model",
-    "method": "method",
-    "lora.r": "lora_r",
-    "lora.alpha": "lora_alpha",
-    "lora.dropout": "lora_dropout",
-    "lora.target_modules": "lora_target_modules",
-    "optim.lr": "learning_rate",
-    "seed": "seed",
-    "max_steps": "max_steps",
-    "epochs": "epochs",
-    "observe.mlflow_experiment": "mlflow_experiment",
-}
+PIPELINE_SETTINGS = (
+    "model",
+    "method",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "learning_rate",
+    "seed",
+    "max_steps",
+    "epochs",
+    "mlflow_experiment",
+)
+"""The pipeline parameters that are trainer settings (their trainer keys: trainer/config.py SETTING_NAMES)."""
+TRAINER_PARAMETERS = {SETTING_NAMES[name]: name for name in PIPELINE_SETTINGS}
 """Trainer key -> the pipeline parameter that sets it (named in a refusal)."""
 
 

@@ -226,3 +226,12 @@ def test_a_trainer_start_validates_the_config_once(tmp_path, monkeypatch, capsys
     code = main([f"model.name_or_path={tmp_path}/no-model", f"data={tmp_path}/d", f"output_dir={tmp_path}/out"])
     assert code == 1 and "no such directory" in capsys.readouterr().err  # stopped at the model, after validating
     assert len(calls) == 1
+
+
+def test_every_short_setting_name_names_a_trainer_key():
+    """SETTING_NAMES (the pipeline's and the sweep's names of trainer settings) holds real keys only."""
+    from llmft.trainer.config import SETTING_NAMES, iter_fields
+
+    keys = {key for key, *_ in iter_fields()}
+    assert set(SETTING_NAMES.values()) <= keys, sorted(set(SETTING_NAMES.values()) - keys)
+    assert len(set(SETTING_NAMES.values())) == len(SETTING_NAMES)  # one short name per key
