@@ -607,3 +607,15 @@ def flatten_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + key] = value
     return out
+
+
+def nest_dotted(flat: typing.Mapping[str, Any]) -> dict:
+    """{"lora.r": 8} -> {"lora": {"r": 8}}: the inverse of :func:`flatten_dict`."""
+    tree: dict = {}
+    for dotted, value in flat.items():
+        *sections, leaf = dotted.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return tree

@@ -62,7 +62,7 @@ from llmft.components.lib.plan_schema import (
 from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
 from llmft.components.lib.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.volume_space import check_volume_space
-from llmft.trainer.config import RUN_CONFIG_FILE, SETTING_NAMES, config_to_yaml, resolve_config
+from llmft.trainer.config import RUN_CONFIG_FILE, SETTING_NAMES, config_to_yaml, nest_dotted, resolve_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
 
@@ -196,19 +196,7 @@ def trainer_settings(p: Parameters, run_dir: str, run_id: str) -> dict[str, Any]
         "resume": "auto",  # a retried task continues from the newest complete checkpoint
         "observe.run_name": f"pipeline-{run_id}",
     }
-    settings: dict[str, Any] = {}
-    for (
-        dotted,
-        value,
-    ) in (
-        values.items()
-    ):  # "lora.r" -> {"lora": {"r": ...}}; target_modules "q_proj,v_proj": the loader makes it a tuple
-        *sections, leaf = dotted.split(".")
-        node = settings
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[leaf] = value
-    return settings
+    return nest_dotted(values)  # target_modules "q_proj,v_proj": the loader makes it a tuple
 
 
 def trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan:

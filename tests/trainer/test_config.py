@@ -235,3 +235,13 @@ def test_every_short_setting_name_names_a_trainer_key():
     keys = {key for key, *_ in iter_fields()}
     assert set(SETTING_NAMES.values()) <= keys, sorted(set(SETTING_NAMES.values()) - keys)
     assert len(set(SETTING_NAMES.values())) == len(SETTING_NAMES)  # one short name per key
+
+
+def test_nest_dotted_is_the_inverse_of_flatten_dict():
+    from llmft.trainer.config import flatten_dict, nest_dotted
+
+    tree = {"lora": {"r": 8, "target_modules": "q_proj,v_proj"}, "optim": {"lr": 1e-4}, "seed": 3}
+    assert nest_dotted(flatten_dict(tree)) == tree
+    assert nest_dotted({"observe.run_name": "x", "observe.mlflow_experiment": "e"}) == {
+        "observe": {"run_name": "x", "mlflow_experiment": "e"}
+    }
