@@ -54,7 +54,7 @@ class ModelConfig:
     gradient_checkpointing: Auto | bool = _f(
         "auto",
         "Recompute activations in backward (non-reentrant); auto = only when the micro batch would not fit the "
-        "GPU otherwise, on as few decoder layers as that needs (trainer.fastpath.memory; off on CPU).",
+        "GPU otherwise, on as few decoder layers as that needs (trainer.sizing.memory; off on CPU).",
     )
     trust_remote_code: bool = _f(False, "Allow model code from the hub repository to run (off unless you trust it).")
 
@@ -116,7 +116,7 @@ class BatchConfig:
     micro_sequences: Auto | int = _f(
         "auto",
         "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived. "
-        "auto = as many as fit the GPU's free memory (trainer.fastpath.memory), 1 on CPU.",
+        "auto = as many as fit the GPU's free memory (trainer.sizing.memory), 1 on CPU.",
     )
 
 

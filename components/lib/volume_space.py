@@ -6,7 +6,7 @@ master weights for full fine-tuning) and AdamW's two float32 moments per trained
 besides the best one and writes the next before pruning, so ``keep_last + 2`` exist at once; then
 ``final/`` and the promoted copy hold the weights once each, and a merged serving form (a full bf16
 copy of the base, 2 N) comes on top. Parameter counts come from the model's ``config.json``
-(trainer/fastpath/memory.py's model: ``parameter_counts``, ``adapter_parameters``).
+(trainer/sizing/memory.py's model: ``parameter_counts``, ``adapter_parameters``).
 
 The pipeline mounts an existing PVC (``pvc_name``) at ``data_root`` and requests no size itself, so
 the plan step compares the estimate with the free space of the mounted volume
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.flops import ALL_LINEAR, shape_from_config
+from llmft.trainer.sizing.memory import Setup, adapter_parameters, parameter_counts
 from llmft.trainer.storage import human
 
 FP32 = 4
@@ -72,9 +74,6 @@ def model_config(name_or_path: str) -> dict | None:
 
 def estimate(config: dict, *, method: str, lora_rank: int, targets: tuple[str, ...], keep_last: int, merged: bool):
     """The :class:`Footprint` of a run on the model ``config`` (a config.json dict)."""
-    from llmft.trainer.fastpath.memory import Setup, adapter_parameters, parameter_counts  # heavy: torch, transformers
-    from llmft.trainer.flops import ALL_LINEAR, shape_from_config  # heavy: torch, transformers
-
     shape = shape_from_config(config)
     _, total = parameter_counts(shape, bool(config.get("tie_word_embeddings", False)))
     if method == "full":

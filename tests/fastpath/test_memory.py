@@ -1,4 +1,4 @@
-"""The memory model (trainer/fastpath/memory.py) on the benchmark's real shapes (transformers config
+"""The memory model (trainer/sizing/memory.py) on the benchmark's real shapes (transformers config
 classes, no weights): it reproduces the GPU peaks measured in benchmarks/results, and the plan it
 makes keeps every measured run inside the card with the margin it documents."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmft.trainer.fastpath import memory
+from llmft.trainer.sizing import memory
 from llmft.trainer.flops import shape_from_config
 
 GiB = memory.GiB

@@ -1,5 +1,5 @@
 """QLoRA takes the fast path (trainer/fastpath/resolve.py) and the memory model counts its fused 4-bit
-path (trainer/fastpath/memory.py): less than LoRA at the same micro batch. No bitsandbytes needed."""
+path (trainer/sizing/memory.py): less than LoRA at the same micro batch. No bitsandbytes needed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmft.trainer.config import load_config
-from llmft.trainer.fastpath import memory
+from llmft.trainer.sizing import memory
 from llmft.trainer.fastpath.resolve import ModelInfo, resolve_fast_path
 from llmft.trainer.flops import shape_from_config
 

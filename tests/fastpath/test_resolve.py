@@ -148,7 +148,7 @@ def test_model_info_from_transformers_configs():
 
 
 def test_report_is_a_plain_dict_with_every_piece_and_why():
-    from llmft.trainer.fastpath.memory import MemoryPlan
+    from llmft.trainer.sizing.memory import MemoryPlan
 
     fast = resolve_fast_path(_cfg(), CUDA, QWEN)
     applied = {"fused_lora": 196, "lora_kept": {}, "grouped_lora": 56, "compiled_layers": 28}

@@ -11,7 +11,7 @@ import torch
 from llmft.trainer.config import load_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath import settings
-from llmft.trainer.fastpath.memory import GiB
+from llmft.trainer.sizing.memory import GiB
 
 
 @pytest.fixture()

@@ -13,8 +13,8 @@
 - ``compile``: torch.compile of the decoder layers in place.
 - ``resolve``: ``auto`` settings -> which pieces apply to this device, method and model, and why
   not; the typed decision (``FastPath``, returned by trainer.model.load_model) and its ``fast path:`` log line.
-- ``memory``: the memory model of a step; the micro batch and checkpointed layers that fit.
-- ``settings``: both of the above resolved once per run (config.json, data manifest, free memory).
+- ``settings``: the ``auto`` settings resolved once per run (config.json, data manifest, free memory), with
+  the memory model of a step (trainer/sizing/memory.py, torch-free: the plan step runs it too).
 - ``moe``: grouped experts, expert LoRA without the merged weight, 4-bit experts.
 - :func:`apply_kernels`: one call that switches the model-level pieces on for a model.
 
@@ -26,7 +26,7 @@ not config settings (fused LoRA's form, GQA into the varlen kernel) are argument
 What a run needs for correctness on any path lives outside this package: the FLOP count and MFU
 (trainer/flops.py), an MoE model's LoRA targets and frozen routers (trainer/moe_model.py) and its
 load-balancing loss (trainer/moe_aux.py), the packed batch's document boundaries and the loss
-(trainer/loss.py). The ``auto`` settings (resolve, memory, settings) are here, so the trainer imports
+(trainer/loss.py). The ``auto`` settings (resolve, settings) are here, so the trainer imports
 this package on every run; optional dependencies inside it (Triton, bitsandbytes, DeepSpeed) are
 imported where they are used.
 """

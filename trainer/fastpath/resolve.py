@@ -32,7 +32,7 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath.attention import _VARLEN_PARAMS
 
 if TYPE_CHECKING:
-    from llmft.trainer.fastpath.memory import MemoryPlan
+    from llmft.trainer.sizing.memory import MemoryPlan
     from llmft.trainer.fp8_format import BaseFormat
 
 VARLEN = "llmft_varlen"
@@ -90,7 +90,7 @@ class FastPath:
     grouped_lora: Piece
     compile: Piece
     memory: MemoryPlan | None = None
-    """The micro batch and checkpointed layers (trainer.fastpath.memory), as applied."""
+    """The micro batch and checkpointed layers (trainer.sizing.memory), as applied."""
     moe: Mapping[str, Any] | None = None
     """What trainer.fastpath.moe.apply_moe did on an MoE model (frozen routers, grouped experts)."""
     base: BaseFormat | None = None
