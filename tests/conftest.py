@@ -120,3 +120,12 @@ def base_loads(monkeypatch) -> list[str]:
     loads, load = [], fp8.load_base_model
     monkeypatch.setattr(fp8, "load_base_model", lambda path, *a, **k: loads.append(path) or load(path, *a, **k))
     return loads
+
+
+def pytest_report_header(config) -> str:
+    """The clock the suite runs on: `make test-clock-ahead` moves it (FAKETIME, libfaketime) and shows it here."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    moved = os.environ.get("FAKETIME")
+    return f"clock: {now}" + (f" (moved {moved} by libfaketime)" if moved else "")

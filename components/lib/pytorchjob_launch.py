@@ -131,10 +131,13 @@ def run_job(
     api_retries: int = API_RETRIES,
     pending_every: int = PENDING_EVERY,
     owner: dict | None = None,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
     """Submit the PyTorchJob of ``spec`` (a PyTorchJobSpec), or re-attach to it, and wait for its end
     (the module docstring lists the rules). SIGTERM deletes it. ``owner``: its ownerReference
-    (default: the run's Argo Workflow when in a KFP pod, else none)."""
+    (default: the run's Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch,
+    compared with the job's ``startTime``) and ``sleep`` are the wall clock unless a test injects its own."""
 
     if poll_s <= 0 or timeout_s < poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) <= timeout_s ({timeout_s})")
@@ -163,6 +166,8 @@ def run_job(
             print_fn=print_fn,
             api_retries=api_retries,
             pending_every=pending_every,
+            clock=clock,
+            sleep=sleep,
         )
     return {
         "name": name,
@@ -353,14 +358,17 @@ def wait_for_job(
     api_retries: int = API_RETRIES,
     pending_every: int = PENDING_EVERY,
     log_tail: int = 50,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
     """Poll the job until Succeeded (returned) or Failed (:func:`raise_for_failure`), streaming the
-    master's log, explaining Pending pods, retrying transient API errors; JobTimedOut past the deadline."""
+    master's log, explaining Pending pods, retrying transient API errors; JobTimedOut past the deadline
+    (read on ``clock``, the wall clock the operator's ``startTime`` is written in)."""
 
     follow = MasterLogFollower(cluster, name, namespace, print_fn)
     pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn)
     starts = _start_watcher(f"PyTorchJob {namespace}/{name}")
-    errors, started = 0, time.time()
+    errors, started = 0, clock()
     while True:
         try:
             job = _get_job(cluster, name, namespace, 1, print_fn)
@@ -370,7 +378,7 @@ def wait_for_job(
             if not exc.transient or errors > api_retries:
                 raise
             print_fn(f"warning: reading PyTorchJob {name}: {exc} ({errors}/{api_retries}); retrying")
-            time.sleep(min(poll_s * errors, 60.0))
+            sleep(min(poll_s * errors, 60.0))
             continue
         if job is None:
             raise LlmftError(
@@ -385,13 +393,13 @@ def wait_for_job(
             raise_for_failure(cluster, job, lines=log_tail)
         _check_starts(cluster, starts, name, namespace)
         pending()
-        if time.time() > until:
+        if clock() > until:
             raise JobTimedOut(
                 f"PyTorchJob {namespace}/{name} did not finish by its deadline (+{JOB_WAIT_GRACE_S}s): a timeout, not "
                 f"a training failure. A retry of this task re-attaches to the job while it runs.\n"
                 f"{_master_tail(cluster, name, namespace, log_tail)}"
             )
-        time.sleep(poll_s)
+        sleep(poll_s)
 
 
 def _start_watcher(what: str):

@@ -330,12 +330,14 @@ def run_trainjob(
     poll_s: float = 30.0,
     log_tail_lines: int = 50,
     print_fn: Callable[[str], Any] = print,
+    clock: Callable[[], float] = time.time,
 ) -> dict:
     """Submit ``job`` (a ``TrainerV1alpha1TrainJob``) or re-attach to it, stream node 0's log while the
     SDK waits for ``Complete``/``Failed``, and return a summary once Complete. A node exiting 1-127 ->
     ``JobFailedPermanently`` (the job is suspended); Failed by the deadline or no end within
     ``timeout_s`` -> ``JobTimedOut`` (the job keeps running until its activeDeadlineSeconds); Failed
-    otherwise -> :class:`TrainJobFailed`; each with the failing node's log tail."""
+    otherwise -> :class:`TrainJobFailed`; each with the failing node's log tail. ``clock``: the wall clock
+    (seconds since the epoch) the job's ``creationTimestamp`` is compared with, unless a test injects its own."""
 
     if poll_s <= 0 or timeout_s <= poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) < timeout_s ({timeout_s})")
@@ -351,7 +353,7 @@ def run_trainjob(
         return {"name": name, "namespace": namespace, "succeeded": True, "reused": True}
     print_fn(f"{outcome} TrainJob {namespace}/{name} (runtime {ref['name']}); waiting up to {timeout_s:.0f}s")
     watcher = NodeWatcher(cluster, name, namespace, print_fn)
-    budget = wait_budget(get_trainjob(cluster, name, namespace) or body, timeout_s, time.time())
+    budget = wait_budget(get_trainjob(cluster, name, namespace) or body, timeout_s, clock())
     try:
         final = backend.wait_for_job_status(
             name,

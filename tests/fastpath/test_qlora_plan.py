@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from llmft.trainer.config import load_config
-from llmft.trainer.sizing import memory
 from llmft.trainer.fastpath.resolve import ModelInfo, resolve_fast_path
 from llmft.trainer.flops import shape_from_config
+from llmft.trainer.sizing import memory
 
 GiB = memory.GiB
 H100_FREE = 78.5 * GiB  # as tests/fastpath/test_memory.py

@@ -55,6 +55,7 @@ plays the controllers behind it, each rule following the upstream source it cite
 
 from __future__ import annotations
 
+import calendar
 import datetime
 import json
 import os
@@ -65,6 +66,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -85,11 +87,16 @@ def free_port() -> int:
 
 
 def now_rfc3339(ts: float | None = None) -> str:
+    """``ts`` (default: the machine's time) as Kubernetes writes a timestamp."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if ts is None else ts))
 
 
-def condition(kind: str, reason: str, message: str, status: str = "True") -> dict:
-    stamp = now_rfc3339()
+def parse_rfc3339(stamp: str) -> float:
+    return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
+
+
+def condition(kind: str, reason: str, message: str, status: str = "True", stamp: str | None = None) -> dict:
+    stamp = stamp or now_rfc3339()
     return {
         "type": kind,
         "status": status,
@@ -255,8 +262,10 @@ class ClusterSim:
     """Controllers of one namespace over the fakes: the Training Operator for PyTorchJobs, Katib
     Experiments going Running, KServe InferenceServices turning Ready (see the module docstring)."""
 
-    def __init__(self, custom, core, namespace: str, workdir: Path, *, volumes=None, secrets=None, gpus=None):
+    def __init__(self, custom, core, namespace: str, workdir: Path, *, volumes=None, secrets=None, gpus=None,
+                 clock: Callable[[], float] = time.time):  # fmt: skip
         self.custom, self.core, self.namespace, self.workdir = custom, core, namespace, Path(workdir)
+        self.clock = clock  # the controllers' wall clock: startTime, deadlines, deletion and condition stamps
         self.volumes: dict[str, Path] = {k: Path(v) for k, v in (volumes or {}).items()}
         self.secrets: dict[str, dict[str, str]] = dict(secrets or {})
         self.gpus = gpus  # free nvidia.com/gpu in the cluster (None: as many as asked)
@@ -310,7 +319,7 @@ class ClusterSim:
                 self._reconcile_job(job)
             for experiment in self.objects("experiments"):
                 if not (experiment.get("status") or {}).get("conditions"):
-                    experiment["status"] = {"conditions": [condition("Running", "ExperimentRunning", "running")]}
+                    experiment["status"] = {"conditions": [self.condition("Running", "ExperimentRunning", "running")]}
             for isvc in self.objects("inferenceservices"):
                 self._reconcile_isvc(isvc)
 
@@ -362,14 +371,14 @@ class ClusterSim:
             self._clean_pods(name, policy)
             return
         if "startTime" not in status:
-            status["startTime"] = now_rfc3339()
-            set_condition(status, condition("Created", "PyTorchJobCreated", f"PyTorchJob {name} is created."))
+            status["startTime"] = self.stamp()
+            set_condition(status, self.condition("Created", "PyTorchJobCreated", f"PyTorchJob {name} is created."))
             self.ports[name] = free_port()
         deadline = (job["spec"].get("runPolicy") or {}).get("activeDeadlineSeconds")
-        started = time.mktime(time.strptime(status["startTime"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
-        if deadline is not None and time.time() - started >= deadline:
-            set_condition(status, condition("Failed", "PyTorchJobFailed", DEADLINE_MESSAGE.format(name)))
-            status["completionTime"] = now_rfc3339()
+        started = parse_rfc3339(status["startTime"])
+        if deadline is not None and self.clock() - started >= deadline:
+            set_condition(status, self.condition("Failed", "PyTorchJobFailed", DEADLINE_MESSAGE.format(name)))
+            status["completionTime"] = self.stamp()
             self._clean_pods(name, policy)
             return
         replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -378,12 +387,13 @@ class ClusterSim:
                 self._reconcile_pod(job, rtype, index, rspec)
         master = self._pod(f"{name}-master-0")
         if master is not None and master.status.phase == "Running":
-            set_condition(status, condition("Running", "PyTorchJobRunning", f"PyTorchJob {name} is running."))
+            set_condition(status, self.condition("Running", "PyTorchJobRunning", f"PyTorchJob {name} is running."))
         if master is not None and master.status.phase == "Succeeded":
             set_condition(
-                status, condition("Succeeded", "PyTorchJobSucceeded", f"PyTorchJob {name} is successfully completed.")
+                status,
+                self.condition("Succeeded", "PyTorchJobSucceeded", f"PyTorchJob {name} is successfully completed."),
             )
-            status["completionTime"] = now_rfc3339()
+            status["completionTime"] = self.stamp()
         if is_finished(job):
             self._clean_pods(name, policy)
 
@@ -408,18 +418,18 @@ class ClusterSim:
             self._delete_pod(pod_name)
             set_condition(
                 job["status"],
-                condition(
+                self.condition(
                     "Restarting", "PyTorchJobRestarting", f"job {name} is restarting because {rtype} replica(s) failed."
                 ),
             )
         elif rspec.get("restartPolicy") in ("ExitCode", "Never"):  # pod.go 367-372
             set_condition(
                 job["status"],
-                condition(
+                self.condition(
                     "Failed", "PyTorchJobFailed", f'job "{name}" is failing because "{rtype}" replica(s) failed.'
                 ),
             )
-            job["status"]["completionTime"] = now_rfc3339()
+            job["status"]["completionTime"] = self.stamp()
 
     def _create_pod(self, job: dict, rtype: str, index: int, rspec: dict) -> None:
         name = job["metadata"]["name"]
@@ -577,7 +587,7 @@ class ClusterSim:
         if container is None or container.proc.poll() is not None:
             self.core.remove_pod(self.namespace, pod_name)
             return
-        pod.metadata.deletion_timestamp = datetime.datetime.now(datetime.UTC)
+        pod.metadata.deletion_timestamp = datetime.datetime.fromtimestamp(self.clock(), datetime.UTC)
         container.signal(signal.SIGTERM)
         self.terminating.append((container, time.monotonic() + self.grace_s))
 
@@ -607,6 +617,13 @@ class ClusterSim:
             for server in self.servers.values():
                 server.stop()
 
+    def stamp(self, offset_s: float = 0.0) -> str:
+        """The simulator's clock plus ``offset_s``, as the API server writes a timestamp."""
+        return now_rfc3339(self.clock() + offset_s)
+
+    def condition(self, kind: str, reason: str, message: str, status: str = "True") -> dict:
+        return condition(kind, reason, message, status, stamp=self.stamp())
+
     # -- KFP and Argo: the launcher pod, its Workflow, and what sends it SIGTERM -----------------------
     def kfp_launcher(self, pod: str, workflow: str, *, deadline_s: int | None = None, started_ago_s: float = 0.0,
                      task_deadline_s: int | None = None) -> None:  # fmt: skip
@@ -614,7 +631,7 @@ class ClusterSim:
         Running launcher pod it controls (Argo workflowpod.go 172-173), with the pod's own
         ``activeDeadlineSeconds`` from a task timeout (KFP driver.go 703-705). The launcher is the
         test's own process: what stops the pod sends SIGTERM to it (:meth:`_sigterm_launcher`)."""
-        started = time.time() - started_ago_s
+        started = self.clock() - started_ago_s
         body = {
             "apiVersion": "argoproj.io/v1alpha1",
             "kind": "Workflow",
@@ -653,7 +670,7 @@ class ClusterSim:
     def expire_run(self, workflow: str) -> None:
         """The Workflow's own deadline passes (operator.go 574-584); Argo SIGTERMs the pods (exec_control.go 55-64)."""
         run = self._workflow(workflow)
-        run["status"]["startedAt"] = now_rfc3339(time.time() - run["spec"]["activeDeadlineSeconds"] - 1)
+        run["status"]["startedAt"] = self.stamp(-run["spec"]["activeDeadlineSeconds"] - 1)
         self._sigterm_launcher()
 
     def evict(self, pod: str, reason: str = "EvictionByEvictionAPI") -> None:
@@ -667,7 +684,7 @@ class ClusterSim:
                 type="DisruptionTarget", status="True", reason=reason, message="Eviction API: evicting"
             ),
         ]
-        target.metadata.deletion_timestamp = datetime.datetime.now(datetime.UTC)
+        target.metadata.deletion_timestamp = datetime.datetime.fromtimestamp(self.clock(), datetime.UTC)
         self._sigterm_launcher()
 
     @staticmethod

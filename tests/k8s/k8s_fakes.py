@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from fake_clock import rfc3339_now
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -178,7 +179,7 @@ class FakeCustomObjectsApi:
         if propagation_policy == "Foreground" and self.on_delete is not None:
             deleted = self.objects[key]
             if not deleted["metadata"].get("deletionTimestamp"):
-                deleted["metadata"].update(deletionTimestamp="2026-11-26T10:00:00Z", finalizers=["foregroundDeletion"])
+                deleted["metadata"].update(deletionTimestamp=rfc3339_now(), finalizers=["foregroundDeletion"])
                 self.on_delete(key, deleted)
             return {"kind": "Status", "status": "Success"}
         deleted = self.objects.pop(key)

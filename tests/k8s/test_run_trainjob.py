@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from fake_clock import FakeClock, rfc3339_now
 from kubernetes import client
 from trainer_v2_sim import (
     FakeTrainerCoreApi,
@@ -133,7 +134,7 @@ def condition(kind: str, reason: str, message: str = ""):
                     "status": "True",
                     "reason": reason,
                     "message": message,
-                    "lastTransitionTime": "2026-11-26T11:00:00Z",
+                    "lastTransitionTime": rfc3339_now(),
                 }
             ]
         }
@@ -322,8 +323,9 @@ def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
     from llmft.components.lib.plan_schema import JOB_WAIT_GRACE_S, parse_time
     from llmft.components.lib.trainjob_launch import wait_budget
 
-    job = {"metadata": {"creationTimestamp": "2026-11-26T10:00:00Z"}, "spec": {"activeDeadlineSeconds": 3600}}
-    created = parse_time("2026-11-26T10:00:00Z")
+    clock = FakeClock()
+    job = {"metadata": {"creationTimestamp": clock.rfc3339()}, "spec": {"activeDeadlineSeconds": 3600}}
+    created = parse_time(clock.rfc3339())
     assert wait_budget(job, 7200, created + 600) == 3000 + JOB_WAIT_GRACE_S  # re-attached 10 minutes in
     assert wait_budget(job, 60, created + 600) == 60
     assert wait_budget({"metadata": {}, "spec": {}}, 60, created) == 60

@@ -174,7 +174,7 @@ def node_pods(jobset: dict, name: str, namespace: str) -> list[dict]:
                 **((template.get("metadata") or {}).get("annotations") or {}),
                 "batch.kubernetes.io/job-completion-index": str(index),
             },
-            "creationTimestamp": "2026-11-26T10:00:00Z",
+            "creationTimestamp": now_utc(),
         }
         pod_spec = {**copy.deepcopy(template["spec"]), "hostname": f"{name}-{NODE}-0-{index}", "subdomain": name}
         pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 
+from fake_clock import rfc3339_now
 from kubernetes.client.rest import ApiException
 
 from llmft.katib.experiment import experiment_dict
@@ -86,7 +87,7 @@ def katib_status(
             "status": "True",
             "reason": "ExperimentCreated",
             "message": "Experiment is created",
-            "lastUpdateTime": "2026-11-26T10:00:00Z",
+            "lastUpdateTime": rfc3339_now(-3600),
         }
     ]
     if phase != "Created":
@@ -96,7 +97,7 @@ def katib_status(
                 "status": "False" if phase in ("Succeeded", "Failed") else "True",
                 "reason": "ExperimentRunning",
                 "message": "Experiment is running",
-                "lastUpdateTime": "2026-11-26T10:01:00Z",
+                "lastUpdateTime": rfc3339_now(-3540),
             }
         )
     if phase in ("Succeeded", "Failed"):
@@ -106,10 +107,10 @@ def katib_status(
                 "status": "True",
                 "reason": reason,
                 "message": message,
-                "lastUpdateTime": "2026-11-26T11:00:00Z",
+                "lastUpdateTime": rfc3339_now(),
             }
         )
-    status = {"conditions": conditions, "startTime": "2026-11-26T10:00:00Z", **(trials or {})}
+    status = {"conditions": conditions, "startTime": rfc3339_now(-3600), **(trials or {})}
     if best:
         status["currentOptimalTrial"] = {
             "bestTrialName": best["trial"],

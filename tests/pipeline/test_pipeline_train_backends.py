@@ -4,6 +4,7 @@ fakes at the kubernetes-client boundary) and `local` (real torchrun subprocesses
 from __future__ import annotations
 
 import pytest
+from fake_clock import rfc3339_now
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 from plan_helpers import RUN_ID, make_plan
 
@@ -37,8 +38,8 @@ def _condition(kind: str, message: str = "") -> dict:
         "status": "True",
         "reason": f"PyTorchJob{kind}",
         "message": message,
-        "lastTransitionTime": "2026-11-26T10:00:00Z",
-        "lastUpdateTime": "2026-11-26T10:00:00Z",
+        "lastTransitionTime": rfc3339_now(),
+        "lastUpdateTime": rfc3339_now(),
     }
 
 
