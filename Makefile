@@ -32,7 +32,7 @@ help:
 	@echo "make demo-real the same with a real pretrained model (SmolLM2-135M) and a real vLLM (~15 min)"
 	@echo "make test      run the test suite"
 	@echo "make test-fast the unit tests only (-m 'not slow': no processes, servers or training runs)"
-	@echo "make test-clock-ahead  tests/k8s, tests/katib, tests/pipeline with the machine's clock a year ahead (libfaketime)"
+	@echo "make test-clock-ahead  tests/k8s, tests/katib, tests/pipeline with the wall clock a year ahead (time-machine)"
 	@echo "make check     what CI runs before the tests: lint, typecheck, import-guard"
 	@echo "make lint      ruff format --check and ruff check (line length 120)"
 	@echo "make format    ruff format, then ruff check --fix"
@@ -70,18 +70,15 @@ test: $(STAMP) $(SMOLLM2_STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# No test may depend on today's date: the cluster, sweep and pipeline tests once more with the clock moved
-# CLOCK_AHEAD (libfaketime from Debian's faketime package; LD_PRELOAD reaches every process they start: trainers,
-# servers, kfp.local tasks). The monotonic clock is left alone, so timeouts stay real. .ci/run runs it.
-CLOCK_AHEAD ?= +365d
-FAKETIME_LIB ?= /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1
+# No test may depend on today's date: the cluster, sweep and pipeline tests once more with the wall clock
+# CLOCK_AHEAD_DAYS ahead, in pytest and in every Python process it starts (trainers, kfp.local tasks, servers:
+# tests/clock_ahead/sitecustomize.py, time-machine). Monotonic time stays real, so timeouts do. .ci/run runs it.
+CLOCK_AHEAD_DAYS ?= 365
 CLOCK_AHEAD_TESTS ?= tests/k8s tests/katib tests/pipeline
 test-clock-ahead: $(STAMP) $(SMOLLM2_STAMP)
-	@test -f $(FAKETIME_LIB) || { echo "installing libfaketime (apt-get install faketime)"; \
-		apt-get update -qq && apt-get install -y -qq faketime >/dev/null; }
 	@# one pytest per folder: their test modules import their own folder's conftest by that name
 	for tests in $(CLOCK_AHEAD_TESTS); do \
-		FAKETIME="$(CLOCK_AHEAD)" FAKETIME_DONT_FAKE_MONOTONIC=1 LD_PRELOAD=$(FAKETIME_LIB) \
+		LLMFT_TEST_CLOCK_AHEAD_DAYS=$(CLOCK_AHEAD_DAYS) PYTHONPATH=$(CURDIR)/tests/clock_ahead$${PYTHONPATH:+:$$PYTHONPATH} \
 			$(PY) -m pytest $$tests $(PYTEST_ARGS) || exit 1; \
 	done
 

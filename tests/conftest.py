@@ -123,9 +123,9 @@ def base_loads(monkeypatch) -> list[str]:
 
 
 def pytest_report_header(config) -> str:
-    """The clock the suite runs on: `make test-clock-ahead` moves it (FAKETIME, libfaketime) and shows it here."""
+    """The wall clock the suite runs on: `make test-clock-ahead` moves it (tests/clock_ahead/sitecustomize.py)."""
     import datetime
 
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    moved = os.environ.get("FAKETIME")
-    return f"clock: {now}" + (f" (moved {moved} by libfaketime)" if moved else "")
+    moved = os.environ.get("LLMFT_TEST_CLOCK_AHEAD_DAYS")
+    return f"clock: {now}" + (f" (moved {moved} days ahead)" if moved else "")

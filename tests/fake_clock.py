@@ -1,7 +1,7 @@
 """One wall clock for the tests' launchers, simulators and fixtures (unique module name: tests/*/ dirs share
 sys.path). No test compares the machine's clock with a fixed date: timestamps come from a clock like this one,
-and .ci/run runs tests/k8s, tests/katib and tests/pipeline a second time with the machine's clock a year ahead
-(libfaketime)."""
+and .ci/run runs tests/k8s, tests/katib and tests/pipeline a second time with the wall clock a year ahead
+(make test-clock-ahead)."""
 
 from __future__ import annotations
 
