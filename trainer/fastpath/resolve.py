@@ -32,8 +32,8 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath.attention import _VARLEN_PARAMS
 
 if TYPE_CHECKING:
-    from llmft.trainer.sizing.memory import MemoryPlan
     from llmft.trainer.fp8_format import BaseFormat
+    from llmft.trainer.sizing.memory import MemoryPlan
 
 VARLEN = "llmft_varlen"
 PIECES = ("fused_loss", "fused_lora", "grouped_lora", "compile")

@@ -19,11 +19,11 @@ import torch.utils.checkpoint
 
 from llmft.trainer.data.loader import dataset_info, resolve_global_sequences
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.sizing import memory
 from llmft.trainer.fastpath.compile import decoder_layers
 from llmft.trainer.fastpath.resolve import FastPath, model_info_from_config, resolve_fast_path
 from llmft.trainer.flops import ALL_LINEAR, shape_from_config
 from llmft.trainer.moe_model import EXPERT_TARGETS
+from llmft.trainer.sizing import memory
 
 _SETTINGS: dict = {}
 _FREE_AT_START: dict = {}
