@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmft.trainer.sizing import memory
 from llmft.trainer.flops import shape_from_config
+from llmft.trainer.sizing import memory
 
 GiB = memory.GiB
 H100_FREE = 78.5 * GiB  # an 80 GB H100's free memory before a process allocates (79.1 GiB total)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 37 (speed, round four), device calls by priority with absolute deadlines (bash SECONDS); arms write no
+# checkpoints where they fine-tune fully (arm_product.product_command). usage, repo root on the GPU machine:
+#   bash benchmarks/gpu/round5.sh zero3   (nvidia-h100-x4) item 1: the shipped llama-3-8b-full-zero3-4xh100.yaml on
+#       2 GPUs (0,1) then on 4, the product path (`llmft bench train`, project-product); beside the 2-GPU row, on
+#       GPUs 2 and 3, item 3's dropout arms (tuned at 0.05 and 0, the product 1.5B LoRA) and the 0.5B product row.
+#   bash benchmarks/gpu/round5.sh rows    (same host, warm) items 4 and 5: the 30B-A3B QLoRA config (GPU 0; its load
+#       peak apart from training's), the 7B LoRA config on the 8B shape (GPU 1), the 1.5B full config (GPU 2).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+OUT=${OUT:-/tmp/out}; W=/tmp/wb; mkdir -p "$OUT" "$W"
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TORCH_EXTENSIONS_DIR=/tmp/torch-ext
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv; cat COMMIT 2>/dev/null
+bench() { python3 -m llmft bench train --work "$W" "$@" 2>&1 | tee -a "$OUT/bench.log"; }
+left() { echo $(( $1 - SECONDS )); }
+model() { CUDA_VISIBLE_DEVICES=$1 python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import \
+write_model_dir; write_model_dir('$2', Path('/tmp/llmft-project/models'))" && echo "$2 checkpoint written at ${SECONDS}s"; }
+
+case "${1:?plan}" in
+  zero3)
+    if [ ! -d /tmp/site/deepspeed ]; then
+      (DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+        .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1; echo "deepspeed install rc=$?" >> "$W/ds_install.log") &
+    fi
+    model 0 llama-3-8b &
+    model 2 qwen2.5-1.5b; model 3 qwen2.5-0.5b; wait; cat "$W/ds_install.log"
+    # GPUs 2 and 3 beside the 2-GPU row: item 3's arm pair in one call (GPU 3), the 0.5B product row (GPU 2).
+    (CUDA_VISIBLE_DEVICES=3 python3 -m llmft bench train --work "$W" --out "$W/g3" --label r5 --steps 30 --warmup 10 \
+       --jobs "project-product:qwen2.5-1.5b:lora" --deadline-s $(left 300) --arm-timeout-s 150 > "$W/g3.log" 2>&1
+     CUDA_VISIBLE_DEVICES=3 python3 -m llmft bench train --work "$W" --out "$W/g3" --label r5-drop05 --steps 30 --warmup 5 \
+       --jobs "project:qwen2.5-1.5b:lora" --extra "--override lora.dropout=0.05" --deadline-s $(left 300) \
+       --arm-timeout-s 130 >> "$W/g3.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=2 python3 -m llmft bench train --work "$W" --out "$W/g2" --label r5 --steps 30 --warmup 10 \
+       --jobs "project-product:qwen2.5-0.5b:lora" --deadline-s $(left 200) --arm-timeout-s 120 > "$W/g2.log" 2>&1
+     CUDA_VISIBLE_DEVICES=2 python3 -m llmft bench train --work "$W" --out "$W/g2" --label r5-drop0 --steps 31 --warmup 5 \
+       --jobs "project:qwen2.5-1.5b:lora" --deadline-s $(left 300) --arm-timeout-s 110 >> "$W/g2.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0,1 bench --out "$OUT" --label r5-2gpu --jobs "project-product:llama-3-8b:full" --steps 14 \
+      --warmup 10 --extra "--nproc 2" --deadline-s $(left 330) --arm-timeout-s $(left 330)
+    wait; tail -n 5 "$W/g2.log" "$W/g3.log"
+    bench --out "$OUT" --jobs "" --merge-from "$W/g2"; bench --out "$OUT" --jobs "" --merge-from "$W/g3"
+    bench --out "$OUT" --label r5-4gpu --jobs "project-product:llama-3-8b:full" --steps 14 --warmup 10 \
+      --extra "--nproc 4" --deadline-s $(left 575) --arm-timeout-s $(left 575)
+    ;;
+  rows)
+    model 0 qwen3-30b-a3b &
+    model 1 llama-3-8b; model 2 qwen2.5-1.5b; wait
+    (CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --work "$W" --out "$W/g1" --label r5 --steps 14 --warmup 10 \
+       --jobs "project-product:llama-3-8b:lora" --deadline-s $(left 560) --arm-timeout-s $(left 560) > "$W/g1.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=2 python3 -m llmft bench train --work "$W" --out "$W/g2b" --label r5 --steps 30 --warmup 10 \
+       --jobs "project-product:qwen2.5-1.5b:full" --deadline-s $(left 560) --arm-timeout-s $(left 560) > "$W/g2b.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label r5 --jobs "project-product:qwen3-30b-a3b:qlora" --steps 14 \
+      --warmup 10 --deadline-s $(left 570) --arm-timeout-s $(left 570)
+    wait; tail -n 5 "$W/g1.log" "$W/g2b.log"
+    bench --out "$OUT" --jobs "" --merge-from "$W/g1"; bench --out "$OUT" --jobs "" --merge-from "$W/g2b"
+    ;;
+esac
+tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' --exclude='./models' --exclude='./data' --exclude='./runs' \
+  --exclude='./g*/*.json' . 2>/dev/null
+df -h /tmp | tail -1; echo "done at ${SECONDS}s"
