@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu/round5.sh zero3   (nvidia-h100-x2) item 1: the shipped llama-3-8b-full-zero3-4xh100.yaml on
 #       2 GPUs, the product path (`llmft bench train`, project-product); then item 3's dropout arms (tuned at 0.05
 #       and 0, the product 1.5B LoRA) and the 0.5B product row, two 1-GPU arms at a time.
+#   bash benchmarks/gpu/round5.sh h100    (nvidia-h100-x2) the 8B full row on 2 H100s, then the 7B LoRA and 1.5B full
+#       configs (one GPU each).
 #   bash benchmarks/gpu/round5.sh rows    (same host, warm) items 4 and 5: the 30B-A3B QLoRA config (GPU 0; its load
 #       peak apart from training's), the 7B LoRA config on the 8B shape (GPU 1), the 1.5B full config (GPU 2).
 set -uo pipefail
@@ -40,6 +42,22 @@ case "${1:?plan}" in
       --extra "--override lora.dropout=0.05" --deadline-s $(left 500) --arm-timeout-s 120
     CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label r5-drop0 --steps 31 --warmup 5 --jobs "project:qwen2.5-1.5b:lora" \
       --deadline-s $(left 570) --arm-timeout-s $(left 570)
+    wait; tail -n 5 "$W/g1.log"; bench --out "$OUT" --jobs "" --merge-from "$W/g1"
+    ;;
+  h100)  # 2 H100s: the 8B full row (item 1) on the card it is named for, then the 7B LoRA config on the 8B shape
+    # (GPU 0) beside the 1.5B full config (GPU 1) (item 5)
+    if [ ! -d /tmp/site/deepspeed ]; then
+      (DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+        .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1; echo "deepspeed install rc=$?" >> "$W/ds_install.log") &
+    fi
+    model 0 llama-3-8b &
+    model 1 qwen2.5-1.5b; wait; cat "$W/ds_install.log"
+    bench --out "$OUT" --label r5-2gpu --jobs "project-product:llama-3-8b:full" --steps 14 --warmup 10 \
+      --extra "--nproc 2" --deadline-s $(left 330) --arm-timeout-s $(left 330)
+    (CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --work "$W" --out "$W/g1" --label r5 --steps 30 --warmup 10 \
+       --jobs "project-product:qwen2.5-1.5b:full" --deadline-s $(left 560) --arm-timeout-s $(left 570) > "$W/g1.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label r5 --steps 14 --warmup 10 --jobs "project-product:llama-3-8b:lora" \
+      --deadline-s $(left 560) --arm-timeout-s $(left 575)
     wait; tail -n 5 "$W/g1.log"; bench --out "$OUT" --jobs "" --merge-from "$W/g1"
     ;;
   rows)
