@@ -6,6 +6,8 @@
 #       and 0, the product 1.5B LoRA) and the 0.5B product row, two 1-GPU arms at a time.
 #   bash benchmarks/gpu/round5.sh h100    (nvidia-h100-x2) the 8B full row on 2 H100s, then the 7B LoRA and 1.5B full
 #       configs (one GPU each).
+#   bash benchmarks/gpu/round5.sh h100mem (2 H200s, warm) the 8B full row with the GPUs' free memory held down to an
+#       H100's (benchmarks/gpu/hold_memory.py): the plan made for an 80 GB card, tried for fit.
 #   bash benchmarks/gpu/round5.sh rows    (same host, warm) items 4 and 5: the 30B-A3B QLoRA config (GPU 0; its load
 #       peak apart from training's), the 7B LoRA config on the 8B shape (GPU 1), the 1.5B full config (GPU 2).
 set -uo pipefail
@@ -59,6 +61,13 @@ case "${1:?plan}" in
     CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label r5 --steps 14 --warmup 10 --jobs "project-product:llama-3-8b:lora" \
       --deadline-s $(left 560) --arm-timeout-s $(left 575)
     wait; tail -n 5 "$W/g1.log"; bench --out "$OUT" --jobs "" --merge-from "$W/g1"
+    ;;
+  h100mem)  # 2 H200s offering an H100's free memory (hold_memory.py): does the 8B full plan for an 80 GB card fit?
+    python3 -m llmft.benchmarks.gpu.hold_memory --free-gib 77.7 > "$W/hold.log" 2>&1 &
+    HOLD=$!; for i in $(seq 60); do grep -q held "$W/hold.log" && break; sleep 1; done; cat "$W/hold.log"
+    bench --out "$OUT" --label r5-2gpu-h100mem --jobs "project-product:llama-3-8b:full" --steps 14 --warmup 10 \
+      --extra "--nproc 2" --deadline-s $(left 540) --arm-timeout-s $(left 540)
+    kill $HOLD; nvidia-smi --query-gpu=memory.used --format=csv
     ;;
   rows)
     model 0 qwen3-30b-a3b &
