@@ -63,6 +63,9 @@ case "${1:?plan}" in
     wait; tail -n 5 "$W/g1.log"; bench --out "$OUT" --jobs "" --merge-from "$W/g1"
     ;;
   h100mem)  # 2 H200s offering an H100's free memory (hold_memory.py): does the 8B full plan for an 80 GB card fit?
+    [ -d /tmp/site/deepspeed ] || DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation \
+      --no-cache-dir --target /tmp/site .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1
+    model 0 llama-3-8b
     python3 -m llmft.benchmarks.gpu.hold_memory --free-gib 77.7 > "$W/hold.log" 2>&1 &
     HOLD=$!; for i in $(seq 60); do grep -q held "$W/hold.log" && break; sleep 1; done; cat "$W/hold.log"
     bench --out "$OUT" --label r5-2gpu-h100mem --jobs "project-product:llama-3-8b:full" --steps 14 --warmup 10 \
