@@ -72,6 +72,17 @@ case "${1:?plan}" in
       --extra "--nproc 2" --deadline-s $(left 540) --arm-timeout-s $(left 540)
     kill $HOLD; nvidia-smi --query-gpu=memory.used --format=csv
     ;;
+  h100pair)  # 2 H100s, warm, about 5 minutes: item 3's arm pair (GPU 0) beside the 1-GPU product rows (GPU 1)
+    model 0 qwen2.5-1.5b & model 1 qwen2.5-0.5b; wait
+    (CUDA_VISIBLE_DEVICES=1 python3 -m llmft bench train --work "$W" --out "$W/h1" --label r5-h100 --steps 30 \
+       --warmup 10 --jobs "project-product:qwen2.5-1.5b:lora,project-product:qwen2.5-1.5b:full,project-product:qwen2.5-0.5b:lora" \
+       --deadline-s $(left 270) --arm-timeout-s 110 > "$W/h1.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label r5-h100-drop05 --steps 30 --warmup 5 --jobs "project:qwen2.5-1.5b:lora" \
+      --extra "--override lora.dropout=0.05" --deadline-s $(left 200) --arm-timeout-s 120
+    CUDA_VISIBLE_DEVICES=0 bench --out "$OUT" --label r5-h100-drop0 --steps 31 --warmup 5 --jobs "project:qwen2.5-1.5b:lora" \
+      --deadline-s $(left 300) --arm-timeout-s $(left 300)
+    wait; tail -n 5 "$W/h1.log"; bench --out "$OUT" --jobs "" --merge-from "$W/h1"
+    ;;
   rows)
     model 0 qwen3-30b-a3b &
     model 1 llama-3-8b; model 2 qwen2.5-1.5b; wait
