@@ -367,10 +367,10 @@ class MemoryPlan:
         }
 
 
-def budget_bytes(free_bytes: float, exact_bytes: float = 0.0) -> float:
-    """What a step may use of the free memory measured at start; ``exact_bytes`` (full fine-tuning's weights
-    and optimizer state, counted exactly) are kept out of the fraction the margin takes (module doc)."""
-    exact = min(max(0.0, exact_bytes), free_bytes)
+def budget_bytes(free_bytes: float, exact: float = 0.0) -> float:
+    """What a step may use of the free memory measured at start; ``exact`` bytes (full fine-tuning's weights
+    and optimizer state, counted exactly: :func:`exact_bytes`) are kept out of the fraction the margin takes."""
+    exact = min(max(0.0, exact), free_bytes)
     return exact + (free_bytes - exact) * (1 - MARGIN_FRACTION) - MARGIN_BYTES
 
 
