@@ -259,9 +259,10 @@ def markdown_table(payload: dict) -> str:
         f"versions {payload['versions']}",
         "",
         "| arm | model | method | GPUs | label | samples/step | tokens/s | supervised tok/s | MFU | peak GiB | "
-        "reserved GiB | step p50 s | step p90 s | compile s | first losses |",
-        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "reserved GiB | step p50 s | step p90 s | compile s | first losses | device |",
+        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
+    paths = []
     for a in payload["arms"]:
         if "tokens_per_s" not in a:
             lines.append(
@@ -276,8 +277,12 @@ def markdown_table(payload: dict) -> str:
             f"{_fmt(a.get('supervised_tokens_per_s'), ',.0f')} | {_fmt(a.get('mfu') and 100 * a['mfu'], '.1f')}% | "
             f"{_fmt(a.get('peak_mem_gib'), '.1f')} | {_fmt(a.get('reserved_mem_gib'), '.1f')} | "
             f"{_fmt(a.get('step_s_p50'), '.3f')} | {_fmt(a.get('step_s_p90'), '.3f')} | "
-            f"{_fmt(a.get('compile_s'), '.0f')} | {losses} |"
+            f"{_fmt(a.get('compile_s'), '.0f')} | {losses} | {a.get('device', '-')} |"
         )
+        load = f"; load peak {a['load_peak_gib']:.1f} GiB" if a.get("load_peak_gib") is not None else ""
+        paths.append(f"- {a['arm']} {a['model']} {a['method']} {a.get('label', '')}: {a.get('kernel_path', '-')}{load}")
+    if paths:
+        lines += ["", "Kernel path of each row (its fast_path record):", "", *paths]
     return "\n".join(lines) + "\n"
 
 

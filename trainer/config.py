@@ -54,7 +54,8 @@ class ModelConfig:
     gradient_checkpointing: Auto | bool = _f(
         "auto",
         "Recompute activations in backward (non-reentrant); auto = only when the micro batch would not fit the "
-        "GPU otherwise, on as few decoder layers as that needs (trainer.sizing.memory; off on CPU).",
+        "GPU otherwise, on as few decoder layers as that needs; under DeepSpeed ZeRO also where a larger micro "
+        "batch on recomputed layers makes the step faster (fewer weight gathers) (trainer.sizing.memory; off on CPU).",
     )
     trust_remote_code: bool = _f(False, "Allow model code from the hub repository to run (off unless you trust it).")
 
@@ -116,7 +117,8 @@ class BatchConfig:
     micro_sequences: Auto | int = _f(
         "auto",
         "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived. "
-        "auto = as many as fit the GPU's free memory (trainer.sizing.memory), 1 on CPU.",
+        "auto = as many as fit the GPU's free memory, or under DeepSpeed ZeRO the size with the fastest step that "
+        "fits (trainer.sizing.memory), 1 on CPU.",
     )
 
 

@@ -76,6 +76,20 @@ def memory_metrics(device) -> dict:
     return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def restart_peak_memory(device) -> float | None:
+    """The peak GiB allocated while the model was built (a 4-bit base is loaded in bf16 and quantized: its
+    load peak can exceed training's), then a fresh peak, so the train records' ``peak_mem_gib`` is
+    training's own (issue 37). None off CUDA."""
+    if device is None or device.type != "cuda":
+        return None
+    # heavy: torch
+    import torch
+
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def compiled_graphs() -> int:
     """How many graphs torch.compile has compiled in this process (dynamo's ``unique_graphs``
     counter: one more for every compilation and recompilation); 0 where nothing compiled."""
@@ -107,6 +121,7 @@ class SpeedMeter:
         self.device, self.peak, self.world_size, self.clock, self.compiled = device, peak, world_size, clock, compiled
         self.t_start = self.t_last = clock()
         self.load_s, self.paused = 0.0, 0.0
+        self.load_peak_gib: float | None = None
         self.steps, self.compile_steps = 0, 0
         self.graphs = 0
         self.seconds = {"warmup": 0.0, "steady": 0.0}
@@ -126,6 +141,7 @@ class SpeedMeter:
         self.t_last = self._now()
         self.load_s = self.t_last - self.t_start
         self.graphs = self.compiled()
+        self.load_peak_gib = restart_peak_memory(self.device)
 
     def step(self, tokens: int, flops: float | None) -> None:
         now, graphs = self.clock(), self.compiled()
@@ -158,6 +174,7 @@ class SpeedMeter:
         work = self.flops[phase]
         return {
             "load_s": self.load_s,
+            "load_peak_gib": self.load_peak_gib,
             "warmup_s": self.seconds["warmup"],
             "warmup_steps": self.step_counts["warmup"],
             "recompile_steps": self.compile_steps,

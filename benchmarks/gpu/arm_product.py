@@ -46,18 +46,29 @@ PRODUCT_CONFIGS: dict[tuple[str, str], tuple[str, int]] = {
     ("llama-3-8b", "lora"): ("trainer/configs/qwen2.5-7b-lora-1xh100.yaml", 4096),
     ("qwen2.5-1.5b", "full"): ("trainer/configs/qwen2.5-1.5b-full-1xh100.yaml", 2048),
     ("qwen3-30b-a3b", "qlora"): ("trainer/configs/qwen3-30b-a3b-qlora-1xh100.yaml", 4096),
+    ("llama-3-8b", "full"): ("trainer/configs/llama-3-8b-full-zero3-4xh100.yaml", 4096),
 }
 PRODUCT_KEYS = ("model.name_or_path", "data", "max_steps", "output_dir")
 """The only settings this arm passes; everything else is the shipped config's."""
 
 
 def product_command(
-    config: str | Path, model_dir: Path, data_dir: Path, out_dir: Path, steps: int, nproc: int = 1
+    config: str | Path, model_dir: Path, data_dir: Path, out_dir: Path, steps: int, nproc: int = 1, saves: bool = True
 ) -> list[str]:
     """``llmft train [--nproc N] --config <shipped config>`` plus exactly :data:`PRODUCT_KEYS` (``--nproc`` is
-    the launcher's flag, not a setting: the config's global batch is split over the ranks)."""
+    the launcher's flag, not a setting: the config's global batch is split over the ranks).
+
+    ``saves=False`` (full fine-tuning): the same trainer entry point with the same arguments through the
+    benchmark's wrapper (trainer_entry.py, ``BENCH_SKIP_SAVES=1``), which writes no checkpoint and no
+    ``final/``: an 8B ZeRO-3 checkpoint with its optimizer state is over 100 GB, more than the device's disk."""
     values = (model_dir, data_dir, steps, out_dir)
     overrides = [f"{key}={value}" for key, value in zip(PRODUCT_KEYS, values, strict=True)]
+    if not saves:
+        entry = ["-m", "llmft.benchmarks.gpu.trainer_entry", "--config", str(config), *overrides]
+        if nproc > 1:
+            launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]  # llmft train's
+            return [sys.executable, *launcher, *entry]
+        return [sys.executable, *entry]
     launch = ["--nproc", str(nproc)] if nproc > 1 else []
     return [sys.executable, "-m", "llmft", "train", *launch, "--config", str(config), *overrides]
 
@@ -152,6 +163,7 @@ def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: st
         "first_losses": [r["loss"] for r in train[:5]],
         "compile_s": final.get("warmup_s"),
         "load_s": final.get("load_s"),
+        "load_peak_gib": final.get("load_peak_gib"),
         "fast_path": fast_path,
     }
 
@@ -170,9 +182,10 @@ def run(a) -> dict:
         samples, max_length, root / "data" / f"product-{a.model}-{a.profile}-{max_length}-{len(samples.lengths)}"
     )
     out_dir = root / "runs" / f"product-{a.model}-{a.method}-{int(time.time())}"
-    cmd = product_command(config.relative_to(REPO), model_dir, data_dir, out_dir, a.steps, a.nproc)
+    saves = a.method != "full"  # full fine-tuning arms write no checkpoints (product_command)
+    cmd = product_command(config.relative_to(REPO), model_dir, data_dir, out_dir, a.steps, a.nproc, saves=saves)
     started = time.perf_counter()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", BENCH_SKIP_SAVES="0" if saves else "1")
     log_copy = Path(a.json_out).with_suffix(".trainer.log")  # streamed: an arm cut by its timeout keeps its log
     with open(log_copy, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -205,6 +218,8 @@ def run(a) -> dict:
         result.update(summarize(metrics_path, docs, shape, a.method, a.warmup, peak and peak * a.nproc))
         if result.get("tokens_per_s"):
             result["tokens_per_s_per_gpu"] = result["tokens_per_s"] / a.nproc
+        dropout = cfg.lora.dropout if a.method != "full" else None
+        result["kernel_path"] = common.kernel_path(result.get("fast_path"), dropout)
     common.write_json(a.json_out, result)
     common.remove_run_dir(out_dir)  # the real CLI wrote its checkpoint and final/: measured, not kept
     return result

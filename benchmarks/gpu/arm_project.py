@@ -166,6 +166,7 @@ def summarize_metrics(metrics_path: Path, samples: common.Samples, a, shape) -> 
         "peak_mem_gib": max(r.get("peak_mem_gib", 0) for r in train),
         "reserved_mem_gib": max(r.get("peak_reserved_gib", 0) for r in train),
         "first_losses": [r["loss"] for r in train[:5]],
+        "fast_path": next((r.get("fast_path") for r in records if r.get("event") == "fast_path"), None),
         "steps_timed": sum(len(windows[i]) for i in timed),
         "tokens_per_step_mean": float(np.mean([t / len(w) for t, w in zip(tokens, windows, strict=True)])),
     }
@@ -219,6 +220,8 @@ def run(a) -> dict:
     if proc.returncode == 0 and metrics_path.is_file():
         shape = flops.shape_from_config(common.hf_config(a.model))
         result.update(summarize_metrics(metrics_path, samples, a, shape))
+        dropout = next((float(o.split("=", 1)[1]) for o in reversed(a.override) if o.startswith("lora.dropout=")), 0.0)
+        result["kernel_path"] = common.kernel_path(result.get("fast_path"), dropout if a.method != "full" else None)
         first_step = next(json.loads(line) for line in metrics_path.read_text().splitlines() if '"train"' in line)
         result["compile_s"] = _first_step_seconds(output, first_step)
     common.write_json(a.json_out, result)

@@ -273,3 +273,27 @@ def add_arm_arguments(parser, micro_help: str) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--no-compile", action="store_true")
+
+
+def kernel_path(fast_path: dict | None, lora_dropout: float | None = None) -> str:
+    """One line naming the kernels a trainer run took (its ``fast_path`` record, trainer/fastpath/resolve.py)
+    and how its LoRA dropout ran: in the fused adapter matmuls from Philox seeds (fastpath/lora_dropout.py)
+    or PEFT's ``nn.Dropout`` (a stored mask)."""
+    if not fast_path:
+        return "no fast_path record"
+    parts = []
+    for name, piece in fast_path.items():
+        if not isinstance(piece, dict) or "on" not in piece:
+            continue
+        count = next((f" {piece[u]} {u}" for u in ("modules", "groups", "layers") if u in piece), "")
+        label = f"attention {piece.get('value')}" if name == "attention" else name
+        parts.append(f"{label}{count}" if piece["on"] else f"no {label} ({piece.get('why')})")
+    micro = fast_path.get("micro_batch")
+    if micro:
+        parts.append(f"micro {micro.get('sequences')} seq")
+    if lora_dropout:
+        fused = (fast_path.get("fused_lora") or {}).get("on")
+        parts.append(
+            f"dropout {lora_dropout} {'in-kernel (Philox seeds)' if fused else 'PEFT nn.Dropout (stored mask)'}"
+        )
+    return "; ".join(parts)

@@ -314,3 +314,52 @@ def test_an_arm_removes_only_its_own_run_folder(tmp_path):
     common.remove_run_dir(linked)  # a link: what it points to is not this program's
     assert not own.exists()
     assert elsewhere.is_dir() and linked.is_symlink()
+
+
+def test_full_fine_tuning_product_rows_write_no_checkpoint_and_run_the_same_trainer_arguments(tmp_path):
+    """Issue 37: a full fine-tuning product row (the 8B ZeRO-3 config: a checkpoint over 100 GB) runs the
+    trainer with exactly the arguments `llmft train` passes it, through the wrapper that skips saves."""
+    import sys
+
+    from llmft.benchmarks.gpu import arm_product
+    from llmft.commands.train import torchrun_command
+
+    relative, _ = arm_product.PRODUCT_CONFIGS[("llama-3-8b", "full")]
+    user = arm_product.product_command(relative, tmp_path / "m", tmp_path / "d", tmp_path / "o", 30, nproc=2)
+    bench = arm_product.product_command(
+        relative, tmp_path / "m", tmp_path / "d", tmp_path / "o", 30, nproc=2, saves=False
+    )
+    trainer_args = user[user.index("--config") :]
+    assert bench[bench.index("--config") :] == trainer_args
+    launcher = torchrun_command("2", trainer_args, env={})  # what `llmft train --nproc 2` starts
+    assert bench[: bench.index("-m", 3)] == launcher[: launcher.index("-m", 3)]
+    assert bench[bench.index("-m", 3) + 1] == "llmft.benchmarks.gpu.trainer_entry"
+    one = arm_product.product_command(relative, tmp_path / "m", tmp_path / "d", tmp_path / "o", 30, saves=False)
+    assert one[:3] == [sys.executable, "-m", "llmft.benchmarks.gpu.trainer_entry"]
+
+
+def test_each_row_names_its_kernel_path_and_device():
+    """Issue 37 item 3: one kernel-path line per row, from the run's fast_path record."""
+    fast = {
+        "attention": {"on": True, "value": "llmft_varlen", "why": "auto"},
+        "fused_loss": {"on": True, "why": "auto"},
+        "fused_lora": {"on": True, "why": "auto", "modules": 196, "kept": {}},
+        "grouped_lora": {"on": True, "why": "auto", "groups": 56, "ungrouped": {}},
+        "compile": {"on": False, "why": "DeepSpeed ZeRO-3 gathers weights in module hooks"},
+        "gradient_checkpointing": {"on": True, "why": "auto", "layers": 32},
+        "micro_batch": {"sequences": 4, "why": "auto"},
+    }
+    line = common.kernel_path(fast, 0.05)
+    assert "attention llmft_varlen" in line and "fused_lora 196 modules" in line and "grouped_lora 56 groups" in line
+    assert "no compile (DeepSpeed ZeRO-3" in line and "gradient_checkpointing 32 layers" in line
+    assert "micro 4 seq" in line and "dropout 0.05 in-kernel" in line
+    peft = common.kernel_path({**fast, "fused_lora": {"on": False, "why": "set false"}}, 0.05)
+    assert "PEFT nn.Dropout" in peft
+    assert common.kernel_path(None) == "no fast_path record"
+    arm = {"arm": "project-product", "model": "llama-3-8b", "method": "full", "label": "z", "tokens_per_s": 1.0}
+    arm.update(device="NVIDIA H100 80GB HBM3", kernel_path=line, load_peak_gib=56.4)
+    table = train_bench.markdown_table(
+        {"device": "d", "date": "x", "versions": {}, "profile": "short", "arms": [arm], "matmul_tflops": None}
+    )
+    assert "| NVIDIA H100 80GB HBM3 |" in table
+    assert f"- project-product llama-3-8b full z: {line}; load peak 56.4 GiB" in table

@@ -154,3 +154,21 @@ def test_speed_meter_excludes_load_warmup_recompiles_and_pauses():
     short.step(tokens=10, flops=None)
     assert short.report()["steady_state"] is False and short.report()["tokens_per_s"] == pytest.approx(10.0)
     assert "too few for a steady state" in summary_screen({"speed": short.report()})
+
+
+def test_the_load_peak_is_reported_apart_and_training_starts_a_fresh_peak(monkeypatch):
+    """Issue 37 item 4: a 4-bit MoE base peaks while it is built (bf16 experts before quantization); the train
+    records' peak must be training's own. SpeedMeter.loaded() keeps the load peak and resets the counter."""
+    import torch
+
+    from llmft.trainer import observe
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 56.4 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(device))
+    device = torch.device("cuda", 0)
+    meter = SpeedMeter(device, peak=None, world_size=1, clock=lambda: 0.0, compiled=lambda: 0)
+    meter.loaded()
+    assert calls == [device] and meter.report()["load_peak_gib"] == pytest.approx(56.4)
+    assert observe.restart_peak_memory(torch.device("cpu")) is None and calls == [device]

@@ -105,7 +105,32 @@ rows). The dropout rows came after the first product run, whose log printed `est
 term for compiled layers too) against 42.2 measured; QLoRA 1.5B at 64 samples with dropout 0.05
 peaked at 40.1 GiB (without dropout 42.9). The compiled term is now zero. :func:`plan`
 keeps a margin of 8% of the free memory plus 1 GiB for that error, allocator fragmentation and
-library workspaces (``MARGIN_FRACTION``, ``MARGIN_BYTES``).
+library workspaces (``MARGIN_FRACTION``, ``MARGIN_BYTES``). For full fine-tuning the 8% is taken of the
+free memory left beside the weights and optimizer state (``budget_bytes(free, exact)``): those are 16-18
+bytes a parameter counted exactly (the ZeRO-3 row above: 68.9 measured, 69.0 here), and for Llama-3-8B
+over two GPUs they are 67 GiB, where 8% of the whole card would leave no room for any micro batch.
+
+8. Full fine-tuning under ZeRO-3 (issue 37; 4 x H100 rows, benchmarks/results/2026-11-27-4xh100-scaleout.json,
+   about 1,900 tokens a micro batch): with every layer checkpointed 39.3 GiB (this model 37.4), 69.2 on 2
+   GPUs (71.0); without checkpointing 61.7 (47.6 without the term below). The difference is one bf16 copy
+   of the layers' weights (2 N_l, 13 GiB for the 8B shape) that a step without recomputation keeps until
+   the backward: counted for each layer not checkpointed (60.6 with it), over more than one GPU (on one,
+   the gathered weight is the rank's own partition: the 1-GPU ZeRO-3 row above has no such copy). The
+   mechanism inside DeepSpeed is not identified; the term is this one measurement.
+
+Which plan is fastest (:func:`step_cost`). ZeRO-3 gathers every weight in each micro step's forward and
+again in its backward and reduce-scatters the gradients; so a micro batch of one sequence with no
+recomputation can be slower than eight with every layer recomputed. :func:`plan` (``micro`` and
+``checkpointing`` both ``auto``) takes, for each micro batch size, the fewest checkpointed layers that make
+it fit, and keeps the size with the lowest step cost: the step's tokens times (1 + the recomputed share of
+the compute) plus a fixed cost per micro step in tokens of compute (``MICRO_STEP_TOKENS``). The fixed
+cost is fitted to four 2 x H200 rows of the 8B shape (ZeRO-3, every layer checkpointed, micro batches of
+8 / 16 / 32 / 64 samples of about 1,900 tokens per 8: 4,792 / 7,987 / 12,559 / 14,955 tokens/s): 1/tps =
+F / T + c gives F = 0.29 s per micro step, as long as about 6,000 tokens of compute (the fit reproduces
+the 16 and 32 rows within -2% / -9%). ZeRO-1/2 reduce-scatter the gradients in every micro step (a
+third of ZeRO-3's traffic); DDP accumulates under ``no_sync`` and reduces once a step (no fixed cost: the
+plan is the old one, the largest micro batch that fits without recomputation, else one sequence and the
+fewest checkpointed layers).
 """
 
 from __future__ import annotations
@@ -123,6 +148,13 @@ MARGIN_FRACTION = 0.08
 MARGIN_BYTES = 1 * GiB
 LOSS_CHUNK = 4096  # rows per fused-loss chunk (fastpath/loss.py's default)
 NF4_BYTES = 0.53  # bytes per 4-bit weight incl. double-quantized block constants
+ZERO3_MICRO_STEP_TOKENS = 6000  # the fixed cost of one ZeRO-3 micro step, in tokens of compute (module doc)
+MICRO_STEP_TOKENS = {3: ZERO3_MICRO_STEP_TOKENS, 2: ZERO3_MICRO_STEP_TOKENS / 3, 1: ZERO3_MICRO_STEP_TOKENS / 3, 0: 0}
+"""Fixed cost of one micro step by ZeRO stage (0 = DDP): the weights gathered twice and the gradients
+reduce-scattered (3), the gradients only (1, 2), nothing until the step's last micro step (DDP, no_sync)."""
+RECOMPUTED_SHARE = {"full": 1 / 3, "lora": 1 / 2, "qlora": 1 / 2}
+"""The forward's share of a layer's training compute, what recomputing it adds: full fine-tuning 2 of 6
+FLOPs a weight and token; LoRA's frozen weights need no weight gradient (2 of 4)."""
 
 
 @dataclass(frozen=True)
@@ -294,14 +326,17 @@ def estimate(setup: Setup, tokens: int, checkpointed: int = 0, supervised_fracti
     mlp_width = shape.experts_per_token * shape.moe_intermediate if moe_layers else shape.intermediate
     transient = BF16 * tokens * (2 * mlp_width + 4 * shape.hidden) + dequant_bytes(setup)
     loss = loss_bytes(setup, tokens, max(1, int(tokens * supervised_fraction)))
-    return Estimate(
-        {
-            "weights_and_state": weight_bytes(setup),
-            "folded_lora_weights": concat_weight_bytes(setup),
-            "activations": kept,
-            "loss_or_backward": max(loss, recompute + transient),  # the loss is gone before layers recompute
-        }
-    )
+    parts = {
+        "weights_and_state": weight_bytes(setup),
+        "folded_lora_weights": concat_weight_bytes(setup),
+        "activations": kept,
+        "loss_or_backward": max(loss, recompute + transient),  # the loss is gone before layers recompute
+    }
+    if setup.method == "full" and setup.zero_stage == 3 and setup.world_size > 1 and checkpointed < layers:  # item 8
+        parts["zero3_gathered_weights"] = (
+            BF16 * parameter_counts(shape, setup.tied_embeddings)[0] * ((layers - checkpointed) / layers)
+        )
+    return Estimate(parts)
 
 
 @dataclass(frozen=True)
@@ -332,9 +367,26 @@ class MemoryPlan:
         }
 
 
-def budget_bytes(free_bytes: float) -> float:
-    """What a step may use of the free memory measured at start."""
-    return free_bytes * (1 - MARGIN_FRACTION) - MARGIN_BYTES
+def budget_bytes(free_bytes: float, exact: float = 0.0) -> float:
+    """What a step may use of the free memory measured at start; ``exact`` bytes (full fine-tuning's weights
+    and optimizer state, counted exactly: :func:`exact_bytes`) are kept out of the fraction the margin takes."""
+    exact = min(max(0.0, exact), free_bytes)
+    return exact + (free_bytes - exact) * (1 - MARGIN_FRACTION) - MARGIN_BYTES
+
+
+def exact_bytes(setup: Setup) -> float:
+    """The part of an estimate the margin need not cover: full fine-tuning's weights and optimizer state."""
+    return weight_bytes(setup) if setup.method == "full" else 0.0
+
+
+def step_cost(setup: Setup, micro: int, checkpointed: int, per_rank_sequences: int, max_length: int) -> float:
+    """Relative time of one optimizer step, in tokens of compute: the step's tokens, times 1 + the share a
+    recomputed layer adds, plus the fixed cost of each micro step (module doc, 'Which plan is fastest')."""
+    layers = max(1, setup.shape.n_layers)
+    micro_steps = math.ceil(per_rank_sequences / micro)
+    recompute = RECOMPUTED_SHARE.get(setup.method, 0.5) * checkpointed / layers
+    stage = setup.zero_stage if setup.world_size > 1 or setup.zero_stage == 3 else 0
+    return per_rank_sequences * max_length * (1 + recompute) + micro_steps * MICRO_STEP_TOKENS.get(stage, 0)
 
 
 def plan(
@@ -346,25 +398,17 @@ def plan(
     micro: int | str = "auto",
     checkpointing: bool | str = "auto",
 ) -> MemoryPlan:
-    """The largest micro batch that fits without recomputation (``micro`` auto), then the fewest
-    checkpointed layers that make it fit (``checkpointing`` auto). Explicit values are kept."""
-    budget, layers = budget_bytes(free_bytes), setup.shape.n_layers
+    """The micro batch (``micro`` auto) and checkpointed layers (``checkpointing`` auto) of the fastest step
+    that fits (:func:`step_cost`): under DDP the largest micro batch that fits without recomputation, else
+    one sequence on the fewest checkpointed layers; under ZeRO a larger micro batch on recomputed layers
+    where fewer micro steps save more than the recomputation costs. Explicit values are kept."""
+    budget, layers = budget_bytes(free_bytes, exact_bytes(setup)), setup.shape.n_layers
 
     def total(n: int, k: int) -> float:
         return estimate(setup, n * max_length, k).total
 
-    forced = layers if checkpointing is True else 0
     if micro == "auto":
-        fitting = [n for n in range(1, per_rank_sequences + 1) if total(n, forced) <= budget]
-        n = fitting[-1] if fitting else 1
-        accum = math.ceil(per_rank_sequences / n)
-        n = math.ceil(per_rank_sequences / accum)  # equal micro batches, same number of them
-        if not fitting:
-            micro_why = f"auto: 1 sequence (even one of {max_length} tokens does not fit without recomputation)"
-        elif n == per_rank_sequences:
-            micro_why = f"auto: the step's {n} sequence(s) per rank in one forward fit"
-        else:
-            micro_why = f"auto: {n} x {max_length} tokens, the most that fit ({accum} micro steps)"
+        n, micro_why = _auto_micro(setup, budget, max_length, per_rank_sequences, checkpointing, total)
     else:
         n, micro_why = int(micro), "set by batch.micro_sequences"
     k, checkpointing_why = _checkpointed_layers(checkpointing, layers, budget, lambda k: total(n, k))
@@ -380,6 +424,51 @@ def plan(
         free_gib=round(free_bytes / GiB, 1),
         parts_gib=est.gib(),
     )
+
+
+def _fewest_checkpointed(setting, layers: int, budget: float, total) -> int | None:
+    """The fewest checkpointed layers with which ``total(k)`` fits (``setting`` true: all, false: none);
+    None when nothing allowed fits. ``total`` does not grow with k from k = 1 on (binary search)."""
+    if setting is True:
+        return layers if total(layers) <= budget else None
+    if total(0) <= budget:
+        return 0
+    if setting is False or total(layers) > budget:
+        return None
+    low, high = 1, layers
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if total(mid) <= budget else (mid + 1, high)
+    return low
+
+
+def _auto_micro(setup: Setup, budget: float, max_length: int, per_rank: int, checkpointing, total) -> tuple[int, str]:
+    """(micro batch, why): the equal-sized micro batch whose fitting plan has the lowest step cost."""
+    layers = setup.shape.n_layers
+    sizes = sorted({math.ceil(per_rank / math.ceil(per_rank / n)) for n in range(1, per_rank + 1)})
+    fitting = {}
+    for n in sizes:
+        k = _fewest_checkpointed(checkpointing, layers, budget, lambda k, n=n: total(n, k))
+        if k is not None:
+            fitting[n] = k
+    if not fitting:
+        return 1, f"auto: 1 sequence (even one of {max_length} tokens does not fit without recomputation)"
+    cost = {n: step_cost(setup, n, k, per_rank, max_length) for n, k in fitting.items()}
+    n = min(fitting, key=lambda m: (cost[m], -m))
+    accum, k = math.ceil(per_rank / n), fitting[n]
+    no_recompute = [m for m, km in fitting.items() if km == (layers if checkpointing is True else 0)]
+    if k and checkpointing == "auto" and not no_recompute and n == 1:
+        return 1, f"auto: 1 sequence (even one of {max_length} tokens does not fit without recomputation)"
+    if k and checkpointing == "auto":
+        plain = max(no_recompute, default=None)
+        instead = f"; {plain} without recomputation" if plain else ""
+        return n, (
+            f"auto: {n} x {max_length} tokens on {k} recomputed layers, the fastest plan that fits ({accum} micro "
+            f"step(s){instead})"
+        )
+    if n == per_rank:
+        return n, f"auto: the step's {n} sequence(s) per rank in one forward fit"
+    return n, f"auto: {n} x {max_length} tokens, the most that fit ({accum} micro steps)"
 
 
 def _checkpointed_layers(setting, layers: int, budget: float, total) -> tuple[int, str]:
