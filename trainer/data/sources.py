@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES
-from llmft.trainer.errors import DataError
+from llmft.trainer.errors import DataError, TransientError
+from llmft.trainer.hf_files import hub_fault_message, hub_unreachable, quiet_hub_retries
 from llmft.trainer.io import sha256_file
 from llmft.trainer.langfuse_sink import dataset_rows
 from llmft.trainer.safe_files import check_file, open_file, read_text
@@ -244,8 +245,12 @@ def load_hub_dataset(dataset_id: str, split: str):
     )
     token = os.environ.get("HF_TOKEN") or None
     try:
-        return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)
+        with quiet_hub_retries():
+            return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)
     except Exception as exc:  # noqa: BLE001 - any loader failure is a data error for the user
+        unreachable = hub_unreachable(exc)
+        if unreachable:
+            raise TransientError(hub_fault_message("--input", dataset_id, unreachable)) from None
         mode = "offline: only the local datasets cache is read" if offline else "online, streaming"
         raise DataError(
             f"{dataset_id}: cannot load hub dataset split {split!r} ({mode}): {type(exc).__name__}: {exc}. "
