@@ -255,7 +255,7 @@ class Trainer:
 
     def _announce(self, model) -> None:
         obs, cfg, plan = self.observer, self.cfg, self.plan
-        for warning in [*self.warnings, *([plan.eval_note] if plan.eval_note else [])]:
+        for warning in [*self.warnings, *([plan.eval_note] if plan.eval_note else []), *rundir.set_aside_notes(plan)]:
             obs.info(f"warning: {warning}")
         if plan.restarts:
             obs.info(
