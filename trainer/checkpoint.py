@@ -173,8 +173,8 @@ def check_compatible(path: Path, config: dict, dataset_key: str, force: bool) ->
     if shapes and force:
         raise ConfigError(
             f"cannot resume from {path}, even with force_resume=true: {'; '.join(shapes)} changes which tensors the "
-            "model trains, so the checkpoint's weights and optimizer state do not fit it. Use a new output_dir (or "
-            "resume=never there) to train with the new setting, or set it back to resume"
+            "model trains, so the checkpoint's weights and optimizer state do not fit it. Use a new output_dir to train "
+            "with the new setting, or set it back to resume"
         )
     if lines and not force:
         raise ConfigError(
