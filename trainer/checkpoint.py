@@ -120,7 +120,7 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> ResumeChoice:
         return ResumeChoice(None)
     if resume == "auto":
         found = complete_checkpoints(output_dir)
-        skipped = []
+        skipped: list[tuple[Path, str]] = []
         for _step, path in reversed(found):
             problem = checkpoint_problem(path)
             if problem is None:
@@ -173,8 +173,8 @@ def check_compatible(path: Path, config: dict, dataset_key: str, force: bool) ->
     if shapes and force:
         raise ConfigError(
             f"cannot resume from {path}, even with force_resume=true: {'; '.join(shapes)} changes which tensors the "
-            "model trains, so the checkpoint's weights and optimizer state do not fit it. Use a new output_dir to train "
-            "with the new setting, or set it back to resume"
+            "model trains, so the checkpoint's weights and optimizer state do not fit it. Use a new output_dir to "
+            "train with the new setting, or set it back to resume"
         )
     if lines and not force:
         raise ConfigError(
