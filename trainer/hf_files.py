@@ -53,18 +53,22 @@ def hub_unreachable(exc: BaseException) -> str | None:
     """What made a hub load fail when a re-run may cure it (the hub or its network did not answer:
     refused or reset connection, DNS failure, timeout, HTTP 429 or 5xx), found anywhere in the
     exception's chain; None when the failure is the input's (unknown id, gated repo, offline and
-    not cached, a bad file)."""
-    seen: set[int] = set()
+    not cached, a bad file). huggingface_hub's ``OfflineModeIsEnabled`` is a ConnectionError, but offline
+    mode is a choice, not a fault: the files are simply not in the cache."""
+    chain: list[BaseException] = []
     current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    if any(type(item).__name__ == "OfflineModeIsEnabled" for item in chain):
+        return None
+    for current in chain:
         names = {cls.__name__ for cls in type(current).__mro__}
         status = getattr(getattr(current, "response", None), "status_code", None)
         if isinstance(current, ConnectionError | TimeoutError | socket.gaierror) or names & _NETWORK_ERRORS:
             return f"{type(current).__name__}: {' '.join(str(current).split())[:200]}"
         if isinstance(status, int) and (status == 429 or status >= 500):
             return f"HTTP {status} from the hub"
-        current = current.__cause__ or current.__context__
     return None
 
 

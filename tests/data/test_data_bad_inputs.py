@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
+from huggingface_hub.errors import OfflineModeIsEnabled
 
 from llmft.trainer.data.prepare import prepare_dataset
 from llmft.trainer.data.shards import open_split, write_split
@@ -102,6 +103,10 @@ def test_a_refused_connection_anywhere_in_the_chain_is_transient_a_missing_repo_
         except OSError as wrapped:
             assert "ConnectionRefusedError" in hub_unreachable(wrapped)
     assert hub_unreachable(OSError("acme/nothere is not a local folder and is not a valid model identifier")) is None
+    try:  # HF_HUB_OFFLINE=1 without the files: huggingface_hub's OfflineModeIsEnabled is a ConnectionError
+        raise OSError("cannot find the requested files in the local cache") from OfflineModeIsEnabled("offline")
+    except OSError as offline:
+        assert hub_unreachable(offline) is None
 
 
 @pytest.mark.slow

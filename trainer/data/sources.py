@@ -258,7 +258,7 @@ def load_hub_dataset(dataset_id: str, split: str):
         with quiet_hub_retries():
             return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)
     except Exception as exc:  # noqa: BLE001 - any loader failure is a data error for the user
-        unreachable = hub_unreachable(exc)
+        unreachable = None if offline else hub_unreachable(exc)  # offline, the hub is never asked
         if unreachable:
             raise TransientError(hub_fault_message("--input", dataset_id, unreachable)) from None
         mode = "offline: only the local datasets cache is read" if offline else "online, streaming"
