@@ -9,7 +9,8 @@ volume, and a tampered file must not run code in a pod that holds credentials.
 
 Every rank writes its part into ``.step-<N>.partial``; after a barrier rank 0 gives the files the
 umask-based mode, fsyncs, renames it to ``step-<N>`` and only then writes the ``COMPLETE`` marker.
-A directory without the marker is never loaded. Pruning only touches checkpoints whose
+A directory without the marker is never loaded, nor one whose files do not read as whole
+(trainer/checkpoint_check.py: ``resume=auto`` falls back to an older one). Pruning only touches checkpoints whose
 ``run_id`` is this run's. The output directory must be shared by all nodes (an RWX volume).
 """
 
