@@ -9,13 +9,15 @@ volume, and a tampered file must not run code in a pod that holds credentials.
 
 Every rank writes its part into ``.step-<N>.partial``; after a barrier rank 0 gives the files the
 umask-based mode, fsyncs, renames it to ``step-<N>`` and only then writes the ``COMPLETE`` marker.
-A directory without the marker is never loaded. Pruning only touches checkpoints whose
+A directory without the marker is never loaded, nor one whose files do not read as whole
+(trainer/checkpoint_check.py: ``resume=auto`` falls back to an older one). Pruning only touches checkpoints whose
 ``run_id`` is this run's. The output directory must be shared by all nodes (an RWX volume).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -23,22 +25,30 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
 import numpy as np
 import torch
 
+from llmft.trainer.checkpoint_check import (
+    CONFIG_FILE,
+    SCHEDULER_FILE,
+    STATE_FILE,
+    STEP_DIR,
+    checkpoint_problem,
+)
 from llmft.trainer.config import diff_configs
 from llmft.trainer.distributed import DistInfo, barrier
 from llmft.trainer.errors import ConfigError, DataError
 from llmft.trainer.io import TRAINING_MANIFEST, atomic_write_json, atomic_write_text, is_complete, share_files
 from llmft.trainer.storage import disk_guard
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-STATE_FILE = "trainer_state.json"
-CONFIG_FILE = "train_config.json"  # not config.json: full weights carry the HF model config.json
-SCHEDULER_FILE = "scheduler.json"
+SHAPE_SETTINGS = ("method", "lora.r", "lora.target_modules", "lora.use_dora")
+"""Settings whose change gives the model other trainable tensors (names or shapes) than the checkpoint
+holds: force_resume cannot continue across them (the weights would not load)."""
 # What a DeepSpeed checkpoint may reference besides plain tensors (torch's weights_only set): the
 # globals of the ZeRO-1/2/3 checkpoints DeepSpeed 0.19 writes (listed with
 # torch.serialization.get_unsafe_globals_in_checkpoint), and the dynamic loss scaler of fp16 runs.
@@ -88,25 +98,65 @@ def finished_run_id(output_dir: str | Path) -> str:
 
 def _run_id_of(path: Path) -> str | None:
     try:
-        return read_state(path).get("run_id")
-    except (OSError, ValueError):
+        run_id = read_state(path).get("run_id")
+    except (OSError, ValueError, AttributeError):  # unreadable, or JSON that is not an object
         return None
+    return run_id if isinstance(run_id, str) else None
 
 
-def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
-    """The checkpoint to resume from: ``auto`` = newest complete one, ``never`` = none, else a path."""
+@dataclass
+class ResumeChoice:
+    """The checkpoint to resume from (None: start fresh), and the newer complete ones passed over as
+    corrupt: (folder, the line naming the bad file)."""
+
+    path: Path | None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def find_resume_checkpoint(resume: str, output_dir: str | Path) -> ResumeChoice:
+    """The checkpoint to resume from: ``auto`` = the newest complete one that reads as whole
+    (:func:`checkpoint_problem`; newer corrupt ones are listed in ``skipped``), ``never`` = none, else a
+    path, which must be complete and whole (ConfigError naming the bad file otherwise)."""
     if resume == "never":
-        return None
+        return ResumeChoice(None)
     if resume == "auto":
         found = complete_checkpoints(output_dir)
-        return found[-1][1] if found else None
+        skipped: list[tuple[Path, str]] = []
+        for _step, path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return ResumeChoice(path, skipped)
+            skipped.append((path, problem))
+        if skipped:
+            raise ConfigError(
+                f"{skipped[0][1]}; and no older checkpoint in {checkpoints_root(output_dir)} reads as whole "
+                f"({len(skipped)} checked), so there is nothing safe to resume from. Move the checkpoints away (or "
+                "use a new output_dir) to start over"
+            )
+        return ResumeChoice(None)
     path = Path(resume)
     if not is_complete(path):
         raise ConfigError(
             f"resume={resume}: not a complete checkpoint (no COMPLETE marker); "
             "pick a step-<N> directory that has one, or use resume=auto"
         )
-    return path
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(
+            f"resume={resume}: {problem}; this checkpoint cannot be resumed. Pick another step-<N> directory, or "
+            "use resume=auto (the newest checkpoint that reads as whole)"
+        )
+    return ResumeChoice(path)
+
+
+def set_aside_name(path: Path) -> Path:
+    """Where a corrupt checkpoint folder is kept: ``step-N.corrupt`` (``.corrupt-2``, ... when taken); the
+    name matches no ``step-N``, so it is never listed, resumed, pruned or replaced."""
+    candidate, number = path.with_name(f"{path.name}.corrupt"), 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.corrupt-{number}")
+    return candidate
 
 
 def read_state(path: Path) -> dict:
@@ -120,6 +170,13 @@ def check_compatible(path: Path, config: dict, dataset_key: str, force: bool) ->
     old_key = read_state(path).get("dataset_cache_key")
     if old_key != dataset_key:
         lines.append(f"dataset cache_key: {old_key!r} -> {dataset_key!r}")
+    shapes = [line for line in lines if line.split(":")[0] in SHAPE_SETTINGS]
+    if shapes and force:
+        raise ConfigError(
+            f"cannot resume from {path}, even with force_resume=true: {'; '.join(shapes)} changes which tensors the "
+            "model trains, so the checkpoint's weights and optimizer state do not fit it. Use a new output_dir to "
+            "train with the new setting, or set it back to resume"
+        )
     if lines and not force:
         raise ConfigError(
             f"cannot resume from {path}: the run's settings differ from the checkpoint's:\n  "
@@ -381,7 +438,8 @@ def load_weights(model, path: Path, *, lora: bool) -> None:
         # heavy: peft
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
+        with _shapes_must_fit(path):
+            result = set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ConfigError(f"{path}: adapter does not match the model (unexpected keys {unexpected[:3]})")
@@ -389,13 +447,31 @@ def load_weights(model, path: Path, *, lora: bool) -> None:
     state: dict = {}
     for file in sorted(path.glob("*.safetensors")):
         state.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with _shapes_must_fit(path):
+        missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k and getattr(model.config, "tie_word_embeddings", False)}
     if unexpected or set(missing) - tied:
         raise ConfigError(
             f"{path}: full weights do not match the model (missing {sorted(set(missing) - tied)[:3]}, "
             f"unexpected {unexpected[:3]})"
         )
+
+
+@contextlib.contextmanager
+def _shapes_must_fit(path: Path) -> Iterator[None]:
+    """torch's ``size mismatch for <name>`` (a checkpoint of another lora.r, target set or model) as one
+    ConfigError naming the checkpoint, not an internal error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        found = re.search(r"size mismatch for [^\n]*", str(exc))
+        if found is None:
+            raise
+        raise ConfigError(
+            f"{path}: the checkpoint's weights do not fit the model ({found.group(0).strip()}): it was trained with "
+            "another lora.r, lora.target_modules, method or base model. Set those back to resume, or use a new "
+            "output_dir"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- retention

@@ -61,19 +61,27 @@ def read_env() -> tuple[int, int, int]:
 _STOP_GROUP = None  # a gloo group for host-side agreement (stop flag) without a device sync
 
 
-def init_distributed(comm_backend: str = "auto", timeout_s: int = 1800) -> DistInfo:
-    """Join the process group (when WORLD_SIZE > 1) and pick this rank's device."""
+def init_distributed(comm_backend: str = "auto", timeout_s: int = 1800, *, group_of_one: bool = False) -> DistInfo:
+    """Join the process group (when WORLD_SIZE > 1) and pick this rank's device.
+
+    ``group_of_one``: a single process (no torchrun) still gets a process group of one rank, over an
+    in-process store (no port, no MASTER_ADDR): DeepSpeed only runs inside one
+    (``deepspeed.initialize(dist_init_required=False)`` asserts ``dist.is_initialized()``)."""
     global _STOP_GROUP
     rank, world, local = read_env()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or group_of_one) and not dist.is_initialized():
         backend = ("nccl" if cuda else "gloo") if comm_backend == "auto" else comm_backend
         if backend == "nccl" and not cuda:
             raise ConfigError("distributed.comm_backend=nccl needs CUDA GPUs; use auto or gloo on CPU")
         kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        if world == 1:
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+            for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # what DeepSpeed reads (torchrun sets them)
+                os.environ.setdefault(name, "1" if name == "WORLD_SIZE" else "0")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         _STOP_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return DistInfo(rank, world, local, device)

@@ -14,6 +14,12 @@ config is one line, not one per rank); rank 0 runs it again and then :func:`clai
   run would prune and overwrite the old run's checkpoints and metrics. Use a new output_dir.
 - **One run at a time.** Rank 0 locks ``output_dir`` (trainer/runlock.py) before planning; a
   second run into it exits 1 naming the holder, or waits with ``wait_for_output_dir=true``.
+- **Never from a corrupt checkpoint.** ``resume=auto`` passes over a newer complete checkpoint whose
+  files do not read as whole (trainer/checkpoint_check.py: truncated weights or optimizer.pt, a
+  trainer_state.json that is not valid or names another step) and resumes from the newest one
+  that does; the warning names the bad file, and :func:`claim_run` sets the bad folder aside as
+  ``step-N.corrupt`` (kept for inspection, never pruned). A bad ``resume=<path>``, or no whole
+  checkpoint at all, exits 1 naming the file.
 - **Restart budget.** Under the Training Operator's ``ExitCode`` policy a pod that dies with a
   retryable code (137 OOM kill, 134 NCCL abort, 139 crash) is recreated without end: its
   backoffLimit never trips (kubeflow/trainer#2045). ``restarts.json`` counts the starts that
@@ -58,6 +64,7 @@ class StartPlan:
     resume_diffs: list[str] = field(default_factory=list)
     eval_note: str | None = None  # why the run trains without evaluation (None: it evaluates)
     restarts: int = 0  # starts without progress before this one
+    set_aside: list[tuple[str, str, str]] = field(default_factory=list)  # corrupt checkpoint, kept as, why
     lock: runlock.RunLock | None = field(default=None, repr=False, compare=False)  # rank 0's, never broadcast
 
 
@@ -70,8 +77,10 @@ def plan_start(cfg, config_dict: dict) -> StartPlan:
     check_ownership(cfg.output_dir, cfg.force_output_dir)
     check_fresh_start(cfg.output_dir, cfg.resume)
     total_steps = planned_steps(cfg, dataset)
-    resume_path = ckpt.find_resume_checkpoint(cfg.resume, cfg.output_dir)
+    choice = ckpt.find_resume_checkpoint(cfg.resume, cfg.output_dir)
+    resume_path = choice.path
     plan = StartPlan(dataset, total_steps, uuid.uuid4().hex[:12], resume_path, eval_note=eval_note)
+    plan.set_aside = [(str(path), str(ckpt.set_aside_name(path)), problem) for path, problem in choice.skipped]
     if resume_path is not None:
         plan.resume_diffs = ckpt.check_compatible(resume_path, config_dict, dataset["cache_key"], cfg.force_resume)
         state = ckpt.read_state(resume_path)
@@ -113,6 +122,8 @@ def claim_run(cfg, plan: StartPlan) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if owner_kind(out) != RUN_KIND:
         write_owner(out, RUN_KIND)
+    for corrupt, kept, _why in plan.set_aside:
+        os.replace(corrupt, kept)
     _write_restarts(out, plan.restarts, newest_step(out), "running")
 
 
@@ -275,3 +286,13 @@ def _write_restarts(out: Path, count: int, step: int, outcome) -> None:
             "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     )
+
+
+def set_aside_notes(plan: StartPlan) -> list[str]:
+    """One warning per corrupt checkpoint the plan passed over (named file, where the folder is kept)."""
+    resumed = f"resuming from {Path(plan.resume_path).name}" if plan.resume_path else "starting fresh"
+    return [
+        f"{why}: not resumed from (never resume from a corrupt checkpoint); {resumed}, the newest that reads as "
+        f"whole. The folder is kept as {kept}: inspect it, then delete it"
+        for _corrupt, kept, why in plan.set_aside
+    ]

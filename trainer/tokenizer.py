@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-from llmft.trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError, TransientError
+from llmft.trainer.hf_files import hub_fault_message, hub_unreachable, quiet_hub_retries
 
 
 def load_tokenizer(
@@ -28,17 +29,21 @@ def load_tokenizer(
     when given. Code from the model repository runs only with ``trust_remote_code=True``.
 
     Any failure to load is one ConfigError line naming ``field`` (the setting that gave the name), the
-    model, the revision and the fix."""
+    model, the revision and the fix; a hub that does not answer is one TransientError line (exit 200)."""
     from transformers import AutoTokenizer  # heavy: transformers
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            name_or_path,
-            revision=revision,
-            token=os.environ.get("HF_TOKEN") or None,
-            trust_remote_code=trust_remote_code,
-        )
+        with quiet_hub_retries():
+            tokenizer = AutoTokenizer.from_pretrained(
+                name_or_path,
+                revision=revision,
+                token=os.environ.get("HF_TOKEN") or None,
+                trust_remote_code=trust_remote_code,
+            )
     except Exception as exc:  # noqa: BLE001 - any loader failure (missing files, unknown id, bad JSON) is the input's
+        unreachable = hub_unreachable(exc)
+        if unreachable:
+            raise TransientError(hub_fault_message(field, name_or_path, unreachable)) from None
         text = str(exc).strip()
         why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
         at = f" at revision {revision}" if revision else ""

@@ -51,11 +51,12 @@ from llmft.trainer.distributed import (
     init_distributed,
     max_over_ranks,
 )
-from llmft.trainer.errors import ConfigError
+from llmft.trainer.errors import ConfigError, TransientError
 from llmft.trainer.evaluate import evaluate_model
 from llmft.trainer.fastpath.resolve import describe as describe_fast_path
 from llmft.trainer.fastpath.settings import micro_sequences_for
 from llmft.trainer.flops import mfu
+from llmft.trainer.hf_files import hub_fault_message, hub_unreachable, quiet_hub_retries
 from llmft.trainer.io import TRAINING_MANIFEST, atomic_write_json
 from llmft.trainer.loss import loss_fn
 from llmft.trainer.model import (
@@ -130,7 +131,9 @@ class Trainer:
     def build(self) -> None:
         cfg = self.cfg
         self._handlers = STOP.install()
-        self.info = init_distributed(cfg.distributed.comm_backend, cfg.distributed.timeout_s)
+        self.info = init_distributed(
+            cfg.distributed.comm_backend, cfg.distributed.timeout_s, group_of_one=cfg.distributed.backend == "deepspeed"
+        )
         self.speed = SpeedMeter(
             self.info.device, device_peak_flops(self.info.device, cfg.observe.peak_tflops), self.world
         )
@@ -203,8 +206,14 @@ class Trainer:
                 bf16=model_lib.resolve_dtype(cfg.model.dtype, self.info.device) == torch.bfloat16,
             )
         try:
-            return model_lib.load_model(cfg, self.info.device, ds_config=self.ds_config)
+            with quiet_hub_retries():
+                return model_lib.load_model(cfg, self.info.device, ds_config=self.ds_config)
         except OSError as exc:
+            unreachable = hub_unreachable(exc)
+            if unreachable:
+                raise TransientError(
+                    hub_fault_message("model.name_or_path", cfg.model.name_or_path, unreachable)
+                ) from None
             raise ConfigError(
                 f"model.name_or_path={cfg.model.name_or_path!r}: cannot load ({_first_line(exc)})"
             ) from None
@@ -246,7 +255,7 @@ class Trainer:
 
     def _announce(self, model) -> None:
         obs, cfg, plan = self.observer, self.cfg, self.plan
-        for warning in [*self.warnings, *([plan.eval_note] if plan.eval_note else [])]:
+        for warning in [*self.warnings, *([plan.eval_note] if plan.eval_note else []), *rundir.set_aside_notes(plan)]:
             obs.info(f"warning: {warning}")
         if plan.restarts:
             obs.info(

@@ -488,6 +488,8 @@ def test_failure_modes_doc_has_a_row_per_test(repo_root):
     files = [
         repo_root / "tests" / "data" / "test_data_failures.py",
         repo_root / "tests" / "data" / "test_data_signals.py",
+        repo_root / "tests" / "data" / "test_data_bad_inputs.py",
+        repo_root / "tests" / "trainer" / "test_corrupt_checkpoints.py",
         repo_root / "tests" / "pipeline" / "test_pipeline_failure_modes.py",
     ]
     tests = {name for path in files for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}

@@ -126,6 +126,18 @@ def test_deepspeed_zero2_on_cpu_matches_ddp(one_rank, tiny_model_dir, tokenized_
     assert "resuming from" in resumed.stdout and [e["step"] for e in events(out, "train")] == [1, 2, 3, 4]
 
 
+def test_deepspeed_in_one_process_without_torchrun_trains_and_checkpoints(tiny_model_dir, tokenized_dir, tmp_path):
+    """Issue 35 item 6: distributed.backend=deepspeed without torchrun (one CPU process) stopped with
+    DeepSpeed's AssertionError (exit 3); the trainer now gives it a process group of one rank."""
+    out = tmp_path / "zero-one"
+    result = run_trainer(
+        _overrides(tiny_model_dir, tokenized_dir, out, "distributed.backend=deepspeed", "max_steps=2", "save_every=1")
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert is_complete(out / "checkpoints" / "step-2") and (out / "checkpoints" / "step-2" / "deepspeed").is_dir()
+    assert [e["step"] for e in events(out, "train")] == [1, 2] and is_complete(out / "final")
+
+
 def test_nan_on_one_rank_skips_updates_then_aborts_naming_step_and_rank(tiny_model_dir, tokenized_dir, tmp_path):
     out = tmp_path / "nan"
     result = run_trainer(

@@ -193,3 +193,23 @@ def test_force_resume_with_max_steps_below_the_checkpoint_is_a_clear_error(unint
     err = capsys.readouterr().err
     assert code == 1 and "step-6 is at step 6, past this run's 4 steps" in err and "Raise max_steps" in err
     assert (out / "final" / "training_manifest.json").read_text() == before
+
+
+def test_a_truncated_newest_optimizer_falls_back_to_the_older_checkpoint_and_keeps_the_bad_one(uninterrupted, tmp_path):
+    """Issue 35 item 5: the corrupt step-4 is named, set aside as step-4.corrupt, and the run resumes from
+    step-2 and ends where the uninterrupted run did (was exit 3, or 200: a retried permanent fault)."""
+    reference, overrides = uninterrupted
+    out = _copy_run(reference, tmp_path, "corrupt")
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoints" / "step-6")
+    optimizer = out / "checkpoints" / "step-4" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:1000])
+    code, stdout = train_in_process([o.replace(str(reference), str(out)) for o in overrides])
+    assert code == 0
+    [warning] = [line for line in stdout.splitlines() if "warning:" in line]
+    assert f"{optimizer}: truncated or corrupt" in warning and "resuming from step-2" in warning
+    assert "resuming from" in stdout and f"{out / 'checkpoints' / 'step-2'} at step 2" in stdout
+    assert (out / "checkpoints" / "step-4.corrupt" / "optimizer.pt").stat().st_size == 1000
+    final, expected = adapter_tensors(out / "final"), adapter_tensors(reference / "final")
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name

@@ -44,6 +44,7 @@ REJECT_FIXES: dict[str, str] = {
     "empty_conversation": "give the row at least one user and one assistant message",
     "empty_prompt": "give the instruction/prompt some text",
     "empty_text": "give the text field some text, or drop the row",
+    "too_deep": "flatten the row: no chat row needs lists or objects nested hundreds of levels deep",
     "row_too_large": "split the row into smaller conversations, or raise --max-row-bytes if such rows are intended",
     "misplaced_system": "keep one system message, as the first message (merge several into one)",
     "assistant_first": "start with a user turn (after an optional system message): an assistant turn answers it",

@@ -199,6 +199,8 @@ def _parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise RowReject("invalid_json", "<line>", f"invalid JSON: {exc}") from None
+    except RecursionError:  # orjson stops at 1,024 levels, json at Python's recursion limit (~1,000)
+        raise RowReject("too_deep", "<line>", "JSON nested deeper than the parser's limit (~1,000 levels)") from None
 
 
 class _Tally:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llmft.trainer.errors import DataError
+
 ARRAYS = ("input_ids", "labels", "doc_offsets", "seq_offsets")
 IGNORE_INDEX = -100
 MANIFEST = "manifest.json"
@@ -51,7 +53,7 @@ class TokenizedSplit:
                 f"{self.directory}: not a tokenized split (missing {', '.join(m + '.npy' for m in missing)}); "
                 "create it with `llmft data tokenize`"
             )
-        arrays = {a: np.load(self.directory / f"{a}.npy", mmap_mode="r") for a in ARRAYS}
+        arrays = {a: load_array(self.directory / f"{a}.npy") for a in ARRAYS}
         self.input_ids = arrays["input_ids"]
         self.labels = arrays["labels"]
         self.doc_offsets = arrays["doc_offsets"]
@@ -83,6 +85,26 @@ class TokenizedSplit:
             position_ids=position_ids,
             doc_lengths=doc_lengths,
         )
+
+
+def load_array(path: Path) -> np.ndarray:
+    """One array of a split, memory-mapped; a file that is not a 1-D integer array (truncated, a pickled
+    object array, another dtype) is a one-line DataError naming it. Nothing is unpickled."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError, UnicodeDecodeError) as exc:  # numpy's header and size checks
+        raise _bad_shard(path, " ".join(str(exc).split())) from None
+    if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iu":
+        what = f"{array.dtype} array of shape {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
+        raise _bad_shard(path, f"holds a {what}, not a 1-D integer array")
+    return array
+
+
+def _bad_shard(path: Path, why: str) -> DataError:
+    return DataError(
+        f"{path}: not a readable tokenized array ({why}); the file is truncated, corrupt or was not written by "
+        "`llmft data tokenize`. Re-run `llmft data tokenize` into a new --output"
+    )
 
 
 def position_ids_for(doc_lengths: np.ndarray) -> np.ndarray:

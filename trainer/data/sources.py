@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES
-from llmft.trainer.errors import DataError
-from llmft.trainer.io import sha256_file
+from llmft.trainer.errors import DataError, TransientError
+from llmft.trainer.hf_files import hub_fault_message, hub_unreachable, quiet_hub_retries
+from llmft.trainer.io import owner_kind, sha256_file
 from llmft.trainer.langfuse_sink import dataset_rows
 from llmft.trainer.safe_files import check_file, open_file, read_text
 
@@ -198,7 +199,9 @@ def open_source(
 def folder_files(folder: Path, exclude: Path | None = None) -> list[Path]:
     """The data files of ``folder`` (hidden names and ``exclude`` skipped), walked without following
     links: a linked or special file with a data suffix is refused (trainer/safe_files.py), a linked
-    folder is not entered (a warning names it)."""
+    folder is not entered (a warning names it). A folder inside it that llmft wrote (it carries the
+    owner marker, trainer/io.py: an earlier prepare's --output, tokenized data, a run) is not entered
+    either (a warning names it): its train/val rows would be read back as new input."""
     skip = exclude.resolve() if exclude is not None else None
     files = []
     for root, dirs, names in os.walk(folder):  # followlinks=False
@@ -210,6 +213,14 @@ def folder_files(folder: Path, exclude: Path | None = None) -> list[Path]:
         for name in [d for d in dirs if os.path.islink(here / d)]:
             log.warning("%s: a symlink to a folder; not followed, its files are not read", here / name)
         dirs[:] = [d for d in dirs if not os.path.islink(here / d)]
+        for name in [d for d in dirs if owner_kind(here / d)]:
+            log.warning(
+                "%s: written by llmft (%s); not read as input, so an earlier output inside the input folder is never "
+                "read back",
+                here / name,
+                owner_kind(here / name),
+            )
+        dirs[:] = [d for d in dirs if not owner_kind(here / d)]
         for name in names:
             if not name.startswith(".") and Path(name).suffix.lower() in SUFFIXES:
                 check_file(here / name, folder)
@@ -244,8 +255,12 @@ def load_hub_dataset(dataset_id: str, split: str):
     )
     token = os.environ.get("HF_TOKEN") or None
     try:
-        return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)
+        with quiet_hub_retries():
+            return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)
     except Exception as exc:  # noqa: BLE001 - any loader failure is a data error for the user
+        unreachable = None if offline else hub_unreachable(exc)  # offline, the hub is never asked
+        if unreachable:
+            raise TransientError(hub_fault_message("--input", dataset_id, unreachable)) from None
         mode = "offline: only the local datasets cache is read" if offline else "online, streaming"
         raise DataError(
             f"{dataset_id}: cannot load hub dataset split {split!r} ({mode}): {type(exc).__name__}: {exc}. "
@@ -265,6 +280,11 @@ def _json_array_rows(path: Path, label: str) -> Iterator[Row]:
         rows = json.loads(read_text(path, path.parent, encoding="utf-8-sig"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{label}: not valid JSON ({exc}); fix the file, or write it as JSON Lines (.jsonl)") from exc
+    except RecursionError:
+        raise DataError(
+            f"{label}: JSON nested deeper than the parser's limit (~1,000 levels); a .json array is parsed whole, so "
+            "one such row fails the file: write it as JSON Lines (.jsonl), where that row alone is rejected (too_deep)"
+        ) from None
     for number, row in enumerate(rows, 1):
         yield label, number, None, row
 
