@@ -26,6 +26,7 @@ from typing import Any
 
 from llmft.components.lib.summary import collect_run_facts, latest_run_dir, render_summary
 from llmft.pipelines.defaults import resolve_local_arguments
+from llmft.trainer.mlflow_settings import redact_credentials
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STARTED = re.compile(r"Executing task '([^']+)'")
@@ -49,8 +50,9 @@ class ProgressStream(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        self.log.write(text)
-        self.buffer += text
+        shown = redact_credentials(text)  # kfp.local dumps each task's inputs: a URL's password never lands here
+        self.log.write(shown)
+        self.buffer += shown
         while "\n" in self.buffer:
             line, self.buffer = self.buffer.split("\n", 1)
             self._line(ANSI.sub("", line))
@@ -159,7 +161,7 @@ def run_pipeline_locally(
             failed = FAILED_TASK.search(ANSI.sub("", str(exc)))
             outcome.failed_task = failed.group(1) if failed else None
             outcome.failure_tail = list(stream.task_lines.get(outcome.failed_task or "", []))
-            log.write(f"\n{exc}\n")
+            log.write(f"\n{redact_credentials(str(exc))}\n")
     outcome.run_dir = latest_run_dir(pipeline_root, pipeline.name)
     if outcome.run_dir is not None:
         outcome.facts = collect_run_facts(outcome.run_dir)

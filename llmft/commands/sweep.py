@@ -26,7 +26,7 @@ import sys
 from importlib.resources import files
 from pathlib import Path
 
-from llmft.commands.pipeline_args import check_yaml_output
+from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
 from llmft.katib.errors import SweepError
 from llmft.katib.webhook_rules import check_experiment
@@ -156,6 +156,7 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
             job[key] = value
         else:
             sweep.append(item)
+    refuse_credentials(job)  # the trial job's env would carry it into the Experiment YAML
     return sweep, job, train
 
 
