@@ -131,8 +131,8 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
 
     if isinstance(exc, errors.LlmftError):
         return exc.exit_code, _one_line(str(exc), keep_lines=True)
-    if isinstance(exc, KeyboardInterrupt):
-        return errors.EXIT_INTERRUPTED, "interrupted (Ctrl-C)"
+    if isinstance(exc, KeyboardInterrupt):  # a SignalStop (SIGTERM: 143) says which signal and what was kept
+        return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), _one_line(str(exc)) or "interrupted (Ctrl-C)"
     disk = describe_disk_fault(exc, "the output")  # also safetensors' and torch.save's own errors
     if disk is not None:
         return errors.EXIT_TRANSIENT, _one_line(disk)

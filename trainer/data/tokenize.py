@@ -40,6 +40,7 @@ from llmft.trainer.data.packing import best_fit_pack, packing_efficiency
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
 from llmft.trainer.data.shards import MANIFEST
+from llmft.trainer.data.template_limits import TemplateTooSlow
 from llmft.trainer.data.templates import (
     end_of_turn_marker,
     missing_template_error,
@@ -190,6 +191,8 @@ def _checked_end_of_turn(tokenizer, template: str, source: str) -> str:
     where = "the tokenizer's chat template" if source == "tokenizer" else f"--chat-template ({source})"
     try:
         return end_of_turn_marker(tokenizer, template)
+    except TemplateTooSlow as exc:
+        raise TemplateTooSlow(f"{where} {exc}") from None
     except jinja2.TemplateSyntaxError as exc:
         raise DataError(
             f"{where} is not valid Jinja: line {exc.lineno}: {exc.message}. Fix the template text"
