@@ -19,7 +19,7 @@ import threading
 
 from llmft.trainer import errors
 from llmft.trainer.errors import EXIT_OK, SignalStop
-from llmft.trainer.storage import describe_disk_fault
+from llmft.trainer.storage import describe_disk_fault, describe_path_error, disk_fault, disk_fault_exit_code
 
 EPILOG = """examples:
   llmft train --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
@@ -102,7 +102,12 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
         return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), str(exc).strip() or STARTUP_INTERRUPT
     disk = describe_disk_fault(exc, "the run's output (a checkpoint, final/ or a log)")
     if disk is not None:  # safetensors and torch.save report a full disk as their own errors, not OSError
-        return errors.EXIT_TRANSIENT, disk + "; the run resumes from its newest complete checkpoint"
+        return disk_fault_exit_code(
+            disk_fault(exc) or 0
+        ), disk + "; the run resumes from its newest complete checkpoint"
+    bad_path = describe_path_error(exc)  # output_dir too long a name: bad input, not an I/O fault
+    if bad_path is not None:
+        return errors.EXIT_USER_ERROR, bad_path
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return errors.EXIT_TRANSIENT, (
