@@ -428,6 +428,8 @@ def _apply_override(tree: dict, text: str, source: _Source) -> None:
         raise ConfigError(f"override `{text}`: not a plain YAML value ({' '.join(str(exc).split())})") from None
     node = tree
     parts = key.split(".")
+    if not all(part.strip() for part in parts):
+        raise ConfigError(f"override `{text}`: `{key}` has an empty name between dots; write e.g. lora.r=16")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):

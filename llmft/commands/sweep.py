@@ -29,6 +29,7 @@ from pathlib import Path
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
 from llmft.katib.errors import SweepError
+from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.webhook_rules import check_experiment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import is_complete, write_owned_file
@@ -128,6 +129,8 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
 def make_cluster(args: argparse.Namespace):
     """The one cluster module (tests replace this factory to inject a fake kubernetes client)."""
 
+    if getattr(args, "namespace", None) is not None:
+        check_k8s_name(args.namespace, "--namespace")
     return Cluster(
         getattr(args, "namespace", None),
         config_file=getattr(args, "kubeconfig", None),
