@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -309,6 +310,7 @@ def run_local(args: argparse.Namespace) -> int:
     )
     print(outcome.render(time.perf_counter() - started))
     if not outcome.succeeded:
+        print(f"error: {outcome.failure_line()}", file=sys.stderr)
         return 1
     if getattr(args, "real", False):
         print("serving the merged model alone (the merged form) ...", flush=True)
