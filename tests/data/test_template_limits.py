@@ -14,7 +14,7 @@ from llmft.commands.data import _stop_cleanly_on_sigterm
 from llmft.trainer.data import limits
 from llmft.trainer.data.template_limits import TemplateTooSlow
 from llmft.trainer.data.tokenize import tokenize_dataset
-from llmft.trainer.errors import EXIT_PREEMPTED, SignalStop
+from llmft.trainer.errors import EXIT_PREEMPTED, DataError, SignalStop
 
 NEVER_ENDS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 WRITES_10M = "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}"
@@ -90,3 +90,15 @@ def test_sigterm_during_the_template_check_is_a_stop_not_a_template_error(
         signal.signal(signal.SIGTERM, previous)
     code, message = describe_failure(stop.value)
     assert code == EXIT_PREEMPTED and message.startswith("stopped by SIGTERM; nothing was written")
+
+
+def test_a_split_file_linked_elsewhere_is_not_tokenized(prepared_sample, tiny_model_dir, tmp_path):
+    """Issue 35 (Low): a prepared train.jsonl that is a link to an outside file was followed and tokenized."""
+    prepared = tmp_path / "prepared"
+    shutil.copytree(prepared_sample, prepared)
+    outside = tmp_path / "outside.jsonl"
+    (prepared / "train.jsonl").rename(outside)
+    (prepared / "train.jsonl").symlink_to(outside)
+    with pytest.raises(DataError, match=r"train.jsonl: is a symlink; tokenize reads only the files") as error:
+        tokenize(prepared, tiny_model_dir, tmp_path)
+    assert str(outside) not in str(error.value) and not (tmp_path / "out").exists()

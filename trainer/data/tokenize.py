@@ -216,6 +216,12 @@ def longest_token_chars(tokenizer) -> int:
 def find_split_files(input_dir: Path) -> dict[str, Path]:
     if not input_dir.is_dir():
         raise DataError(f"{input_dir}: no such directory; create it with `llmft data prepare --output {input_dir}`")
+    linked = [f"{s}.jsonl" for s in SPLITS if (input_dir / f"{s}.jsonl").is_symlink()]
+    if linked:  # a link could point anywhere (another user's data, a secret): never followed
+        raise DataError(
+            f"{input_dir / linked[0]}: is a symlink; tokenize reads only the files `llmft data prepare` wrote. "
+            f"Re-run `llmft data prepare --output {input_dir}` (or copy the file in)"
+        )
     files = {s: input_dir / f"{s}.jsonl" for s in SPLITS if (input_dir / f"{s}.jsonl").is_file()}
     if "train" not in files:
         raise DataError(f"{input_dir}: no train.jsonl; create it with `llmft data prepare --output {input_dir}`")
