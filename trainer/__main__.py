@@ -75,10 +75,19 @@ STARTUP_INTERRUPT = (
 )
 
 
+COMMITTED: dict[str, str] = {}
+"""Set (``{"output": ...}``) once the run's output is committed: a stop signal after that stops nothing."""
+AFTER_COMMIT = "{name} arrived after the run's output was committed ({output}): nothing to stop or resume; exit 0"
+
+
 def _stop_while_starting(signum, _frame) -> None:
     """SIGTERM before the trainer's own handlers (imports, config, planning): nothing to checkpoint yet,
-    so stop at once with one line and exit 143 (a retried pod simply starts again)."""
+    so stop at once with one line and exit 143 (a retried pod simply starts again). After the output was
+    committed (the handlers are this one again): a line on stderr, and the run still exits 0."""
 
+    if COMMITTED:
+        print(f"[llmft] {AFTER_COMMIT.format(name=signal.Signals(signum).name, **COMMITTED)}", file=sys.stderr)
+        return
     raise SignalStop(
         signum,
         "stopped by SIGTERM while the trainer was starting: no training step had run, "
@@ -163,13 +172,20 @@ def run(args: argparse.Namespace) -> int:
         print(config_to_yaml(cfg), end="")
         return 0
     # heavy: numpy, torch, yaml
+    from llmft.trainer.steps import STOP
+
+    # heavy: numpy, torch, yaml
     from llmft.trainer.train import Stopped, Trainer
 
     trainer = Trainer(cfg, warnings)
     code = EXIT_OK
+    COMMITTED.clear()
     try:
         trainer.build()
         trainer.train()
+        COMMITTED["output"] = f"{cfg.output_dir}/final"
+        if STOP.signum:  # it came during the last step or the final save: the run is complete, say so
+            print(f"[llmft] {AFTER_COMMIT.format(name=signal.Signals(STOP.signum).name, **COMMITTED)}", file=sys.stderr)
     except Stopped as exc:
         code = exc.exit_code
     except BaseException as exc:
