@@ -66,14 +66,14 @@ def check_yaml_shape(text: str, where: str) -> None:
             open_nodes.append([event.anchor, 1])
             if len(open_nodes) > MAX_YAML_DEPTH:
                 raise ConfigError(
-                    f"{where}, line {event.start_mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels; "
+                    f"{where}, line {_line(event)}: nested deeper than {MAX_YAML_DEPTH} levels; "
                     "a config is a few levels of mappings and lists"
                 )
             continue
         if isinstance(event, yaml.CollectionEndEvent):
             anchor, size = open_nodes.pop()
         elif isinstance(event, yaml.AliasEvent):
-            anchor, size = None, anchors.get(event.anchor, 1)
+            anchor, size = None, anchors.get(event.anchor or "", 1)
         elif isinstance(event, yaml.ScalarEvent):
             anchor, size = event.anchor, 1
         else:
@@ -84,9 +84,13 @@ def check_yaml_shape(text: str, where: str) -> None:
             open_nodes[-1][1] += size
         if size > MAX_YAML_NODES or (open_nodes and open_nodes[-1][1] > MAX_YAML_NODES):
             raise ConfigError(
-                f"{where}, line {event.start_mark.line + 1}: more than {MAX_YAML_NODES:,} values once its aliases "
+                f"{where}, line {_line(event)}: more than {MAX_YAML_NODES:,} values once its aliases "
                 "(*name) are expanded; write the values out, or use fewer aliases"
             )
+
+
+def _line(event: yaml.Event) -> int:
+    return event.start_mark.line + 1 if event.start_mark is not None else 0
 
 
 def compose_user_yaml(text: str, where: str) -> yaml.Node | None:

@@ -44,7 +44,11 @@ def render_deadline(seconds: float | None = None) -> Iterator[Callable[[], None]
 
     previous = signal.signal(signal.SIGALRM, expired)
     try:
-        yield lambda: signal.setitimer(signal.ITIMER_REAL, seconds)
+
+        def restart() -> None:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+
+        yield restart
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
