@@ -56,6 +56,7 @@ from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_ME
 from llmft.katib.trial_kinds import PYTORCHJOB, TRIAL_KINDS, trial_kind
 from llmft.trainer.config import parse_bool, split_assignment
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.yaml_limits import load_user_yaml, read_yaml_text
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1beta1", "experiments", "Experiment"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -481,10 +482,10 @@ def _ordered(value: Any) -> Any:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """An Experiment YAML file as a dict, parsed strictly into the typed models."""
     path = Path(path)
-    try:
-        body = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise SweepError(f"{path}: cannot read the Experiment YAML: {exc}") from None
+    try:  # bounded: size, depth, aliases expanded (trainer/yaml_limits.py)
+        body = load_user_yaml(read_yaml_text(path, "Experiment YAML"), str(path))
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
     if not isinstance(body, dict):
         raise SweepError(f"{path}: expected one YAML mapping (an Experiment), got {type(body).__name__}")
     parse_experiment(body)

@@ -20,7 +20,7 @@ from importlib.metadata import version
 
 from llmft.trainer import errors
 from llmft.trainer.errors import EXIT_CODE_MEANINGS
-from llmft.trainer.storage import describe_disk_fault
+from llmft.trainer.storage import describe_disk_fault, describe_path_error, disk_fault, disk_fault_exit_code
 
 # group name -> (module, one-line help). Order is the order shown in --help.
 GROUPS: dict[str, tuple[str, str]] = {
@@ -131,11 +131,14 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
 
     if isinstance(exc, errors.LlmftError):
         return exc.exit_code, _one_line(str(exc), keep_lines=True)
-    if isinstance(exc, KeyboardInterrupt):
-        return errors.EXIT_INTERRUPTED, "interrupted (Ctrl-C)"
+    if isinstance(exc, KeyboardInterrupt):  # a SignalStop (SIGTERM: 143) says which signal and what was kept
+        return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), _one_line(str(exc)) or "interrupted (Ctrl-C)"
     disk = describe_disk_fault(exc, "the output")  # also safetensors' and torch.save's own errors
     if disk is not None:
-        return errors.EXIT_TRANSIENT, _one_line(disk)
+        return disk_fault_exit_code(disk_fault(exc) or 0), _one_line(disk)
+    bad_path = describe_path_error(exc)  # a 300-character output path: bad input, not an I/O fault
+    if bad_path is not None:
+        return errors.EXIT_USER_ERROR, bad_path
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         what = exc.strerror or str(exc) or type(exc).__name__

@@ -26,6 +26,7 @@ from typing import Any
 
 from llmft.components.lib.summary import collect_run_facts, latest_run_dir, render_summary
 from llmft.pipelines.defaults import resolve_local_arguments
+from llmft.trainer.mlflow_settings import redact_credentials
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STARTED = re.compile(r"Executing task '([^']+)'")
@@ -49,8 +50,9 @@ class ProgressStream(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        self.log.write(text)
-        self.buffer += text
+        shown = redact_credentials(text)  # kfp.local dumps each task's inputs: a URL's password never lands here
+        self.log.write(shown)
+        self.buffer += shown
         while "\n" in self.buffer:
             line, self.buffer = self.buffer.split("\n", 1)
             self._line(ANSI.sub("", line))
@@ -97,11 +99,36 @@ class LocalOutcome:
         if self.succeeded:
             return render_summary(self.facts, elapsed_s=elapsed_s, pipeline_name=self.pipeline_name)
         lines = [f"pipeline FAILED after {elapsed_s:.0f} s in task {self.failed_task or '?'}; its last log lines:"]
-        lines += [f"  | {line}" for line in self.failure_tail]
+        lines += [f"  | {line}" for line in without_traceback(self.failure_tail)[-SHOWN_TAIL_LINES:]]
         lines.append(f"full log: {self.log_path}")
         if self.run_dir:
             lines.append(f"artifacts of the finished tasks: {self.run_dir}")
         return "\n".join(lines)
+
+    def failure_line(self) -> str:
+        """One line for stderr: the failed task and its own error (the exception a component raised, or the
+        ``error:`` line a command printed), never a traceback."""
+        cause = next((m.group(1) for m in map(CAUSE.match, reversed(self.failure_tail)) if m), "")
+        cause = cause or "see its log lines above"
+        return f"pipeline task {self.failed_task or '?'} failed: {cause} (full log: {self.log_path})"
+
+
+CAUSE = re.compile(r"^(?:error: |(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Stop|Interrupt)\w*: )(.+)$")
+"""The line that says why a task failed: a command's ``error: ...`` or a raised exception's last line."""
+SHOWN_TAIL_LINES = 12
+
+
+def without_traceback(lines: list[str]) -> list[str]:
+    """``lines`` without Python traceback blocks (``Traceback ...`` up to, not including, the exception's line)."""
+    kept, inside = [], False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            inside = True
+        elif inside and CAUSE.match(line):
+            inside = False
+        if not inside:
+            kept.append(line)
+    return kept
 
 
 def prepare_local_mlflow(tracking_uri: str, experiment: str, artifact_root: Path) -> None:
@@ -159,7 +186,7 @@ def run_pipeline_locally(
             failed = FAILED_TASK.search(ANSI.sub("", str(exc)))
             outcome.failed_task = failed.group(1) if failed else None
             outcome.failure_tail = list(stream.task_lines.get(outcome.failed_task or "", []))
-            log.write(f"\n{exc}\n")
+            log.write(f"\n{redact_credentials(str(exc))}\n")
     outcome.run_dir = latest_run_dir(pipeline_root, pipeline.name)
     if outcome.run_dir is not None:
         outcome.facts = collect_run_facts(outcome.run_dir)

@@ -19,7 +19,7 @@ import threading
 
 from llmft.trainer import errors
 from llmft.trainer.errors import EXIT_OK, SignalStop
-from llmft.trainer.storage import describe_disk_fault
+from llmft.trainer.storage import describe_disk_fault, describe_path_error, disk_fault, disk_fault_exit_code
 
 EPILOG = """examples:
   llmft train --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
@@ -75,10 +75,19 @@ STARTUP_INTERRUPT = (
 )
 
 
+COMMITTED: dict[str, str] = {}
+"""Set (``{"output": ...}``) once the run's output is committed: a stop signal after that stops nothing."""
+AFTER_COMMIT = "{name} arrived after the run's output was committed ({output}): nothing to stop or resume; exit 0"
+
+
 def _stop_while_starting(signum, _frame) -> None:
     """SIGTERM before the trainer's own handlers (imports, config, planning): nothing to checkpoint yet,
-    so stop at once with one line and exit 143 (a retried pod simply starts again)."""
+    so stop at once with one line and exit 143 (a retried pod simply starts again). After the output was
+    committed (the handlers are this one again): a line on stderr, and the run still exits 0."""
 
+    if COMMITTED:
+        print(f"[llmft] {AFTER_COMMIT.format(name=signal.Signals(signum).name, **COMMITTED)}", file=sys.stderr)
+        return
     raise SignalStop(
         signum,
         "stopped by SIGTERM while the trainer was starting: no training step had run, "
@@ -102,7 +111,12 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
         return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), str(exc).strip() or STARTUP_INTERRUPT
     disk = describe_disk_fault(exc, "the run's output (a checkpoint, final/ or a log)")
     if disk is not None:  # safetensors and torch.save report a full disk as their own errors, not OSError
-        return errors.EXIT_TRANSIENT, disk + "; the run resumes from its newest complete checkpoint"
+        return disk_fault_exit_code(
+            disk_fault(exc) or 0
+        ), disk + "; the run resumes from its newest complete checkpoint"
+    bad_path = describe_path_error(exc)  # output_dir too long a name: bad input, not an I/O fault
+    if bad_path is not None:
+        return errors.EXIT_USER_ERROR, bad_path
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return errors.EXIT_TRANSIENT, (
@@ -158,13 +172,20 @@ def run(args: argparse.Namespace) -> int:
         print(config_to_yaml(cfg), end="")
         return 0
     # heavy: numpy, torch, yaml
+    from llmft.trainer.steps import STOP
+
+    # heavy: numpy, torch, yaml
     from llmft.trainer.train import Stopped, Trainer
 
     trainer = Trainer(cfg, warnings)
     code = EXIT_OK
+    COMMITTED.clear()
     try:
         trainer.build()
         trainer.train()
+        COMMITTED["output"] = f"{cfg.output_dir}/final"
+        if STOP.signum:  # it came during the last step or the final save: the run is complete, say so
+            print(f"[llmft] {AFTER_COMMIT.format(name=signal.Signals(STOP.signum).name, **COMMITTED)}", file=sys.stderr)
     except Stopped as exc:
         code = exc.exit_code
     except BaseException as exc:

@@ -21,6 +21,7 @@ import yaml
 
 from llmft.trainer.config_checks import validate
 from llmft.trainer.errors import ConfigError
+from llmft.trainer.yaml_limits import check_yaml_shape, compose_user_yaml, read_yaml_text
 
 RUN_CONFIG_FILE = "config.yaml"
 """The resolved config the pipeline's plan step writes into the run directory (``llmft train --config``)."""
@@ -355,12 +356,7 @@ class _Source:
 
 
 def _compose_yaml(path: Path, source: _Source) -> dict:
-    try:
-        node = yaml.compose(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+    node = compose_user_yaml(read_yaml_text(path), str(path))  # bounded: size, depth, aliases expanded
     if node is None:
         return {}
     if not isinstance(node, yaml.MappingNode):
@@ -428,11 +424,14 @@ def _apply_override(tree: dict, text: str, source: _Source) -> None:
     except ConfigError:
         raise ConfigError(f"override `{text}`: expected key=value (for example lora.r=16)") from None
     try:
+        check_yaml_shape(raw, f"override `{key}=...`")
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override `{text}`: not a plain YAML value ({' '.join(str(exc).split())})") from None
     node = tree
     parts = key.split(".")
+    if not all(part.strip() for part in parts):
+        raise ConfigError(f"override `{text}`: `{key}` has an empty name between dots; write e.g. lora.r=16")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):

@@ -25,6 +25,7 @@ No mlflow import here: the trainer image imports this module.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from urllib.parse import unquote, urlsplit
 from urllib.request import getproxies_environment, proxy_bypass_environment  # type: ignore[attr-defined]
@@ -133,3 +134,13 @@ def redacted_uri(uri: str) -> str:
         netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
         return parts._replace(netloc=netloc).geturl()
     return uri
+
+
+URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]+@")
+"""The ``user:password@`` part of any URL in a text (what :func:`redact_credentials` hides)."""
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the user name and password of every URL in it replaced by ``***``: for what is logged or
+    shown where the URL may carry them (kfp.local's dump of a task's inputs)."""
+    return URL_USERINFO.sub(r"\1***@", text)

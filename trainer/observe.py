@@ -288,16 +288,21 @@ class Observer:
             if shown:
                 self._bar.set_postfix(shown, refresh=False)
 
-    def write_line(self, text: str) -> None:
+    def write_line(self, text: str, *, stream=None) -> None:
         if self._bar is not None:
             self._bar.clear()
-        print(text, flush=True)
+        print(text, flush=True, file=stream)
         if self._bar is not None:
             self._bar.refresh()
 
     def info(self, text: str) -> None:
         if self.active:
             self.write_line(f"[llmft] {text}")
+
+    def notice(self, text: str) -> None:
+        """A line about how the run ends (a stop signal): stderr, where a stop's reason belongs."""
+        if self.active:
+            self.write_line(f"[llmft] {text}", stream=sys.stderr)
 
     # ------------------------------------------------------------------ MLflow
 

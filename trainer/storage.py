@@ -15,17 +15,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import resource
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from llmft.trainer.errors import TransientError
+from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR, TransientError
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 _TEXTS = {os.strerror(code): code for code in DISK_ERRNOS} | {f"os error {code}": code for code in DISK_ERRNOS}
 TORCH_WRITE_FAILURES = ("PytorchStreamWriter failed writing file", "unexpected pos", "file write failed")
 """What torch.save's zip writer (caffe2/serialize/inline_container.cc) says when a write fails: no errno."""
+SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+"""What numpy's ndarray.tofile raises on a short write (an OSError with no errno): the disk took fewer bytes."""
 _FIX = {
+    errno.EFBIG: "a file-size limit stopped the write (the process's `ulimit -f`, or the file system's largest "
+    "file): raise the limit (ulimit -f unlimited; the container's RLIMIT_FSIZE) or write to another file system",
     errno.EROFS: "the volume is mounted read-only: mount it read-write (check the PVC's accessModes and the pod's "
     "volumeMounts)",
     errno.EDQUOT: "free space or raise the quota",
@@ -61,8 +67,41 @@ def disk_fault(exc: BaseException) -> int | None:
     if found:
         return found[0]
     if isinstance(exc, RuntimeError) and any(needle in text for needle in TORCH_WRITE_FAILURES):
-        return errno.ENOSPC
+        return _short_write_cause()
+    if isinstance(exc, OSError) and exc.errno is None and SHORT_WRITE.search(text):
+        return _short_write_cause()
     return None
+
+
+def _short_write_cause() -> int:
+    """A write that stopped short and said no errno (torch.save, numpy.tofile): EFBIG when this process has a
+    file-size limit (``ulimit -f``: Python ignores SIGXFSZ, so the write just stops), else a full disk."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return errno.ENOSPC if limit == resource.RLIM_INFINITY else errno.EFBIG
+
+
+def disk_fault_exit_code(code: int) -> int:
+    """EFBIG (a file-size limit) is the environment's setting: a retry hits it again (exit 1); a full,
+    over-quota or read-only disk is retried (exit 200)."""
+    return EXIT_USER_ERROR if code == errno.EFBIG else EXIT_TRANSIENT
+
+
+def _retry_note(code: int) -> str:
+    if code == errno.EFBIG:
+        return "exit 1: a retry would hit the same limit"
+    return "exit 200 is retried by the pipeline"
+
+
+def describe_path_error(exc: BaseException) -> str | None:
+    """One line for a path the OS refuses as written (ENAMETOOLONG): bad input (exit 1), never retried."""
+    if not isinstance(exc, OSError) or exc.errno != errno.ENAMETOOLONG:
+        return None
+    name = str(exc.filename or "")
+    longest = max((len(part.encode()) for part in name.split("/")), default=0)
+    return (
+        f"{name[:80]}...: file name too long ({len(name)} characters, the longest part {longest} bytes; a name may "
+        "have at most 255 bytes, a path 4096). Fix: choose a shorter output path"
+    )
 
 
 def free_bytes(path: str | os.PathLike[str]) -> tuple[int, int] | None:
@@ -107,7 +146,7 @@ def disk_fault_message(
     if path is None:
         return (
             f"{os.strerror(code)} (errno {code}, {errno.errorcode.get(code, '?')}) writing {what}. Fix: "
-            f"{_FIX.get(code, _FIX_FULL)}; exit 200 is retried by the pipeline"
+            f"{_FIX.get(code, _FIX_FULL)}; {_retry_note(code)}"
         )
     space = free_bytes(path)
     free = f"{space[0]} bytes ({human(space[0])}) free of {human(space[1])}" if space else "free space unknown"
@@ -115,12 +154,9 @@ def disk_fault_message(
         need = f"needs about {needed} bytes ({human(needed)}); "
     else:
         need = f"{written} bytes ({human(written)}) written before it failed; " if written else ""
-    fix = _FIX.get(
-        code, "free space on the volume or make it larger (a PVC: resize it; keep_last bounds the checkpoints)"
-    )
     return (
         f"{path}: {os.strerror(code)} (errno {code}, {errno.errorcode.get(code, '?')}) writing {what}: {need}{free}. "
-        f"{'Nothing half-written was kept. ' if cleaned else ''}Fix: {fix}; exit 200 is retried by the pipeline"
+        f"{'Nothing half-written was kept. ' if cleaned else ''}Fix: {_FIX.get(code, _FIX_FULL)}; {_retry_note(code)}"
     )
 
 
@@ -143,4 +179,5 @@ def disk_guard(
         message = disk_fault_message(path, code, what=what, needed=needed, written=written, cleaned=True)
         error = DiskFullError(message)
         error.errno = code  # type: ignore[attr-defined]
+        error.exit_code = disk_fault_exit_code(code)
         raise error from exc

@@ -315,7 +315,7 @@ class Trainer:
             self.observer.progress(1, loss=self.last_train_loss, tokens_per_s=self.last_tokens_per_s)
             collect_garbage(step, cfg.gc_every)
             if stop and not final:
-                self.observer.info(
+                self.observer.notice(
                     f"{signal.Signals(stop).name}: checkpoint step-{step} committed; exiting {128 + stop}"
                 )
                 raise Stopped(stop, step)

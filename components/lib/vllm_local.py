@@ -45,6 +45,7 @@ from typing import Any
 
 from llmft.components.lib.serving import MODEL_MOUNT, _urllib_get, smoke_test
 from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError, TransientError
+from llmft.trainer.io import OWNED_FILE_MARK
 
 SERVING_VENV_ENV = "LLMFT_SERVING_VENV"
 SERVING_VENV_DIR = ".venv-serving"
@@ -256,6 +257,8 @@ class VllmServer:
         full = [*command, "--host", self.host, "--port", str(self.port), *self.argv, *self.extra_argv]
         self.print_fn(f"vllm: starting {' '.join(full)} (log: {self.log_path})")
         with open(self.log_path, "wb") as log:
+            log.write(f"{OWNED_FILE_MARK} vLLM server log\n".encode())  # a later --log run may replace it
+            log.flush()
             self.process = subprocess.Popen(  # noqa: S603 - our own argv
                 full,
                 stdin=subprocess.DEVNULL,

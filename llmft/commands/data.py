@@ -9,7 +9,7 @@ import signal
 # nothing, so `llmft data --help` stays fast.
 from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.data.summary import prepare_summary, tokenize_summary
-from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError
+from llmft.trainer.errors import SignalStop
 
 FORMAT_CHOICES = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 TRUNCATION_CHOICES = ("drop", "truncate", "error")
@@ -114,12 +114,10 @@ def _stop_cleanly_on_sigterm() -> None:
     """SIGTERM (a pod evicted or preempted) raises in the main thread like Ctrl-C does, so the
     half-written temporary folder is removed and the command exits 143 (retried) with one line."""
 
-    class Terminated(LlmftError):
-        exit_code = EXIT_PREEMPTED
-
-    def stop(_signum, _frame):
+    def stop(signum, _frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
-        raise Terminated("stopped by SIGTERM; nothing was written (the temporary folder was removed); re-run")
+        # A SignalStop is no Exception: no `except Exception` on the way (a template check) takes it for its own
+        raise SignalStop(signum, "stopped by SIGTERM; nothing was written (the temporary folder was removed); re-run")
 
     signal.signal(signal.SIGTERM, stop)
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
+from pathlib import Path
 
+from llmft.trainer.errors import ConfigError
 from llmft.trainer.real_model import build_real_model
 from llmft.trainer.tiny_model import build_tiny_model
 
@@ -54,6 +58,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tiny_model(args: argparse.Namespace) -> int:
+    check_writable_output(args.output)
     build = build_tiny_model
     if getattr(args, "fp8", False):
         # heavy: safetensors, torch
@@ -72,7 +77,27 @@ def _shape(path) -> str:
     return f"{config.model_type}, {config.num_hidden_layers} layers, vocab {config.vocab_size}"
 
 
+def check_writable_output(output: str) -> None:
+    """Before a slow build: the nearest existing folder of ``output`` takes a new file (a probe file, removed at
+    once). A parent that is a file, a read-only volume or a folder of another user is one ConfigError line."""
+    path = Path(os.path.abspath(output))
+    folder = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+    if folder == path and path.is_dir():
+        folder = path.parent  # the output itself is replaced through a sibling temp dir
+    if not folder.is_dir():
+        raise ConfigError(f"--output {output}: {folder} is a file, not a folder; choose an output path under a folder")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".llmft-probe-", dir=folder)
+    except OSError as exc:
+        raise ConfigError(
+            f"--output {output}: cannot write in {folder} ({exc.strerror}); choose a folder this user can write"
+        ) from None
+    os.close(handle)
+    os.unlink(probe)
+
+
 def run_real_model(args: argparse.Namespace) -> int:
+    check_writable_output(args.output)  # before about 20 s of conversion
     started = time.perf_counter()
     path = build_real_model(args.output, source=args.source, force=args.force)
     print(f"SmolLM2-135M-Instruct written to {path} ({_shape(path)}) in {time.perf_counter() - started:.0f} s")

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from llmft.commands import render_job
 from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
+from llmft.katib.k8s_names import check_k8s_name
 from llmft.pipelines.defaults import DEFAULT_WORK_DIR, REAL_LOCAL_DEFAULTS, REAL_WORK_DIR
 from llmft.pipelines.local_run import run_pipeline_locally
 from llmft.pipelines.real_demo import learning_report, merged_answers
@@ -204,6 +206,8 @@ def validate_cron(expression: str) -> str:
 
 
 def _client(args: argparse.Namespace):
+    if args.namespace is not None:
+        check_k8s_name(args.namespace, "--namespace")
     # heavy: kfp
     import kfp
 
@@ -306,6 +310,7 @@ def run_local(args: argparse.Namespace) -> int:
     )
     print(outcome.render(time.perf_counter() - started))
     if not outcome.succeeded:
+        print(f"error: {outcome.failure_line()}", file=sys.stderr)
         return 1
     if getattr(args, "real", False):
         print("serving the merged model alone (the merged form) ...", flush=True)

@@ -4,10 +4,13 @@ on first use: kfp is heavy), its typed ``key=value`` arguments, and the ``--outp
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import Any
 
 from llmft.pipelines.defaults import parse_arguments
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import check_owned_file
+from llmft.trainer.mlflow_settings import redact_credentials
 
 YAML_SUFFIXES = (".yaml", ".yml")
 """What KFP's compiler accepts as a package path (kfp/compiler/pipeline_spec_builder.py, write_pipeline_spec_to_file,
@@ -33,7 +36,23 @@ def load_pipeline(hpo: bool, defaults: dict | None = None):
 def typed_arguments(args: argparse.Namespace) -> dict:
     """The ``key=value`` arguments, typed by the pipeline's parameters."""
 
-    return parse_arguments(args.arguments, load_pipeline(args.hpo))
+    arguments = parse_arguments(args.arguments, load_pipeline(args.hpo))
+    refuse_credentials(arguments)
+    return arguments
+
+
+def refuse_credentials(arguments: Mapping[str, Any]) -> None:
+    """A pipeline parameter never carries a password: the KFP UI shows parameters, kfp.local logs a task's
+    inputs and the train step copies them into the job. A URL with ``user:password@`` is refused before
+    anything sees it, in one line that shows it redacted."""
+    for name, value in arguments.items():
+        if isinstance(value, str) and redact_credentials(value) != value:
+            raise ConfigError(
+                f"pipeline parameter `{name}`={redact_credentials(value)!r} holds a user name or password, which "
+                "the KFP UI and the run's logs would show. Pass the URL alone and put the credentials in a "
+                "Kubernetes Secret (for MLflow: the mlflow_secret's MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD keys, deploy/secrets)"
+            )
 
 
 def check_yaml_output(output: str, *, force: bool) -> None:

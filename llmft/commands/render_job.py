@@ -19,6 +19,7 @@ import yaml
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
 from llmft.components.lib.pytorchjob import build_pytorchjob, build_pytorchjob_spec, pytorchjob_to_dict
 from llmft.components.lib.trainjob_spec import build_trainjob, trainjob_to_dict
+from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config import config_to_yaml
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
@@ -106,6 +107,8 @@ _Dumper.add_representer(
 
 def run_render_job(args: argparse.Namespace) -> int:
     check_yaml_output(args.output, force=args.force)
+    if args.namespace is not None:  # written into the manifest: a Kubernetes name, never a path such as ../x
+        check_k8s_name(args.namespace, "--namespace")
     body, config = render_job_and_config(
         typed_arguments(args), args.backend, run_id=args.run_id, namespace=args.namespace, data=args.data, hpo=args.hpo
     )

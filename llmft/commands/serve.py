@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llmft.trainer.io import atomic_write_json
+from llmft.trainer.io import atomic_write_json, check_owned_file
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--merged-dir", help="where the merged form is written (default: a temporary directory)")
     check.add_argument("--max-lora-rank", type=int, help="vLLM --max-lora-rank (default: the InferenceService's)")
     check.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default 0: a free one)")
-    check.add_argument("--log", help="vLLM's log file (default: a temporary file, named when vLLM fails)")
+    check.add_argument(
+        "--log", help="vLLM's log file: new, or one llmft wrote (default: a temporary file, named when vLLM fails)"
+    )
+    check.add_argument(
+        "--force", action="store_true", help="replace a file (or symlink) at --log that llmft did not write"
+    )
     check.add_argument("--max-tokens", type=int, default=32, help="greedy answer length in tokens (32)")
     check.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to answer (900)"
@@ -54,6 +59,10 @@ def run_check(args: argparse.Namespace) -> int:
 
     if args.json:
         check_result_target(Path(args.json))
+    if args.log:
+        check_owned_file(args.log, force=args.force)  # the log is streamed, so never written through a symlink:
+        if Path(args.log).is_symlink():  # with --force the link itself goes, never its target
+            Path(args.log).unlink()
     options = {"port": args.port, "log_path": args.log, "startup_timeout_s": args.startup_timeout}
     result = serve_check(
         args.adapter,

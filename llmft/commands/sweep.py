@@ -1,6 +1,6 @@
 """`llmft sweep ...`: Katib hyperparameter sweeps of the training step.
 
-    llmft sweep create [--dry-run] [--output FILE] [--from-yaml FILE] [--wait] [key=value ...]
+    llmft sweep create [--dry-run] [--output FILE [--force]] [--from-yaml FILE] [--wait] [key=value ...]
     llmft sweep status NAME [--watch]
     llmft sweep best NAME
     llmft sweep run-local --trials N [--algorithm random|tpe|grid|bayesianoptimization] [key=value ...]
@@ -26,11 +26,13 @@ import sys
 from importlib.resources import files
 from pathlib import Path
 
+from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
 from llmft.katib.errors import SweepError
+from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.webhook_rules import check_experiment
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.io import is_complete
+from llmft.trainer.io import is_complete, write_owned_file
 from llmft.trainer.tiny_model import build_tiny_model
 
 JOB_PARAMETERS = (
@@ -79,7 +81,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     create = sub.add_parser("create", help="build (and unless --dry-run, submit) the Katib Experiment")
     create.add_argument("settings", nargs="*", metavar="key=value", help="sweep, job and train.<key> settings")
     create.add_argument("--dry-run", action="store_true", help="validate and print/write the Experiment only")
-    create.add_argument("--output", help="write the Experiment YAML here")
+    create.add_argument(
+        "--output", help="write the Experiment YAML here (.yaml or .yml; atomically; new, or one llmft wrote)"
+    )
+    create.add_argument(
+        "--force", action="store_true", help="replace a file (or symlink) at --output that llmft did not write"
+    )
     create.add_argument("--from-yaml", help="submit this (edited) Experiment YAML instead of building one")
     create.add_argument("--wait", action="store_true", help="wait for the end, then print the best key=value lines")
     _cluster_flags(create)
@@ -122,6 +129,8 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
 def make_cluster(args: argparse.Namespace):
     """The one cluster module (tests replace this factory to inject a fake kubernetes client)."""
 
+    if getattr(args, "namespace", None) is not None:
+        check_k8s_name(args.namespace, "--namespace")
     return Cluster(
         getattr(args, "namespace", None),
         config_file=getattr(args, "kubeconfig", None),
@@ -150,6 +159,7 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
             job[key] = value
         else:
             sweep.append(item)
+    refuse_credentials(job)  # the trial job's env would carry it into the Experiment YAML
     return sweep, job, train
 
 
@@ -221,6 +231,8 @@ def run_create(args: argparse.Namespace) -> int:
     # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.experiment import experiment_dict, load_yaml, to_yaml
 
+    if args.output:
+        check_yaml_output(args.output, force=args.force)  # before any work: the file is not ours -> one line
     if args.from_yaml:
         if args.settings:
             raise SweepError("--from-yaml submits the file as it is; edit the file instead of passing key=value")
@@ -230,8 +242,7 @@ def run_create(args: argparse.Namespace) -> int:
     check_experiment(body)
     text = to_yaml(body, header="Katib Experiment built by `llmft sweep create`; apply with kubectl apply -f")
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text, encoding="utf-8")
+        write_owned_file(args.output, text, command="sweep create", force=args.force)
         print(f"wrote {args.output}")
     if args.dry_run:
         if not args.output:

@@ -41,3 +41,14 @@ def test_an_item_without_a_key_is_refused_everywhere(item):
         apply_overrides(SweepSpec(), [item])
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(None, [*REQUIRED, item])
+
+
+@pytest.mark.parametrize("item", ["lora..r=4", ".lora.r=4", "lora.r.=4"])
+def test_an_empty_name_between_dots_blames_the_override(item, tmp_path):
+    """Issue 35: `lora..r=4` was reported against the config file, which never named it."""
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  name_or_path: m\ndata: d\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(str(config), [item])
+    assert str(error.value).startswith(f"override `{item}`") and "empty name between dots" in str(error.value)
+    assert str(config) not in str(error.value)

@@ -161,7 +161,7 @@ def test_cli_create_status_best(cli_cluster, capsys, tmp_path):
         ][0]
     )
     assert "max_steps=50" in args and "max_steps=200" not in args and "data=/data/tokenized/abc" in args
-    assert out.read_text().startswith("# Katib Experiment")
+    assert out.read_text().splitlines()[1].startswith("# Katib Experiment")  # after the owned-file mark
     assert llmft_main(["sweep", "status", "llmft-sweep"]) == 0
     assert "experiment llmft-sweep: Running" in capsys.readouterr().out
     assert llmft_main(["sweep", "best", "llmft-sweep"]) == 0

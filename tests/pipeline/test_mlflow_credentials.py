@@ -116,3 +116,53 @@ def test_a_tracking_uri_parameter_with_a_password_is_refused_without_echoing_it(
     with pytest.raises(ConfigError, match="mlflow_tracking_uri.*MLFLOW_TRACKING_PASSWORD") as refused:
         make_plan(mlflow_tracking_uri="http://alice:hunter2@mlflow.example:5000")
     assert "hunter2" not in str(refused.value) and "***@mlflow.example:5000" in str(refused.value)
+
+
+CANARY_URI = "http://alice:s3cr3tCANARY@127.0.0.1:5055"
+
+
+def test_run_local_refuses_a_password_in_a_parameter_before_kfp_local_sees_it(tmp_path, capsys):
+    """Issue 35 item 2: kfp.local logged the plan task's inputs verbatim (run-local.log, and stdout with
+    --verbose) before the plan step refused the parameter. Now the command refuses it first, in one line."""
+    from llmft.cli import main as llmft_main
+
+    work = tmp_path / "w"
+    code = llmft_main(
+        ["pipeline", "run-local", "--verbose", "--work-dir", str(work), f"mlflow_tracking_uri={CANARY_URI}"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1 and "s3cr3tCANARY" not in out + err
+    assert err.count("\n") == 1 and "mlflow_tracking_uri" in err and "***@127.0.0.1:5055" in err
+    assert not work.exists()  # nothing ran, nothing was written
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["pipeline", "render-job", "--backend", "pytorchjob", "--output", "j.yaml"],
+        ["sweep", "create", "--dry-run", "data=/d"],
+    ],
+)
+def test_every_parameter_taking_command_refuses_a_password(command, tmp_path, capsys, monkeypatch):
+    from llmft.cli import main as llmft_main
+
+    monkeypatch.chdir(tmp_path)
+    assert llmft_main([*command, f"mlflow_tracking_uri={CANARY_URI}"]) == 1
+    out, err = capsys.readouterr()
+    assert "s3cr3tCANARY" not in out + err and "***@127.0.0.1" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_local_run_log_and_screen_never_show_a_password():
+    """Whatever reaches kfp.local's output (a URL from the environment, an exception) is redacted."""
+    import io
+
+    from llmft.pipelines.local_run import ProgressStream
+
+    log, screen = io.StringIO(), io.StringIO()
+    stream = ProgressStream(log, screen, verbose=True)
+    text = f"inputs: {{'mlflow_tracking_uri': '{CANARY_URI}', 'model': 'https://bob:pw@hub.example/m'}}\n"
+    assert stream.write(text) == len(text)
+    for shown in (log.getvalue(), screen.getvalue()):
+        assert "s3cr3tCANARY" not in shown and "bob:pw" not in shown
+        assert "http://***@127.0.0.1:5055" in shown and "https://***@hub.example/m" in shown

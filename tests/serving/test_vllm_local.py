@@ -188,6 +188,30 @@ def test_serve_check_never_replaces_a_file_it_did_not_write(small_adapter, tmp_p
     assert out.read_text() == '{"mine": 1}'
 
 
+def test_serve_check_never_writes_its_log_over_a_users_file_or_through_a_link(tmp_path, capsys):
+    notes = tmp_path / "notes.log"
+    notes.write_text("mine\n")
+    link = tmp_path / "link.log"
+    link.symlink_to(notes)
+    for log in (notes, link):  # refused before the adapter is even read
+        args = [
+            "serve",
+            "check",
+            "--adapter",
+            str(tmp_path / "none"),
+            "--name",
+            "m",
+            "--prompt",
+            "x",
+            "--log",
+            str(log),
+        ]
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert ("llmft did not write" in err or "symlink" in err) and err.count("\n") == 1, err
+    assert notes.read_text() == "mine\n" and link.is_symlink()
+
+
 def test_serve_check_without_a_local_base_says_so(small_adapter, capsys):
     config = json.loads((small_adapter / "adapter_config.json").read_text())
     (small_adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/m"}))

@@ -94,13 +94,23 @@ def test_sigterm_commits_a_checkpoint_and_exits_143(tiny_model_dir, tokenized_di
     out = tmp_path / "preempted"
     result = run_trainer(_overrides(tiny_model_dir, tokenized_dir, out, "debug.sigterm_at_step=3"))
     assert result.returncode == 143, result.stderr[-3000:]
-    assert "SIGTERM" in result.stdout
+    stopped = "SIGTERM: checkpoint step-3 committed; exiting 143"
+    assert stopped in result.stderr and stopped not in result.stdout  # issue 35: the stop's reason is on stderr
     assert is_complete(out / "checkpoints" / "step-3")  # the step in flight finished and was committed
     assert not (out / "checkpoints" / "step-4").exists() and not (out / "final").exists()
     import json
 
     state = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["data_position"]["sequences_consumed"] == 12
+
+
+def test_sigterm_on_the_last_step_completes_the_run_and_says_so(tiny_model_dir, tokenized_dir, tmp_path):
+    """Issue 35: a stop signal after the output was committed stops nothing: exit 0, one line on stderr."""
+    out = tmp_path / "last-step"
+    result = run_trainer(_overrides(tiny_model_dir, tokenized_dir, out, "debug.sigterm_at_step=6"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"SIGTERM arrived after the run's output was committed ({out}/final)" in result.stderr
+    assert (out / "final").is_dir() and "exiting 143" not in result.stderr
 
 
 class _Payload:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmft.trainer.data.shards import IGNORE_INDEX
+from llmft.trainer.data.template_limits import TemplateTooSlow
 from llmft.trainer.data.templates import (
     ReplyLocator,
     ReplySpan,
@@ -218,12 +219,16 @@ def _render_all(tokenizer, plan: EncodePlan, label: str, chats: list, result: Ch
         return []
     try:
         return _WORKER["render_many"]([c[2] for c in chats])
+    except TemplateTooSlow as exc:  # the template, not a row: one line for the whole run
+        raise TemplateTooSlow(f"the chat template {exc} (at {label}:{chats[0][0]} or after)") from None
     except Exception:  # noqa: BLE001 - one bad row fails the batch: find it row by row
         pass
     texts: list[str | None] = []
     for line, _kind, messages in chats:
         try:
             texts.append(render(tokenizer, plan.template, messages))
+        except TemplateTooSlow as exc:
+            raise TemplateTooSlow(f"the chat template {exc} (at {label}:{line})") from None
         except Exception as exc:  # noqa: BLE001 - template raise_exception(...) and friends
             _drop(result, label, line, "template_error", f"chat template failed: {exc}")
             texts.append(None)

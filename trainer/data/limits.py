@@ -11,6 +11,11 @@
 - ``NORMALIZER_SLACK``: how many characters one token's worth of text may shrink to under the
   tokenizer's normalizer (NFC/NFKC compose at most a few code points into one); used by
   ``tokenize`` to drop a document that cannot fit in ``--max-length`` tokens before tokenizing it.
+- ``MAX_TEMPLATE_SECONDS``: longest a chat template may take to render one conversation (the tokenize
+  step's probe, then every row); a real template takes well under a millisecond. Longer is a template
+  that never ends (nested ``range`` loops): one line naming the template, exit 1.
+- ``MAX_PROBE_RENDER_CHARS``: most characters a template may write for the two-message probe
+  conversation (a long built-in system prompt is a few KiB).
 """
 
 from __future__ import annotations
@@ -19,3 +24,5 @@ DEFAULT_MAX_ROW_BYTES = 8 << 20
 DEFAULT_MAX_REJECT_FRACTION = 0.01
 DEFAULT_MAX_DROP_FRACTION = 0.01
 NORMALIZER_SLACK = 4
+MAX_TEMPLATE_SECONDS = 10.0
+MAX_PROBE_RENDER_CHARS = 1 << 20

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+from llmft.trainer.data.template_limits import render_deadline, render_probe
 from llmft.trainer.errors import DataError
 
 # Fallback templates for tokenizers without their own (``--chat-template NAME``).
@@ -106,12 +107,15 @@ def template_hash(template: str | None) -> str:
 
 
 def render(tokenizer, template: str, messages: list[dict]) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    """One conversation, as ``apply_chat_template(tokenize=False)``; TemplateTooSlow past the time bound."""
+    with render_deadline() as restart:
+        restart()
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
 
 
 def render_batch(tokenizer, template: str, conversations: list[list[dict]]) -> list[str]:
-    """Render many conversations in one call (one template compile, one call overhead)."""
-    return tokenizer.apply_chat_template(conversations, chat_template=template, tokenize=False)
+    """Render many conversations, each within the time bound."""
+    return [render(tokenizer, template, messages) for messages in conversations]
 
 
 def batch_renderer(tokenizer, template: str):
@@ -131,10 +135,14 @@ def batch_renderer(tokenizer, template: str):
     context = dict(tokenizer.special_tokens_map)
 
     def render_many(conversations: list[list[dict]]) -> list[str]:
-        return [
-            compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=False, **context)
-            for c in conversations
-        ]
+        texts = []
+        with render_deadline() as restart:  # each conversation within the time bound (TemplateTooSlow)
+            for c in conversations:
+                restart()
+                texts.append(
+                    compiled.render(messages=c, tools=None, documents=None, add_generation_prompt=False, **context)
+                )
+        return texts
 
     return render_many
 
@@ -145,7 +153,7 @@ def end_of_turn_marker(tokenizer, template: str) -> str:
     Supervised so the model learns to stop. Empty when the template writes nothing there
     (GLM-4: the next turn's header follows the reply directly)."""
     probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ANSWER}]
-    text = render(tokenizer, template, probe)
+    text = render_probe(tokenizer, template, probe)  # bounded in time and size: the first render of a template
     at = text.rfind(_PROBE_ANSWER)
     if at < 0:
         return ""

@@ -40,6 +40,7 @@ from llmft.trainer.data.packing import best_fit_pack, packing_efficiency
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
 from llmft.trainer.data.shards import MANIFEST
+from llmft.trainer.data.template_limits import TemplateTooSlow
 from llmft.trainer.data.templates import (
     end_of_turn_marker,
     missing_template_error,
@@ -190,6 +191,8 @@ def _checked_end_of_turn(tokenizer, template: str, source: str) -> str:
     where = "the tokenizer's chat template" if source == "tokenizer" else f"--chat-template ({source})"
     try:
         return end_of_turn_marker(tokenizer, template)
+    except TemplateTooSlow as exc:
+        raise TemplateTooSlow(f"{where} {exc}") from None
     except jinja2.TemplateSyntaxError as exc:
         raise DataError(
             f"{where} is not valid Jinja: line {exc.lineno}: {exc.message}. Fix the template text"
@@ -213,6 +216,12 @@ def longest_token_chars(tokenizer) -> int:
 def find_split_files(input_dir: Path) -> dict[str, Path]:
     if not input_dir.is_dir():
         raise DataError(f"{input_dir}: no such directory; create it with `llmft data prepare --output {input_dir}`")
+    linked = [f"{s}.jsonl" for s in SPLITS if (input_dir / f"{s}.jsonl").is_symlink()]
+    if linked:  # a link could point anywhere (another user's data, a secret): never followed
+        raise DataError(
+            f"{input_dir / linked[0]}: is a symlink; tokenize reads only the files `llmft data prepare` wrote. "
+            f"Re-run `llmft data prepare --output {input_dir}` (or copy the file in)"
+        )
     files = {s: input_dir / f"{s}.jsonl" for s in SPLITS if (input_dir / f"{s}.jsonl").is_file()}
     if "train" not in files:
         raise DataError(f"{input_dir}: no train.jsonl; create it with `llmft data prepare --output {input_dir}`")

@@ -1,0 +1,48 @@
+"""How `llmft pipeline run-local` shows a failed task (issue 35, Low): one `error:` line on stderr naming the
+task and its own error; the screen's tail without the Python traceback kfp's executor printed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmft.cli import main as llmft_main
+from llmft.pipelines.local_run import LocalOutcome
+
+CAUSE = "pipeline parameters: `lora_r`=64 exceeds `max_lora_rank`=8 of the vLLM runtime. Lower lora_r"
+# The last lines kfp.local logged for a failed plan-run task (a real run, shortened).
+TAIL = [
+    '"outputFile": "/w/kfp/llm-finetune-2026-11-28/plan-run/executor_output.json"',
+    "}",
+    "Traceback (most recent call last):",
+    'File "<frozen runpy>", line 198, in _run_module_as_main',
+    'File "/venv/lib/python3.11/site-packages/kfp/dsl/executor.py", line 453, in execute',
+    "result = self.func(**func_kwargs)",
+    "^^^^^^^^^^^^^^^^^^^^^^^^",
+    'File "/repo/llmft/components/lib/plan_checks.py", line 268, in check_serving',
+    "raise ConfigError(",
+    f"llmft.trainer.errors.ConfigError: {CAUSE}",
+]
+
+
+def failed_outcome(tail=TAIL) -> LocalOutcome:
+    return LocalOutcome(False, {}, Path("/w/run-local.log"), failed_task="plan-run", failure_tail=list(tail))
+
+
+def test_the_screen_shows_the_error_without_the_traceback():
+    shown = failed_outcome().render(3.0)
+    assert "Traceback" not in shown and 'File "' not in shown and "^^^" not in shown
+    assert f"| llmft.trainer.errors.ConfigError: {CAUSE}" in shown and "in task plan-run" in shown
+
+
+def test_the_failure_line_names_the_task_and_its_error():
+    assert failed_outcome().failure_line() == f"pipeline task plan-run failed: {CAUSE} (full log: /w/run-local.log)"
+    printed = failed_outcome(["tokenizing ...", "error: train.jsonl:3: bad row; fix it", "cleanup done"])
+    assert printed.failure_line().startswith("pipeline task plan-run failed: train.jsonl:3: bad row; fix it")
+
+
+def test_run_local_prints_one_error_line_on_stderr(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("llmft.commands.pipeline.run_pipeline_locally", lambda *a, **k: failed_outcome())
+    assert llmft_main(["pipeline", "run-local", "--work-dir", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: pipeline task plan-run failed: {CAUSE} (full log: /w/run-local.log)\n"
+    assert "Traceback" not in out and "pipeline FAILED" in out

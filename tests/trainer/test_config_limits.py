@@ -1,0 +1,78 @@
+"""Bad YAML input is one ConfigError line before anything walks it (issue 35 items 3 and 6): an alias bomb,
+a 50,000-deep document, a binary file, a FIFO, an oversized file; in --config, in key=value overrides and in
+`llmft sweep create --from-yaml`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from llmft.katib.errors import SweepError
+from llmft.katib.experiment import load_yaml
+from llmft.trainer.config import load_config
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.yaml_limits import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, load_user_yaml
+
+
+def alias_bomb(levels: int) -> str:
+    """``levels`` lines, each a list of nine aliases of the line above: 9**levels values once expanded."""
+    lines = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def refused(tmp_path, text: str | bytes, match: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=match) as error:
+        load_config(str(path))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(str(path))
+    return message
+
+
+def test_an_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    assert 9**5 > MAX_YAML_NODES  # five lines of aliases expand past the bound
+    message = refused(tmp_path, alias_bomb(5) + "lora:\n  target_modules: *l4\n", "aliases")
+    assert f"more than {MAX_YAML_NODES:,} values" in message and ", line 5:" in message
+
+
+def test_aliases_within_the_bound_still_load():
+    text = alias_bomb(4) + "lora: {target_modules: &m [q_proj, v_proj]}\nagain: *m\n"  # 9**4 = 6561 values
+    loaded = load_user_yaml(text, "t.yaml")
+    assert loaded["again"] == ["q_proj", "v_proj"] and len(loaded["l3"][0][0][0]) == 9
+
+
+@pytest.mark.parametrize("depth", [MAX_YAML_DEPTH + 1, 50_000])
+def test_deep_nesting_is_one_line_not_a_recursion_error(tmp_path, depth):
+    refused(tmp_path, "lora: " + "[" * depth + "]" * depth + "\n", f"nested deeper than {MAX_YAML_DEPTH} levels")
+
+
+def test_a_binary_file_is_one_line(tmp_path):
+    message = refused(tmp_path, b"lora:\n  r: 8\n\x7fELF\x02\x01\x01\x00\xd0\xff", "not UTF-8 text")
+    assert ", line 3:" in message and "0xd0" in message
+
+
+def test_an_oversized_file_is_refused_unread(tmp_path):
+    refused(tmp_path, "# padding\n" * (MAX_YAML_BYTES // 10 + 1), "larger than 1024 KiB")
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(str(fifo))
+
+
+def test_an_override_bomb_is_refused(tmp_path):
+    bomb = "[" + ", ".join(["[" + ", ".join(["[" + ", ".join(["x"] * 30) + "]"] * 30) + "]"] * 30) + "]"
+    with pytest.raises(ConfigError, match="override `lora.target_modules=...`.*more than"):
+        load_config(None, [f"lora.target_modules={bomb}"])
+
+
+def test_an_experiment_file_is_bounded_too(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text(alias_bomb(5))
+    with pytest.raises(SweepError, match="aliases"):
+        load_yaml(path)
