@@ -164,24 +164,25 @@ def read_state(path: Path) -> dict:
 
 
 def check_compatible(path: Path, config: dict, dataset_key: str, force: bool) -> list[str]:
-    """Refuse to resume when the math-relevant config or the dataset changed (unless forced)."""
+    """Refuse to resume when the math-relevant config or the dataset changed (unless forced), in one
+    line naming each changed setting with its old and new value, and the fix."""
     old_config = json.loads((path / CONFIG_FILE).read_text())
     lines = diff_configs(old_config, config)
     old_key = read_state(path).get("dataset_cache_key")
     if old_key != dataset_key:
         lines.append(f"dataset cache_key: {old_key!r} -> {dataset_key!r}")
     shapes = [line for line in lines if line.split(":")[0] in SHAPE_SETTINGS]
-    if shapes and force:
+    if shapes:
+        forced = ", even with force_resume=true" if force else ""
         raise ConfigError(
-            f"cannot resume from {path}, even with force_resume=true: {'; '.join(shapes)} changes which tensors the "
-            "model trains, so the checkpoint's weights and optimizer state do not fit it. Use a new output_dir to "
-            "train with the new setting, or set it back to resume"
+            f"cannot resume from {path}{forced}: {'; '.join(shapes)} changes which tensors the model trains, so the "
+            "checkpoint's weights and optimizer state do not fit it. Set it back to resume, or use a new output_dir "
+            "to train with the new setting"
         )
     if lines and not force:
         raise ConfigError(
-            f"cannot resume from {path}: the run's settings differ from the checkpoint's:\n  "
-            + "\n  ".join(lines)
-            + "\nUse a new output_dir to start over, or force_resume=true to continue anyway."
+            f"cannot resume from {path}: the run's settings differ from the checkpoint's ({'; '.join(lines)}). "
+            "Set them back to resume, use a new output_dir to start over, or force_resume=true to continue anyway"
         )
     return lines
 

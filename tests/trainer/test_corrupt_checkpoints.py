@@ -125,3 +125,23 @@ def test_force_resume_cannot_cross_a_change_of_the_adapters_shape(tmp_path):
     with pytest.raises(ConfigError, match=r"even with force_resume=true: lora.r: 4 -> 8"):
         ckpt.check_compatible(path, {"lora": {"r": 8}}, "k", force=True)
     assert ckpt.check_compatible(path, {"lora": {"r": 4}}, "k", force=True) == []
+
+
+def test_a_changed_base_model_or_rank_is_one_line_naming_the_setting_and_the_fix(tmp_path):
+    path = _checkpoint(tmp_path, 2)
+    (path / "train_config.json").write_text(json.dumps({"model": {"name_or_path": "org/base-a"}, "lora": {"r": 4}}))
+    (path / "trainer_state.json").write_text(json.dumps({"step": 2, "dataset_cache_key": "k1"}))
+    new_base = {"model": {"name_or_path": "org/base-b"}, "lora": {"r": 4}}
+    with pytest.raises(ConfigError) as base:
+        ckpt.check_compatible(path, new_base, "k2", force=False)
+    message = str(base.value)
+    assert "\n" not in message
+    assert "model.name_or_path: 'org/base-a' -> 'org/base-b'" in message and "'k1' -> 'k2'" in message
+    assert message.endswith("or force_resume=true to continue anyway")
+
+    with pytest.raises(ConfigError) as rank:
+        ckpt.check_compatible(path, {"model": {"name_or_path": "org/base-a"}, "lora": {"r": 8}}, "k1", force=False)
+    message = str(rank.value)
+    assert "\n" not in message and "lora.r: 4 -> 8 changes which tensors the model trains" in message
+    assert "Set it back to resume, or use a new output_dir" in message
+    assert "force_resume" not in message  # forcing cannot cross a change of the adapters' shape: never offered
