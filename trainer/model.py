@@ -209,9 +209,31 @@ def apply_lora(model, lora: LoraConfig, *, qlora: bool = False):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        peft_model = get_peft_model(model, peft_cfg)
     except ValueError as exc:
         raise ConfigError(f"lora.target_modules={list(lora.target_modules)}: {exc}") from None
+    check_rank_fits(peft_model, lora.r)
+    return peft_model
+
+
+def check_rank_fits(model, r: int) -> None:
+    """Refuse (exit 1, before the first step) a ``lora.r`` above min(in, out) features of a targeted
+    layer: B @ A of such a layer has rank at most min(in, out), so the extra rank only adds parameters,
+    optimizer state and memory (``lora.r=4096`` on a hidden size of 128 is a typo, not a choice)."""
+    sizes = [
+        (min(m.in_features, m.out_features), name.removeprefix("base_model.model."), m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if hasattr(m, "lora_A") and isinstance(getattr(m, "in_features", None), int)
+    ]
+    if not sizes:
+        return
+    fits, name, fan_in, fan_out = min(sizes)
+    if r > fits:
+        raise ConfigError(
+            f"lora.r={r} is larger than the targeted layer {name} ({fan_in} -> {fan_out} features) allows: an "
+            f"adapter's rank is at most min(in, out) = {fits}, so the rest only costs memory. Set lora.r <= {fits} "
+            "(or leave that layer out of lora.target_modules)"
+        )
 
 
 def autocast(device: torch.device, dtype: torch.dtype, enabled: bool):

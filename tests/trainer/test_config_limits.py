@@ -76,3 +76,28 @@ def test_an_experiment_file_is_bounded_too(tmp_path):
     path.write_text(alias_bomb(5))
     with pytest.raises(SweepError, match="aliases"):
         load_yaml(path)
+
+
+def test_a_lora_rank_above_the_layers_features_is_refused_before_training(
+    base_overrides, tiny_model_dir, tmp_path, capsys
+):
+    """The tiny model's hidden size is 128 and its k_proj has 64 outputs (2 KV heads of 32): lora.r=4096 on
+    all-linear is refused in one line naming the narrowest layer, before any step or output; r=64 fits."""
+    from trainer_helpers import train_in_process
+    from transformers import AutoModelForCausalLM
+
+    from llmft.trainer.config import LoraConfig
+    from llmft.trainer.model import apply_lora
+
+    overrides = base_overrides("rank", max_steps=1, lora__r=4096)  # target_modules: all-linear, the default
+    code, _ = train_in_process(overrides)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]  # not transformers' loading bar
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    err = errors[0]
+    assert "lora.r=4096 is larger than the targeted layer" in err and "k_proj (128 -> 64 features)" in err, err
+    assert "Set lora.r <= 64" in err
+    assert not (tmp_path / "rank" / "final").exists() and not list((tmp_path / "rank").glob("checkpoints/step-*"))
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    assert apply_lora(base, LoraConfig(r=64, alpha=8, target_modules=("all-linear",))) is not None  # min(in, out)
