@@ -34,6 +34,7 @@ FORMAT_CHOICES = ("auto", *FORMATS)
 # reason -> how to fix it (shown in error messages and rejects.jsonl)
 REJECT_FIXES: dict[str, str] = {
     "invalid_json": "make the line one complete JSON object (JSON Lines: one object per line)",
+    "not_utf8": "re-save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`): JSON Lines is UTF-8 text",
     "wrong_type": (
         "give the field the documented type (messages: list of {role, content} objects; other fields: strings)"
     ),

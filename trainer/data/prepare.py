@@ -35,7 +35,7 @@ from llmft.trainer.data.formats import FORMAT_CHOICES, RowReject, convert_row
 from llmft.trainer.data.limits import DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
-from llmft.trainer.data.sources import OversizedRow, Source, open_source
+from llmft.trainer.data.sources import RESAVE_AS_UTF8, OversizedRow, Source, open_source
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import atomic_directory, atomic_write_json, check_output_target
 
@@ -197,6 +197,10 @@ def _parse_json(raw: bytes) -> Any:
             pass  # orjson is stricter (NaN, huge ints): let json decide
     try:
         return json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise RowReject(
+            "not_utf8", "<line>", f"byte 0x{raw[exc.start]:02x} at offset {exc.start} is not UTF-8"
+        ) from None
     except ValueError as exc:
         raise RowReject("invalid_json", "<line>", f"invalid JSON: {exc}") from None
     except RecursionError:  # orjson stops at 1,024 levels, json at Python's recursion limit (~1,000)
@@ -212,6 +216,7 @@ class _Tally:
         self.reasons: Counter[str] = Counter()
         self.formats: Counter[str] = Counter()
         self.first_rejects: list[dict] = []
+        self.first_by_reason: dict[str, dict] = {}
 
     @property
     def total(self) -> int:
@@ -235,6 +240,7 @@ class _Tally:
         }
         if len(self.first_rejects) < MAX_LISTED_REJECTS:
             self.first_rejects.append(record)
+        self.first_by_reason.setdefault(reject.reason, record)
         return record
 
 
@@ -293,19 +299,33 @@ class _SplitWriter:
 def _check_quality(src: Source, tally: _Tally, max_reject_fraction: float) -> None:
     if tally.total == 0:
         raise DataError(f"{src.label}: no rows found (empty input); point --input at a file with data")
+    fraction = tally.rejected / tally.total
+    if (tally.accepted == 0 or fraction > max_reject_fraction) and "not_utf8" in tally.first_by_reason:
+        raise DataError(_not_utf8_message(src, tally, max_reject_fraction))
     listing = "\n".join(_describe(r) for r in tally.first_rejects)
     if tally.accepted == 0:
         raise DataError(
             f"{src.label}: no valid row among {tally.total} rows. First offending lines:\n{listing}\n"
             "Fix the rows, or pass --format if auto-detection picked the wrong one."
         )
-    fraction = tally.rejected / tally.total
     if fraction > max_reject_fraction:
         raise DataError(
             f"{src.label}: {tally.rejected} of {tally.total} rows rejected ({fraction:.2%}), above "
             f"--max-reject-fraction {max_reject_fraction:.2%}. First offending lines:\n{listing}\n"
             "Fix these rows, or raise --max-reject-fraction if dropping them is intended."
         )
+
+
+def _not_utf8_message(src: Source, tally: _Tally, max_reject_fraction: float) -> str:
+    """One line for rows that are not UTF-8: the file's encoding is the fault, one fix cures every row."""
+    first, count = tally.first_by_reason["not_utf8"], tally.reasons["not_utf8"]
+    others = tally.rejected - count
+    also = f" (and {others} rejected for other reasons)" if others else ""
+    return (
+        f"{first['file']}:{first['line']}: not UTF-8 text ({first['message']}); {count} of {tally.total} rows of "
+        f"{src.label} are not UTF-8{also}, above --max-reject-fraction {max_reject_fraction:.2%}. Fix: "
+        + RESAVE_AS_UTF8.format(encoding="latin1", label=first["file"], stem=Path(first["file"]).with_suffix(""))
+    )
 
 
 def _describe(reject: dict) -> str:

@@ -142,14 +142,19 @@ class Source:
         h = hashlib.sha256()
         limit = self.max_row_bytes
         with open_file(path, path.parent) as fh:
-            number = 0
+            number, text_checked = 0, False
             while line := fh.readline(limit + 2):  # room for the line's own "\r\n"
                 number += 1
                 h.update(line)
+                if number == 1:
+                    _refuse_utf16_or_32(line, label)
                 if len(line) > limit and len(line.rstrip(b"\r\n")) > limit:
                     size = _skip_rest_of_line(fh, line, h)
                     yield label, number, None, OversizedRow(size, line[:_HEAD_BYTES])
                 elif line.strip():
+                    if not text_checked:  # the first row tells a binary or non-UTF-8 file: one line, not a reject each
+                        _refuse_not_utf8(line, label, number)
+                        text_checked = True
                     yield label, number, line, None
         self._file_hashes[label] = h.hexdigest()
 
@@ -267,6 +272,44 @@ def load_hub_dataset(dataset_id: str, split: str):
             "Fix: check the dataset id and --split; set HF_TOKEN for gated or private datasets; "
             "in offline mode, download the dataset into the cache first (or pass a local file)."
         ) from exc
+
+
+_WIDE_BOMS = {
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\xfe\xff": "UTF-16",
+    b"\xff\xfe": "UTF-16",
+}
+RESAVE_AS_UTF8 = "re-save it as UTF-8, e.g. `iconv -f {encoding} -t utf-8 {label} > {stem}.utf8.jsonl`"
+"""The fix for a file that is not UTF-8 (also prepare's when rows in the middle of a file are not)."""
+
+
+def _refuse_utf16_or_32(first_line: bytes, label: str) -> None:
+    """JSON Lines is UTF-8 (RFC 8259 section 8.1; jsonlines.org): a UTF-16 or UTF-32 file (its byte order
+    mark tells) is refused in one line, never split at its 0x0A bytes into broken rows and a phantom one."""
+    for bom, encoding in _WIDE_BOMS.items():
+        if first_line.startswith(bom):
+            fix = RESAVE_AS_UTF8.format(encoding=encoding.lower(), label=label, stem=Path(label).with_suffix(""))
+            raise DataError(f"{label}:1: {encoding} text (byte order mark); JSON Lines must be UTF-8: {fix}")
+
+
+def _refuse_not_utf8(line: bytes, label: str, number: int) -> None:
+    """One line for a file whose first row is not UTF-8 text (binary data, Latin-1, UTF-16 without a byte
+    order mark): the encoding is the file's, so every row would be rejected alike."""
+    nul = line.find(b"\x00")
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        what = f"byte 0x{line[exc.start]:02x} at offset {exc.start} of the line is not UTF-8"
+    else:
+        if nul < 0:
+            return
+        what = f"a NUL byte at offset {nul} of the line"
+    fix = RESAVE_AS_UTF8.format(encoding="latin1", label=label, stem=Path(label).with_suffix(""))
+    raise DataError(
+        f"{label}:{number}: not UTF-8 text ({what}): a binary file, or text in another encoding (Latin-1, "
+        f"Windows-1252, UTF-16). Give JSON Lines saved as UTF-8: {fix}"
+    )
 
 
 def _starts_with_array(path: Path) -> bool:

@@ -1,0 +1,74 @@
+"""Data that is not UTF-8 JSON Lines, rows with a key written twice, and rows nested without bound in any
+source (issue 35, the Low items): one line naming the file, line and fix, or one named reject per row.
+docs/failure-modes.md has a row per test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from data_helpers import chat, read_jsonl
+from test_data_failures import assert_one_line_error, in_process
+
+from llmft.trainer.data.prepare import prepare_dataset
+from llmft.trainer.errors import DataError
+
+
+def _lines(n: int, answer: str = "Answer") -> list[str]:
+    return [json.dumps(chat(f"Question {i}?", f"{answer} {i}."), ensure_ascii=False) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ("\n".join(_lines(50, "Réponse")).encode("latin-1"), "in.jsonl:1: not UTF-8 text (byte 0xe9 at offset"),
+        (bytes(range(256)) * 20, "in.jsonl:1: not UTF-8 text (a NUL byte at offset 0"),
+        ("\n".join(_lines(50)).encode("utf-16-le"), "in.jsonl:1: not UTF-8 text (a NUL byte at offset 1"),
+    ],
+    ids=["latin-1", "binary", "utf-16-without-bom"],
+)
+def test_binary_or_latin1_data_is_one_line_naming_file_line_and_fix(tmp_path, capsys, data, needle):
+    (tmp_path / "in.jsonl").write_bytes(data)
+    run = in_process(capsys, "data", "prepare", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"))
+    line = assert_one_line_error(run, 1, needle, "re-save it as UTF-8, e.g. `iconv -f latin1 -t utf-8")
+    assert "First offending lines" not in run.stderr and str(tmp_path / "in.jsonl") in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_latin1_rows_after_utf8_ones_are_rejected_or_one_line(tmp_path, capsys):
+    """A UTF-8 file with a few Latin-1 rows: each is a `not_utf8` reject within the limit; past it, one line
+    naming the first such row (not the five-row listing)."""
+    lines = _lines(200)
+    lines[120] = lines[120].replace("Answer", "Réponse")
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(
+        b"\n".join(line.encode("latin-1") if i == 120 else line.encode() for i, line in enumerate(lines))
+    )
+    report = prepare_dataset(str(source), tmp_path / "ok", val_fraction=0.0)
+    assert (report["accepted"], report["reject_reasons"]) == (199, {"not_utf8": 1})
+    (reject,) = read_jsonl(tmp_path / "ok" / "rejects.jsonl")
+    assert (reject["line"], reject["field"]) == (121, "<line>") and "iconv" in reject["fix"]
+
+    lines[130] = lines[130].replace("Answer", "Réponse")
+    lines[140] = "{not json"
+    source.write_bytes(b"\n".join(line.encode("latin-1") for line in lines))
+    run = in_process(capsys, "data", "prepare", "--input", str(source), "--output", str(tmp_path / "o"))
+    assert_one_line_error(
+        run, 1, "in.jsonl:121: not UTF-8 text (byte 0xe9 at offset", "2 of 200 rows", "are not UTF-8 (and 1 rejected"
+    )
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_utf16_jsonl_is_one_line_re_save_as_utf8_not_a_truncated_row_and_a_phantom_one(tmp_path, encoding):
+    """Python's "utf-16"/"utf-32" codecs write a byte order mark; the file was split at its 0x0A bytes into
+    a "truncated data" row 1 and a phantom row 51. JSON Lines is UTF-8: refused, naming file and fix."""
+    source = tmp_path / "in.jsonl"
+    data = ("\n".join(_lines(50)) + "\n").encode(encoding)
+    source.write_bytes(data if encoding != "utf-16-be" else b"\xfe\xff" + data)
+    family = "UTF-32" if "32" in encoding else "UTF-16"
+    with pytest.raises(DataError) as error:
+        prepare_dataset(str(source), tmp_path / "out")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{source}:1: {family} text (byte order mark)")
+    assert "JSON Lines must be UTF-8" in message and "iconv -f utf-" in message
+    assert not (tmp_path / "out").exists()
