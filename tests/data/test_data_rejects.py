@@ -21,7 +21,12 @@ def _msgs(*roles: str) -> dict:
 # (raw line, reason, field) — each written between good rows
 BAD_ROWS = [
     ('{"messages": [{"role": "user", "content": "hi"}', "invalid_json", "<line>"),
-    ('{"text": "caf\udce9"}', "not_utf8", "<line>"),  # written as the Latin-1 byte 0xe9 (surrogateescape)
+    ('{"text": "caf\udce9"}', "not_utf8", "<line>"),
+    (
+        '{"text": "first", "text": "second"}',
+        "duplicate_key",
+        "text",
+    ),  # written as the Latin-1 byte 0xe9 (surrogateescape)
     ('{"messages": ' + "[" * 2000 + "]" * 2000 + "}", "too_deep", "<line>"),
     ("[1, 2, 3]", "wrong_type", "<row>"),
     (json.dumps({"question": "q", "answer": "a"}), "missing_field", "<row>"),

@@ -72,3 +72,29 @@ def test_utf16_jsonl_is_one_line_re_save_as_utf8_not_a_truncated_row_and_a_phant
     assert "\n" not in message and message.startswith(f"{source}:1: {family} text (byte order mark)")
     assert "JSON Lines must be UTF-8" in message and "iconv -f utf-" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_key_written_twice_rejects_its_row_naming_the_key(tmp_path):
+    """JSON parsers keep the last of two equal keys silently: the row's first conversation was dropped."""
+    twice = (
+        '{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}], '
+        '"messages": [{"role": "user", "content": "Other?"}, {"role": "assistant", "content": "B."}]}'
+    )
+    inner = (
+        '{"messages": [{"role": "user", "content": "Q?", "content" : "R?"}, {"role": "assistant", "content": "A."}]}'
+    )
+    lookalike = json.dumps(chat('He said "x": y', 'and "content": twice, "content" :'))  # quotes and colons in text
+    lines = [*_lines(10), twice, *_lines(5), inner, lookalike]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    report = prepare_dataset(str(source), tmp_path / "out", val_fraction=0.0, max_reject_fraction=0.2)
+    assert (report["accepted"], report["reject_reasons"]) == (16, {"duplicate_key": 2})
+    rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
+    assert [(r["line"], r["field"]) for r in rejects] == [(11, "messages"), (17, "content")]
+    assert "key `messages` appears twice in one object" in rejects[0]["message"] and "once" in rejects[0]["fix"]
+
+    array = tmp_path / "in.json"
+    array.write_text("[" + ", ".join([*_lines(3), twice]) + "]")
+    with pytest.raises(DataError, match=r"in.json: key `messages` appears twice in one object;.*write each key once per object"):
+        prepare_dataset(str(array), tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()

@@ -26,6 +26,7 @@ renders and the strict ones (Llama 2, Mistral, Gemma: "roles must alternate") de
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
@@ -45,6 +46,7 @@ REJECT_FIXES: dict[str, str] = {
     "empty_conversation": "give the row at least one user and one assistant message",
     "empty_prompt": "give the instruction/prompt some text",
     "empty_text": "give the text field some text, or drop the row",
+    "duplicate_key": "write each key once per object: JSON keeps only the last value, so merge them or drop one",
     "too_deep": "flatten the row: no chat row needs lists or objects nested hundreds of levels deep",
     "row_too_large": "split the row into smaller conversations, or raise --max-row-bytes if such rows are intended",
     "misplaced_system": "keep one system message, as the first message (merge several into one)",
@@ -76,6 +78,11 @@ _DETECT_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
 _EXPECTED = "one of: messages, conversations, instruction+output, prompt+completion, text"
 
 
+# The end of a key: a quote, JSON whitespace, a colon. Inside a string a quote is always escaped (\"), so
+# every key of a line matches once and a string only adds matches.
+_KEY_END = re.compile(rb'"[ \t\r\n]*:')
+
+
 class RowReject(Exception):
     """A row that cannot be used: ``reason`` (a key of REJECT_FIXES), ``field``, ``detail``."""
 
@@ -88,6 +95,32 @@ class RowReject(Exception):
     @property
     def fix(self) -> str:
         return REJECT_FIXES[self.reason]
+
+
+def may_repeat_a_key(raw: bytes, value: Any) -> bool:
+    """False when no object of the line ``raw`` (parsed: ``value``) can hold a key twice: the line has no
+    more key ends than ``value`` has keys. Parsers keep the last of two equal keys silently."""
+    keys, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            keys += len(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return len(_KEY_END.findall(raw)) > keys
+
+
+def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads`` object_pairs_hook: RowReject(duplicate_key) naming the first key written twice."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise RowReject(
+                "duplicate_key", key, f"key `{key}` appears twice in one object; JSON would keep the last silently"
+            )
+        seen.add(key)
+    return dict(pairs)
 
 
 def detect_format(row: dict) -> str:

@@ -31,7 +31,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from llmft.trainer.data.formats import FORMAT_CHOICES, RowReject, convert_row
+from llmft.trainer.data.formats import (
+    FORMAT_CHOICES,
+    RowReject,
+    convert_row,
+    may_repeat_a_key,
+    refuse_duplicate_keys,
+)
 from llmft.trainer.data.limits import DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
@@ -190,6 +196,13 @@ def canonical_line(row: dict) -> bytes:
 
 
 def _parse_json(raw: bytes) -> Any:
+    value = _loads(raw)
+    if may_repeat_a_key(raw, value):  # rare: parse again, slowly, to find the key written twice
+        json.loads(raw, object_pairs_hook=refuse_duplicate_keys)
+    return value
+
+
+def _loads(raw: bytes) -> Any:
     if _fast_loads is not None:
         try:
             return _fast_loads(raw)

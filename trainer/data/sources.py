@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from llmft.trainer.data.formats import RowReject, may_repeat_a_key, refuse_duplicate_keys
 from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.errors import DataError, TransientError
 from llmft.trainer.hf_files import hub_fault_message, hub_unreachable, quiet_hub_retries
@@ -320,7 +321,15 @@ def _starts_with_array(path: Path) -> bool:
 
 def _json_array_rows(path: Path, label: str) -> Iterator[Row]:
     try:
-        rows = json.loads(read_text(path, path.parent, encoding="utf-8-sig"))
+        text = read_text(path, path.parent, encoding="utf-8-sig")
+        rows = json.loads(text)
+        if may_repeat_a_key(text.encode(), rows):  # a .json array is parsed whole: one line for the file
+            json.loads(text, object_pairs_hook=refuse_duplicate_keys)
+    except RowReject as exc:
+        raise DataError(
+            f"{label}: {exc.detail}; {exc.fix}. Or write the rows as JSON Lines (.jsonl), where that row alone "
+            "is rejected (duplicate_key) with its line"
+        ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{label}: not valid JSON ({exc}); fix the file, or write it as JSON Lines (.jsonl)") from exc
     except RecursionError:
