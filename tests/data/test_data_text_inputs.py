@@ -95,6 +95,43 @@ def test_a_key_written_twice_rejects_its_row_naming_the_key(tmp_path):
 
     array = tmp_path / "in.json"
     array.write_text("[" + ", ".join([*_lines(3), twice]) + "]")
-    with pytest.raises(DataError, match=r"in.json: key `messages` appears twice in one object;.*write each key once per object"):
+    with pytest.raises(
+        DataError, match=r"in.json: key `messages` appears twice in one object;.*write each key once per object"
+    ):
         prepare_dataset(str(array), tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+def _nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_rows_nested_without_bound_in_csv_hub_or_json_sources_are_too_deep_rejects(tmp_path, monkeypatch):
+    """A CSV cell of 5,000 brackets crashed prepare (RecursionError, exit 3), as did a hub or Langfuse row
+    whose hash serialises it; each is now one too_deep reject with its line, like a JSONL line."""
+    from llmft.trainer.data import sources
+    from llmft.trainer.data.limits import MAX_ROW_DEPTH
+
+    good = [json.dumps(chat(f"Q{i}?", f"A{i}.")["messages"]) for i in range(8)]
+    csv_file = tmp_path / "in.csv"
+    cells = [*good[:4], "[" * 5000 + "]" * 5000, *good[4:], "[" * (MAX_ROW_DEPTH + 1) + "]" * (MAX_ROW_DEPTH + 1)]
+    csv_file.write_text("messages\n" + "\n".join(f'"{c.replace(chr(34), chr(34) * 2)}"' for c in cells) + "\n")
+    report = prepare_dataset(str(csv_file), tmp_path / "csv", val_fraction=0.0, max_reject_fraction=0.5)
+    assert (report["accepted"], report["reject_reasons"]) == (8, {"too_deep": 2})
+    rejects = read_jsonl(tmp_path / "csv" / "rejects.jsonl")
+    assert [r["line"] for r in rejects] == [6, 11] and "column `messages` nests" in rejects[0]["message"]
+
+    hub_rows = [chat(f"Q{i}?", f"A{i}.") for i in range(8)] + [{"messages": _nested(50_000)}]
+    monkeypatch.setattr(sources, "load_hub_dataset", lambda spec, split: iter(hub_rows))
+    report = prepare_dataset("org/deep", tmp_path / "hub", val_fraction=0.0, max_reject_fraction=0.2)
+    assert (report["accepted"], report["reject_reasons"]) == (8, {"too_deep": 1})
+    (reject,) = read_jsonl(tmp_path / "hub" / "rejects.jsonl")
+    assert reject["line"] == 9 and reject["raw"] == "null"  # the row itself is never serialised
+
+    array = tmp_path / "in.json"
+    array.write_text(json.dumps([chat("Q?", "A."), {"messages": _nested(MAX_ROW_DEPTH + 1)}, chat("R?", "B.")]))
+    report = prepare_dataset(str(array), tmp_path / "json", val_fraction=0.0, max_reject_fraction=0.5)
+    assert (report["accepted"], report["reject_reasons"]) == (2, {"too_deep": 1})

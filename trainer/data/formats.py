@@ -111,6 +111,19 @@ def may_repeat_a_key(raw: bytes, value: Any) -> bool:
     return len(_KEY_END.findall(raw)) > keys
 
 
+def deeper_than(value: Any, limit: int) -> bool:
+    """True when ``value`` nests lists and objects more than ``limit`` levels deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | tuple))
+    return False
+
+
 def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     """``json.loads`` object_pairs_hook: RowReject(duplicate_key) naming the first key written twice."""
     seen: set[str] = set()

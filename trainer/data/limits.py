@@ -14,6 +14,10 @@
 - ``MAX_TEMPLATE_SECONDS``: longest a chat template may take to render one conversation (the tokenize
   step's probe, then every row); a real template takes well under a millisecond. Longer is a template
   that never ends (nested ``range`` loops): one line naming the template, exit 1.
+- ``MAX_ROW_DEPTH``: deepest nesting of lists and objects a decoded row may have (a CSV cell holding JSON, a
+  hub or Langfuse row, a row of a ``.json`` array or Parquet file); a deeper one is rejected as ``too_deep``
+  before anything walks it recursively (``json.dumps`` for the source hash or the reject's snippet would hit
+  Python's recursion limit). A chat row is 3-4 levels deep; a JSONL line is bounded by the parser (~1,000).
 - ``MAX_PROBE_RENDER_CHARS``: most characters a template may write for the two-message probe
   conversation (a long built-in system prompt is a few KiB).
 """
@@ -26,3 +30,4 @@ DEFAULT_MAX_DROP_FRACTION = 0.01
 NORMALIZER_SLACK = 4
 MAX_TEMPLATE_SECONDS = 10.0
 MAX_PROBE_RENDER_CHARS = 1 << 20
+MAX_ROW_DEPTH = 200

@@ -35,13 +35,14 @@ from llmft.trainer.data.formats import (
     FORMAT_CHOICES,
     RowReject,
     convert_row,
+    deeper_than,
     may_repeat_a_key,
     refuse_duplicate_keys,
 )
-from llmft.trainer.data.limits import DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
+from llmft.trainer.data.limits import DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES, MAX_ROW_DEPTH
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
-from llmft.trainer.data.sources import RESAVE_AS_UTF8, OversizedRow, Source, open_source
+from llmft.trainer.data.sources import RESAVE_AS_UTF8, OversizedRow, Source, TooDeepRow, open_source
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import atomic_directory, atomic_write_json, check_output_target
 
@@ -143,6 +144,11 @@ def _convert_chunk(fmt: str, max_row_bytes: int, rows: list[tuple]) -> list[tupl
             if isinstance(value, OversizedRow):
                 size, raw, value = value.size, value.head, None
                 raise _too_large(f"the line has {size:,} bytes", max_row_bytes)
+            if isinstance(value, TooDeepRow) or (raw is None and deeper_than(value, MAX_ROW_DEPTH)):
+                where, value = getattr(value, "where", "the row"), None  # never serialised for the snippet
+                raise RowReject(
+                    "too_deep", "<row>", f"{where} nests lists or objects deeper than {MAX_ROW_DEPTH} levels"
+                )
             if raw is None and _text_chars(value, max_row_bytes) > max_row_bytes:
                 raise _too_large(f"the row holds more than {max_row_bytes:,} characters of text", max_row_bytes)
             row_format, row = convert_row(_parse_json(raw) if raw is not None else value, fmt)

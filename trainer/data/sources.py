@@ -41,8 +41,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from llmft.trainer.data.formats import RowReject, may_repeat_a_key, refuse_duplicate_keys
-from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES
+from llmft.trainer.data.formats import RowReject, deeper_than, may_repeat_a_key, refuse_duplicate_keys
+from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES, MAX_ROW_DEPTH
 from llmft.trainer.errors import DataError, TransientError
 from llmft.trainer.hf_files import hub_fault_message, hub_unreachable, quiet_hub_retries
 from llmft.trainer.io import owner_kind, sha256_file
@@ -68,6 +68,12 @@ class OversizedRow(NamedTuple):
 
     size: int
     head: bytes
+
+
+class TooDeepRow(NamedTuple):
+    """Stands in for a decoded row nested deeper than MAX_ROW_DEPTH: where the nesting was found, not the row."""
+
+    where: str
 
 
 class Source:
@@ -162,15 +168,22 @@ class Source:
     def _hub_rows(self) -> Iterator[Row]:
         dataset = load_hub_dataset(self.spec, self.split)
         for number, row in enumerate(dataset, 1):
-            self._hub_hash.update(json.dumps(row, sort_keys=True, default=str).encode())
-            yield self.label, number, None, row
+            yield self.label, number, None, self._hashed(number, row)
 
     def _langfuse_rows(self) -> Iterator[Row]:
         """Row number = the item's position in the dataset; the item id is in the hash."""
 
         for number, (item_id, row) in enumerate(dataset_rows(self.spec[len(LANGFUSE_SCHEME) :]), 1):
-            self._hub_hash.update(json.dumps([item_id, row], sort_keys=True, default=str).encode())
-            yield self.label, number, None, row
+            yield self.label, number, None, self._hashed(number, row, item_id)
+
+    def _hashed(self, number: int, row: Any, *item_id: str) -> Any:
+        """Add a decoded row to the source hash; a row nested too deep to serialise (Python's recursion limit)
+        is hashed by its number and comes out as a TooDeepRow, which prepare rejects as too_deep."""
+        if deeper_than(row, MAX_ROW_DEPTH):
+            self._hub_hash.update(f"too-deep row {number} {item_id}".encode())
+            return TooDeepRow("the row")
+        self._hub_hash.update(json.dumps([*item_id, row] if item_id else row, sort_keys=True, default=str).encode())
+        return row
 
 
 def open_source(
@@ -348,7 +361,8 @@ def _csv_rows(path: Path, label: str, max_row_bytes: int) -> Iterator[Row]:
         try:
             for record in reader:
                 row = {k: _maybe_json(k, v) for k, v in record.items() if k is not None}
-                yield label, reader.line_num, None, row
+                deep = [v for v in row.values() if isinstance(v, TooDeepRow)]
+                yield label, reader.line_num, None, deep[0] if deep else row
         except UnicodeDecodeError as exc:
             line = _first_undecodable_line(path)
             raise DataError(
@@ -376,9 +390,12 @@ def _first_undecodable_line(path: Path) -> int:
 def _maybe_json(key: str, value: Any) -> Any:
     if key in _JSON_CELLS and isinstance(value, str) and value.lstrip().startswith("["):
         try:
-            return json.loads(value)
+            parsed = json.loads(value)
         except ValueError:
             return value
+        except RecursionError:  # deeper than the parser's limit (~1,000 levels)
+            return TooDeepRow(f"column `{key}`")
+        return TooDeepRow(f"column `{key}`") if deeper_than(parsed, MAX_ROW_DEPTH) else parsed
     return value
 
 
