@@ -23,6 +23,13 @@ out as an :class:`OversizedRow` (its size and first bytes) that prepare rejects 
 is not UTF-8, a CSV field above the limit) raises a one-line :class:`DataError` naming the file
 (and line where there is one).
 
+Text is UTF-8 (JSON Lines is UTF-8 by definition, RFC 8259 section 8.1): a JSONL file that starts with a
+UTF-16 or UTF-32 byte order mark, or whose first row is not UTF-8 (binary data, Latin-1, UTF-16 without a
+mark), is one DataError line naming the file, the line and the fix (``iconv``); a later non-UTF-8 line is
+prepare's ``not_utf8`` reject. A decoded row (a CSV cell holding JSON, a hub or Langfuse row) nested more
+than ``MAX_ROW_DEPTH`` levels comes out as a :class:`TooDeepRow`, rejected as ``too_deep`` and never
+serialised (``json.dumps`` would hit Python's recursion limit).
+
 No link is followed: a data file (given, or found in a folder) that is a symlink, FIFO or device is
 refused with one line (trainer/safe_files.py), so ``rejects.jsonl`` can never quote what a link points
 to; a linked folder inside an input folder is not entered (a warning names it).
