@@ -103,12 +103,11 @@ def may_repeat_a_key(raw: bytes, value: Any) -> bool:
     keys, stack = 0, [value]
     while stack:
         item = stack.pop()
-        if isinstance(item, dict):
+        if type(item) is dict:
             keys += len(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return len(_KEY_END.findall(raw)) > keys
+            item = item.values()
+        stack.extend([child for child in item if type(child) is dict or type(child) is list])
+    return raw.count(b":") > keys and len(_KEY_END.findall(raw)) > keys  # every key has one colon after it
 
 
 def deeper_than(value: Any, limit: int) -> bool:
