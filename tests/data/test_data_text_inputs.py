@@ -24,8 +24,9 @@ def _lines(n: int, answer: str = "Answer") -> list[str]:
         ("\n".join(_lines(50, "Réponse")).encode("latin-1"), "in.jsonl:1: not UTF-8 text (byte 0xe9 at offset"),
         (bytes(range(256)) * 20, "in.jsonl:1: not UTF-8 text (a NUL byte at offset 0"),
         ("\n".join(_lines(50)).encode("utf-16-le"), "in.jsonl:1: not UTF-8 text (a NUL byte at offset 1"),
+        (bytes(b for b in range(256) if b != 10) * 40_000, "in.jsonl:1: not UTF-8 text (byte 0x80 at offset 127"),
     ],
-    ids=["latin-1", "binary", "utf-16-without-bom"],
+    ids=["latin-1", "binary", "utf-16-without-bom", "10-mb-binary-without-a-newline"],
 )
 def test_binary_or_latin1_data_is_one_line_naming_file_line_and_fix(tmp_path, capsys, data, needle):
     (tmp_path / "in.jsonl").write_bytes(data)

@@ -60,6 +60,7 @@ SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Suffixes that name a local file, never a hub dataset (`nope.txt` is a missing file, not a hub id)
 FILE_SUFFIXES = (*SUFFIXES, ".txt", ".tsv", ".xlsx", ".xls", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".yaml")
 _HEAD_BYTES = 200
+_TEXT_CHECK_BYTES = 1 << 16  # the first row's bytes checked for UTF-8 (a binary file may have no newline)
 _READ_BLOCK = 1 << 20
 LANGFUSE_SCHEME = "langfuse://"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -162,13 +163,13 @@ class Source:
                 h.update(line)
                 if number == 1:
                     _refuse_utf16_or_32(line, label)
+                if not text_checked and line.strip():  # the first row tells a binary or non-UTF-8 file: one line
+                    _refuse_not_utf8(line[:_TEXT_CHECK_BYTES], label, number)
+                    text_checked = True
                 if len(line) > limit and len(line.rstrip(b"\r\n")) > limit:
                     size = _skip_rest_of_line(fh, line, h)
                     yield label, number, None, OversizedRow(size, line[:_HEAD_BYTES])
                 elif line.strip():
-                    if not text_checked:  # the first row tells a binary or non-UTF-8 file: one line, not a reject each
-                        _refuse_not_utf8(line, label, number)
-                        text_checked = True
                     yield label, number, line, None
         self._file_hashes[label] = h.hexdigest()
 
@@ -321,6 +322,8 @@ def _refuse_not_utf8(line: bytes, label: str, number: int) -> None:
     try:
         line.decode("utf-8")
     except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data":  # a character cut by the check's byte limit
+            return
         what = f"byte 0x{line[exc.start]:02x} at offset {exc.start} of the line is not UTF-8"
     else:
         if nul < 0:
