@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.plan_schema import TrainerLaunch, job_name
@@ -209,6 +210,7 @@ def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experime
         workdir=workdir,
         mlflow_experiment=mlflow_experiment,
         config_path=config_path,
+        python=local_trainer_python(),  # a Katib trial's pod runs the trainer image
     )
     print(result.table(), flush=True)
     best = result.best
