@@ -175,6 +175,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     os.makedirs(output_dir, exist_ok=True)
     experiment = plan.registry.experiment
     if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
+        plan.layout.use_hf_cache()  # its trials, as the train step's trainer, read a hub model from the volume's cache
         result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment)
     else:
         with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:

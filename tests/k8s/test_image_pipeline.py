@@ -94,6 +94,36 @@ def test_the_local_sweep_trials_train_on_the_named_python(monkeypatch, tmp_path)
     assert seen["python"] == "/w/trainer/opt/llmft/bin/python3"
 
 
+def test_the_local_sweep_trials_read_the_volumes_hub_cache(monkeypatch, tmp_path):
+    """Found by the hub-id run in the images: the trials looked for a hub model in the sweep step's default
+    cache (the image's HF_HOME), not on the volume where the train step's trainer finds it."""
+    from llmft.components.lib import sweep
+    from llmft.components.lib.plan_schema import DataLayout
+    from llmft.katib import local_sweep
+
+    seen = {}
+
+    def capture(spec, **kwargs):
+        seen.update({k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_CACHE")})
+        raise RuntimeError("captured")
+
+    for name in ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.setenv(name, "/home/llmft/.cache/huggingface")  # the trainer image's ENV; restored after
+    monkeypatch.setattr(local_sweep, "run_local_sweep", capture)
+    sweep_plan = SimpleNamespace(
+        experiment="llmft-sweep-1", settings=(), trial_overrides=(), backend="local", workdir=""
+    )
+    plan = SimpleNamespace(
+        sweep=sweep_plan,
+        trainer=SimpleNamespace(config_path="/c.yaml"),
+        registry=SimpleNamespace(tracking_uri="", experiment=""),
+        layout=DataLayout(str(tmp_path)),
+    )
+    with pytest.raises(RuntimeError, match="captured"):
+        sweep.run_sweep_step(plan, tokenized_dir="/tok", output_dir=str(tmp_path / "out"))
+    assert seen == {"HF_HOME": f"{tmp_path}/hf-cache", "HF_HUB_CACHE": f"{tmp_path}/hf-cache/hub"}
+
+
 def test_the_hub_cache_is_what_huggingface_hub_finds_offline(tmp_path):
     from huggingface_hub import try_to_load_from_cache
 
