@@ -16,7 +16,9 @@ Then what the pipeline and the job manifests put into those containers: ``llmft 
 each compiled component's executor (`llmft pipeline compile`, both pipelines): the KFP executor
 module, the component's own source as compiled, its function, and every import in its body,
 loaded the way ``kfp.dsl.executor_main`` loads them; and the PyTorchJob and TrainJob containers
-(`llmft pipeline render-job`) with their own command and args plus ``--print-config``.
+(`llmft pipeline render-job`) with their own command and args plus ``--print-config``. Last, both pipelines
+run through kfp.local on the demo's inputs with every task on the Python of its component's image
+(tools/image_pipeline.py): a step that imports what its image lacks fails the check.
 
 Not covered: the Python version of the trainer image (3.12 there; the venvs are made by the python3 on
 this machine's PATH), CUDA, the non-root USER, and the Katib trial's ``sh -c`` wrapper (its ``llmft train``

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.images import LOCAL_TRAINER_PYTHON_ENV, dockerfile_roles
+from llmft.components.lib.plan_schema import DATA_MOUNT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HUB_ID = "llmft-ci/tiny-chat"
@@ -251,15 +252,17 @@ def check_plan_log(case: Case, log_path: Path) -> None:
 
 
 def render_jobs(case: Case, arguments: Mapping, env: Mapping[str, str], work: Path, run: Runner, log) -> None:
-    """``llmft pipeline render-job`` for both backends in the pipeline image, on the run's model and volume."""
-    given = [f"model={arguments['model']}", f"data_root={arguments['data_root']}", PLACEHOLDER_MLFLOW]
-    hub = {"HF_HUB_CACHE": f"{arguments['data_root']}/hf-cache/hub"} if case.hub else {}
+    """``llmft pipeline render-job`` for both backends in the pipeline image, with the run's model where a
+    cluster has it (the volume mounted at /data, render-job's only data_root; a hub id as it is)."""
+    model = str(arguments["model"])
+    if not case.hub:
+        model = DATA_MOUNT + "/" + str(Path(model).relative_to(arguments["data_root"]))
     for backend in ("pytorchjob", "trainjob"):
         output = work / f"render-{backend}.yaml"
-        argv = ["llmft", "pipeline", "render-job", "--backend", backend, "--output", str(output), *given]
-        argv += ["--hpo"] if case.hpo else []
-        out = run(argv, env={**env, **hub}, cwd=work, what=f"{case.name}: render-job {backend} in the pipeline image")
-        log("    " + out.strip().replace("\n", "\n    "))
+        argv = ["llmft", "pipeline", "render-job", "--backend", backend, "--output", str(output)]
+        argv += [f"model={model}", PLACEHOLDER_MLFLOW, *(["--hpo"] if case.hpo else [])]
+        out = run(argv, env=env, cwd=work, what=f"{case.name}: render-job {backend} in the pipeline image")
+        log("    " + out.strip())
 
 
 def check_pipelines(envs: Mapping[str, Mapping[str, str]], work: Path, run: Runner, log: Callable = print) -> None:
