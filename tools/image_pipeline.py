@@ -76,7 +76,7 @@ CASES = (
             "model": HUB_ID,
             "max_steps": 8,
             "deploy": False,
-            "sweep_max_trials": 2,
+            "sweep_max_trials": 1,  # one trial runs the sweep step and its trainer process; more add time only
             "sweep_trial_overrides": (
                 "max_steps=2 eval_every=2 log_every=2 batch.global_sequences=4 eval.max_sequences=8 "
                 "observe.progress_bar=false observe.tensorboard=false"
