@@ -142,6 +142,7 @@ def test_the_cases_cover_a_model_directory_a_hub_id_and_the_sweep():
     hub = next(c for c in cases if c.hub)
     assert hub.overrides["model"] == image_pipeline.HUB_ID
     assert all("model" not in c.overrides for c in cases if not c.hub)  # run-local's tiny model on the volume
+    assert [c.name for c in cases if c.render] == [hub.name]  # render-job --hpo for both backends, in the image
 
 
 @pytest.mark.slow
