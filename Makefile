@@ -40,7 +40,7 @@ help:
 	@echo "make import-guard  import directions, the structure a tool reads, packaging (lint-imports, tests/core/test_imports.py, test_structure.py, test_packaging.py)"
 	@echo "make config-reference  regenerate docs/config-reference.md from trainer/config.py"
 	@echo "make compile   compile the KFP pipelines to build/*.yaml"
-	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands (~6 min)"
+	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands, then both pipelines with every step in its image (~10 min)"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
 	@echo "make serving-venv  build $(SERVING_VENV): vLLM for CPU (~3.4 GB), for llmft serve check and deploy_mode=vllm"
 
@@ -114,9 +114,11 @@ check: lint typecheck import-guard
 config-reference: $(STAMP)
 	$(PY) tools/gen_config_reference.py
 
-# Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv.
+# Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv. Then both
+# pipelines through kfp.local with every task on its image's Python (tools/image_pipeline.py); the deploy step checks
+# its InferenceService against the real CRD when ../shared/k8s-crds is there, as make demo does.
 image-check: $(STAMP)
-	$(PY) tools/image_check.py --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
+	LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(PY) tools/image_check.py --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
 
 compile: $(STAMP)
 	mkdir -p build

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.plan_schema import TrainerLaunch, job_name
@@ -174,6 +175,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     os.makedirs(output_dir, exist_ok=True)
     experiment = plan.registry.experiment
     if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
+        plan.layout.use_hf_cache()  # its trials, as the train step's trainer, read a hub model from the volume's cache
         result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment)
     else:
         with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:
@@ -209,6 +211,7 @@ def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experime
         workdir=workdir,
         mlflow_experiment=mlflow_experiment,
         config_path=config_path,
+        python=local_trainer_python(),  # a Katib trial's pod runs the trainer image
     )
     print(result.table(), flush=True)
     best = result.best
