@@ -371,9 +371,11 @@ class ClusterSim:
             self._clean_pods(name, policy)
             return
         if "startTime" not in status:
+            # the port first: a SIGTERM test's handler re-enters this reconcile (RLock, same thread) between
+            # any two lines, and a job with a startTime must have its port
+            self.ports[name] = free_port()
             status["startTime"] = self.stamp()
             set_condition(status, self.condition("Created", "PyTorchJobCreated", f"PyTorchJob {name} is created."))
-            self.ports[name] = free_port()
         deadline = (job["spec"].get("runPolicy") or {}).get("activeDeadlineSeconds")
         started = parse_rfc3339(status["startTime"])
         if deadline is not None and self.clock() - started >= deadline:
