@@ -48,7 +48,7 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib import pod_starts, trainjob_spec
-from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
+from llmft.components.lib.cleanup import LauncherPod, delete_on_sigterm, read_launcher_pod
 from llmft.components.lib.cluster import (
     PYTORCHJOB_CONTAINER,
     RECREATE_WAIT_S,
@@ -106,9 +106,12 @@ def run_on_cluster(
     (a TrainerLaunch) says; returns a summary once it Succeeded (see :func:`run_job`)."""
 
     cluster = cluster or cluster_module.Cluster()
+    launcher = read_launcher_pod(cluster, print_fn=print_fn)  # before training: SIGTERM then needs one GET
+    owner = owner if owner is not None else launcher.owner_reference()
     if job.backend == "trainjob":  # Kubeflow Trainer v2 (components/lib/trainjob_launch.py)
-        with delete_on_sigterm(cluster, trainjob_spec.GROUP, trainjob_spec.VERSION, trainjob_spec.PLURAL, job.name):
-            return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster)
+        kind = (trainjob_spec.GROUP, trainjob_spec.VERSION, trainjob_spec.PLURAL)
+        with delete_on_sigterm(cluster, *kind, job.name, print_fn=print_fn, launcher=launcher):
+            return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster, owner=owner)
     return run_job(
         cluster,
         build_pytorchjob_spec(job, launch),
@@ -118,6 +121,7 @@ def run_on_cluster(
         api_retries=api_retries,
         pending_every=pending_every,
         owner=owner,
+        launcher=launcher,
     )
 
 
@@ -131,18 +135,25 @@ def run_job(
     api_retries: int = API_RETRIES,
     pending_every: int = PENDING_EVERY,
     owner: dict | None = None,
+    launcher: LauncherPod | None = None,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
     """Submit the PyTorchJob of ``spec`` (a PyTorchJobSpec), or re-attach to it, and wait for its end
-    (the module docstring lists the rules). SIGTERM deletes it. ``owner``: its ownerReference
-    (default: the run's Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch,
-    compared with the job's ``startTime``) and ``sleep`` are the wall clock unless a test injects its own."""
+    (the module docstring lists the rules). SIGTERM deletes it on a cancel. ``launcher``: this pod as
+    read before training (default: read now); ``owner``: the job's ownerReference (default: the run's
+    Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch, compared with the
+    job's ``startTime``) and ``sleep`` are the wall clock unless a test injects its own."""
 
     if poll_s <= 0 or timeout_s < poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) <= timeout_s ({timeout_s})")
     name, namespace = spec.name, cluster.namespace
-    with delete_on_sigterm(cluster, GROUP, VERSION, PLURAL, name, namespace=namespace, print_fn=print_fn):
+    launcher = launcher if launcher is not None else read_launcher_pod(cluster, print_fn=print_fn)
+    owner = owner if owner is not None else launcher.owner_reference()
+    sigterm = delete_on_sigterm(
+        cluster, GROUP, VERSION, PLURAL, name, namespace=namespace, print_fn=print_fn, launcher=launcher
+    )
+    with sigterm:
         previous = _get_job(cluster, name, namespace, api_retries, print_fn)
         state = job_state(cluster, previous) if previous is not None else "absent"
         if state == "succeeded":
@@ -156,7 +167,7 @@ def run_job(
             if state == "failed":
                 print_fn(f"PyTorchJob {name} failed in an earlier attempt (not permanently): recreating it")
                 _delete_and_wait(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
-            _submit(cluster, spec, owner if owner is not None else run_owner_reference(cluster), print_fn)
+            _submit(cluster, spec, owner, print_fn)
         final = wait_for_job(
             cluster,
             name,
