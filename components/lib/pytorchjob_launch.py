@@ -378,7 +378,7 @@ def wait_for_job(
 
     follow = MasterLogFollower(cluster, name, namespace, print_fn)
     pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn)
-    starts = _start_watcher(f"PyTorchJob {namespace}/{name}")
+    starts = _start_watcher(f"PyTorchJob {namespace}/{name}", lambda pod: cluster.list_events(pod, namespace=namespace))
     errors, started = 0, clock()
     while True:
         try:
@@ -413,10 +413,11 @@ def wait_for_job(
         sleep(poll_s)
 
 
-def _start_watcher(what: str):
-    """A StartWatcher (components/lib/pod_starts.py) for the ``pytorch`` containers of a job."""
+def _start_watcher(what: str, events: Callable[[str], list] | None = None):
+    """A StartWatcher (components/lib/pod_starts.py) for the ``pytorch`` containers of a job; ``events``
+    (pod name -> its events) tells whether a pod replaced between two polls had started."""
 
-    return pod_starts.StartWatcher(what, PYTORCHJOB_CONTAINER, limit=pod_starts.NEVER_STARTED_LIMIT)
+    return pod_starts.StartWatcher(what, PYTORCHJOB_CONTAINER, limit=pod_starts.NEVER_STARTED_LIMIT, events=events)
 
 
 def _check_starts(cluster, starts, name: str, namespace: str) -> None:

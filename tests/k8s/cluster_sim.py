@@ -473,6 +473,9 @@ class ClusterSim:
         log = self.workdir / f"{pod_name}-{pod.metadata.uid[:8]}.log"
         self.containers[pod_name] = Container(pod_name, argv, base_env(**env), log).start(self.workdir)
         self.started.append(pod_name)
+        self.core.add_event(  # the kubelet's event (pkg/kubelet/events/event.go StartedContainer)
+            self.namespace, pod_name, "Started", f"Started container {container['name']}", "Normal", pod.metadata.uid
+        )
         self.core.logs[(self.namespace, pod_name)] = log
         pod.status.phase = "Running"
         pod.status.container_statuses = [

@@ -220,12 +220,14 @@ class FakeCoreV1Api:
         self.events: dict[str, list] = {}
         self.before_read: Callable[[], None] | None = None
 
-    def add_event(self, namespace: str, involved: str, reason: str, message: str, type_: str = "Warning") -> None:
+    def add_event(
+        self, namespace: str, involved: str, reason: str, message: str, type_: str = "Warning", uid: str | None = None
+    ) -> None:
         count = len(self.events.get(namespace, []))
         self.events.setdefault(namespace, []).append(
             client.CoreV1Event(
                 metadata=client.V1ObjectMeta(name=f"{involved}.{count}", namespace=namespace),
-                involved_object=client.V1ObjectReference(kind="Pod", name=involved, namespace=namespace),
+                involved_object=client.V1ObjectReference(kind="Pod", name=involved, namespace=namespace, uid=uid),
                 reason=reason,
                 message=message,
                 type=type_,

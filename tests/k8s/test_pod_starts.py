@@ -57,3 +57,41 @@ def test_a_pod_that_ran_in_between_starts_the_count_again():
     watcher([_pod("e", reason="Evicted")])  # one since the start
     with pytest.raises(JobNeverStarts, match="recreated 2 times.*job-master-0: Evicted"):
         watcher([_pod("f", reason="Evicted")])
+
+
+def _started_event(uid: str, container: str = "pytorch"):
+    return client.CoreV1Event(
+        metadata=client.V1ObjectMeta(name="job-master-0.1"),
+        involved_object=client.V1ObjectReference(kind="Pod", name="job-master-0", uid=uid),
+        reason="Started",
+        message=f"Started container {container}",
+    )
+
+
+def test_a_pod_that_ran_and_crashed_between_two_polls_is_not_never_started():
+    """Issue 34.5: a container OOMKilled while loading, started and gone between two polls, was seen
+    only Pending. The kubelet's "Started container pytorch" event of that pod (uid) outlives it
+    (kubernetes v1.30 pkg/kubelet/events/event.go StartedContainer; kuberuntime_container.go
+    startContainer), so the replacement is not counted as a recreation without a start."""
+    events = {"job-master-0": []}
+    watcher = StartWatcher("PyTorchJob team-a/job", "pytorch", limit=2, events=events.__getitem__)
+    watcher([_pod("a", reason="Pending")])
+    events["job-master-0"] = [_started_event("a"), _started_event("a", "istio-proxy")]
+    watcher([_pod("b", reason="Pending")])  # a ran (its event says so): not counted
+    watcher([_pod("c", reason="Evicted")])  # b never started (no event of b's uid): one
+    with pytest.raises(JobNeverStarts, match="recreated 2 times"):
+        watcher([_pod("d", reason="Evicted")])  # c never started either: two
+
+
+def test_a_container_restarted_in_place_ran_as_its_last_state_says():
+    """A container that crashed and was restarted in place shows ``waiting`` now and ``terminated``
+    in ``lastState``: it ran."""
+    pod = _pod("a", reason="Pending")
+    pod.status.container_statuses = [client.V1ContainerStatus(
+        name="pytorch", image="i", image_id="", ready=False, restart_count=1,
+        state=client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="CrashLoopBackOff")),
+        last_state=client.V1ContainerState(terminated=client.V1ContainerStateTerminated(exit_code=137,
+                                                                                        reason="OOMKilled")),
+    )]  # fmt: skip
+    assert pod_starts.container_ran(pod, "pytorch")
+    assert not pod_starts.container_ran(_pod("b", reason="Pending"), "pytorch")
