@@ -41,6 +41,7 @@ played by tests/k8s/cluster_sim.py, which runs this code against real `llmft tra
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,6 +124,20 @@ def run_on_cluster(
         owner=owner,
         launcher=launcher,
     )
+
+
+def run_on_cluster_or_exit(job, launch, **options) -> dict:
+    """:func:`run_on_cluster` for the train step: a failure the project raises on purpose (JobNeverStarts,
+    JobTimedOut: 200; JobFailedPermanently: 1; ...) exits with its ``exit_code`` after printing its message
+    (its log tail included), instead of the traceback and exit 1 an exception gives a KFP component. KFP's
+    launcher then fails the task whatever the code (kubeflow/pipelines 2.4.1 backend/src/v2/cmd/launcher-v2/
+    main.go 46-50, glog.Exit), its log saying ``exit status 200``; the task's set_retry retries it."""
+
+    try:
+        return run_on_cluster(job, launch, **options)
+    except LlmftError as exc:
+        print(f"error (exit {exc.exit_code}): {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
 
 
 def run_job(

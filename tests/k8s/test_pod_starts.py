@@ -11,6 +11,7 @@ from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
 
 from llmft.components.lib import pod_starts
+from llmft.components.lib.plan_schema import JobTimedOut
 from llmft.components.lib.pod_starts import JobNeverStarts, StartWatcher
 from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 from llmft.components.lib.pytorchjob_launch import run_on_cluster
@@ -95,3 +96,32 @@ def test_a_container_restarted_in_place_ran_as_its_last_state_says():
     )]  # fmt: skip
     assert pod_starts.container_ran(pod, "pytorch")
     assert not pod_starts.container_ran(_pod("b", reason="Pending"), "pytorch")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [JobNeverStarts("PyTorchJob team-a/job: its pods were recreated 5 times"), JobTimedOut("did not finish")],
+    ids=["never-starts", "timed-out"],
+)
+def test_the_train_step_exits_with_the_retryable_code_not_1(error, tmp_path, monkeypatch, capsys, sim_volume):
+    """Issue 34.5: the train component maps the launcher's errors to the exit-code contract
+    (trainer/errors.py: 200 transient) instead of the traceback and exit 1 of an uncaught exception."""
+    from kfp import dsl
+
+    from llmft.components.lib import pytorchjob_launch
+    from llmft.components.lib.plan_schema import write_plan
+    from llmft.components.train import train_model
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(pytorchjob_launch, "run_on_cluster", fail)
+    plan = sim_plan(sim_volume, run_id="run-exit-code")
+    plan_artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
+    write_plan(plan, plan_artifact.path)
+    tokenized = dsl.Dataset(uri=str(tmp_path / "tokenized"), metadata={"path": f"{sim_volume}/tokenized/demo"})
+    outputs = {name: cls(uri=str(tmp_path / name)) for name, cls in (("run", dsl.Model), ("metrics", dsl.Metrics))}
+    with pytest.raises(SystemExit) as stopped:
+        train_model.python_func(plan=plan_artifact, tokenized=tokenized, **outputs)
+    assert stopped.value.code == EXIT_TRANSIENT
+    assert f"error (exit {EXIT_TRANSIENT}): {error}" in capsys.readouterr().err
