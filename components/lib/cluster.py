@@ -342,6 +342,12 @@ class Cluster:
         )
         return list(result.items or [])
 
+    def read_config_map(self, name: str, namespace: str | None = None) -> dict:
+        """The ``data`` of a ConfigMap (a Katib preflight reads Katib's own config)."""
+        ns = namespace or self.namespace
+        result = self._call(f"read configmap {ns}/{name}", self.core_api.read_namespaced_config_map, name, ns)
+        return dict(result.data or {})
+
     def read_pod_log(
         self, name: str, container: str | None = None, tail_lines: int | None = None, namespace: str | None = None
     ) -> str:

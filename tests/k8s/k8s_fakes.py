@@ -218,6 +218,7 @@ class FakeCoreV1Api:
         self.logs: dict[tuple[str, str], object] = {}
         self.log_reads: list[dict] = []
         self.events: dict[str, list] = {}
+        self.config_maps: dict[tuple[str, str], dict] = {}  # (namespace, name) -> data
         self.before_read: Callable[[], None] | None = None
 
     def add_event(
@@ -243,6 +244,12 @@ class FakeCoreV1Api:
             if wanted.get("involvedObject.name", e.involved_object.name) == e.involved_object.name
         ]
         return client.CoreV1EventList(items=items)
+
+    def read_namespaced_config_map(self, name, namespace, **_):
+        data = self.config_maps.get((namespace, name))
+        if data is None:
+            raise api_error(404, f'configmaps "{name}" not found')
+        return client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name, namespace=namespace), data=dict(data))
 
     def read_namespaced_pod(self, name, namespace, **_):
         if self.before_read is not None:
