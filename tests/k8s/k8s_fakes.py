@@ -219,6 +219,7 @@ class FakeCoreV1Api:
         self.log_reads: list[dict] = []
         self.events: dict[str, list] = {}
         self.config_maps: dict[tuple[str, str], dict] = {}  # (namespace, name) -> data
+        self.claims: set[tuple[str, str]] = set()  # (namespace, name) of the PVCs that exist
         self.before_read: Callable[[], None] | None = None
 
     def add_event(
@@ -244,6 +245,11 @@ class FakeCoreV1Api:
             if wanted.get("involvedObject.name", e.involved_object.name) == e.involved_object.name
         ]
         return client.CoreV1EventList(items=items)
+
+    def read_namespaced_persistent_volume_claim(self, name, namespace, **_):
+        if (namespace, name) not in self.claims:
+            raise api_error(404, f'persistentvolumeclaims "{name}" not found')
+        return client.V1PersistentVolumeClaim(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
 
     def read_namespaced_config_map(self, name, namespace, **_):
         data = self.config_maps.get((namespace, name))
@@ -298,3 +304,19 @@ class FakeCoreV1Api:
         if tail_lines is not None:
             text = "\n".join(text.splitlines()[-tail_lines:])
         return text
+
+
+class FakeAuthorizationApi:
+    """AuthorizationV1Api: SelfSubjectAccessReviews answered from ``allowed`` {(verb, resource, namespace)}."""
+
+    def __init__(self, allowed=()):
+        self.allowed = set(allowed)
+        self.reviews: list[tuple[str, str, str]] = []
+
+    def create_self_subject_access_review(self, body, **_):
+        attributes = body.spec.resource_attributes
+        asked = (attributes.verb, attributes.resource, attributes.namespace)
+        self.reviews.append(asked)
+        return client.V1SelfSubjectAccessReview(
+            spec=body.spec, status=client.V1SubjectAccessReviewStatus(allowed=asked in self.allowed)
+        )
