@@ -78,16 +78,21 @@ def is_finished(obj: Mapping[str, Any]) -> bool:
     return any(c.get("type") in FINISHED_CONDITIONS and c.get("status") == "True" for c in conditions)
 
 
-def cleanup_run(cluster, run_id: str, *, print_fn: Callable[[str], Any] = print) -> dict[str, list[str]]:
-    """Delete every unfinished job and Experiment labelled with ``run_id``; returns what was deleted
-    and kept, by kind. Raises ClusterError naming every object it could not delete (and the kubectl
-    command to do it by hand) after trying them all."""
+def cleanup_run(
+    cluster, run_id: str, *, print_fn: Callable[[str], Any] = print, lost_pods: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
+    """Delete every unfinished job and Experiment labelled with ``run_id``, except those kept for the run's
+    retry: one its evicted launcher marked (:data:`KEEP_ANNOTATION`), or any while the run's Workflow shows
+    a launcher pod lost (``lost_pods``: :func:`lost_task_pods`). Returns what was deleted and kept, by
+    kind. Raises ClusterError naming every object it could not delete (and the kubectl command to do it by
+    hand) after trying them all."""
 
     selector = run_selector(run_id)
-    report: dict[str, list[str]] = {"deleted": [], "kept": []}
+    report: dict[str, list[str]] = {"deleted": [], "kept": [], "kept_for_retry": []}
     problems: list[str] = []
+    keep = functools.partial(_kept_for_retry, lost_pods=lost_pods)
     for resource in RUN_RESOURCES:
-        problems += _cleanup_kind(cluster, resource, selector, report, print_fn)
+        problems += _cleanup_kind(cluster, resource, selector, report, print_fn, keep)
     if problems:
         kinds = ",".join(plural for _, _, plural, _ in RUN_RESOURCES)
         raise ClusterError(
@@ -99,8 +104,19 @@ def cleanup_run(cluster, run_id: str, *, print_fn: Callable[[str], Any] = print)
     return report
 
 
-def _cleanup_kind(cluster, resource: tuple[str, str, str, str], selector: str, report: dict, print_fn) -> list[str]:
-    """Delete the unfinished objects of one kind matching ``selector``; returns the problems met."""
+def _kept_for_retry(obj: Mapping[str, Any], *, lost_pods: tuple[str, ...]) -> str:
+    """Why the exit handler keeps this unfinished object for the run's retry ("" when it does not)."""
+    marked = ((obj.get("metadata") or {}).get("annotations") or {}).get(KEEP_ANNOTATION)
+    if marked:
+        return marked
+    return f"the run's Workflow lost pod(s) {', '.join(lost_pods)} (Argo: 'pod deleted')" if lost_pods else ""
+
+
+def _cleanup_kind(
+    cluster, resource: tuple[str, str, str, str], selector: str, report: dict, print_fn, keep
+) -> list[str]:
+    """Delete the unfinished objects of one kind matching ``selector`` that ``keep`` gives no reason to
+    keep; returns the problems met."""
 
     group, version, plural, kind = resource
     try:
@@ -112,7 +128,18 @@ def _cleanup_kind(cluster, resource: tuple[str, str, str, str], selector: str, r
     except ClusterError as exc:
         return [] if exc.status == 404 else [f"{kind}s: {exc}"]  # 404: this kind's CRD is not installed
     problems = []
-    for name in [o["metadata"]["name"] for o in items if not is_finished(o)]:
+    unfinished = [o for o in items if not is_finished(o)]
+    for obj in unfinished:
+        why = keep(obj)
+        if why:
+            name = obj["metadata"]["name"]
+            report["kept_for_retry"].append(f"{kind}/{name}")
+            print_fn(
+                f"kept unfinished {kind} {cluster.namespace}/{name} for the run's retry ({why}): Retry the run (KFP UI "
+                f"Retry, Client.retry_run) to re-attach to it, or delete it to free its GPUs: kubectl delete -n "
+                f"{cluster.namespace} {plural} {name}"
+            )
+    for name in [o["metadata"]["name"] for o in unfinished if not keep(o)]:
         try:
             call_with_retries(
                 functools.partial(cluster.delete_custom_object, group, version, plural, name),
@@ -137,7 +164,37 @@ def cleanup_after_run(run_id: str, *, environ: Mapping[str, str] | None = None, 
         print(f"kfp.local run {run_id}: no cluster jobs to clean up")
         return {"deleted": [], "kept": [], "skipped": True}
 
-    return cleanup_run(cluster or cluster_module.Cluster(), run_id)
+    cluster = cluster or cluster_module.Cluster()
+    return cleanup_run(cluster, run_id, lost_pods=lost_task_pods(cluster, environ=environ))
+
+
+LOST_POD_MESSAGE = "pod deleted"
+"""The message Argo gives a Pod node whose pod vanished before it recorded the pod's phase (a node drain,
+a lost node): argo-workflows workflow/controller/operator.go 1175 at v3.4.17, 1289 at v4.0.5. The node is
+an Error, which KFP's retryStrategy (no retryPolicy: OnFailure, operator.go 1035-1042) does not retry."""
+
+
+def lost_task_pods(cluster, *, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Pod nodes of this run's Workflow (the exit-handler pod's owner) that Argo marked Error 'pod deleted';
+    () when none or when the Workflow cannot be read."""
+    launcher = read_launcher_pod(cluster, environ=environ, print_fn=_quiet)
+    if launcher.workflow is None:
+        return ()
+    try:
+        workflow = cluster.get_custom_object(*WORKFLOW, launcher.workflow.name)
+    except ClusterError:
+        return ()
+    nodes = ((workflow.get("status") or {}).get("nodes") or {}).values()
+    lost = [n for n in nodes if n.get("type") == "Pod" and n.get("phase") == "Error"]
+    return tuple(n.get("displayName") or n.get("name", "") for n in lost if n.get("message") == LOST_POD_MESSAGE)
+
+
+def unmark_kept(cluster, target: tuple[str, str, str, str], obj: Mapping[str, Any], namespace: str | None) -> None:
+    """A retried launcher re-attached to ``obj``: drop its keep mark, so a later failure cleans it up again."""
+    if KEEP_ANNOTATION in ((obj.get("metadata") or {}).get("annotations") or {}):
+        cluster.patch_custom_object(
+            *target, {"metadata": {"annotations": {KEEP_ANNOTATION: None}}}, namespace=namespace
+        )
 
 
 DISRUPTION_CONDITION = "DisruptionTarget"

@@ -49,7 +49,7 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib import pod_starts, trainjob_spec
-from llmft.components.lib.cleanup import LauncherPod, delete_on_sigterm, read_launcher_pod
+from llmft.components.lib.cleanup import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
 from llmft.components.lib.cluster import (
     PYTORCHJOB_CONTAINER,
     RECREATE_WAIT_S,
@@ -174,8 +174,9 @@ def run_job(
         if state == "succeeded":
             print_fn(f"PyTorchJob {name} already Succeeded (an earlier attempt of this task): not running it again")
             return {"name": name, "namespace": namespace, "succeeded": True, "reused": True}
-        if state == "active":
+        if state == "active" and previous is not None:
             print_fn(f"PyTorchJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
+            unmark_kept(cluster, (GROUP, VERSION, PLURAL, name), previous, namespace)
         elif state in ("permanent", "deadline") and previous is not None:
             raise_for_failure(cluster, previous, earlier=True)
         else:

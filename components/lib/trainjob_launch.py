@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.cleanup import unmark_kept
 from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
 from llmft.components.lib.plan_schema import (
     JOB_WAIT_GRACE_S,
@@ -259,6 +260,7 @@ def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: fl
         raise _permanent(namespace, name, recorded, " in an earlier attempt of this task", "")
     if previous is not None and condition is None:
         print_fn(f"TrainJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
+        unmark_kept(cluster, (GROUP, VERSION, PLURAL, name), previous, namespace)
         return "attached"
     if previous is not None and condition is not None:
         raise_if_final(cluster, previous, namespace, earlier=True)

@@ -193,8 +193,11 @@ class FakeCustomObjectsApi:
 
 
 def _merge(target: dict, patch: dict) -> None:
+    """A JSON merge patch (RFC 7386, what the client sends for custom objects): null removes a key."""
     for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
             _merge(target[key], value)
         else:
             target[key] = value
