@@ -358,7 +358,8 @@ def preflight_serving_namespace(plan, cluster=None) -> None:
     if missing:
         raise ConfigError(
             f"serving_namespace={there}: " + "; ".join(missing) + f". Create the PVC {serving.pvc_name} in {there} on "
-            f"the same volume and bind the Role of deploy/role.yaml there (docs/cluster-guide.md, Serving in another "
+            f"the same volume and bind this service account there to a Role granting create/get/update on "
+            "inferenceservices and get on persistentvolumeclaims (docs/cluster-guide.md, Serving in another "
             "namespace), or leave serving_namespace empty to serve in the pipeline's namespace"
         )
 
