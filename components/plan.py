@@ -178,7 +178,7 @@ def plan_run(
     """
     values = dict(locals())  # first statement: exactly the parameters, handed to the plan builder by name
     from llmft.components.lib.plan import build_plan, write_run_config
-    from llmft.components.lib.plan_checks import preflight_secrets
+    from llmft.components.lib.plan_checks import preflight_secrets, preflight_serving_namespace
     from llmft.components.lib.plan_schema import write_plan
     from llmft.components.lib.trainjob_runtime import preflight_runtime
     from llmft.components.lib.volume_access import check_volume_writable
@@ -189,6 +189,7 @@ def plan_run(
     if run_plan.on_cluster:
         for note in preflight_secrets(run_plan):
             print(f"WARNING: {note}")
+        preflight_serving_namespace(run_plan)
         preflight_runtime(run_plan)
         check_volume_writable(run_plan.layout)
     else:

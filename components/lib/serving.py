@@ -483,8 +483,9 @@ def mesh_denial_message(url: str) -> str:
         "Ready, but the mesh refuses this pod. KFP starts pipeline pods without an Istio sidecar "
         "(sidecar.istio.io/inject=false), so they carry no mesh identity, and Kubeflow's mesh denies by default "
         "(istio-system global-deny-all; a profile namespace allows its own identities). Allow the smoke test "
-        "(docs/cluster-guide.md, 'Smoke test behind Istio'), or serve in a namespace without sidecar injection "
-        "(serving_namespace)"
+        "(docs/cluster-guide.md, 'Smoke test behind Istio'). Serving in a namespace without sidecar injection "
+        "(serving_namespace) needs the data PVC and a RoleBinding for this pipeline's service account there "
+        "(docs/cluster-guide.md, 'Serving in another namespace')"
     )
 
 

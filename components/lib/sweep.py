@@ -34,6 +34,7 @@ from llmft.components.lib.trainjob_spec import trial_trainjob_dict
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
 from llmft.katib.tracking import ParentRun
+from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
 from llmft.trainer.config import split_assignment
 from llmft.trainer.errors import ConfigError
@@ -236,6 +237,7 @@ def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
     check_experiment(body)
     (output_dir / "experiment.yaml").write_text(to_yaml(body))
     cluster = cluster or cluster_module.Cluster(spec.namespace)
+    check_trial_resources(cluster, trial_kind(body["spec"]["trialTemplate"]["trialSpec"]))  # before any trial runs
     namespace = spec.namespace or cluster.namespace
     owner = run_owner_reference(cluster) if namespace == cluster.namespace else None
     if owner:  # the run's Workflow owns the Experiment (and so, through Katib, its trials): cleanup.py

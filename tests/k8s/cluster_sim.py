@@ -475,6 +475,9 @@ class ClusterSim:
         log = self.workdir / f"{pod_name}-{pod.metadata.uid[:8]}.log"
         self.containers[pod_name] = Container(pod_name, argv, base_env(**env), log).start(self.workdir)
         self.started.append(pod_name)
+        self.core.add_event(  # the kubelet's event (pkg/kubelet/events/event.go StartedContainer)
+            self.namespace, pod_name, "Started", f"Started container {container['name']}", "Normal", pod.metadata.uid
+        )
         self.core.logs[(self.namespace, pod_name)] = log
         pod.status.phase = "Running"
         pod.status.container_statuses = [
@@ -642,10 +645,15 @@ class ClusterSim:
             "status": {"phase": "Running", "startedAt": now_rfc3339(started)},
         }
         self.custom.objects[("argoproj.io", "v1alpha1", self.namespace, "workflows", workflow)] = body
+        self.task_pod(pod, workflow, started=started, task_deadline_s=task_deadline_s)
+
+    def task_pod(self, pod: str, workflow: str, *, started: float | None = None,
+                 task_deadline_s: int | None = None) -> None:  # fmt: skip
+        """A Running pod of one of the Workflow's tasks, controlled by it (Argo workflowpod.go 172-173)."""
         owner = client.V1OwnerReference(
             api_version="argoproj.io/v1alpha1", kind="Workflow", name=workflow, uid=f"uid-{workflow}", controller=True
         )
-        start = datetime.datetime.fromtimestamp(started, datetime.UTC)
+        start = datetime.datetime.fromtimestamp(self.clock() if started is None else started, datetime.UTC)
         self.core.pods.setdefault(self.namespace, []).append(
             client.V1Pod(
                 metadata=client.V1ObjectMeta(name=pod, namespace=self.namespace, owner_references=[owner]),
@@ -688,6 +696,30 @@ class ClusterSim:
         ]
         target.metadata.deletion_timestamp = datetime.datetime.fromtimestamp(self.clock(), datetime.UTC)
         self._sigterm_launcher()
+
+    def lose_pod(self, workflow: str, pod: str, task: str = "train-model") -> None:
+        """Argo lost the task's pod before it recorded the pod's phase (a drain deleted it first, or its node
+        went): the node becomes Error "pod deleted" (argo-workflows workflow/controller/operator.go 1175 at
+        v3.4.17, 1289 at v4.0.5). KFP compiles retryStrategy without a retryPolicy (kubeflow/pipelines
+        backend/src/v2/compiler/argocompiler/container.go 473-504 at 2.4.1), i.e. OnFailure, which does
+        not retry an Error (operator.go 1035-1042): the task and the run fail and the exit handler runs."""
+        run = self._workflow(workflow)
+        node = {"id": pod, "name": f"{workflow}.{task}", "displayName": task, "type": "Pod", "phase": "Error",
+                "message": "pod deleted"}  # fmt: skip
+        run["status"].setdefault("nodes", {})[pod] = node
+        run["status"]["phase"] = "Failed"
+        self.core.remove_pod(self.namespace, pod)
+
+    def retry_run(self, workflow: str, pod: str) -> None:
+        """KFP's retry of a failed run (``Client.retry_run``, the UI's Retry): the same Workflow, Running
+        again, its Error/Failed pod nodes and exit-handler nodes dropped (kubeflow/pipelines 2.4.1
+        backend/src/common/util/workflow.go 195-250, GenerateRetryExecution; resource_manager.go 843
+        RetryRun); Argo starts a new pod (``pod``) for the task."""
+        run = self._workflow(workflow)
+        nodes = run["status"].get("nodes") or {}
+        run["status"]["nodes"] = {k: n for k, n in nodes.items() if n["phase"] in ("Succeeded", "Skipped")}
+        run["status"]["phase"] = "Running"
+        self.task_pod(pod, workflow)
 
     @staticmethod
     def _sigterm_launcher() -> None:

@@ -193,8 +193,11 @@ class FakeCustomObjectsApi:
 
 
 def _merge(target: dict, patch: dict) -> None:
+    """A JSON merge patch (RFC 7386, what the client sends for custom objects): null removes a key."""
     for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
             _merge(target[key], value)
         else:
             target[key] = value
@@ -218,14 +221,18 @@ class FakeCoreV1Api:
         self.logs: dict[tuple[str, str], object] = {}
         self.log_reads: list[dict] = []
         self.events: dict[str, list] = {}
+        self.config_maps: dict[tuple[str, str], dict] = {}  # (namespace, name) -> data
+        self.claims: set[tuple[str, str]] = set()  # (namespace, name) of the PVCs that exist
         self.before_read: Callable[[], None] | None = None
 
-    def add_event(self, namespace: str, involved: str, reason: str, message: str, type_: str = "Warning") -> None:
+    def add_event(
+        self, namespace: str, involved: str, reason: str, message: str, type_: str = "Warning", uid: str | None = None
+    ) -> None:
         count = len(self.events.get(namespace, []))
         self.events.setdefault(namespace, []).append(
             client.CoreV1Event(
                 metadata=client.V1ObjectMeta(name=f"{involved}.{count}", namespace=namespace),
-                involved_object=client.V1ObjectReference(kind="Pod", name=involved, namespace=namespace),
+                involved_object=client.V1ObjectReference(kind="Pod", name=involved, namespace=namespace, uid=uid),
                 reason=reason,
                 message=message,
                 type=type_,
@@ -241,6 +248,17 @@ class FakeCoreV1Api:
             if wanted.get("involvedObject.name", e.involved_object.name) == e.involved_object.name
         ]
         return client.CoreV1EventList(items=items)
+
+    def read_namespaced_persistent_volume_claim(self, name, namespace, **_):
+        if (namespace, name) not in self.claims:
+            raise api_error(404, f'persistentvolumeclaims "{name}" not found')
+        return client.V1PersistentVolumeClaim(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
+
+    def read_namespaced_config_map(self, name, namespace, **_):
+        data = self.config_maps.get((namespace, name))
+        if data is None:
+            raise api_error(404, f'configmaps "{name}" not found')
+        return client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name, namespace=namespace), data=dict(data))
 
     def read_namespaced_pod(self, name, namespace, **_):
         if self.before_read is not None:
@@ -289,3 +307,19 @@ class FakeCoreV1Api:
         if tail_lines is not None:
             text = "\n".join(text.splitlines()[-tail_lines:])
         return text
+
+
+class FakeAuthorizationApi:
+    """AuthorizationV1Api: SelfSubjectAccessReviews answered from ``allowed`` {(verb, resource, namespace)}."""
+
+    def __init__(self, allowed=()):
+        self.allowed = set(allowed)
+        self.reviews: list[tuple[str, str, str]] = []
+
+    def create_self_subject_access_review(self, body, **_):
+        attributes = body.spec.resource_attributes
+        asked = (attributes.verb, attributes.resource, attributes.namespace)
+        self.reviews.append(asked)
+        return client.V1SelfSubjectAccessReview(
+            spec=body.spec, status=client.V1SubjectAccessReviewStatus(allowed=asked in self.allowed)
+        )
