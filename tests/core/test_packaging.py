@@ -208,9 +208,8 @@ def test_kfp_kubernetes_is_required_where_set_security_context_exists():
     (kubeflow/pipelines 2.16.0 kubernetes_platform/python/kfp/kubernetes/__init__.py 34, 54; absent at
     2.15.0), and KFP's backend applies it from 2.16.0 (backend/src/v2/driver/k8s.go 724-760): an
     install resolving 2.15 would fail to compile with AttributeError."""
-    from packaging.requirements import Requirement
-
     import kfp.kubernetes
+    from packaging.requirements import Requirement
 
     extras = _setup_cfg()["options.extras_require"]
     pins = [Requirement(line) for value in extras.values() for line in value.split("\n") if line.strip()]
