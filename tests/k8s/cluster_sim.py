@@ -59,6 +59,13 @@ plays the controllers behind it, each rule following the upstream source it cite
   code for the same rules (the listing there, here encoded).
   Not traced to source (test choices): the URL ``http://<name>.<namespace>.example.com`` and Ready at the
   first reconcile (no predictor pod, no model load time).
+
+Not traced to source anywhere above (test choices; no test claims them of a cluster): the controllers
+reconcile on every read of the API (``before_read``), not on watch events; a pod's container starts at
+once (no image pull, scheduling or init time); free GPUs are counted for the namespace (``gpus``), not per
+node; a Katib Experiment goes Running with the reason ``ExperimentRunning`` of Katib's
+``status_util.go`` but the message ``running``, and no suggestion service creates trials (the tests
+create the trial jobs).
 """
 
 from __future__ import annotations
