@@ -52,7 +52,7 @@ $(SMOLLM2_STAMP): | $(STAMP)
 
 serving-venv: $(SERVING_STAMP)
 
-$(SERVING_STAMP): tools/build_serving_venv.sh
+$(SERVING_STAMP): tools/build_serving_venv.sh tools/kserve-openai-requirements.txt
 	tools/build_serving_venv.sh $(SERVING_VENV) "$(VLLM_SPEC)" $(PYTHON)
 	touch $@
 

@@ -8,8 +8,9 @@ alone. It builds the InferenceService
 InferenceService CRD's OpenAPI schema, then
 
 * mode ``kserve``: applies it through the cluster module, waits for Ready and smoke-tests
-  the OpenAI endpoints: both served names listed, and the adapter's completion is not the base
-  model's (merged form: its one name listed and answering);
+  the OpenAI endpoints: the base model's name listed (KServe lists no adapter name), and the
+  adapter's completion, answered under its name, is not the base model's (merged form: its one
+  name listed and answering);
 * mode ``local``: loads base + adapter (or the merged model) with transformers and generates for a
   few prompts, failing if the adapter changes nothing;
 * mode ``vllm`` (kfp.local, ``llmft serve check``): starts a real vLLM OpenAI server on this machine with the

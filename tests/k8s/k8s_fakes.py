@@ -5,6 +5,26 @@ and the same errors (``ApiException`` with a status and a JSON body) as the real
 API objects, and support ``async_req=True`` the way the TrainingClient calls them.
 Bodies sent as SDK models are serialized with the real kubernetes ApiClient, i.e.
 exactly what would go over the wire.
+
+Where each API-server behaviour comes from (kubernetes, checked in the stored source of
+kubernetes/kubernetes; the client is kubernetes 30.1.0):
+
+- create sets ``generation`` 1 (``staging/src/k8s.io/apiextensions-apiserver/pkg/registry/customresource/
+  strategy.go`` ``PrepareForCreate``); a replace keeps the stored ``status`` (the status subresource, which the
+  CRDs in ../shared/k8s-crds enable) and raises ``generation`` by one when anything but metadata changed
+  (``PrepareForUpdate``: here, when ``spec`` changed);
+- a replace whose ``resourceVersion`` is not the stored one is a 409 (optimistic concurrency,
+  ``staging/src/k8s.io/apiserver/pkg/registry/generic/registry/store.go`` ``Update``; the message is
+  shortened from ``OptimisticLockErrorMsg``); a second create of a name is 409 ``... already exists`` and a
+  missing object 404 ``... not found`` (``staging/src/k8s.io/apimachinery/pkg/api/errors/errors.go``
+  ``NewAlreadyExists`` / ``NewNotFound``), each as a ``metav1.Status`` body;
+- foreground deletion (``delete_namespaced_custom_object``: ``store.go``
+  ``updateForGracefulDeletionAndFinalizers``).
+
+Not traced to source (test choices): resourceVersions are increasing integers from 101 and uids are
+``uid-<name>-<n>`` (the real ones are opaque); a patch is a recursive JSON merge (no strategic merge,
+no ``null`` deletes); label selectors support ``k=v`` terms only (tests/k8s/trainer_v2_sim.py adds set-based
+ones); ``fail_next``'s 503 body is made up.
 """
 
 from __future__ import annotations
