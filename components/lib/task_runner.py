@@ -29,8 +29,9 @@ class TaskRunner:
         questions: Sequence[Question | gen.Prompt],
         *,
         end_of_turn: str | None = None,
-        max_new_tokens: int = gen.MAX_NEW_TOKENS,
+        max_new_tokens: int | None = None,
     ) -> None:
+        """``max_new_tokens``: generations.MAX_NEW_TOKENS (read per call) unless given."""
         self.evaluator, self.tokenizer, self.tasks = evaluator, tokenizer, tuple(tasks)
         self.questions = list(questions)
         self.end_of_turn, self.max_new_tokens = end_of_turn, max_new_tokens
@@ -51,7 +52,11 @@ class TaskRunner:
         if not self.questions:
             return {}
         texts = gen.generate_answers(
-            model, self.tokenizer, self.questions, max_new_tokens=self.max_new_tokens, end_of_turn=self.end_of_turn
+            model,
+            self.tokenizer,
+            self.questions,
+            max_new_tokens=self.max_new_tokens or gen.MAX_NEW_TOKENS,
+            end_of_turn=self.end_of_turn,
         )  # type: ignore[arg-type]  # a Question has the Prompt's messages
         rows = [score_answer(text, q.reference) for text, q in zip(texts, self.questions, strict=True)]
         self.answers[label] = [{"text": text, **row} for text, row in zip(texts, rows, strict=True)]

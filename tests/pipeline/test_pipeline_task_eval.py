@@ -188,3 +188,24 @@ def test_the_champion_follows_the_promote_metric_and_the_version_carries_the_rea
     assert version.tags["llmft.promotion_reason"] == "run-b promoted on contains"
     run = client.get_run(version.run_id)
     assert run.data.metrics["heldout.contains"] == 0.75
+
+
+def test_the_run_summary_shows_each_task_base_against_the_best_and_the_gate():
+    from llmft.components.lib.summary import render_summary
+
+    heldout = {"exact_match": 0.0, "contains": 0.25, "token_f1": 0.1, "questions": 4.0, "seconds": 3.2}
+    tuned = {"exact_match": 0.5, "contains": 1.0, "token_f1": 0.8, "questions": 4.0, "seconds": 3.0}
+    facts = {
+        "run_dir": "/w",
+        "evaluation": {
+            "base": {"perplexity": 50.0, "eval_loss": 3.9, "tasks": {"heldout": heldout}},
+            "best": "step-4",
+            "checkpoints": [
+                {"name": "step-4", "step": 4, "perplexity": 40.0, "eval_loss": 3.7, "tasks": {"heldout": tuned}}
+            ],
+        },
+        "promotion": {"checkpoint": "step-4", "destination": "/m", "reason": "step-4 has heldout.contains 1.0000"},
+    }
+    text = render_summary(facts)
+    assert "heldout     base -> step-4: exact_match 0.00 -> 0.50, contains 0.25 -> 1.00, token_f1 0.10 -> 0.80" in text
+    assert "(4 questions, 3 s/model)" in text and "gate        step-4 has heldout.contains 1.0000" in text
