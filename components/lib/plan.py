@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmft.components.lib import plan_checks as checks
+from llmft.components.lib.lm_eval_tasks import task_config
 from llmft.components.lib.plan_checks import check_resources, check_tracking, extra_override_list, parse_node_selector
 from llmft.components.lib.plan_schema import (
     DEPLOY_POLICIES,
@@ -292,6 +293,9 @@ def eval_plan(p: Parameters) -> EvalPlan:
     """``eval_tasks`` (known names only), ``promote_metric`` (a metric they compute), the questions file
     (its rows' schema, when the plan step can read it), ``eval_max_questions``."""
     tasks = parse_tasks(p.eval_tasks)
+    for task in tasks:
+        if task != HELDOUT:
+            task_config(task)  # a shipped lm-eval task's YAML and data rows: DataError naming file and field
     check_promote_metric(p.promote_metric, tasks)
     if not 1 <= p.eval_max_questions <= MAX_QUESTIONS:
         raise ConfigError(
