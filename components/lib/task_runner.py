@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmft.components.lib import generations as gen
+from llmft.components.lib.lm_eval_tasks import run_task
 from llmft.components.lib.task_eval import HELDOUT, Question, mean_scores, read_questions, score_answer
 
 
@@ -63,8 +64,6 @@ class TaskRunner:
         return {**mean_scores(rows), "questions": float(len(rows))}
 
     def _lm_eval(self, task: str, model) -> dict[str, float]:
-        from llmft.components.lib.lm_eval_tasks import run_task  # optional: lm_eval
-
         return run_task(task, model, self.tokenizer)
 
     def table(self) -> list[dict[str, Any]]:
