@@ -78,7 +78,7 @@ def register_model(
         lineage=lineage,
         extra_artifacts=extras,
         tags=form.tags(),
-        promotion=read(promoted, "promotion.json"),
+        promotion=read(promoted, "promotion.json") if os.path.isfile(Path(promoted.path) / "promotion.json") else None,
     )
     mlflow_secret = next((s.name for s in run_plan.task_secrets if s.kind == "mlflow"), "")
     facts = register_adapter(reg, tracking_uri=registry.tracking_uri or None, secret_name=mlflow_secret)
