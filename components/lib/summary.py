@@ -101,7 +101,7 @@ def _model_lines(facts: dict[str, Any]) -> list[str]:
     promotion = facts.get("promotion")
     if promotion:
         lines.append(f"promoted    {promotion['checkpoint']} -> {promotion.get('destination')}")
-        lines.append(f"gate        {_clip(promotion.get('reason', ''), 120)}")
+        lines.append(f"gate        {_clip(promotion.get('reason', ''), 88)}")
     serving = facts.get("serving")
     if serving:
         lines.append(f"serving     {serving['form']}: {_clip(serving['reason'], 80)}")
@@ -115,17 +115,17 @@ def _model_lines(facts: dict[str, Any]) -> list[str]:
 
 
 def task_lines(evaluation: dict[str, Any], best: dict[str, Any]) -> list[str]:
-    """One line per task: base against the best checkpoint on each metric, and the task's seconds per model."""
+    """One line per task: base -> best checkpoint on each metric, and the task's seconds per model."""
     lines = []
     for task, base_scores in (evaluation["base"].get("tasks") or {}).items():
         tuned = (best.get("tasks") or {}).get(task) or {}
         shown = ", ".join(
-            f"{name} {value:.2f} -> {tuned[name]:.2f}"
+            f"{name} {value:.2f}->{tuned[name]:.2f}"
             for name, value in base_scores.items()
             if name not in ("seconds", "questions") and name in tuned
         )
-        count = f"{base_scores['questions']:.0f} questions, " if "questions" in base_scores else ""
-        lines.append(f"{task:<11} base -> {best['name']}: {shown} ({count}{base_scores.get('seconds', 0):.0f} s/model)")
+        count = f"n={base_scores['questions']:.0f}, " if "questions" in base_scores else ""
+        lines.append(f"{task:<11} {shown} ({count}{base_scores.get('seconds', 0):.0f} s/model)")
     return lines
 
 
