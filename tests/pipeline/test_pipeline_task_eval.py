@@ -207,8 +207,6 @@ def test_the_run_summary_shows_each_task_base_against_the_best_and_the_gate():
         "promotion": {"checkpoint": "step-4", "destination": "/m", "reason": "step-4 has heldout.contains 1.0000"},
     }
     text = render_summary(facts)
-    assert (
-        "heldout     exact_match 0.00->0.50, contains 0.25->1.00, token_f1 0.10->0.80 (n=4, 3 s/model)" in text
-    )
+    assert "heldout     exact_match 0.00->0.50, contains 0.25->1.00, token_f1 0.10->0.80 (n=4, 3 s/model)" in text
     assert "gate        step-4 has heldout.contains 1.0000" in text
     assert all(len(line) <= 100 for line in text.splitlines()), "one screen: the summary's lines fit 100 columns"
