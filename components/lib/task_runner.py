@@ -58,7 +58,7 @@ class TaskRunner:
             self.questions,
             max_new_tokens=self.max_new_tokens or gen.MAX_NEW_TOKENS,
             end_of_turn=self.end_of_turn,
-        )  # type: ignore[arg-type]  # a Question has the Prompt's messages
+        )
         rows = [score_answer(text, q.reference) for text, q in zip(texts, self.questions, strict=True)]
         self.answers[label] = [{"text": text, **row} for text, row in zip(texts, rows, strict=True)]
         return {**mean_scores(rows), "questions": float(len(rows))}
