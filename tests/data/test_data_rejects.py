@@ -62,6 +62,7 @@ BAD_ROWS = [
     (json.dumps({"instruction": " ", "output": "x"}), "empty_prompt", "instruction"),
     (json.dumps({"text": ""}), "empty_text", "text"),
     (json.dumps({"text": "x" * 5000}), "row_too_large", "<row>"),  # the test passes max_row_bytes=4096
+    ('{"text": ' + "[" * 2000 + "]" * 2000 + "}", "too_deep", "<line>"),  # 4,010 bytes: under max_row_bytes
     (json.dumps(_msgs("user", "assistant", "system")), "misplaced_system", "messages[2].role"),
     (json.dumps(_msgs("system", "user", "system", "assistant")), "misplaced_system", "messages[2].role"),
     (json.dumps(_msgs("assistant", "user", "assistant")), "assistant_first", "messages[0].role"),
