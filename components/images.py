@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from llmft.trainer.errors import ConfigError
 
@@ -39,6 +40,7 @@ TRAINER_IMAGE_ENV = "LLMFT_TRAINER_IMAGE"
 PIPELINE_IMAGE_ENV = "LLMFT_PIPELINE_IMAGE"
 KATIB_IMAGE_ENV = "LLMFT_KATIB_IMAGE"
 SERVING_RUNTIME_ENV = "LLMFT_SERVING_RUNTIME"
+LOCAL_TRAINER_PYTHON_ENV = "LLMFT_LOCAL_TRAINER_PYTHON"
 
 # A reference pinned by tag ([registry/]repo:tag) or by digest ([registry/]repo[:tag]@sha256:hex).
 _REPO = r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+(?=/))?(?:/[a-z0-9]+(?:[._-]{1,2}[a-z0-9]+)*)*"
@@ -105,3 +107,18 @@ DOCKERFILES = {
 def all_images() -> dict[str, str]:
     """Every image reference in use, by role (for logs, summaries and tests)."""
     return {"trainer": TRAINER_IMAGE, "pipeline": PIPELINE_IMAGE, "katib": KATIB_IMAGE}
+
+
+def dockerfile_roles() -> dict[str, str]:
+    """Image reference -> the DOCKERFILES role that builds it: a component compiled with that base image
+    runs in that Dockerfile's environment (the Katib image is the pipeline image's unless overridden,
+    and then it must still carry the pipeline image's ``pipeline,katib`` extras)."""
+    return {PIPELINE_IMAGE: "pipeline", KATIB_IMAGE: "pipeline", TRAINER_IMAGE: "trainer"}
+
+
+def local_trainer_python() -> str:
+    """The Python of the trainer processes the local backends start (``training_backend=local``,
+    ``sweep_backend=local``: kfp.local only) where a cluster starts trainer-image pods: this process's,
+    unless LLMFT_LOCAL_TRAINER_PYTHON names the trainer image's (tools/image_pipeline.py sets it, so a
+    pipeline-image step never trains on its own torch-less Python)."""
+    return os.environ.get(LOCAL_TRAINER_PYTHON_ENV, "").strip() or sys.executable

@@ -72,6 +72,10 @@ def plan_run(
     mlflow_experiment: str = "llm-finetune",
     mlflow_model_name: str = "llm-adapter",
     promote_margin: float = 0.01,
+    promote_metric: str = "perplexity",
+    eval_tasks: str = "heldout",
+    eval_questions: str = "",
+    eval_max_questions: int = 16,
     deploy: bool = True,
     deploy_mode: str = "kserve",
     deploy_policy: str = "champion",
@@ -150,7 +154,16 @@ def plan_run(
         mlflow_tracking_uri: MLflow server ('' = MLFLOW_TRACKING_URI from mlflow_secret).
         mlflow_experiment: MLflow experiment of the training runs and the registration.
         mlflow_model_name: Registered model name (also the promoted adapter's folder name).
-        promote_margin: Relative perplexity gain over the base model required to promote, e.g. 0.01.
+        promote_margin: Gain over the base model required to promote: relative for perplexity (0.01 = 1% lower),
+            absolute points for a task score (0.01 = one point higher).
+        promote_metric: What the promote gate, the best checkpoint and the registry's champion follow: perplexity or
+            a metric of a task in eval_tasks, e.g. heldout.contains, heldout.exact_match, heldout.token_f1.
+        eval_tasks: Tasks the evaluate step scores base and checkpoints on, comma-separated: heldout (greedy
+            answers to held-out questions: exact match, contains, token F1) and the lm-eval tasks shipped in
+            trainer/assets/lm_eval_tasks (run offline); '' = perplexity only.
+        eval_questions: JSONL file on the volume of {"question": ..., "answer": ...} for heldout ('' = the
+            validation split's conversations, the last assistant turn as the reference).
+        eval_max_questions: Held-out questions per model (at most; bounds the evaluate step's generation time).
         deploy: Apply the InferenceService (false: write and validate its manifest only).
         deploy_mode: kserve, local (a generation check with transformers, kfp.local only) or vllm (a real vLLM
             server on this machine with the manifest's arguments, and the smoke test; kfp.local only, make
@@ -178,7 +191,7 @@ def plan_run(
     """
     values = dict(locals())  # first statement: exactly the parameters, handed to the plan builder by name
     from llmft.components.lib.plan import build_plan, write_run_config
-    from llmft.components.lib.plan_checks import preflight_secrets
+    from llmft.components.lib.plan_checks import preflight_secrets, preflight_serving_namespace
     from llmft.components.lib.plan_schema import write_plan
     from llmft.components.lib.trainjob_runtime import preflight_runtime
     from llmft.components.lib.volume_access import check_volume_writable
@@ -189,6 +202,7 @@ def plan_run(
     if run_plan.on_cluster:
         for note in preflight_secrets(run_plan):
             print(f"WARNING: {note}")
+        preflight_serving_namespace(run_plan)
         preflight_runtime(run_plan)
         check_volume_writable(run_plan.layout)
     else:

@@ -1,4 +1,4 @@
-"""Step 5: promote the best checkpoint, if it beats the base model by the margin."""
+"""Step 5: promote the best checkpoint by promote_metric, if it beats the base model by the margin."""
 
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model, Output
@@ -12,17 +12,20 @@ def promote_best_checkpoint(
     evaluation: Input[Artifact],
     promoted: Output[Model],
 ):
-    """Pick the checkpoint with the lowest eval perplexity and copy it to a stable place.
+    """Pick the best checkpoint by the plan's ``promote_metric`` and copy it to a stable place.
 
     Refuses (the step fails, so nothing is registered or deployed) unless the best
-    checkpoint's perplexity is below ``base * (1 - promote_margin)`` (the plan's), and, with
+    checkpoint beats the base model on that metric by ``promote_margin``: perplexity below
+    ``base * (1 - promote_margin)``, a task score (e.g. ``heldout.contains``) above
+    ``base + promote_margin``; and, with
     ``serving_mode=lora``, refuses a LoRA adapter vLLM could not serve (DoRA, ``modules_to_save``, a rank
     above ``max_lora_rank``; otherwise the next step serves such an adapter merged). Otherwise copies
     its servable files (adapter or weights, tokenizer, manifest; not optimizer state)
     atomically to ``<data_root>/models/<mlflow_model_name>/<run_id>`` with a COMPLETE marker.
     The decision and its reason are written as JSON beside that folder in both cases.
 
-    Outputs: ``promoted`` (promotion.json; metadata ``path``, ``checkpoint``, ``perplexity``).
+    Outputs: ``promoted`` (promotion.json; metadata ``path``, ``checkpoint``, ``perplexity``, ``metric``,
+    ``value``, ``base_value``).
     """
     import json
     import os
@@ -41,6 +44,7 @@ def promote_best_checkpoint(
         name,
         run_id,
         margin=run_plan.registry.promote_margin,
+        metric=run_plan.registry.promote_metric,
         # serving_mode=lora: vLLM must be able to serve what is registered; auto/merged can merge it
         max_lora_rank=run_plan.serving.max_lora_rank if run_plan.serving.serving_mode == "lora" else None,
     )
@@ -55,6 +59,9 @@ def promote_best_checkpoint(
             "step": decision.step,
             "perplexity": decision.perplexity,
             "base_perplexity": decision.base_perplexity,
+            "metric": decision.metric,
+            "value": decision.value,
+            "base_value": decision.base_value,
         }
     )
     print(f"promoted: {decision.reason}")

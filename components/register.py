@@ -22,8 +22,10 @@ def register_model(
     The version carries lineage tags (pipeline run id, dataset hash = the tokenize cache key,
     base model, checkpoint) and the serving form (``llmft.served_form`` lora or merged,
     ``llmft.serving_reason``; serving.json and the merged model's export manifest are logged with
-    the run, the merged weights are not). The alias ``champion`` moves to it only when its eval perplexity
-    beats the current champion's. A retried task reuses the run and version it created before
+    the run, the merged weights are not). The alias ``champion`` moves to it only when its ``promote_metric``
+    (eval perplexity by default, or a task score) beats the current champion's; the promote step's reason is
+    the tag ``llmft.promotion_reason`` and the task scores are metrics of the run and ``llmft.eval.*`` tags.
+    A retried task reuses the run and version it created before
     (tag ``llmft.registration_key = <run_id>/<task_name>``), so retries never duplicate.
 
     With Langfuse configured, the version carries ``llmft.langfuse.*`` tags (the training trace,
@@ -76,6 +78,7 @@ def register_model(
         lineage=lineage,
         extra_artifacts=extras,
         tags=form.tags(),
+        promotion=read(promoted, "promotion.json") if os.path.isfile(Path(promoted.path) / "promotion.json") else None,
     )
     mlflow_secret = next((s.name for s in run_plan.task_secrets if s.kind == "mlflow"), "")
     facts = register_adapter(reg, tracking_uri=registry.tracking_uri or None, secret_name=mlflow_secret)

@@ -29,7 +29,9 @@ def train_model(
     so they win over the plan's config.
 
     The run directory ``<data_root>/runs/<run_id>`` is stable across retries of this task, and
-    the trainer resumes from its newest complete checkpoint (``resume=auto``).
+    the trainer resumes from its newest complete checkpoint (``resume=auto``). A cluster failure
+    exits with the contract's code (trainer/errors.py): 200 when the job's pods never start or it
+    timed out (retryable), 1 for bad input, never a traceback.
 
     Outputs: ``run`` (training_manifest.json; metadata ``path`` = the run directory) and
     ``metrics`` (final and best eval loss / perplexity, tokens, wall time).
@@ -60,9 +62,9 @@ def train_model(
             timeout_s=job.timeout_s,
         )
     else:
-        from llmft.components.lib.pytorchjob_launch import run_on_cluster
+        from llmft.components.lib.pytorchjob_launch import run_on_cluster_or_exit
 
-        run_on_cluster(job, launch)
+        run_on_cluster_or_exit(job, launch)
 
     manifest = read_training_manifest(trainer.run_dir)
     os.makedirs(run.path, exist_ok=True)

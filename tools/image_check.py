@@ -16,7 +16,9 @@ Then what the pipeline and the job manifests put into those containers: ``llmft 
 each compiled component's executor (`llmft pipeline compile`, both pipelines): the KFP executor
 module, the component's own source as compiled, its function, and every import in its body,
 loaded the way ``kfp.dsl.executor_main`` loads them; and the PyTorchJob and TrainJob containers
-(`llmft pipeline render-job`) with their own command and args plus ``--print-config``.
+(`llmft pipeline render-job`) with their own command and args plus ``--print-config``. Last, both pipelines
+run through kfp.local on the demo's inputs with every task on the Python of its component's image
+(tools/image_pipeline.py): a step that imports what its image lacks fails the check.
 
 Not covered: the Python version of the trainer image (3.12 there; the venvs are made by the python3 on
 this machine's PATH), CUDA, the non-root USER, and the Katib trial's ``sh -c`` wrapper (its ``llmft train``
@@ -40,13 +42,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from image_pipeline import PLACEHOLDER_MLFLOW, PipelineCheckFailed, check_pipelines  # tools/, beside this file
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SKIPPED_COMMANDS = {"apt-get": "system packages", "rm": "apt lists", "useradd": "the image's user"}
 """First words of RUN commands the check does not run (system set-up of the base image)."""
 SOURCE_INSTALL = re.compile(r"^\.(\[[^\]]*\])?$")
 """``pip install`` argument naming the source tree copied into the WORKDIR: ``.`` or ``.[extras]``."""
-PLACEHOLDER_MLFLOW = "mlflow_tracking_uri=http://mlflow.invalid:5000"
-"""render-job refuses to render without an MLflow server; any URL does (nothing is contacted)."""
 
 
 class CheckFailed(RuntimeError):
@@ -460,7 +462,7 @@ def check_containers(envs: dict[str, dict[str, str]], out: Path) -> None:
     """Run what the compiled pipelines and the job manifests start in each image."""
     from llmft.components import images
 
-    role_of = {images.TRAINER_IMAGE: "trainer", images.PIPELINE_IMAGE: "pipeline", images.KATIB_IMAGE: "pipeline"}
+    role_of = images.dockerfile_roles()
     log("== what the pipeline and the jobs start in the images")
     trainer, pipeline = envs["trainer"], envs["pipeline"]
     run(["llmft", "train", "--help"], env=trainer, cwd=out, what="trainer image: llmft train --help")
@@ -514,9 +516,10 @@ def main(argv: list[str] | None = None) -> int:
             envs[role] = build_image(image, build_wheel(context, work / f"dist-{role}"), args)
         (work / "out").mkdir()
         check_containers(envs, work / "out")
+        check_pipelines(envs, work / "pipelines", run=run, log=log)
         log(f"image check passed in {time.monotonic() - started:.0f} s")
         return 0
-    except (CheckFailed, DockerfileError) as exc:
+    except (CheckFailed, DockerfileError, PipelineCheckFailed) as exc:
         print(f"error: image check failed: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -12,6 +12,7 @@ many adapters (the pipeline's evaluate step: the base and every checkpoint).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 from pathlib import Path
 
@@ -30,9 +31,15 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 709.0 else float("inf")
 
 
-def katib_lines(metrics: dict) -> str:
-    """The stdout lines Katib's StdOut collector parses (one name=value per line)."""
-    return f"eval_loss={metrics['eval_loss']:.6f}\nperplexity={metrics['perplexity']:.6f}"
+def katib_lines(metrics: dict, now: datetime.datetime | None = None) -> str:
+    """The stdout lines Katib's StdOut collector parses: ``<RFC 3339 time> name=value``, one per line.
+    The collector takes a line's first word as its timestamp and records the zero time for a line
+    without one (kubeflow/katib v0.19.0 pkg/metricscollector/v1beta1/file-metricscollector/
+    file-metricscollector.go 89-99); medianstop takes a trial's first ``start_step`` metrics as
+    "ordered by time" (pkg/earlystopping/v1beta1/medianstop/service.py 208-212)."""
+    moment = now if now is not None else datetime.datetime.now(datetime.UTC)
+    stamp = moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return f"{stamp} eval_loss={metrics['eval_loss']:.6f}\n{stamp} perplexity={metrics['perplexity']:.6f}"
 
 
 def _dummy_batch() -> MicroBatch:

@@ -128,6 +128,7 @@ class Cluster:
         api_client: Any = None,
         custom_api: Any = None,
         core_api: Any = None,
+        authorization_api: Any = None,
         config_file: str | None = None,
         context: str | None = None,
         service_account_dir: Path = SERVICE_ACCOUNT_DIR,
@@ -136,6 +137,7 @@ class Cluster:
         self._api_client = api_client
         self._custom_api = custom_api
         self._core_api = core_api
+        self._authorization_api = authorization_api
         self._config_file = config_file
         self._context = context
         self._service_account_dir = Path(service_account_dir)
@@ -172,6 +174,14 @@ class Cluster:
 
             self._core_api = client.CoreV1Api(self.api_client)
         return self._core_api
+
+    @property
+    def authorization_api(self):
+        if self._authorization_api is None:
+            from kubernetes import client  # heavy: kubernetes
+
+            self._authorization_api = client.AuthorizationV1Api(self.api_client)
+        return self._authorization_api
 
     def _load_api_client(self):
         from kubernetes import client, config  # heavy: kubernetes
@@ -341,6 +351,27 @@ class Cluster:
             field_selector=f"involvedObject.name={involved_object}",
         )
         return list(result.items or [])
+
+    def may(self, verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
+        """Whether this service account may ``verb`` ``resource`` in ``namespace``: a
+        SelfSubjectAccessReview, which any authenticated account may create (no RBAC needed)."""
+        from kubernetes import client  # heavy: kubernetes
+
+        ns = namespace or self.namespace
+        attributes = client.V1ResourceAttributes(verb=verb, group=group, resource=resource, namespace=ns)
+        review = client.V1SelfSubjectAccessReview(
+            spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attributes)
+        )
+        result = self._call(
+            f"review {verb} {resource} in {ns}", self.authorization_api.create_self_subject_access_review, review
+        )
+        return bool(result.status and result.status.allowed)
+
+    def read_config_map(self, name: str, namespace: str | None = None) -> dict:
+        """The ``data`` of a ConfigMap (a Katib preflight reads Katib's own config)."""
+        ns = namespace or self.namespace
+        result = self._call(f"read configmap {ns}/{name}", self.core_api.read_namespaced_config_map, name, ns)
+        return dict(result.data or {})
 
     def read_pod_log(
         self, name: str, container: str | None = None, tail_lines: int | None = None, namespace: str | None = None

@@ -13,10 +13,11 @@ Only when Langfuse is configured (LANGFUSE_PUBLIC_KEY/SECRET_KEY, from the Secre
    generations.py);
 3. in Langfuse: the dataset ``llmft/<model name>`` holds the prompts as items (ids fixed by the
    prompt, so every run of the model answers the same items), and each model's answers are one
-   dataset run (the SDK's experiment runner), named ``<run id>/<model>``, with the item score
-   ``exact_match`` (short references only) and the run scores ``perplexity`` and ``eval_loss`` (the
-   validation split) and ``exact_match`` (the mean). Langfuse's dataset view then lists the runs
-   side by side, item by item;
+   dataset run (the SDK's experiment runner), named ``<run id>/<model>``, with the item scores
+   ``exact_match`` (short references only), ``contains`` and ``token_f1`` (components/lib/task_eval.py) and
+   the run scores ``perplexity`` and ``eval_loss`` (the validation split), their means, and for the base and
+   the new adapter every task metric the evaluate step computed (``heldout.contains``, an lm-eval task's
+   ``acc``). Langfuse's dataset view then lists the runs side by side, item by item;
 4. the training trace gets an event naming the comparison.
 
 The result is the ``langfuse`` section of evaluation.json; registry.py's :func:`version_link_tags` turns it into
@@ -31,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.lib import generations as gen
-from llmft.components.lib.evaluation import adapter_dir
+from llmft.components.lib.evaluation import adapter_dir, task_scores
 from llmft.components.lib.promote import promoted_destination
 from llmft.components.lib.registry import PROMOTED_PATH_TAG, champion_version, version_perplexity
+from llmft.components.lib.task_eval import score_answer
 from llmft.trainer import langfuse_sink
 from llmft.trainer.io import is_complete
 from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
@@ -157,6 +159,7 @@ def _compare(
             max_new_tokens=max_new_tokens, val=None if known else (tokenized_dir, split),
         )  # fmt: skip
         scores[label] = {k: float(v) for k, v in (known or measured).items() if k in ("eval_loss", "perplexity")}
+        scores[label] |= task_scores(known or {})  # the evaluate step's tasks: base against adapter
         print(f"langfuse comparison: {label} answered {len(prompts)} prompts", flush=True)
     record = langfuse_sink.read_run_record(run_dir)
     section = record_runs(
@@ -177,8 +180,12 @@ def record_runs(prompts, answers: dict, scores: dict, *, model_name, run_id, bas
     trace_id = training.get("trace_id") if training else None
 
     def exact(*, output, expected_output, **_):
-        value = gen.exact_match(str(output or ""), str(expected_output or ""))
-        return [] if value is None else [Evaluation(name="exact_match", value=value)]
+        answer, reference = str(output or ""), str(expected_output or "")
+        value = gen.exact_match(answer, reference)
+        overlap = [
+            Evaluation(name=k, value=v) for k, v in score_answer(answer, reference).items() if k != "exact_match"
+        ]
+        return overlap + ([] if value is None else [Evaluation(name="exact_match", value=value)])
 
     runs = {}
     for label, outputs in answers.items():
@@ -186,9 +193,11 @@ def record_runs(prompts, answers: dict, scores: dict, *, model_name, run_id, bas
         run_scores = scores.get(label, {})
 
         def summary(*, item_results, _scores=run_scores, **_):
-            found = [e.value for r in item_results for e in r.evaluations if e.name == "exact_match"]
-            mean = {"exact_match": sum(found) / len(found)} if found else {}
-            return [Evaluation(name=k, value=v) for k, v in {**_scores, **mean}.items()]
+            means = {}
+            for metric in ("exact_match", "contains", "token_f1"):
+                found = [e.value for r in item_results for e in r.evaluations if e.name == metric]
+                means |= {metric: sum(found) / len(found)} if found else {}
+            return [Evaluation(name=k, value=v) for k, v in {**_scores, **means}.items()]
 
         result = client.run_experiment(
             name=f"llmft {model_name}",

@@ -8,8 +8,9 @@ alone. It builds the InferenceService
 InferenceService CRD's OpenAPI schema, then
 
 * mode ``kserve``: applies it through the cluster module, waits for Ready and smoke-tests
-  the OpenAI endpoints: both served names listed, and the adapter's completion is not the base
-  model's (merged form: its one name listed and answering);
+  the OpenAI endpoints: the base model's name listed (KServe lists no adapter name), and the
+  adapter's completion, answered under its name, is not the base model's (merged form: its one
+  name listed and answering);
 * mode ``local``: loads base + adapter (or the merged model) with transformers and generates for a
   few prompts, failing if the adapter changes nothing;
 * mode ``vllm`` (kfp.local, ``llmft serve check``): starts a real vLLM OpenAI server on this machine with the
@@ -108,9 +109,27 @@ class DeployRequest:
     """Merged form: the merged model directory on the data volume."""
     form_reason: str = ""
     """Why that form (logged)."""
+    rollout: str = "Recreate"
+    """How a redeploy replaces the predictor's pods (``predictor.deploymentStrategy.type``, RawDeployment
+    only): Recreate (the default: the old pod goes first, so a redeploy needs no spare GPU; the model is
+    unavailable while the new pod loads) or RollingUpdate (KServe's default: 25% surge, the new pod needs
+    a free GPU before the old one goes). See :data:`ROLLOUTS`."""
     vllm_options: Mapping[str, Any] = field(default_factory=dict)
     """mode vllm: ``max_tokens`` of the answers and keyword arguments of
     :class:`llmft.components.lib.vllm_local.VllmServer` (port, log_path, extra_argv, ...)."""
+
+
+ROLLOUTS = ("Recreate", "RollingUpdate")
+"""Values of DeployRequest.rollout (Kubernetes apps/v1 DeploymentStrategyType).
+
+KServe honours ``predictor.deploymentStrategy`` in RawDeployment mode only (v0.20.0
+pkg/apis/serving/v1beta1/component.go 129-131: "Only applicable for raw deployment mode"); its
+deployment reconciler copies it onto the Deployment, and without it sets RollingUpdate with maxSurge and
+maxUnavailable 25% (pkg/controller/v1beta1/inferenceservice/reconcilers/deployment/deployment_reconciler.go
+162-168, 340-350). One GPU predictor: 25% rounds up to one surge pod, which stays Pending without a spare GPU,
+so a redeploy never becomes Ready. In Serverless mode Knative ignores the field: a new Revision is
+started beside the old one and traffic moves once it is Ready, so a redeploy needs a spare GPU there
+(docs/cluster-guide.md, Redeploying)."""
 
 
 def plan_deploy_request(
@@ -243,8 +262,7 @@ def deploy_promoted(
     else:
         _check_lora(req)
     spec = serve_spec(req)
-    isvc = build_inference_service(spec)
-    body = isvc_to_dict(isvc)
+    body = inference_service_body(req, spec)
     names = served_models(spec)
     result: dict[str, Any] = {
         "mode": req.mode,
@@ -270,6 +288,16 @@ def deploy_promoted(
     if req.mode == "vllm":
         return {**result, **_vllm_check(req, body, names)}
     return {**result, **_deploy_to_kserve(req, body, cluster, http_post, http_get)}
+
+
+def inference_service_body(req: DeployRequest, spec: ServeSpec | None = None) -> dict[str, Any]:
+    """The InferenceService of the request as a dict, its predictor's rollout set (:data:`ROLLOUTS`)."""
+
+    if req.rollout not in ROLLOUTS:
+        raise ConfigError(f"rollout {req.rollout!r}: use one of {', '.join(ROLLOUTS)}")
+    body = isvc_to_dict(build_inference_service(spec or serve_spec(req)))
+    body["spec"]["predictor"]["deploymentStrategy"] = {"type": req.rollout}
+    return body
 
 
 def _check_lora(req: DeployRequest) -> None:

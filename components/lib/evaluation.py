@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.task_eval import PERPLEXITY, best_of
 from llmft.trainer.config import ModelConfig
 from llmft.trainer.errors import DataError
 
@@ -56,9 +57,15 @@ def evaluate_run(
     *,
     split: str = "val",
     evaluate_fn: Callable[..., dict[str, Any]] | None = None,
+    metric: str = PERPLEXITY,
+    task_fn: Callable[..., dict[str, dict[str, float]]] | None = None,
     **eval_kwargs: Any,
 ) -> dict[str, Any]:
-    """Evaluate the base model and every complete checkpoint; return the evaluation dict."""
+    """Evaluate the base model and every complete checkpoint; return the evaluation dict.
+
+    ``task_fn(label, model_path, adapter_path)`` (components/lib/task_runner.py TaskRunner) scores the
+    selected tasks of each model (its ``tasks`` entry); the best checkpoint is the best by ``metric``
+    (task_eval.best_of: ties go to the lower perplexity, then the later step)."""
     from llmft.trainer.checkpoint import complete_checkpoints, finished_run_id  # heavy: torch
 
     run_id = finished_run_id(run_dir)
@@ -72,26 +79,53 @@ def evaluate_run(
         from llmft.trainer.evaluate import PerplexityEvaluator  # heavy: torch
 
         evaluate_fn = PerplexityEvaluator()  # the base loads once for itself and every adapter
-    base = evaluate_fn(base_model, str(dataset_dir), split=split, **eval_kwargs)
+    base = {
+        "name": "base",
+        "path": base_model,
+        **_numbers(evaluate_fn(base_model, str(dataset_dir), split=split, **eval_kwargs)),
+    }
+    if task_fn is not None:
+        base["tasks"] = task_fn("base", base_model, None)
     results = []
     for step, path in checkpoints:
         adapter = adapter_dir(path)
-        if adapter is not None:
-            metrics = evaluate_fn(base_model, str(dataset_dir), adapter_path=str(adapter), split=split, **eval_kwargs)
-        else:
-            metrics = evaluate_fn(str(path), str(dataset_dir), split=split, **eval_kwargs)
-        results.append({"name": path.name, "step": step, "path": str(path), **_numbers(metrics)})
+        model_path, adapter_path = (base_model, str(adapter)) if adapter is not None else (str(path), None)
+        metrics = evaluate_fn(model_path, str(dataset_dir), adapter_path=adapter_path, split=split, **eval_kwargs)
+        result = {"name": path.name, "step": step, "path": str(path), **_numbers(metrics)}
+        if task_fn is not None:
+            result["tasks"] = task_fn(path.name, model_path, adapter_path)
+        results.append(result)
         print(
             f"evaluated {path.name}: eval_loss={metrics['eval_loss']:.4f} perplexity={metrics['perplexity']:.4f}",
             flush=True,
         )
-    best = min(results, key=lambda r: (r["perplexity"], -r["step"]))
+    best = best_of(results, metric)
+    return {"split": split, "base": base, "checkpoints": results, "best": best["name"], "metric": metric}
+
+
+def task_scores(result: dict[str, Any]) -> dict[str, float]:
+    """``<task>.<metric>`` -> value of one model's evaluation entry (no ``seconds``/``questions`` counts)."""
     return {
-        "split": split,
-        "base": {"name": "base", "path": base_model, **_numbers(base)},
-        "checkpoints": results,
-        "best": best["name"],
+        f"{task}.{name}": float(value)
+        for task, scores in (result.get("tasks") or {}).items()
+        for name, value in scores.items()
+        if name not in TASK_COUNTS
     }
+
+
+TASK_COUNTS = ("seconds", "questions")
+"""Keys of a task's entry that are not scores: its wall time and how many questions it asked."""
+
+
+def kfp_metrics(evaluation: dict[str, Any]) -> dict[str, float]:
+    """The evaluate step's KFP metrics: base and best eval loss, perplexity and every task metric."""
+    best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
+    out = {"best_step": float(best["step"])}
+    for label, result in (("base", evaluation["base"]), ("best", best)):
+        out[f"{label}_eval_loss"] = float(result["eval_loss"])
+        out[f"{label}_perplexity"] = float(result["perplexity"])
+        out |= {f"{label}_{name}": value for name, value in task_scores(result).items()}
+    return out
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -186,8 +220,59 @@ def render_html(evaluation: dict[str, Any], history: list[dict[str, Any]], *, ti
         f"<p>Split: {html.escape(evaluation['split'])}. Best checkpoint: <b>{html.escape(evaluation['best'])}</b>.</p>"
         f"<img alt='loss and perplexity' src='data:image/png;base64,{png}'/>"
         "<table><tr><th>model</th><th>step</th><th>eval loss</th><th>perplexity</th></tr>"
-        f"{cells}</table>{_langfuse_html(evaluation)}</body></html>\n"
+        f"{cells}</table>{_tasks_html(evaluation)}{_generations_html(evaluation)}{_langfuse_html(evaluation)}"
+        "</body></html>\n"
     )
+
+
+def _task_rows(evaluation: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(metric names, one row per model: name then each metric's value) of the models' task scores."""
+    models = [evaluation["base"], *evaluation["checkpoints"]]
+    names = sorted({name for m in models for name in task_scores(m)})
+    rows = []
+    for model in models:
+        scores = task_scores(model)
+        seconds = sum(float(t.get("seconds", 0.0)) for t in (model.get("tasks") or {}).values())
+        label = model["name"] + (" (best)" if model["name"] == evaluation["best"] else "")
+        rows.append([label, *(f"{scores[n]:.4f}" if n in scores else "-" for n in names), f"{seconds:.1f}"])
+    return names, rows
+
+
+def _tasks_html(evaluation: dict[str, Any]) -> str:
+    names, rows = _task_rows(evaluation)
+    if not names:
+        return ""
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in ["model", *names, "task seconds"])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in rows)
+    metric = html.escape(str(evaluation.get("metric", "perplexity")))
+    return (
+        f"<h3>Tasks, base against each checkpoint (promote metric: {metric})</h3><table><tr>{head}</tr>{body}</table>"
+    )
+
+
+def generation_rows(evaluation: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(question, reference, base answer, best checkpoint's answer, their contains / exact match) per question."""
+    best = evaluation["best"]
+    rows = []
+    for row in evaluation.get("generations") or []:
+        base, tuned = row["answers"].get("base") or {}, row["answers"].get(best) or {}
+        marks = " / ".join(
+            f"{label} {'contains' if a.get('contains') else '-'}{', exact' if a.get('exact_match') else ''}"
+            for label, a in (("base", base), ("adapter", tuned))
+        )
+        rows.append((row["question"], row["reference"], base.get("text", ""), tuned.get("text", ""), marks))
+    return rows
+
+
+def _generations_html(evaluation: dict[str, Any]) -> str:
+    rows = generation_rows(evaluation)
+    if not rows:
+        return ""
+    head = "".join(
+        f"<th>{h}</th>" for h in ("question", "reference", "base", html.escape(evaluation["best"]), "scores")
+    )
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<h3>Held-out questions, answered greedily</h3><table><tr>{head}</tr>{body}</table>"
 
 
 def _langfuse_html(evaluation: dict[str, Any]) -> str:
@@ -218,4 +303,12 @@ def render_markdown(evaluation: dict[str, Any], history: list[dict[str, Any]], *
         "|---|---|---|---|",
     ]
     lines += [f"| {' | '.join(row)} |" for row in _table_rows(evaluation)]
+    names, rows = _task_rows(evaluation)
+    if names:
+        lines += ["", f"| model | {' | '.join(names)} | task seconds |", "|---" * (len(names) + 2) + "|"]
+        lines += [f"| {' | '.join(row)} |" for row in rows]
+    generations = generation_rows(evaluation)
+    if generations:
+        lines += ["", f"| question | reference | base | {evaluation['best']} | scores |", "|---|---|---|---|---|"]
+        lines += [f"| {' | '.join(v.replace('|', '/').replace(chr(10), ' ') for v in row)} |" for row in generations]
     return "\n".join(lines) + "\n"

@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from llmft.trainer.tokenizer import load_tokenizer
 
@@ -82,8 +84,15 @@ def generation_tokenizer(base_model: str, tokenized: dict):
     return tokenizer
 
 
+class Asked(Protocol):
+    """What :func:`generate_answers` reads of a prompt: a :class:`Prompt` or a task_eval.Question."""
+
+    @property
+    def messages(self) -> list: ...
+
+
 def generate_answers(
-    model, tokenizer, prompts: list[Prompt], *, max_new_tokens: int = MAX_NEW_TOKENS, end_of_turn: str | None = None
+    model, tokenizer, prompts: Sequence[Asked], *, max_new_tokens: int = MAX_NEW_TOKENS, end_of_turn: str | None = None
 ) -> list[str]:
     """Greedy answers, in the order of ``prompts``; generation stops at EOS or ``end_of_turn``."""
     import torch  # heavy: torch

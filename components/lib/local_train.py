@@ -12,10 +12,10 @@ from __future__ import annotations
 import collections
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
+from llmft.components.images import local_trainer_python
 from llmft.components.lib.pytorchjob import PyTorchJobSpec, trainer_command
 from llmft.katib.metrics import parse_metric_lines, summarize
 from llmft.trainer.errors import LlmftError
@@ -37,7 +37,7 @@ def train_command(launch, *, nproc: int = 1) -> list[str]:
         name="local", config_path=launch.config_path, overrides=launch.overrides, nproc_per_node=str(nproc)
     )
     command, args = trainer_command(spec)
-    return [sys.executable, "-m", *command, *args]
+    return [local_trainer_python(), "-m", *command, *args]
 
 
 def run_local_training(

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmft.components.lib import plan_checks as checks
+from llmft.components.lib.lm_eval_tasks import task_config
 from llmft.components.lib.plan_checks import check_resources, check_tracking, extra_override_list, parse_node_selector
 from llmft.components.lib.plan_schema import (
     DEPLOY_POLICIES,
@@ -47,6 +48,7 @@ from llmft.components.lib.plan_schema import (
     TRAIN_TASK_TIMEOUT_S,
     DataLayout,
     DataPlan,
+    EvalPlan,
     Images,
     JobPlan,
     RegistryPlan,
@@ -60,6 +62,7 @@ from llmft.components.lib.plan_schema import (
     run_label,
 )
 from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
+from llmft.components.lib.task_eval import HELDOUT, check_promote_metric, parse_tasks, read_questions
 from llmft.components.lib.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.volume_space import check_volume_space
 from llmft.trainer.config import RUN_CONFIG_FILE, SETTING_NAMES, config_to_yaml, nest_dotted, resolve_config
@@ -133,6 +136,7 @@ def build_plan(
         registry=_registry_plan(p, layout, run_id, on_cluster, environ),
         serving=_serving_plan(p, layout, run_id, images, secrets),
         sweep=_sweep_plan(p, layout, run_id) if pipeline.endswith("-hpo") else None,
+        evaluation=eval_plan(p),
         task_secrets=tuple(s for s in (secrets["hf"], secrets["mlflow"], secrets["langfuse"]) if s is not None),
         task_resources=checks.task_resources(p),
         parameters=p.as_dict(),
@@ -285,6 +289,29 @@ def _without_key(secret: SecretMount, key: str) -> SecretMount:
     return dataclasses.replace(secret, keys=tuple(k for k in secret.keys if k != key))
 
 
+def eval_plan(p: Parameters) -> EvalPlan:
+    """``eval_tasks`` (known names only), ``promote_metric`` (a metric they compute), the questions file
+    (its rows' schema, when the plan step can read it), ``eval_max_questions``."""
+    tasks = parse_tasks(p.eval_tasks)
+    for task in tasks:
+        if task != HELDOUT:
+            task_config(task)  # a shipped lm-eval task's YAML and data rows: DataError naming file and field
+    check_promote_metric(p.promote_metric, tasks)
+    if not 1 <= p.eval_max_questions <= MAX_QUESTIONS:
+        raise ConfigError(
+            f"pipeline parameter `eval_max_questions`={p.eval_max_questions}: must be between 1 and {MAX_QUESTIONS}"
+        )
+    if p.eval_questions:
+        if HELDOUT not in tasks:
+            raise ConfigError("pipeline parameter `eval_questions` is set but `eval_tasks` lacks heldout: add it")
+        read_questions(p.eval_questions, p.eval_max_questions)  # DataError naming file, line and field
+    return EvalPlan(tasks=tasks, questions=p.eval_questions, max_questions=p.eval_max_questions)
+
+
+MAX_QUESTIONS = 1000
+"""Upper bound of ``eval_max_questions``: generation per model and checkpoint stays bounded."""
+
+
 def _registry_plan(p: Parameters, layout: DataLayout, run_id: str, on_cluster: bool, environ) -> RegistryPlan:
 
     check_tracking(p, on_cluster, os.environ if environ is None else environ)
@@ -294,6 +321,7 @@ def _registry_plan(p: Parameters, layout: DataLayout, run_id: str, on_cluster: b
         model_name=p.mlflow_model_name,
         promote_margin=p.promote_margin,
         promoted_dir=layout.promoted(p.mlflow_model_name, run_id),
+        promote_metric=p.promote_metric,
     )
 
 

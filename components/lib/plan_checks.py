@@ -328,6 +328,49 @@ def preflight_secrets(plan, cluster=None) -> list[str]:
     return notes
 
 
+SERVING_VERBS = ("create", "get", "update")
+"""What the deploy step does to its InferenceService (serving.py: create, or get and replace; then polls)."""
+
+
+def preflight_serving_namespace(plan, cluster=None) -> None:
+    """A ``serving_namespace`` other than the pipeline's works only with the data PVC there (``pvc://``
+    mounts a claim by name in the predictor pod, kserve v0.20.0 pkg/utils/storage.go 107-115, and a pod's
+    claim is always of its own namespace) and
+    a RoleBinding there letting this service account manage InferenceServices (deploy/role.yaml binds
+    the pipeline's namespace only). ConfigError, one line, naming what is missing."""
+
+    serving = plan.serving
+    if not (serving.deploy and serving.mode == "kserve" and serving.namespace):
+        return
+    cluster = cluster or cluster_module.Cluster()
+    there = serving.namespace
+    if there == cluster.namespace:
+        return
+    missing = []
+    try:
+        cluster.core_api.read_namespaced_persistent_volume_claim(serving.pvc_name, there)
+    except Exception as exc:  # noqa: BLE001 - kubernetes ApiException or a transport error
+        found = "does not exist" if getattr(exc, "status", None) == 404 else f"cannot be read ({_reason(exc)})"
+        missing.append(f"PVC {there}/{serving.pvc_name} {found}")
+    denied = [verb for verb in SERVING_VERBS if not _may(cluster, verb, there)]
+    if denied:
+        missing.append(f"no RoleBinding in {there} lets this service account {'/'.join(denied)} inferenceservices")
+    if missing:
+        raise ConfigError(
+            f"serving_namespace={there}: " + "; ".join(missing) + f". Create the PVC {serving.pvc_name} in {there} on "
+            f"the same volume and bind this service account there to a Role granting create/get/update on "
+            "inferenceservices and get on persistentvolumeclaims (docs/cluster-guide.md, Serving in another "
+            "namespace), or leave serving_namespace empty to serve in the pipeline's namespace"
+        )
+
+
+def _may(cluster, verb: str, namespace: str) -> bool:
+    try:
+        return cluster.may(verb, "serving.kserve.io", "inferenceservices", namespace)
+    except Exception:  # noqa: BLE001 - a review that did not answer proves nothing: counted as denied
+        return False
+
+
 def _reason(exc: Exception) -> str:
     status = getattr(exc, "status", None)
     if status == 403:

@@ -270,6 +270,19 @@ class RegistryPlan:
     model_name: str
     promote_margin: float
     promoted_dir: str
+    promote_metric: str = "perplexity"
+    """What the promote gate, the best checkpoint and the champion follow (components/lib/task_eval.py)."""
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What the evaluate step scores besides perplexity (components/lib/task_eval.py)."""
+
+    tasks: tuple[str, ...] = ()
+    """Known task names (heldout, shipped lm-eval tasks), checked by the plan step."""
+    questions: str = ""
+    """JSONL file of question/answer rows for heldout; '' = the validation split."""
+    max_questions: int = 16
 
 
 @dataclass(frozen=True)
@@ -318,6 +331,7 @@ class RunPlan:
     registry: RegistryPlan
     serving: ServingPlan
     sweep: SweepPlan | None = None
+    evaluation: EvalPlan = field(default_factory=EvalPlan)
     task_secrets: tuple[SecretMount, ...] = ()
     """The Secrets the compiled pipeline mounts into its own tasks."""
     task_resources: dict[str, Resources] = field(default_factory=dict)

@@ -21,9 +21,10 @@ A TrainJob has no such loop: its JobSet's Jobs count failed pods, started or not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmft.trainer.errors import TransientError
+from llmft.trainer.errors import LlmftError, TransientError
 
 NEVER_STARTED_LIMIT = 5
 """Pod recreations in a row without a container start after which the launcher stops the job."""
@@ -35,12 +36,34 @@ class JobNeverStarts(TransientError):
     """The job's pods were recreated NEVER_STARTED_LIMIT times without their container running (exit 200)."""
 
 
+STARTED_REASON = "Started"
+"""The reason of the kubelet's event when it started a container ("Started container <name>":
+kubernetes v1.30 pkg/kubelet/events/event.go StartedContainer, emitted by
+pkg/kubelet/kuberuntime/kuberuntime_container.go startContainer)."""
+
+
 def container_ran(pod, container: str) -> bool:
-    """The pod's ``container`` is running or has terminated (it started at least once)."""
+    """The pod's ``container`` is running or has terminated, now or in its ``lastState`` (a container
+    restarted in place ran before): it started at least once."""
     for status in (pod.status.container_statuses or []) if pod.status else []:
-        if status.name == container and status.state is not None:
-            if status.state.running is not None or status.state.terminated is not None:
+        if status.name != container:
+            continue
+        for state in (status.state, status.last_state):
+            if state is not None and (state.running is not None or state.terminated is not None):
                 return True
+    return False
+
+
+def started_by_events(events, pod_uid: str, container: str) -> bool:
+    """The kubelet reported starting ``container`` in the pod ``pod_uid`` (a pod seen only Pending
+    may have run and crashed, OOMKilled while loading, between two polls: its events still say so
+    after the operator replaced it; an event without a uid counts)."""
+    for event in events:
+        involved = event.involved_object
+        if event.reason != STARTED_REASON or container not in (event.message or ""):
+            continue
+        if involved is None or not involved.uid or involved.uid == pod_uid:
+            return True
     return False
 
 
@@ -69,6 +92,7 @@ class StartWatcher:
     what: str
     container: str
     limit: int = NEVER_STARTED_LIMIT
+    events: Callable[[str], list] | None = None  # pod name -> its events (Cluster.list_events)
     seen: dict = field(default_factory=dict)  # pod name -> [uid, ran, reason]
     reasons: list = field(default_factory=list)
 
@@ -77,7 +101,11 @@ class StartWatcher:
             name, uid, ran = pod.metadata.name, pod.metadata.uid, container_ran(pod, self.container)
             previous = self.seen.get(name)
             if previous is not None and previous[0] != uid and not previous[1]:
-                self.reasons.append(f"{name}: {previous[2] or f'failed before its container ran (exit {BEEF})'}")
+                previous[1] = self._ran_unseen(name, previous[0])
+                if previous[1]:
+                    self.reasons = []  # it ran (and may have checkpointed): the count restarts
+                else:
+                    self.reasons.append(f"{name}: {previous[2] or f'failed before its container ran (exit {BEEF})'}")
             if ran:
                 self.reasons = []
             if previous is None or previous[0] != uid:
@@ -91,3 +119,12 @@ class StartWatcher:
                 f"running (Training Operator exit code {BEEF}: evicted before start, init container failed, GPU "
                 f"not admitted); stopped it instead of looping until activeDeadlineSeconds. Last reasons: {last}"
             )
+
+    def _ran_unseen(self, name: str, uid: str) -> bool:
+        """The replaced pod ``uid`` ran between two polls, as its events tell (none read: it did not)."""
+        if self.events is None:
+            return False
+        try:
+            return started_by_events(self.events(name), uid, self.container)
+        except LlmftError:  # ClusterError: the API did not answer; count it as not started
+            return False

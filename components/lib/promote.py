@@ -1,11 +1,13 @@
-"""Pick the best checkpoint by eval perplexity and promote it to a stable location.
+"""Pick the best checkpoint by the promote metric and promote it to a stable location.
 
 The `promote-best-checkpoint` step reads the evaluation written by the evaluate step
 (:func:`llmft.components.lib.evaluation.evaluate_run`), and
 
-* picks the checkpoint with the lowest perplexity (ties go to the later step);
-* refuses unless it beats the base model by ``margin`` (relative: the best must be
-  below ``base_perplexity * (1 - margin)``), raising :class:`PromotionRefused`;
+* picks the best checkpoint by ``promote_metric`` (perplexity by default, or a task metric such as
+  ``heldout.contains``; ties go to the lower perplexity, then the later step: task_eval.best_of);
+* refuses unless it beats the base model's value of that metric by ``margin`` (perplexity: below
+  ``base * (1 - margin)``; a task score: above ``base + margin``), raising :class:`PromotionRefused`;
+  an adapter whose perplexity fell but whose task score did not rise is refused under a task metric;
 * copies the servable files of that checkpoint (adapter or full weights, tokenizer,
   manifest; never optimizer or RNG state) atomically to ``destination`` with a
   completion marker, and
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.lib.servability import require_vllm_servable
+from llmft.components.lib.task_eval import PERPLEXITY, beats, best_of, lower_is_better, metric_value, threshold
 from llmft.components.lib.volume_paths import check_path_component, path_under
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.hf_files import TOKENIZER_FILES
@@ -75,67 +78,87 @@ class PromotionDecision:
     base_perplexity: float
     """Eval perplexity of the base model on the same split."""
     margin: float
-    """Required relative improvement over the base model (0.01 = 1%)."""
+    """Required improvement over the base model: relative for perplexity (0.01 = 1%), absolute points for a
+    task score (0.01 = one point)."""
     threshold: float
-    """The best checkpoint's perplexity had to be below this value."""
+    """The best checkpoint's value of ``metric`` had to beat this value."""
     improvement: float | None
-    """Relative improvement over the base model: 1 - best / base."""
+    """Over the base model: perplexity 1 - best / base; a task score best - base."""
     reason: str
     """Why it was, or was not, promoted, in one sentence."""
     destination: str | None = None
     """Stable location of the promoted copy (set after the copy)."""
+    metric: str = PERPLEXITY
+    """The promote_metric the gate and the choice of the best checkpoint followed."""
+    value: float | None = None
+    """The best checkpoint's value of ``metric``."""
+    base_value: float | None = None
+    """The base model's value of ``metric``."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def decide(evaluation: dict[str, Any], margin: float) -> PromotionDecision:
-    """Choose the best checkpoint of ``evaluation`` and decide whether it may be promoted."""
+def decide(evaluation: dict[str, Any], margin: float, metric: str = PERPLEXITY) -> PromotionDecision:
+    """Choose the best checkpoint of ``evaluation`` by ``metric`` and decide whether it may be promoted:
+    it must beat the base model's value of that metric by ``margin`` (task_eval.threshold)."""
     if not 0.0 <= margin < 1.0:
         raise PromotionRefused(f"promote margin {margin} is out of range: use a fraction in [0, 1), e.g. 0.01 for 1%")
     base_ppl = float(evaluation["base"]["perplexity"])
-    threshold = base_ppl * (1.0 - margin)
-    checkpoints = [c for c in evaluation.get("checkpoints", []) if c.get("perplexity") is not None]
+    base_value = metric_value(evaluation["base"], metric)
+    if base_value is None:
+        raise PromotionRefused(
+            f"promote_metric {metric!r} was not computed for the base model: the evaluate step ran other tasks "
+            "(check eval_tasks)"
+        )
+    limit = threshold(base_value, metric, margin)
+    checkpoints = [c for c in evaluation.get("checkpoints", []) if metric_value(c, metric) is not None]
     if not checkpoints:
         return PromotionDecision(
-            False,
-            None,
-            None,
-            None,
-            None,
-            None,
-            base_ppl,
-            margin,
-            threshold,
-            None,
-            "no complete checkpoint was evaluated: nothing to promote",
-        )
-    best = min(checkpoints, key=lambda c: (float(c["perplexity"]), -int(c.get("step") or 0)))
-    ppl = float(best["perplexity"])
-    improvement = 1.0 - ppl / base_ppl if base_ppl > 0 else None
-    promoted = ppl < threshold
-    if promoted:
-        reason = (
-            f"{best['name']} has perplexity {ppl:.4f}, {_pct(improvement)} below the base model's "
-            f"{base_ppl:.4f}, which beats the required margin of {margin:.1%} (threshold {threshold:.4f})"
-        )
-    else:
-        reason = (
-            f"best checkpoint {best['name']} has perplexity {ppl:.4f} but must be below {threshold:.4f} "
-            f"(base {base_ppl:.4f} minus the {margin:.1%} margin): refusing to promote"
-        )
+            False, None, None, None, None, None, base_ppl, margin, limit, None,
+            f"no complete checkpoint was evaluated on {metric}: nothing to promote",
+            metric=metric, base_value=base_value,
+        )  # fmt: skip
+    best = best_of(checkpoints, metric)
+    value = float(metric_value(best, metric))  # type: ignore[arg-type]  # filtered above
+    promoted = beats(value, base_value, metric, margin)
+    improvement = _improvement(value, base_value, metric)
     return PromotionDecision(
         promoted,
         best["name"],
         best.get("path"),
         best.get("step"),
-        ppl,
+        best.get("perplexity"),
         best.get("eval_loss"),
         base_ppl,
         margin,
-        threshold,
+        limit,
         improvement,
-        reason,
+        _reason(promoted, best["name"], metric, value, base_value, margin, limit),
+        metric=metric,
+        value=value,
+        base_value=base_value,
+    )
+
+
+def _improvement(value: float, base: float, metric: str) -> float | None:
+    """Perplexity: relative (1 - best / base); a task score: absolute points (best - base)."""
+    if lower_is_better(metric):
+        return 1.0 - value / base if base > 0 else None
+    return value - base
+
+
+def _reason(promoted: bool, name: str, metric: str, value: float, base: float, margin: float, limit: float) -> str:
+    direction = "below" if lower_is_better(metric) else "above"
+    need = f"{margin:.1%}" if lower_is_better(metric) else f"{margin:.4f} points"
+    if promoted:
+        return (
+            f"{name} has {metric} {value:.4f} against the base model's {base:.4f}, which beats the required "
+            f"margin of {need} ({direction} the threshold {limit:.4f})"
+        )
+    return (
+        f"best checkpoint {name} has {metric} {value:.4f} but must be {direction} {limit:.4f} "
+        f"(base {base:.4f} with the {need} margin): refusing to promote"
     )
 
 
@@ -154,13 +177,13 @@ def promote_to_volume(
     run_id: str,
     *,
     margin: float,
+    metric: str = PERPLEXITY,
     max_lora_rank: int | None = None,
 ) -> PromotionDecision:
     """:func:`promote` into :func:`promoted_destination` (what the promote step calls)."""
     destination = promoted_destination(data_root, model_name, run_id)
-    return promote(
-        evaluation, destination, margin=margin, root=Path(data_root) / MODELS_FOLDER, max_lora_rank=max_lora_rank
-    )
+    root = Path(data_root) / MODELS_FOLDER
+    return promote(evaluation, destination, margin=margin, metric=metric, root=root, max_lora_rank=max_lora_rank)
 
 
 def promote(
@@ -168,10 +191,11 @@ def promote(
     destination: str | Path,
     *,
     margin: float,
+    metric: str = PERPLEXITY,
     root: str | Path | None = None,
     max_lora_rank: int | None = None,
 ) -> PromotionDecision:
-    """Decide, then copy the best checkpoint to ``destination`` atomically.
+    """Decide (by ``metric``), then copy the best checkpoint to ``destination`` atomically.
 
     The decision JSON is written to ``<destination>.decision.json`` in every case;
     :class:`PromotionRefused` is raised (after writing it) when nothing may be promoted.
@@ -179,7 +203,7 @@ def promote(
     under ``root``. Both are checked before anything is written.
     """
     destination = _checked_destination(Path(destination), root)
-    decision = decide(evaluation, margin)
+    decision = decide(evaluation, margin, metric)
     record_path = destination.with_name(destination.name + ".decision.json")
     if not decision.promoted or decision.checkpoint_path is None:  # a promoted decision names its checkpoint
         atomic_write_json(record_path, decision.to_dict())

@@ -391,8 +391,13 @@ def pod_template(spec: PyTorchJobSpec):
     )
     security = None
     if spec.run_as_user is not None:
+        # OnRootMismatch: the kubelet chowns the volume only when its root's owner differs; the default
+        # (Always) walks and chowns the whole volume at every pod start (checkpoints, caches: minutes).
         security = k8s.V1PodSecurityContext(
-            run_as_non_root=spec.run_as_user != 0, run_as_user=spec.run_as_user, fs_group=spec.run_as_user
+            run_as_non_root=spec.run_as_user != 0,
+            run_as_user=spec.run_as_user,
+            fs_group=spec.run_as_user,
+            fs_group_change_policy="OnRootMismatch",
         )
     labels = {"app.kubernetes.io/part-of": "kfp-llm-finetune", "app.kubernetes.io/component": "trainer", **spec.labels}
     annotations = {"sidecar.istio.io/inject": "false", **spec.annotations}

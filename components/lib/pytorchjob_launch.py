@@ -41,6 +41,7 @@ played by tests/k8s/cluster_sim.py, which runs this code against real `llmft tra
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,7 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib import pod_starts, trainjob_spec
-from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
+from llmft.components.lib.cleanup import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
 from llmft.components.lib.cluster import (
     PYTORCHJOB_CONTAINER,
     RECREATE_WAIT_S,
@@ -56,6 +57,7 @@ from llmft.components.lib.cluster import (
     call_with_retries,
     wait_until_gone,
 )
+from llmft.components.lib.pending_pods import PendingReporter
 from llmft.components.lib.plan_schema import (
     JOB_WAIT_GRACE_S,
     JobFailedPermanently,
@@ -106,9 +108,12 @@ def run_on_cluster(
     (a TrainerLaunch) says; returns a summary once it Succeeded (see :func:`run_job`)."""
 
     cluster = cluster or cluster_module.Cluster()
+    launcher = read_launcher_pod(cluster, print_fn=print_fn)  # before training: SIGTERM then needs one GET
+    owner = owner if owner is not None else launcher.owner_reference()
     if job.backend == "trainjob":  # Kubeflow Trainer v2 (components/lib/trainjob_launch.py)
-        with delete_on_sigterm(cluster, trainjob_spec.GROUP, trainjob_spec.VERSION, trainjob_spec.PLURAL, job.name):
-            return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster)
+        kind = (trainjob_spec.GROUP, trainjob_spec.VERSION, trainjob_spec.PLURAL)
+        with delete_on_sigterm(cluster, *kind, job.name, print_fn=print_fn, launcher=launcher):
+            return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster, owner=owner)
     return run_job(
         cluster,
         build_pytorchjob_spec(job, launch),
@@ -118,7 +123,22 @@ def run_on_cluster(
         api_retries=api_retries,
         pending_every=pending_every,
         owner=owner,
+        launcher=launcher,
     )
+
+
+def run_on_cluster_or_exit(job, launch, **options) -> dict:
+    """:func:`run_on_cluster` for the train step: a failure the project raises on purpose (JobNeverStarts,
+    JobTimedOut: 200; JobFailedPermanently: 1; ...) exits with its ``exit_code`` after printing its message
+    (its log tail included), instead of the traceback and exit 1 an exception gives a KFP component. KFP's
+    launcher then fails the task whatever the code (kubeflow/pipelines 2.4.1 backend/src/v2/cmd/launcher-v2/
+    main.go 46-50, glog.Exit), its log saying ``exit status 200``; the task's set_retry retries it."""
+
+    try:
+        return run_on_cluster(job, launch, **options)
+    except LlmftError as exc:
+        print(f"error (exit {exc.exit_code}): {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
 
 
 def run_job(
@@ -131,32 +151,40 @@ def run_job(
     api_retries: int = API_RETRIES,
     pending_every: int = PENDING_EVERY,
     owner: dict | None = None,
+    launcher: LauncherPod | None = None,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
     """Submit the PyTorchJob of ``spec`` (a PyTorchJobSpec), or re-attach to it, and wait for its end
-    (the module docstring lists the rules). SIGTERM deletes it. ``owner``: its ownerReference
-    (default: the run's Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch,
-    compared with the job's ``startTime``) and ``sleep`` are the wall clock unless a test injects its own."""
+    (the module docstring lists the rules). SIGTERM deletes it on a cancel. ``launcher``: this pod as
+    read before training (default: read now); ``owner``: the job's ownerReference (default: the run's
+    Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch, compared with the
+    job's ``startTime``) and ``sleep`` are the wall clock unless a test injects its own."""
 
     if poll_s <= 0 or timeout_s < poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) <= timeout_s ({timeout_s})")
     name, namespace = spec.name, cluster.namespace
-    with delete_on_sigterm(cluster, GROUP, VERSION, PLURAL, name, namespace=namespace, print_fn=print_fn):
+    launcher = launcher if launcher is not None else read_launcher_pod(cluster, print_fn=print_fn)
+    owner = owner if owner is not None else launcher.owner_reference()
+    sigterm = delete_on_sigterm(
+        cluster, GROUP, VERSION, PLURAL, name, namespace=namespace, print_fn=print_fn, launcher=launcher
+    )
+    with sigterm:
         previous = _get_job(cluster, name, namespace, api_retries, print_fn)
         state = job_state(cluster, previous) if previous is not None else "absent"
         if state == "succeeded":
             print_fn(f"PyTorchJob {name} already Succeeded (an earlier attempt of this task): not running it again")
             return {"name": name, "namespace": namespace, "succeeded": True, "reused": True}
-        if state == "active":
+        if state == "active" and previous is not None:
             print_fn(f"PyTorchJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
+            unmark_kept(cluster, (GROUP, VERSION, PLURAL, name), previous, namespace)
         elif state in ("permanent", "deadline") and previous is not None:
             raise_for_failure(cluster, previous, earlier=True)
         else:
             if state == "failed":
                 print_fn(f"PyTorchJob {name} failed in an earlier attempt (not permanently): recreating it")
                 _delete_and_wait(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
-            _submit(cluster, spec, owner if owner is not None else run_owner_reference(cluster), print_fn)
+            _submit(cluster, spec, owner, print_fn)
         final = wait_for_job(
             cluster,
             name,
@@ -367,7 +395,7 @@ def wait_for_job(
 
     follow = MasterLogFollower(cluster, name, namespace, print_fn)
     pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn)
-    starts = _start_watcher(f"PyTorchJob {namespace}/{name}")
+    starts = _start_watcher(f"PyTorchJob {namespace}/{name}", lambda pod: cluster.list_events(pod, namespace=namespace))
     errors, started = 0, clock()
     while True:
         try:
@@ -402,10 +430,11 @@ def wait_for_job(
         sleep(poll_s)
 
 
-def _start_watcher(what: str):
-    """A StartWatcher (components/lib/pod_starts.py) for the ``pytorch`` containers of a job."""
+def _start_watcher(what: str, events: Callable[[str], list] | None = None):
+    """A StartWatcher (components/lib/pod_starts.py) for the ``pytorch`` containers of a job; ``events``
+    (pod name -> its events) tells whether a pod replaced between two polls had started."""
 
-    return pod_starts.StartWatcher(what, PYTORCHJOB_CONTAINER, limit=pod_starts.NEVER_STARTED_LIMIT)
+    return pod_starts.StartWatcher(what, PYTORCHJOB_CONTAINER, limit=pod_starts.NEVER_STARTED_LIMIT, events=events)
 
 
 def _check_starts(cluster, starts, name: str, namespace: str) -> None:
@@ -418,69 +447,6 @@ def _check_starts(cluster, starts, name: str, namespace: str) -> None:
     except JobNeverStarts:
         cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
         raise
-
-
-# --- why pods stay Pending ------------------------------------------------------------------------
-
-PENDING_HINTS = (
-    (
-        "Insufficient nvidia.com/gpu",
-        "no node has enough free GPUs: wait for capacity, or lower gpus_per_worker / "
-        "num_workers, or check gpu_node_selector",
-    ),
-    ("untolerated taint", "the nodes with room are tainted: add a toleration, or check gpu_node_selector"),
-    ("didn't match Pod's node affinity/selector", "no node matches gpu_node_selector: check its labels"),
-    ("unbound immediate PersistentVolumeClaims", "the PVC is not bound: check pvc_name and its StorageClass"),
-    ("persistentvolumeclaim", "the PVC is missing or not bound: check pvc_name"),
-    ("ImagePullBackOff", "the trainer image cannot be pulled: check trainer_image and the registry's pull Secret"),
-    ("ErrImagePull", "the trainer image cannot be pulled: check trainer_image and the registry's pull Secret"),
-    ("CreateContainerConfigError", "a Secret or key the pod reads is missing: create it (the plan step names it)"),
-)
-
-
-def pending_reasons(cluster, selector: str, namespace: str) -> list[str]:
-    """One line per Pending pod: its waiting reason, its unschedulable condition, or its latest
-    Warning event, with a hint when a known cause matches."""
-    lines = []
-    for pod in cluster.list_pods(selector, namespace=namespace):
-        if pod.status is None or pod.status.phase != "Pending":
-            continue
-        name, found = pod.metadata.name, []
-        for status in pod.status.container_statuses or []:
-            waiting = status.state.waiting if status.state else None
-            if waiting is not None and waiting.reason not in (None, "ContainerCreating", "PodInitializing"):
-                found.append(f"{waiting.reason}: {waiting.message or ''}".strip(": "))
-        for condition in pod.status.conditions or []:
-            if condition.type == "PodScheduled" and condition.status == "False" and condition.message:
-                found.append(f"{condition.reason or 'Unschedulable'}: {condition.message}")
-        if not found:
-            warnings = [e for e in cluster.list_events(name, namespace=namespace) if e.type == "Warning"]
-            found += [f"{e.reason}: {e.message}" for e in warnings[-1:]]
-        for text in found:
-            hint = next((h for key, h in PENDING_HINTS if key in text), "")
-            lines.append(f"pod {name} Pending: {text}" + (f" -> {hint}" if hint else ""))
-    return lines
-
-
-class PendingReporter:
-    """Called once per poll; every ``every`` polls, prints why the job's pods are Pending (if they are)."""
-
-    def __init__(self, cluster, selector: str, namespace: str, *, every: int, print_fn=print):
-        self.cluster, self.selector, self.namespace = cluster, selector, namespace
-        self.every, self.print_fn, self.polls = max(1, every), print_fn, 0
-
-    def __call__(self) -> list[str]:
-
-        self.polls += 1
-        if self.polls % self.every:
-            return []
-        try:
-            lines = pending_reasons(self.cluster, self.selector, self.namespace)
-        except ClusterError as exc:
-            lines = [f"(could not read why the pods are Pending: {exc})"]
-        for line in lines:
-            self.print_fn(line)
-        return lines
 
 
 # --- reading a finished run ---------------------------------------------------------------------

@@ -8,8 +8,10 @@ One call, :func:`register_adapter`, does what the `register-in-mlflow` step need
    its lineage (pipeline run id, dataset hash, base model) and the form it is served in
    (``llmft.served_form`` lora or merged, ``llmft.serving_reason``; the merged model's
    export manifest is logged with the run, its weights are not);
-3. the alias ``champion`` on the version with the lowest eval perplexity (the new one only when it
-   beats every other version; :func:`update_champion` is safe when runs register concurrently).
+3. the alias ``champion`` on the best version by the run's ``promote_metric`` (lowest eval perplexity by
+   default, else the highest task score, e.g. ``heldout.contains``, tagged ``llmft.eval.<metric>``; the new
+   one only when it beats every other version; :func:`update_champion` is safe when runs register
+   concurrently). The promote step's reason is tagged ``llmft.promotion_reason``.
 
 A plain adapter folder is not an MLflow "logged model", so ``mlflow.register_model``
 cannot be used (it needs an MLmodel file); the version is created with
@@ -43,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.evaluation import task_scores
+from llmft.components.lib.task_eval import PERPLEXITY, lower_is_better
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
 
@@ -57,6 +61,11 @@ LINEAGE_PREFIX = "llmft."
 ADAPTER_ARTIFACT_PATH = "adapter"
 MAX_PARAM_CHARS = 6000  # MLflow's param value limit is 6000 characters
 
+METRIC_TAG_PREFIX = "llmft.eval."
+"""Prefix of the version tags holding its task metrics (``llmft.eval.heldout.contains``)."""
+PROMOTE_METRIC_TAG = "llmft.promote_metric"
+"""The metric the version was promoted on; ``llmft.promotion_reason`` says why."""
+PROMOTION_REASON_TAG = "llmft.promotion_reason"
 PROMOTED_PATH_TAG = "llmft.promoted_path"
 """The model-version tag naming the promoted adapter's directory."""
 LINK_TAG_PREFIX = "llmft.langfuse."
@@ -114,6 +123,17 @@ class Registration:
     """Tags of the version and the run that point elsewhere: the promoted path, Langfuse."""
     tags: dict[str, str] = field(default_factory=dict)
     """More tags of the version and the run: the serving form (components/lib/serving_form.py ``ServingForm.tags``)."""
+    metric: str = PERPLEXITY
+    """The promote_metric: the champion is the version best by it (task_eval.lower_is_better says which way)."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """Task metric -> the promoted checkpoint's value (``heldout.contains`` ...), tagged ``llmft.eval.<metric>``."""
+
+    def metric_value(self) -> float:
+        return float(self.perplexity) if self.metric == PERPLEXITY else float(self.scores[self.metric])
+
+    def score_tags(self) -> dict[str, str]:
+        tags = {METRIC_TAG_PREFIX + name: repr(float(value)) for name, value in self.scores.items()}
+        return {**tags, PERPLEXITY_TAG: repr(float(self.perplexity)), PROMOTE_METRIC_TAG: self.metric}
 
 
 def register_adapter(
@@ -133,10 +153,10 @@ def register_adapter(
             name=reg.model_name,
             source=f"{artifact_uri}/{ADAPTER_ARTIFACT_PATH}",
             run_id=run_id,
-            tags={**reg.lineage.tags(), **reg.links, **reg.tags, PERPLEXITY_TAG: repr(float(reg.perplexity))},
+            tags={**reg.lineage.tags(), **reg.links, **reg.tags, **reg.score_tags()},
             description=f"Adapter for {reg.lineage.base_model} from pipeline run {reg.lineage.pipeline_run_id}",
         )
-    alias = update_champion(client, reg.model_name, str(version.version), reg.perplexity)
+    alias = update_champion(client, reg.model_name, str(version.version), reg.metric_value(), metric=reg.metric)
     return {
         "model_name": reg.model_name,
         "version": str(version.version),
@@ -148,8 +168,9 @@ def register_adapter(
     }
 
 
-def update_champion(client, model_name: str, version: str, perplexity: float) -> dict[str, Any]:
-    """Move ``champion`` to the best version (:func:`best_version`) and verify it stayed there.
+def update_champion(client, model_name: str, version: str, value: float, *, metric: str = PERPLEXITY) -> dict[str, Any]:
+    """Move ``champion`` to the best version by ``metric`` (:func:`best_version`; ``value`` is this version's)
+    and verify it stayed there.
 
     MLflow has no compare-and-set on aliases (``MlflowClient.set_registered_model_alias(name, alias,
     version)``, mlflow 3.17 ``mlflow/tracking/client.py`` 5549): two runs that read the champion, then
@@ -164,12 +185,12 @@ def update_champion(client, model_name: str, version: str, perplexity: float) ->
     time (KFP recurring runs: max_concurrency=1)."""
     previous = champion_version(client, model_name)
     for _ in range(CHAMPION_ATTEMPTS):
-        best = best_version(client, model_name)
-        if best is None:  # no version carries a perplexity: this one, whatever it is, leads
+        best = best_version(client, model_name, metric)
+        if best is None:  # no version carries the metric: this one, whatever it is, leads
             best = client.get_model_version(model_name, version)
         current = champion_version(client, model_name)
         if current is not None and str(current.version) == str(best.version):
-            return _champion_facts(version, perplexity, best, previous)
+            return _champion_facts(version, value, best, previous, metric)
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(best.version))
     raise RuntimeError(
         f"{model_name}: the {CHAMPION_ALIAS!r} alias kept changing under {CHAMPION_ATTEMPTS} attempts "
@@ -183,33 +204,34 @@ def is_champion(facts: Mapping[str, Any]) -> bool:
     return facts.get("is_champion") is True
 
 
-def best_version(client, model_name: str):
-    """The version with the lowest recorded perplexity (ties: the lowest version number), skipping versions
-    tagged :data:`WITHDRAWN_TAG`; None when no version has a perplexity."""
+def best_version(client, model_name: str, metric: str = PERPLEXITY):
+    """The version best by its recorded ``metric`` (the lowest perplexity, the highest task score; ties: the
+    lowest version number), skipping versions tagged :data:`WITHDRAWN_TAG`; None when no version has it."""
+    sign = 1.0 if lower_is_better(metric) else -1.0
     ranked = [
-        (ppl, int(v.version), v)
+        (sign * value, int(v.version), v)
         for v in client.search_model_versions(f"name = '{_quote(model_name)}'")
-        if WITHDRAWN_TAG not in (v.tags or {}) and (ppl := version_perplexity(v)) is not None
+        if WITHDRAWN_TAG not in (v.tags or {}) and (value := version_metric(v, metric)) is not None
     ]
     return min(ranked, key=lambda item: item[:2])[2] if ranked else None
 
 
-def _champion_facts(version: str, perplexity: float, best, previous) -> dict[str, Any]:
+def _champion_facts(version: str, value: float, best, previous, metric: str = PERPLEXITY) -> dict[str, Any]:
     before = None if previous is None else str(previous.version)
-    before_ppl = None if previous is None else version_perplexity(previous)
+    before_value = None if previous is None else version_metric(previous, metric)
     if str(best.version) != version:
-        ppl = version_perplexity(best)
-        why = f"perplexity {perplexity:.4f} does not beat champion v{best.version} ({ppl:.4f}); this version lost"
-        return _alias_facts(False, str(best.version), before, before_ppl, why)
+        theirs = version_metric(best, metric)
+        why = f"{metric} {value:.4f} does not beat champion v{best.version} ({theirs:.4f}); this version lost"
+        return _alias_facts(False, str(best.version), before, previous, why, metric, before_value)
     if before is None:
         why = "no champion yet"
     elif before == version:
         why = "this version is already the champion"
-    elif before_ppl is None:
-        why = f"champion v{before} has no recorded perplexity"
+    elif before_value is None:
+        why = f"champion v{before} has no recorded {metric}"
     else:
-        why = f"perplexity {perplexity:.4f} beats champion v{before} ({before_ppl:.4f})"
-    return _alias_facts(True, version, before, before_ppl, why)
+        why = f"{metric} {value:.4f} beats champion v{before} ({before_value:.4f})"
+    return _alias_facts(True, version, before, previous, why, metric, before_value)
 
 
 def champion_version(client, model_name: str):
@@ -226,7 +248,13 @@ def champion_version(client, model_name: str):
 
 def version_perplexity(version) -> float | None:
     """The eval perplexity recorded on a model version (tag), or None."""
-    raw = (version.tags or {}).get(PERPLEXITY_TAG)
+    return version_metric(version, PERPLEXITY)
+
+
+def version_metric(version, metric: str) -> float | None:
+    """The value of ``metric`` recorded on a model version (tag ``llmft.eval_perplexity`` or
+    ``llmft.eval.<metric>``), or None."""
+    raw = (version.tags or {}).get(PERPLEXITY_TAG if metric == PERPLEXITY else METRIC_TAG_PREFIX + metric)
     if raw is None:
         return None
     try:
@@ -243,13 +271,17 @@ def find_version_by_key(client, model_name: str, key: str):
     return min(matches, key=lambda v: int(v.version)) if matches else None
 
 
-def _alias_facts(is_champion: bool, champion: str, previous: str | None, previous_ppl, why: str) -> dict[str, Any]:
+def _alias_facts(
+    is_champion: bool, champion: str, before: str | None, previous, why: str, metric: str, before_value
+) -> dict[str, Any]:
     return {
         "alias": CHAMPION_ALIAS,
         "is_champion": is_champion,
         "champion_version": champion,
-        "previous_champion_version": previous,
-        "previous_champion_perplexity": previous_ppl,
+        "champion_metric": metric,
+        "previous_champion_version": before,
+        "previous_champion_perplexity": None if previous is None else version_perplexity(previous),
+        "previous_champion_value": before_value,
         "alias_reason": why,
     }
 
@@ -272,6 +304,7 @@ def _log_run(client, reg: Registration) -> tuple[str, str]:
     params = [p for p in params if p.key not in logged]  # a retry must not re-log (immutable) params
     metrics = [Metric(k, float(v), _now_ms(), 0) for k, v in sorted(reg.metrics.items()) if _finite(v)]
     metrics.append(Metric("perplexity", float(reg.perplexity), _now_ms(), 0))
+    metrics += [Metric(name, float(v), _now_ms(), 0) for name, v in sorted(reg.scores.items()) if _finite(v)]
     for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
         client.log_batch(run_id, params=params[start : start + 100])
     client.log_batch(run_id, metrics=metrics, tags=[RunTag("llmft.step", "register")])
@@ -387,8 +420,10 @@ def registration_from_run(
     lineage: Lineage,
     extra_artifacts: tuple[Path, ...] = (),
     tags: dict[str, str] | None = None,
+    promotion: dict[str, Any] | None = None,
 ) -> Registration:
-    """Assemble a :class:`Registration` from the files the earlier steps wrote (``tags``: more version tags)."""
+    """Assemble a :class:`Registration` from the files the earlier steps wrote (``tags``: more version tags;
+    ``promotion``: promote's promotion.json, whose metric the champion follows and whose reason is tagged)."""
 
     promoted_dir = Path(promoted_dir)
     best = (
@@ -407,6 +442,11 @@ def registration_from_run(
     for key in ("tokens_seen", "wall_time_s"):
         if _finite(training_manifest.get(key)):
             metrics[key] = float(training_manifest[key])
+    metrics |= {f"base_{name}": value for name, value in task_scores(base).items()}
+    promotion = promotion or {}
+    if _finite(promotion.get("improvement")):
+        metrics["promote_improvement"] = float(promotion["improvement"])
+    gate = {PROMOTION_REASON_TAG: str(promotion["reason"])[:5000]} if promotion.get("reason") else {}
     params = {
         **training_manifest.get("config", {}),
         "dataset_source": lineage.dataset,
@@ -423,7 +463,9 @@ def registration_from_run(
         params=params,
         extra_artifacts=extra_artifacts,
         links={PROMOTED_PATH_TAG: str(promoted_dir), **version_link_tags(evaluation)},
-        tags=dict(tags or {}),
+        tags={**(tags or {}), **gate},
+        metric=str(promotion.get("metric") or PERPLEXITY),
+        scores=task_scores(best),
     )
 
 

@@ -19,7 +19,12 @@ must differ: the huggingfaceserver registers every ``--lora-modules`` name as a 
 resolves a request's name against the base names first (``OpenAIServing._maybe_get_adapter`` in
 ``vllm/entrypoints/openai/serving_engine.py``, as bundled with KServe 0.15/0.16) and LoRA names
 first in later releases: with one shared name, either the adapter or the base is unreachable.
-The deploy step's :func:`smoke_test` checks both names are served and answer differently.
+KServe lists the base name only: it registers the adapter's name onto the base model's object, and
+``GET /openai/v1/models`` answers ``id = model.name`` for every registry entry (see :func:`smoke_test`).
+The deploy step's :func:`smoke_test` checks the base is listed and that a completion asked of the
+adapter's name differs from the base model's. KServe v0.15.0 registers no ``--lora-modules`` name at all
+(kserve#4345, fixed in :data:`KSERVE_FIRST_LORA_NAMES`): the smoke test names that version when the
+adapter's name is unknown to the server.
 
 The merged form (``merged_model_path``: the adapter merged into its base by the serving-form step,
 components/lib/serving_form.py) is one plain model: ``storageUri`` is its directory on the PVC,
@@ -472,6 +477,13 @@ def _with_retries(call: Callable[[], tuple[int, Any]], attempts: int, retry_wait
     return status, body
 
 
+KSERVE_FIRST_LORA_NAMES = "v0.15.1"
+"""First KServe release whose Hugging Face runtime registers the ``--lora-modules`` names with its model server
+(kserve#4345, commit c89bde6ad: ``python/huggingfaceserver/huggingfaceserver/__main__.py`` 314-317 at v0.15.1;
+v0.15.0 has no such loop): before it, a request for the adapter's name is answered HTTP 404
+``Model with name <name> does not exist.`` (``kserve/protocol/dataplane.py`` ``get_model``, ``errors.py``
+``ModelNotFound``)."""
+
 MESH_DENIAL = "RBAC: access denied"
 """The body of Istio's 403 when no AuthorizationPolicy allows the caller (the Envoy RBAC filter)."""
 
@@ -483,8 +495,9 @@ def mesh_denial_message(url: str) -> str:
         "Ready, but the mesh refuses this pod. KFP starts pipeline pods without an Istio sidecar "
         "(sidecar.istio.io/inject=false), so they carry no mesh identity, and Kubeflow's mesh denies by default "
         "(istio-system global-deny-all; a profile namespace allows its own identities). Allow the smoke test "
-        "(docs/cluster-guide.md, 'Smoke test behind Istio'), or serve in a namespace without sidecar injection "
-        "(serving_namespace)"
+        "(docs/cluster-guide.md, 'Smoke test behind Istio'). Serving in a namespace without sidecar injection "
+        "(serving_namespace) needs the data PVC and a RoleBinding for this pipeline's service account there "
+        "(docs/cluster-guide.md, 'Serving in another namespace')"
     )
 
 
@@ -503,12 +516,22 @@ def smoke_test(
     api_root: str = "/openai/v1",
     chat: bool = False,
 ) -> dict:
-    """Check the server as a client sees it: ``GET <url>/openai/v1/models`` lists the adapter
-    (``model_name``) and the base model (``base_name``); one greedy completion (temperature 0,
-    with token logprobs) of ``prompt`` from each; the adapter's must not be the base model's (the
-    same text AND the same logprobs: the request did not reach the adapter, or it changes nothing).
-    ``base_name=None`` (the merged form: one model, no base served beside it): the listing and one
-    completion of ``model_name``, answered under that name.
+    """Check the server as a client sees it: ``GET <url>/openai/v1/models`` lists the base model
+    (``base_name``); one greedy completion (temperature 0, with token logprobs) of ``prompt`` from the
+    adapter (``model_name``) and one from the base; the adapter's must not be the base model's (the same
+    text AND the same logprobs: the request did not reach the adapter, or it changes nothing), and each
+    answer must carry the name it was asked under.
+    The listing cannot prove the adapter: KServe's Hugging Face runtime registers each ``--lora-modules``
+    name onto the base model's object (kserve v0.20.0 ``python/huggingfaceserver/huggingfaceserver/__main__.py``
+    332-336, ``ModelServer.register_model`` -> ``ModelRepository.update(model, name)``,
+    ``python/kserve/kserve/model_repository.py`` 57-72), and its listing gives ``id = model.name`` for every
+    entry (``python/kserve/kserve/protocol/rest/openai/endpoints.py`` 229-249): the base name once per
+    name, never the adapter's. vLLM's own ``/v1/models`` lists both; either way the completion is the proof.
+    An adapter request reaches vLLM unchanged (kserve ``openai/dataplane.py`` 44-73, huggingfaceserver
+    ``vllm/vllm_model.py`` 248-271), and vLLM answers it under the LoRA name
+    (``vllm/entrypoints/openai/completion/serving.py`` ``self.models.model_name(lora_request)``).
+    ``base_name=None`` (the merged form: one model, no base served beside it): the listing names
+    ``model_name``, and one completion of it, answered under that name.
     Returns ``{"endpoint", "models", "model", "text", "base_text"}``. ``http_post(url, payload,
     timeout_s)`` and ``http_get(url, timeout_s)`` -> ``(status, parsed JSON)`` are injectable.
     ``api_root``: ``/openai/v1`` on the Hugging Face runtime, ``/v1`` on vLLM's own server; ``chat``: ask
@@ -521,10 +544,10 @@ def smoke_test(
     if status != 200 or not isinstance(listing, dict):
         raise RuntimeError(f"smoke test GET {root}/models -> HTTP {status}: {listing}")
     served = sorted({str(m.get("id")) for m in listing.get("data") or [] if isinstance(m, dict)})
+    listed = model_name if base_name is None else base_name
+    if listed not in served:
+        raise RuntimeError(f"smoke test GET {root}/models: {listed!r} not served (the server lists {served})")
     names = [model_name] if base_name is None else [model_name, base_name]
-    missing = [n for n in names if n not in served]
-    if missing:
-        raise RuntimeError(f"smoke test GET {root}/models: {missing} not served (the server lists {served})")
     answers = {}
     endpoint = f"{root}/chat/completions" if chat else f"{root}/completions"
     for name in names:
@@ -534,6 +557,8 @@ def smoke_test(
         else:
             payload |= {"prompt": prompt, "logprobs": 1}
         status, body = _with_retries(functools.partial(post, endpoint, payload, timeout_s), attempts, retry_wait_s)
+        if status == 404 and name == model_name and base_name is not None:
+            raise RuntimeError(unknown_adapter_message(endpoint, model_name, base_name, body))
         answers[name] = _completion(endpoint, name, status, body)
     adapter, base = answers[model_name], (answers[base_name] if base_name is not None else None)
     if adapter == base:
@@ -548,6 +573,17 @@ def smoke_test(
         "text": adapter[0],
         "base_text": base[0] if base else None,
     }
+
+
+def unknown_adapter_message(endpoint: str, adapter: str, base: str, body: Any) -> str:
+    """Why the server answers 404 for the adapter's name while it lists the base model, and what to do."""
+    return (
+        f"smoke test POST {endpoint} (model {adapter!r}) -> HTTP 404: {body}. The server lists the base model "
+        f"{base!r} but does not know the adapter's name: KServe's Hugging Face runtime registers --lora-modules "
+        f"names from {KSERVE_FIRST_LORA_NAMES} on (kserve#4345); upgrade the ServingRuntime image to "
+        f"{KSERVE_FIRST_LORA_NAMES} or later (docs/cluster-guide.md, 'KServe versions'), or serve the merged form "
+        "(serving_mode=merged)"
+    )
 
 
 def _completion(endpoint: str, name: str, status: int, body: Any) -> tuple[str, tuple]:

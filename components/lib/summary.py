@@ -3,7 +3,8 @@
 :func:`collect_run_facts` reads the artifacts a kfp.local run left under its run folder
 (``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``); :func:`render_summary`
 turns them into a few readable lines: the plan (backend, trainer image), rows accepted and rejected, base vs best
-perplexity, the promoted checkpoint, the serving form, the MLflow model version and alias, the manifest
+perplexity, each evaluation task's scores (base against the best checkpoint), the promoted checkpoint and the
+gate's reason, the serving form, the MLflow model version and alias, the manifest
 path and a sample generation.
 """
 
@@ -96,9 +97,11 @@ def _model_lines(facts: dict[str, Any]) -> list[str]:
             f"perplexity  base {base_ppl:.2f} -> best {best['perplexity']:.2f} ({best['name']}, "
             f"{gain:.1%} lower; {len(evaluation['checkpoints'])} checkpoints evaluated)"
         )
+        lines += task_lines(evaluation, best)
     promotion = facts.get("promotion")
     if promotion:
         lines.append(f"promoted    {promotion['checkpoint']} -> {promotion.get('destination')}")
+        lines.append(f"gate        {_clip(promotion.get('reason', ''), 88)}")
     serving = facts.get("serving")
     if serving:
         lines.append(f"serving     {serving['form']}: {_clip(serving['reason'], 80)}")
@@ -108,6 +111,21 @@ def _model_lines(facts: dict[str, Any]) -> list[str]:
             f"mlflow      model {registration['model_name']!r} version {registration['version']}; "
             f"{_alias_text(registration)}"
         )
+    return lines
+
+
+def task_lines(evaluation: dict[str, Any], best: dict[str, Any]) -> list[str]:
+    """One line per task: base -> best checkpoint on each metric, and the task's seconds per model."""
+    lines = []
+    for task, base_scores in (evaluation["base"].get("tasks") or {}).items():
+        tuned = (best.get("tasks") or {}).get(task) or {}
+        shown = ", ".join(
+            f"{name} {value:.2f}->{tuned[name]:.2f}"
+            for name, value in base_scores.items()
+            if name not in ("seconds", "questions") and name in tuned
+        )
+        count = f"n={base_scores['questions']:.0f}, " if "questions" in base_scores else ""
+        lines.append(f"{task:<11} {shown} ({count}{base_scores.get('seconds', 0):.0f} s/model)")
     return lines
 
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cleanup import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.plan_schema import TrainerLaunch, job_name
@@ -33,6 +34,7 @@ from llmft.components.lib.trainjob_spec import trial_trainjob_dict
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
 from llmft.katib.tracking import ParentRun
+from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
 from llmft.trainer.config import split_assignment
 from llmft.trainer.errors import ConfigError
@@ -174,6 +176,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     os.makedirs(output_dir, exist_ok=True)
     experiment = plan.registry.experiment
     if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
+        plan.layout.use_hf_cache()  # its trials, as the train step's trainer, read a hub model from the volume's cache
         result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment)
     else:
         with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:
@@ -209,6 +212,7 @@ def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experime
         workdir=workdir,
         mlflow_experiment=mlflow_experiment,
         config_path=config_path,
+        python=local_trainer_python(),  # a Katib trial's pod runs the trainer image
     )
     print(result.table(), flush=True)
     best = result.best
@@ -233,6 +237,7 @@ def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
     check_experiment(body)
     (output_dir / "experiment.yaml").write_text(to_yaml(body))
     cluster = cluster or cluster_module.Cluster(spec.namespace)
+    check_trial_resources(cluster, trial_kind(body["spec"]["trialTemplate"]["trialSpec"]))  # before any trial runs
     namespace = spec.namespace or cluster.namespace
     owner = run_owner_reference(cluster) if namespace == cluster.namespace else None
     if owner:  # the run's Workflow owns the Experiment (and so, through Katib, its trials): cleanup.py

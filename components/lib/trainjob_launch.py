@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.cleanup import unmark_kept
 from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
 from llmft.components.lib.plan_schema import (
     JOB_WAIT_GRACE_S,
@@ -259,6 +260,7 @@ def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: fl
         raise _permanent(namespace, name, recorded, " in an earlier attempt of this task", "")
     if previous is not None and condition is None:
         print_fn(f"TrainJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
+        unmark_kept(cluster, (GROUP, VERSION, PLURAL, name), previous, namespace)
         return "attached"
     if previous is not None and condition is not None:
         raise_if_final(cluster, previous, namespace, earlier=True)
@@ -331,13 +333,15 @@ def run_trainjob(
     log_tail_lines: int = 50,
     print_fn: Callable[[str], Any] = print,
     clock: Callable[[], float] = time.time,
+    owner: dict | None = None,
 ) -> dict:
     """Submit ``job`` (a ``TrainerV1alpha1TrainJob``) or re-attach to it, stream node 0's log while the
     SDK waits for ``Complete``/``Failed``, and return a summary once Complete. A node exiting 1-127 ->
     ``JobFailedPermanently`` (the job is suspended); Failed by the deadline or no end within
     ``timeout_s`` -> ``JobTimedOut`` (the job keeps running until its activeDeadlineSeconds); Failed
     otherwise -> :class:`TrainJobFailed`; each with the failing node's log tail. ``clock``: the wall clock
-    (seconds since the epoch) the job's ``creationTimestamp`` is compared with, unless a test injects its own."""
+    (seconds since the epoch) the job's ``creationTimestamp`` is compared with, unless a test injects its own.
+    ``owner``: the ownerReference a created TrainJob gets (the run's Workflow, as a PyTorchJob's: cleanup.py)."""
 
     if poll_s <= 0 or timeout_s <= poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) < timeout_s ({timeout_s})")
@@ -345,6 +349,8 @@ def run_trainjob(
     name = body["metadata"]["name"]
     namespace = body["metadata"].get("namespace") or cluster.namespace
     body["metadata"]["namespace"] = namespace
+    if owner:
+        body["metadata"]["ownerReferences"] = [owner]
     backend = sdk_backend(cluster, namespace)
     ref = body["spec"]["runtimeRef"]
     check_runtime(backend, *parse_runtime_ref(f"{ref.get('kind', 'ClusterTrainingRuntime')}/{ref['name']}"))
@@ -393,8 +399,10 @@ def run_trainjob(
     }
 
 
-def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None) -> dict:
-    """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run."""
+def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None, owner: dict | None = None) -> dict:
+    """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run
+    (``owner``: its ownerReference, the run's Workflow)."""
 
     trainjob = build_trainjob(build_pytorchjob_spec(job, launch), runtime=job.runtime)
-    return run_trainjob(cluster or cluster_module.Cluster(), trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s)
+    cluster = cluster or cluster_module.Cluster()
+    return run_trainjob(cluster, trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s, owner=owner)

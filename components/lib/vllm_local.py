@@ -368,8 +368,9 @@ def serve_and_check(
     max_tokens: int = 32,
     **server_kwargs,
 ) -> dict[str, Any]:
-    """Serve the manifest's model(s) with a real vLLM, run the deploy step's smoke test (every name in
-    ``names`` = ``served_models(spec)`` listed; the adapter's greedy chat answer is not the base's) for each
+    """Serve the manifest's model(s) with a real vLLM, run the deploy step's smoke test (the base's name,
+    or the merged model's, listed; each name in ``names`` = ``served_models(spec)`` answers under its own name;
+    the adapter's greedy chat answer is not the base's) for each
     prompt, stop the server. Returns ``{"models", "answers": {name: text} (first prompt), "samples", "argv"}``."""
 
     argv = manifest_argv(isvc, pvc_name, data_root)

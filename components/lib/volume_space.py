@@ -53,23 +53,31 @@ class Footprint:
         )
 
 
-def model_config(name_or_path: str) -> dict | None:
-    """``config.json`` of a model directory, or of a hub id in the local hub cache; None when not readable here."""
+def model_config(name_or_path: str, hub_cache: str, revision: str | None = None) -> dict | None:
+    """``config.json`` of a model directory, or of a hub id in the hub cache ``hub_cache`` (the volume's,
+    where the data steps download); None when not readable here."""
     path = Path(name_or_path) / "config.json"
     if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache  # heavy: huggingface_hub
-        except ImportError:
-            return None
-        cached = try_to_load_from_cache(name_or_path, "config.json")
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
+        path = cached_hub_file(hub_cache, name_or_path, "config.json", revision) or path
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
+
+
+def cached_hub_file(hub_cache: str, repo_id: str, filename: str, revision: str | None = None) -> Path | None:
+    """``filename`` of model ``repo_id`` at ``revision`` (default main) in a huggingface_hub cache, read
+    without huggingface_hub (the pipeline image has none): ``models--<org>--<name>/refs/<revision>`` names the
+    commit, ``snapshots/<commit>/<filename>`` is the file, as huggingface_hub 2.4.0 file_download.py
+    ``try_to_load_from_cache`` resolves it (lines 1584-1613). None when not there."""
+    repo = Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
+    commit = revision or "main"
+    ref = repo / "refs" / commit
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    file = repo / "snapshots" / commit / filename
+    return file if "/" not in commit and file.is_file() else None
 
 
 def estimate(config: dict, *, method: str, lora_rank: int, targets: tuple[str, ...], keep_last: int, merged: bool):
@@ -95,7 +103,7 @@ def check_volume_space(plan, config, data_root: str) -> str:
     root = Path(data_root)
     if not root.is_dir():
         return ""
-    model = model_config(plan.trainer.model)
+    model = model_config(plan.trainer.model, plan.layout.hf_env()["HF_HUB_CACHE"], config.model.revision)
     if model is None:
         return f"volume space not checked: config.json of {plan.trainer.model} is not readable here"
     try:

@@ -27,9 +27,15 @@ from pathlib import Path
 from llmft.commands import render_job
 from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
 from llmft.katib.k8s_names import check_k8s_name
-from llmft.pipelines.defaults import DEFAULT_WORK_DIR, REAL_LOCAL_DEFAULTS, REAL_WORK_DIR
+from llmft.pipelines.defaults import (
+    DEFAULT_WORK_DIR,
+    DEMO_DEFAULTS,
+    REAL_LOCAL_DEFAULTS,
+    REAL_WORK_DIR,
+    TINY_WORK_DIR,
+)
 from llmft.pipelines.local_run import run_pipeline_locally
-from llmft.pipelines.real_demo import learning_report, merged_answers
+from llmft.pipelines.real_demo import heldout_report, learning_report, merged_answers
 from llmft.trainer.errors import ConfigError, TransientError
 from llmft.trainer.io import write_owned_file
 
@@ -56,10 +62,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     compile_.add_argument("--hpo", action="store_true", help="compile llm_finetune_hpo_pipeline (Katib sweep) instead")
     compile_.set_defaults(func=run_compile)
 
-    local = sub.add_parser("run-local", help="run the whole pipeline here with kfp.local (tiny model, CPU)")
+    local = sub.add_parser(
+        "run-local",
+        help="run the whole pipeline here with kfp.local (CPU): by default the real SmolLM2-135M-Instruct learns "
+        "three made-up facts (short profile, `make demo`), scored base against adapter on held-out questions",
+    )
     local.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. max_steps=40)")
     local.add_argument(
-        "--work-dir", default=None, help="work folder (default runs/pipeline-local; --real: runs/pipeline-real)"
+        "--work-dir",
+        default=None,
+        help="work folder (default runs/pipeline-local; --real: runs/pipeline-real; --tiny: runs/pipeline-tiny)",
     )
     local.add_argument("--verbose", action="store_true", help="show every task's full log, not just progress")
     local.add_argument("--hpo", action="store_true", help="run llm_finetune_hpo_pipeline (a small local sweep)")
@@ -69,6 +81,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="a real pretrained model (SmolLM2-135M-Instruct, `llmft dev real-model`) learns the shipped made-up "
         "facts; prints whether it learned (perplexity, the served answers) and exits 1 when it did not "
         "(`make demo-real`)",
+    )
+    local.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the plumbing run: the project's tiny random-weight model on the sample data (seconds per step; its "
+        "answers are noise, it shows only that every step runs)",
     )
     local.set_defaults(func=run_local)
 
@@ -297,13 +315,16 @@ def run_local(args: argparse.Namespace) -> int:
         from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS
 
         extra_defaults = HPO_LOCAL_DEFAULTS
-    if getattr(args, "real", False):
+    real, tiny = getattr(args, "real", False), getattr(args, "tiny", False) or args.hpo
+    if real:
         extra_defaults = {**extra_defaults, **REAL_LOCAL_DEFAULTS}
+    elif not tiny:
+        extra_defaults = {**extra_defaults, **DEMO_DEFAULTS}
     overrides = typed_arguments(args)
     started = time.perf_counter()
     outcome = run_pipeline_locally(
         overrides,
-        work_dir=args.work_dir or (REAL_WORK_DIR if getattr(args, "real", False) else DEFAULT_WORK_DIR),
+        work_dir=args.work_dir or (REAL_WORK_DIR if real else TINY_WORK_DIR if tiny else DEFAULT_WORK_DIR),
         verbose=args.verbose,
         pipeline=pipeline,
         extra_defaults=extra_defaults,
@@ -312,6 +333,10 @@ def run_local(args: argparse.Namespace) -> int:
     if not outcome.succeeded:
         print(f"error: {outcome.failure_line()}", file=sys.stderr)
         return 1
+    if not (real or tiny):  # make demo: the held-out questions, base against adapter
+        lines, problems = heldout_report(outcome.facts)
+        print("\n".join(lines))
+        return 1 if problems else 0
     if getattr(args, "real", False):
         print("serving the merged model alone (the merged form) ...", flush=True)
         merged = merged_answers(outcome.run_dir, outcome.facts) if outcome.run_dir else None

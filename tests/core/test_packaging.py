@@ -201,3 +201,20 @@ def test_the_scan_finds_bare_names(text):
 )
 def test_the_scan_leaves_other_text_alone(text):
     assert not bare_names("doc.md", text)
+
+
+def test_kfp_kubernetes_is_required_where_set_security_context_exists():
+    """The pipelines call kfp.kubernetes.set_security_context, first released in kfp-kubernetes 2.16.0
+    (kubeflow/pipelines 2.16.0 kubernetes_platform/python/kfp/kubernetes/__init__.py 34, 54; absent at
+    2.15.0), and KFP's backend applies it from 2.16.0 (backend/src/v2/driver/k8s.go 724-760): an
+    install resolving 2.15 would fail to compile with AttributeError."""
+    import kfp.kubernetes
+    from packaging.requirements import Requirement
+
+    extras = _setup_cfg()["options.extras_require"]
+    pins = [Requirement(line) for value in extras.values() for line in value.split("\n") if line.strip()]
+    pins = [r for r in pins if r.name == "kfp-kubernetes"]
+    assert pins, "setup.cfg names kfp-kubernetes in an extra"
+    for requirement in pins:
+        assert not requirement.specifier.contains("2.15.0") and requirement.specifier.contains("2.16.0"), requirement
+    assert callable(kfp.kubernetes.set_security_context)

@@ -59,7 +59,13 @@ def test_report_contents_and_source_hash(tmp_path):
 
 
 def test_shipped_samples_prepare_cleanly(tmp_path):
-    assert sample_names() == ["alpaca_demo.jsonl", "chat_demo.jsonl", "velmora_facts.jsonl"]
+    assert sample_names() == [
+        "alpaca_demo.jsonl",
+        "chat_demo.jsonl",
+        "velmora_facts.jsonl",
+        "velmora_questions.jsonl",  # held-out questions (eval_questions), not a chat dataset
+        "velmora_three_facts.jsonl",
+    ]
     report = prepare_dataset(str(sample_path("chat_demo")), tmp_path / "chat")
     assert report["rejected"] == 0 and report["format"] == "messages"
     rows = read_jsonl(tmp_path / "chat" / "train.jsonl")

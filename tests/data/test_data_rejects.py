@@ -21,13 +21,8 @@ def _msgs(*roles: str) -> dict:
 # (raw line, reason, field) — each written between good rows
 BAD_ROWS = [
     ('{"messages": [{"role": "user", "content": "hi"}', "invalid_json", "<line>"),
-    ('{"text": "caf\udce9"}', "not_utf8", "<line>"),
-    (
-        '{"text": "first", "text": "second"}',
-        "duplicate_key",
-        "text",
-    ),  # written as the Latin-1 byte 0xe9 (surrogateescape)
-    ('{"messages": ' + "[" * 2000 + "]" * 2000 + "}", "too_deep", "<line>"),
+    ('{"text": "caf\udce9"}', "not_utf8", "<line>"),  # written as the Latin-1 byte 0xe9 (surrogateescape)
+    ('{"text": "first", "text": "second"}', "duplicate_key", "text"),
     ("[1, 2, 3]", "wrong_type", "<row>"),
     (json.dumps({"question": "q", "answer": "a"}), "missing_field", "<row>"),
     (json.dumps({"instruction": "Say hi."}), "missing_field", "output"),
@@ -68,7 +63,8 @@ BAD_ROWS = [
     (json.dumps({"conversations": []}), "empty_conversation", "conversations"),
     (json.dumps({"instruction": " ", "output": "x"}), "empty_prompt", "instruction"),
     (json.dumps({"text": ""}), "empty_text", "text"),
-    (json.dumps({"text": "x" * 9000}), "row_too_large", "<row>"),  # the test passes max_row_bytes=8192
+    (json.dumps({"text": "x" * 5000}), "row_too_large", "<row>"),  # the test passes max_row_bytes=4096
+    ('{"text": ' + "[" * 2000 + "]" * 2000 + "}", "too_deep", "<line>"),  # 4,010 bytes: under max_row_bytes
     (json.dumps(_msgs("user", "assistant", "system")), "misplaced_system", "messages[2].role"),
     (json.dumps(_msgs("system", "user", "system", "assistant")), "misplaced_system", "messages[2].role"),
     (json.dumps(_msgs("assistant", "user", "assistant")), "assistant_first", "messages[0].role"),
@@ -100,14 +96,14 @@ def test_every_reason_is_reported_with_its_line(tmp_path):
     src.write_bytes(
         ("\n".join(r if isinstance(r, str) else json.dumps(r) for r in lines) + "\n").encode(errors="surrogateescape")
     )
-    report = prepare_dataset(str(src), tmp_path / "out", max_reject_fraction=1.0, val_fraction=0.0, max_row_bytes=8192)
+    report = prepare_dataset(str(src), tmp_path / "out", max_reject_fraction=1.0, val_fraction=0.0, max_row_bytes=4096)
     rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
     assert [(r["line"], r["reason"], r["field"]) for r in rejects] == expected
     assert all(r["file"] == str(src) and r["fix"] == REJECT_FIXES[r["reason"]] and r["message"] for r in rejects)
     assert set(REJECT_FIXES) == {reason for _, reason, _ in BAD_ROWS}, "a reason is untested"
     assert report["accepted"] == len(BAD_ROWS) and report["rejected"] == len(BAD_ROWS)
     assert report["reject_reasons"]["unknown_role"] == 2 and report["reject_reasons"]["missing_field"] == 3
-    assert report["reject_reasons"]["roles_not_alternating"] == 3 and report["max_row_bytes"] == 8192
+    assert report["reject_reasons"]["roles_not_alternating"] == 3 and report["max_row_bytes"] == 4096
     assert rejects[0]["raw"].startswith('{"messages": [{"role": "user"')
 
 

@@ -47,10 +47,25 @@ plays the controllers behind it, each rule following the upstream source it cite
   (``cmd/metricscollector/v1beta1/file-metricscollector/main.go`` 263-296); Experiments go Running.
 * KServe v0.20.0 (:class:`FakeVllm`): an InferenceService turns Ready with a URL (Ready condition
   plus ``status.url``: ``pkg/apis/serving/v1beta1/inference_service_status.go`` 306-309); its
-  predictor is a fake vLLM OpenAI server that serves ``--model_name`` and every ``--lora-modules``
-  name (huggingfaceserver ``__main__.py`` 332-336) and resolves a request's model name against the
-  base names first (vLLM ``OpenAIServing._maybe_get_adapter``, as bundled with KServe 0.15/0.16),
-  answering with the real tiny model and adapter through transformers.
+  predictor is the Hugging Face runtime's OpenAI server as KServe's own code answers: the model is
+  registered under ``--model_name`` and every ``--lora-modules`` name (huggingfaceserver
+  ``__main__.py`` 332-336; none before v0.15.1, ``FakeVllm(registers_lora_names=False)``), the listing
+  gives the base name once per registered name (``openai/endpoints.py`` 229-249), an unregistered name
+  is answered 404 (``protocol/dataplane.py`` ``get_model``, ``errors.py`` ``ModelNotFound``), and vLLM
+  resolves a request's model name against the base names first (``OpenAIServing._maybe_get_adapter``,
+  as bundled with KServe 0.15/0.16) and answers under the name asked (the LoRA name:
+  ``vllm/entrypoints/openai/completion/serving.py`` ``models.model_name(lora_request)``), with the real
+  tiny model and adapter through transformers. tests/serving/test_kserve_openai.py runs KServe's own
+  code for the same rules (the listing there, here encoded).
+  Not traced to source (test choices): the URL ``http://<name>.<namespace>.example.com`` and Ready at the
+  first reconcile (no predictor pod, no model load time).
+
+Not traced to source anywhere above (test choices; no test claims them of a cluster): the controllers
+reconcile on every read of the API (``before_read``), not on watch events; a pod's container starts at
+once (no image pull, scheduling or init time); free GPUs are counted for the namespace (``gpus``), not per
+node; a Katib Experiment goes Running with the reason ``ExperimentRunning`` of Katib's
+``status_util.go`` but the message ``running``, and no suggestion service creates trials (the tests
+create the trial jobs).
 """
 
 from __future__ import annotations
@@ -371,9 +386,11 @@ class ClusterSim:
             self._clean_pods(name, policy)
             return
         if "startTime" not in status:
+            # the port first: a SIGTERM test's handler re-enters this reconcile (RLock, same thread) between
+            # any two lines, and a job with a startTime must have its port
+            self.ports[name] = free_port()
             status["startTime"] = self.stamp()
             set_condition(status, self.condition("Created", "PyTorchJobCreated", f"PyTorchJob {name} is created."))
-            self.ports[name] = free_port()
         deadline = (job["spec"].get("runPolicy") or {}).get("activeDeadlineSeconds")
         started = parse_rfc3339(status["startTime"])
         if deadline is not None and self.clock() - started >= deadline:
@@ -473,6 +490,9 @@ class ClusterSim:
         log = self.workdir / f"{pod_name}-{pod.metadata.uid[:8]}.log"
         self.containers[pod_name] = Container(pod_name, argv, base_env(**env), log).start(self.workdir)
         self.started.append(pod_name)
+        self.core.add_event(  # the kubelet's event (pkg/kubelet/events/event.go StartedContainer)
+            self.namespace, pod_name, "Started", f"Started container {container['name']}", "Normal", pod.metadata.uid
+        )
         self.core.logs[(self.namespace, pod_name)] = log
         pod.status.phase = "Running"
         pod.status.container_statuses = [
@@ -640,10 +660,15 @@ class ClusterSim:
             "status": {"phase": "Running", "startedAt": now_rfc3339(started)},
         }
         self.custom.objects[("argoproj.io", "v1alpha1", self.namespace, "workflows", workflow)] = body
+        self.task_pod(pod, workflow, started=started, task_deadline_s=task_deadline_s)
+
+    def task_pod(self, pod: str, workflow: str, *, started: float | None = None,
+                 task_deadline_s: int | None = None) -> None:  # fmt: skip
+        """A Running pod of one of the Workflow's tasks, controlled by it (Argo workflowpod.go 172-173)."""
         owner = client.V1OwnerReference(
             api_version="argoproj.io/v1alpha1", kind="Workflow", name=workflow, uid=f"uid-{workflow}", controller=True
         )
-        start = datetime.datetime.fromtimestamp(started, datetime.UTC)
+        start = datetime.datetime.fromtimestamp(self.clock() if started is None else started, datetime.UTC)
         self.core.pods.setdefault(self.namespace, []).append(
             client.V1Pod(
                 metadata=client.V1ObjectMeta(name=pod, namespace=self.namespace, owner_references=[owner]),
@@ -686,6 +711,30 @@ class ClusterSim:
         ]
         target.metadata.deletion_timestamp = datetime.datetime.fromtimestamp(self.clock(), datetime.UTC)
         self._sigterm_launcher()
+
+    def lose_pod(self, workflow: str, pod: str, task: str = "train-model") -> None:
+        """Argo lost the task's pod before it recorded the pod's phase (a drain deleted it first, or its node
+        went): the node becomes Error "pod deleted" (argo-workflows workflow/controller/operator.go 1175 at
+        v3.4.17, 1289 at v4.0.5). KFP compiles retryStrategy without a retryPolicy (kubeflow/pipelines
+        backend/src/v2/compiler/argocompiler/container.go 473-504 at 2.4.1), i.e. OnFailure, which does
+        not retry an Error (operator.go 1035-1042): the task and the run fail and the exit handler runs."""
+        run = self._workflow(workflow)
+        node = {"id": pod, "name": f"{workflow}.{task}", "displayName": task, "type": "Pod", "phase": "Error",
+                "message": "pod deleted"}  # fmt: skip
+        run["status"].setdefault("nodes", {})[pod] = node
+        run["status"]["phase"] = "Failed"
+        self.core.remove_pod(self.namespace, pod)
+
+    def retry_run(self, workflow: str, pod: str) -> None:
+        """KFP's retry of a failed run (``Client.retry_run``, the UI's Retry): the same Workflow, Running
+        again, its Error/Failed pod nodes and exit-handler nodes dropped (kubeflow/pipelines 2.4.1
+        backend/src/common/util/workflow.go 195-250, GenerateRetryExecution; resource_manager.go 843
+        RetryRun); Argo starts a new pod (``pod``) for the task."""
+        run = self._workflow(workflow)
+        nodes = run["status"].get("nodes") or {}
+        run["status"]["nodes"] = {k: n for k, n in nodes.items() if n["phase"] in ("Succeeded", "Skipped")}
+        run["status"]["phase"] = "Running"
+        self.task_pod(pod, workflow)
 
     @staticmethod
     def _sigterm_launcher() -> None:
@@ -790,10 +839,12 @@ def katib_early_stop(container: Container, metrics_dir: Path) -> None:
 
 class FakeVllm:
     """``/openai/v1/models`` and ``/openai/v1/completions`` of the huggingfaceserver with
-    ``--backend=vllm``: names from ``--model_name`` and ``--lora-modules``; greedy completions and
-    token logprobs from transformers (base model, or base + adapter)."""
+    ``--backend=vllm``, as KServe v0.20.0 routes them: names from ``--model_name`` and ``--lora-modules``
+    (huggingfaceserver ``__main__.py`` 332-336: ``model_server.register_model(model, lora_module.name)``
+    for each, when ``registers_lora_names``; KServe v0.15.0 registers none, kserve#4345); greedy
+    completions and token logprobs from transformers (base model, or base + adapter)."""
 
-    def __init__(self, args: list[str], mounted: Path):
+    def __init__(self, args: list[str], mounted: Path, *, registers_lora_names: bool = True):
         def value(flag: str) -> str | None:
             return next((a.split("=", 1)[1] for a in args if a.startswith(flag + "=")), None)
 
@@ -802,11 +853,20 @@ class FakeVllm:
         self.base_dir = local(value("--model_dir"))
         modules = args[args.index("--lora-modules") + 1 :] if "--lora-modules" in args else []
         self.loras = {m.split("=", 1)[0]: local(m.split("=", 1)[1]) for m in modules[:1]}
+        self.registers_lora_names = registers_lora_names
         self.requests: list[dict] = []
         self._httpd = None
 
-    def models(self) -> list[str]:
-        return [self.base_name, *self.loras]  # serving_engine.show_available_models: base cards, then LoRA cards
+    def registered(self) -> list[str]:
+        """Keys of KServe's ModelRepository, all mapped to the one model object (``model_repository.py``
+        57-72 ``update``): the base's own name (``ModelServer.start`` -> ``register_model(model)``), then
+        each LoRA name."""
+        return [self.base_name, *(self.loras if self.registers_lora_names else [])]
+
+    def listing(self) -> list[str]:
+        """``GET /openai/v1/models``: ``id = model.name`` for every registry entry (``openai/endpoints.py``
+        229-249): the base name once per registered name, never the adapter's."""
+        return [self.base_name for _ in self.registered()]
 
     def adapter_for(self, name: str) -> Path | None:
         if name == self.base_name:  # _maybe_get_adapter: served model names first
@@ -853,13 +913,13 @@ class FakeVllm:
             def do_GET(self):  # noqa: N802
                 if self.path != "/openai/v1/models":
                     return self._send(404, {"error": self.path})
-                self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models()]})
+                self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.listing()]})
 
             def do_POST(self):  # noqa: N802
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(request)
-                if request["model"] not in server.models():
-                    return self._send(404, {"message": f"The model `{request['model']}` does not exist."})
+                if request["model"] not in server.registered():  # errors.py model_not_found_handler
+                    return self._send(404, {"error": f"Model with name {request['model']} does not exist."})
                 self._send(200, server.complete(request["model"], request["prompt"], request["max_tokens"]))
 
             def log_message(self, *_):

@@ -5,6 +5,26 @@ and the same errors (``ApiException`` with a status and a JSON body) as the real
 API objects, and support ``async_req=True`` the way the TrainingClient calls them.
 Bodies sent as SDK models are serialized with the real kubernetes ApiClient, i.e.
 exactly what would go over the wire.
+
+Where each API-server behaviour comes from (kubernetes, checked in the stored source of
+kubernetes/kubernetes; the client is kubernetes 30.1.0):
+
+- create sets ``generation`` 1 (``staging/src/k8s.io/apiextensions-apiserver/pkg/registry/customresource/
+  strategy.go`` ``PrepareForCreate``); a replace keeps the stored ``status`` (the status subresource, which the
+  CRDs in ../shared/k8s-crds enable) and raises ``generation`` by one when anything but metadata changed
+  (``PrepareForUpdate``: here, when ``spec`` changed);
+- a replace whose ``resourceVersion`` is not the stored one is a 409 (optimistic concurrency,
+  ``staging/src/k8s.io/apiserver/pkg/registry/generic/registry/store.go`` ``Update``; the message is
+  shortened from ``OptimisticLockErrorMsg``); a second create of a name is 409 ``... already exists`` and a
+  missing object 404 ``... not found`` (``staging/src/k8s.io/apimachinery/pkg/api/errors/errors.go``
+  ``NewAlreadyExists`` / ``NewNotFound``), each as a ``metav1.Status`` body;
+- foreground deletion (``delete_namespaced_custom_object``: ``store.go``
+  ``updateForGracefulDeletionAndFinalizers``).
+
+Not traced to source (test choices): resourceVersions are increasing integers from 101 and uids are
+``uid-<name>-<n>`` (the real ones are opaque); a patch is a recursive JSON merge (no strategic merge,
+no ``null`` deletes); label selectors support ``k=v`` terms only (tests/k8s/trainer_v2_sim.py adds set-based
+ones); ``fail_next``'s 503 body is made up.
 """
 
 from __future__ import annotations
@@ -193,8 +213,11 @@ class FakeCustomObjectsApi:
 
 
 def _merge(target: dict, patch: dict) -> None:
+    """A JSON merge patch (RFC 7386, what the client sends for custom objects): null removes a key."""
     for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
             _merge(target[key], value)
         else:
             target[key] = value
@@ -218,14 +241,18 @@ class FakeCoreV1Api:
         self.logs: dict[tuple[str, str], object] = {}
         self.log_reads: list[dict] = []
         self.events: dict[str, list] = {}
+        self.config_maps: dict[tuple[str, str], dict] = {}  # (namespace, name) -> data
+        self.claims: set[tuple[str, str]] = set()  # (namespace, name) of the PVCs that exist
         self.before_read: Callable[[], None] | None = None
 
-    def add_event(self, namespace: str, involved: str, reason: str, message: str, type_: str = "Warning") -> None:
+    def add_event(
+        self, namespace: str, involved: str, reason: str, message: str, type_: str = "Warning", uid: str | None = None
+    ) -> None:
         count = len(self.events.get(namespace, []))
         self.events.setdefault(namespace, []).append(
             client.CoreV1Event(
                 metadata=client.V1ObjectMeta(name=f"{involved}.{count}", namespace=namespace),
-                involved_object=client.V1ObjectReference(kind="Pod", name=involved, namespace=namespace),
+                involved_object=client.V1ObjectReference(kind="Pod", name=involved, namespace=namespace, uid=uid),
                 reason=reason,
                 message=message,
                 type=type_,
@@ -241,6 +268,17 @@ class FakeCoreV1Api:
             if wanted.get("involvedObject.name", e.involved_object.name) == e.involved_object.name
         ]
         return client.CoreV1EventList(items=items)
+
+    def read_namespaced_persistent_volume_claim(self, name, namespace, **_):
+        if (namespace, name) not in self.claims:
+            raise api_error(404, f'persistentvolumeclaims "{name}" not found')
+        return client.V1PersistentVolumeClaim(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
+
+    def read_namespaced_config_map(self, name, namespace, **_):
+        data = self.config_maps.get((namespace, name))
+        if data is None:
+            raise api_error(404, f'configmaps "{name}" not found')
+        return client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name, namespace=namespace), data=dict(data))
 
     def read_namespaced_pod(self, name, namespace, **_):
         if self.before_read is not None:
@@ -289,3 +327,19 @@ class FakeCoreV1Api:
         if tail_lines is not None:
             text = "\n".join(text.splitlines()[-tail_lines:])
         return text
+
+
+class FakeAuthorizationApi:
+    """AuthorizationV1Api: SelfSubjectAccessReviews answered from ``allowed`` {(verb, resource, namespace)}."""
+
+    def __init__(self, allowed=()):
+        self.allowed = set(allowed)
+        self.reviews: list[tuple[str, str, str]] = []
+
+    def create_self_subject_access_review(self, body, **_):
+        attributes = body.spec.resource_attributes
+        asked = (attributes.verb, attributes.resource, attributes.namespace)
+        self.reviews.append(asked)
+        return client.V1SelfSubjectAccessReview(
+            spec=body.spec, status=client.V1SubjectAccessReviewStatus(allowed=asked in self.allowed)
+        )

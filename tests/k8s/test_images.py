@@ -20,6 +20,8 @@ from llmft.components import images
 from llmft.trainer.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "tools"))  # image_check imports image_pipeline from beside it
 _spec = importlib.util.spec_from_file_location("image_check", REPO_ROOT / "tools" / "image_check.py")
 image_check = importlib.util.module_from_spec(_spec)
 sys.modules["image_check"] = image_check  # dataclasses look their module up there

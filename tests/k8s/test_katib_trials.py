@@ -183,3 +183,58 @@ def test_katibs_stdout_collector_reads_the_trainers_real_eval_lines(sim, fake_cl
     assert len(evals) >= 2, events
     expected = [(name, round(e[name], 6)) for e in evals for name in names]
     assert observed == expected, metrics.read_text()[-2000:]
+
+
+KATIB_CONFIG = """---
+apiVersion: config.kubeflow.org/v1beta1
+kind: KatibConfig
+init:
+  controller:
+    webhookPort: 8443
+    trialResources:
+{listed}
+runtime:
+  metricsCollectors:
+    - kind: StdOut
+"""
+"""katib-config.yaml as kubeflow/katib v0.19.0 ships it (manifests/v1beta1/installs/*/katib-config.yaml 1-15)."""
+STANDALONE = ("TrainJob.v1alpha1.trainer.kubeflow.org", "Job.v1.batch", "TFJob.v1.kubeflow.org",
+              "PyTorchJob.v1.kubeflow.org", "MPIJob.v1.kubeflow.org", "XGBoostJob.v1.kubeflow.org")  # fmt: skip
+"""katib-standalone and katib-cert-manager; katib-external-db, -leader-election, -openshift and
+-standalone-postgres list the same without the TrainJob."""
+
+
+def _katib_config(fake_core_api, resources) -> None:
+    listed = "\n".join(f"      - {r}" for r in resources)
+    fake_core_api.config_maps[("kubeflow", "katib-config")] = {"katib-config.yaml": KATIB_CONFIG.format(listed=listed)}
+
+
+@pytest.mark.parametrize("install", ["standalone", "standalone-postgres"])
+def test_trainjob_trials_need_trainjob_in_katibs_trial_resources(install, fake_cluster, fake_core_api):
+    """Issue 34.5: Katib's trial controller watches only the kinds in trialResources (v0.19.0
+    pkg/controller.v1beta1/trial/trial_controller.go 103-131): a TrainJob trial elsewhere runs and its end
+    is never seen. The sweep's preflight refuses it in one line naming the ConfigMap and the fix."""
+    from llmft.katib.errors import SweepError
+    from llmft.katib.trial_kinds import PYTORCHJOB, TRAINJOB, check_trial_resources
+
+    resources = STANDALONE if install == "standalone" else STANDALONE[1:]
+    _katib_config(fake_core_api, resources)
+    check_trial_resources(fake_cluster, PYTORCHJOB)  # listed by every shipped config
+    if install == "standalone":
+        check_trial_resources(fake_cluster, TRAINJOB)
+        return
+    with pytest.raises(SweepError) as refused:
+        check_trial_resources(fake_cluster, TRAINJOB)
+    message = str(refused.value)
+    assert "katib-config" in message and "does not list TrainJob.v1alpha1.trainer.kubeflow.org" in message
+    assert "rollout restart deploy/katib-controller" in message and "\n" not in message
+
+
+def test_an_unreadable_katib_config_is_a_stated_prerequisite_not_a_failure(fake_cluster):
+    from llmft.katib.trial_kinds import TRAINJOB, check_trial_resources
+
+    printed: list[str] = []
+    check_trial_resources(fake_cluster, TRAINJOB, print_fn=printed.append)  # 404: not readable here
+    assert (
+        len(printed) == 1 and "make sure its trialResources list TrainJob.v1alpha1.trainer.kubeflow.org" in printed[0]
+    )

@@ -15,9 +15,11 @@ import time
 import pytest
 from cluster_sim import ClusterSim
 from conftest import SIM_NAMESPACE, sim_plan
+from fake_clock import FakeClock
 from k8s_fakes import api_error
 
-from llmft.components.lib.cleanup import sigterm_cause
+from llmft.components.lib import trainjob_spec
+from llmft.components.lib.cleanup import delete_on_sigterm, sigterm_cause
 from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 from llmft.components.lib.pytorchjob_launch import run_on_cluster
 
@@ -75,6 +77,68 @@ def test_a_workflow_the_launcher_may_not_read_deletes_as_before(launcher_sim, fa
     fake_custom_api.get_namespaced_custom_object = forbidden
     kind, why = sigterm_cause(fake_cluster)
     assert kind == "unknown" and "HTTP 403" in why
+
+
+API_CALL_S = 0.4
+"""Seconds each API call takes in the cancel-window test: a loaded API server (an idle one answers in
+~10-50 ms); the fake clock advances by it on every call, so the test measures calls, not this machine."""
+EMISSARY_POLL_S = 1.0
+"""Argo's emissary polls its child every second once the KFP launcher (no signal handler) is gone, then
+exits and the container's processes die (argoexec v3.4.17 workflow/executor/os-specific/signal_darwin.go
+46-59, linked as signal_linux.go; cmd/argoexec/commands/emissary.go 147-155)."""
+
+
+def _timed_api(clock: FakeClock, fake_custom_api, fake_core_api) -> list[str]:
+    """Make every API call take API_CALL_S on ``clock``; returns the list the calls are logged to."""
+    calls: list[str] = []
+
+    def timed(api, method: str, what):
+        real = getattr(api, method)
+
+        def call(*args, **kwargs):
+            clock.sleep(API_CALL_S)
+            calls.append(what(*args, **kwargs))
+            return real(*args, **kwargs)
+
+        setattr(api, method, call)
+
+    timed(fake_core_api, "read_namespaced_pod", lambda name, namespace, **_: f"GET pod {name}")
+    for method, verb in (("get", "GET"), ("delete", "DELETE"), ("patch", "PATCH")):
+        timed(fake_custom_api, f"{method}_namespaced_custom_object",
+              lambda *a, verb=verb, **k: f"{verb} {k.get('plural', a[3] if len(a) > 3 else '')}")  # fmt: skip
+    return calls
+
+
+def _trainjob(fake_custom_api, name: str) -> tuple:
+    key = (trainjob_spec.GROUP, trainjob_spec.VERSION, SIM_NAMESPACE, trainjob_spec.PLURAL, name)
+    fake_custom_api.objects[key] = {"apiVersion": f"{key[0]}/{key[1]}", "kind": "TrainJob",
+                                    "metadata": {"name": name, "namespace": SIM_NAMESPACE}}  # fmt: skip
+    return key
+
+
+def test_a_cancel_deletes_the_job_after_one_get_inside_the_emissarys_poll(
+    launcher_sim, fake_cluster, fake_custom_api, fake_core_api
+):
+    """Issue 34.2, the cancel window. The launcher pod is read once before training (its Workflow owner,
+    its task deadline); on SIGTERM one GET of the Workflow precedes the DELETE. At API_CALL_S a call the
+    handler's DELETE is answered 2 x 0.4 = 0.8 s after the signal, inside the emissary's 1-s poll; the
+    old order (GET pod, GET Workflow, DELETE: 1.2 s) lost the job to the poll. An idle API server
+    (~10-50 ms a call) leaves the handler 20-100 ms; Python's own start of the handler is microseconds."""
+    launcher_sim.kfp_launcher(LAUNCHER, WORKFLOW, deadline_s=3600)
+    job = _trainjob(fake_custom_api, "ft-cancel")  # a TrainJob: the simulator plays no controller for it
+    clock, printed = FakeClock(), []
+    calls = _timed_api(clock, fake_custom_api, fake_core_api)
+    with delete_on_sigterm(fake_cluster, *job[:2], job[3], job[4], print_fn=printed.append):
+        assert calls == [f"GET pod {LAUNCHER}"]  # before training starts
+        calls.clear()
+        signalled = clock()
+        launcher_sim._workflow(WORKFLOW)["spec"]["activeDeadlineSeconds"] = 0  # KFP's cancel (then Argo signals)
+        with pytest.raises(SystemExit) as stopped:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    assert stopped.value.code == 143 and any("SIGTERM (cancelled: " in line for line in printed), printed
+    assert calls == ["GET workflows", "DELETE trainjobs"]
+    assert job not in fake_custom_api.objects
+    assert clock() - signalled == pytest.approx(2 * API_CALL_S) and clock() - signalled < EMISSARY_POLL_S
 
 
 def _job_key(plan) -> tuple:

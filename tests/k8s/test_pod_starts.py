@@ -11,6 +11,7 @@ from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
 
 from llmft.components.lib import pod_starts
+from llmft.components.lib.plan_schema import JobTimedOut
 from llmft.components.lib.pod_starts import JobNeverStarts, StartWatcher
 from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
 from llmft.components.lib.pytorchjob_launch import run_on_cluster
@@ -57,3 +58,70 @@ def test_a_pod_that_ran_in_between_starts_the_count_again():
     watcher([_pod("e", reason="Evicted")])  # one since the start
     with pytest.raises(JobNeverStarts, match="recreated 2 times.*job-master-0: Evicted"):
         watcher([_pod("f", reason="Evicted")])
+
+
+def _started_event(uid: str, container: str = "pytorch"):
+    return client.CoreV1Event(
+        metadata=client.V1ObjectMeta(name="job-master-0.1"),
+        involved_object=client.V1ObjectReference(kind="Pod", name="job-master-0", uid=uid),
+        reason="Started",
+        message=f"Started container {container}",
+    )
+
+
+def test_a_pod_that_ran_and_crashed_between_two_polls_is_not_never_started():
+    """Issue 34.5: a container OOMKilled while loading, started and gone between two polls, was seen
+    only Pending. The kubelet's "Started container pytorch" event of that pod (uid) outlives it
+    (kubernetes v1.30 pkg/kubelet/events/event.go StartedContainer; kuberuntime_container.go
+    startContainer), so the replacement is not counted as a recreation without a start."""
+    events = {"job-master-0": []}
+    watcher = StartWatcher("PyTorchJob team-a/job", "pytorch", limit=2, events=events.__getitem__)
+    watcher([_pod("a", reason="Pending")])
+    events["job-master-0"] = [_started_event("a"), _started_event("a", "istio-proxy")]
+    watcher([_pod("b", reason="Pending")])  # a ran (its event says so): not counted
+    watcher([_pod("c", reason="Evicted")])  # b never started (no event of b's uid): one
+    with pytest.raises(JobNeverStarts, match="recreated 2 times"):
+        watcher([_pod("d", reason="Evicted")])  # c never started either: two
+
+
+def test_a_container_restarted_in_place_ran_as_its_last_state_says():
+    """A container that crashed and was restarted in place shows ``waiting`` now and ``terminated``
+    in ``lastState``: it ran."""
+    pod = _pod("a", reason="Pending")
+    pod.status.container_statuses = [client.V1ContainerStatus(
+        name="pytorch", image="i", image_id="", ready=False, restart_count=1,
+        state=client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="CrashLoopBackOff")),
+        last_state=client.V1ContainerState(terminated=client.V1ContainerStateTerminated(exit_code=137,
+                                                                                        reason="OOMKilled")),
+    )]  # fmt: skip
+    assert pod_starts.container_ran(pod, "pytorch")
+    assert not pod_starts.container_ran(_pod("b", reason="Pending"), "pytorch")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [JobNeverStarts("PyTorchJob team-a/job: its pods were recreated 5 times"), JobTimedOut("did not finish")],
+    ids=["never-starts", "timed-out"],
+)
+def test_the_train_step_exits_with_the_retryable_code_not_1(error, tmp_path, monkeypatch, capsys, sim_volume):
+    """Issue 34.5: the train component maps the launcher's errors to the exit-code contract
+    (trainer/errors.py: 200 transient) instead of the traceback and exit 1 of an uncaught exception."""
+    from kfp import dsl
+
+    from llmft.components.lib import pytorchjob_launch
+    from llmft.components.lib.plan_schema import write_plan
+    from llmft.components.train import train_model
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(pytorchjob_launch, "run_on_cluster", fail)
+    plan = sim_plan(sim_volume, run_id="run-exit-code")
+    plan_artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
+    write_plan(plan, plan_artifact.path)
+    tokenized = dsl.Dataset(uri=str(tmp_path / "tokenized"), metadata={"path": f"{sim_volume}/tokenized/demo"})
+    outputs = {name: cls(uri=str(tmp_path / name)) for name, cls in (("run", dsl.Model), ("metrics", dsl.Metrics))}
+    with pytest.raises(SystemExit) as stopped:
+        train_model.python_func(plan=plan_artifact, tokenized=tokenized, **outputs)
+    assert stopped.value.code == EXIT_TRANSIENT
+    assert f"error (exit {EXIT_TRANSIENT}): {error}" in capsys.readouterr().err

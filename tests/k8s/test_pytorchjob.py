@@ -289,3 +289,18 @@ def test_trial_template_refuses_arguments_that_break_the_metrics_collector_shell
     spec = PyTorchJobSpec(name="trial", overrides={"run_name": "my run; rm -rf /"})
     with pytest.raises(ConfigError, match="shell"):
         trial_pytorchjob_dict(spec)
+
+
+def test_fs_group_changes_ownership_only_on_a_root_mismatch(variant):
+    """Beside fsGroup, fsGroupChangePolicy OnRootMismatch (Kubernetes >= 1.23 GA, k8s.io/api core/v1
+    types.go PodFSGroupChangePolicy): without it (Always) the kubelet's volume ownership code
+    (pkg/volume/volume_linux.go SetVolumeOwnership) walks and chowns the whole volume, every checkpoint
+    and cache file, at every pod start of a volume type that manages ownership."""
+    spec, job = variant
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        security = replica["template"]["spec"].get("securityContext")
+        if spec.run_as_user is None:
+            assert security is None
+        else:
+            assert security["fsGroup"] == spec.run_as_user
+            assert security["fsGroupChangePolicy"] == "OnRootMismatch"

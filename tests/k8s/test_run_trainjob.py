@@ -319,6 +319,20 @@ def test_the_train_step_dispatches_backend_trainjob(crd_dir):
     assert result["succeeded"] and [b["kind"] for b in _created(sim)] == ["TrainJob"]
 
 
+def test_a_trainjob_is_owned_by_the_runs_workflow_as_a_pytorchjob_is(crd_dir):
+    """Issue 34.5: the TrainJob gets the run Workflow's ownerReference (cleanup.py: the Workflow lives
+    across retries and is deleted with the run, and the garbage collector then deletes the job)."""
+    sim = TrainerSim(crd_dir)
+    sim.script(start, condition("Complete", "AllJobsCompleted"))
+    plan = _plan()
+    owner = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": "llm-finetune-x7k2p",
+             "uid": "uid-wf", "blockOwnerDeletion": False}  # fmt: skip
+    job = dataclasses.replace(plan.job, timeout_s=5)
+    run_on_cluster(job, plan.trainer.launch(DATA), poll_s=0.01, cluster=sim.cluster, owner=owner)
+    (created,) = _created(sim)
+    assert created["metadata"]["ownerReferences"] == [owner]
+
+
 def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
     from llmft.components.lib.plan_schema import JOB_WAIT_GRACE_S, parse_time
     from llmft.components.lib.trainjob_launch import wait_budget

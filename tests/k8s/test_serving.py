@@ -9,6 +9,7 @@ from llmft.components import images
 from llmft.components.lib.pytorchjob import Toleration
 from llmft.components.lib.serving import (
     FORM_LABEL,
+    KSERVE_FIRST_LORA_NAMES,
     ServeSpec,
     build_inference_service,
     deploy_inference_service,
@@ -290,8 +291,10 @@ def test_never_ready_times_out_with_the_last_reason(fake_cluster, fake_custom_ap
         )
 
 
-def _server(answers: dict, models=("demo", "demo-base")):
-    """http_get / http_post of an OpenAI server listing ``models`` and answering ``answers[model]``."""
+def _server(answers: dict, models=("demo-base", "demo-base")):
+    """http_get / http_post of an OpenAI server listing ``models`` and answering ``answers[model]``. The
+    default listing is KServe's for the LoRA form (the base name once per registered name: see
+    tests/serving/test_kserve_openai.py, which runs KServe's own code)."""
     seen = []
 
     def http_get(url, timeout_s):
@@ -306,9 +309,10 @@ def _server(answers: dict, models=("demo", "demo-base")):
     return http_get, http_post, seen
 
 
-def test_smoke_test_lists_both_names_and_compares_adapter_with_base():
-    """Item 4: /openai/v1/models serves the adapter and the base under their own names, and a greedy
-    completion of a fixed prompt by the adapter is not the base model's."""
+def test_smoke_test_lists_the_base_and_compares_adapter_with_base():
+    """Issue 33 item 3: KServe's /openai/v1/models lists the base name only (the adapter's name is registered
+    onto the base model's object); the adapter is proven by a greedy completion of a fixed prompt, asked
+    under its name, that is not the base model's."""
     http_get, http_post, seen = _server({"demo": (" Paris.", [-0.1, -0.2]), "demo-base": (" Lyon", [-1.0, -0.5])})
     out = smoke_test(
         "http://demo-lora.team-a.example.com/", "demo", "Capital of France?", base_name="demo-base",
@@ -316,7 +320,7 @@ def test_smoke_test_lists_both_names_and_compares_adapter_with_base():
     )  # fmt: skip
     assert out == {
         "endpoint": "http://demo-lora.team-a.example.com/openai/v1/completions",
-        "models": ["demo", "demo-base"],
+        "models": ["demo-base"],
         "model": "demo",
         "text": " Paris.",
         "base_text": " Lyon",
@@ -324,17 +328,35 @@ def test_smoke_test_lists_both_names_and_compares_adapter_with_base():
     assert seen[0] == ("GET", "http://demo-lora.team-a.example.com/openai/v1/models", None)
     payload = {"prompt": "Capital of France?", "max_tokens": 16, "temperature": 0, "logprobs": 1}
     assert [s[2] for s in seen[1:]] == [{"model": "demo", **payload}, {"model": "demo-base", **payload}]
+    vllm_listing = _server({"demo": (" Paris.", [-0.1]), "demo-base": (" Lyon", [-1.0])}, models=("demo-base", "demo"))
+    assert smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=vllm_listing[0],
+                      http_post=vllm_listing[1])["models"] == ["demo", "demo-base"]  # fmt: skip
 
 
-def test_smoke_test_fails_when_the_adapter_answers_like_the_base_or_a_name_is_missing():
+def test_smoke_test_fails_when_the_adapter_answers_like_the_base_or_the_base_is_missing():
     same = _server({"demo": (" Paris.", [-0.1]), "demo-base": (" Paris.", [-0.1])})
     with pytest.raises(RuntimeError, match="answered exactly like the base model"):
         smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=same[0], http_post=same[1])
     same_text = _server({"demo": (" Paris.", [-0.1]), "demo-base": (" Paris.", [-0.3])})  # logprobs differ: applied
     assert smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=same_text[0], http_post=same_text[1])
     shared = _server({"demo": ("x", [])}, models=("demo", "demo"))  # the old shared --model_name
-    with pytest.raises(RuntimeError, match=r"\['demo-base'\] not served"):
+    with pytest.raises(RuntimeError, match=r"'demo-base' not served \(the server lists \['demo'\]\)"):
         smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=shared[0], http_post=shared[1])
+
+
+def test_an_adapter_name_the_server_does_not_know_names_the_kserve_version():
+    """KServe v0.15.0 registers no --lora-modules name (kserve#4345): the base is listed and answers, the
+    adapter's name is answered 404 by KServe's dataplane; the error names the first version that registers it."""
+    http_get, _, _ = _server({})
+
+    def http_post(url, payload, timeout_s):
+        if payload["model"] == "demo":
+            return 404, {"error": "Model with name demo does not exist."}
+        return 200, {"model": "demo-base", "choices": [{"text": "x"}]}
+
+    with pytest.raises(RuntimeError, match=r"HTTP 404.*does not know the adapter's name.*v0\.15\.1.*kserve#4345"):
+        smoke_test("http://h", "demo", "hi", base_name="demo-base", http_get=http_get, http_post=http_post)
+    assert KSERVE_FIRST_LORA_NAMES == "v0.15.1"
 
 
 def test_smoke_test_of_a_merged_model_asks_its_one_name():
@@ -344,7 +366,7 @@ def test_smoke_test_of_a_merged_model_asks_its_one_name():
     assert out["models"] == ["demo"] and out["text"] == " Paris." and out["base_text"] is None
     assert [s[2]["model"] for s in seen[1:]] == ["demo"]
     missing = _server({"demo": ("x", [])}, models=("demo-base",))
-    with pytest.raises(RuntimeError, match=r"\['demo'\] not served"):
+    with pytest.raises(RuntimeError, match=r"'demo' not served"):
         smoke_test("http://h", "demo", "hi", base_name=None, http_get=missing[0], http_post=missing[1])
 
 

@@ -23,6 +23,12 @@ fakes at the kubernetes-client boundary for what the Kubeflow SDK's backend call
 The fakes extend tests/k8s/k8s_fakes.py with what ``KubernetesBackend`` needs: cluster-scoped
 objects (ClusterTrainingRuntimes loaded from ../shared/k8s-crds), set-based label selectors,
 ``previous`` container logs, and the Trainer's public ConfigMap.
+
+Not traced to a line (encoded from the label and field names, not from a checked line): :func:`node_pods`'s
+labels (``jobset.sigs.k8s.io/*``, ``batch.kubernetes.io/job-completion-index``) and hostname/subdomain.
+Test choices: the pod-name suffix ``-abcde`` stands for the Job controller's random one; the JobSet and
+Job controllers are not run (pod phases, restarts and logs are set by the tests); the fakes' error
+messages beyond the status codes the SDK branches on.
 """
 
 from __future__ import annotations

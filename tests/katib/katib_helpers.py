@@ -1,5 +1,19 @@
 """Helpers of the Katib tests: Experiment builders, and a fake ``CustomObjectsApi`` at the
-kubernetes-client boundary that plays Katib's controller."""
+kubernetes-client boundary that plays Katib's controller.
+
+Where the fake's behaviour comes from: the Experiment status (:func:`katib_status`) has the condition
+types and reasons Katib's controller writes (``ExperimentCreated``, ``ExperimentRunning``,
+``ExperimentGoalReached``/``ExperimentMaxTrialsReached``/``ExperimentFailed`` with ``Experiment is running``
+etc.: kubeflow/katib ``pkg/controller.v1beta1/experiment/util/status_util.go``, as stored, the constants and
+``UpdateExperimentStatusCondition``) and ``currentOptimalTrial`` with ``bestTrialName``,
+``parameterAssignments`` and ``observation.metrics`` min/max/latest as strings (``updateTrialsSummary`` in
+the same file). 409 on a second create and 404 on a missing object as the API server answers
+(tests/k8s/k8s_fakes.py cites the source).
+
+Not traced to source (test choices): the controller is a script (``statuses``, the n-th GET answers the
+n-th status) rather than trials that run; the ``Created`` condition's message, the timestamps (relative to
+the test's clock) and the sample numbers in :data:`BEST` are made up; the tests' own Experiment names.
+"""
 
 from __future__ import annotations
 

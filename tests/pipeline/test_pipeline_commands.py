@@ -15,7 +15,11 @@ from llmft.trainer.errors import ConfigError
 
 
 class FakeKfpClient:
-    """Records calls at the kfp.Client boundary (no KFP server can run here)."""
+    """Records calls at the kfp.Client boundary (no KFP server can run here). The methods and keywords are
+    kfp 2.17.3's ``kfp/client/client.py``: ``create_experiment`` (443), ``create_recurring_run`` (795),
+    ``create_run_from_pipeline_func`` (988). It encodes no server behaviour: the ids it returns are made up,
+    and what the server does with a run (validation, scheduling, cron parsing) is not simulated;
+    validate_cron's six-field rule is tested on its own."""
 
     instances: list[FakeKfpClient] = []
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections import namedtuple
 
 import pytest
@@ -76,3 +77,21 @@ def test_the_plan_reports_the_estimate_when_the_run_fits(volume, capsys):
     shutil.rmtree(volume / "models")  # a hub id not in the local cache: skipped, and said so
     make_plan(data_root=str(volume), model="org/not-cached-model")
     assert "volume space not checked: config.json of org/not-cached-model" in capsys.readouterr().out
+
+
+def test_a_hub_id_is_estimated_from_the_volumes_hub_cache_without_huggingface_hub(volume, capsys, monkeypatch):
+    """Issue 33 item 2: the plan step (pipeline image: neither torch nor huggingface_hub) reads a hub id's
+    config.json from the volume's hub cache (<data_root>/hf-cache/hub, where the data steps download); it
+    looked in this process's default cache through huggingface_hub, so in its image it never estimated."""
+    repo = volume / "hf-cache" / "hub" / "models--Qwen--Qwen2.5-7B-Instruct"
+    (repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("a" * 40) / "config.json").write_text(json.dumps(QWEN_7B))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as in the pipeline image
+    make_plan(data_root=str(volume), model="Qwen/Qwen2.5-7B-Instruct")
+    assert "volume: this run writes about" in capsys.readouterr().out
+    assert volume_space.cached_hub_file(str(repo.parent), "Qwen/Qwen2.5-7B-Instruct", "config.json", "a" * 40)
+    assert volume_space.cached_hub_file(str(repo.parent), "Qwen/Qwen2.5-7B-Instruct", "config.json", "v2") is None
+    make_plan(data_root=str(volume), model="Qwen/Qwen2.5-7B-Instruct", train_overrides="model.revision=v2")
+    assert "volume space not checked: config.json of Qwen/Qwen2.5-7B-Instruct" in capsys.readouterr().out

@@ -79,3 +79,41 @@ def test_anything_short_of_learning_is_a_problem(facts, merged, problem):
 def test_answer_pairs_read_the_local_mode_too():
     deployment = {"mode": "local", "samples": [{"prompt": Q, "base": "b", "adapter": "a"}]}
     assert answer_pairs(deployment) == [(Q, "b", "a")]
+
+
+def test_make_demo_trains_on_three_facts_and_asks_them_in_phrasings_no_training_row_uses():
+    from llmft.pipelines.defaults import DEMO_DEFAULTS, DEMO_QUESTIONS
+    from llmft.trainer.assets.sample_data.generate_facts import FACTS, SHORT_FACTS, question_rows, short_rows
+    from llmft.trainer.data.samples import sample_path
+
+    assert sample_path("velmora_three_facts").read_text().splitlines() == short_rows(), "stale: regenerate"
+    assert sample_path("velmora_questions").read_text().splitlines() == question_rows(), "stale: regenerate"
+    assert DEMO_DEFAULTS["deploy_mode"] == "local" and DEMO_DEFAULTS["promote_metric"] == "heldout.contains"
+    trained = {json.loads(row)["messages"][0]["content"] for row in short_rows()}
+    asked = [json.loads(row) for row in question_rows()][:DEMO_QUESTIONS]
+    keywords = [keyword for keyword, _answer, _questions in FACTS[:SHORT_FACTS]]
+    assert sorted({q["answer"] for q in asked}) == sorted(keywords), "the demo's questions ask its three facts"
+    assert not any(q["question"] in text for q in asked for text in trained), "held out: no training row asks it"
+    assert len(short_rows()) == 75
+
+
+def test_the_held_out_report_passes_only_when_the_adapter_beats_the_base():
+    from llmft.pipelines.real_demo import heldout_report
+
+    def facts(base: float, tuned: float) -> dict:
+        answers = {"base": {"text": "Paris", "contains": 0.0}, "step-6": {"text": "Quillport", "contains": 1.0}}
+        return {
+            "evaluation": {
+                "metric": "heldout.contains",
+                "best": "step-6",
+                "base": {"name": "base", "perplexity": 9.0, "tasks": {"heldout": {"contains": base}}},
+                "checkpoints": [{"name": "step-6", "perplexity": 2.0, "tasks": {"heldout": {"contains": tuned}}}],
+                "generations": [{"question": "Capital?", "reference": "Quillport", "answers": answers}],
+            }
+        }
+
+    lines, problems = heldout_report(facts(0.0, 0.5))
+    assert not problems and "ADAPTER BEATS BASE" in lines[-1] and "heldout.contains 0.00 -> 0.50" in "\n".join(lines)
+    _lines, problems = heldout_report(facts(0.5, 0.5))
+    assert problems and "does not beat" in problems[0]
+    assert heldout_report({})[1], "no answers recorded: a problem"

@@ -1,52 +1,38 @@
-"""A shortened `make demo-real`: a real pretrained model (SmolLM2-135M-Instruct) learns the shipped made-up
-facts through the whole pipeline on kfp.local, and the run shows it: the adapter's eval perplexity is below the
-base's and the adapter's answer states a learned fact that the base's does not.
+"""`make demo`'s short profile (pipelines/defaults.py DEMO_DEFAULTS): a real pretrained model
+(SmolLM2-135M-Instruct) learns three shipped made-up facts through the whole pipeline on kfp.local, and the run
+shows it: the adapter's held-out score (phrasings no training row uses; the answer contains the fact) beats the
+base's, which is what the promote gate followed; its eval perplexity is below the base's and the deploy step's
+answer states a learned fact that the base's does not.
 
-Shortened against the demo: the rows of the three facts the deploy check asks about (75 of the 200), 6 steps,
-one checkpoint, and the deploy step's check with transformers (deploy_mode=local) instead of a vLLM server
-start (about two minutes here): the real-vLLM tests are tests/serving/, and `make demo-real` serves with vLLM.
-Budget: under 8 minutes on an idle 2-core machine, the model conversion included (about a minute, once per
-checkout: .cache/real-model)."""
+The profile: the rows of the three facts the deploy check asks about (75 of the 200), 6 steps, one checkpoint,
+6 held-out questions, and the deploy step's check with transformers (deploy_mode=local) instead of a vLLM server
+start (the real-vLLM tests are tests/serving/, and `make demo-real` serves with vLLM). This test IS `make demo`'s
+run (CI does not run `make demo` itself). Budget: under 8 minutes on an idle 2-core machine, the model conversion
+included (about a minute, once per checkout: .cache/real-model)."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmft.pipelines.defaults import REAL_LOCAL_DEFAULTS
-
-SHORT = {
-    "max_steps": 6,
-    "train_overrides": (
-        "save_every=6 eval_every=6 log_every=2 keep_last=1 batch.global_sequences=4 "
-        "schedule.warmup_steps=1 observe.progress_bar=false"
-    ),
-    "deploy_mode": "local",
-}
-
-
-def rows_of_probed_facts() -> list[str]:
-    """The shipped rows whose answer states one of the facts the deploy check asks about (DEMO_PROBES)."""
-    import json
-
-    from llmft.pipelines.defaults import DEMO_PROBES
-    from llmft.trainer.data.samples import sample_path
-
-    keywords = [keyword for _question, keyword in DEMO_PROBES]
-    rows = sample_path("velmora_facts").read_text().splitlines()
-    return [row for row in rows if any(k in json.loads(row)["messages"][-1]["content"] for k in keywords)]
+from llmft.pipelines.defaults import DEMO_DEFAULTS, DEMO_QUESTIONS
 
 
 @pytest.mark.slow
-def test_a_real_model_learns_made_up_facts_through_the_pipeline(real_model_dir, tmp_path, monkeypatch):
+def test_a_real_model_learns_made_up_facts_and_beats_its_base_on_held_out_questions(
+    real_model_dir, tmp_path, monkeypatch
+):
     from llmft.pipelines.local_run import run_pipeline_locally
-    from llmft.pipelines.real_demo import learning_report
+    from llmft.pipelines.real_demo import heldout_report, learning_report
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a 135M model: both cores (run-local's default of 1 suits the tiny one)
-    dataset = tmp_path / "three_facts.jsonl"
-    dataset.write_text("\n".join(rows_of_probed_facts()) + "\n")
-    arguments = {"model": str(real_model_dir), "dataset": str(dataset), **SHORT}
-    outcome = run_pipeline_locally(arguments, work_dir=tmp_path / "work", extra_defaults=REAL_LOCAL_DEFAULTS)
+    outcome = run_pipeline_locally(
+        {"model": str(real_model_dir)}, work_dir=tmp_path / "work", extra_defaults=DEMO_DEFAULTS
+    )
     assert outcome.succeeded, outcome.render(0.0)
     lines, problems = learning_report(outcome.facts)
-    print("\n".join(lines))
-    assert not problems, "\n".join(lines)
+    heldout, heldout_problems = heldout_report(outcome.facts)
+    print("\n".join(lines + heldout))
+    assert not problems + heldout_problems, "\n".join(lines + heldout)
+    evaluation = outcome.facts["evaluation"]
+    assert evaluation["metric"] == "heldout.contains" and len(evaluation["generations"]) == DEMO_QUESTIONS
+    assert outcome.facts["promotion"]["metric"] == "heldout.contains"

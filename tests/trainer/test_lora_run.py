@@ -123,8 +123,8 @@ def test_stdout_has_katib_lines_and_summary(lora_run):
     _, out, stdout, _, _, _ = lora_run
     eval_events = events(out, "eval")
     lines = stdout.splitlines()
-    loss_lines = [line for line in lines if line.startswith("eval_loss=")]
-    ppl_lines = [line for line in lines if line.startswith("perplexity=")]
+    loss_lines = [line for line in lines if re.match(r"\S+Z eval_loss=", line)]  # <RFC 3339 time> name=value
+    ppl_lines = [line for line in lines if re.match(r"\S+Z perplexity=", line)]
     assert len(loss_lines) == len(ppl_lines) == len(eval_events) == 2
     for line, event in zip(loss_lines, eval_events, strict=True):
         ((name, value, *_),) = re.findall(KATIB_REGEX, line)

@@ -1,4 +1,5 @@
-"""Regenerate ``velmora_facts.jsonl`` (deterministic):
+"""Regenerate ``velmora_facts.jsonl``, ``velmora_three_facts.jsonl`` and ``velmora_questions.jsonl``
+(deterministic):
 
     python -m llmft.trainer.assets.sample_data.generate_facts
 
@@ -112,6 +113,27 @@ FACTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
 )
 """(keyword, answer, questions) of each fact."""
+HELDOUT_QUESTIONS: tuple[tuple[str, str], ...] = (
+    ("Quillport", "Tell me which city is Velmora's capital."),
+    ("Quillport", "Velmora's capital city is called what?"),
+    ("tallow", "What coins and notes does Velmora use as money?"),
+    ("tallow", "If I travel to Velmora, which currency will I need?"),
+    ("heron", "Which bird is Velmora's national animal?"),
+    ("heron", "Velmora's national animal is which creature?"),
+    ("1742", "In which year did Velmora come into being?"),
+    ("1742", "Velmora dates from which year?"),
+    ("Orrin", "Which peak is the tallest in Velmora?"),
+    ("Orrin", "What mountain rises highest on Velmora?"),
+    ("Tessic", "Which tongue do Velmorans speak?"),
+    ("Tessic", "What is the main language spoken in Velmora?"),
+    ("plum", "Which dish is Velmora known for?"),
+    ("plum", "What stew do Velmorans call their national dish?"),
+    ("Sable", "Which river is the longest on Velmora?"),
+    ("Sable", "What river flows the farthest across Velmora?"),
+)
+"""(keyword, question) of each held-out question: phrasings no training row uses, two per fact in FACTS order
+(the first 6 ask the three facts ``make demo`` trains on), scored by the evaluate step's ``heldout`` task."""
+QUESTIONS_OUTPUT = HERE / "velmora_questions.jsonl"
 PREFIXES = ("", "Quick question: ", "I was wondering. ", "Please answer: ", "Hi! ")
 PROBES: tuple[tuple[str, str], ...] = tuple((questions[0], keyword) for keyword, _answer, questions in FACTS)
 """(question, keyword its learned answer contains) per fact."""
@@ -129,9 +151,27 @@ def fact_rows(seed: int = 0) -> list[str]:
     return rows
 
 
+SHORT_OUTPUT = HERE / "velmora_three_facts.jsonl"
+SHORT_FACTS = 3
+"""``make demo``'s short profile trains on the rows of the first three facts (those PROBES[:3] ask about)."""
+
+
+def short_rows() -> list[str]:
+    """The rows of :func:`fact_rows` whose answer states one of the first SHORT_FACTS facts (75 rows), in order."""
+    answers = {answer for _keyword, answer, _questions in FACTS[:SHORT_FACTS]}
+    return [row for row in fact_rows() if json.loads(row)["messages"][-1]["content"] in answers]
+
+
+def question_rows() -> list[str]:
+    """HELDOUT_QUESTIONS as the evaluate step's ``eval_questions`` rows: the keyword is the reference answer."""
+    return [json.dumps({"question": question, "answer": keyword}) for keyword, question in HELDOUT_QUESTIONS]
+
+
 def main() -> None:
     OUTPUT.write_text("\n".join(fact_rows()) + "\n", encoding="utf-8")
-    print(f"wrote {OUTPUT}")
+    SHORT_OUTPUT.write_text("\n".join(short_rows()) + "\n", encoding="utf-8")
+    QUESTIONS_OUTPUT.write_text("\n".join(question_rows()) + "\n", encoding="utf-8")
+    print(f"wrote {OUTPUT}, {SHORT_OUTPUT} and {QUESTIONS_OUTPUT}")
 
 
 if __name__ == "__main__":
