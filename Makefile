@@ -124,8 +124,10 @@ config-reference: $(STAMP)
 # Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv. Then both
 # pipelines through kfp.local with every task on its image's Python (tools/image_pipeline.py); the deploy step checks
 # its InferenceService against the real CRD when ../shared/k8s-crds is there, as make demo does.
+# The pipelines' tasks run offline (no hub is reachable here; a hub id resolves from the volume's hub cache):
+# without these, a hub-id task waits on the hub's retries (about 200 s a task, seen on 2026-11-28).
 image-check: $(STAMP)
-	LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(PY) tools/image_check.py --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(PY) tools/image_check.py --torch-spec "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
 
 compile: $(STAMP)
 	mkdir -p build
