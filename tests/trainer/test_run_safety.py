@@ -158,16 +158,17 @@ def test_missing_model_directory_or_unknown_hub_id_is_one_line(base_overrides, t
 def test_sigint_commits_a_checkpoint_and_exits_130(base_overrides, tmp_path):
     out = tmp_path / "ctrl-c"
     cmd = [sys.executable, "-m", "llmft.trainer", *base_overrides("ctrl-c", max_steps=500)]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step=2 "):
-            proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130, "".join(lines[-20:])
-    assert any(line.startswith("[llmft] SIGINT: checkpoint step-") for line in lines)
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step=2 "):
+                proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, "".join(lines[-20:])
+    stderr = err_path.read_text().splitlines()
+    assert any(line.startswith("[llmft] SIGINT: checkpoint step-") for line in stderr), stderr[-10:]  # on stderr
     committed = [p for p in (out / "checkpoints").iterdir() if is_complete(p)]
     assert len(committed) == 1 and 2 <= int(committed[0].name.split("-")[1]) < 500 and not (out / "final").exists()
     assert json.loads((out / rundir.RESTARTS_FILE).read_text())["outcome"] == 130
