@@ -11,14 +11,8 @@
 #   bash benchmarks/gpu/round5.sh rows    (same host, warm) items 4 and 5: the 30B-A3B QLoRA config (GPU 0; its load
 #       peak apart from training's), the 7B LoRA config on the 8B shape (GPU 1), the 1.5B full config (GPU 2).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-OUT=${OUT:-/tmp/out}; W=/tmp/wb; mkdir -p "$OUT" "$W"
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TORCH_EXTENSIONS_DIR=/tmp/torch-ext
+. benchmarks/gpu/device_env.sh
+export TORCH_EXTENSIONS_DIR=/tmp/torch-ext
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv; cat COMMIT 2>/dev/null
 bench() { python3 -m llmft bench train --work "$W" "$@" 2>&1 | tee -a "$OUT/bench.log"; }
 left() { echo $(( $1 - SECONDS )); }

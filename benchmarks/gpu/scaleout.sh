@@ -12,14 +12,7 @@
 # full on 2 GPUs, then the Qwen2.5-1.5B shape (LoRA, full) on 1 and 2 GPUs as time allows.
 # usage (repo root on the GPU machine): bash benchmarks/gpu/scaleout.sh   (writes under $OUT)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-OUT=${OUT:-/tmp/out}; W=/tmp/wb; mkdir -p "$OUT" "$W"
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+. benchmarks/gpu/device_env.sh
 (DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
   .whl/deepspeed-*.tar.gz > "$W/ds_install.log" 2>&1; echo "deepspeed install rc=$?" >> "$W/ds_install.log") &
 nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m | head -8
