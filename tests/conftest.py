@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
-# The manifests' CRD check (components/lib/deployment.py find_crd) reads the schemas beside the checkout.
+# The manifests' CRD check (llmft/components/lib/serving/deployment.py find_crd) reads the schemas beside the checkout.
 os.environ.setdefault("LLMFT_CRD_DIR", str(SHARED / "k8s-crds"))
 
 

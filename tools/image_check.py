@@ -330,8 +330,8 @@ def build_context(dockerfile: Path, destination: Path) -> Path:
 
 
 def checkout_files() -> list[str]:
-    """What a fresh clone holds (tracked, and untracked files git does not ignore): files, and the
-    symlinks llmft/<folder> -> ../<folder> as links (Docker's COPY keeps them, and copies the folders)."""
+    """What a fresh clone holds (tracked, and untracked files git does not ignore): files, and symlinks
+    as links (Docker's COPY keeps a link a link; the top-level trainer/, ... link into llmft/)."""
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
         cwd=REPO_ROOT,

@@ -13,7 +13,7 @@ the way ``use_venv=True`` puts its venv's (``replace_python_executable``), and s
 environment, outside the checkout, with ``PYTHONSAFEPATH=1``: the installed wheel is what the task imports.
 The trainer processes the local backends start where a cluster starts trainer-image pods (``llmft train``
 of ``training_backend=local``, the trials of ``sweep_backend=local``) get the trainer image's Python
-(LLMFT_LOCAL_TRAINER_PYTHON, components/images.py).
+(LLMFT_LOCAL_TRAINER_PYTHON, llmft/components/images.py).
 
 Cases (:data:`CASES`): the pipeline with the model as a directory on the volume (the plan step's
 torch-free volume estimate reads its config.json), and the HPO pipeline (its sweep step) with the model as
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.images import LOCAL_TRAINER_PYTHON_ENV, dockerfile_roles
-from llmft.components.lib.plan_schema import DATA_MOUNT
+from llmft.components.lib.plan.schema import DATA_MOUNT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HUB_ID = "llmft-ci/tiny-chat"
@@ -98,7 +98,9 @@ def task_interpreter(image: str, roles: Mapping[str, str], envs: Mapping[str, Ma
     """The python3 of the venv of the Dockerfile that builds ``image`` (a component's base image)."""
     role = roles.get(image)
     if role is None or role not in envs:
-        raise PipelineCheckFailed(f"base image {image} is built by no Dockerfile of components/images.py DOCKERFILES")
+        raise PipelineCheckFailed(
+            f"base image {image} is built by no Dockerfile of llmft/components/images.py DOCKERFILES"
+        )
     return str(Path(envs[role]["VIRTUAL_ENV"]) / "bin" / "python3")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-# The defaults live in the library (one place); the CLI only shows them. trainer/data/limits.py imports
+# The defaults live in the library (one place); the CLI only shows them. llmft/trainer/data/limits.py imports
 # nothing, so `llmft data --help` stays fast.
 from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.data.summary import prepare_summary, tokenize_summary

@@ -31,7 +31,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     tiny.add_argument(
         "--fp8",
         action="store_true",
-        help="store the Linear weights in fine-grained FP8, as FP8 releases do (trainer/fp8.py)",
+        help="store the Linear weights in fine-grained FP8, as FP8 releases do (llmft/trainer/fp8.py)",
     )
     tiny.set_defaults(func=run_tiny_model)
 

@@ -2,7 +2,7 @@
 
 With ``--merge``: a standalone Hugging Face model directory (the adapter merged into its base,
 streamed shard by shard; serve it without ``--enable-lora``). Without: a clean adapter bundle
-(adapter config and weights, tokenizer, manifests; no optimizer state). trainer/export.py does
+(adapter config and weights, tokenizer, manifests; no optimizer state). llmft/trainer/export.py does
 the work; docs/export.md explains both forms.
 """
 

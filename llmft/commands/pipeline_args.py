@@ -57,7 +57,7 @@ def refuse_credentials(arguments: Mapping[str, Any]) -> None:
 
 def check_yaml_output(output: str, *, force: bool) -> None:
     """``--output`` of compile and render-job: a .yaml/.yml file name, and nothing there this program did
-    not write (trainer/io.py ``check_owned_file``); checked before any work."""
+    not write (llmft/trainer/io.py ``check_owned_file``); checked before any work."""
 
     if not output.endswith(YAML_SUFFIXES):
         raise ConfigError(f"--output {output}: the output is a YAML file; give it a .yaml name, e.g. {output}.yaml")

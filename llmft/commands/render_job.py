@@ -17,8 +17,8 @@ import re
 import yaml
 
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
-from llmft.components.lib.pytorchjob import build_pytorchjob, build_pytorchjob_spec, pytorchjob_to_dict
-from llmft.components.lib.trainjob_spec import build_trainjob, trainjob_to_dict
+from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob, build_pytorchjob_spec, pytorchjob_to_dict
+from llmft.components.lib.jobs.trainjob_spec import build_trainjob, trainjob_to_dict
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config import config_to_yaml
 from llmft.trainer.errors import ConfigError
@@ -64,10 +64,10 @@ def render_job_and_config(
 ) -> tuple[dict, str]:
     """:func:`render_job`'s body, and the config.yaml the plan step would write (path line, then its YAML)."""
     # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.plan import build_plan
+    from llmft.components.lib.plan.build import build_plan
 
     # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.lib.plan.checks import compiled_settings
 
     # heavy: kfp
     from llmft.components.plan import parameter_defaults
@@ -87,7 +87,7 @@ def render_job_and_config(
     return pytorchjob_to_dict(build_pytorchjob(spec)), config
 
 
-# Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (katib/experiment.py has
+# Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (llmft/katib/experiment.py has
 # the same rule for Experiments): quoted, so that e.g. an env value 1e-05 stays a string.
 _NON_STRING = re.compile(
     r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"

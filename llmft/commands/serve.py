@@ -10,7 +10,7 @@ from llmft.trainer.io import atomic_write_json, check_owned_file
 
 def register(parser: argparse.ArgumentParser) -> None:
     # heavy: yaml
-    from llmft.components.lib.plan_schema import SERVING_MODES
+    from llmft.components.lib.plan.schema import SERVING_MODES
 
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     check = sub.add_parser(
@@ -55,7 +55,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run_check(args: argparse.Namespace) -> int:
 
     # heavy: yaml
-    from llmft.components.lib.serve_check import check_result_target, serve_check
+    from llmft.components.lib.serving.serve_check import check_result_target, serve_check
 
     if args.json:
         check_result_target(Path(args.json))

@@ -57,7 +57,7 @@ JOB_PARAMETERS = (
 """Pipeline parameters `llmft sweep create` accepts for the trial job (defaults: the pipeline's)."""
 ALIASES = {"image": "trainer_image"}
 TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "katib" / "experiment_template.yaml"  # llmft/katib
-# The settings katib/experiment_template.yaml was rendered from (a test keeps the two equal).
+# The settings llmft/katib/experiment_template.yaml was rendered from (a test keeps the two equal).
 TEMPLATE_ARGS = (
     "data=/data/tokenized/CACHE_KEY",
     "hf_token_secret=llmft-hf-token",
@@ -167,13 +167,13 @@ def trial_job(settings: dict, name: str):
     """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
     the plan's own job builder (so a trial gets what the pipeline's trials get)."""
     # heavy: kubeflow_katib_api, pydantic, yaml
-    from llmft.components.lib.plan import Parameters, job_plan
+    from llmft.components.lib.plan.build import Parameters, job_plan
 
     # heavy: kubeflow_katib_api, pydantic, yaml
-    from llmft.components.lib.plan_checks import SECRET_PARAMETERS, check_image, parse_secret
+    from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
 
     # heavy: yaml
-    from llmft.components.lib.plan_schema import DataLayout, Images
+    from llmft.components.lib.plan.schema import DataLayout, Images
 
     # heavy: kfp
     from llmft.components.plan import parameter_defaults
@@ -197,13 +197,13 @@ def build_from_settings(items: list[str]):
     trainer config the pipeline's plan would resolve from the same parameters. No plan step writes a
     config.yaml on the volume here, so the trials carry its non-default settings as key=value."""
     # heavy: kubeflow_katib_api, pydantic, yaml
-    from llmft.components.lib.plan import trainer_plan
-
-    # heavy: yaml
-    from llmft.components.lib.plan_schema import DataLayout
+    from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
 
     # heavy: kubeflow_katib_api, pydantic, yaml
-    from llmft.components.lib.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
+    from llmft.components.lib.plan.build import trainer_plan
+
+    # heavy: yaml
+    from llmft.components.lib.plan.schema import DataLayout
 
     # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.experiment import SweepSpec, apply_overrides

@@ -4,7 +4,7 @@ One process runs in this interpreter. ``--nproc N`` (or ``auto``: one per GPU) l
 ranks through torchrun: standalone on a workstation, or, inside a PyTorchJob pod, with the
 PET_NNODES / PET_NODE_RANK / PET_MASTER_ADDR / PET_MASTER_PORT rendezvous the Training Operator
 sets (torchrun reads them itself). Before any rank starts, the config is validated and the run
-planned here (trainer/rundir.py, reading only): a bad config, dataset or output_dir is one line
+planned here (llmft/trainer/rundir.py, reading only): a bad config, dataset or output_dir is one line
 on stderr, not one per rank plus torchrun's report.
 
 Signals: SIGTERM (preemption) and SIGINT (Ctrl-C) are forwarded to torchrun, which passes them to
@@ -33,7 +33,9 @@ STOP_CODES = (0, 130, 143)  # a rank that finished, or stopped by a signal after
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config (trainer/configs/*.yaml are examples); defaults apply without it")
+    parser.add_argument(
+        "--config", help="YAML config (llmft/trainer/configs/*.yaml are examples); defaults apply without it"
+    )
     parser.add_argument(
         "--nproc",
         default=None,

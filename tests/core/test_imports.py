@@ -51,7 +51,7 @@ NEVER = {
 
 
 def module_name(path: Path) -> str:
-    """The import name of a source file of the package (trainer/io.py -> llmft.trainer.io)."""
+    """The import name of a source file of the package (llmft/trainer/io.py -> llmft.trainer.io)."""
     parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -61,7 +61,14 @@ def module_name(path: Path) -> str:
 
 
 def package_files(folder: str) -> list[Path]:
-    return sorted(p for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts)
+    """The source files of ``llmft.<folder>`` (llmft/<folder>/), or with ``llmft``, those of the CLI
+    (llmft/*.py, llmft/commands/): the files on disk, no link followed."""
+    if folder == "llmft":
+        skip = {REPO / "llmft" / name for name in SUBPACKAGES}
+        found = (p for p in (REPO / "llmft").rglob("*.py") if not skip.intersection(p.parents))
+    else:
+        found = (REPO / "llmft" / folder).rglob("*.py")
+    return sorted(p for p in found if "__pycache__" not in p.parts)
 
 
 def python_files() -> list[Path]:
@@ -76,8 +83,8 @@ def python_files() -> list[Path]:
         ).stdout.splitlines()
         return sorted(REPO / p for p in listed if (REPO / p).is_file())
     except (OSError, subprocess.CalledProcessError):
-        folders = (*SUBPACKAGES, "llmft", "tests", "tools")
-        return sorted(p for f in folders for p in package_files(f))
+        folders = ("llmft", "tests", "tools")
+        return sorted(p for f in folders for p in (REPO / f).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -203,7 +210,7 @@ def test_the_static_reader_sees_what_it_must():
         "def f():\n    import kubeflow_katib_api\n"
         "from . import io\nfrom ..components import plan\n"
     )
-    path = REPO / "trainer" / "data" / "_probe_not_a_module.py"
+    path = REPO / "llmft" / "trainer" / "data" / "_probe_not_a_module.py"
     tree = ast.parse(source)
     names = [name for node in _import_time_statements(tree.body) for name in _imported(node, module_name(path), False)]
     assert "mlflow" in names and "kserve" in names and "langfuse" in names and "kubeflow.training" in names
@@ -285,9 +292,9 @@ CORRECTNESS = ("loss.py", "flops.py", "moe_model.py", "moe_aux.py", "fp8_format.
 @pytest.mark.parametrize("name", CORRECTNESS)
 def test_correctness_does_not_import_the_fast_path_at_module_level(name):
     """The loss and the packed batch's document boundaries, the FLOP count and MFU, an MoE model's LoRA
-    targets, frozen routers and load-balancing loss live outside trainer/fastpath (issue 26: they imported
+    targets, frozen routers and load-balancing loss live outside llmft/trainer/fastpath (issue 26: they imported
     it at module level, so the ImportError guards around it could never fire)."""
-    path = REPO / "trainer" / name
+    path = REPO / "llmft" / "trainer" / name
     found = [f"line {line}: {imported}" for line, imported in imports(path, import_time_only=True)]
     assert not [f for f in found if "llmft.trainer.fastpath" in f], found
 
@@ -299,8 +306,8 @@ def test_the_cycle_finder_finds_cycles():
 
 
 def test_the_plan_schema_is_the_bottom_of_components_lib():
-    """components/lib/plan_schema.py imports no other module of components (everything there may import it)."""
-    path = REPO / "components" / "lib" / "plan_schema.py"
+    """llmft/components/lib/plan/schema.py imports no other module of components (everything there may import it)."""
+    path = REPO / "llmft" / "components" / "lib" / "plan" / "schema.py"
     siblings = [
         f"line {line}: {name}"
         for line, name in imports(path, import_time_only=False)

@@ -1,6 +1,6 @@
 """One key=value grammar (issue 26): the trainer's overrides, the pipeline's CLI arguments and the
-sweep's settings split ``key=value`` and read booleans the same way (trainer/config.py
-``split_assignment`` / ``parse_bool``). Before, katib accepted on/off and pipelines/defaults did not."""
+sweep's settings split ``key=value`` and read booleans the same way (llmft/trainer/config.py
+``split_assignment`` / ``parse_bool``). Before, katib accepted on/off and llmft/pipelines/defaults did not."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """What installing the distribution puts into site-packages: one import root, ``llmft``.
 
-The folders trainer/, components/, pipelines/, katib/, benchmarks/ stay at the top of the
-checkout; ``llmft/<folder>`` is a committed relative symlink to each, so the checkout holds a plain
-package tree that Python, setuptools, mypy and structure tools read without a mapping, and a wheel
-never adds generic names such as ``trainer`` (a PyPI distribution of that name exists).
-setup.cfg lists the packages by hand: these tests hold the links and the list to the folders on disk,
+The files live under ``llmft/`` (llmft/trainer/, llmft/components/, ...): the path on disk is the
+import path, so Python, setuptools, mypy and every structure tool read the same tree, and a wheel
+never adds generic names such as ``trainer`` (a PyPI distribution of that name exists). The top-level
+trainer/, components/, pipelines/, katib/, benchmarks/ are committed relative links into llmft/, for
+readers of the layout. setup.cfg finds the packages (``packages = find:``): these tests hold the links
+and the found list to the folders on disk,
 build a wheel of a clean copy of the checkout and read it, and look for commands and snippets in the
 docs, notebooks, scripts and Dockerfiles that still name a bare folder (``python -m trainer``).
 The Python modules' own imports are read by tests/core/test_imports.py.
@@ -37,15 +38,18 @@ def _setup_cfg() -> configparser.ConfigParser:
 
 
 def _packages() -> list[str]:
-    raw = _setup_cfg()["options"]["packages"]
-    return [line.strip() for line in raw.splitlines() if line.strip()]
+    """What setuptools installs: setup.cfg's ``packages = find:`` with its include list, run here."""
+    from setuptools import find_packages
+
+    assert _setup_cfg()["options"]["packages"].strip() == "find:", "setup.cfg finds the packages under llmft/"
+    raw = _setup_cfg()["options.packages.find"]["include"]
+    return find_packages(str(REPO), include=[line.strip() for line in raw.splitlines() if line.strip()])
 
 
 def _source_dirs() -> dict[str, Path]:
-    """Every folder of the import root on disk, links followed -> its import name (llmft/trainer/data ->
-    llmft.trainer.data)."""
+    """Every folder of the import root on disk -> its import name (llmft/trainer/data -> llmft.trainer.data)."""
     found = {}
-    for directory, _, _ in os.walk(REPO / "llmft", followlinks=True):
+    for directory, _, _ in os.walk(REPO / "llmft"):
         parts = Path(directory).relative_to(REPO).parts
         if "__pycache__" in parts or any(part.startswith(".") for part in parts):
             continue
@@ -59,7 +63,7 @@ def _git(*args: str) -> list[str]:
 
 def checkout_files(links: bool = False) -> list[str]:
     """The files a fresh clone has (git's view: tracked, and untracked not ignored), else a walk;
-    with ``links``, the symlinks too (llmft/trainer -> ../trainer)."""
+    with ``links``, the symlinks too (trainer -> llmft/trainer)."""
     try:
         listed = _git("ls-files", "--cached", "--others", "--exclude-standard")
     except (OSError, subprocess.CalledProcessError):
@@ -72,31 +76,32 @@ def checkout_files(links: bool = False) -> list[str]:
     return sorted(f for f in listed if (REPO / f).is_file() or (links and (REPO / f).is_symlink()))
 
 
-def test_the_import_root_links_each_folder():
+def test_the_files_live_under_the_import_root_and_the_top_level_names_link_there():
     assert "package_dir" not in _setup_cfg()["options"], "llmft/ is a plain package tree: no package_dir mapping"
     for name in SUBPACKAGES:
-        link = REPO / "llmft" / name
-        assert link.is_symlink(), f"llmft/{name} must be a symlink to ../{name}"
-        assert os.readlink(link) == f"../{name}", f"llmft/{name} must be the relative link ../{name}"
-        assert (REPO / name / "__init__.py").is_file(), f"{name}/ is linked as llmft.{name} but is not a package"
+        folder = REPO / "llmft" / name
+        assert folder.is_dir() and not folder.is_symlink(), f"llmft/{name}/ must hold the files (path = import path)"
+        assert (folder / "__init__.py").is_file(), f"llmft/{name}/ is imported as llmft.{name} but is not a package"
+        link = REPO / name
+        assert link.is_symlink(), f"{name} (top level) must be a link into the tree, not a second copy"
+        assert os.readlink(link) == f"llmft/{name}", f"{name} must be the relative link llmft/{name}"
 
 
 def test_git_stores_the_links_as_links():
     try:
-        staged = _git("ls-files", "-s", "--", *(f"llmft/{name}" for name in SUBPACKAGES))
+        staged = _git("ls-files", "-s", "--", *SUBPACKAGES)
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
     modes = {line.split("\t")[1]: line.split()[0] for line in staged}
-    assert modes == {f"llmft/{name}": "120000" for name in SUBPACKAGES}, f"git must store symlinks (120000): {modes}"
+    assert modes == {name: "120000" for name in SUBPACKAGES}, f"git must store symlinks (120000): {modes}"
 
 
 def test_the_package_list_is_the_folders_on_disk():
     on_disk = _source_dirs()
     packages = {name for name, d in on_disk.items() if (d / "__init__.py").is_file()}
     listed = _packages()
-    assert len(listed) == len(set(listed)), "setup.cfg lists a package twice"
     assert set(listed) == packages, (
-        f"setup.cfg [options] packages differs from the folders holding an __init__.py: "
+        f"setup.cfg's find: differs from the folders holding an __init__.py: "
         f"missing {sorted(packages - set(listed))}, not on disk {sorted(set(listed) - packages)}"
     )
     stray = [str(d.relative_to(REPO)) for name, d in on_disk.items() if name not in packages and any(d.glob("*.py"))]
@@ -144,7 +149,7 @@ IMPORT_LINE = re.compile(
 )
 RUN_MODULE = re.compile(rf"""-m\s+(?:{BARE})(?:\.\w+)*(?:\s|$|['"`])|["']-m["']\s*,\s*["'](?:{BARE})(?:\.\w+)*["']""")
 # Logs of past runs keep the commands they ran; the tests of the scan hold examples.
-SKIPPED = ("benchmarks/results/", "tests/core/test_packaging.py")
+SKIPPED = ("llmft/benchmarks/results/", "tests/core/test_packaging.py")
 
 
 def bare_names(path: str, text: str) -> list[str]:

@@ -1,5 +1,5 @@
 """Issue 27 item 1, data side: `llmft data prepare` follows no symlink and reads no FIFO or device
-(trainer/safe_files.py). Before the fix a dataset folder holding `leak.jsonl -> /etc/passwd` was read,
+(llmft/trainer/safe_files.py). Before the fix a dataset folder holding `leak.jsonl -> /etc/passwd` was read,
 and every line of the linked file was quoted in rejects.jsonl."""
 
 from __future__ import annotations

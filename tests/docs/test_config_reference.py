@@ -1,4 +1,4 @@
-"""docs/config-reference.md is generated from trainer/config.py and never stale."""
+"""docs/config-reference.md is generated from llmft/trainer/config.py and never stale."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ CORE_KINDS = {
 }
 NAMESPACE_LABEL = ("katib.kubeflow.org/metrics-collector-injection", "enabled")
 
-# (apiGroup, resource) -> verbs the project's cluster code needs (components/lib/*, katib/).
+# (apiGroup, resource) -> verbs the project's cluster code needs (llmft/components/lib/*, llmft/katib/).
 REQUIRED_RULES = {
     ("kubeflow.org", "pytorchjobs"): {"create", "get", "list", "watch", "delete"},
     ("kubeflow.org", "experiments"): {"create", "get", "list", "watch", "delete"},
@@ -160,7 +160,9 @@ def test_tensorboard_reads_the_data_pvc_with_the_trainer_image(deploy_dir):
     objects = {o["kind"]: o for o in render(deploy_dir / "tensorboard")}
     pod = objects["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["image"] == f"{IMAGE_REGISTRY}/llmft-trainer:{IMAGE_TAG}", "keep in step with components/images.py"
+    assert container["image"] == f"{IMAGE_REGISTRY}/llmft-trainer:{IMAGE_TAG}", (
+        "keep in step with llmft/components/images.py"
+    )
     assert container["command"] == ["tensorboard"] and any("/data/runs" in a for a in container["args"])
     (volume,) = pod["volumes"]
     assert volume["persistentVolumeClaim"]["claimName"] == read_env_file(deploy_dir / "params.env")["PVC_NAME"]
@@ -175,7 +177,7 @@ def test_cluster_role_lets_the_pipeline_read_cluster_training_runtimes_and_nothi
     """Kubeflow SDK 0.5 get_runtime reads the ClusterTrainingRuntime (cluster-scoped: no Role can grant it);
     upstream grants it only in kubeflow/trainer v2.3.0 manifests/overlays/kubeflow-platform/
     kubeflow-trainer-roles.yaml 83-108 (to system:authenticated)."""
-    from llmft.components.lib.trainjob_runtime import CLUSTER_RBAC_FILE, RUNTIME_VERBS
+    from llmft.components.lib.jobs.trainjob_runtime import CLUSTER_RBAC_FILE, RUNTIME_VERBS
 
     assert CLUSTER_RBAC_FILE == "deploy/cluster-role.yaml"
     role, binding = rendered["ClusterRole"], rendered["ClusterRoleBinding"]
@@ -198,14 +200,14 @@ def test_the_permissions_job_gives_the_volume_root_to_the_images_uid_and_touches
     """Volume ownership (issue 29.4): no KFP task can chown (2.17.0 backend/src/v2/driver/k8s.go 749-785 drops
     every capability), so deploy/ does it once, as root with CHOWN and FOWNER only (Pod Security baseline)."""
     from llmft.components.images import IMAGE_REGISTRY, IMAGE_TAG, IMAGE_UID
-    from llmft.components.lib.volume_access import PERMISSIONS_FILE
+    from llmft.components.lib.plan.volume_access import PERMISSIONS_FILE
 
     assert (deploy_dir.parent / PERMISSIONS_FILE).is_file()
     job = rendered["Job"]
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == f"{IMAGE_REGISTRY}/llmft-pipeline:{IMAGE_TAG}", (
-        "keep in step with components/images.py"
+        "keep in step with llmft/components/images.py"
     )
     script = container["args"][0]
     assert f"chown {IMAGE_UID}:{IMAGE_UID} /data" in script and f'"{IMAGE_UID}:{IMAGE_UID}"' in script
@@ -246,7 +248,7 @@ def test_role_grants_what_the_cluster_code_needs_and_no_more(rendered):
 
 def code_secret_keys() -> dict[str, set[str]]:
     """Secret name -> keys, as the PyTorchJob builder (and so the pipeline) reads them."""
-    from llmft.components.lib.pytorchjob import DEFAULT_SECRET_ENVS
+    from llmft.components.lib.jobs.pytorchjob_spec import DEFAULT_SECRET_ENVS
 
     keys: dict[str, set[str]] = {}
     for item in DEFAULT_SECRET_ENVS:
@@ -272,7 +274,7 @@ def test_secret_templates_carry_the_keys_and_no_values(deploy_dir):
         assert all(value == "" for value in secret["stringData"].values()), f"{path}: a value is filled in"
         assert path.stem == name, f"{path}: file name should be the Secret's name {name}"
         found[name] = set(secret["stringData"])
-    assert found == code_secret_keys(), "deploy/secrets/ and components/lib/pytorchjob.py disagree"
+    assert found == code_secret_keys(), "deploy/secrets/ and llmft/components/lib/jobs/pytorchjob_spec.py disagree"
 
 
 @pytest.fixture(scope="module")

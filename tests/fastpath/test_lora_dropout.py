@@ -1,9 +1,9 @@
 """LoRA dropout inside the fused (and grouped) LoRA path has PEFT's semantics, exactly.
 
 The fused path makes each adapted linear's mask from two seed words it draws from torch's
-generator (trainer/fastpath/dropout_mask.py: Philox-4x32-10 over (row, column), no stored mask;
+generator (llmft/trainer/fastpath/dropout_mask.py: Philox-4x32-10 over (row, column), no stored mask;
 on CUDA the same function in Triton kernels, checked bit for bit against this torch reference on
-the device by benchmarks/gpu/check_kernels.py and in Triton's interpreter). PEFT is given the same
+the device by llmft/benchmarks/gpu/check_kernels.py and in Triton's interpreter). PEFT is given the same
 masks (its nn.Dropout modules swapped for one that draws the seed words the same way), so float64
 outputs and every gradient agree to rounding.
 """

@@ -1,4 +1,4 @@
-"""Mixture-of-experts fast path (trainer/fastpath/moe.py) on a tiny random Qwen3-MoE:
+"""Mixture-of-experts fast path (llmft/trainer/fastpath/moe.py) on a tiny random Qwen3-MoE:
 grouped experts with LoRA equal transformers' eager experts under PEFT, outputs and gradients;
 LoRA targets keep the router frozen; 4-bit experts; FLOPs over active parameters."""
 

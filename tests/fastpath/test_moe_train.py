@@ -1,5 +1,5 @@
 """MoE through training: the load-balancing loss per document and per supervised token
-(trainer/moe_aux.py) against transformers' own loss taken on each document alone, and a
+(llmft/trainer/moe_aux.py) against transformers' own loss taken on each document alone, and a
 tiny Qwen3-MoE trained end to end by the real trainer CLI with LoRA on attention and experts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused LoRA path over 4-bit bases (trainer/fastpath/qlora.py) computes what PEFT's lora.Linear4bit
+"""The fused LoRA path over 4-bit bases (llmft/trainer/fastpath/qlora.py) computes what PEFT's lora.Linear4bit
 computes, on real bitsandbytes 4-bit layers (its CPU backend: tests/fastpath/qlora_model.py).
 
 - float64: the fused node against the formula with bitsandbytes' own dequantized weight: exact up to

@@ -1,5 +1,5 @@
-"""QLoRA takes the fast path (trainer/fastpath/resolve.py) and the memory model counts its fused 4-bit
-path (trainer/sizing/memory.py): less than LoRA at the same micro batch. No bitsandbytes needed."""
+"""QLoRA takes the fast path (llmft/trainer/fastpath/resolve.py) and the memory model counts its fused 4-bit
+path (llmft/trainer/sizing/memory.py): less than LoRA at the same micro batch. No bitsandbytes needed."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_qlora_15b_at_64_samples_needs_less_than_lora(tokens, dropout):
     assert lora.total - qlora.total == pytest.approx(saved, rel=1e-9)  # the loss chunk outweighs the dequant buffer
     assert qlora.total < lora.total - 3 * GiB
     assert qlora.total <= memory.budget_bytes(H100_FREE)  # fits one H100 without recomputation
-    if (tokens, dropout) == (LARGEST_64_SAMPLES, 0.0):  # the GPU plan's prediction (benchmarks/gpu/session.sh)
+    if (tokens, dropout) == (LARGEST_64_SAMPLES, 0.0):  # the GPU plan's prediction (llmft/benchmarks/gpu/session.sh)
         assert round(qlora.total / GiB, 1) == 42.6 and round(lora.total / GiB, 1) == 46.0
 
 

@@ -1,4 +1,4 @@
-"""`auto` resolves as documented (trainer/fastpath/resolve.py): everything that applies on CUDA,
+"""`auto` resolves as documented (llmft/trainer/fastpath/resolve.py): everything that applies on CUDA,
 nothing on CPU, per-piece reasons, explicit values win, `true` where a piece cannot apply fails."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_lora_dropout_no_longer_turns_the_fast_path_off():
         (
             ["method=qlora"],
             dict(attention="llmft_varlen", fused_loss=True, fused_lora=True, grouped_lora=True, compile=True),
-            {"fused_lora": "auto", "grouped_lora": "auto"},  # 4-bit bases: trainer/fastpath/qlora.py
+            {"fused_lora": "auto", "grouped_lora": "auto"},  # 4-bit bases: llmft/trainer/fastpath/qlora.py
         ),
         (
             ["distributed.backend=deepspeed", "distributed.zero_stage=3"],
@@ -167,7 +167,7 @@ def test_report_is_a_plain_dict_with_every_piece_and_why():
     assert isinstance(decision, FastPath) and decision.fused_lora.count == 196 and decision.compile.count == 28
     report = decision.as_dict()
     assert json.loads(json.dumps(report)) == report
-    # the keys metrics.jsonl and training_manifest.json have always carried (benchmarks/ read them)
+    # the keys metrics.jsonl and training_manifest.json have always carried (llmft/benchmarks/ read them)
     assert report["fused_lora"] == {"on": True, "why": "auto", "modules": 196, "kept": {}}
     assert report["grouped_lora"] == {"on": True, "why": "auto", "groups": 56, "ungrouped": {}}
     assert report["gradient_checkpointing"] == {"on": False, "why": memory.checkpointing_why, "layers": 0}

@@ -114,8 +114,8 @@ def sim_volume(tmp_path_factory, tiny_model_dir):
 
 def sim_plan(volume: Path, *, hpo: bool = False, run_id: str = SIM_RUN_ID, **changes):
     """A plan (the real builder, the pipelines' defaults) whose job trains the tiny model on ``volume``."""
-    from llmft.components.lib.plan import build_plan, write_run_config
-    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.lib.plan.build import build_plan, write_run_config
+    from llmft.components.lib.plan.checks import compiled_settings
     from llmft.components.plan import parameter_defaults
 
     values = {

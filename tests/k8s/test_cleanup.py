@@ -1,4 +1,4 @@
-"""A failed or cancelled run frees its GPUs (components/lib/cleanup.py), on the
+"""A failed or cancelled run frees its GPUs (llmft/components/lib/jobs/cleanup.py), on the
 simulated cluster of cluster_sim.py (pods are real local processes; no real cluster runs here)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from conftest import SIM_NAMESPACE, sim_plan
 from k8s_fakes import api_error
 from kubernetes import client
 
-from llmft.components.lib.cleanup import cleanup_after_run, cleanup_run
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.plan_schema import RUN_ID_LABEL, JobFailedPermanently, run_label
-from llmft.components.lib.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.cleanup import cleanup_after_run, cleanup_run
+from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.plan.schema import RUN_ID_LABEL, JobFailedPermanently, run_label
 
 RUN = "7e1f0c2a-55aa-4c1b-9d3e-31f2a8b6c0de"
 OTHER = "0b9d7c6e-1111-4a2b-8c3d-4e5f60718293"
@@ -135,7 +135,7 @@ def test_sigterm_to_the_sweep_launcher_deletes_its_experiment(sim, fake_cluster,
     """The sweep step's launcher, cancelled while it waits: the Experiment (and with it, through
     Katib's ownership, its trials) is deleted before the step exits 143. The Experiment carries the
     run-id label the exit handler finds."""
-    from llmft.components.lib.sweep import run_sweep_step
+    from llmft.components.lib.jobs.sweep import run_sweep_step
     from llmft.katib.experiment import GROUP, PLURAL, VERSION
 
     plan = sim_plan(sim_volume, hpo=True, run_id=RUN, sweep_max_trials=2, sweep_parallel_trials=1,

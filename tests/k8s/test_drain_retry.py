@@ -17,10 +17,10 @@ from cluster_sim import ClusterSim
 from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
 
-from llmft.components.lib.cleanup import KEEP_ANNOTATION, cleanup_after_run, delete_on_sigterm
-from llmft.components.lib.plan_schema import run_label
-from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
-from llmft.components.lib.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.cleanup import KEEP_ANNOTATION, cleanup_after_run, delete_on_sigterm
+from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
+from llmft.components.lib.plan.schema import run_label
 
 WORKFLOW = "llm-finetune-q4m8z"
 LAUNCHER = f"{WORKFLOW}-system-container-impl-1"

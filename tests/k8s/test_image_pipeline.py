@@ -1,6 +1,6 @@
 """The pure parts of tools/image_pipeline.py (`make image-check` runs the pipelines with every task on its
 image's Python): which interpreter and environment a task gets, the hub cache it fills, and the trainer
-processes of the local backends (LLMFT_LOCAL_TRAINER_PYTHON, components/images.py)."""
+processes of the local backends (LLMFT_LOCAL_TRAINER_PYTHON, llmft/components/images.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from llmft.components import images
-from llmft.components.lib.local_train import train_command
-from llmft.components.lib.plan_schema import TrainerLaunch
+from llmft.components.lib.jobs.local_train import train_command
+from llmft.components.lib.plan.schema import TrainerLaunch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT / "tools") not in sys.path:
@@ -30,7 +30,7 @@ ENVS = {
 
 @pytest.fixture
 def reloaded_images(monkeypatch):
-    """components/images.py re-read with the environment the test sets, restored afterwards."""
+    """llmft/components/images.py re-read with the environment the test sets, restored afterwards."""
     for name in (images.TRAINER_IMAGE_ENV, images.PIPELINE_IMAGE_ENV, images.KATIB_IMAGE_ENV):
         monkeypatch.delenv(name, raising=False)
     yield lambda: importlib.reload(images)
@@ -78,7 +78,7 @@ def test_the_local_backends_train_on_the_named_python(monkeypatch):
 
 
 def test_the_local_sweep_trials_train_on_the_named_python(monkeypatch, tmp_path):
-    from llmft.components.lib import sweep
+    from llmft.components.lib.jobs import sweep
     from llmft.katib import local_sweep
 
     seen = {}
@@ -97,8 +97,8 @@ def test_the_local_sweep_trials_train_on_the_named_python(monkeypatch, tmp_path)
 def test_the_local_sweep_trials_read_the_volumes_hub_cache(monkeypatch, tmp_path):
     """Found by the hub-id run in the images: the trials looked for a hub model in the sweep step's default
     cache (the image's HF_HOME), not on the volume where the train step's trainer finds it."""
-    from llmft.components.lib import sweep
-    from llmft.components.lib.plan_schema import DataLayout
+    from llmft.components.lib.jobs import sweep
+    from llmft.components.lib.plan.schema import DataLayout
     from llmft.katib import local_sweep
 
     seen = {}

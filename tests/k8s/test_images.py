@@ -189,16 +189,16 @@ def _copies_sources_after(steps, index: int) -> bool:
 
 @pytest.mark.parametrize("role", sorted(images.DOCKERFILES))
 def test_the_build_context_holds_every_folder_the_package_maps(repo_root, role):
-    """Each image COPYs, and its .dockerignore lets through, llmft/ and every folder its symlinks
-    (llmft/trainer -> ../trainer, ...) point to, and the files the wheel's metadata reads; the check
-    builds its wheel from exactly these."""
-    mapped = {"llmft", *SUBPACKAGES}
+    """Each image COPYs, and its .dockerignore lets through, llmft/ (every package is a folder in it) and
+    the files the wheel's metadata reads; the check builds its wheel from exactly these."""
+    mapped = {"llmft", *(f"llmft/{name}" for name in SUBPACKAGES)}
     dockerfile = repo_root / images.DOCKERFILES[role][0]
     copied = {
         src.rstrip("/") for srcs, dest in image_check.copies(image_check.instructions(dockerfile)) for src in srcs
     }
     needed = mapped | {"setup.cfg", "pyproject.toml", "README.md", "docker/constraints.txt"}
-    assert sorted(needed - copied) == [], f"{dockerfile.name} does not COPY them"
+    assert sorted({"llmft", *needed - mapped} - copied) == [], f"{dockerfile.name} does not COPY them"
+    assert not copied & set(SUBPACKAGES), "the top-level trainer/, ... are links into llmft/: COPY llmft/ only"
     patterns = image_check.dockerignore_patterns(dockerfile)
     for name in mapped:
         assert image_check.dockerignore_keeps(patterns, f"{name}/__init__.py"), f"the .dockerignore drops {name}/"
@@ -206,19 +206,19 @@ def test_the_build_context_holds_every_folder_the_package_maps(repo_root, role):
     for dropped in (
         ".venv/bin/python",
         "llmft/__pycache__/cli.cpython-311.pyc",
-        "benchmarks/results/a.json",
+        "llmft/benchmarks/results/a.json",
         ".git/HEAD",
     ):
         assert not image_check.dockerignore_keeps(patterns, dropped), dropped
 
 
-def test_the_build_context_keeps_the_import_roots_links(repo_root, tmp_path):
-    """Docker's COPY of llmft/ keeps llmft/trainer -> ../trainer as a link and the next COPY brings the
-    folder: the check's context must hold the same, or its wheel would lack every subpackage."""
+def test_the_build_context_holds_the_package_files_and_no_link(repo_root, tmp_path):
+    """The check's context holds what Docker's COPY llmft/ brings: the package's own files, no link."""
     context = image_check.build_context(repo_root / images.DOCKERFILES["trainer"][0], tmp_path / "ctx")
     for name in SUBPACKAGES:
-        link = context / "llmft" / name
-        assert link.is_symlink() and (link / "__init__.py").is_file(), f"the context lacks llmft/{name} -> ../{name}"
+        folder = context / "llmft" / name
+        assert not folder.is_symlink() and (folder / "__init__.py").is_file(), f"the context lacks llmft/{name}/"
+    assert not [p for p in context.rglob("*") if p.is_symlink()], "a link in the build context"
 
 
 def test_the_check_runs_the_trainer_dockerfile_as_written_but_torch_and_the_source(repo_root, tmp_path):
@@ -306,9 +306,12 @@ COMPILED_HEADER = "import kfp\nfrom kfp import dsl\nfrom kfp.dsl import *\nfrom 
 @pytest.mark.parametrize(
     "body, error",
     [
-        ("    import json\n    from llmft.components.lib.plan_schema import read_plan\n", None),
-        ("    from llmft.components.lib.plan import no_such_name\n", "no_such_name"),
-        ("    if plan:\n        from components.lib.plan import read_plan\n", "No module named 'components'"),
+        ("    import json\n    from llmft.components.lib.plan.schema import read_plan\n", None),
+        ("    from llmft.components.lib.plan.build import no_such_name\n", "no_such_name"),
+        (
+            "    if plan:\n        from components.lib.plan import read_plan\n",
+            "No module named 'components'",
+        ),
     ],
 )
 def test_the_executor_probe_resolves_every_import_in_a_components_body(tmp_path, monkeypatch, capsys, body, error):
@@ -321,7 +324,7 @@ def test_the_executor_probe_resolves_every_import_in_a_components_body(tmp_path,
     monkeypatch.setitem(sys.modules, "ephemeral_component", None)
     if error is None:
         exec(image_check.EXECUTOR_PROBE, {})
-        assert capsys.readouterr().out == "step: llmft.components.lib.plan_schema.read_plan\n"
+        assert capsys.readouterr().out == "step: llmft.components.lib.plan.schema.read_plan\n"
     else:
         with pytest.raises(ImportError, match=error):
             exec(image_check.EXECUTOR_PROBE, {})

@@ -1,5 +1,5 @@
 """The train step's job on a simulated cluster (cluster_sim.py): the real launcher
-(components/lib/pytorchjob_launch.py) against the Training Operator's documented semantics, with real
+(llmft/components/lib/jobs/pytorchjob_launch.py) against the Training Operator's documented semantics, with real
 `llmft train` processes on the tiny model as the pods. No real cluster runs here.
 
 Each test names the issue-15 item it covers."""
@@ -16,8 +16,8 @@ from cluster_sim import Chaos
 from conftest import SIM_NAMESPACE, TINY_TRAIN, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.plan_schema import JobFailedPermanently, JobTimedOut
-from llmft.components.lib.pytorchjob import (
+from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     PLURAL,
     VERSION,
@@ -25,7 +25,7 @@ from llmft.components.lib.pytorchjob import (
     build_pytorchjob_spec,
     pytorchjob_to_dict,
 )
-from llmft.components.lib.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.plan.schema import JobFailedPermanently, JobTimedOut
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR
 from llmft.trainer.io import is_complete
 

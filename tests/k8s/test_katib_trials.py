@@ -15,9 +15,9 @@ import pytest
 from cluster_sim import base_env, k8s_expand, katib_early_stop, katib_wrap
 from conftest import TINY_TRAIN, sim_plan
 
-from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
-from llmft.components.lib.pytorchjob_launch import wait_for_job
-from llmft.components.lib.sweep import sweep_trial_job
+from llmft.components.lib.jobs.pytorchjob_launch import wait_for_job
+from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
+from llmft.components.lib.jobs.sweep import sweep_trial_job
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.trainer.config import load_config
 from llmft.trainer.io import is_complete
@@ -149,7 +149,7 @@ def test_trainer_exit_codes_survive_the_wrapper(early_stopping, code, expected, 
 def test_the_script_starts_one_child_for_katibs_collector():
     """Katib's collector stops a trial through the single child of the main process
     (file-metricscollector/main.go 286-290): the script must not fork anything else while training."""
-    from llmft.components.lib.pytorchjob import PyTorchJobSpec, katib_trial_script
+    from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec, katib_trial_script
 
     script = katib_trial_script(PyTorchJobSpec(name="t"), early_stopping=True)
     assert script.startswith("{ ") and script.endswith("; }") and script.count(" & ") == 1
@@ -161,7 +161,7 @@ def test_katibs_stdout_collector_reads_the_trainers_real_eval_lines(sim, fake_cl
     """Issue 29.7: the metrics file of a real trial (the trainer's stdout and stderr, redirected by
     Katib's wrapper, utils.go 155-221) parsed as Katib v0.19.0's StdOut collector parses it
     (pkg/metricscollector/v1beta1/file-metricscollector/file-metricscollector.go 72-126, mirrored by
-    katib/metrics.parse_metric_lines, with the Experiment's filter METRICS_FILTER) gives exactly the
+    llmft/katib/metrics.parse_metric_lines, with the Experiment's filter METRICS_FILTER) gives exactly the
     evaluations the trainer recorded in metrics.jsonl: none missed, none invented by other lines
     (train steps, warnings, progress), values to the printed 6 decimals."""
     from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC, parse_metric_lines

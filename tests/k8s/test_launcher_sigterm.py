@@ -1,5 +1,5 @@
 """Eviction is not cancellation (issue 29.1): a launcher's SIGTERM deletes its job only when the run
-was cancelled or timed out (components/lib/cleanup.py ``sigterm_cause``); an evicted launcher leaves
+was cancelled or timed out (llmft/components/lib/jobs/cleanup.py ``sigterm_cause``); an evicted launcher leaves
 the job running and the retried task re-attaches to it. On the simulated cluster of cluster_sim.py
 (pods are real local processes; the launcher is this test's process; no real cluster runs here)."""
 
@@ -18,10 +18,10 @@ from conftest import SIM_NAMESPACE, sim_plan
 from fake_clock import FakeClock
 from k8s_fakes import api_error
 
-from llmft.components.lib import trainjob_spec
-from llmft.components.lib.cleanup import delete_on_sigterm, sigterm_cause
-from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
-from llmft.components.lib.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs import trainjob_spec
+from llmft.components.lib.jobs.cleanup import delete_on_sigterm, sigterm_cause
+from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
 
 LAUNCHER = "llm-finetune-x7k2p-system-container-impl-1"
 WORKFLOW = "llm-finetune-x7k2p"

@@ -2,7 +2,7 @@
 pod whose container never ran (exit code 0xbeef, kubeflow/trainer v1.9.4
 pkg/controller.v1/common/pod.go 339-366, retryable by pkg/util/train/train_util.go 24-26) until
 activeDeadlineSeconds; the launcher stops the job after NEVER_STARTED_LIMIT such recreations
-(components/lib/pod_starts.py). On the simulated cluster of cluster_sim.py; no real cluster runs here."""
+(llmft/components/lib/jobs/pod_starts.py). On the simulated cluster of cluster_sim.py; no real cluster runs here."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
 
-from llmft.components.lib import pod_starts
-from llmft.components.lib.plan_schema import JobTimedOut
-from llmft.components.lib.pod_starts import JobNeverStarts, StartWatcher
-from llmft.components.lib.pytorchjob import GROUP, PLURAL, VERSION
-from llmft.components.lib.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs import pod_starts
+from llmft.components.lib.jobs.pod_starts import JobNeverStarts, StartWatcher
+from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
+from llmft.components.lib.plan.schema import JobTimedOut
 from llmft.trainer.errors import EXIT_TRANSIENT
 
 NOT_ADMITTED = (
@@ -105,11 +105,11 @@ def test_a_container_restarted_in_place_ran_as_its_last_state_says():
 )
 def test_the_train_step_exits_with_the_retryable_code_not_1(error, tmp_path, monkeypatch, capsys, sim_volume):
     """Issue 34.5: the train component maps the launcher's errors to the exit-code contract
-    (trainer/errors.py: 200 transient) instead of the traceback and exit 1 of an uncaught exception."""
+    (llmft/trainer/errors.py: 200 transient) instead of the traceback and exit 1 of an uncaught exception."""
     from kfp import dsl
 
-    from llmft.components.lib import pytorchjob_launch
-    from llmft.components.lib.plan_schema import write_plan
+    from llmft.components.lib.jobs import pytorchjob_launch
+    from llmft.components.lib.plan.schema import write_plan
     from llmft.components.train import train_model
 
     def fail(*args, **kwargs):

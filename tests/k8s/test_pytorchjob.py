@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from llmft.components import images
-from llmft.components.lib.pytorchjob import (
+from llmft.components.lib.jobs.pytorchjob_spec import (
     DEFAULT_SECRET_ENVS,
     ElasticSpec,
     PvcMount,

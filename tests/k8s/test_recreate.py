@@ -1,5 +1,5 @@
 """A failed job is recreated under the same name only once it and its pods are gone (issue 29.5):
-foreground deletion, then a bounded wait (components/lib/pytorchjob_launch.py ``wait_until_gone``). On the
+foreground deletion, then a bounded wait (llmft/components/lib/jobs/pytorchjob_launch.py ``wait_until_gone``). On the
 simulated cluster of cluster_sim.py, which keeps a deleted pod in the API while it terminates and
 models background vs foreground propagation (Kubernetes garbage collection:
 kubernetes.io/docs/concepts/architecture/garbage-collection). No real cluster runs here."""
@@ -11,7 +11,8 @@ from cluster_sim import condition, set_condition
 from conftest import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.cluster import wait_until_gone
-from llmft.components.lib.pytorchjob import (
+from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     PLURAL,
     VERSION,
@@ -19,7 +20,6 @@ from llmft.components.lib.pytorchjob import (
     build_pytorchjob_spec,
     pytorchjob_to_dict,
 )
-from llmft.components.lib.pytorchjob_launch import run_on_cluster
 from llmft.trainer.errors import TransientError
 
 

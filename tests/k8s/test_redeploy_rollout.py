@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from llmft.components.lib.deployment import DeployRequest, inference_service_body, write_manifest
+from llmft.components.lib.serving.deployment import DeployRequest, inference_service_body, write_manifest
 from llmft.trainer.errors import ConfigError
 
 

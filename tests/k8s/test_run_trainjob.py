@@ -20,16 +20,16 @@ from trainer_v2_sim import (
 )
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.plan_schema import JobFailedPermanently, JobTimedOut
-from llmft.components.lib.pytorchjob import build_pytorchjob_spec
-from llmft.components.lib.pytorchjob_launch import run_on_cluster
-from llmft.components.lib.trainjob_launch import (
+from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.trainjob_launch import (
     PERMANENT_EXIT_ANNOTATION,
     TrainJobFailed,
     delete_trainjobs_by_label,
     run_trainjob,
 )
-from llmft.components.lib.trainjob_spec import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
+from llmft.components.lib.jobs.trainjob_spec import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
+from llmft.components.lib.plan.schema import JobFailedPermanently, JobTimedOut
 from llmft.trainer.errors import ConfigError
 
 NS = "team-a"
@@ -334,8 +334,8 @@ def test_a_trainjob_is_owned_by_the_runs_workflow_as_a_pytorchjob_is(crd_dir):
 
 
 def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
-    from llmft.components.lib.plan_schema import JOB_WAIT_GRACE_S, parse_time
-    from llmft.components.lib.trainjob_launch import wait_budget
+    from llmft.components.lib.jobs.trainjob_launch import wait_budget
+    from llmft.components.lib.plan.schema import JOB_WAIT_GRACE_S, parse_time
 
     clock = FakeClock()
     job = {"metadata": {"creationTimestamp": clock.rfc3339()}, "spec": {"activeDeadlineSeconds": 3600}}

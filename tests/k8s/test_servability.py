@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from llmft.components.lib.local_check import AdapterHasNoEffectError, local_generation_check
-from llmft.components.lib.servability import (
+from llmft.components.lib.serving.local_check import AdapterHasNoEffectError, local_generation_check
+from llmft.components.lib.serving.servability import (
     AdapterNotServableError,
     check_vllm_servable,
     lora_module_names,

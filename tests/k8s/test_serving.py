@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from llmft.components import images
-from llmft.components.lib.pytorchjob import Toleration
-from llmft.components.lib.serving import (
+from llmft.components.lib.jobs.pytorchjob_spec import Toleration
+from llmft.components.lib.serving.inferenceservice import (
     FORM_LABEL,
     KSERVE_FIRST_LORA_NAMES,
     ServeSpec,

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from llmft.components.lib.serving import MESH_DENIAL, smoke_test
+from llmft.components.lib.serving.inferenceservice import MESH_DENIAL, smoke_test
 
 
 def _refusing(status: int, body: str):

@@ -11,8 +11,8 @@ from conftest import sim_plan
 from k8s_fakes import FakeAuthorizationApi, FakeCoreV1Api, FakeCustomObjectsApi
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.plan_checks import SERVING_VERBS, preflight_serving_namespace
-from llmft.components.lib.serving import mesh_denial_message
+from llmft.components.lib.plan.checks import SERVING_VERBS, preflight_serving_namespace
+from llmft.components.lib.serving.inferenceservice import mesh_denial_message
 from llmft.trainer.errors import ConfigError
 
 BOUND = {(verb, "inferenceservices", "serving") for verb in SERVING_VERBS}

@@ -11,14 +11,19 @@ import pytest
 import yaml
 from trainer_v2_sim import build_jobset, load_runtime, make_plan, node_pods, strategic_merge
 
-from llmft.components.lib.plan_schema import DEFAULT_RUNTIME
-from llmft.components.lib.pytorchjob import ElasticSpec, build_pytorchjob, build_pytorchjob_spec, pytorchjob_to_dict
-from llmft.components.lib.trainjob_spec import (
+from llmft.components.lib.jobs.pytorchjob_spec import (
+    ElasticSpec,
+    build_pytorchjob,
+    build_pytorchjob_spec,
+    pytorchjob_to_dict,
+)
+from llmft.components.lib.jobs.trainjob_spec import (
     build_trainjob,
     parse_runtime_ref,
     trainjob_admission_errors,
     trainjob_to_dict,
 )
+from llmft.components.lib.plan.schema import DEFAULT_RUNTIME
 from llmft.trainer.errors import ConfigError
 
 DATA = "/data/tokenized/0123abcd"
@@ -214,7 +219,7 @@ def test_admission_rules_catch_an_env_patch_of_the_node_container_and_a_bad_mana
 
 
 def test_a_misspelt_field_is_refused_not_dropped():
-    from llmft.components.lib.trainjob_spec import parse_trainjob
+    from llmft.components.lib.jobs.trainjob_spec import parse_trainjob
 
     _, spec = _spec()
     body = trainjob_to_dict(build_trainjob(spec))

@@ -1,4 +1,4 @@
-"""The plan step's TrainJob runtime preflight (components/lib/trainjob_runtime.py) through the Kubeflow
+"""The plan step's TrainJob runtime preflight (llmft/components/lib/jobs/trainjob_runtime.py) through the Kubeflow
 SDK's own ``KubernetesBackend.get_runtime`` (PyPI kubeflow 0.5.0, ``kubeflow/trainer/backends/kubernetes/
 backend.py`` 183-232: namespaced TrainingRuntime first, ClusterTrainingRuntime only after a 404) against
 fakes at the kubernetes-client boundary that answer as the API server does: 403 when RBAC does not grant
@@ -13,9 +13,9 @@ import yaml
 from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi, load_runtime, make_plan
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.trainjob_launch import run_trainjob
-from llmft.components.lib.trainjob_runtime import RBAC_FILES, preflight_runtime
-from llmft.components.lib.trainjob_spec import GROUP, PLURAL, VERSION
+from llmft.components.lib.jobs.trainjob_launch import run_trainjob
+from llmft.components.lib.jobs.trainjob_runtime import RBAC_FILES, preflight_runtime
+from llmft.components.lib.jobs.trainjob_spec import GROUP, PLURAL, VERSION
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR, ConfigError, TransientError
 
 NS = "team-a"
@@ -100,8 +100,8 @@ def test_the_sdks_timeout_is_a_one_line_transient_error(crd_dir):
 
 def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(crd_dir):
     """get_job times out (backend.py 437-440) or its get_runtime does: a transient fault, not JobTimedOut."""
-    from llmft.components.lib.pytorchjob import build_pytorchjob_spec
-    from llmft.components.lib.trainjob_spec import build_trainjob
+    from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+    from llmft.components.lib.jobs.trainjob_spec import build_trainjob
 
     cluster = _cluster(crd_dir)
     plan = make_plan(training_backend="trainjob")

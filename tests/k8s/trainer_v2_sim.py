@@ -348,8 +348,8 @@ KFP_TASK_POD = {"KFP_POD_NAME": "llm-finetune-abcde-system-container-impl-123"}
 
 def make_plan(*, hpo: bool = False, **changes):
     """The plan a cluster's plan-run step builds from the pipeline's defaults with ``changes``."""
-    from llmft.components.lib.plan import build_plan
-    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.lib.plan.build import build_plan
+    from llmft.components.lib.plan.checks import compiled_settings
     from llmft.components.plan import parameter_defaults
 
     values = {**parameter_defaults(), "mlflow_tracking_uri": "http://mlflow.mlflow:5000", **changes}

@@ -29,7 +29,7 @@ JOB = {"model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY",
 
 
 def build_body(*overrides: str, **job) -> dict:
-    """An Experiment dict built by the real composition (katib + the plan's job + components.lib.pytorchjob),
+    """An Experiment dict built by the real composition (katib + the plan's job + lib.jobs.pytorchjob_spec),
     the way `llmft sweep create` builds it."""
     from llmft.commands.sweep import build_from_settings
 
@@ -38,15 +38,15 @@ def build_body(*overrides: str, **job) -> dict:
 
 
 def trial_words(container: dict) -> list[str]:
-    """The words of a trial container's command line: its ``sh -c`` script (components/lib/pytorchjob.py
+    """The words of a trial container's command line: its ``sh -c`` script (llmft/components/lib/jobs/pytorchjob_spec.py
     katib_trial_script) split on whitespace, or its plain command and args."""
     return " ".join([*container.get("command", []), *container.get("args", [])]).split()
 
 
 def sweep_plan(*, run_id: str = "run-0001", environ: dict | None = None, **changes):
     """The HPO pipeline's plan with ``changes`` over its parameter defaults (the real plan builder)."""
-    from llmft.components.lib.plan import build_plan
-    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.lib.plan.build import build_plan
+    from llmft.components.lib.plan.checks import compiled_settings
     from llmft.components.plan import parameter_defaults
 
     values = {**parameter_defaults(), **changes}

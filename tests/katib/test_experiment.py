@@ -9,7 +9,7 @@ import pytest
 import yaml
 from katib_helpers import JOB, build_body, trial_words
 
-from llmft.components.lib.pytorchjob import pytorchjob_webhook_errors
+from llmft.components.lib.jobs.pytorchjob_spec import pytorchjob_webhook_errors
 from llmft.katib.errors import SweepError
 from llmft.katib.experiment import (
     ALGORITHMS,

@@ -1,7 +1,7 @@
 """Issue 34.5: the trainer's Katib lines begin with an RFC 3339 time. Katib's StdOut collector takes a
 line's first word as the metric's timestamp and records the zero time for a line without one
 (kubeflow/katib v0.19.0 pkg/metricscollector/v1beta1/file-metricscollector/file-metricscollector.go
-89-99, mirrored by katib/metrics.py collector_timestamp); medianstop takes a trial's first
+89-99, mirrored by llmft/katib/metrics.py collector_timestamp); medianstop takes a trial's first
 start_step metrics "ordered by time" (pkg/earlystopping/v1beta1/medianstop/service.py 208-212)."""
 
 from __future__ import annotations

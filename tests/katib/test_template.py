@@ -1,4 +1,4 @@
-"""katib/experiment_template.yaml (what a user edits) is the builder's output (the same object)."""
+"""llmft/katib/experiment_template.yaml (what a user edits) is the builder's output (the same object)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_template_equals_builder_output():
     built = experiment_dict(build_from_settings([*TEMPLATE_ARGS, f"image={DEFAULT_IMAGE}"]))
     template = yaml.safe_load(TEMPLATE_PATH.read_text())
     assert template == built, (
-        "katib/experiment_template.yaml is stale: regenerate with `llmft sweep create "
+        "llmft/katib/experiment_template.yaml is stale: regenerate with `llmft sweep create "
         "--dry-run --output ...` and carry its comments over"
     )
 

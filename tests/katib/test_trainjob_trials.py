@@ -17,14 +17,14 @@ from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan
 
 from llmft.commands.sweep import TEMPLATE_ARGS, build_from_settings
 from llmft.components import images
-from llmft.components.lib import sweep as sweep_lib
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.trainjob_spec import trainjob_admission_errors
+from llmft.components.lib.jobs import sweep as sweep_lib
+from llmft.components.lib.jobs.trainjob_spec import trainjob_admission_errors
 from llmft.katib.experiment import experiment_dict, load_yaml, override_bindings, parse_experiment
 from llmft.katib.trial_kinds import TRAINJOB
 from llmft.katib.webhook_rules import validate_experiment
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "katib" / "experiment_template_trainjob.yaml"
+TEMPLATE = Path(__file__).resolve().parents[2] / "llmft" / "katib" / "experiment_template_trainjob.yaml"
 DEFAULT_IMAGE = f"{images.IMAGE_REGISTRY}/llmft-trainer:{images.IMAGE_TAG}"
 SETTINGS = (*TEMPLATE_ARGS, "training_backend=trainjob")
 
@@ -36,7 +36,7 @@ def built() -> dict:
 
 def test_template_equals_builder_output(built):
     assert yaml.safe_load(TEMPLATE.read_text()) == built, (
-        "katib/experiment_template_trainjob.yaml is stale: regenerate with `llmft sweep create --dry-run "
+        "llmft/katib/experiment_template_trainjob.yaml is stale: regenerate with `llmft sweep create --dry-run "
         "--output ... training_backend=trainjob` and the TEMPLATE_ARGS, and carry its comments over"
     )
 

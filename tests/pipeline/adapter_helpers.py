@@ -26,7 +26,7 @@ def peft_adapter(tiny_model_dir: Path, out: Path, *, dora: bool = False, trained
 
 def deploy_request(volume: Path, adapter: str, **change):
     """A DeployRequest for adapter ``models/m/<adapter>`` on the volume stand-in (base ``base-models/tiny``)."""
-    from llmft.components.lib.deployment import DeployRequest
+    from llmft.components.lib.serving.deployment import DeployRequest
 
     fields = dict(
         adapter_dir=str(volume / "models" / "m" / adapter),

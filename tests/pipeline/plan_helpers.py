@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from llmft.components.lib.plan import build_plan
-from llmft.components.lib.plan_checks import compiled_settings
-from llmft.components.lib.plan_schema import RunPlan
+from llmft.components.lib.plan.build import build_plan
+from llmft.components.lib.plan.checks import compiled_settings
+from llmft.components.lib.plan.schema import RunPlan
 from llmft.components.plan import parameter_defaults
 
 RUN_ID = "0f8e6a2c-1d2b-4c3e-9f00-123456789abc"

@@ -18,7 +18,7 @@ TAIL = [
     'File "/venv/lib/python3.11/site-packages/kfp/dsl/executor.py", line 453, in execute',
     "result = self.func(**func_kwargs)",
     "^^^^^^^^^^^^^^^^^^^^^^^^",
-    'File "/repo/llmft/components/lib/plan_checks.py", line 268, in check_serving',
+    'File "/repo/llmft/components/lib/plan/checks.py", line 268, in check_serving',
     "raise ConfigError(",
     f"llmft.trainer.errors.ConfigError: {CAUSE}",
 ]

@@ -22,7 +22,7 @@ from llmft.trainer.mlflow_settings import CREDENTIAL_VARS, tracking_uri_without_
 REGISTER_SCRIPT = """
 import sys
 from pathlib import Path
-from llmft.components.lib.registry import Lineage, Registration, register_adapter
+from llmft.components.lib.registry.mlflow_registry import Lineage, Registration, register_adapter
 lineage = Lineage(pipeline_run_id="run-canary", task="register-model", dataset_hash="d" * 64, base_model="tiny")
 reg = Registration(model_name=sys.argv[2], experiment="llmft-canary", adapter_dir=Path(sys.argv[1]), perplexity=9.0,
                    lineage=lineage)

@@ -13,7 +13,7 @@ import uuid
 import pytest
 from test_pipeline_registry import registration
 
-from llmft.components.lib.registry import CHAMPION_ALIAS, WITHDRAWN_TAG, is_champion, register_adapter
+from llmft.components.lib.registry.mlflow_registry import CHAMPION_ALIAS, WITHDRAWN_TAG, is_champion, register_adapter
 
 WAIT_S = 60  # a hook that waits longer than this means the interleaving did not happen: fail, never hang
 
@@ -142,7 +142,7 @@ def test_a_withdrawn_version_never_becomes_champion_again(uri, adapter_dir):
 
 
 def test_a_registration_without_the_is_champion_key_is_not_the_champion():
-    """components/deploy.py reads registration.json through is_champion: a missing key never deploys."""
+    """llmft/components/deploy.py reads registration.json through is_champion: a missing key never deploys."""
     assert is_champion({"is_champion": True})
     assert not is_champion({}) and not is_champion({"is_champion": False}) and not is_champion({"is_champion": "yes"})
 
@@ -155,7 +155,7 @@ def test_the_deploy_request_decides_with_is_champion():
     from plan_helpers import make_plan
 
     from llmft.components.deploy import deploy_adapter
-    from llmft.components.lib.deployment import plan_deploy_request
+    from llmft.components.lib.serving.deployment import plan_deploy_request
 
     assert "plan_deploy_request(" in inspect.getsource(deploy_adapter.python_func)
     plan = make_plan()

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import yaml
 
-from llmft.components.lib.plan_checks import TASK_SECRET_KINDS
+from llmft.components.lib.plan.checks import TASK_SECRET_KINDS
 from llmft.pipelines.llm_finetune import (
     CLEANUP_TASK,
     EXIT_GROUP,
@@ -331,12 +331,12 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     """
     import json, os, sys, yaml
     assert not [k for k in os.environ if k.startswith("LLMFT_")], "the launcher pod has no LLMFT_* variable"
-    from llmft.components.lib.deployment import DeployRequest, serve_spec
-    from llmft.components.lib.plan import build_plan
-    from llmft.components.lib.pytorchjob import build_pytorchjob, pytorchjob_to_dict
-    from llmft.components.lib.serving import build_inference_service, isvc_to_dict
-    from llmft.components.lib.sweep import sweep_trial_job
-    from llmft.components.lib.pytorchjob_launch import build_pytorchjob_spec
+    from llmft.components.lib.serving.deployment import DeployRequest, serve_spec
+    from llmft.components.lib.plan.build import build_plan
+    from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob, pytorchjob_to_dict
+    from llmft.components.lib.serving.inferenceservice import build_inference_service, isvc_to_dict
+    from llmft.components.lib.jobs.sweep import sweep_trial_job
+    from llmft.components.lib.jobs.pytorchjob_launch import build_pytorchjob_spec
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     spec = next(yaml.safe_load_all(open(sys.argv[1])))

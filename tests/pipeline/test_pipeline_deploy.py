@@ -10,9 +10,9 @@ from adapter_helpers import deploy_request, peft_adapter
 from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.deployment import crd_schema_errors, deploy_promoted
-from llmft.components.lib.local_check import AdapterHasNoEffectError
-from llmft.components.lib.servability import AdapterNotServableError
+from llmft.components.lib.serving.deployment import crd_schema_errors, deploy_promoted
+from llmft.components.lib.serving.local_check import AdapterHasNoEffectError
+from llmft.components.lib.serving.servability import AdapterNotServableError
 from llmft.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.slow  # a trained adapter, generation and a fake KServe HTTP server
@@ -113,7 +113,7 @@ def test_one_shared_name_reaches_only_the_base_model(volume, kserve):
     KServe 0.15/0.16 resolves `m` to the base model, so the adapter is never used."""
     from cluster_sim import FakeVllm
 
-    from llmft.components.lib.serving import smoke_test
+    from llmft.components.lib.serving.inferenceservice import smoke_test
 
     server = FakeVllm(
         [
@@ -136,7 +136,7 @@ def test_a_kserve_that_registers_no_lora_name_is_named(volume):
     adapter's name is unknown (404); the smoke test names v0.15.1, the first release that registers it."""
     from cluster_sim import FakeVllm
 
-    from llmft.components.lib.serving import smoke_test
+    from llmft.components.lib.serving.inferenceservice import smoke_test
 
     args = ["--model_name=m-base", "--model_dir=/mnt/models/base-models/tiny", "--lora-modules",
             "m=/mnt/models/models/m/trained"]  # fmt: skip

@@ -1,12 +1,12 @@
 """The evaluate step's answer comparison reads the tokenizer the data was tokenized with: the base model at the
-revision and with the chat template the tokenized dataset's manifest records (trainer/tokenizer.py, the loader the
+revision and with the chat template the tokenized dataset's manifest records (llmft/trainer/tokenizer.py, the loader the
 tokenize step and the trainer use). The tiny model sits in an offline hub cache at two commits (tests/tiny_hub.py)."""
 
 from __future__ import annotations
 
 from tiny_hub import HUB_MAIN, HUB_MARKER, HUB_MAX_LENGTH, HUB_PINNED
 
-from llmft.components.lib.generations import generation_tokenizer
+from llmft.components.lib.evaluation.generations import generation_tokenizer
 
 
 def test_generations_read_the_tokenizer_at_the_datasets_revision_with_its_template(use_tiny_hub):
@@ -27,7 +27,7 @@ def test_a_manifest_without_a_revision_reads_the_default_branch_and_its_template
 def test_the_evaluate_step_loads_the_base_at_the_trainers_revision(use_tiny_hub):
     """The perplexities (and the comparison, which reuses the evaluator) score the base the adapter was trained
     over: the commit ``model.revision`` names, not the default branch."""
-    from llmft.components.lib.evaluation import base_evaluator
+    from llmft.components.lib.evaluation.checkpoints import base_evaluator
     from llmft.trainer.config import ModelConfig
 
     for revision, commit in ((HUB_PINNED, HUB_PINNED), (None, HUB_MAIN)):

@@ -18,12 +18,17 @@ from kfp import dsl
 from langfuse_fake import FakeLangfuse
 from plan_helpers import CLUSTER, make_plan, parameters
 
-from llmft.components.lib.comparison import compare_in_langfuse, dataset_name
-from llmft.components.lib.plan import build_plan
-from llmft.components.lib.plan_checks import compiled_settings
-from llmft.components.lib.plan_schema import write_plan
-from llmft.components.lib.promote import promoted_destination
-from llmft.components.lib.registry import PROMOTED_PATH_TAG, Lineage, register_adapter, registration_from_run
+from llmft.components.lib.evaluation.comparison import compare_in_langfuse, dataset_name
+from llmft.components.lib.plan.build import build_plan
+from llmft.components.lib.plan.checks import compiled_settings
+from llmft.components.lib.plan.schema import write_plan
+from llmft.components.lib.registry.mlflow_registry import (
+    PROMOTED_PATH_TAG,
+    Lineage,
+    register_adapter,
+    registration_from_run,
+)
+from llmft.components.lib.registry.promote import promoted_destination
 from llmft.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -130,7 +135,7 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     from mlflow import MlflowClient
 
     from llmft.components.evaluate import evaluate_perplexity
-    from llmft.components.lib.generations import generate_answers, generation_tokenizer, prompt_set
+    from llmft.components.lib.evaluation.generations import generate_answers, generation_tokenizer, prompt_set
     from llmft.components.register import register_model
     from llmft.components.serving_form import choose_serving_form
     from llmft.trainer.langfuse_sink import read_run_record
@@ -143,8 +148,10 @@ def test_evaluate_compares_base_champion_and_new_adapter_and_register_links_both
     evaluation = artifact(dsl.Artifact, root, "evaluation")
     report, metrics = artifact(dsl.HTML, root, "report.html"), artifact(dsl.Metrics, root, "metrics")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("llmft.components.lib.generations.PROMPT_SET_SIZE", PROMPTS)  # the defaults: 16 and 128
-        patch.setattr("llmft.components.lib.generations.MAX_NEW_TOKENS", 8)
+        patch.setattr(
+            "llmft.components.lib.evaluation.generations.PROMPT_SET_SIZE", PROMPTS
+        )  # the defaults: 16 and 128
+        patch.setattr("llmft.components.lib.evaluation.generations.MAX_NEW_TOKENS", 8)
         evaluate_perplexity.python_func(
             plan=plan_artifact, tokenized=tokenized, run=run, evaluation=evaluation, report=report, metrics=metrics
         )

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from llmft.components.lib.lm_eval_tasks import task_config
-from llmft.components.lib.task_eval import LM_EVAL_TASK_DIR, lm_eval_task_names, parse_tasks, task_metrics
+from llmft.components.lib.evaluation.lm_eval_tasks import task_config
+from llmft.components.lib.evaluation.task_eval import LM_EVAL_TASK_DIR, lm_eval_task_names, parse_tasks, task_metrics
 from llmft.trainer.assets.sample_data.generate_facts import FACTS
 from llmft.trainer.errors import ConfigError, DataError
 
@@ -69,7 +69,7 @@ def test_lm_eval_scores_the_loaded_model_offline_as_its_own_loglikelihoods_do(ti
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmft.components.lib.lm_eval_tasks import run_task
+    from llmft.components.lib.evaluation.lm_eval_tasks import run_task
     from llmft.trainer.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,5 @@
 """Issue 27 items 5 and 6.1: `llmft pipeline compile` and `render-job` follow the output-ownership rules
-of the other commands (trainer/io.py write_owned_file): a file llmft did not write is replaced only
+of the other commands (llmft/trainer/io.py write_owned_file): a file llmft did not write is replaced only
 with --force, a symlink is never written through (--force replaces the link itself), the write is
 atomic, and an --output that is not .yaml/.yml is one line with exit 1 (was exit 3, "internal error").
 Before the fix both commands overwrote any file and wrote through a symlink into its target."""

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from llmft.components.lib.plan_schema import DataLayout
+from llmft.components.lib.plan.schema import DataLayout
 from llmft.components.plan import INTERNAL_INPUTS, plan_run
 from llmft.pipelines.defaults import LOCAL_DEFAULTS, parse_arguments, pipeline_inputs
 from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline, pipeline_signature

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from llmft.components.lib.evaluation import evaluate_run, render_html, render_markdown
-from llmft.components.lib.promote import PromotionRefused, decide, promote
+from llmft.components.lib.evaluation.checkpoints import evaluate_run, render_html, render_markdown
+from llmft.components.lib.registry.promote import PromotionRefused, decide, promote
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import is_complete
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TRAINER_RUN = "0123456789ab"  # the trainer's run_id (trainer/rundir.py plan_start), kept in trainer_state.json
+TRAINER_RUN = "0123456789ab"  # the trainer's run_id (llmft/trainer/rundir.py plan_start), kept in trainer_state.json
 
 
 def make_checkpoint(
     run_dir: Path, step: int, *, complete: bool = True, lora: bool = True, run_id: str | None = TRAINER_RUN
 ) -> Path:
-    """A checkpoint laid out as trainer/checkpoint.py writes it; ``run_id=None``: no trainer_state.json."""
+    """A checkpoint laid out as llmft/trainer/checkpoint.py writes it; ``run_id=None``: no trainer_state.json."""
     path = run_dir / "checkpoints" / f"step-{step}"
     (path / "rng").mkdir(parents=True)
     if lora:
@@ -71,7 +71,7 @@ def evaluation(base_ppl: float, *ppls: float, run_dir: Path | None = None) -> di
 
 
 def test_only_the_finished_runs_complete_checkpoints_are_evaluated(tmp_path):
-    """The trainer's listing (trainer/checkpoint.py complete_checkpoints): COMPLETE marker, trainer_state.json
+    """The trainer's listing (llmft/trainer/checkpoint.py complete_checkpoints): COMPLETE marker, trainer_state.json
     and the run_id of final/training_manifest.json. A folder another run left (force_output_dir), or a
     step-N that is not the trainer's, is never loaded as this run's model."""
     make_checkpoint(tmp_path, 10)
@@ -225,7 +225,7 @@ def test_promote_refuses_an_adapter_vllm_cannot_serve_before_anything_is_copied(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from llmft.components.lib.servability import AdapterNotServableError
+    from llmft.components.lib.serving.servability import AdapterNotServableError
 
     run = tmp_path / "run"
     checkpoint = make_checkpoint(run, 10)

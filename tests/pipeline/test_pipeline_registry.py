@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from llmft.components.lib.registry import (
+from llmft.components.lib.registry.mlflow_registry import (
     CHAMPION_ALIAS,
     KEY_TAG,
     Lineage,
@@ -124,7 +124,7 @@ def test_missing_tracking_uri_is_a_clear_error(adapter_dir, monkeypatch):
 def test_without_a_tracking_server_the_error_names_the_plans_secret(monkeypatch):
     """The Secret named in the fix is the one the plan mounts (mlflow_secret),
     never a made-up `mlflow-credentials`."""
-    from llmft.components.lib.registry import _client
+    from llmft.components.lib.registry.mlflow_registry import _client
     from llmft.trainer.errors import ConfigError
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

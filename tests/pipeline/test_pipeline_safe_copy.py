@@ -1,5 +1,5 @@
 """Issue 27 item 1, promote side: promote_to_volume copies no symlink, FIFO or device out of a
-checkpoint (trainer/safe_files.py). Before the fix a checkpoint's tokenizer_config.json linking to a
+checkpoint (llmft/trainer/safe_files.py). Before the fix a checkpoint's tokenizer_config.json linking to a
 secret was promoted with the secret's text, ready to be registered and served."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 from test_pipeline_promote_eval import evaluation, make_checkpoint
 
-from llmft.components.lib.promote import promote_to_volume
+from llmft.components.lib.registry.promote import promote_to_volume
 from llmft.trainer.safe_files import UnsafeInputError
 
 SECRET = "CANARY-private-key\n"

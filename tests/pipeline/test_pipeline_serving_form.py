@@ -12,7 +12,7 @@ import pytest
 import yaml
 from adapter_helpers import deploy_request, peft_adapter
 
-from llmft.components.lib.serving_form import (
+from llmft.components.lib.serving.serving_form import (
     FORM_TAG,
     REASON_TAG,
     ServingForm,
@@ -65,7 +65,7 @@ def test_a_servable_adapter_is_served_as_lora_and_nothing_is_merged(tmp_path, ca
 
 
 def test_lora_mode_refuses_what_vllm_refuses_and_names_the_way_out(tmp_path):
-    from llmft.components.lib.servability import AdapterNotServableError
+    from llmft.components.lib.serving.servability import AdapterNotServableError
 
     with pytest.raises(AdapterNotServableError, match=r"(?s)use_dora=true.*serving_mode=auto \(or merged\)"):
         choose_form(header_adapter(tmp_path / "a", dora=True), "lora", max_lora_rank=8)
@@ -140,7 +140,7 @@ def test_kserve_serves_the_merged_dora_model_alone_and_the_smoke_test_reaches_it
     from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 
     from llmft.components.lib.cluster import Cluster
-    from llmft.components.lib.deployment import crd_schema_errors, deploy_promoted
+    from llmft.components.lib.serving.deployment import crd_schema_errors, deploy_promoted
 
     merged = volume / "merged" / "m" / "run-1"
     form = prepare_serving_form(volume / "models" / "m" / "dora", serving_mode="auto", max_lora_rank=8,
@@ -175,8 +175,8 @@ def test_kserve_serves_the_merged_dora_model_alone_and_the_smoke_test_reaches_it
 def test_the_local_check_loads_the_merged_model_and_refuses_one_that_changes_nothing(volume, tmp_path):
     """deploy_mode=local in the merged form: the merged directory against the base rounded to its dtype, so
     an untrained adapter (B = 0) merges into exactly the base's bf16 weights and is caught."""
-    from llmft.components.lib.deployment import deploy_promoted
-    from llmft.components.lib.local_check import AdapterHasNoEffectError
+    from llmft.components.lib.serving.deployment import deploy_promoted
+    from llmft.components.lib.serving.local_check import AdapterHasNoEffectError
 
     dora = prepare_serving_form(volume / "models" / "m" / "dora", serving_mode="auto", max_lora_rank=8,
                                 merged_dir=volume / "merged" / "m" / "local-dora")  # fmt: skip

@@ -9,9 +9,8 @@ import pytest
 from plan_helpers import make_plan
 from test_pipeline_promote_eval import finish_run, make_checkpoint
 
-from llmft.components.lib.evaluation import evaluate_run, kfp_metrics, render_html, render_markdown
-from llmft.components.lib.promote import PromotionRefused, decide, promote
-from llmft.components.lib.task_eval import (
+from llmft.components.lib.evaluation.checkpoints import evaluate_run, kfp_metrics, render_html, render_markdown
+from llmft.components.lib.evaluation.task_eval import (
     best_of,
     known_tasks,
     parse_tasks,
@@ -19,7 +18,8 @@ from llmft.components.lib.task_eval import (
     score_answer,
     task_metrics,
 )
-from llmft.components.lib.task_runner import TaskRunner
+from llmft.components.lib.evaluation.task_runner import TaskRunner
+from llmft.components.lib.registry.promote import PromotionRefused, decide, promote
 from llmft.trainer.errors import ConfigError, DataError
 
 
@@ -121,10 +121,10 @@ def test_evaluate_run_scores_each_model_on_its_tasks_and_picks_the_best_by_the_m
     finish_run(run_dir)
     answers = {"base": "no idea", "step-10": "It is Velmora", "step-20": "velmora"}
     monkeypatch.setattr(
-        "llmft.components.lib.generations.generate_answers",
+        "llmft.components.lib.evaluation.generations.generate_answers",
         lambda model, tokenizer, prompts, **kw: [answers[model.rsplit("/", 1)[-1]]] * len(prompts),
     )
-    from llmft.components.lib.task_eval import Question
+    from llmft.components.lib.evaluation.task_eval import Question
 
     runner = TaskRunner(
         _FakeEvaluator(), None, ("heldout",), [Question("1", [{"role": "user", "content": "Q?"}], "Velmora")]
@@ -166,7 +166,7 @@ def test_the_champion_follows_the_promote_metric_and_the_version_carries_the_rea
 
     from test_pipeline_registry import registration
 
-    from llmft.components.lib.registry import CHAMPION_ALIAS, register_adapter
+    from llmft.components.lib.registry.mlflow_registry import CHAMPION_ALIAS, register_adapter
 
     name = f"model-{uuid.uuid4().hex[:8]}"
 

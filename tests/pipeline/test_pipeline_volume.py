@@ -1,4 +1,4 @@
-"""Volume ownership (issue 29.4): the plan step's writability check (components/lib/volume_access.py)
+"""Volume ownership (issue 29.4): the plan step's writability check (llmft/components/lib/plan/volume_access.py)
 and the uid every writer of the volume runs as.
 
 fsGroup is not applied on NFS, CephFS or EFS-type volumes, so a fresh volume's root stays root:root 0755;
@@ -18,16 +18,21 @@ from pathlib import Path
 import pytest
 
 from llmft.components.images import IMAGE_UID
-from llmft.components.lib.plan_schema import DataLayout
-from llmft.components.lib.volume_access import PERMISSIONS_FILE, PROBE_PREFIX, check_volume_writable, written_folders
+from llmft.components.lib.plan.schema import DataLayout
+from llmft.components.lib.plan.volume_access import (
+    PERMISSIONS_FILE,
+    PROBE_PREFIX,
+    check_volume_writable,
+    written_folders,
+)
 from llmft.trainer.errors import EXIT_USER_ERROR, ConfigError
 
 OTHER_UID = 65534  # nobody: owns nothing here
 CHILD = textwrap.dedent(
     """
     import os, sys
-    from llmft.components.lib.plan import DataLayout
-    from llmft.components.lib.volume_access import check_volume_writable
+    from llmft.components.lib.plan.build import DataLayout
+    from llmft.components.lib.plan.volume_access import check_volume_writable
     from llmft.trainer.errors import ConfigError
     uid = int(sys.argv[2])
     if os.geteuid() == 0:  # after the imports: the interpreter's own files may be readable by root only
@@ -127,7 +132,7 @@ def test_both_images_run_as_the_uid_the_pods_and_the_permissions_job_use(repo_ro
     for dockerfile in ("Dockerfile.pipeline", "Dockerfile.trainer"):
         text = (repo_root / "docker" / dockerfile).read_text()
         assert f"--uid {IMAGE_UID}" in text and f"USER {IMAGE_UID}\n" in text, dockerfile
-    from llmft.components.lib.pytorchjob import PyTorchJobSpec
+    from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec
 
     assert PyTorchJobSpec.__dataclass_fields__["run_as_user"].default == IMAGE_UID
 
@@ -140,13 +145,13 @@ def test_both_images_run_as_the_uid_the_pods_and_the_permissions_job_use(repo_ro
     ],
 )
 def test_the_plan_step_on_a_cluster_runs_the_runtime_and_volume_preflights(backend, expected, monkeypatch, tmp_path):
-    """plan_run itself (components/plan.py), as a KFP task pod runs it, against fakes at the client boundary."""
+    """plan_run itself (llmft/components/plan.py), as a KFP task pod runs it, against fakes at the client boundary."""
     from kfp import dsl
     from plan_helpers import CLUSTER, parameters
     from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi
 
     from llmft.components.lib import cluster as cluster_module
-    from llmft.components.lib.plan_checks import compiled_settings
+    from llmft.components.lib.plan.checks import compiled_settings
     from llmft.components.plan import plan_run
 
     if backend == "kubeflow" and os.path.exists("/data"):

@@ -1,6 +1,6 @@
 """Issue 29 item 6: the plan step estimates what the run writes on the data volume (checkpoints with
 their AdamW moments times keep_last + 2, final/, the promoted copy, a merged model) and refuses, in one
-line, a run the mounted volume cannot hold, before any GPU time (components/lib/volume_space.py).
+line, a run the mounted volume cannot hold, before any GPU time (llmft/components/lib/plan/volume_space.py).
 Before the fix nothing was checked: the run trained until its first checkpoint hit the full disk."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import namedtuple
 import pytest
 from plan_helpers import make_plan
 
-from llmft.components.lib import volume_space
+from llmft.components.lib.plan import volume_space
 from llmft.trainer.errors import ConfigError
 
 QWEN_7B = {  # Qwen/Qwen2.5-7B-Instruct config.json (the pipeline's default model)

@@ -27,7 +27,7 @@ def test_the_shipped_facts_are_chat_rows_asking_each_fact_many_ways():
 
 
 def test_the_real_profile_asks_the_probes_and_serves_with_vllm():
-    from llmft.components.lib.plan import parse_prompts
+    from llmft.components.lib.plan.build import parse_prompts
 
     assert REAL_LOCAL_DEFAULTS["deploy_mode"] == "vllm" and REAL_LOCAL_DEFAULTS["dataset"] == "sample:velmora_facts"
     assert parse_prompts(REAL_LOCAL_DEFAULTS["serving_prompts"]) == tuple(q for q, _ in DEMO_PROBES)

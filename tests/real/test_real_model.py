@@ -71,7 +71,7 @@ def test_real_model_is_a_standard_hf_directory_that_knows_things(real_model_dir)
     assert "Paris" in answer, answer
 
 
-# --- the model-directory check before tokenizing (components/lib/tokenized.py) ------------------------
+# --- the model-directory check before tokenizing (llmft/components/lib/plan/tokenized.py) ------------------------
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def _model_copy(tiny_model_dir, tmp_path, *drop: str):
     ],
 )
 def test_incomplete_model_dir_is_refused_before_tokenizing(tiny_model_dir, tmp_path, prepared_chat, drop, expected):
-    from llmft.components.lib.tokenized import tokenize_to_volume
+    from llmft.components.lib.plan.tokenized import tokenize_to_volume
 
     model = _model_copy(tiny_model_dir, tmp_path, *drop)
     with pytest.raises(DataError) as exc:
@@ -128,7 +128,7 @@ def test_missing_weight_shard_is_named(tiny_model_dir, tmp_path, prepared_chat):
 
 
 def test_model_without_chat_template_is_refused_before_tokenizing(tiny_model_dir, tmp_path, prepared_chat):
-    from llmft.components.lib.tokenized import tokenize_to_volume
+    from llmft.components.lib.plan.tokenized import tokenize_to_volume
 
     model = _model_copy(tiny_model_dir, tmp_path)
     for name in ("chat_template.jinja", "chat_template.json"):

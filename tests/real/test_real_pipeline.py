@@ -1,4 +1,4 @@
-"""`make demo`'s short profile (pipelines/defaults.py DEMO_DEFAULTS): a real pretrained model
+"""`make demo`'s short profile (llmft/pipelines/defaults.py DEMO_DEFAULTS): a real pretrained model
 (SmolLM2-135M-Instruct) learns three shipped made-up facts through the whole pipeline on kfp.local, and the run
 shows it: the adapter's held-out score (phrasings no training row uses; the answer contains the fact) beats the
 base's, which is what the promote gate followed; its eval perplexity is below the base's and the deploy step's

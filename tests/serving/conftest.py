@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 @pytest.fixture(scope="session")
 def serving_venv() -> Path:
     """The serving virtualenv (`make serving-venv`): skipped here when absent, a failure under CI=true."""
-    from llmft.components.lib.vllm_local import serving_venv as where
+    from llmft.components.lib.serving.vllm_local import serving_venv as where
 
     venv = where()
     if not (venv / "bin" / "python").is_file():

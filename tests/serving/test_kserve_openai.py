@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from llmft.components.lib.serving import ServeSpec, served_models, server_args, smoke_test
+from llmft.components.lib.serving.inferenceservice import ServeSpec, served_models, server_args, smoke_test
 
 pytestmark = pytest.mark.slow
 

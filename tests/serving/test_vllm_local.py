@@ -17,10 +17,10 @@ from adapter_helpers import deploy_request
 from adapter_variants import renamed_module_adapter, wider_adapter, without_weights
 
 from llmft.cli import main
-from llmft.components.lib import vllm_local
-from llmft.components.lib.deployment import serve_spec
-from llmft.components.lib.serving import build_inference_service, isvc_to_dict
-from llmft.components.lib.vllm_local import VllmRefusedError, VllmServer, manifest_argv, vllm_argv, vllm_reason
+from llmft.components.lib.serving import vllm_local
+from llmft.components.lib.serving.deployment import serve_spec
+from llmft.components.lib.serving.inferenceservice import build_inference_service, isvc_to_dict
+from llmft.components.lib.serving.vllm_local import VllmRefusedError, VllmServer, manifest_argv, vllm_argv, vllm_reason
 from llmft.trainer.errors import ConfigError
 
 VOLUME = Path("/data")
@@ -327,7 +327,7 @@ def test_deploy_mode_vllm_that_cannot_serve_returns_nothing_deployed(small_adapt
     raises (one line, exit 1) after the manifest, so nothing is marked deployed."""
     import shutil
 
-    from llmft.components.lib.deployment import deploy_promoted
+    from llmft.components.lib.serving.deployment import deploy_promoted
 
     monkeypatch.setenv(vllm_local.SERVING_VENV_ENV, str(tmp_path / "no-venv"))
     volume = tmp_path / "vol"

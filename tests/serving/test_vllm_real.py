@@ -59,8 +59,8 @@ print(json.dumps(out))
 def _isvc(volume: Path, adapter: str, **change) -> tuple[dict, object]:
     from adapter_helpers import deploy_request
 
-    from llmft.components.lib.deployment import serve_spec
-    from llmft.components.lib.serving import build_inference_service, isvc_to_dict
+    from llmft.components.lib.serving.deployment import serve_spec
+    from llmft.components.lib.serving.inferenceservice import build_inference_service, isvc_to_dict
 
     req = deploy_request(volume, adapter, **change)
     return isvc_to_dict(build_inference_service(serve_spec(req))), req
@@ -69,7 +69,7 @@ def _isvc(volume: Path, adapter: str, **change) -> tuple[dict, object]:
 def test_runtime_args_parse_like_kserve(serving_venv, tmp_path):
     """The manifest's args, parsed as KServe's Hugging Face runtime parses them, and the argv the local server
     gets, parsed by vLLM: the same model, served name, LoRA module, max LoRA rank, dtype and max model len."""
-    from llmft.components.lib.vllm_local import manifest_argv
+    from llmft.components.lib.serving.vllm_local import manifest_argv
 
     volume = tmp_path / "vol"
     isvc, req = _isvc(volume, "adapter", mode="vllm")
@@ -107,7 +107,7 @@ def test_runtime_args_parse_like_kserve(serving_venv, tmp_path):
 def test_serve_check_lora_form(serving_venv, trained_adapter, tiny_model_dir, tmp_path):
     """`llmft serve check` on an adapter `llmft train` wrote: both names served, the answers differ, the JSON is
     written, and the server is gone afterwards (its port refuses connections)."""
-    from llmft.components.lib.vllm_local import free_port
+    from llmft.components.lib.serving.vllm_local import free_port
 
     port, out = free_port(), tmp_path / "check.json"
     cmd = [sys.executable, "-m", "llmft", "serve", "check", "--adapter", str(trained_adapter), "--name", "m"]
@@ -133,8 +133,8 @@ def test_deploy_mode_vllm_merged_form(serving_venv, trained_adapter, tiny_model_
 
     from adapter_helpers import deploy_request
 
-    from llmft.components.lib.deployment import deploy_promoted
-    from llmft.components.lib.serving_form import merged_model
+    from llmft.components.lib.serving.deployment import deploy_promoted
+    from llmft.components.lib.serving.serving_form import merged_model
 
     volume = tmp_path / "vol"
     shutil.copytree(tiny_model_dir, volume / "base-models" / "tiny")
@@ -163,7 +163,7 @@ def test_vllm_refusals_carry_vllm_reason(serving_venv, trained_adapter, tiny_mod
     with vLLM's own reason; a second server on the same port is refused before it starts."""
     from adapter_variants import renamed_module_adapter, wider_adapter, without_weights
 
-    from llmft.components.lib.vllm_local import VllmRefusedError, VllmServer
+    from llmft.components.lib.serving.vllm_local import VllmRefusedError, VllmServer
 
     argv = ["--model", str(tiny_model_dir), "--served-model-name", "m-base", "--enable-lora", "--max-lora-rank=8"]
     cases = {
@@ -188,7 +188,7 @@ def test_vllm_refusals_carry_vllm_reason(serving_venv, trained_adapter, tiny_mod
 def test_vllm_that_does_not_start_says_why(serving_venv, tmp_path):
     """A model directory vLLM cannot read: vLLM exits while starting (about 25 s, before any engine), and the
     error is one line with vLLM's own reason."""
-    from llmft.components.lib.vllm_local import VllmRefusedError, VllmServer
+    from llmft.components.lib.serving.vllm_local import VllmRefusedError, VllmServer
 
     empty = tmp_path / "no-model"
     empty.mkdir()

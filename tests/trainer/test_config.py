@@ -19,7 +19,7 @@ from llmft.trainer.config import (
 from llmft.trainer.config_checks import validate
 from llmft.trainer.errors import ConfigError
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "trainer" / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "llmft" / "trainer" / "configs").glob("*.yaml"))
 
 
 def test_three_shipped_configs_exist():

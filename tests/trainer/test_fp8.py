@@ -113,7 +113,7 @@ def test_qlora_resolves_to_a_cached_bf16_copy(fp8_dir, tmp_path, monkeypatch):
     from llmft.trainer.io import COMPLETE_MARKER
 
     monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
-    four_bit = object()  # stands in for the BitsAndBytesConfig that trainer/model.py passes
+    four_bit = object()  # stands in for the BitsAndBytesConfig that llmft/trainer/model.py passes
     plan = load_plan(
         str(fp8_dir), "main", "qlora", {"dtype": torch.bfloat16, "revision": "main", "quantization_config": four_bit}
     )
@@ -215,10 +215,10 @@ def test_lora_trains_evaluates_and_exports_on_an_fp8_base(fp8_dir, tokenized_dir
 
 @pytest.mark.slow
 def test_evaluation_loads_an_fp8_base_as_the_trainer_does(fp8_dir, tokenized_dir, tmp_path, capsys):
-    """trainer/evaluate.py (the pipeline's evaluate step) loads the base through fp8.load_base_model: the
+    """llmft/trainer/evaluate.py (the pipeline's evaluate step) loads the base through fp8.load_base_model: the
     run log's `base model:` line, and the numbers of the dequantized dense copy of the same checkpoint. On a
     GPU this is what keeps transformers from loading FP8Linear layers, whose forward needs the `kernels`
-    package (device auto: the same test runs there; benchmarks/gpu/session.sh plan fp8-eval)."""
+    package (device auto: the same test runs there; llmft/benchmarks/gpu/session.sh plan fp8-eval)."""
     from llmft.trainer.evaluate import evaluate_perplexity
     from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
 

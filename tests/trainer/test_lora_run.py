@@ -128,7 +128,7 @@ def test_stdout_has_katib_lines_and_summary(lora_run):
     assert len(loss_lines) == len(ppl_lines) == len(eval_events) == 2
     for line, event in zip(loss_lines, eval_events, strict=True):
         ((name, value, *_),) = re.findall(KATIB_REGEX, line)
-        # printed with 6 decimals (trainer/evaluate.py): off by at most half the last digit, 5e-7
+        # printed with 6 decimals (llmft/trainer/evaluate.py): off by at most half the last digit, 5e-7
         assert name == "eval_loss" and float(value) == pytest.approx(event["eval_loss"], abs=5e-7 + 1e-12)
     for line in ppl_lines:
         ((name, value, *_),) = re.findall(KATIB_REGEX, line)

@@ -99,7 +99,7 @@ def test_langfuse_and_mlflow_unconfigured_are_single_info_lines(base_overrides, 
 
 @pytest.mark.slow
 def test_trainer_mfu_is_the_benchmarks_flop_formula(base_overrides, tiny_model_dir, tokenized_dir, tmp_path):
-    """Every logged MFU is trainer/flops.py's step_flops (what the benchmark counts) for that
+    """Every logged MFU is llmft/trainer/flops.py's step_flops (what the benchmark counts) for that
     step's documents, over the step's time, against the configured peak."""
     from transformers import AutoConfig
 

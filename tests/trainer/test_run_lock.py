@@ -1,4 +1,4 @@
-"""One run per output_dir (issue 27.4; trainer/runlock.py): a second run into a busy directory exits 1
+"""One run per output_dir (issue 27.4; llmft/trainer/runlock.py): a second run into a busy directory exits 1
 naming the holder, `--wait` waits for it, a holder that died without releasing is taken over on the
 same host and refused from another, and the lock goes with the process however it ends.
 docs/failure-modes.md has a row per test."""

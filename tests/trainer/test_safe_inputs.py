@@ -1,5 +1,5 @@
 """Issue 27 items 1 and 6: export copies no symlink, FIFO or device into a servable artifact
-(trainer/safe_files.py), while a Hugging Face hub cache snapshot (links into its own blobs/) still works.
+(llmft/trainer/safe_files.py), while a Hugging Face hub cache snapshot (links into its own blobs/) still works.
 
 Each case is `llmft export` in this process on an adapter made with PEFT on the tiny model. Before the
 fix, an adapter whose generation_config.json links to a secret exported with exit 0 and the secret's
@@ -132,7 +132,7 @@ def test_max_shard_size_that_is_not_a_size_above_zero_is_one_line_exit_1(adapter
 
 def test_a_full_disk_while_merging_names_the_output_the_bytes_needed_and_free(adapter_dir, tmp_path, monkeypatch):
     """Issue 29 item 6 for model writes: the merged shards hit ENOSPC (injected at the shard writer's
-    Python write, trainer/weights_io.py ShardStream.write); was a raw OSError naming the temp file."""
+    Python write, llmft/trainer/weights_io.py ShardStream.write); was a raw OSError naming the temp file."""
     import errno
 
     from llmft.trainer import weights_io

@@ -1,4 +1,4 @@
-"""One tokenizer loader (trainer/tokenizer.py) for the tokenize step, the trainer and the evaluate step's
+"""One tokenizer loader (llmft/trainer/tokenizer.py) for the tokenize step, the trainer and the evaluate step's
 generations: each reads the base model's tokenizer at the trainer's ``model.revision``, with the chat template
 the data was tokenized with. The tiny model sits in an offline hub cache at two commits whose tokenizers differ
 (tests/tiny_hub.py), so a test can tell which commit a caller read."""

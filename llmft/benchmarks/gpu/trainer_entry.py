@@ -1,0 +1,157 @@
+"""`python -m llmft.benchmarks.gpu.trainer_entry [trainer args]`: `python -m llmft.trainer` for the benchmark.
+
+It registers llmft/trainer/fastpath's attention first and wraps
+trainer.model.load_model only to print when the model is ready (compile time =
+first step record - that moment). The trainer applies the fast path itself
+(kernels.compile / kernels.fused_lora); for an older trainer without
+trainer.model.apply_fastpath_kernels the harness applies it. Everything else is
+the trainer's own code path, unchanged.
+
+``BENCH_SKIP_SAVES=1`` (the project arm sets it): no checkpoint and no ``final/`` are written (a
+benchmark measures steps; an 8B ZeRO-3 checkpoint with its optimizer state is over 100 GB and a
+1.5B full one over 20 GB, which filled a 64 GB device disk in issue 28).
+
+``BENCH_PROFILE_STEPS=A:B`` (optional) runs torch.profiler over trainer steps A..B and prints how
+much of their wall time the GPU was busy, plus the top kernels; ``BENCH_PROFILE_OUT`` is the folder
+for the gzipped Chrome trace (default: the working directory).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from llmft.trainer.__main__ import main as trainer_main
+
+
+def main() -> int:
+    # heavy: numpy, torch, yaml
+    from llmft.trainer import model as trainer_model
+
+    # heavy: torch
+    from llmft.trainer.fastpath import apply_kernels
+
+    # heavy: numpy, torch
+    from llmft.trainer.fastpath.attention import register
+
+    register()
+    # The trainer applies trainer.fastpath itself (kernels.compile / kernels.fused_lora) when it
+    # has trainer.model.apply_fastpath_kernels; only older trainers need the harness to do it.
+    hooked = hasattr(trainer_model, "apply_fastpath_kernels")
+    original = trainer_model.load_model
+
+    def load_model(cfg, device, **kwargs):
+        model, fast_path = original(cfg, device, **kwargs)
+        if cfg.kernels.compile and not hooked:
+            print(
+                f"[trainer_entry] fast path applied by the harness: {apply_kernels(model, compile_layers=True)}",
+                flush=True,
+            )
+        if device.type == "cuda":
+            # heavy: torch
+            import torch
+
+            segments = torch.cuda.memory._snapshot()["segments"]
+            print(f"[trainer_entry] expandable segments: {any(s.get('is_expandable') for s in segments)}", flush=True)
+        print(f"[trainer_entry] loaded={time.time()}", flush=True)  # compile time = first step record - this
+        return model, fast_path
+
+    trainer_model.load_model = load_model
+    if os.environ.get("BENCH_SKIP_SAVES") == "1":
+        skip_saves()
+    if os.environ.get("BENCH_PROFILE_STEPS"):
+        profile_steps(os.environ["BENCH_PROFILE_STEPS"], os.environ.get("BENCH_PROFILE_OUT", "."))
+    return trainer_main(sys.argv[1:])
+
+
+def skip_saves() -> None:
+    """The trainer writes no checkpoint and no final/ (its summary names a final/ that does not exist)."""
+
+    # heavy: numpy, torch, yaml
+    from llmft.trainer.train import Trainer
+
+    def no_save(run, step, wall, evaluated):
+        return None
+
+    def no_final(run):
+        print("[trainer_entry] BENCH_SKIP_SAVES=1: no checkpoint and no final/ written", flush=True)
+        return Path(run.cfg.output_dir) / "final-not-written"
+
+    setattr(Trainer, "_save", no_save)  # noqa: B010 - a class attribute on purpose (mypy: no method-assign)
+    setattr(Trainer, "_write_final", no_final)  # noqa: B010
+
+
+def profile_steps(spec: str, out_dir: str) -> None:
+    """``BENCH_PROFILE_STEPS=A:B``: torch.profiler over trainer steps A..B (whole steps: forward,
+    backward, optimizer, logging). Prints how much of the wall time the GPU ran kernels (the rest
+    is the GPU waiting on the host) and the top kernels; writes a Chrome trace to ``out_dir``."""
+    # heavy: torch
+    import torch
+
+    # heavy: torch
+    from torch.profiler import ProfilerActivity, profile
+
+    # heavy: numpy, torch, yaml
+    from llmft.trainer.train import Trainer
+
+    first, last = (int(v) for v in spec.split(":"))
+    original, state = Trainer.forward_backward, {}
+
+    def forward_backward(run, batch):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        if batch.step == first:
+            sync()
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        elif batch.step == last + 1 and "prof" in state:
+            sync()
+            wall = time.perf_counter() - state["t0"]
+            prof = state.pop("prof")
+            prof.__exit__(None, None, None)
+            report_profile(prof, wall, last - first + 1, out_dir)
+        return original(run, batch)
+
+    Trainer.forward_backward = forward_backward
+
+
+def gpu_busy_seconds(prof) -> float:
+    """Union of the CUDA kernel/memcpy intervals (seconds): time the GPU was doing anything."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            busy += 0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += 0 if cur_end is None else cur_end - cur_start
+    return busy / 1e6  # profiler times are microseconds
+
+
+def report_profile(prof, wall: float, steps: int, out_dir: str) -> None:
+    busy = gpu_busy_seconds(prof)
+    print(
+        f"[profile] {steps} steps: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms "
+        f"({100 * busy / wall:.1f}%), GPU idle {(wall - busy) * 1e3 / steps:.1f} ms per step",
+        flush=True,
+    )
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90), flush=True)
+    trace = os.path.join(out_dir, f"trace-{os.getpid()}.json")
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(trace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

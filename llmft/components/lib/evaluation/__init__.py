@@ -1,0 +1,1 @@
+"""The evaluate step: perplexity of every checkpoint, task scores, comparisons and generations."""

@@ -1,0 +1,1 @@
+"""Training backends on a cluster (PyTorchJob, TrainJob) and locally, their specs, launchers, sweep, cleanup."""

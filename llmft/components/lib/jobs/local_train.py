@@ -1,0 +1,93 @@
+"""The `local` training backend: the same trainer, launched as subprocesses of the train step.
+
+Used by ``llmft pipeline run-local`` (kfp.local); the plan step refuses it on a cluster. The
+command is exactly what a PyTorchJob replica runs, ``llmft train --nproc N key=value ...``
+(``python -m llmft train``): the one launcher, which forwards SIGTERM to torchrun's ranks and
+exits 143 once they committed a checkpoint. So the two backends differ in where the processes
+run and nothing else.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+from llmft.components.images import local_trainer_python
+from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec, trainer_command
+from llmft.katib.metrics import parse_metric_lines, summarize
+from llmft.trainer.errors import LlmftError
+
+LOG_TAIL_LINES = 40
+METRICS = ("eval_loss", "perplexity")
+
+
+class TrainingFailed(LlmftError):
+    """The training processes exited non-zero; the message carries their last log lines."""
+
+
+def train_command(launch, *, nproc: int = 1) -> list[str]:
+    """``python -m llmft train --nproc N --config <config.yaml> key=value ...``: the command of a
+    PyTorchJob replica (``launch``, a TrainerLaunch), run here."""
+    if nproc < 1:
+        raise LlmftError(f"nproc must be >= 1, got {nproc}")
+    spec = PyTorchJobSpec(
+        name="local", config_path=launch.config_path, overrides=launch.overrides, nproc_per_node=str(nproc)
+    )
+    command, args = trainer_command(spec)
+    return [local_trainer_python(), "-m", *command, *args]
+
+
+def run_local_training(
+    launch,
+    *,
+    nproc: int = 1,
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> dict[str, float]:
+    """Run the trainer; stream its output; return the last eval metrics it printed.
+
+    On ``timeout_s`` the launcher gets SIGTERM (the trainer commits a checkpoint and exits 143).
+    Raises :class:`TrainingFailed` with the exit code and the last log lines on failure.
+    """
+
+    command = train_command(launch, nproc=nproc)
+    print("training: " + " ".join(command[2:]), flush=True)  # llmft train --nproc N --config ... data=...
+    tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+    observations: list[tuple[str, float]] = []
+    log = open(log_path, "a", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed below
+    watchdog = None
+    try:
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        if timeout_s:
+            watchdog = threading.Timer(timeout_s, process.terminate)
+            watchdog.start()
+        assert process.stdout is not None  # stdout=PIPE
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            tail.append(line.rstrip("\n"))
+            if log:
+                log.write(line)
+            observations += parse_metric_lines([line], METRICS)
+        code = process.wait()
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        if log:
+            log.close()
+    if code != 0:
+        raise TrainingFailed(
+            f"local training exited with code {code} ({' '.join(command[1:6])} ...). Last log lines:\n"
+            + "\n".join(tail)
+        )
+    return summarize(observations, {name: "latest" for name in METRICS})

@@ -1,0 +1,408 @@
+"""Run the trainer's TrainJob: submit (or re-attach), watch, fail with the failing node's log tail.
+
+Submitted and watched the way the Kubeflow SDK does it: the body is the SDK's own model
+(``kubeflow_trainer_api``, built in trainjob_spec.py) sent with ``create_namespaced_custom_object``,
+as ``KubernetesBackend.train`` does; the wait is the SDK's ``wait_for_job_status`` (TrainJob
+status from the ``Complete`` / ``Failed`` conditions) and ``get_runtime``/``delete_job``, all on
+:class:`SdkBackend`, the SDK's ``KubernetesBackend`` whose API objects are the project's
+:class:`~llmft.components.lib.cluster.Cluster` (one configuration; one fake in tests). The SDK's
+``TrainerClient.train`` cannot carry this job (docs/trainer-v2.md says why).
+
+Failures and restarts (kubeflow/trainer v2.3.0 and JobSet v0.12.0). The ``torch-distributed``
+runtime sets no JobSet ``failurePolicy`` and no Job ``backoffLimit``; JobSet defaults the pods'
+``restartPolicy`` to OnFailure (jobset ``pkg/webhooks/jobset_webhook.go`` 124-126). So any
+non-zero exit restarts the ``node`` container in place until the Job's backoffLimit (Kubernetes'
+default 6), then the Job fails, the JobSet fails with reason ``FailedJobs`` (no failure policy:
+``pkg/controllers/failure_policy.go`` 52-61) and the TrainJob copies that as its ``Failed``
+condition (trainer ``pkg/runtime/framework/plugins/jobset/jobset.go`` 450-457; an expired
+``activeDeadlineSeconds`` gives ``Failed``/``DeadlineExceeded``, ``pkg/controller/trainjob_controller.go``
+155-182). The PyTorchJob path's ExitCode semantics (errors.py: 1-127 permanent, 128-255 retried)
+are therefore applied by this launcher while it watches: a ``node`` container that exited 1-127
+(bad config or data: it would fail the same way six more times) ends the wait at once: the
+TrainJob is suspended (its pods, and GPUs, are released; the object stays, annotated with the exit,
+so a retried task fails the same way instead of recreating it) and the step fails with that
+node's log (``JobFailedPermanently``, exit 1). 128-255 (143 preempted, 130, 137, 200 transient) are
+left to the in-place restart, which resumes from the newest checkpoint, and reported with the
+restart count. ``DeadlineExceeded`` and a wait that outlives ``timeout_s`` are ``JobTimedOut``
+(exit 200), as on the PyTorchJob path (llmft/components/lib/jobs/pytorchjob_launch.py).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
+from llmft.components.lib.jobs.cleanup import unmark_kept
+from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.trainjob_runtime import check_runtime, sdk_backend
+from llmft.components.lib.jobs.trainjob_spec import (
+    GROUP,
+    PLURAL,
+    TRAINER_CONTAINER,
+    TRAINER_JOB,
+    VERSION,
+    build_trainjob,
+    parse_runtime_ref,
+    trainjob_to_dict,
+)
+from llmft.components.lib.plan.schema import (
+    JOB_WAIT_GRACE_S,
+    JobFailedPermanently,
+    JobTimedOut,
+    TrainingJobFailed,
+    parse_time,
+)
+from llmft.trainer.errors import TransientError
+
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+"""Pod label naming the JobSet (= the TrainJob's name); the SDK's POD_LABEL_SELECTOR uses it."""
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+NODE_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+"""The node's rank (Indexed Job completion index): PET_NODE_RANK comes from it (torch.go 152-156)."""
+COMPLETE, FAILED = "Complete", "Failed"
+PERMANENT_EXIT_ANNOTATION = "kfp-llm-finetune/permanent-exit"
+"""Set on a TrainJob suspended after a permanent exit: a retried task reads it and does not recreate it."""
+DEADLINE_REASON = "DeadlineExceeded"
+"""The Failed reason of an expired activeDeadlineSeconds (trainer ``trainjob_types.go`` 80-83)."""
+EXIT_MEANINGS = {
+    1: "bad input or config (never retried)",
+    2: "usage error",
+    130: "interrupted (SIGINT)",
+    137: "killed (SIGKILL, often OOMKilled)",
+    143: "preempted (SIGTERM): checkpoint committed, resuming",
+    200: "transient fault (I/O, full disk, unreachable server): retrying",
+}
+
+
+class TrainJobFailed(TrainingJobFailed):
+    """The TrainJob Failed (not permanently, not by its deadline): a retry recreates it; the message
+    carries the failing node's log tail."""
+
+
+class PermanentExit(Exception):
+    """A trainer node exited 1-127: raised from the wait's callback to end it at once."""
+
+    def __init__(self, pod: str, code: int):
+        super().__init__(f"pod {pod} exited {code}")
+        self.pod, self.code = pod, code
+
+
+def is_permanent(code: int) -> bool:
+    """ExitCode semantics (Training Operator ``pkg/util/train/train_util.go``): 1-127 permanent."""
+    return 1 <= code <= 127
+
+
+def node_pods(cluster: Cluster, name: str, namespace: str) -> list:
+    return cluster.list_pods(f"{JOBSET_NAME_LABEL}={name},{REPLICATED_JOB_LABEL}={TRAINER_JOB}", namespace=namespace)
+
+
+def _node_status(pod) -> Any:
+    statuses = (pod.status.container_statuses if pod.status else None) or []
+    return next((s for s in statuses if s.name == TRAINER_CONTAINER), None)
+
+
+def _terminated_codes(status) -> list[int]:
+    """Exit codes of the current and the previous run of the container (newest first)."""
+    codes = []
+    for state in (status.state, status.last_state):
+        terminated = getattr(state, "terminated", None) if state is not None else None
+        if terminated is not None and terminated.exit_code:
+            codes.append(int(terminated.exit_code))
+    return codes
+
+
+def _pod_log(cluster: Cluster, pod: str, namespace: str, lines: int | None = None, previous: bool = False) -> str:
+    kwargs: dict[str, Any] = {"container": TRAINER_CONTAINER, "previous": previous}
+    if lines is not None:
+        kwargs["tail_lines"] = lines
+    return cluster.core_api.read_namespaced_pod_log(name=pod, namespace=namespace, **kwargs) or ""
+
+
+class NodeWatcher:
+    """The wait's callback: prints node 0's new log lines, reports restarts, and raises
+    :class:`PermanentExit` when any node's container exited 1-127."""
+
+    def __init__(self, cluster: Cluster, name: str, namespace: str, print_fn: Callable[[str], Any] = print):
+        self.cluster, self.name, self.namespace, self.print_fn = cluster, name, namespace, print_fn
+        self.lines_seen: dict[str, int] = {}
+        self.restarts_seen: dict[str, int] = {}
+
+    def __call__(self, trainjob: Any = None) -> None:
+        try:
+            pods = node_pods(self.cluster, self.name, self.namespace)
+        except ClusterError:
+            return
+        for pod in pods:
+            status = _node_status(pod)
+            if status is None:
+                continue
+            self._report_restart(pod.metadata.name, status)
+            permanent = [c for c in _terminated_codes(status) if is_permanent(c)]
+            if permanent:
+                raise PermanentExit(pod.metadata.name, permanent[0])
+            if (pod.metadata.labels or {}).get(NODE_INDEX_LABEL) == "0" and status.state.running is not None:
+                self._follow(pod.metadata.name)
+
+    def _report_restart(self, pod: str, status) -> None:
+        count = status.restart_count or 0
+        if count > self.restarts_seen.get(pod, 0):
+            code = (_terminated_codes(status) or [0])[-1]
+            meaning = EXIT_MEANINGS.get(code, "retried")
+            self.print_fn(f"[{pod}] container restarted ({count} so far): previous run exited {code}, {meaning}")
+            self.restarts_seen[pod] = count
+
+    def _follow(self, pod: str) -> None:
+        try:
+            lines = _pod_log(self.cluster, pod, self.namespace).splitlines()
+        except Exception:  # noqa: BLE001 - not started yet / restarting: the next poll reads it
+            return
+        start = self.lines_seen.get(pod, 0)
+        start = 0 if len(lines) < start else start  # the container restarted: a fresh log
+        for line in lines[start:]:
+            self.print_fn(f"[{pod}] {line}")
+        self.lines_seen[pod] = len(lines)
+
+
+def log_tail(cluster: Cluster, name: str, namespace: str, lines: int = 50) -> str:
+    """The last ``lines`` lines of the failing node (the first with a non-zero exit; else node 0),
+    from its previous run when the container has restarted since."""
+    try:
+        pods = node_pods(cluster, name, namespace)
+    except ClusterError as exc:
+        return f"(the node pods could not be listed: {exc})"
+    if not pods:
+        return f"(no node pod: the TrainJob never started one; check `kubectl describe trainjob {name}`)"
+    failing = [p for p in pods if _node_status(p) is not None and _terminated_codes(_node_status(p))]
+    by_index = sorted(pods, key=lambda p: (p.metadata.labels or {}).get(NODE_INDEX_LABEL, ""))
+    pod = (failing or by_index)[0]
+    status = _node_status(pod)
+    previous = bool(status is not None and status.state.terminated is None and status.last_state.terminated)
+    try:
+        text = _pod_log(cluster, pod.metadata.name, namespace, lines, previous=previous)
+    except Exception as exc:  # noqa: BLE001 - the failure report must not fail itself
+        return f"(the log of pod {pod.metadata.name} could not be read: {exc})"
+    tail = text.splitlines()[-lines:]
+    which = "previous run of " if previous else ""
+    return f"last {len(tail)} log lines of {which}pod {pod.metadata.name}:\n" + "\n".join(f"  {t}" for t in tail)
+
+
+def terminal_condition(job: dict) -> dict | None:
+    """The TrainJob's ``Complete`` or ``Failed`` condition with status True, or None while it runs."""
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") in (COMPLETE, FAILED) and condition.get("status") == "True":
+            return condition
+    return None
+
+
+def get_trainjob(cluster: Cluster, name: str, namespace: str) -> dict | None:
+    try:
+        return cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+    except ClusterError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def delete_and_wait(
+    cluster: Cluster, name: str, namespace: str, *, poll_s: float, timeout_s: float | None = None
+) -> None:
+    """Delete the TrainJob with foreground propagation (its JobSet, Jobs and pods go first: each
+    owner reference blocks its owner's deletion) and wait until it and its node pods are gone, so
+    the TrainJob recreated under the same name never meets them (cluster.wait_until_gone)."""
+
+    try:
+        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
+    except ClusterError as exc:
+        if exc.status != 404:
+            raise
+    wait_until_gone(
+        f"TrainJob {namespace}/{name}",
+        lambda: get_trainjob(cluster, name, namespace) is not None,
+        lambda: [p.metadata.name for p in node_pods(cluster, name, namespace)],
+        timeout_s=RECREATE_WAIT_S if timeout_s is None else timeout_s,
+        poll_s=poll_s,
+    )
+
+
+def delete_trainjobs_by_label(cluster: Cluster, label_selector: str, namespace: str | None = None) -> list[str]:
+    """Delete every TrainJob matching ``label_selector`` (e.g. ``pipelines.kubeflow.org/run-id=<run>``),
+    for the pipeline's cleanup on cancel; returns the names deleted (one already gone is skipped)."""
+    namespace = namespace or cluster.namespace
+    deleted = []
+    for job in cluster.list_custom_objects(GROUP, VERSION, PLURAL, label_selector=label_selector, namespace=namespace):
+        name = job["metadata"]["name"]
+        try:
+            cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+        except ClusterError as exc:
+            if exc.status != 404:
+                raise
+            continue
+        deleted.append(name)
+    return deleted
+
+
+def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: float, print_fn=print) -> str:
+    """Create the TrainJob, or find the one an earlier attempt of this task created (same name):
+    ``reused`` (Complete), ``attached`` (still running: watched, not restarted) or ``created``
+    (none, or a Failed one deleted first; the trainer resumes from the newest complete checkpoint)."""
+    name = body["metadata"]["name"]
+    previous = get_trainjob(cluster, name, namespace)
+    condition = terminal_condition(previous) if previous is not None else None
+    if condition is not None and condition["type"] == COMPLETE:
+        print_fn(f"TrainJob {namespace}/{name} already Complete (an earlier attempt of this task): not run again")
+        return "reused"
+    recorded = ((previous or {}).get("metadata") or {}).get("annotations", {}).get(PERMANENT_EXIT_ANNOTATION)
+    if recorded:
+        raise _permanent(namespace, name, recorded, " in an earlier attempt of this task", "")
+    if previous is not None and condition is None:
+        print_fn(f"TrainJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
+        unmark_kept(cluster, (GROUP, VERSION, PLURAL, name), previous, namespace)
+        return "attached"
+    if previous is not None and condition is not None:
+        raise_if_final(cluster, previous, namespace, earlier=True)
+        print_fn(f"TrainJob {namespace}/{name} Failed in an earlier attempt ({condition.get('reason')}): recreating")
+        delete_and_wait(cluster, name, namespace, poll_s=min(poll_s, 5.0))
+    cluster.create_custom_object(GROUP, VERSION, PLURAL, body, namespace=namespace)
+    return "created"
+
+
+def _permanent(namespace: str, name: str, what: str, when: str, tail: str, action: str = "") -> Exception:
+
+    found = re.search(r"exited (\d+)", what)
+    code = int(found.group(1)) if found else 1
+    meaning = EXIT_MEANINGS.get(code, "a permanent failure: exit codes 1-127 are never retried")
+    return JobFailedPermanently(
+        f"TrainJob {namespace}/{name} failed permanently{when}: {what} ({meaning}).{action} It is not recreated: "
+        f"fix the cause, delete the TrainJob, then re-run the pipeline.\n{tail}".rstrip()
+    )
+
+
+def raise_if_final(cluster: Cluster, job: dict, namespace: str, *, earlier: bool = False, lines: int = 50) -> None:
+    """For a Failed TrainJob: JobTimedOut when its deadline ended it, JobFailedPermanently when a node
+    exited 1-127; otherwise return (a retry may recreate it)."""
+
+    name = job["metadata"]["name"]
+    condition = terminal_condition(job) or {}
+    when = " in an earlier attempt of this task" if earlier else ""
+    if condition.get("reason") == DEADLINE_REASON:
+        raise JobTimedOut(
+            f"TrainJob {namespace}/{name} ran into its activeDeadlineSeconds{when}: a timeout, not a training "
+            f"failure. Raise job_timeout_s, or re-run the pipeline (the run directory keeps its checkpoints).\n"
+            f"{log_tail(cluster, name, namespace, lines)}"
+        )
+    try:
+        pods = node_pods(cluster, name, namespace)
+    except ClusterError:
+        return
+    for pod in pods:
+        status = _node_status(pod)
+        codes = [c for c in (_terminated_codes(status) if status is not None else []) if is_permanent(c)]
+        if codes:
+            tail = log_tail(cluster, name, namespace, lines)
+            raise _permanent(namespace, name, f"pod {pod.metadata.name} exited {codes[0]}", when, tail)
+
+
+def stop_permanently(cluster: Cluster, name: str, namespace: str, what: str) -> None:
+    """Suspend the TrainJob (its JobSet's pods go: no more restarts, GPUs released) and record why."""
+    patch = {"metadata": {"annotations": {PERMANENT_EXIT_ANNOTATION: what}}, "spec": {"suspend": True}}
+    cluster.patch_custom_object(GROUP, VERSION, PLURAL, name, patch, namespace=namespace)
+
+
+def wait_budget(job: dict, timeout_s: float, now: float) -> float:
+    """Seconds to wait for ``job``: ``timeout_s``, cut for a job created by an earlier attempt to its own
+    deadline (creation + activeDeadlineSeconds, the controller's clock: trainjob_controller.go 155-167)
+    plus the launcher's grace, so a re-attached wait never outlives the train task."""
+
+    created = parse_time((job.get("metadata") or {}).get("creationTimestamp"))
+    deadline = (job.get("spec") or {}).get("activeDeadlineSeconds")
+    if created is None or not deadline:
+        return timeout_s
+    return max(1.0, min(timeout_s, created + float(deadline) + JOB_WAIT_GRACE_S - now))
+
+
+def run_trainjob(
+    cluster: Cluster,
+    job: Any,
+    *,
+    timeout_s: float,
+    poll_s: float = 30.0,
+    log_tail_lines: int = 50,
+    print_fn: Callable[[str], Any] = print,
+    clock: Callable[[], float] = time.time,
+    owner: dict | None = None,
+) -> dict:
+    """Submit ``job`` (a ``TrainerV1alpha1TrainJob``) or re-attach to it, stream node 0's log while the
+    SDK waits for ``Complete``/``Failed``, and return a summary once Complete. A node exiting 1-127 ->
+    ``JobFailedPermanently`` (the job is suspended); Failed by the deadline or no end within
+    ``timeout_s`` -> ``JobTimedOut`` (the job keeps running until its activeDeadlineSeconds); Failed
+    otherwise -> :class:`TrainJobFailed`; each with the failing node's log tail. ``clock``: the wall clock
+    (seconds since the epoch) the job's ``creationTimestamp`` is compared with, unless a test injects its own.
+    ``owner``: the ownerReference a created TrainJob gets (the run's Workflow, as a PyTorchJob's: cleanup.py)."""
+
+    if poll_s <= 0 or timeout_s <= poll_s:
+        raise ValueError(f"need 0 < poll_s ({poll_s}) < timeout_s ({timeout_s})")
+    body = trainjob_to_dict(job)
+    name = body["metadata"]["name"]
+    namespace = body["metadata"].get("namespace") or cluster.namespace
+    body["metadata"]["namespace"] = namespace
+    if owner:
+        body["metadata"]["ownerReferences"] = [owner]
+    backend = sdk_backend(cluster, namespace)
+    ref = body["spec"]["runtimeRef"]
+    check_runtime(backend, *parse_runtime_ref(f"{ref.get('kind', 'ClusterTrainingRuntime')}/{ref['name']}"))
+    outcome = submit_or_attach(cluster, body, namespace, poll_s=poll_s, print_fn=print_fn)
+    if outcome == "reused":
+        return {"name": name, "namespace": namespace, "succeeded": True, "reused": True}
+    print_fn(f"{outcome} TrainJob {namespace}/{name} (runtime {ref['name']}); waiting up to {timeout_s:.0f}s")
+    watcher = NodeWatcher(cluster, name, namespace, print_fn)
+    budget = wait_budget(get_trainjob(cluster, name, namespace) or body, timeout_s, clock())
+    try:
+        final = backend.wait_for_job_status(
+            name,
+            status={COMPLETE, FAILED},
+            timeout=max(budget, 2 * poll_s),
+            polling_interval=poll_s,
+            callbacks=[watcher],
+        )
+    except PermanentExit as exc:
+        tail = log_tail(cluster, name, namespace, log_tail_lines)
+        stop_permanently(cluster, name, namespace, str(exc))
+        action = " Suspended it (pods released) instead of letting its Job restart it up to the backoffLimit."
+        raise _permanent(namespace, name, str(exc), "", tail, action) from None
+    except TimeoutError as exc:
+        if exc.__cause__ is not None:  # an API read that did not answer (backend.py 199-202, 437-440), not the wait
+            raise TransientError(f"TrainJob {namespace}/{name}: the Kubernetes API did not answer: {exc}") from None
+        raise JobTimedOut(
+            f"TrainJob {namespace}/{name} did not finish within {timeout_s:.0f}s; it keeps running until its "
+            f"activeDeadlineSeconds.\n{log_tail(cluster, name, namespace, log_tail_lines)}"
+        ) from exc
+    watcher(final)
+    current = get_trainjob(cluster, name, namespace) or {}
+    condition = terminal_condition(current) or {}
+    if final.status == FAILED:
+        raise_if_final(cluster, current, namespace, lines=log_tail_lines)
+        reason = f"{condition.get('reason') or FAILED}: {condition.get('message') or ''}".strip()
+        raise TrainJobFailed(
+            f"TrainJob {namespace}/{name} Failed ({reason}); a retry of this task recreates it and resumes from the "
+            f"newest checkpoint.\n{log_tail(cluster, name, namespace, log_tail_lines)}"
+        )
+    return {
+        "name": name,
+        "namespace": namespace,
+        "succeeded": True,
+        "conditions": (current.get("status") or {}).get("conditions") or [],
+        "completion_time": condition.get("lastTransitionTime"),
+    }
+
+
+def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None, owner: dict | None = None) -> dict:
+    """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run
+    (``owner``: its ownerReference, the run's Workflow)."""
+
+    trainjob = build_trainjob(build_pytorchjob_spec(job, launch), runtime=job.runtime)
+    cluster = cluster or cluster_module.Cluster()
+    return run_trainjob(cluster, trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s, owner=owner)

@@ -1,0 +1,1 @@
+"""The plan step: parameters resolved and checked once into ``plan.json``, and the volume layout."""

@@ -1,0 +1,421 @@
+"""The checks of the plan step (:func:`llmft.components.lib.plan.build.build_plan`), and its Secret preflight.
+
+Each check raises ConfigError naming the pipeline parameter and the fix, so a mistake costs
+seconds on a CPU pod instead of a GPU job. :func:`preflight_secrets` reads the Secrets the plan
+names through the Kubernetes API (on a cluster only) and names every missing Secret or key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from llmft.components.images import check_pinned
+from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.jobs.sweep import check_servable_ranks, check_trial_overrides
+from llmft.components.lib.plan.schema import (
+    COMPILED_PARAMETERS,
+    DATA_MOUNT,
+    DEPLOY_MODES,
+    KFP_POD_ENV,
+    PIPELINE_OWNED_KEYS,
+    SWEEP_BACKENDS,
+    TRAINING_BACKENDS,
+    Resources,
+    SecretMount,
+)
+from llmft.components.lib.plan.volume_paths import check_path_component
+from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
+from llmft.katib.k8s_names import check_k8s_name
+from llmft.trainer.config import BOOL_WORDS, split_assignment
+from llmft.trainer.errors import ConfigError
+from llmft.trainer.mlflow_settings import redacted_uri
+
+SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "hf": (("HF_TOKEN",), ("HF_TOKEN",)),
+    "mlflow": (
+        ("MLFLOW_TRACKING_URI",),
+        ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"),
+    ),
+    "langfuse": (
+        ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"),
+        ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST", "LANGFUSE_BASE_URL"),
+    ),
+}
+"""kind -> (keys mounted when the parameter names only the Secret, keys it may list). A key is
+also the environment variable's name."""
+SECRET_PARAMETERS = {"hf": "hf_token_secret", "mlflow": "mlflow_secret", "langfuse": "langfuse_secret"}
+"""kind -> the pipeline parameter that names its Secret ('' = none)."""
+TASK_SECRET_KINDS = {
+    "prepare-dataset": ("hf", "langfuse"),  # langfuse: a langfuse://<dataset> source
+    "tokenize-dataset": ("hf",),
+    "evaluate-perplexity": ("hf", "mlflow", "langfuse"),  # the adapter comparison (champion from MLflow)
+    "choose-serving-form": ("hf",),  # a hub base model, for the merge
+    "register-model": ("mlflow", "langfuse"),  # langfuse: the MLflow version, linked from the training trace
+    "sweep-hyperparameters": ("mlflow",),
+}
+"""Which Secrets the compiled pipeline mounts into which of its own tasks (the training job and
+every trial get hf, mlflow and langfuse; the InferenceService hf)."""
+TASK_RESOURCE_GROUPS = {"step": ("step_cpu", "step_memory"), "data": ("data_cpu", "data_memory")}
+TASK_RESOURCE_GROUPS["eval"] = ("eval_cpu", "eval_memory")
+"""group -> (cpu parameter, memory parameter) of the KFP tasks (see llmft/pipelines/llm_finetune.py)."""
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _fail(name: str, value: Any, message: str) -> ConfigError:
+    return ConfigError(f"pipeline parameter `{name}`={value!r}: {message}")
+
+
+def check_run_id(run_id: str) -> str:
+    if not run_id or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", run_id):
+        raise ConfigError(f"run id {run_id!r}: expected the KFP run id (letters, digits, '-', '_', '.')")
+    return run_id
+
+
+def check_general(p, on_cluster: bool) -> None:
+    """The scalar parameters, and what cannot run on a cluster."""
+    rules = [
+        ("training_backend", p.training_backend in TRAINING_BACKENDS, f"use one of {', '.join(TRAINING_BACKENDS)}"),
+        ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
+        ("num_workers", p.num_workers >= 1, "must be >= 1"),
+        ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),
+        ("serving_gpus", p.serving_gpus >= 0, "must be >= 0"),
+        ("max_length", p.max_length >= 16, "must be >= 16 tokens"),
+        ("val_fraction", 0.0 < p.val_fraction < 1.0, "must be in (0, 1)"),
+        ("max_reject_fraction", 0.0 <= p.max_reject_fraction <= 1.0, "must be in [0, 1]"),
+        ("promote_margin", 0.0 <= p.promote_margin < 1.0, "must be in [0, 1), e.g. 0.01 for 1%"),
+        ("model", bool(p.model.strip()), "must name a hub id or a model directory"),
+        ("dataset", bool(p.dataset.strip()), "must name a hub dataset or a file/folder on the volume"),
+        ("job_timeout_s", p.job_timeout_s > 0, "must be > 0"),
+        ("deploy_timeout_s", p.deploy_timeout_s > 0, "must be > 0"),
+    ]
+    for name, ok, message in rules:
+        if not ok:
+            raise _fail(name, getattr(p, name), message)
+    check_path_component(p.mlflow_model_name, "mlflow_model_name")
+    check_k8s_name(p.pvc_name, "pvc_name", kind="subdomain")
+    if p.serving_namespace:
+        check_k8s_name(p.serving_namespace, "serving_namespace")
+    if p.deploy and p.deploy_mode == "kserve":
+        check_k8s_name(p.serving_name, "serving_name", kind="dns1035", max_length=45)
+    if on_cluster:
+        _check_cluster_only(p)
+
+
+def _check_cluster_only(p) -> None:
+    """`local` backends need torch and transformers, which the pipeline image lacks; and every
+    task mounts the volume at DATA_MOUNT."""
+    local = [("training_backend", p.training_backend, "kubeflow")]
+    if p.deploy:
+        local.append(("deploy_mode", p.deploy_mode, "kserve"))
+    for name, value, use in local:
+        if value in ("local", "vllm"):  # vllm: a vLLM server from the serving virtualenv of this machine
+            raise _fail(
+                name,
+                value,
+                f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
+                f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
+            )
+    if p.data_root != DATA_MOUNT:
+        raise _fail(
+            "data_root", p.data_root, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
+        )
+
+
+def check_compiled(p, settings: Mapping[str, Any]) -> None:
+    """On a cluster: the parameters the YAML applied statically must still have their compiled values."""
+    compiled = settings.get("compiled") or {}
+    for name in COMPILED_PARAMETERS:
+        value = getattr(p, name)
+        if name in compiled and value != compiled[name]:
+            raise _fail(
+                name,
+                value,
+                f"this pipeline was compiled with {name}={compiled[name]!r}, which its own tasks use (KFP backends "
+                f"before 2.5 cannot take it from a parameter). Recompile: llmft pipeline compile --output FILE "
+                f"{name}={shlex.quote(str(value))}",
+            )
+
+
+def check_image(reference: str) -> str:
+    return check_pinned(reference, source="pipeline parameter `trainer_image`")
+
+
+def check_runtime(name: str) -> str:
+    return check_k8s_name(name, "serving_runtime", kind="subdomain")
+
+
+def parse_secret(kind: str, text: str):
+    """``NAME`` or ``NAME:KEY,KEY`` -> SecretMount ('' -> None)."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    param = SECRET_PARAMETERS[kind]
+    default_keys, allowed = SECRET_KINDS[kind]
+    name, _, key_text = text.partition(":")
+    check_k8s_name(name, param, kind="subdomain")
+    keys = tuple(k.strip() for k in key_text.split(",") if k.strip()) if key_text else default_keys
+    unknown = [k for k in keys if k not in allowed]
+    if unknown or not keys:
+        raise _fail(
+            param, text, f"keys {unknown or '(none)'}: use NAME or NAME:KEY,KEY with keys from {', '.join(allowed)}"
+        )
+    return SecretMount(kind=kind, name=name, keys=tuple(dict.fromkeys(keys)))
+
+
+def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
+    """Split free-form ``key=value`` overrides, refusing keys the plan sets itself."""
+    items = shlex.split(text or "")
+    for item in items:
+        try:
+            key = split_assignment(item, "save_every=50")[0]
+        except ConfigError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
+        if key in PIPELINE_OWNED_KEYS:
+            raise ConfigError(f"{what}: `{key}` is set by the pipeline; use the pipeline parameter instead")
+    return items
+
+
+def check_resources(group: str, cpu: str, memory: str):
+    """``<group>_cpu`` / ``<group>_memory`` as Kubernetes quantities above zero."""
+    from kubernetes.utils import parse_quantity  # heavy: kubernetes
+
+    for suffix, value, example in (("cpu", cpu, "'4' or '500m'"), ("memory", memory, "'16Gi'")):
+        try:
+            ok = parse_quantity(str(value)) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise _fail(f"{group}_{suffix}", value, f"not a positive Kubernetes quantity (e.g. {example})")
+    return Resources(cpu=str(cpu), memory=str(memory))
+
+
+def task_resources(p) -> dict:
+    return {
+        group: check_resources(group, getattr(p, cpu), getattr(p, mem))
+        for group, (cpu, mem) in TASK_RESOURCE_GROUPS.items()
+    }
+
+
+def parse_node_selector(text: str) -> dict[str, str]:
+    """``key=value[,key=value]`` -> labels ('' = no node selector)."""
+    labels: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = (part.strip() for part in item.partition("="))
+        prefix, _, name = key.rpartition("/")
+        valid_key = bool(name) and _LABEL_NAME.match(name) and (not prefix or _LABEL_PREFIX.match(prefix))
+        if not sep or not valid_key or len(value) > 63 or not _LABEL_NAME.match(value):
+            raise _fail(
+                "gpu_node_selector",
+                text,
+                "expected label=value pairs separated by commas (e.g. nvidia.com/gpu.present=true); '' = none",
+            )
+        labels[key] = value
+    return labels
+
+
+def check_tracking(p, on_cluster: bool, environ: Mapping[str, str]) -> None:
+    """Register needs an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
+    MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
+    the train step copies it into the training job's environment."""
+    if p.mlflow_tracking_uri:
+        if redacted_uri(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
+            raise _fail(
+                "mlflow_tracking_uri",
+                redacted_uri(p.mlflow_tracking_uri),
+                "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
+                "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
+            )
+        return
+    secret = parse_secret("mlflow", p.mlflow_secret)
+    if secret is not None and "MLFLOW_TRACKING_URI" in secret.keys:
+        return
+    if not on_cluster and environ.get("MLFLOW_TRACKING_URI"):
+        return
+    raise _fail(
+        "mlflow_tracking_uri",
+        "",
+        "no MLflow server: set mlflow_tracking_uri=http://... or mlflow_secret=<Secret> "
+        "(a Secret with the key MLFLOW_TRACKING_URI)",
+    )
+
+
+def check_serving(plan, config) -> str:
+    """What vLLM can serve as a LoRA module: a plain LoRA adapter of rank <= max_lora_rank (a vLLM-accepted
+    value). ``serving_mode=lora`` refuses anything else; ``auto`` serves it merged into its base instead.
+    Returns why the adapter will be served merged ('' = as a LoRA module, or decided after promotion)."""
+    if config.method == "full" or not plan.serving.deploy:
+        return ""
+
+    rank, mode = plan.serving.max_lora_rank, plan.serving.serving_mode
+    if rank not in VLLM_MAX_LORA_RANKS:
+        raise _fail("max_lora_rank", rank, f"vLLM accepts only {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
+    if mode == "merged":
+        return "serving_mode=merged"
+    refusals = []
+    if config.lora.use_dora:
+        refusals.append("lora.use_dora=true (DoRA): vLLM does not serve DoRA adapters")
+    if config.lora.r > rank:
+        refusals.append(f"`lora_r`={config.lora.r} exceeds `max_lora_rank`={rank} of the vLLM runtime")
+    if refusals and mode == "lora":
+        raise ConfigError(
+            f"pipeline parameters: {'; '.join(refusals)}, so vLLM would refuse the adapter and serving_mode=lora "
+            "serves adapters only as LoRA modules. Train a plain LoRA adapter of rank <= max_lora_rank (lower "
+            "lora_r or raise max_lora_rank; lora.use_dora=false), or set serving_mode=auto to serve it merged"
+        )
+    return f"{'; '.join(refusals)}: the adapter will be served merged into its base model" if refusals else ""
+
+
+def check_sweep(plan, max_lora_rank: int) -> None:
+    """The sweep spec parses, its ranks are servable, and its fixed trial settings clash with nothing."""
+    from llmft.katib.experiment import SweepSpec, apply_overrides  # heavy: kubeflow_katib_api
+
+    sweep = plan.sweep
+    if sweep.backend not in SWEEP_BACKENDS:
+        raise _fail("sweep_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
+    if sweep.backend == "local" and plan.on_cluster:
+        raise _fail(
+            "sweep_backend",
+            "local",
+            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use sweep_backend=katib",
+        )
+    spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
+    if plan.serving.deploy and plan.trainer.method != "full" and plan.serving.serving_mode != "merged":
+        check_servable_ranks(spec, max_lora_rank)  # auto too: the sweep's winner must not decide the serving form
+    check_trial_overrides(spec, sweep.trial_overrides)
+
+
+def preflight_secrets(plan, cluster=None) -> list[str]:
+    """On a cluster: read every Secret the run mounts (tasks, job, InferenceService); raise ConfigError
+    naming each missing Secret or key. Returns notes for what could not be checked (no RBAC to read Secrets)."""
+
+    cluster = cluster or cluster_module.Cluster()
+    wanted: dict[tuple[str, str], set[str]] = {}
+    for secret in (*plan.task_secrets, *plan.job.secrets):
+        wanted.setdefault((secret.name, cluster.namespace), set()).update(secret.keys)
+    if plan.serving.deploy and plan.serving.mode == "kserve" and plan.serving.hf_secret is not None:
+        namespace = plan.serving.namespace or cluster.namespace
+        wanted.setdefault((plan.serving.hf_secret.name, namespace), set()).update(plan.serving.hf_secret.keys)
+    missing, notes = [], []
+    for (name, namespace), keys in sorted(wanted.items()):
+        try:
+            secret = cluster.core_api.read_namespaced_secret(name, namespace)
+        except Exception as exc:  # noqa: BLE001 - kubernetes ApiException or a transport error
+            status = getattr(exc, "status", None)
+            if status == 404:
+                missing.append(f"Secret {namespace}/{name} does not exist (keys {', '.join(sorted(keys))})")
+            else:
+                notes.append(f"could not read Secret {namespace}/{name} ({_reason(exc)}): not checked")
+            continue
+        present = set(getattr(secret, "data", None) or {}) | set(getattr(secret, "string_data", None) or {})
+        absent = sorted(keys - present)
+        if absent:
+            missing.append(f"Secret {namespace}/{name} lacks key(s) {', '.join(absent)}")
+    if missing:
+        raise ConfigError(
+            "the Secrets this run mounts are incomplete (a pod would hang in CreateContainerConfigError):\n- "
+            + "\n- ".join(missing)
+            + "\nCreate them (deploy/secrets/README.md), or name other Secrets/keys with hf_token_secret, "
+            "mlflow_secret, langfuse_secret (NAME or NAME:KEY,KEY)"
+        )
+    return notes
+
+
+SERVING_VERBS = ("create", "get", "update")
+"""What the deploy step does to its InferenceService (serving.py: create, or get and replace; then polls)."""
+
+
+def preflight_serving_namespace(plan, cluster=None) -> None:
+    """A ``serving_namespace`` other than the pipeline's works only with the data PVC there (``pvc://``
+    mounts a claim by name in the predictor pod, kserve v0.20.0 pkg/utils/storage.go 107-115, and a pod's
+    claim is always of its own namespace) and
+    a RoleBinding there letting this service account manage InferenceServices (deploy/role.yaml binds
+    the pipeline's namespace only). ConfigError, one line, naming what is missing."""
+
+    serving = plan.serving
+    if not (serving.deploy and serving.mode == "kserve" and serving.namespace):
+        return
+    cluster = cluster or cluster_module.Cluster()
+    there = serving.namespace
+    if there == cluster.namespace:
+        return
+    missing = []
+    try:
+        cluster.core_api.read_namespaced_persistent_volume_claim(serving.pvc_name, there)
+    except Exception as exc:  # noqa: BLE001 - kubernetes ApiException or a transport error
+        found = "does not exist" if getattr(exc, "status", None) == 404 else f"cannot be read ({_reason(exc)})"
+        missing.append(f"PVC {there}/{serving.pvc_name} {found}")
+    denied = [verb for verb in SERVING_VERBS if not _may(cluster, verb, there)]
+    if denied:
+        missing.append(f"no RoleBinding in {there} lets this service account {'/'.join(denied)} inferenceservices")
+    if missing:
+        raise ConfigError(
+            f"serving_namespace={there}: " + "; ".join(missing) + f". Create the PVC {serving.pvc_name} in {there} on "
+            f"the same volume and bind this service account there to a Role granting create/get/update on "
+            "inferenceservices and get on persistentvolumeclaims (docs/cluster-guide.md, Serving in another "
+            "namespace), or leave serving_namespace empty to serve in the pipeline's namespace"
+        )
+
+
+def _may(cluster, verb: str, namespace: str) -> bool:
+    try:
+        return cluster.may(verb, "serving.kserve.io", "inferenceservices", namespace)
+    except Exception:  # noqa: BLE001 - a review that did not answer proves nothing: counted as denied
+        return False
+
+
+def _reason(exc: Exception) -> str:
+    status = getattr(exc, "status", None)
+    if status == 403:
+        return "HTTP 403: the pipeline's service account may not read Secrets; deploy/role.yaml grants none on purpose"
+    return f"HTTP {status}" if status else type(exc).__name__
+
+
+def compiled_settings(pipeline: str, values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> str:
+    """The ``compiled`` JSON the pipeline passes to the plan step; ``allow_remote_code`` is read from
+    :data:`REMOTE_CODE_ENV` where the pipeline is compiled (a run's parameters cannot change it)."""
+    environ = os.environ if environ is None else environ
+    return json.dumps(
+        {
+            "pipeline": pipeline,
+            "compiled": {name: values[name] for name in COMPILED_PARAMETERS},
+            "allow_remote_code": environ.get(REMOTE_CODE_ENV, "") in ("1", "true", "yes"),
+        }
+    )
+
+
+REMOTE_CODE_ENV = "LLMFT_ALLOW_REMOTE_CODE"
+"""Set to 1 where the pipeline is compiled to let its runs set ``model.trust_remote_code=true``."""
+REMOTE_CODE_KEY = "model.trust_remote_code"
+TRUE_WORDS = tuple(word for word, value in BOOL_WORDS.items() if value)
+
+
+def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tuple[str, ...] = ()) -> bool:
+    """``model.trust_remote_code=true`` (in train_overrides, or a sweep's trial overrides) runs Python code
+    from the model's repository in pods that hold the run's credentials: refused unless the pipeline was
+    compiled with :data:`REMOTE_CODE_ENV`=1, and then announced in a WARNING line. Returns whether it is on."""
+    wanted = bool(config.model.trust_remote_code) or any(
+        split_assignment(item)[0] == REMOTE_CODE_KEY and split_assignment(item)[1].strip().lower() in TRUE_WORDS
+        for item in trial_overrides
+    )
+    if not wanted:
+        return False
+    if not settings.get("allow_remote_code"):
+        raise ConfigError(
+            f"train_overrides: {REMOTE_CODE_KEY}=true runs code from the model's repository inside the training "
+            "pods, which hold the run's credentials; this pipeline was compiled without allowing it. Drop it, or "
+            f"recompile with {REMOTE_CODE_ENV}=1 llmft pipeline compile ... if you trust that repository"
+        )
+    print(
+        f"WARNING: {REMOTE_CODE_KEY}=true: the training pods will RUN PYTHON CODE FROM THE MODEL REPOSITORY "
+        f"{config.model.name_or_path} (allowed: the pipeline was compiled with {REMOTE_CODE_ENV}=1)",
+        flush=True,
+    )
+    return True

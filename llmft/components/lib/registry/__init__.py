@@ -1,0 +1,1 @@
+"""Promotion of the best checkpoint and the MLflow Model Registry."""

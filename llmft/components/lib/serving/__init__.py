@@ -1,0 +1,1 @@
+"""Serving the adapter: servability, serving form, the InferenceService, a real local vLLM."""

@@ -1,0 +1,78 @@
+"""Step 3: fine-tune: a PyTorchJob on the cluster (backend kubeflow) or `llmft train` here (local)."""
+
+from kfp import dsl
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
+
+from llmft.components.images import PIPELINE_IMAGE
+
+
+@dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
+def train_model(
+    plan: Input[Artifact],
+    tokenized: Input[Dataset],
+    run: Output[Model],
+    metrics: Output[Metrics],
+    sweep_best: str = "",
+):
+    """Run the project's trainer on the tokenized shards and output the run directory.
+
+    ``training_backend=kubeflow`` builds the plan's PyTorchJob (Master + Workers running
+    ``llmft train --nproc N --config <run_dir>/config.yaml data=<tokenized>``: the config the plan
+    step resolved and wrote, plus the tokenized data only tokenize knows; restart policy ExitCode, the plan's image,
+    resources, node selector, data PVC and Secrets), submits it through the Training Operator,
+    waits for its conditions while streaming the master's logs, and on failure fails with the
+    job's last log lines. ``training_backend=trainjob`` does the same with a Kubeflow Trainer v2
+    TrainJob on the plan's ``training_runtime`` (docs/trainer-v2.md). ``training_backend=local``
+    (kfp.local only) runs the same ``llmft train`` command as a subprocess of this step.
+
+    ``sweep_best``: the HPO pipeline's sweep output (``key=value`` pairs), passed after ``--config``
+    so they win over the plan's config.
+
+    The run directory ``<data_root>/runs/<run_id>`` is stable across retries of this task, and
+    the trainer resumes from its newest complete checkpoint (``resume=auto``). A cluster failure
+    exits with the contract's code (llmft/trainer/errors.py): 200 when the job's pods never start or it
+    timed out (retryable), 1 for bad input, never a traceback.
+
+    Outputs: ``run`` (training_manifest.json; metadata ``path`` = the run directory) and
+    ``metrics`` (final and best eval loss / perplexity, tokens, wall time).
+    """
+    import json
+    import os
+    import shlex
+
+    from llmft.components.lib.jobs.pytorchjob_launch import read_training_manifest, training_metrics
+    from llmft.components.lib.plan.schema import read_plan
+    from llmft.trainer.io import TRAINING_MANIFEST
+
+    run_plan = read_plan(plan.path)
+    run_plan.layout.use_hf_cache()
+    trainer, job = run_plan.trainer, run_plan.job
+    launch = trainer.launch(tokenized.metadata["path"], shlex.split(sweep_best or ""))
+
+    if job.backend == "local":
+        from llmft.components.lib.jobs.local_train import run_local_training
+
+        os.makedirs(trainer.run_dir, exist_ok=True)
+        tracking = run_plan.registry.tracking_uri
+        run_local_training(
+            launch,
+            nproc=max(1, job.num_workers),
+            log_path=os.path.join(trainer.run_dir, "train.log"),
+            env={"MLFLOW_TRACKING_URI": tracking} if tracking else {},
+            timeout_s=job.timeout_s,
+        )
+    else:
+        from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster_or_exit
+
+        run_on_cluster_or_exit(job, launch)
+
+    manifest = read_training_manifest(trainer.run_dir)
+    os.makedirs(run.path, exist_ok=True)
+    with open(os.path.join(run.path, TRAINING_MANIFEST), "w") as fh:
+        json.dump(manifest, fh, indent=2, sort_keys=True, default=str)
+    run.metadata.update(
+        {"path": trainer.run_dir, "base_model": trainer.model, "method": trainer.method, "backend": job.backend}
+    )
+    for name, value in sorted(training_metrics(manifest).items()):
+        metrics.log_metric(name, value)
+    print(f"training finished: run directory {trainer.run_dir}")

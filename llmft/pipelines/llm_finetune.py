@@ -1,0 +1,268 @@
+"""`llm_finetune_pipeline`: plan -> raw dataset -> validated JSONL -> packed shards -> fine-tune ->
+evaluate -> promote -> serving form (LoRA, or merged) -> register in MLflow -> deploy to KServe vLLM.
+
+The parameter list is not written here: it is the signature of the plan component
+(``plan_run`` in llmft/components/plan.py), copied onto the pipeline function by :func:`build_pipeline`
+(KFP's decorator reads ``inspect.signature`` and the docstring's Args, so the types, defaults and
+descriptions reach the compiled YAML and the KFP UI). The first task, ``plan-run``, checks them all
+and writes plan.json; every later task takes the plan plus its data artifacts.
+
+The platform settings are applied here, once:
+
+* the data/checkpoint PVC (``pvc_name``) is mounted at ``/data`` in every task, whose container runs as
+  the images' uid and gid (``set_security_context``: honoured from KFP backend 2.16, ignored before, where
+  the image's ``USER`` gives the same uid; the volume's root must belong to it: lib/plan/volume_access.py);
+* CPU and memory requests and limits of every task come from the ``step_*``, ``data_*`` and
+  ``eval_*`` parameters (resolved by the KFP backend at run time, 2.4 onwards);
+* the Secrets named by ``hf_token_secret`` / ``mlflow_secret`` are mounted as environment
+  variables into the tasks that need them, without ``optional`` (ignored by KFP backends before
+  2.15, kubeflow/pipelines#12216); like the evaluate task's ``gpu_node_selector`` they are fixed
+  when compiling (``llmft pipeline compile ... hf_token_secret=NAME``), because backends before
+  2.5 cannot take a Secret name or a node selector from a parameter;
+* the train task has a timeout and retries (it resumes from the newest checkpoint);
+* the steps run inside a ``dsl.ExitHandler`` whose exit task (``cleanup-run``) deletes the run's
+  unfinished jobs and Experiments when the run fails (llmft/components/lib/jobs/cleanup.py).
+
+No pipeline parameter is a secret. ``llmft pipeline compile`` writes the YAML;
+``llmft pipeline run-local`` runs it here through kfp.local.
+"""
+
+# No `from __future__ import annotations`: KFP reads the real parameter annotations.
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from kfp import compiler, dsl, kubernetes
+
+from llmft.components.cleanup import cleanup_run
+from llmft.components.deploy import deploy_adapter
+from llmft.components.evaluate import evaluate_perplexity
+from llmft.components.images import IMAGE_UID
+from llmft.components.lib.plan.checks import (
+    SECRET_PARAMETERS,
+    TASK_RESOURCE_GROUPS,
+    TASK_SECRET_KINDS,
+    compiled_settings,
+    parse_node_selector,
+    parse_secret,
+)
+from llmft.components.lib.plan.schema import DATA_MOUNT, SWEEP_PREFIX, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
+from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_run
+from llmft.components.prepare_dataset import prepare_dataset
+from llmft.components.promote import promote_best_checkpoint
+from llmft.components.register import register_model
+from llmft.components.serving_form import choose_serving_form
+from llmft.components.sweep import sweep_hyperparameters
+from llmft.components.tokenize_dataset import tokenize_dataset
+from llmft.components.train import train_model
+from llmft.trainer.errors import ConfigError
+
+PIPELINE_NAME = "llm-finetune"
+DESCRIPTION = "Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM"
+TASK_ORDER = (
+    "plan-run",
+    "prepare-dataset",
+    "tokenize-dataset",
+    "train-model",
+    "evaluate-perplexity",
+    "promote-best-checkpoint",
+    "choose-serving-form",
+    "register-model",
+    "deploy-adapter",
+)
+"""The nine tasks, in the order they run (inside the exit handler group EXIT_GROUP)."""
+EXIT_GROUP = "exit-handler-1"
+"""The dsl.ExitHandler group holding the pipeline's body; CLEANUP_TASK runs after it, whatever its outcome."""
+CLEANUP_TASK = "cleanup-run"
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+"""GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule."""
+GPU_STEPS = ("evaluate-perplexity",)
+"""Tasks that run model forward passes on a GPU in their own pod."""
+TASK_GROUPS = {
+    "prepare-dataset": "data",
+    "tokenize-dataset": "data",
+    "evaluate-perplexity": "eval",
+    "choose-serving-form": "data",  # the merge streams one tensor at a time, but a 70B one in float32 is GBs
+}
+"""Resource group of each task (TASK_RESOURCE_GROUPS); the others are light "step" tasks."""
+
+TRAIN_RETRIES = 2
+"""Retries of the train task; each resumes from the newest complete checkpoint."""
+SWEEP_RETRIES = 2
+"""Retries of the sweep task; a retry re-attaches to the same Experiment (its name derives from the run id)."""
+
+
+# --- the parameter list, derived from the plan component -----------------------------------
+
+
+def pipeline_signature(*, hpo: bool, defaults: Mapping[str, Any] | None = None) -> inspect.Signature:
+    """plan_run's parameters (without ``sweep_*`` unless ``hpo``), with the compile-time defaults
+    (images; anything in ``defaults``) in place of its literal ones."""
+    overrides = {**compile_time_defaults(), **(defaults or {})}
+    params = []
+    for name, param in inspect.signature(plan_run.python_func).parameters.items():
+        if name in INTERNAL_INPUTS or (name.startswith(SWEEP_PREFIX) and not hpo):
+            continue
+        default = overrides.get(name, param.default)
+        if not isinstance(default, param.annotation):  # an int given for a float parameter
+            default = param.annotation(default)
+        params.append(param.replace(default=default))
+    unknown = set(defaults or {}) - {p.name for p in params}
+    if unknown:
+        raise ConfigError(f"unknown pipeline parameter(s) {sorted(unknown)}")
+    return inspect.Signature(params)
+
+
+def pipeline_docstring(description: str, signature: inspect.Signature) -> str:
+    """``description`` plus an Args section with plan_run's description of each parameter (KFP
+    parses it into the compiled YAML's parameter descriptions)."""
+    # heavy: docstring_parser
+    import docstring_parser
+
+    described = {p.arg_name: p.description for p in docstring_parser.parse(plan_run.python_func.__doc__).params}
+    lines = [description, "", "Args:"]
+    lines += [f"    {name}: {' '.join((described.get(name) or name).split())}" for name in signature.parameters]
+    return "\n".join(lines) + "\n"
+
+
+def build_pipeline(*, hpo: bool = False, defaults: Mapping[str, Any] | None = None):
+    """The pipeline (a KFP GraphComponent). ``defaults`` replace parameter defaults; for the
+    parameters its own tasks apply (COMPILED_PARAMETERS: Secrets, the evaluate node selector)
+    they also decide what the compiled YAML mounts."""
+    signature = pipeline_signature(hpo=hpo, defaults=defaults)
+    name = f"{PIPELINE_NAME}-hpo" if hpo else PIPELINE_NAME
+    description = HPO_DESCRIPTION if hpo else DESCRIPTION
+    static = {n: p.default for n, p in signature.parameters.items()}
+
+    def pipeline(*args, **kwargs):
+        values = signature.bind(*args, **kwargs).arguments  # name -> pipeline channel
+        add_steps(values, static, pipeline_name=name, hpo=hpo)
+
+    pipeline.__signature__ = signature  # type: ignore[attr-defined]  # inspect.signature (so KFP) reads it
+    pipeline.__doc__ = pipeline_docstring(description, signature)
+    pipeline.__name__ = pipeline.__qualname__ = name.replace("-", "_") + "_pipeline"
+    return dsl.pipeline(name=name, description=description)(pipeline)
+
+
+# --- the steps --------------------------------------------------------------------------------
+
+
+def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: Mapping) -> dsl.PipelineTask:
+    """Mount the PVC at /data as the images' uid (the volume's owner), set CPU/memory requests and limits
+    from the step's parameters, mount the step's Secrets (compile-time names, required keys), and place GPU
+    steps on GPU nodes."""
+    kubernetes.mount_pvc(task, pvc_name=values["pvc_name"], mount_path=DATA_MOUNT)
+    kubernetes.set_security_context(task, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID, run_as_non_root=True)
+    cpu, memory = TASK_RESOURCE_GROUPS[TASK_GROUPS.get(step, "step")]
+    task.set_cpu_request(values[cpu]).set_cpu_limit(values[cpu])
+    task.set_memory_request(values[memory]).set_memory_limit(values[memory])
+    for secret in task_secrets(step, static):
+        kubernetes.use_secret_as_env(task, secret_name=secret.name, secret_key_to_env={k: k for k in secret.keys})
+    if step in GPU_STEPS:
+        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+        for key, value in parse_node_selector(static["gpu_node_selector"]).items():
+            kubernetes.add_node_selector(task, key, value)
+        kubernetes.add_toleration(task, **GPU_TOLERATION)
+    task.set_caching_options(False)  # our own content-addressed caches decide reuse
+    return task
+
+
+def task_secrets(step: str, static: Mapping) -> list:
+    """The Secrets (SecretMount) the compiled pipeline mounts into ``step``."""
+
+    mounts = [parse_secret(kind, static[SECRET_PARAMETERS[kind]]) for kind in TASK_SECRET_KINDS.get(step, ())]
+    return [m for m in mounts if m is not None]
+
+
+def add_steps(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool) -> None:
+    """The body inside a dsl.ExitHandler whose exit task deletes what a failed or cancelled run left
+    running (llmft/components/cleanup.py)."""
+    cleanup = cleanup_run(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER).set_display_name("clean up after the run")
+    cleanup.set_cpu_request(values["step_cpu"]).set_cpu_limit(values["step_cpu"])
+    cleanup.set_memory_request(values["step_memory"]).set_memory_limit(values["step_memory"])
+    cleanup.set_caching_options(False)
+    with dsl.ExitHandler(cleanup):
+        add_body(values, static, pipeline_name=pipeline_name, hpo=hpo)
+
+
+def add_body(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool) -> None:
+    """plan -> prepare -> tokenize [-> sweep] -> train -> evaluate -> promote -> serving form -> register -> deploy."""
+    plan_task = plan_run(
+        **values, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, compiled=compiled_settings(pipeline_name, static)
+    )
+    plan = apply_platform(plan_task.set_display_name("plan the run"), "plan-run", values, static).outputs["plan"]
+
+    prepare = prepare_dataset(plan=plan)
+    apply_platform(prepare.set_display_name("prepare dataset"), "prepare-dataset", values, static)
+    tokenize = tokenize_dataset(plan=plan, prepared=prepare.outputs["prepared"])
+    apply_platform(tokenize.set_display_name("tokenize to PVC"), "tokenize-dataset", values, static)
+    tokenized = tokenize.outputs["tokenized"]
+
+    best = add_sweep_step(plan, tokenized, values, static).outputs["Output"] if hpo else ""
+    train = train_model(plan=plan, tokenized=tokenized, sweep_best=best)
+    apply_platform(
+        train.set_display_name("train" + (" with the best hyperparameters" if hpo else "")),
+        "train-model",
+        values,
+        static,
+    )
+    train.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="60s", backoff_factor=2.0)
+    kubernetes.set_timeout(train, TRAIN_TASK_TIMEOUT_S)
+    add_release_steps(plan, tokenized, train.outputs["run"], values, static)
+
+
+def add_sweep_step(plan, tokenized, values: Mapping, static: Mapping) -> dsl.PipelineTask:
+    """The HPO pipeline's sweep task; its output (the best key=value overrides) goes to train."""
+    sweep = sweep_hyperparameters(plan=plan, tokenized=tokenized)
+    apply_platform(sweep.set_display_name("sweep hyperparameters (Katib)"), "sweep-hyperparameters", values, static)
+    sweep.set_retry(num_retries=SWEEP_RETRIES, backoff_duration="60s", backoff_factor=2.0)
+    kubernetes.set_timeout(sweep, SWEEP_TASK_TIMEOUT_S)
+    return sweep
+
+
+def add_release_steps(plan, tokenized, run, values: Mapping, static: Mapping) -> None:
+    """evaluate -> promote -> serving form (LoRA or merged) -> register in MLflow -> deploy to KServe vLLM."""
+    evaluate = evaluate_perplexity(plan=plan, tokenized=tokenized, run=run)
+    apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", values, static)
+    evaluation = evaluate.outputs["evaluation"]
+
+    promote = promote_best_checkpoint(plan=plan, evaluation=evaluation)
+    apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", values, static)
+
+    form = choose_serving_form(plan=plan, promoted=promote.outputs["promoted"])
+    apply_platform(form.set_display_name("serving form (LoRA or merged)"), "choose-serving-form", values, static)
+    serving = form.outputs["serving"]
+
+    register = register_model(
+        plan=plan,
+        promoted=promote.outputs["promoted"],
+        evaluation=evaluation,
+        run=run,
+        tokenized=tokenized,
+        serving=serving,
+        task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+    )
+    apply_platform(register.set_display_name("register in MLflow"), "register-model", values, static)
+    register.set_retry(num_retries=2, backoff_duration="30s")  # idempotent: a retry reuses the version
+
+    deploy = deploy_adapter(
+        plan=plan, promoted=promote.outputs["promoted"], registration=register.outputs["registration"], serving=serving
+    )
+    apply_platform(deploy.set_display_name("deploy to KServe vLLM"), "deploy-adapter", values, static)
+
+
+HPO_DESCRIPTION = (
+    "Sweep the fine-tuning hyperparameters with Katib, then fine-tune, evaluate, register and serve the best adapter"
+)
+
+llm_finetune_pipeline = build_pipeline()
+"""The pipeline with the defaults of this environment (images from llmft/components/images.py)."""
+
+
+def compile_pipeline(output: str, *, hpo: bool = False, defaults: Mapping[str, Any] | None = None) -> str:
+    """Compile the pipeline (``defaults`` replace parameter defaults) to ``output`` (YAML); return the path."""
+
+    pipeline = build_pipeline(hpo=hpo, defaults=defaults) if (hpo or defaults) else llm_finetune_pipeline
+    compiler.Compiler().compile(pipeline, package_path=output)
+    return output
