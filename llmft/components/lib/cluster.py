@@ -2,7 +2,7 @@
 
 ``Cluster`` wraps the official ``kubernetes`` client (CustomObjectsApi + CoreV1Api)
 and hands out a Training Operator ``TrainingClient`` that uses the same API
-objects. It holds no business logic: builders (pytorchjob.py, serving.py, the
+objects. It holds no business logic: builders (jobs/, serving/inferenceservice.py, the
 Katib helper) make the objects, this module sends them.
 
 Configuration is loaded lazily, on the first call: in-cluster (the pod's service
