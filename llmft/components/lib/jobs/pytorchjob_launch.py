@@ -59,6 +59,7 @@ from llmft.components.lib.jobs import pod_starts, trainjob_spec
 from llmft.components.lib.jobs.cleanup import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
 from llmft.components.lib.jobs.pending_pods import PendingReporter
 from llmft.components.lib.jobs.pod_starts import JobNeverStarts
+from llmft.components.lib.jobs.pytorchjob_logs import MasterLogFollower
 from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     JOB_NAME_LABEL,
@@ -66,7 +67,6 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     KIND,
     PLURAL,
     VERSION,
-    MasterLogFollower,
     build_pytorchjob,
     build_pytorchjob_spec,
 )

@@ -1,4 +1,4 @@
-"""Build, validate and run the trainer's PyTorchJob (Training Operator v1, kubeflow.org/v1).
+"""Build and validate the trainer's PyTorchJob (Training Operator v1, kubeflow.org/v1).
 
 ``build_pytorchjob(PyTorchJobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
 one Master plus ``num_nodes - 1`` Workers, each running
@@ -15,19 +15,19 @@ resumes from the last committed checkpoint).
 namespace, ready to embed as a Katib trial template (llmft/katib/ takes the dict; it never
 imports llmft/components/), its command wrapped for Katib's metrics collector
 (:func:`katib_trial_script`). llmft/components/lib/jobs/pytorchjob_launch.py submits the job through the
-TrainingClient and waits for it.
+TrainingClient and waits for it; llmft/components/lib/jobs/pytorchjob_logs.py follows its master's log.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmft.components import images
-from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, Cluster, ClusterError
+from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
 from llmft.katib.k8s_names import is_k8s_name
 from llmft.trainer.errors import ConfigError
 
@@ -576,39 +576,6 @@ def pytorchjob_webhook_errors(job: dict) -> list[str]:
         if elastic.get("nProcPerNode") is not None and spec.get("nprocPerNode") is not None:
             errors.append("spec.elasticPolicy.nProcPerNode: must not be used with spec.nprocPerNode")
     return errors
-
-
-class MasterLogFollower:
-    """Prints the new lines of the master pod's log each time it is called (once per poll of the
-    wait), reading through the Cluster. A pod recreated under the same name (a restart under
-    ``restartPolicy: ExitCode``) has a new uid and a fresh log, printed from its start."""
-
-    def __init__(self, cluster: Cluster, name: str, namespace: str, print_fn: Callable[[str], Any] = print):
-        self.cluster, self.name, self.namespace, self.print_fn = cluster, name, namespace, print_fn
-        self.lines_seen: dict[str, int] = {}
-
-    def __call__(self, job: Any = None) -> None:
-        selector = f"{JOB_NAME_LABEL}={self.name},{JOB_ROLE_LABEL}=master"
-        try:
-            pods = self.cluster.list_pods(selector, namespace=self.namespace)
-        except ClusterError:
-            return
-        for pod in pods:
-            pod_name = pod.metadata.name
-            if pod.status is not None and pod.status.phase == "Pending":
-                continue
-            try:
-                lines = self.cluster.read_pod_log(
-                    pod_name, container=PYTORCHJOB_CONTAINER, namespace=self.namespace
-                ).splitlines()
-            except ClusterError:  # container not started yet
-                continue
-            key = f"{pod_name}/{pod.metadata.uid or ''}"
-            start = self.lines_seen.get(key, 0)
-            start = 0 if len(lines) < start else start  # the container restarted in place: a fresh log
-            for line in lines[start:]:
-                self.print_fn(f"[{pod_name}] {line}")
-            self.lines_seen[key] = len(lines)
 
 
 # --- a JobPlan's PyTorchJob ------------------------------------------------------------------
