@@ -29,9 +29,10 @@ from typing import Any
 from llmft.components import images
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
 from llmft.katib.k8s_names import is_k8s_name
+from llmft.katib.trial_kinds import PYTORCHJOB_RESOURCE
 from llmft.trainer.errors import ConfigError
 
-GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
+GROUP, VERSION, PLURAL, KIND = RESOURCE = PYTORCHJOB_RESOURCE  # written once: llmft/katib/trial_kinds.py
 MASTER_PORT = 23456
 """Port the operator's rendezvous uses (its default, named ``pytorchjob-port``)."""
 PORT_NAME = "pytorchjob-port"

@@ -27,9 +27,9 @@ from typing import Any
 
 from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.jobs.cleanup import delete_on_sigterm, run_owner_reference
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec, trial_pytorchjob_dict
-from llmft.components.lib.jobs.trainjob_spec import trial_trainjob_dict
+from llmft.components.lib.jobs.backends import Backend, backend_for
+from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
+from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.plan.schema import TrainerLaunch, job_name
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
@@ -45,6 +45,8 @@ DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "ev
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
+PYTORCHJOB_BACKEND = "kubeflow"
+"""The backend whose trial a backend without Katib trials of its own gets (:func:`trial_backend`)."""
 
 
 SETTINGS_NOT_CARRIED = ("output_dir", "observe.mlflow_experiment")
@@ -82,8 +84,8 @@ def sweep_trial_job(
     mlflow_parent_run_id: str = "",
     mlflow_experiment: str = "",
 ) -> dict:
-    """The trial's job as a dict (a PyTorchJob; a TrainJob for backend trainjob): ``job`` (the plan's
-    JobPlan: image, resources, Secrets, node selector) running the trainer on the existing tokenized
+    """The trial's job as a dict (the backend's ``trial_job``: a PyTorchJob, a TrainJob for trainjob):
+    ``job`` (the plan's JobPlan: image, resources, Secrets, node selector) running the trainer on the existing tokenized
     shards ``data`` (never re-tokenized), each trial in ``<volume>/sweeps/<experiment>/<trial name>``.
 
     A trial starts from the final training's config, so it tunes the model the train step trains:
@@ -112,9 +114,14 @@ def sweep_trial_job(
     spec = build_pytorchjob_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
-    if job.backend == "trainjob":  # Kubeflow Trainer v2 trials (llmft/components/lib/jobs/trainjob_spec.py)
-        return trial_trainjob_dict(spec, runtime=job.runtime, early_stopping=sweep.early_stopping)
-    return trial_pytorchjob_dict(spec, early_stopping=sweep.early_stopping)
+    return trial_backend(job.backend).trial_job(job, spec, sweep.early_stopping)
+
+
+def trial_backend(name: str) -> Backend:
+    """The backend whose job a Katib trial of a ``training_backend=name`` run is (the registry's); one that
+    runs no Katib trial (``local``: a kfp.local run sweeps with Optuna) gets the PyTorchJob's."""
+    backend = backend_for(name)
+    return backend if backend.trial_job is not None else backend_for(PYTORCHJOB_BACKEND)
 
 
 def build_sweep_experiment(sweep, **job):

@@ -45,9 +45,10 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
 )
 from llmft.components.lib.plan.schema import DEFAULT_RUNTIME
 from llmft.katib.k8s_names import RFC1035_LABEL, RFC1123_SUBDOMAIN
+from llmft.katib.trial_kinds import TRAINJOB_RESOURCE
 from llmft.trainer.errors import ConfigError
 
-GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
+GROUP, VERSION, PLURAL, KIND = RESOURCE = TRAINJOB_RESOURCE  # written once: llmft/katib/trial_kinds.py
 API_VERSION = f"{GROUP}/{VERSION}"
 RUNTIME_KINDS = ("ClusterTrainingRuntime", "TrainingRuntime")
 TRAINER_JOB = TRAINER_CONTAINER = "node"
