@@ -25,10 +25,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.jobs import local_train, pytorchjob_launch, pytorchjob_spec, trainjob_launch, trainjob_spec
+from llmft.components.lib.jobs import (
+    local_train,
+    pytorchjob_launch,
+    pytorchjob_spec,
+    trainjob_launch,
+    trainjob_runtime,
+    trainjob_spec,
+)
 from llmft.components.lib.jobs.launcher_pod import read_launcher_pod
 from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec
 from llmft.katib.trial_kinds import (
@@ -41,6 +48,19 @@ from llmft.katib.trial_kinds import (
     unregister_trial_kind,
 )
 from llmft.trainer.errors import ConfigError, LlmftError
+
+JOB_VERBS = ("create", "get", "list", "watch", "patch", "delete")
+"""What the launcher does to its backend's jobs: submit, read and wait, (un)mark kept for a retry, delete."""
+
+
+class Grant(NamedTuple):
+    """One RBAC rule a backend needs: verbs on (group, resource); ``cluster_scoped``: in deploy/cluster-role.yaml
+    (a ClusterRole), else in deploy/role.yaml (the pipeline's namespaced Role)."""
+
+    group: str
+    resource: str
+    verbs: tuple[str, ...]
+    cluster_scoped: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +86,13 @@ class Backend:
     trial_job: Callable[[Any, PyTorchJobSpec, bool], dict] | None = None
     attach: Callable[..., dict] | None = None
     run: Callable[[Any, Any], Any] | None = None
+    reads: tuple[Grant, ...] = ()
+    """What else its launcher reads (a TrainJob's runtimes), beyond its own kind."""
+
+    def grants(self) -> tuple[Grant, ...]:
+        """The RBAC it needs (tests/docs/test_deploy_manifests.py: deploy/ grants it): its jobs, then ``reads``."""
+        own = (Grant(self.resource.group, self.resource.plural, JOB_VERBS),) if self.resource else ()
+        return (*own, *self.reads)
 
     def run_train_step(self, plan, launch) -> Any:
         """The train step's body for this backend."""
@@ -194,6 +221,10 @@ register(
         build=_build_trainjob,
         trial_job=_trial_trainjob,
         attach=trainjob_launch.attach_trainjob,
+        reads=(  # its runtime, read by the plan step (llmft/components/lib/jobs/trainjob_runtime.py)
+            Grant(trainjob_spec.GROUP, "trainingruntimes", trainjob_runtime.RUNTIME_VERBS),
+            Grant(trainjob_spec.GROUP, "clustertrainingruntimes", trainjob_runtime.RUNTIME_VERBS, cluster_scoped=True),
+        ),
     )
 )
 register(Backend(name="local", run=local_train.run_local_step))

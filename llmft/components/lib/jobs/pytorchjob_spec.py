@@ -20,7 +20,6 @@ TrainingClient and waits for it; llmft/components/lib/jobs/pytorchjob_logs.py fo
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from llmft.components import images
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
 from llmft.katib.k8s_names import is_k8s_name
 from llmft.katib.trial_kinds import PYTORCHJOB_RESOURCE
+from llmft.trainer.command_line import format_override_value, train_arguments
 from llmft.trainer.errors import ConfigError
 
 GROUP, VERSION, PLURAL, KIND = RESOURCE = PYTORCHJOB_RESOURCE  # written once: llmft/katib/trial_kinds.py
@@ -44,7 +44,6 @@ CLEAN_POD_POLICIES = ("None", "Running", "All")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_PLAIN_ITEM = re.compile(r"^[A-Za-z0-9_./-]+$")
 _NPROC = re.compile(r"^(auto|cpu|gpu|[1-9][0-9]*)$")
 _QUANTITY = re.compile(
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -283,20 +282,6 @@ def resolved_nproc(spec: PyTorchJobSpec) -> str:
     return str(spec.gpus_per_node) if spec.gpus_per_node > 0 else "1"
 
 
-def format_override_value(value: Any) -> str:
-    """Render a value for a ``key=value`` override (YAML-parsable: true/false, null, [a,b])."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, list | tuple):
-        items = [format_override_value(v) for v in value]
-        if all(_PLAIN_ITEM.match(item) for item in items):  # [q_proj,v_proj]: YAML, and shell-safe
-            return "[" + ",".join(items) + "]"
-        return json.dumps(list(value), separators=(",", ":"))
-    return str(value)
-
-
 def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
     """(command, args) of the ``pytorch`` container.
 
@@ -308,11 +293,9 @@ def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
     exits 143 so the operator restarts the pod and the trainer resumes. Exec form
     (no shell), so the signal reaches it as PID 1.
     """
-    args = ["train", "--nproc", resolved_nproc(spec)]
-    if spec.config_path:
-        args += ["--config", spec.config_path]
-    args += [f"{key}={format_override_value(value)}" for key, value in spec.overrides.items()]
-    return ["llmft"], args
+    return ["llmft"], train_arguments(
+        nproc=resolved_nproc(spec), config_path=spec.config_path, overrides=spec.overrides.items()
+    )
 
 
 def _env(spec: PyTorchJobSpec) -> list:

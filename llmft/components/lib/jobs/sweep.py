@@ -36,7 +36,7 @@ from llmft.katib.errors import ExperimentFailed
 from llmft.katib.tracking import ParentRun
 from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
-from llmft.trainer.config import split_assignment
+from llmft.trainer.command_line import override_pairs
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
@@ -65,7 +65,8 @@ def check_trial_overrides(sweep, fixed_overrides: Sequence[str]) -> None:
     """Refuse fixed trial settings that set a key the sweep sets itself (searched or per trial)."""
 
     searched = {p.config_key for p in sweep.search_space}
-    clashes = [o for o in fixed_overrides if o.split("=", 1)[0] in searched | set(TRIAL_OWNED_KEYS)]
+    owned = searched | set(TRIAL_OWNED_KEYS)
+    clashes = [o for o, (key, _) in zip(fixed_overrides, override_pairs(fixed_overrides), strict=True) if key in owned]
     if clashes:
         raise ConfigError(
             f"trial overrides {clashes} set keys the sweep sets itself (searched or per trial); "
@@ -105,7 +106,7 @@ def sweep_trial_job(
         "data": data,
         "output_dir": f"{job.mount_path}/sweeps/{sweep.name}/{TRIAL_NAME_PLACEHOLDER}",
         "observe.run_name": TRIAL_NAME_PLACEHOLDER,
-        **dict(split_assignment(item) for item in [*fixed_overrides, *trial_overrides(sweep)]),
+        **dict(override_pairs([*fixed_overrides, *trial_overrides(sweep)])),
     }
     if mlflow_experiment:
         trial["observe.mlflow_experiment"] = mlflow_experiment
@@ -154,9 +155,8 @@ def warn_shadowed(user_overrides: Sequence[str], best: Sequence[str]) -> None:
     """The train step passes the sweep's best after the plan's config, so the best win. Print a
     warning for a ``train_overrides`` setting a best value replaces, or one that would make a swept
     value ineffective (``schedule.warmup_steps`` > 0 overrides ``schedule.warmup_ratio``)."""
-    user_keys = {item.split("=", 1)[0]: item.split("=", 1)[-1] for item in user_overrides}
-    for item in best:
-        key = item.split("=", 1)[0]
+    user_keys = dict(override_pairs(user_overrides))
+    for item, (key, _) in zip(best, override_pairs(best), strict=True):
         if key in user_keys:
             print(f"warning: train_overrides sets {key}={user_keys[key]}; the sweep's {item} replaces it")
         shadow = SHADOWING_KEYS.get(key)
@@ -271,4 +271,4 @@ def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
 def _log_parent_result(parent, result: dict) -> None:
     for key, value in result["metrics"].items():
         parent.log_metric(key, value)
-    parent.log_params({f"best.{o.split('=', 1)[0]}": o.split("=", 1)[1] for o in result["best_overrides"]})
+    parent.log_params({f"best.{key}": value for key, value in override_pairs(result["best_overrides"])})
