@@ -67,7 +67,7 @@ def toy(monkeypatch):
 def test_the_registry_holds_the_three_backends_and_the_pipeline_values():
     assert list(backends.BACKENDS) == list(TRAINING_BACKENDS) == ["kubeflow", "trainjob", "local"]
     assert render_names() == {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
-    assert [r.plural for r in run_resources()] == ["pytorchjobs", "trainjobs", "experiments"]
+    assert [r.plural for r in run_resources()] == ["pytorchjobs", "experiments", "trainjobs"]  # API order
     with pytest.raises(ConfigError, match="training_backend='rayjob' is not a training backend"):
         backend_for("rayjob")
 

@@ -131,9 +131,10 @@ def render_names() -> dict[str, str]:
 
 
 def run_resources() -> tuple[JobResource, ...]:
-    """Everything a run may start: every backend's job kind, then Katib's Experiment (the run's cleanup)."""
-    kinds = tuple(b.resource for b in BACKENDS.values() if b.resource is not None)
-    return (*kinds, EXPERIMENT_RESOURCE)
+    """Everything a run may start (the run's cleanup): every backend's job kind and Katib's Experiment, in API
+    order (group, version, plural), whatever the order of registration."""
+    kinds = {b.resource for b in BACKENDS.values() if b.resource is not None} | {EXPERIMENT_RESOURCE}
+    return tuple(sorted(kinds))
 
 
 # --- a cluster backend's train step ---------------------------------------------------------------
