@@ -82,7 +82,7 @@ def render_job_and_config(
     launch = plan.trainer.launch(data or plan.layout.tokenized("CACHE_KEY"))
     spec = build_pytorchjob_spec(plan.job, launch, namespace=namespace)
     config = f"{plan.trainer.config_path}:\n{config_to_yaml(plan.trainer.config)}"
-    return backend_for(training_backend).build(plan.job, spec), config
+    return backend_for(training_backend).build_job(plan.job, spec), config
 
 
 # Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (llmft/katib/experiment.py has

@@ -94,6 +94,18 @@ class Backend:
         own = (Grant(self.resource.group, self.resource.plural, JOB_VERBS),) if self.resource else ()
         return (*own, *self.reads)
 
+    def build_job(self, job, spec: PyTorchJobSpec) -> dict:
+        """:attr:`build`'s body; ConfigError for a backend that creates no job (local)."""
+        if self.build is None:
+            raise ConfigError(f"training_backend={self.name} creates no cluster job to build")
+        return self.build(job, spec)
+
+    def build_trial_job(self, job, spec: PyTorchJobSpec, early_stopping: bool) -> dict:
+        """:attr:`trial_job`'s Katib trial template; ConfigError for a backend without Katib trials."""
+        if self.trial_job is None:
+            raise ConfigError(f"training_backend={self.name} runs no Katib trials")
+        return self.trial_job(job, spec, early_stopping)
+
     def run_train_step(self, plan, launch) -> Any:
         """The train step's body for this backend."""
         return (self.run or _run_cluster_step)(plan, launch)

@@ -115,7 +115,7 @@ def sweep_trial_job(
     spec = build_pytorchjob_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
-    return trial_backend(job.backend).trial_job(job, spec, sweep.early_stopping)
+    return trial_backend(job.backend).build_trial_job(job, spec, sweep.early_stopping)
 
 
 def trial_backend(name: str) -> Backend:
