@@ -120,3 +120,23 @@ def test_the_runs_cleanup_deletes_the_registered_kind(toy, fake_cluster, fake_cu
 
     assert report["deleted"] == ["ToyJob/toy-train"]
     assert not [key for key in fake_custom_api.objects if key[-1] == "toy-train"]
+
+
+def test_the_local_entry_runs_the_trainer_in_the_plans_run_directory(sim_volume, monkeypatch):
+    from llmft.components.lib.jobs import local_train
+
+    plan = sim_plan(sim_volume, training_backend="local", run_id="run-local", mlflow_tracking_uri="http://m:5000")
+    launch = plan.trainer.launch(f"{sim_volume}/tokenized/demo")
+    seen = {}
+    monkeypatch.setattr(local_train, "run_local_training", lambda launch, **kw: seen.update(launch=launch, **kw))
+
+    backend_for("local").run_train_step(plan, launch)
+
+    assert seen == {
+        "launch": launch,
+        "nproc": max(1, plan.job.num_workers),
+        "log_path": f"{plan.trainer.run_dir}/train.log",
+        "env": {"MLFLOW_TRACKING_URI": "http://m:5000"},
+        "timeout_s": plan.job.timeout_s,
+    }
+    assert backend_for("local").attach is None and backend_for("local").resource is None
