@@ -426,11 +426,14 @@ def compiled_executors(pipeline_env: dict[str, str], out: Path) -> dict[str, lis
 
 
 def job_containers(pipeline_env: dict[str, str], out: Path) -> list[tuple[str, str, list[str]]]:
-    """(job kind, image, command + args) of every container of the rendered PyTorchJob and TrainJob."""
+    """(job kind, image, command + args) of every container of the job each training backend renders
+    (llmft/components/lib/jobs/backends.py: the PyTorchJob and the TrainJob)."""
     import yaml
 
+    from llmft.components.lib.jobs.backends import render_names
+
     found = []
-    for backend in ("pytorchjob", "trainjob"):
+    for backend in sorted(render_names()):
         path = out / f"{backend}.yaml"
         argv = ["llmft", "pipeline", "render-job", "--backend", backend, "--output", str(path), PLACEHOLDER_MLFLOW]
         run(argv, env=pipeline_env, cwd=out, what="render-job")

@@ -3,7 +3,8 @@
 The job is built by the launcher's own code from a plan built from the given pipeline
 parameters: ``build_plan`` (as the plan-run step does on a cluster), then
 ``plan.trainer.launch(<tokenized dir>)`` and ``build_pytorchjob_spec`` (as the train step does),
-then ``build_pytorchjob`` or ``build_trainjob``. Only the tokenized folder (known once the tokenize
+then the backend's ``build`` (llmft/components/lib/jobs/backends.py: every backend with a
+``render_name``). Only the tokenized folder (known once the tokenize
 step ran) and the run id (the KFP run's) are placeholders. The job runs ``llmft train --config
 <run_dir>/config.yaml data=...``; the file's header shows that config.yaml as the plan step would
 write it on the volume (this command writes nothing there).
@@ -17,15 +18,13 @@ import re
 import yaml
 
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob, build_pytorchjob_spec, pytorchjob_to_dict
-from llmft.components.lib.jobs.trainjob_spec import build_trainjob, trainjob_to_dict
+from llmft.components.lib.jobs.backends import backend_for, render_names
+from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config import config_to_yaml
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
 
-BACKENDS = {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
-"""--backend -> the pipeline's training_backend value."""
 RENDER_POD = {"KFP_POD_NAME": "llmft-render-job"}
 """The environment of a KFP task pod, so the plan applies the checks it applies on a cluster."""
 
@@ -35,7 +34,8 @@ def add_parser(sub) -> None:
         "render-job", help="write the PyTorchJob or TrainJob the train step would submit (for review)"
     )
     render.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. num_workers=2)")
-    render.add_argument("--backend", choices=sorted(BACKENDS), required=True, help="pytorchjob or trainjob")
+    choices = sorted(render_names())
+    render.add_argument("--backend", choices=choices, required=True, help=" or ".join(choices))
     render.add_argument(
         "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
     )
@@ -72,19 +72,17 @@ def render_job_and_config(
     # heavy: kfp
     from llmft.components.plan import parameter_defaults
 
-    given = arguments.get("training_backend", BACKENDS[backend])
-    if given != BACKENDS[backend]:
+    training_backend = render_names()[backend]
+    given = arguments.get("training_backend", training_backend)
+    if given != training_backend:
         raise ConfigError(f"training_backend={given} contradicts --backend {backend}; drop one of them")
-    values = {**parameter_defaults(), **arguments, "training_backend": BACKENDS[backend]}
+    values = {**parameter_defaults(), **arguments, "training_backend": training_backend}
     pipeline = "llm-finetune-hpo" if hpo else "llm-finetune"
     plan = build_plan(values, run_id=run_id, compiled=compiled_settings(pipeline, values), environ=RENDER_POD)
     launch = plan.trainer.launch(data or plan.layout.tokenized("CACHE_KEY"))
     spec = build_pytorchjob_spec(plan.job, launch, namespace=namespace)
     config = f"{plan.trainer.config_path}:\n{config_to_yaml(plan.trainer.config)}"
-    if backend == "trainjob":
-        return trainjob_to_dict(build_trainjob(spec, runtime=plan.job.runtime)), config
-
-    return pytorchjob_to_dict(build_pytorchjob(spec)), config
+    return backend_for(training_backend).build_job(plan.job, spec), config
 
 
 # Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (llmft/katib/experiment.py has

@@ -209,11 +209,14 @@ def build_from_settings(items: list[str]):
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     # heavy: yaml
+    from llmft.trainer.command_line import override_pairs
+
+    # heavy: yaml
     from llmft.trainer.config import changed_settings
 
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)
-    fixed = {key: value for key, value in (o.split("=", 1) for o in (*DEFAULT_TRIAL_OVERRIDES, *train))}
+    fixed = dict(override_pairs((*DEFAULT_TRIAL_OVERRIDES, *train)))  # a later key wins
     data = job.pop("data", "")
     plan_job, p = trial_job(job, spec.name)
     config = trainer_plan(p, DataLayout(p.data_root), spec.name).config
@@ -324,6 +327,9 @@ def run_local(args: argparse.Namespace) -> int:
     # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.katib.local_sweep import run_local_sweep
 
+    # heavy: yaml
+    from llmft.trainer.command_line import override_pairs
+
     sweep_items, job, train = split_settings(args.settings)
     if job:
         raise SweepError(f"{', '.join(job)}: cluster job settings do not apply to run-local; use --model/--data")
@@ -332,7 +338,7 @@ def run_local(args: argparse.Namespace) -> int:
     spec = apply_overrides(SweepSpec(name="local-sweep"), sweep_items)
     workdir = Path(args.workdir)
     model, data = local_inputs(workdir, args.model, args.data)
-    fixed = {key: value for key, value in (o.split("=", 1) for o in (*LOCAL_TRIAL_DEFAULTS, *train))}
+    fixed = dict(override_pairs((*LOCAL_TRIAL_DEFAULTS, *train)))  # a later key wins
     trainer_args = [f"model.name_or_path={model}", f"data={data}", *[f"{k}={v}" for k, v in fixed.items()]]
     print(f"local sweep: {args.trials} trials, algorithm {spec.algorithm}, model {model}, data {data}")
     result = run_local_sweep(

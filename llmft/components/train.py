@@ -1,4 +1,5 @@
-"""Step 3: fine-tune: a PyTorchJob on the cluster (backend kubeflow) or `llmft train` here (local)."""
+"""Step 3: fine-tune on the plan's training backend (llmft/components/lib/jobs/backends.py): a PyTorchJob
+(kubeflow) or TrainJob on the cluster, or `llmft train` here (local)."""
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
@@ -40,6 +41,7 @@ def train_model(
     import os
     import shlex
 
+    from llmft.components.lib.jobs.backends import backend_for
     from llmft.components.lib.jobs.pytorchjob_launch import read_training_manifest, training_metrics
     from llmft.components.lib.plan.schema import read_plan
     from llmft.trainer.io import TRAINING_MANIFEST
@@ -49,22 +51,7 @@ def train_model(
     trainer, job = run_plan.trainer, run_plan.job
     launch = trainer.launch(tokenized.metadata["path"], shlex.split(sweep_best or ""))
 
-    if job.backend == "local":
-        from llmft.components.lib.jobs.local_train import run_local_training
-
-        os.makedirs(trainer.run_dir, exist_ok=True)
-        tracking = run_plan.registry.tracking_uri
-        run_local_training(
-            launch,
-            nproc=max(1, job.num_workers),
-            log_path=os.path.join(trainer.run_dir, "train.log"),
-            env={"MLFLOW_TRACKING_URI": tracking} if tracking else {},
-            timeout_s=job.timeout_s,
-        )
-    else:
-        from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster_or_exit
-
-        run_on_cluster_or_exit(job, launch)
+    backend_for(job.backend).run_train_step(run_plan, launch)  # llmft/components/lib/jobs/backends.py
 
     manifest = read_training_manifest(trainer.run_dir)
     os.makedirs(run.path, exist_ok=True)

@@ -53,12 +53,12 @@ from kubeflow_katib_api.models import (
 from llmft.katib import search_space as ss
 from llmft.katib.errors import SweepError
 from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC
-from llmft.katib.trial_kinds import PYTORCHJOB, TRIAL_KINDS, trial_kind
+from llmft.katib.trial_kinds import EXPERIMENT_RESOURCE, PYTORCHJOB, TRIAL_KINDS, trial_kind
 from llmft.trainer.config import parse_bool, split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.yaml_limits import load_user_yaml, read_yaml_text
 
-GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1beta1", "experiments", "Experiment"
+GROUP, VERSION, PLURAL, KIND = EXPERIMENT_RESOURCE
 API_VERSION = f"{GROUP}/{VERSION}"
 
 # What this project lets a user pick; Katib knows more (see webhook_rules.KNOWN_ALGORITHMS).

@@ -36,6 +36,7 @@ from llmft.katib.errors import ExperimentFailed, SweepError
 from llmft.katib.experiment import SweepSpec, algorithm_settings, objective_spec
 from llmft.katib.metrics import METRICS_FILTER, parse_metric_lines, summarize
 from llmft.katib.tracking import PARENT_RUN_ENV, ParentRun  # noqa: F401 - PARENT_RUN_ENV re-exported
+from llmft.trainer.command_line import format_overrides, override_pairs, train_arguments
 
 LOCAL_ALGORITHMS = ("random", "tpe", "grid", "bayesianoptimization")
 
@@ -249,8 +250,13 @@ def run_local_sweep(
         f"sweep-{spec.name}", mlflow_experiment, params=params, tags={"llmft.sweep.algorithm": spec.algorithm}
     ) as parent:
         # resume=never first (the caller's args may override it): a trial never picks up old checkpoints
-        config = ["--config", str(config_path)] if config_path else []
-        command = [python, "-m", "llmft", "train", *config, "resume=never", *trainer_args]  # what a pod runs
+        fixed = [("resume", "never"), *override_pairs(trainer_args)]
+        command = [
+            python,
+            "-m",
+            "llmft",
+            *train_arguments(config_path=config_path and str(config_path), overrides=fixed),
+        ]
         sweep = _Sweep(
             spec,
             optuna_distributions(parameters),
@@ -284,8 +290,9 @@ class _Sweep:
     def objective(self, trial) -> float:
         number, objective = trial.number, self.spec.objective_metric
         assignments = {name: str(_suggest(trial, name, dist)) for name, dist in self.dists.items()}
-        overrides = [f"{self.keys[n]}={v}" for n, v in assignments.items()]
-        command = [*self.base_command, f"output_dir={self.workdir / f'trial-{number:03d}'}", *overrides]
+        overrides = format_overrides((self.keys[n], v) for n, v in assignments.items())
+        trial_dir = ("output_dir", self.workdir / f"trial-{number:03d}")
+        command = [*self.base_command, *format_overrides([trial_dir]), *overrides]
         self.echo(f"[trial {number}] {' '.join(overrides)}")
         outcome = _run_trial(number, command, self.workdir, self.env, self.timeout_s, self.strategies, objective)
         outcome.assignments, outcome.overrides = assignments, overrides
@@ -391,4 +398,4 @@ def _log_parent_best(parent: ParentRun, result: LocalSweepResult, run_dir: Path)
     best = result.best
     if best is not None:
         parent.log_metric(f"best_{result.objective}", best.metrics[result.objective])
-        parent.log_params({f"best.{o.split('=', 1)[0]}": o.split("=", 1)[1] for o in best.overrides})
+        parent.log_params({f"best.{key}": value for key, value in override_pairs(best.overrides)})

@@ -21,53 +21,89 @@ llmft/katib/ stays a leaf: the jobs themselves are built in llmft/components/ an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
 from llmft.katib.errors import SweepError
 
 
+class JobResource(NamedTuple):
+    """A custom resource's (group, version, plural, kind): what the API server's paths, RBAC rules and a body's
+    ``apiVersion``/``kind`` name. Each training backend's is written once, here or in its own module, and read
+    from the registry (llmft/components/lib/jobs/backends.py)."""
+
+    group: str
+    version: str
+    plural: str
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+
+PYTORCHJOB_RESOURCE = JobResource("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob")
+TRAINJOB_RESOURCE = JobResource("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob")
+EXPERIMENT_RESOURCE = JobResource("kubeflow.org", "v1beta1", "experiments", "Experiment")
+"""Katib's Experiment (llmft/katib/experiment.py builds it); here so the run's cleanup names it without
+importing the Experiment builder's heavy dependencies."""
+
+
 @dataclass(frozen=True)
 class TrialKind:
     """What Katib needs to know of one kind of trial job."""
 
-    api_version: str
-    kind: str
+    resource: JobResource
     primary_container_name: str
     primary_pod_labels: Mapping[str, str]
     success_condition: str
     failure_condition: str
     container_rule: str
     """Where the trainer's command lives in the job, for error messages."""
+    find_command: Callable[[Mapping[str, Any]], dict[str, Any] | None]
+    """The dict holding the trainer's ``command``/``args`` in a job of this kind (None when missing)."""
+
+    @property
+    def api_version(self) -> str:
+        return self.resource.api_version
+
+    @property
+    def kind(self) -> str:
+        return self.resource.kind
 
     def command_holder(self, job: Mapping[str, Any]) -> dict[str, Any] | None:
         """The dict holding the trainer's ``command``/``args`` in ``job`` (None when missing)."""
         try:
-            if self.kind == "PyTorchJob":
-                containers = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
-                return next((c for c in containers if c.get("name") == self.primary_container_name), None)
-            trainer = job["spec"]["trainer"]
-            return trainer if trainer.get("command") or trainer.get("args") else None
+            return self.find_command(job)
         except (KeyError, TypeError):
             return None
 
 
+def _pytorchjob_command(job: Mapping[str, Any]) -> dict[str, Any] | None:
+    containers = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    return next((c for c in containers if c.get("name") == PYTORCHJOB.primary_container_name), None)
+
+
+def _trainjob_command(job: Mapping[str, Any]) -> dict[str, Any] | None:
+    trainer = job["spec"]["trainer"]
+    return trainer if trainer.get("command") or trainer.get("args") else None
+
+
 PYTORCHJOB = TrialKind(
-    api_version="kubeflow.org/v1",
-    kind="PyTorchJob",
+    resource=PYTORCHJOB_RESOURCE,
     primary_container_name="pytorch",
     primary_pod_labels={"training.kubeflow.org/job-role": "master"},
     success_condition='status.conditions.#(type=="Succeeded")#|#(status=="True")#',
     failure_condition='status.conditions.#(type=="Failed")#|#(status=="True")#',
     container_rule="spec.pytorchReplicaSpecs.Master must have a container named 'pytorch' "
     "(Katib's primaryContainerName and the operator's rule)",
+    find_command=_pytorchjob_command,
 )
 TRAINJOB = TrialKind(
-    api_version="trainer.kubeflow.org/v1alpha1",
-    kind="TrainJob",
+    resource=TRAINJOB_RESOURCE,
     primary_container_name="node",
     primary_pod_labels={
         "jobset.sigs.k8s.io/replicatedjob-name": "node",
@@ -76,11 +112,23 @@ TRAINJOB = TrialKind(
     success_condition='status.conditions.#(type=="Complete")#|#(status=="True")#',
     failure_condition='status.conditions.#(type=="Failed")#|#(status=="True")#',
     container_rule="spec.trainer must set the command (the runtime's `node` container runs it)",
+    find_command=_trainjob_command,
 )
-# keyed by (apiVersion, kind); looked up with a job dict's values, which may be missing
+# keyed by (apiVersion, kind); looked up with a job dict's values, which may be missing. The training backends'
+# registry (llmft/components/lib/jobs/backends.py) adds the trial kinds of the backends it registers: katib/ is
+# a leaf and never imports it, so the kinds come down as data.
 TRIAL_KINDS: dict[tuple[str | None, str | None], TrialKind] = {
     (k.api_version, k.kind): k for k in (PYTORCHJOB, TRAINJOB)
 }
+
+
+def register_trial_kind(kind: TrialKind) -> None:
+    """Let Katib sweeps run trials of ``kind`` (a training backend's, handed down by the registry)."""
+    TRIAL_KINDS[(kind.api_version, kind.kind)] = kind
+
+
+def unregister_trial_kind(kind: TrialKind) -> None:
+    TRIAL_KINDS.pop((kind.api_version, kind.kind), None)
 
 
 def trial_kind(job: Mapping[str, Any]) -> TrialKind:

@@ -29,7 +29,7 @@ from typing import Any
 
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import RFC1035_LABEL
-from llmft.katib.trial_kinds import TRAINJOB
+from llmft.katib.trial_kinds import TRAINJOB, TRIAL_KINDS
 
 # Katib's default katib-config (v0.19) suggestion and early-stopping services.
 KNOWN_ALGORITHMS = (
@@ -459,10 +459,38 @@ def _check_trial_spec(template: Mapping[str, Any]) -> list[Violation]:
         out.append(Violation(f"{path}.metadata", "metadata.name and metadata.namespace must be omitted", "webhook"))
     if not trial_spec.get("apiVersion") or not trial_spec.get("kind"):
         out.append(Violation(path, "apiVersion and kind must be specified", "webhook"))
-    if trial_spec.get("kind") == "PyTorchJob":
-        out += _check_pytorchjob_template(template)
-    if trial_spec.get("kind") == "TrainJob":
-        out += _check_trainjob_template(template)
+    kind = _registered_kind(trial_spec.get("kind"))
+    if kind is not None:
+        out += _TEMPLATE_CHECKS.get(kind.kind, _check_registered_template)(template)
+    return out
+
+
+def _registered_kind(kind: str | None):
+    """The registered TrialKind named ``kind`` (by kind, whatever the apiVersion, as Katib's own rules read it)."""
+    return next((k for k in TRIAL_KINDS.values() if k.kind == kind), None)
+
+
+def _check_registered_template(template: Mapping[str, Any]) -> list[Violation]:
+    """Trials of a kind a training backend registered (llmft/components/lib/jobs/backends.py): Katib's fields as
+    that kind's TrialKind says, and a trainer command to run."""
+    trial_spec = template["trialSpec"]
+    kind = _registered_kind(trial_spec.get("kind"))
+    assert kind is not None  # _check_trial_spec looked it up
+    expected = {
+        "primaryContainerName": kind.primary_container_name,
+        "successCondition": kind.success_condition,
+        "failureCondition": kind.failure_condition,
+        "primaryPodLabels": dict(kind.primary_pod_labels),
+    }
+    out = [
+        Violation(
+            f"spec.trialTemplate.{key}", f"{kind.kind} trials need {value!r}; got {template.get(key)!r}", "project"
+        )
+        for key, value in expected.items()
+        if (dict(template.get(key) or {}) if key == "primaryPodLabels" else template.get(key)) != value
+    ]
+    if kind.command_holder(trial_spec) is None:
+        out.append(Violation("spec.trialTemplate.trialSpec", kind.container_rule, "project"))
     return out
 
 
@@ -557,3 +585,8 @@ def _check_metrics_collector(mc: Mapping[str, Any]) -> list[Violation]:
         if re.search(r"\(\?<?[=!]|\\[1-9]", fmt):
             out.append(Violation(where, "lookarounds and backreferences do not compile in Go (RE2)", "project"))
     return out
+
+
+_TEMPLATE_CHECKS = {"PyTorchJob": _check_pytorchjob_template, "TrainJob": _check_trainjob_template}
+"""The checks written for the two built-in trial kinds; any other registered kind gets
+:func:`_check_registered_template`."""

@@ -246,6 +246,40 @@ def test_role_grants_what_the_cluster_code_needs_and_no_more(rendered):
         assert resource not in {"secrets", "configmaps"}, "secrets reach pods as env; the Role must not read them"
 
 
+def rbac_gaps(role: dict, cluster_role: dict, registered) -> list[str]:
+    """What the Role (namespaced grants) and the ClusterRole (cluster-scoped ones) lack of the grants each
+    training backend of ``registered`` needs (llmft/components/lib/jobs/backends.py ``Backend.grants``)."""
+    granted = {False: _granted(role), True: _granted(cluster_role)}
+    gaps = []
+    for backend in registered:
+        for grant in backend.grants():
+            missing = set(grant.verbs) - granted[grant.cluster_scoped].get((grant.group, grant.resource), set())
+            if missing:
+                where = "deploy/cluster-role.yaml" if grant.cluster_scoped else "deploy/role.yaml"
+                gaps.append(f"{backend.name}: {where} lacks {sorted(missing)} on {grant.group}/{grant.resource}")
+    return gaps
+
+
+def test_the_roles_grant_what_every_registered_training_backend_needs(rendered):
+    """YAML cannot import the registry, so this test holds deploy/ and the registry together (issue 38.2)."""
+    from llmft.components.lib.jobs.backends import BACKENDS
+
+    assert len(BACKENDS) >= 3
+    assert rbac_gaps(rendered["Role"], rendered["ClusterRole"], BACKENDS.values()) == []
+
+
+def test_a_backend_whose_kind_the_role_does_not_grant_is_named(rendered):
+    from llmft.components.lib.jobs.backends import Backend, Grant
+    from llmft.katib.trial_kinds import JobResource
+
+    ray = Backend(name="rayjob", resource=JobResource("ray.io", "v1", "rayjobs", "RayJob"))
+    reader = Backend(name="reader", reads=(Grant("ray.io", "rayclusters", ("get",), cluster_scoped=True),))
+    assert rbac_gaps(rendered["Role"], rendered["ClusterRole"], [ray, reader]) == [
+        "rayjob: deploy/role.yaml lacks ['create', 'delete', 'get', 'list', 'patch', 'watch'] on ray.io/rayjobs",
+        "reader: deploy/cluster-role.yaml lacks ['get'] on ray.io/rayclusters",
+    ]
+
+
 def code_secret_keys() -> dict[str, set[str]]:
     """Secret name -> keys, as the PyTorchJob builder (and so the pipeline) reads them."""
     from llmft.components.lib.jobs.pytorchjob_spec import DEFAULT_SECRET_ENVS

@@ -17,8 +17,9 @@ from cluster_sim import ClusterSim
 from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
 
-from llmft.components.lib.jobs.cleanup import KEEP_ANNOTATION, cleanup_after_run, delete_on_sigterm
-from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.backends import run_on_cluster
+from llmft.components.lib.jobs.cleanup import cleanup_after_run
+from llmft.components.lib.jobs.launcher_pod import KEEP_ANNOTATION, delete_on_sigterm
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
 from llmft.components.lib.plan.schema import run_label
 

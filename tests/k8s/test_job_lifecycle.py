@@ -16,7 +16,7 @@ from cluster_sim import Chaos
 from conftest import SIM_NAMESPACE, TINY_TRAIN, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     PLURAL,

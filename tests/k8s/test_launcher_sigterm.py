@@ -19,8 +19,8 @@ from fake_clock import FakeClock
 from k8s_fakes import api_error
 
 from llmft.components.lib.jobs import trainjob_spec
-from llmft.components.lib.jobs.cleanup import delete_on_sigterm, sigterm_cause
-from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.backends import run_on_cluster
+from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, sigterm_cause
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
 
 LAUNCHER = "llm-finetune-x7k2p-system-container-impl-1"

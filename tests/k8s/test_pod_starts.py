@@ -11,8 +11,8 @@ from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
 
 from llmft.components.lib.jobs import pod_starts
+from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pod_starts import JobNeverStarts, StartWatcher
-from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
 from llmft.components.lib.plan.schema import JobTimedOut
 from llmft.trainer.errors import EXIT_TRANSIENT
@@ -108,14 +108,14 @@ def test_the_train_step_exits_with_the_retryable_code_not_1(error, tmp_path, mon
     (llmft/trainer/errors.py: 200 transient) instead of the traceback and exit 1 of an uncaught exception."""
     from kfp import dsl
 
-    from llmft.components.lib.jobs import pytorchjob_launch
+    from llmft.components.lib.jobs import backends
     from llmft.components.lib.plan.schema import write_plan
     from llmft.components.train import train_model
 
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(pytorchjob_launch, "run_on_cluster", fail)
+    monkeypatch.setattr(backends, "run_on_cluster", fail)
     plan = sim_plan(sim_volume, run_id="run-exit-code")
     plan_artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     write_plan(plan, plan_artifact.path)

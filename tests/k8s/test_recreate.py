@@ -11,7 +11,7 @@ from cluster_sim import condition, set_condition
 from conftest import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.cluster import wait_until_gone
-from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     PLURAL,

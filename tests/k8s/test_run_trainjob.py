@@ -20,7 +20,7 @@ from trainer_v2_sim import (
 )
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.jobs.pytorchjob_launch import run_on_cluster
+from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.jobs.trainjob_launch import (
     PERMANENT_EXIT_ANNOTATION,

@@ -28,6 +28,7 @@ import numpy as np
 
 from llmft.benchmarks.gpu import common
 from llmft.trainer import flops
+from llmft.trainer.command_line import override_pairs
 from llmft.trainer.data.shards import write_split
 from llmft.trainer.tiny_model import build_tokenizer
 
@@ -220,7 +221,7 @@ def run(a) -> dict:
     if proc.returncode == 0 and metrics_path.is_file():
         shape = flops.shape_from_config(common.hf_config(a.model))
         result.update(summarize_metrics(metrics_path, samples, a, shape))
-        dropout = next((float(o.split("=", 1)[1]) for o in reversed(a.override) if o.startswith("lora.dropout=")), 0.0)
+        dropout = next((float(v) for k, v in reversed(override_pairs(a.override)) if k == "lora.dropout"), 0.0)
         result["kernel_path"] = common.kernel_path(result.get("fast_path"), dropout if a.method != "full" else None)
         first_step = next(json.loads(line) for line in metrics_path.read_text().splitlines() if '"train"' in line)
         result["compile_s"] = _first_step_seconds(output, first_step)

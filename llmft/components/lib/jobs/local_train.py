@@ -91,3 +91,18 @@ def run_local_training(
             + "\n".join(tail)
         )
     return summarize(observations, {name: "latest" for name in METRICS})
+
+
+def run_local_step(plan, launch) -> dict[str, float]:
+    """The train step's ``local`` backend (llmft/components/lib/jobs/backends.py): :func:`run_local_training`
+    in the plan's run directory, ``train.log`` beside its checkpoints, the plan's MLflow server if it names one."""
+    trainer, job = plan.trainer, plan.job
+    os.makedirs(trainer.run_dir, exist_ok=True)
+    tracking = plan.registry.tracking_uri
+    return run_local_training(
+        launch,
+        nproc=max(1, job.num_workers),
+        log_path=os.path.join(trainer.run_dir, "train.log"),
+        env={"MLFLOW_TRACKING_URI": tracking} if tracking else {},
+        timeout_s=job.timeout_s,
+    )

@@ -1,11 +1,12 @@
-"""The train step on a cluster: submit the run's PyTorchJob, or re-attach to it, and wait for it.
+"""The pytorchjob backend on a cluster: submit the run's PyTorchJob, or re-attach to it, and wait for it.
 
 :func:`build_pytorchjob_spec` turns the plan's :class:`~llmft.components.lib.plan.build.JobPlan` and the
 trainer's launch (``--config`` the plan's config.yaml, then ``data=`` and a sweep's best) into a
 :class:`PyTorchJobSpec` (image, resources, node selector, Secrets, the data
 PVC at the plan's mount path, the run-id label, ``activeDeadlineSeconds`` = the plan's job timeout,
-``cleanPodPolicy: Running``); Katib trials are built by the same function. :func:`run_on_cluster`
-runs it. What a real cluster does, and what this module does about it (each upstream rule is
+``cleanPodPolicy: Running``); Katib trials are built by the same function. :func:`attach_pytorchjob`
+runs it (the registry's ``attach``, llmft/components/lib/jobs/backends.py). What a real cluster
+does, and what this module does about it (each upstream rule is
 played by tests/k8s/cluster_sim.py, which runs this code against real `llmft train` processes):
 
 * **Retries re-attach.** The job name derives from the pipeline run id, so a retried task (KFP
@@ -41,13 +42,11 @@ played by tests/k8s/cluster_sim.py, which runs this code against real `llmft tra
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import (
     PYTORCHJOB_CONTAINER,
     RECREATE_WAIT_S,
@@ -55,10 +54,11 @@ from llmft.components.lib.cluster import (
     call_with_retries,
     wait_until_gone,
 )
-from llmft.components.lib.jobs import pod_starts, trainjob_spec
-from llmft.components.lib.jobs.cleanup import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
+from llmft.components.lib.jobs import pod_starts
+from llmft.components.lib.jobs.launcher_pod import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
 from llmft.components.lib.jobs.pending_pods import PendingReporter
 from llmft.components.lib.jobs.pod_starts import JobNeverStarts
+from llmft.components.lib.jobs.pytorchjob_logs import MasterLogFollower
 from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     JOB_NAME_LABEL,
@@ -66,11 +66,9 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     KIND,
     PLURAL,
     VERSION,
-    MasterLogFollower,
     build_pytorchjob,
     build_pytorchjob_spec,
 )
-from llmft.components.lib.jobs.trainjob_launch import run_trainjob_on_cluster
 from llmft.components.lib.plan.schema import (
     JOB_WAIT_GRACE_S,
     JobFailedPermanently,
@@ -90,30 +88,23 @@ DEADLINE_MESSAGE = "active longer than specified deadline"
 (kubeflow/trainer v1.9.4 pkg/controller.v1/common/job.go 212)."""
 
 
-# --- the train step's entry point ---------------------------------------------------------------
+# --- the pytorchjob backend's attach (llmft/components/lib/jobs/backends.py runs it) --------------------
 
 
-def run_on_cluster(
+def attach_pytorchjob(
     job,
     launch,
     *,
+    cluster,
+    launcher: LauncherPod,
+    owner: dict | None,
     poll_s: float = 30.0,
-    cluster=None,
     print_fn: Callable[[str], Any] = print,
     api_retries: int = API_RETRIES,
     pending_every: int = PENDING_EVERY,
-    owner: dict | None = None,
 ) -> dict:
-    """The train step's cluster backends: the plan's job (``job``, a JobPlan) run to its end as ``launch``
-    (a TrainerLaunch) says; returns a summary once it Succeeded (see :func:`run_job`)."""
-
-    cluster = cluster or cluster_module.Cluster()
-    launcher = read_launcher_pod(cluster, print_fn=print_fn)  # before training: SIGTERM then needs one GET
-    owner = owner if owner is not None else launcher.owner_reference()
-    if job.backend == "trainjob":  # Kubeflow Trainer v2 (llmft/components/lib/jobs/trainjob_launch.py)
-        kind = (trainjob_spec.GROUP, trainjob_spec.VERSION, trainjob_spec.PLURAL)
-        with delete_on_sigterm(cluster, *kind, job.name, print_fn=print_fn, launcher=launcher):
-            return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster, owner=owner)
+    """The plan's job (``job``, a JobPlan) as a PyTorchJob running ``launch`` (a TrainerLaunch): submitted,
+    or re-attached to, and waited for (see :func:`run_job`)."""
     return run_job(
         cluster,
         build_pytorchjob_spec(job, launch),
@@ -125,20 +116,6 @@ def run_on_cluster(
         owner=owner,
         launcher=launcher,
     )
-
-
-def run_on_cluster_or_exit(job, launch, **options) -> dict:
-    """:func:`run_on_cluster` for the train step: a failure the project raises on purpose (JobNeverStarts,
-    JobTimedOut: 200; JobFailedPermanently: 1; ...) exits with its ``exit_code`` after printing its message
-    (its log tail included), instead of the traceback and exit 1 an exception gives a KFP component. KFP's
-    launcher then fails the task whatever the code (kubeflow/pipelines 2.4.1 backend/src/v2/cmd/launcher-v2/
-    main.go 46-50, glog.Exit), its log saying ``exit status 200``; the task's set_retry retries it."""
-
-    try:
-        return run_on_cluster(job, launch, **options)
-    except LlmftError as exc:
-        print(f"error (exit {exc.exit_code}): {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(exc.exit_code) from None
 
 
 def run_job(

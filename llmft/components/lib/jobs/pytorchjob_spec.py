@@ -1,4 +1,4 @@
-"""Build, validate and run the trainer's PyTorchJob (Training Operator v1, kubeflow.org/v1).
+"""Build and validate the trainer's PyTorchJob (Training Operator v1, kubeflow.org/v1).
 
 ``build_pytorchjob(PyTorchJobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
 one Master plus ``num_nodes - 1`` Workers, each running
@@ -15,23 +15,24 @@ resumes from the last committed checkpoint).
 namespace, ready to embed as a Katib trial template (llmft/katib/ takes the dict; it never
 imports llmft/components/), its command wrapped for Katib's metrics collector
 (:func:`katib_trial_script`). llmft/components/lib/jobs/pytorchjob_launch.py submits the job through the
-TrainingClient and waits for it.
+TrainingClient and waits for it; llmft/components/lib/jobs/pytorchjob_logs.py follows its master's log.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmft.components import images
-from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, Cluster, ClusterError
+from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
 from llmft.katib.k8s_names import is_k8s_name
+from llmft.katib.trial_kinds import PYTORCHJOB_RESOURCE
+from llmft.trainer.command_line import format_override_value, train_arguments
 from llmft.trainer.errors import ConfigError
 
-GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
+GROUP, VERSION, PLURAL, KIND = RESOURCE = PYTORCHJOB_RESOURCE  # written once: llmft/katib/trial_kinds.py
 MASTER_PORT = 23456
 """Port the operator's rendezvous uses (its default, named ``pytorchjob-port``)."""
 PORT_NAME = "pytorchjob-port"
@@ -43,7 +44,6 @@ CLEAN_POD_POLICIES = ("None", "Running", "All")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_PLAIN_ITEM = re.compile(r"^[A-Za-z0-9_./-]+$")
 _NPROC = re.compile(r"^(auto|cpu|gpu|[1-9][0-9]*)$")
 _QUANTITY = re.compile(
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -282,20 +282,6 @@ def resolved_nproc(spec: PyTorchJobSpec) -> str:
     return str(spec.gpus_per_node) if spec.gpus_per_node > 0 else "1"
 
 
-def format_override_value(value: Any) -> str:
-    """Render a value for a ``key=value`` override (YAML-parsable: true/false, null, [a,b])."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, list | tuple):
-        items = [format_override_value(v) for v in value]
-        if all(_PLAIN_ITEM.match(item) for item in items):  # [q_proj,v_proj]: YAML, and shell-safe
-            return "[" + ",".join(items) + "]"
-        return json.dumps(list(value), separators=(",", ":"))
-    return str(value)
-
-
 def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
     """(command, args) of the ``pytorch`` container.
 
@@ -307,11 +293,9 @@ def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
     exits 143 so the operator restarts the pod and the trainer resumes. Exec form
     (no shell), so the signal reaches it as PID 1.
     """
-    args = ["train", "--nproc", resolved_nproc(spec)]
-    if spec.config_path:
-        args += ["--config", spec.config_path]
-    args += [f"{key}={format_override_value(value)}" for key, value in spec.overrides.items()]
-    return ["llmft"], args
+    return ["llmft"], train_arguments(
+        nproc=resolved_nproc(spec), config_path=spec.config_path, overrides=spec.overrides.items()
+    )
 
 
 def _env(spec: PyTorchJobSpec) -> list:
@@ -576,39 +560,6 @@ def pytorchjob_webhook_errors(job: dict) -> list[str]:
         if elastic.get("nProcPerNode") is not None and spec.get("nprocPerNode") is not None:
             errors.append("spec.elasticPolicy.nProcPerNode: must not be used with spec.nprocPerNode")
     return errors
-
-
-class MasterLogFollower:
-    """Prints the new lines of the master pod's log each time it is called (once per poll of the
-    wait), reading through the Cluster. A pod recreated under the same name (a restart under
-    ``restartPolicy: ExitCode``) has a new uid and a fresh log, printed from its start."""
-
-    def __init__(self, cluster: Cluster, name: str, namespace: str, print_fn: Callable[[str], Any] = print):
-        self.cluster, self.name, self.namespace, self.print_fn = cluster, name, namespace, print_fn
-        self.lines_seen: dict[str, int] = {}
-
-    def __call__(self, job: Any = None) -> None:
-        selector = f"{JOB_NAME_LABEL}={self.name},{JOB_ROLE_LABEL}=master"
-        try:
-            pods = self.cluster.list_pods(selector, namespace=self.namespace)
-        except ClusterError:
-            return
-        for pod in pods:
-            pod_name = pod.metadata.name
-            if pod.status is not None and pod.status.phase == "Pending":
-                continue
-            try:
-                lines = self.cluster.read_pod_log(
-                    pod_name, container=PYTORCHJOB_CONTAINER, namespace=self.namespace
-                ).splitlines()
-            except ClusterError:  # container not started yet
-                continue
-            key = f"{pod_name}/{pod.metadata.uid or ''}"
-            start = self.lines_seen.get(key, 0)
-            start = 0 if len(lines) < start else start  # the container restarted in place: a fresh log
-            for line in lines[start:]:
-                self.print_fn(f"[{pod_name}] {line}")
-            self.lines_seen[key] = len(lines)
 
 
 # --- a JobPlan's PyTorchJob ------------------------------------------------------------------

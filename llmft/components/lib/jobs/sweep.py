@@ -27,16 +27,16 @@ from typing import Any
 
 from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.jobs.cleanup import delete_on_sigterm, run_owner_reference
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec, trial_pytorchjob_dict
-from llmft.components.lib.jobs.trainjob_spec import trial_trainjob_dict
+from llmft.components.lib.jobs.backends import Backend, backend_for
+from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
+from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.plan.schema import TrainerLaunch, job_name
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
 from llmft.katib.tracking import ParentRun
 from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
-from llmft.trainer.config import split_assignment
+from llmft.trainer.command_line import override_pairs
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
@@ -45,6 +45,8 @@ DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "ev
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
+PYTORCHJOB_BACKEND = "kubeflow"
+"""The backend whose trial a backend without Katib trials of its own gets (:func:`trial_backend`)."""
 
 
 SETTINGS_NOT_CARRIED = ("output_dir", "observe.mlflow_experiment")
@@ -63,7 +65,8 @@ def check_trial_overrides(sweep, fixed_overrides: Sequence[str]) -> None:
     """Refuse fixed trial settings that set a key the sweep sets itself (searched or per trial)."""
 
     searched = {p.config_key for p in sweep.search_space}
-    clashes = [o for o in fixed_overrides if o.split("=", 1)[0] in searched | set(TRIAL_OWNED_KEYS)]
+    owned = searched | set(TRIAL_OWNED_KEYS)
+    clashes = [o for o, (key, _) in zip(fixed_overrides, override_pairs(fixed_overrides), strict=True) if key in owned]
     if clashes:
         raise ConfigError(
             f"trial overrides {clashes} set keys the sweep sets itself (searched or per trial); "
@@ -82,8 +85,8 @@ def sweep_trial_job(
     mlflow_parent_run_id: str = "",
     mlflow_experiment: str = "",
 ) -> dict:
-    """The trial's job as a dict (a PyTorchJob; a TrainJob for backend trainjob): ``job`` (the plan's
-    JobPlan: image, resources, Secrets, node selector) running the trainer on the existing tokenized
+    """The trial's job as a dict (the backend's ``trial_job``: a PyTorchJob, a TrainJob for trainjob):
+    ``job`` (the plan's JobPlan: image, resources, Secrets, node selector) running the trainer on the existing tokenized
     shards ``data`` (never re-tokenized), each trial in ``<volume>/sweeps/<experiment>/<trial name>``.
 
     A trial starts from the final training's config, so it tunes the model the train step trains:
@@ -103,7 +106,7 @@ def sweep_trial_job(
         "data": data,
         "output_dir": f"{job.mount_path}/sweeps/{sweep.name}/{TRIAL_NAME_PLACEHOLDER}",
         "observe.run_name": TRIAL_NAME_PLACEHOLDER,
-        **dict(split_assignment(item) for item in [*fixed_overrides, *trial_overrides(sweep)]),
+        **dict(override_pairs([*fixed_overrides, *trial_overrides(sweep)])),
     }
     if mlflow_experiment:
         trial["observe.mlflow_experiment"] = mlflow_experiment
@@ -112,9 +115,14 @@ def sweep_trial_job(
     spec = build_pytorchjob_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
-    if job.backend == "trainjob":  # Kubeflow Trainer v2 trials (llmft/components/lib/jobs/trainjob_spec.py)
-        return trial_trainjob_dict(spec, runtime=job.runtime, early_stopping=sweep.early_stopping)
-    return trial_pytorchjob_dict(spec, early_stopping=sweep.early_stopping)
+    return trial_backend(job.backend).build_trial_job(job, spec, sweep.early_stopping)
+
+
+def trial_backend(name: str) -> Backend:
+    """The backend whose job a Katib trial of a ``training_backend=name`` run is (the registry's); one that
+    runs no Katib trial (``local``: a kfp.local run sweeps with Optuna) gets the PyTorchJob's."""
+    backend = backend_for(name)
+    return backend if backend.trial_job is not None else backend_for(PYTORCHJOB_BACKEND)
 
 
 def build_sweep_experiment(sweep, **job):
@@ -147,9 +155,8 @@ def warn_shadowed(user_overrides: Sequence[str], best: Sequence[str]) -> None:
     """The train step passes the sweep's best after the plan's config, so the best win. Print a
     warning for a ``train_overrides`` setting a best value replaces, or one that would make a swept
     value ineffective (``schedule.warmup_steps`` > 0 overrides ``schedule.warmup_ratio``)."""
-    user_keys = {item.split("=", 1)[0]: item.split("=", 1)[-1] for item in user_overrides}
-    for item in best:
-        key = item.split("=", 1)[0]
+    user_keys = dict(override_pairs(user_overrides))
+    for item, (key, _) in zip(best, override_pairs(best), strict=True):
         if key in user_keys:
             print(f"warning: train_overrides sets {key}={user_keys[key]}; the sweep's {item} replaces it")
         shadow = SHADOWING_KEYS.get(key)
@@ -264,4 +271,4 @@ def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
 def _log_parent_result(parent, result: dict) -> None:
     for key, value in result["metrics"].items():
         parent.log_metric(key, value)
-    parent.log_params({f"best.{o.split('=', 1)[0]}": o.split("=", 1)[1] for o in result["best_overrides"]})
+    parent.log_params({f"best.{key}": value for key, value in override_pairs(result["best_overrides"])})

@@ -36,7 +36,7 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
-from llmft.components.lib.jobs.cleanup import unmark_kept
+from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, unmark_kept
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.jobs.trainjob_runtime import check_runtime, sdk_backend
 from llmft.components.lib.jobs.trainjob_spec import (
@@ -406,3 +406,11 @@ def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None, 
     trainjob = build_trainjob(build_pytorchjob_spec(job, launch), runtime=job.runtime)
     cluster = cluster or cluster_module.Cluster()
     return run_trainjob(cluster, trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s, owner=owner)
+
+
+def attach_trainjob(job, launch, *, cluster, launcher, owner: dict | None, poll_s: float = 30.0, print_fn=print, **_):
+    """The trainjob backend's attach (llmft/components/lib/jobs/backends.py): :func:`run_trainjob_on_cluster`,
+    its TrainJob deleted on a cancel's SIGTERM (llmft/components/lib/jobs/launcher_pod.py). The wait's API
+    retries and Pending reports are the TrainJob loop's own (``**_``: the PyTorchJob loop's knobs)."""
+    with delete_on_sigterm(cluster, GROUP, VERSION, PLURAL, job.name, print_fn=print_fn, launcher=launcher):
+        return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster, owner=owner)

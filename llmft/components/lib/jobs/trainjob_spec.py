@@ -38,16 +38,17 @@ from typing import Any
 from llmft.components.lib.jobs.pytorchjob_spec import (
     _shell_safe,
     _spec_errors,
-    format_override_value,
     katib_trial_script,
     pod_template,
     resolved_nproc,
 )
 from llmft.components.lib.plan.schema import DEFAULT_RUNTIME
 from llmft.katib.k8s_names import RFC1035_LABEL, RFC1123_SUBDOMAIN
+from llmft.katib.trial_kinds import TRAINJOB_RESOURCE
+from llmft.trainer.command_line import format_overrides
 from llmft.trainer.errors import ConfigError
 
-GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
+GROUP, VERSION, PLURAL, KIND = RESOURCE = TRAINJOB_RESOURCE  # written once: llmft/katib/trial_kinds.py
 API_VERSION = f"{GROUP}/{VERSION}"
 RUNTIME_KINDS = ("ClusterTrainingRuntime", "TrainingRuntime")
 TRAINER_JOB = TRAINER_CONTAINER = "node"
@@ -233,7 +234,7 @@ def trial_trainjob_dict(spec, runtime: str = DEFAULT_RUNTIME, *, early_stopping:
     trainer runs :func:`~llmft.components.lib.jobs.pytorchjob_spec.katib_trial_script` through ``sh -c``, as a
     PyTorchJob trial does: Katib wraps the ``node`` container's command the same way."""
 
-    arguments = [f"{k}={format_override_value(v)}" for k, v in spec.overrides.items()]
+    arguments = format_overrides(spec.overrides.items())
     unsafe = [a for a in [*arguments, spec.config_path or ""] if not _shell_safe(a)]
     if unsafe:  # the same rule as the PyTorchJob trial: Katib wraps the command in `sh -c`
         raise ConfigError(
