@@ -20,7 +20,8 @@ Only when Langfuse is configured (LANGFUSE_PUBLIC_KEY/SECRET_KEY, from the Secre
    ``acc``). Langfuse's dataset view then lists the runs side by side, item by item;
 4. the training trace gets an event naming the comparison.
 
-The result is the ``langfuse`` section of evaluation.json; registry/mlflow_registry.py's :func:`version_link_tags` turns it into
+The result is the ``langfuse`` section of evaluation.json; :func:`registry.mlflow_registry.version_link_tags`
+turns it into
 the MLflow model version's tags and :func:`record_registration` (the register step) writes the
 MLflow version into the training trace.
 """

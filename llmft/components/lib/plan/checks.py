@@ -329,7 +329,8 @@ def preflight_secrets(plan, cluster=None) -> list[str]:
 
 
 SERVING_VERBS = ("create", "get", "update")
-"""What the deploy step does to its InferenceService (serving/inferenceservice.py: create, or get and replace; then polls)."""
+"""What the deploy step does to its InferenceService (serving/inferenceservice.py: create, or get and replace;
+then polls)."""
 
 
 def preflight_serving_namespace(plan, cluster=None) -> None:
