@@ -144,7 +144,7 @@ def make_cluster(args: argparse.Namespace):
 def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
     """``key=value`` items -> (sweep overrides, job settings, fixed train overrides)."""
     # heavy: yaml
-    from llmft.trainer.config import split_assignment
+    from llmft.trainer.config_load import split_assignment
 
     sweep, job, train = [], {}, []
     for item in items:
@@ -209,7 +209,7 @@ def build_from_settings(items: list[str]):
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     # heavy: yaml
-    from llmft.trainer.config import changed_settings
+    from llmft.trainer.config_load import changed_settings
 
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)

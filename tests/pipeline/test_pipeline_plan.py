@@ -14,7 +14,7 @@ from llmft.components.lib.plan.build import Parameters, build_plan, write_run_co
 from llmft.components.lib.plan.checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
 from llmft.components.lib.plan.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
 from llmft.components.plan import parameter_defaults, plan_run
-from llmft.trainer.config import load_config
+from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError, OutputNotOursError
 from llmft.trainer.io import OWNED_FILE_MARK
 

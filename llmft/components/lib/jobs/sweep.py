@@ -36,7 +36,7 @@ from llmft.katib.errors import ExperimentFailed
 from llmft.katib.tracking import ParentRun
 from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
-from llmft.trainer.config import split_assignment
+from llmft.trainer.config_load import split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 

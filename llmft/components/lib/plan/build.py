@@ -65,7 +65,8 @@ from llmft.components.lib.plan.schema import (
     run_label,
 )
 from llmft.components.lib.plan.volume_space import check_volume_space
-from llmft.trainer.config import RUN_CONFIG_FILE, SETTING_NAMES, config_to_yaml, nest_dotted, resolve_config
+from llmft.trainer.config import RUN_CONFIG_FILE, SETTING_NAMES
+from llmft.trainer.config_load import config_to_yaml, nest_dotted, resolve_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
 

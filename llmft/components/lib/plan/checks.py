@@ -31,7 +31,7 @@ from llmft.components.lib.plan.schema import (
 from llmft.components.lib.plan.volume_paths import check_path_component
 from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.k8s_names import check_k8s_name
-from llmft.trainer.config import BOOL_WORDS, split_assignment
+from llmft.trainer.config_load import BOOL_WORDS, split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import redacted_uri
 
