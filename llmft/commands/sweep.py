@@ -28,6 +28,7 @@ from pathlib import Path
 
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.webhook_rules import check_experiment
@@ -167,7 +168,7 @@ def trial_job(settings: dict, name: str):
     """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
     the plan's own job builder (so a trial gets what the pipeline's trials get)."""
     # heavy: kubeflow_katib_api, pydantic, yaml
-    from llmft.components.lib.plan.build import Parameters, job_plan
+    from llmft.components.lib.plan.build import job_plan
 
     # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
@@ -186,7 +187,7 @@ def trial_job(settings: dict, name: str):
             values[key] = kind(raw)
         except ValueError:
             raise SweepError(f"{key}={raw}: expected {kind.__name__}") from None
-    p = Parameters(values)
+    p = PipelineParameters.from_values(values)
     images = Images(trainer=check_image(p.trainer_image), serving_runtime=p.serving_runtime)
     secrets = {kind: parse_secret(kind, getattr(p, param)) for kind, param in SECRET_PARAMETERS.items()}
     return job_plan(p, DataLayout(p.data_root), name, images, secrets), p

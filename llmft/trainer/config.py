@@ -26,9 +26,43 @@ Auto = typing.Literal["auto"]
 """The value of a setting the trainer decides for itself (kernels.*, gradient checkpointing, micro batch)."""
 
 
-def _f(default: Any, doc: str, choices: tuple | None = None):
-    """A dataclass field with its reference doc (and the allowed values, if closed)."""
-    meta = {"doc": doc, "choices": choices}
+@dataclass(frozen=True)
+class SearchRange:
+    """The default search range of a setting the sweep searches (llmft/katib/search_space.py makes it
+    a Katib parameter and an Optuna distribution; the fields are its ``HyperParameter``'s)."""
+
+    rank: int
+    """Position in the default search space: Katib's ``spec.parameters`` order and Optuna's suggestion
+    order (a seeded local sweep samples the same values only in the same order)."""
+    type: str
+    """Katib parameterType: double, int (ranges) or discrete, categorical (lists)."""
+    min: str | None = None
+    max: str | None = None
+    step: str | None = None
+    distribution: str | None = None
+    values: tuple[str, ...] = ()
+    grid: tuple[str, ...] = ()
+    """Finite values the grid algorithm enumerates."""
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A field's short name, declared on the field: the name the pipeline's parameter (``pipeline``)
+    and the sweep's searched parameter (``search``) give it (``lora_r`` is ``lora.r``)."""
+
+    name: str
+    """Lower snake case: a Python parameter name and a Katib parameter name."""
+    pipeline: bool = False
+    """A pipeline parameter of this name sets the field (llmft/components/plan.py plan_run)."""
+    search: SearchRange | None = None
+    """The field's range in the sweep's default search space, if it is searched by default."""
+
+
+def _f(default: Any, doc: str, choices: tuple | None = None, setting: Setting | None = None):
+    """A dataclass field with its reference doc (and the allowed values, if closed, and the short
+    name the pipeline and the sweep know it by, if any)."""
+    meta = {"doc": doc, "choices": choices, "setting": setting}
     if dataclasses.is_dataclass(default):
         return field(default_factory=type(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -36,7 +70,11 @@ def _f(default: Any, doc: str, choices: tuple | None = None):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name_or_path: str = _f("", "Hugging Face hub id or local directory of the base model (offline flags honoured).")
+    name_or_path: str = _f(
+        "",
+        "Hugging Face hub id or local directory of the base model (offline flags honoured).",
+        setting=Setting("model", pipeline=True),
+    )
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) to load; null for the default branch.")
     dtype: str = _f(
         "auto",
@@ -59,14 +97,55 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    r: int = _f(16, "LoRA rank.")
-    alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = _f(0.05, "Dropout on the LoRA input, in [0, 1).")
+    r: int = _f(
+        16,
+        "LoRA rank.",
+        setting=Setting(
+            "lora_r",
+            pipeline=True,
+            search=SearchRange(
+                2, "discrete", values=("8", "16", "32", "64"), grid=("8", "16", "32"), description="LoRA rank"
+            ),
+        ),
+    )
+    alpha: float = _f(
+        32.0,
+        "LoRA scaling numerator (scale = alpha / r).",
+        setting=Setting(
+            "lora_alpha",
+            pipeline=True,
+            search=SearchRange(
+                3,
+                "discrete",
+                values=("16", "32", "64"),
+                grid=("16", "32", "64"),
+                description="LoRA alpha (scaling = alpha / r)",
+            ),
+        ),
+    )
+    dropout: float = _f(
+        0.05,
+        "Dropout on the LoRA input, in [0, 1).",
+        setting=Setting(
+            "lora_dropout",
+            pipeline=True,
+            search=SearchRange(
+                4,
+                "double",
+                min="0.0",
+                max="0.1",
+                distribution="uniform",
+                grid=("0.0", "0.05", "0.1"),
+                description="LoRA dropout",
+            ),
+        ),
+    )
     target_modules: tuple[str, ...] = _f(
         ("all-linear",),
         "Modules to adapt; all-linear = every linear layer of the decoder except lm_head. On mixture-of-experts "
         "models all-linear is the attention projections; add `experts` for LoRA on the fused expert weights "
         "(needs dropout 0; vLLM serving: docs/moe.md); the router is never adapted.",
+        setting=Setting("lora_target_modules", pipeline=True),
     )
     use_dora: bool = _f(
         False, "Weight-decomposed LoRA (DoRA); vLLM cannot serve DoRA adapters as LoRA modules: served merged."
@@ -86,7 +165,23 @@ class QLoraConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = _f(2e-4, "Peak learning rate.")
+    lr: float = _f(
+        2e-4,
+        "Peak learning rate.",
+        setting=Setting(
+            "learning_rate",
+            pipeline=True,
+            search=SearchRange(
+                1,
+                "double",
+                min="1e-05",
+                max="0.001",
+                distribution="logUniform",
+                grid=("5e-05", "0.0001", "0.0002", "0.0005"),
+                description="peak learning rate (log scale)",
+            ),
+        ),
+    )
     weight_decay: float = _f(0.0, "Decoupled (AdamW) weight decay.")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.999, "AdamW beta2.")
@@ -98,7 +193,22 @@ class OptimConfig:
 @dataclass(frozen=True)
 class ScheduleConfig:
     warmup_steps: int = _f(0, "Linear warmup steps (takes precedence over warmup_ratio when > 0).")
-    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps.")
+    warmup_ratio: float = _f(
+        0.0,
+        "Warmup as a fraction of the total steps.",
+        setting=Setting(
+            "warmup_ratio",
+            search=SearchRange(
+                5,
+                "double",
+                min="0.0",
+                max="0.1",
+                distribution="uniform",
+                grid=("0.0", "0.03", "0.1"),
+                description="warmup fraction of the schedule",
+            ),
+        ),
+    )
     decay: str = _f("cosine", "Decay after warmup.", ("cosine", "linear", "constant"))
     min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of the peak.")
 
@@ -152,6 +262,7 @@ class ObserveConfig:
         "",
         "MLflow experiment name (else env MLFLOW_EXPERIMENT_NAME, else llmft); used only when MLFLOW_TRACKING_URI "
         "is set.",
+        setting=Setting("mlflow_experiment", pipeline=True),
     )
     run_name: str = _f("", "Run name for MLflow and Langfuse (default: the output_dir name).")
     peak_tflops: float = _f(0.0, "Peak dense bf16 TFLOP/s per GPU for MFU; 0 = detect (H100/H200 989).")
@@ -198,7 +309,7 @@ class TrainConfig:
     model: ModelConfig = _f(ModelConfig(), "Base model.")
     data: str = _f("", "Tokenized dataset directory written by `llmft data tokenize`.")
     output_dir: str = _f("runs/train", "Run directory: checkpoints/, final/, metrics.jsonl, tensorboard/.")
-    method: str = _f("lora", "Fine-tuning method.", ("lora", "qlora", "full"))
+    method: str = _f("lora", "Fine-tuning method.", ("lora", "qlora", "full"), Setting("method", pipeline=True))
     lora: LoraConfig = _f(LoraConfig(), "LoRA adapter (methods lora and qlora).")
     qlora: QLoraConfig = _f(QLoraConfig(), "4-bit base-model quantization (method qlora, CUDA only).")
     optim: OptimConfig = _f(OptimConfig(), "Optimizer and gradient clipping.")
@@ -209,12 +320,16 @@ class TrainConfig:
     observe: ObserveConfig = _f(ObserveConfig(), "Progress, TensorBoard, MLflow and Langfuse.")
     kernels: KernelsConfig = _f(KernelsConfig(), "Speed options implemented in trainer.fastpath.")
     debug: DebugConfig = _f(DebugConfig(), "Fault-injection hooks for tests; leave at defaults.")
-    max_steps: int = _f(0, "Optimizer steps to run; 0 = epochs x steps per epoch.")
-    epochs: float = _f(1.0, "Passes over the training split when max_steps is 0.")
+    max_steps: int = _f(
+        0, "Optimizer steps to run; 0 = epochs x steps per epoch.", setting=Setting("max_steps", pipeline=True)
+    )
+    epochs: float = _f(
+        1.0, "Passes over the training split when max_steps is 0.", setting=Setting("epochs", pipeline=True)
+    )
     eval_every: int = _f(0, "Evaluate every N steps (0 = only at the end).")
     save_every: int = _f(0, "Checkpoint every N steps (0 = only at the end).")
     log_every: int = _f(10, "Log loss, learning rate, grad norm, tokens/s every N steps.")
-    seed: int = _f(42, "Seed of data order, LoRA init and dropout.")
+    seed: int = _f(42, "Seed of data order, LoRA init and dropout.", setting=Setting("seed", pipeline=True))
     keep_last: int = _f(2, "Complete checkpoints kept besides the best one.")
     resume: str = _f(
         "auto", "auto = newest complete checkpoint in output_dir, never = start fresh, or a checkpoint path."
@@ -247,25 +362,6 @@ class TrainConfig:
     )
 
 
-SETTING_NAMES: dict[str, str] = {
-    "model": "model.name_or_path",
-    "method": "method",
-    "lora_r": "lora.r",
-    "lora_alpha": "lora.alpha",
-    "lora_dropout": "lora.dropout",
-    "lora_target_modules": "lora.target_modules",
-    "learning_rate": "optim.lr",
-    "warmup_ratio": "schedule.warmup_ratio",
-    "seed": "seed",
-    "max_steps": "max_steps",
-    "epochs": "epochs",
-    "mlflow_experiment": "observe.mlflow_experiment",
-}
-"""Short name -> trainer key of the settings that the pipeline's parameters (llmft/components/lib/plan/build.py) and the
-sweep's searched parameters (llmft/katib/search_space.py) name: the one place a knob's two names meet (``lora_r`` is
-``lora.r``). Short names are Python and Katib parameter names; trainer keys are what config.yaml and overrides use."""
-
-
 def hints_of(cls) -> dict[str, Any]:
     """The resolved type annotations of a config dataclass (the schema is written with postponed annotations)."""
     return typing.get_type_hints(cls)
@@ -284,7 +380,17 @@ def iter_fields(cls=TrainConfig, prefix: str = "") -> Iterator[tuple[str, str, A
         doc = f.metadata["doc"]
         if f.metadata.get("choices"):
             doc += " One of: " + ", ".join(map(str, f.metadata["choices"])) + "."
-        yield name, _type_name(tp), default, doc
+        yield name, _type_name(tp), default, doc + _setting_note(f.metadata.get("setting"))
+
+
+def _setting_note(setting: Setting | None) -> str:
+    """What the reference says of a field's short name: the pipeline parameter, the default search."""
+    if setting is None:
+        return ""
+    note = f" Pipeline parameter `{setting.name}`." if setting.pipeline else ""
+    if setting.search is not None:
+        note += f" Searched by the sweep's default space as `{setting.name}`."
+    return note
 
 
 def iter_sections(cls=TrainConfig, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -304,3 +410,22 @@ def _type_name(tp) -> str:
     if typing.get_origin(tp) is tuple:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
     return "null" if tp is type(None) else tp.__name__
+
+
+def iter_settings(cls=TrainConfig, prefix: str = "") -> Iterator[tuple[str, Setting]]:
+    """Yield (dotted trainer key, :class:`Setting`) for every leaf field that declares a short name,
+    in declaration order."""
+    hints = hints_of(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from iter_settings(hints[f.name], prefix + f.name + ".")
+        elif f.metadata.get("setting") is not None:
+            yield prefix + f.name, f.metadata["setting"]
+
+
+SETTING_NAMES: dict[str, str] = {setting.name: key for key, setting in iter_settings()}
+"""Short name -> trainer key of every field that declares a :class:`Setting`: the names the pipeline's
+parameters (llmft/components/lib/plan/build.py PIPELINE_SETTINGS, those with ``pipeline=True``) and the
+sweep's default search space (llmft/katib/search_space.py, those with a ``search`` range) give trainer
+keys (``lora_r`` is ``lora.r``). Short names are Python and Katib parameter names; trainer keys are what
+config.yaml and overrides use. Derived, never listed: a knob is declared once, on its field."""
