@@ -21,7 +21,7 @@ from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
 from llmft.components.lib.jobs.backends import backend_for, render_names
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.katib.k8s_names import check_k8s_name
-from llmft.trainer.config import config_to_yaml
+from llmft.trainer.config_load import config_to_yaml
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.webhook_rules import check_experiment
@@ -144,7 +145,7 @@ def make_cluster(args: argparse.Namespace):
 def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
     """``key=value`` items -> (sweep overrides, job settings, fixed train overrides)."""
     # heavy: yaml
-    from llmft.trainer.config import split_assignment
+    from llmft.trainer.config_load import split_assignment
 
     sweep, job, train = [], {}, []
     for item in items:
@@ -167,7 +168,7 @@ def trial_job(settings: dict, name: str):
     """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
     the plan's own job builder (so a trial gets what the pipeline's trials get)."""
     # heavy: kubeflow_katib_api, pydantic, yaml
-    from llmft.components.lib.plan.build import Parameters, job_plan
+    from llmft.components.lib.plan.build import job_plan
 
     # heavy: kubeflow_katib_api, pydantic, yaml
     from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
@@ -186,7 +187,7 @@ def trial_job(settings: dict, name: str):
             values[key] = kind(raw)
         except ValueError:
             raise SweepError(f"{key}={raw}: expected {kind.__name__}") from None
-    p = Parameters(values)
+    p = PipelineParameters.from_values(values)
     images = Images(trainer=check_image(p.trainer_image), serving_runtime=p.serving_runtime)
     secrets = {kind: parse_secret(kind, getattr(p, param)) for kind, param in SECRET_PARAMETERS.items()}
     return job_plan(p, DataLayout(p.data_root), name, images, secrets), p
@@ -212,7 +213,7 @@ def build_from_settings(items: list[str]):
     from llmft.trainer.command_line import override_pairs
 
     # heavy: yaml
-    from llmft.trainer.config import changed_settings
+    from llmft.trainer.config_load import changed_settings
 
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 def preflight(args: argparse.Namespace) -> None:
     """Validate the config and plan the run before any rank starts (raises LlmftError)."""
     # heavy: yaml
-    from llmft.trainer.config import config_to_dict, load_config
+    from llmft.trainer.config_load import config_to_dict, load_config
 
     # heavy: numpy, torch, yaml
     from llmft.trainer.rundir import plan_start

@@ -3,7 +3,9 @@
 ``plan_run``'s signature IS the pipelines' parameter list: names, types, defaults and (from its
 docstring's Args) the descriptions the KFP UI shows. llmft/pipelines/llm_finetune.py derives both
 pipelines' signatures from it (parameters named ``sweep_*`` only in the HPO pipeline). Adding a
-knob = a parameter here (with its Args line) plus its use in llmft/components/lib/plan/build.py.
+knob = a parameter here (with its Args line), the same field in llmft/components/lib/plan/parameters.py
+(PipelineParameters, the typed value the builder reads; a test holds the two equal) and its use in
+llmft/components/lib/plan/build.py.
 """
 # No `from __future__ import annotations` in component modules: KFP reads the real annotation objects.
 # Defaults are literals: KFP ships this function's source into the container, where module

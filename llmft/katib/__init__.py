@@ -1,5 +1,6 @@
 """Katib hyperparameter sweeps of the training step (a leaf package: of ours it imports only the
-trainer's error root, its one ``key=value`` grammar (``llmft.trainer.config``) and the MLflow
+trainer's error root, its one ``key=value`` grammar (``llmft.trainer.config_load``), the searched fields' declared
+ranges (``llmft.trainer.config``, the default search space) and the MLflow
 parent-run variable name (``llmft.trainer.mlflow_settings``)).
 
 - ``experiment``: ``SweepSpec`` and ``build_experiment(spec, trial_job_dict)`` -> ``V1beta1Experiment``

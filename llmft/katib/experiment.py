@@ -54,7 +54,7 @@ from llmft.katib import search_space as ss
 from llmft.katib.errors import SweepError
 from llmft.katib.metrics import ADDITIONAL_METRICS, METRICS_FILTER, OBJECTIVE_METRIC
 from llmft.katib.trial_kinds import EXPERIMENT_RESOURCE, PYTORCHJOB, TRIAL_KINDS, trial_kind
-from llmft.trainer.config import parse_bool, split_assignment
+from llmft.trainer.config_load import parse_bool, split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.yaml_limits import load_user_yaml, read_yaml_text
 

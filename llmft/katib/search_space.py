@@ -26,7 +26,7 @@ from typing import Any
 from kubeflow_katib_api.models import V1beta1FeasibleSpace, V1beta1ParameterSpec
 
 from llmft.katib.errors import SweepError
-from llmft.trainer.config import SETTING_NAMES
+from llmft.trainer.config import SearchRange, iter_settings
 
 PARAMETER_TYPES = ("double", "int", "discrete", "categorical")
 DISTRIBUTIONS = ("uniform", "logUniform", "normal", "logNormal")
@@ -104,62 +104,29 @@ class HyperParameter:
         return f"{self.config_key}={self.placeholder()}"
 
 
-def searched(name: str, **fields: Any) -> HyperParameter:
-    """A searched parameter of the default space: ``name`` is the setting's short name, its trainer key comes
-    from the one table (llmft/trainer/config.py SETTING_NAMES)."""
-    return HyperParameter(name=name, config_key=SETTING_NAMES[name], **fields)
-
-
 def trial_placeholder(name: str) -> str:
     """``${trialParameters.<name>}`` (Katib's TrialTemplateParamReplaceFormat)."""
     return "${trialParameters." + name + "}"
 
 
-# The default space for LoRA fine-tuning. Ranges are the usual ones for 0.5B-30B
-# decoder models; the grid keeps 3-4 points per axis (3*3*3*3*3 = 243 combinations).
-DEFAULT_SEARCH_SPACE: tuple[HyperParameter, ...] = (
-    searched(
-        "learning_rate",
-        type="double",
-        min="1e-05",
-        max="0.001",
-        distribution="logUniform",
-        grid=("5e-05", "0.0001", "0.0002", "0.0005"),
-        description="peak learning rate (log scale)",
-    ),
-    searched(
-        "lora_r",
-        type="discrete",
-        values=("8", "16", "32", "64"),
-        grid=("8", "16", "32"),
-        description="LoRA rank",
-    ),
-    searched(
-        "lora_alpha",
-        type="discrete",
-        values=("16", "32", "64"),
-        grid=("16", "32", "64"),
-        description="LoRA alpha (scaling = alpha / r)",
-    ),
-    searched(
-        "lora_dropout",
-        type="double",
-        min="0.0",
-        max="0.1",
-        distribution="uniform",
-        grid=("0.0", "0.05", "0.1"),
-        description="LoRA dropout",
-    ),
-    searched(
-        "warmup_ratio",
-        type="double",
-        min="0.0",
-        max="0.1",
-        distribution="uniform",
-        grid=("0.0", "0.03", "0.1"),
-        description="warmup fraction of the schedule",
-    ),
-)
+def default_search_space() -> tuple[HyperParameter, ...]:
+    """The space of every trainer field that declares a default search range (llmft/trainer/config.py: a
+    ``Setting`` with ``search=SearchRange(...)``), ordered by their ranks: the field declares its name,
+    trainer key and range once, here they only become Katib parameters."""
+    ranged = [(key, s.name, s.search) for key, s in iter_settings() if s.search is not None]
+    return tuple(
+        HyperParameter(name=name, config_key=key, **_search_fields(search))
+        for key, name, search in sorted(ranged, key=lambda row: row[2].rank)
+    )
+
+
+def _search_fields(search: SearchRange) -> dict[str, Any]:
+    return {f.name: getattr(search, f.name) for f in dataclasses.fields(search) if f.name != "rank"}
+
+
+# The default space for LoRA fine-tuning, declared on the trainer's fields. Ranges are the usual ones for
+# 0.5B-30B decoder models; the grid keeps 3-4 points per axis (4*3*3*3*3 = 324 combinations).
+DEFAULT_SEARCH_SPACE: tuple[HyperParameter, ...] = default_search_space()
 
 
 def check_space(space: tuple[HyperParameter, ...]) -> None:

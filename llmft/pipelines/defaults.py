@@ -127,7 +127,7 @@ def pipeline_inputs(pipeline=None) -> dict[str, Any]:
 
 def _coerce(name: str, raw: str, kfp_type: str) -> Any:
     # heavy: yaml
-    from llmft.trainer.config import parse_bool
+    from llmft.trainer.config_load import parse_bool
 
     try:
         if kfp_type == "Boolean":
@@ -144,7 +144,7 @@ def _coerce(name: str, raw: str, kfp_type: str) -> Any:
 def parse_arguments(items: list[str], pipeline=None) -> dict[str, Any]:
     """``["lora_r=16", "deploy=false"]`` -> typed arguments, checked against the pipeline's parameters."""
     # heavy: yaml
-    from llmft.trainer.config import split_assignment
+    from llmft.trainer.config_load import split_assignment
 
     inputs = pipeline_inputs(pipeline)
     out: dict[str, Any] = {}

@@ -165,7 +165,7 @@ def use_expandable_segments() -> None:
 def run(args: argparse.Namespace) -> int:
     """Parse, then one :class:`~llmft.trainer.train.Trainer`: build -> train -> close."""
     # heavy: yaml
-    from llmft.trainer.config import config_to_yaml, load_config_checked
+    from llmft.trainer.config_load import config_to_yaml, load_config_checked
 
     cfg, warnings = load_config_checked(args.config, args.overrides)  # validated once
     if args.print_config:

@@ -40,7 +40,7 @@ from llmft.trainer.checkpoint_check import (
     STEP_DIR,
     checkpoint_problem,
 )
-from llmft.trainer.config import diff_configs
+from llmft.trainer.config_load import diff_configs
 from llmft.trainer.distributed import DistInfo, barrier
 from llmft.trainer.errors import ConfigError, DataError
 from llmft.trainer.io import TRAINING_MANIFEST, atomic_write_json, atomic_write_text, is_complete, share_files

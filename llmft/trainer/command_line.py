@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from llmft.trainer.config import split_assignment
+from llmft.trainer.config_load import split_assignment
 
 _PLAIN_ITEM = re.compile(r"^[A-Za-z0-9_./-]+$")
 

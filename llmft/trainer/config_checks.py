@@ -1,6 +1,6 @@
 """Checks of a loaded :class:`~llmft.trainer.config.TrainConfig`: every value in range, no NaN or
 infinity, closed choices, and the combinations that cannot work. The loader
-(:func:`~llmft.trainer.config.load_config_checked`) already refused unknown keys and wrong types, and
+(:func:`~llmft.trainer.config_load.load_config_checked`) already refused unknown keys and wrong types, and
 calls :func:`validate` once per load."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from llmft.trainer.errors import ConfigError
 
 def validate(cfg: Any, where=lambda key: "config") -> list[str]:
     """Raise ConfigError on an invalid value or combination of ``cfg`` (a TrainConfig); return warnings
-    to log. llmft/trainer/config.py imports this module (its loader validates once), so this one reads the
+    to log. llmft/trainer/config_load.py imports this module (its loader validates once), so this one reads the
     tree by attribute and never imports it back (no import cycle)."""
     _check_choices(cfg, "", where)
     _check_finite(cfg, "", where)

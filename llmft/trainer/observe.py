@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmft.trainer import flops, langfuse_sink
-from llmft.trainer.config import flatten_dict
+from llmft.trainer.config_load import flatten_dict
 from llmft.trainer.io import atomic_write_text
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV, prepare_mlflow, tracking_uri_without_credentials
 

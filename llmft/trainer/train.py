@@ -39,7 +39,8 @@ import torch
 from llmft.trainer import checkpoint as ckpt
 from llmft.trainer import model as model_lib
 from llmft.trainer import rundir
-from llmft.trainer.config import TrainConfig, config_to_dict
+from llmft.trainer.config import TrainConfig
+from llmft.trainer.config_load import config_to_dict
 from llmft.trainer.data.loader import PackedLoader, StepBatch, resolve_global_sequences
 from llmft.trainer.distributed import (
     DistInfo,

@@ -1,5 +1,5 @@
 """One key=value grammar (issue 26): the trainer's overrides, the pipeline's CLI arguments and the
-sweep's settings split ``key=value`` and read booleans the same way (llmft/trainer/config.py
+sweep's settings split ``key=value`` and read booleans the same way (llmft/trainer/config_load.py
 ``split_assignment`` / ``parse_bool``). Before, katib accepted on/off and llmft/pipelines/defaults did not."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from llmft.katib.errors import SweepError
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.pipelines.defaults import parse_arguments
-from llmft.trainer.config import BOOL_WORDS, load_config
+from llmft.trainer.config_load import BOOL_WORDS, load_config
 from llmft.trainer.errors import ConfigError
 
 REQUIRED = ["model.name_or_path=m", "data=d"]

@@ -137,7 +137,7 @@ def test_bad_moe_targets_are_refused_with_the_fix(targets, dropout, message):
 
 
 def test_targets_are_checked_from_config_json_before_loading(tmp_path):
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config_load import load_config
 
     tiny_moe_config().save_pretrained(tmp_path)  # config only: no weights needed for the check
     base = [f"model.name_or_path={tmp_path}", "data=/nowhere", "lora.dropout=0.05"]

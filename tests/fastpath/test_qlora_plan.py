@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmft.trainer.config import load_config
+from llmft.trainer.config_load import load_config
 from llmft.trainer.fastpath.resolve import ModelInfo, resolve_fast_path
 from llmft.trainer.flops import shape_from_config
 from llmft.trainer.sizing import memory

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from llmft.trainer.config import load_config
+from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath.resolve import (
     FastPath,

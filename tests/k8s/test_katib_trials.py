@@ -19,7 +19,7 @@ from llmft.components.lib.jobs.pytorchjob_launch import wait_for_job
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
 from llmft.components.lib.jobs.sweep import sweep_trial_job
 from llmft.katib.experiment import SweepSpec, apply_overrides
-from llmft.trainer.config import load_config
+from llmft.trainer.config_load import load_config
 from llmft.trainer.io import is_complete
 
 VALUES = {"learning_rate": "0.005", "lora_r": "4", "lora_alpha": "8", "lora_dropout": "0.0", "warmup_ratio": "0.0"}

@@ -61,7 +61,7 @@ def test_objective_and_collector(body):
 
 
 def test_search_space_is_keyed_by_trainer_config_names(body):
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config_load import load_config
 
     assert override_bindings(body) == {
         "learning_rate": "optim.lr",

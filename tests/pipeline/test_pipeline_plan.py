@@ -10,20 +10,34 @@ import pytest
 import yaml
 from plan_helpers import CLUSTER, RUN_ID, make_plan, parameters
 
-from llmft.components.lib.plan.build import Parameters, build_plan, write_run_config
+from llmft.components.lib.plan.build import build_plan, write_run_config
 from llmft.components.lib.plan.checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
+from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.components.lib.plan.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
 from llmft.components.plan import parameter_defaults, plan_run
-from llmft.trainer.config import load_config
+from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError, OutputNotOursError
 from llmft.trainer.io import OWNED_FILE_MARK
 
 
+class _RecordingParameters(PipelineParameters):
+    """The typed parameters, recording which ones the builder reads."""
+
+    def __getattribute__(self, name):
+        if name in PipelineParameters.__dataclass_fields__:
+            READ.add(name)
+        return super().__getattribute__(name)
+
+
+READ: set[str] = set()
+
+
 def test_the_builder_reads_every_parameter_of_the_signature():
     """Adding a knob = the signature + the builder: a parameter nobody reads fails here."""
-    values = Parameters(parameters())
+    READ.clear()
+    values = _RecordingParameters(**parameters())
     build_plan(values, run_id=RUN_ID, compiled=compiled_settings("llm-finetune-hpo", parameters()), environ={})
-    assert values.read == set(parameter_defaults())
+    assert READ == set(parameter_defaults())
 
 
 def test_plan_round_trips_through_plan_json(tmp_path):

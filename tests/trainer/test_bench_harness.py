@@ -144,7 +144,7 @@ def test_product_arm_is_llmft_train_with_a_shipped_config_and_only_model_data_st
 
     from llmft.benchmarks.gpu import arm_product
     from llmft.cli import build_group_parser
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config_load import load_config
 
     repo = Path(__file__).resolve().parents[2]
     args = Namespace(profile="short", samples_per_step=64, naive_steps=6, steps=30, warmup=4, extra="--micro 8")
@@ -173,7 +173,7 @@ def test_product_dataset_is_packed_like_llmft_data_tokenize(tmp_path):
     max_length filled by best-fit packing; the trainer's loader reads it and the arm counts each step's
     tokens from it."""
     from llmft.benchmarks.gpu import arm_product
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config_load import load_config
     from llmft.trainer.data.shards import open_split
 
     samples = arm_product.samples_for(steps=3, global_sequences=4, max_length=1024, profile="short", vocab=500)

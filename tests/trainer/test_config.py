@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmft.trainer.config import (
-    TrainConfig,
-    config_from_dict,
-    config_to_dict,
-    diff_configs,
-    iter_fields,
-    load_config,
-)
+from llmft.trainer.config import TrainConfig, iter_fields
 from llmft.trainer.config_checks import validate
+from llmft.trainer.config_load import config_from_dict, config_to_dict, diff_configs, load_config
 from llmft.trainer.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "llmft" / "trainer" / "configs").glob("*.yaml"))
@@ -217,7 +211,7 @@ def test_python_yaml_tags_are_a_one_line_error_and_never_run(tmp_path):
 def test_a_trainer_start_validates_the_config_once(tmp_path, monkeypatch, capsys):
     """Issue 26: the loader validates, and the trainer's entry point uses the warnings it returned (it
     validated twice before: in load_config, then again for the warnings)."""
-    import llmft.trainer.config as config_module
+    import llmft.trainer.config_load as config_module
     from llmft.trainer.__main__ import main
 
     calls = []
@@ -238,7 +232,7 @@ def test_every_short_setting_name_names_a_trainer_key():
 
 
 def test_nest_dotted_is_the_inverse_of_flatten_dict():
-    from llmft.trainer.config import flatten_dict, nest_dotted
+    from llmft.trainer.config_load import flatten_dict, nest_dotted
 
     tree = {"lora": {"r": 8, "target_modules": "q_proj,v_proj"}, "optim": {"lr": 1e-4}, "seed": 3}
     assert nest_dotted(flatten_dict(tree)) == tree

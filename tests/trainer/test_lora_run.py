@@ -13,8 +13,8 @@ import pytest
 import torch
 from trainer_helpers import KATIB_REGEX, adapter_tensors, events
 
-from llmft.trainer.config import load_config
 from llmft.trainer.config_checks import validate
+from llmft.trainer.config_load import load_config
 from llmft.trainer.train import Trainer
 
 pytestmark = pytest.mark.slow  # every test reads one tiny LoRA training run

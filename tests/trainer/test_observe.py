@@ -58,7 +58,7 @@ def test_a_dead_mlflow_server_costs_seconds_not_minutes(base_overrides, monkeypa
     """MLFLOW_TRACKING_URI naming a port nobody listens on: the observer asks once, within
     CONNECT_TIMEOUT_S, says so in one line and trains without MLflow. Without the check, MLflow's
     client retried 7 times with backoff (about 4 minutes) before the first metric."""
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config_load import load_config
     from llmft.trainer.mlflow_settings import CONNECT_TIMEOUT_S, HTTP_SETTINGS
     from llmft.trainer.observe import Observer
 

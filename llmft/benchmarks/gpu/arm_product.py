@@ -170,7 +170,7 @@ def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: st
 
 def run(a) -> dict:
     # heavy: yaml
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config_load import load_config
 
     root = Path(a.work)
     config, max_length = product_config(a.model, a.method)

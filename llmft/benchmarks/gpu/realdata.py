@@ -104,7 +104,7 @@ def reference(model_dir: Path, data: Path, config: Path, steps: int, out: Path, 
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
     # heavy: yaml
-    from llmft.trainer.config import load_config
+    from llmft.trainer.config_load import load_config
 
     # heavy: numpy
     from llmft.trainer.data.shards import open_split

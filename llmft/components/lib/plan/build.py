@@ -9,7 +9,10 @@ A knob's whole route, e.g. ``lora_r`` (one name per layer, one typed value)::
 
     llmft/components/plan.py          plan_run(..., lora_r: int = 16, ...)   signature + docstring (the
                                                                        pipelines' parameter list)
-    components/lib/plan/build.py      lora.r = p.lora_r (SETTING_NAMES)      -> TrainConfig.lora.r (int), validated
+    components/lib/plan/parameters.py PipelineParameters.lora_r: int = 16     the same, typed (a test holds them equal)
+    llmft/trainer/config.py           r: int = _f(16, ..., Setting("lora_r", pipeline=True, search=...))
+                                                                       the knob's short name, declared once
+    components/lib/plan/build.py      lora.r = p.lora_r (TRAINER_PARAMETERS) -> TrainConfig.lora.r (int), validated
                                                                           once: TrainerPlan.config
     llmft/components/plan.py          write_run_config(plan)                 -> <run_dir>/config.yaml ``lora: r: 16``
     llmft/components/train.py         llmft train --config <run_dir>/config.yaml data=<tokenized>
@@ -41,6 +44,7 @@ from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_
 from llmft.components.lib.jobs.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.plan import checks as checks
 from llmft.components.lib.plan.checks import check_resources, check_tracking, extra_override_list, parse_node_selector
+from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.components.lib.plan.schema import (
     DEPLOY_POLICIES,
     JOB_WAIT_GRACE_S,
@@ -65,37 +69,16 @@ from llmft.components.lib.plan.schema import (
     run_label,
 )
 from llmft.components.lib.plan.volume_space import check_volume_space
-from llmft.trainer.config import RUN_CONFIG_FILE, SETTING_NAMES, config_to_yaml, nest_dotted, resolve_config
+from llmft.trainer.config import RUN_CONFIG_FILE, iter_settings
+from llmft.trainer.config_load import config_to_yaml, nest_dotted, resolve_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
 
 # --- the builder ------------------------------------------------------------------------------
 
 
-class Parameters:
-    """The pipeline parameters, read as attributes; remembers which were read (a test checks that
-    the builder reads every parameter of the signature)."""
-
-    def __init__(self, values: Mapping[str, Any]):
-        self._values = dict(values)
-        self.read: set[str] = set()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            value = self._values[name]
-        except KeyError:
-            raise ConfigError(f"pipeline parameter `{name}` is missing from the plan step's inputs") from None
-        self.read.add(name)
-        return value
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self._values)
-
-
 def build_plan(
-    values: Mapping[str, Any] | Parameters,
+    values: Mapping[str, Any] | PipelineParameters,
     *,
     run_id: str,
     compiled: str = "",
@@ -106,7 +89,7 @@ def build_plan(
     ``compiled`` is the JSON the pipeline passes (its name and the COMPILED_PARAMETERS values);
     ``environ`` (default os.environ) tells a cluster task from kfp.local."""
 
-    p = values if isinstance(values, Parameters) else Parameters(values)
+    p = values if isinstance(values, PipelineParameters) else PipelineParameters.from_values(values)
     settings = json.loads(compiled) if compiled else {}
     on_cluster = on_kfp_cluster(environ)
     layout = DataLayout(p.data_root)
@@ -153,7 +136,7 @@ def build_plan(
     return plan
 
 
-def _data_plan(p: Parameters, layout: DataLayout, run_id: str) -> DataPlan:
+def _data_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> DataPlan:
     return DataPlan(
         dataset=p.dataset,
         format=p.dataset_format,
@@ -167,25 +150,14 @@ def _data_plan(p: Parameters, layout: DataLayout, run_id: str) -> DataPlan:
     )
 
 
-PIPELINE_SETTINGS = (
-    "model",
-    "method",
-    "lora_r",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_target_modules",
-    "learning_rate",
-    "seed",
-    "max_steps",
-    "epochs",
-    "mlflow_experiment",
-)
-"""The pipeline parameters that are trainer settings (their trainer keys: llmft/trainer/config.py SETTING_NAMES)."""
-TRAINER_PARAMETERS = {SETTING_NAMES[name]: name for name in PIPELINE_SETTINGS}
+PIPELINE_SETTINGS = tuple(setting.name for _, setting in iter_settings() if setting.pipeline)
+"""The pipeline parameters that are trainer settings: declared on the trainer's fields
+(llmft/trainer/config.py, ``Setting(name, pipeline=True)``), never listed here."""
+TRAINER_PARAMETERS = {key: setting.name for key, setting in iter_settings() if setting.pipeline}
 """Trainer key -> the pipeline parameter that sets it (named in a refusal)."""
 
 
-def trainer_settings(p: Parameters, run_dir: str, run_id: str) -> dict[str, Any]:
+def trainer_settings(p: PipelineParameters, run_dir: str, run_id: str) -> dict[str, Any]:
     """The only place pipeline parameters become trainer settings (``lora_r`` -> ``lora.r``, by
     :data:`TRAINER_PARAMETERS`), typed. ``epochs`` counts only without ``max_steps``; an empty
     ``mlflow_experiment`` keeps the trainer's default."""
@@ -203,7 +175,7 @@ def trainer_settings(p: Parameters, run_dir: str, run_id: str) -> dict[str, Any]
     return nest_dotted(values)  # target_modules "q_proj,v_proj": the loader makes it a tuple
 
 
-def trainer_plan(p: Parameters, layout: DataLayout, run_id: str) -> TrainerPlan:
+def trainer_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> TrainerPlan:
     """The trainer's config, resolved and validated once: the parameters' settings, then ``train_overrides``
     (the one key=value parser); ``data`` stays unset: only tokenize knows its path (its cache key)."""
 
@@ -237,7 +209,7 @@ def write_run_config(plan: RunPlan) -> str:
     return plan.trainer.config_path
 
 
-def job_plan(p: Parameters, layout: DataLayout, run_id: str, images: Images, secrets: Mapping) -> JobPlan:
+def job_plan(p: PipelineParameters, layout: DataLayout, run_id: str, images: Images, secrets: Mapping) -> JobPlan:
     """The training job's inputs (also the CLI's ``llmft sweep create``, from the same parameters)."""
 
     env = layout.hf_env()
@@ -289,7 +261,7 @@ def _without_key(secret: SecretMount, key: str) -> SecretMount:
     return dataclasses.replace(secret, keys=tuple(k for k in secret.keys if k != key))
 
 
-def eval_plan(p: Parameters) -> EvalPlan:
+def eval_plan(p: PipelineParameters) -> EvalPlan:
     """``eval_tasks`` (known names only), ``promote_metric`` (a metric they compute), the questions file
     (its rows' schema, when the plan step can read it), ``eval_max_questions``."""
     tasks = parse_tasks(p.eval_tasks)
@@ -312,7 +284,7 @@ MAX_QUESTIONS = 1000
 """Upper bound of ``eval_max_questions``: generation per model and checkpoint stays bounded."""
 
 
-def _registry_plan(p: Parameters, layout: DataLayout, run_id: str, on_cluster: bool, environ) -> RegistryPlan:
+def _registry_plan(p: PipelineParameters, layout: DataLayout, run_id: str, on_cluster: bool, environ) -> RegistryPlan:
 
     check_tracking(p, on_cluster, os.environ if environ is None else environ)
     return RegistryPlan(
@@ -325,7 +297,7 @@ def _registry_plan(p: Parameters, layout: DataLayout, run_id: str, on_cluster: b
     )
 
 
-def _serving_plan(p: Parameters, layout: DataLayout, run_id: str, images: Images, secrets: dict) -> ServingPlan:
+def _serving_plan(p: PipelineParameters, layout: DataLayout, run_id: str, images: Images, secrets: dict) -> ServingPlan:
 
     return ServingPlan(
         deploy=p.deploy,
@@ -361,7 +333,7 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _sweep_plan(p: Parameters, layout: DataLayout, run_id: str) -> SweepPlan:
+def _sweep_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> SweepPlan:
 
     name = experiment_name(run_id)
     settings = (

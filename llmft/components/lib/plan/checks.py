@@ -17,6 +17,7 @@ from typing import Any
 from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.jobs.sweep import check_servable_ranks, check_trial_overrides
+from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.components.lib.plan.schema import (
     COMPILED_PARAMETERS,
     DATA_MOUNT,
@@ -31,7 +32,7 @@ from llmft.components.lib.plan.schema import (
 from llmft.components.lib.plan.volume_paths import check_path_component
 from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.k8s_names import check_k8s_name
-from llmft.trainer.config import BOOL_WORDS, split_assignment
+from llmft.trainer.config_load import BOOL_WORDS, split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import redacted_uri
 
@@ -77,7 +78,7 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def check_general(p, on_cluster: bool) -> None:
+def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     """The scalar parameters, and what cannot run on a cluster."""
     rules = [
         ("training_backend", p.training_backend in TRAINING_BACKENDS, f"use one of {', '.join(TRAINING_BACKENDS)}"),
@@ -107,7 +108,7 @@ def check_general(p, on_cluster: bool) -> None:
         _check_cluster_only(p)
 
 
-def _check_cluster_only(p) -> None:
+def _check_cluster_only(p: PipelineParameters) -> None:
     """`local` backends need torch and transformers, which the pipeline image lacks; and every
     task mounts the volume at DATA_MOUNT."""
     local = [("training_backend", p.training_backend, "kubeflow")]
@@ -127,7 +128,7 @@ def _check_cluster_only(p) -> None:
         )
 
 
-def check_compiled(p, settings: Mapping[str, Any]) -> None:
+def check_compiled(p: PipelineParameters, settings: Mapping[str, Any]) -> None:
     """On a cluster: the parameters the YAML applied statically must still have their compiled values."""
     compiled = settings.get("compiled") or {}
     for name in COMPILED_PARAMETERS:
@@ -195,7 +196,7 @@ def check_resources(group: str, cpu: str, memory: str):
     return Resources(cpu=str(cpu), memory=str(memory))
 
 
-def task_resources(p) -> dict:
+def task_resources(p: PipelineParameters) -> dict:
     return {
         group: check_resources(group, getattr(p, cpu), getattr(p, mem))
         for group, (cpu, mem) in TASK_RESOURCE_GROUPS.items()
@@ -221,7 +222,7 @@ def parse_node_selector(text: str) -> dict[str, str]:
     return labels
 
 
-def check_tracking(p, on_cluster: bool, environ: Mapping[str, str]) -> None:
+def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str, str]) -> None:
     """Register needs an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
     MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
     the train step copies it into the training job's environment."""

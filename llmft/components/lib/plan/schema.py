@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmft.trainer.config import TrainConfig, config_from_dict, split_assignment
+from llmft.trainer.config import TrainConfig
+from llmft.trainer.config_load import config_from_dict, split_assignment
 from llmft.trainer.errors import ConfigError, LlmftError, TransientError
 
 DEFAULT_RUNTIME = "torch-distributed"
