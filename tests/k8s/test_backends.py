@@ -11,8 +11,7 @@ from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.jobs import backends
 from llmft.components.lib.jobs.backends import Backend, backend_for, register, render_names, run_resources
 from llmft.components.lib.jobs.cleanup import cleanup_run
-from llmft.components.lib.plan import checks
-from llmft.components.lib.plan.schema import RUN_ID_LABEL, TRAINING_BACKENDS, run_label
+from llmft.components.lib.plan.schema import RUN_ID_LABEL, run_label
 from llmft.katib.trial_kinds import TRIAL_KINDS, JobResource, TrialKind, trial_kind
 from llmft.trainer.errors import ConfigError
 
@@ -55,7 +54,6 @@ def toy(monkeypatch):
         name="toyjob", render_name="toy", resource=TOY, trial_kind=TOY_TRIAL, build=_toy_body, trial_job=trial_job,
         attach=attach,
     )  # fmt: skip
-    monkeypatch.setattr(checks, "TRAINING_BACKENDS", (*TRAINING_BACKENDS, "toyjob"))
     register(backend)
     try:
         yield calls
@@ -65,7 +63,7 @@ def toy(monkeypatch):
 
 
 def test_the_registry_holds_the_three_backends_and_the_pipeline_values():
-    assert list(backends.BACKENDS) == list(TRAINING_BACKENDS) == ["kubeflow", "trainjob", "local"]
+    assert list(backends.BACKENDS) == ["kubeflow", "trainjob", "local"]
     assert render_names() == {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
     assert [r.plural for r in run_resources()] == ["pytorchjobs", "experiments", "trainjobs"]  # API order
     with pytest.raises(ConfigError, match="training_backend='rayjob' is not a training backend"):

@@ -75,7 +75,7 @@ class Backend:
     the train step's body (the default, for a cluster backend, is :func:`run_on_cluster_or_exit`)."""
 
     name: str
-    """The pipeline's ``training_backend`` value (llmft/components/lib/plan/schema.py TRAINING_BACKENDS)."""
+    """The pipeline's ``training_backend`` value (the plan step accepts exactly the registered names)."""
     render_name: str = ""
     """``llmft pipeline render-job --backend`` value; "" = nothing to render (local)."""
     resource: JobResource | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.jobs.backends import BACKENDS
 from llmft.components.lib.jobs.sweep import check_servable_ranks, check_trial_overrides
 from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.components.lib.plan.schema import (
@@ -25,7 +26,6 @@ from llmft.components.lib.plan.schema import (
     KFP_POD_ENV,
     PIPELINE_OWNED_KEYS,
     SWEEP_BACKENDS,
-    TRAINING_BACKENDS,
     Resources,
     SecretMount,
 )
@@ -81,7 +81,7 @@ def check_run_id(run_id: str) -> str:
 def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     """The scalar parameters, and what cannot run on a cluster."""
     rules = [
-        ("training_backend", p.training_backend in TRAINING_BACKENDS, f"use one of {', '.join(TRAINING_BACKENDS)}"),
+        ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
         ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
         ("num_workers", p.num_workers >= 1, "must be >= 1"),
         ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),

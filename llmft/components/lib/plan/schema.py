@@ -32,8 +32,6 @@ PLAN_SCHEMA_VERSION = 2
 PLAN_FILE = "plan.json"
 DATA_MOUNT = "/data"
 """Where the data/checkpoint PVC is mounted in every pipeline pod and job replica."""
-TRAINING_BACKENDS = ("kubeflow", "trainjob", "local")
-"""kubeflow: a PyTorchJob (Training Operator v1); trainjob: a TrainJob (Kubeflow Trainer v2); local: kfp.local."""
 DEPLOY_MODES = ("kserve", "local", "vllm")
 """kserve: an InferenceService on the cluster; local: a transformers generation check (kfp.local); vllm: a real
 vLLM OpenAI server on this machine with the manifest's arguments and the smoke test (kfp.local,
