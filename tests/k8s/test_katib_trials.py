@@ -149,7 +149,8 @@ def test_trainer_exit_codes_survive_the_wrapper(early_stopping, code, expected, 
 def test_the_script_starts_one_child_for_katibs_collector():
     """Katib's collector stops a trial through the single child of the main process
     (file-metricscollector/main.go 286-290): the script must not fork anything else while training."""
-    from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec, katib_trial_script
+    from llmft.components.lib.jobs.katib_trial import katib_trial_script
+    from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec
 
     script = katib_trial_script(PyTorchJobSpec(name="t"), early_stopping=True)
     assert script.startswith("{ ") and script.endswith("; }") and script.count(" & ") == 1

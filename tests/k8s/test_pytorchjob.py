@@ -8,6 +8,7 @@ import copy
 import pytest
 
 from llmft.components import images
+from llmft.components.lib.jobs.katib_trial import trial_pytorchjob_dict
 from llmft.components.lib.jobs.pytorchjob_spec import (
     DEFAULT_SECRET_ENVS,
     ElasticSpec,
@@ -19,7 +20,6 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     pytorchjob_to_dict,
     pytorchjob_webhook_errors,
     trainer_command,
-    trial_pytorchjob_dict,
 )
 from llmft.trainer.errors import ConfigError
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.jobs import (
+    katib_trial,
     local_train,
     pytorchjob_launch,
     pytorchjob_spec,
@@ -203,7 +204,7 @@ def _build_pytorchjob(job, spec: PyTorchJobSpec) -> dict:
 
 
 def _trial_pytorchjob(job, spec: PyTorchJobSpec, early_stopping: bool) -> dict:
-    return pytorchjob_spec.trial_pytorchjob_dict(spec, early_stopping=early_stopping)
+    return katib_trial.trial_pytorchjob_dict(spec, early_stopping=early_stopping)
 
 
 def _build_trainjob(job, spec: PyTorchJobSpec) -> dict:

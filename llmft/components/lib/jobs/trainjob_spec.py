@@ -35,13 +35,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from llmft.components.lib.jobs.pytorchjob_spec import (
-    _shell_safe,
-    _spec_errors,
-    katib_trial_script,
-    pod_template,
-    resolved_nproc,
-)
+from llmft.components.lib.jobs.katib_trial import katib_trial_script, shell_safe
+from llmft.components.lib.jobs.pytorchjob_spec import _spec_errors, pod_template, resolved_nproc
 from llmft.components.lib.plan.schema import DEFAULT_RUNTIME
 from llmft.katib.k8s_names import RFC1035_LABEL, RFC1123_SUBDOMAIN
 from llmft.katib.trial_kinds import TRAINJOB_RESOURCE
@@ -231,11 +226,11 @@ def _patched_jobs(patch: dict) -> list[dict]:
 def trial_trainjob_dict(spec, runtime: str = DEFAULT_RUNTIME, *, early_stopping: bool = True) -> dict:
     """The TrainJob as a Katib trial template: no metadata.name/namespace (Katib sets them; the trial's
     job is named after the trial), overrides may hold ``${trialParameters.name}`` placeholders, and the
-    trainer runs :func:`~llmft.components.lib.jobs.pytorchjob_spec.katib_trial_script` through ``sh -c``, as a
+    trainer runs :func:`~llmft.components.lib.jobs.katib_trial.katib_trial_script` through ``sh -c``, as a
     PyTorchJob trial does: Katib wraps the ``node`` container's command the same way."""
 
     arguments = format_overrides(spec.overrides.items())
-    unsafe = [a for a in [*arguments, spec.config_path or ""] if not _shell_safe(a)]
+    unsafe = [a for a in [*arguments, spec.config_path or ""] if not shell_safe(a)]
     if unsafe:  # the same rule as the PyTorchJob trial: Katib wraps the command in `sh -c`
         raise ConfigError(
             f"Katib trial {spec.name!r}: arguments {unsafe} contain whitespace or shell characters, which break "
