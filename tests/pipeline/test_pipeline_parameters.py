@@ -38,6 +38,13 @@ def test_the_typed_parameters_are_plan_runs_signature():
     assert all(isinstance(default, kind) for _, kind, default in _dataclass_rows())
 
 
+def test_no_read_of_the_parameters_is_any():
+    """What mypy sees of ``p.x``: every field a plain scalar type, and no ``__getattr__`` that would turn an
+    unknown name (or every name, as the old bag did) into ``Any``."""
+    assert {kind for _, kind, _ in _dataclass_rows()} <= {str, int, float, bool}
+    assert "__getattr__" not in vars(PipelineParameters) and not hasattr(PipelineParameters, "__getattr__")
+
+
 def test_the_comparison_sees_a_difference():
     """The rows carry the type and the default: a changed one compares unequal."""
     rows = _signature_rows()
