@@ -359,3 +359,46 @@ def test_every_heavy_marker_defers_what_it_names():
     assert not offenders, "a `# heavy:` marker names what the import newly loads, and only heavy packages:\n" + (
         "\n".join(offenders)
     )
+
+
+def test_the_marker_reader_sees_markers_guards_and_function_bodies(tmp_path):
+    source = (
+        "import os  # heavy: torch\n"
+        "def f():\n    # heavy: torch, numpy\n    import torch\n"
+        "    import yaml\n"
+        "    try:\n        # optional: flash_attn\n        import flash_attn\n"
+        "    except (ValueError, ModuleNotFoundError):\n        pass\n"
+        "    try:\n        import liger_kernel  # optional: liger_kernel\n    except ValueError:\n        pass\n"
+    )
+    path = tmp_path / "probe.py"
+    path.write_text(source, encoding="utf-8")
+    found = [(m.line, m.kind, m.names, m.guarded, m.function_local) for m in marked_imports(path)]
+    assert found == [
+        (1, "heavy", ["torch"], False, False),
+        (4, "heavy", ["torch", "numpy"], False, True),
+        (8, "optional", ["flash_attn"], True, True),
+        (12, "optional", ["liger_kernel"], False, True),
+    ]
+
+
+@pytest.mark.slow  # one interpreter and a fork per statement
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the probe forks one child per import statement")
+def test_the_probe_tells_a_deferred_load_from_one_already_done(tmp_path):
+    """Standard-library modules stand in for packages: ``wave`` is not loaded by the module, ``colorsys``
+    is; asking importlib.util.find_spec about a package is no load; an import of a missing package inside
+    ``try`` still counts as loading it (GPU-only packages on this machine)."""
+    (tmp_path / "holder.py").write_text("import colorsys\n", encoding="utf-8")
+    statements = [
+        ("import wave", ["wave"]),
+        ("import colorsys", ["colorsys"]),
+        ("import importlib.util\nimportlib.util.find_spec('wave')", ["wave"]),
+        ("try:\n    import not_installed_anywhere\nexcept ImportError:\n    pass", ["not_installed_anywhere"]),
+    ]
+    got = measure("holder", False, statements, cwd=tmp_path)
+    assert [g["loads"] for g in got] == [
+        {"wave": True},
+        {"colorsys": False},
+        {"wave": False},
+        {"not_installed_anywhere": True},
+    ]
+    assert got[1]["heavy"] == [] and "heavy" not in got[0]
