@@ -115,6 +115,7 @@ typecheck: $(STAMP)
 import-guard: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider tests/core/test_imports.py tests/core/test_structure.py tests/core/test_packaging.py
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/core/test_import_markers.py
 
 check: lint typecheck import-guard
 

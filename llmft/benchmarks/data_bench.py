@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llmft.trainer.data.prepare import prepare_dataset
+from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.io import atomic_write_json, atomic_write_text
 from llmft.trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS, build_tiny_model
 
@@ -94,11 +96,6 @@ def cpu_seconds() -> float:
 
 
 def project_path(raw: Path, work: Path, model: str, max_length: int, num_proc: int | None) -> dict:
-    # heavy: orjson
-    from llmft.trainer.data.prepare import prepare_dataset
-
-    # heavy: orjson
-    from llmft.trainer.data.tokenize import tokenize_dataset
 
     c0, t0 = cpu_seconds(), time.perf_counter()
     report = prepare_dataset(str(raw), work / "prepared", val_fraction=0.0)

@@ -8,7 +8,9 @@ import signal
 # The defaults live in the library (one place); the CLI only shows them. llmft/trainer/data/limits.py imports
 # nothing, so `llmft data --help` stays fast.
 from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
+from llmft.trainer.data.prepare import prepare_dataset
 from llmft.trainer.data.summary import prepare_summary, tokenize_summary
+from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.errors import SignalStop
 
 FORMAT_CHOICES = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
@@ -123,9 +125,6 @@ def _stop_cleanly_on_sigterm() -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    # heavy: orjson
-    from llmft.trainer.data.prepare import prepare_dataset
-
     _stop_cleanly_on_sigterm()
     report = prepare_dataset(
         args.input,
@@ -143,9 +142,6 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
-    # heavy: numpy, orjson
-    from llmft.trainer.data.tokenize import tokenize_dataset
-
     _stop_cleanly_on_sigterm()
     manifest = tokenize_dataset(
         args.input,

@@ -33,7 +33,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer.export import export_adapter
 
     manifest = export_adapter(

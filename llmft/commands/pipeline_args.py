@@ -21,10 +21,10 @@ def load_pipeline(hpo: bool, defaults: dict | None = None):
     """The pipeline (GraphComponent); with ``defaults``, built with them as parameter defaults."""
 
     try:
-        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
+        # heavy: kfp, kubeflow_katib_api, pydantic
         from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline
 
-        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
+        # heavy: kfp, kubeflow_katib_api, pydantic
         from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
     except ImportError as exc:
         raise ConfigError(f"cannot import the pipelines ({exc}); install the `pipeline` extra") from None

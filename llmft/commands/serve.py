@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from llmft.components.lib.plan.schema import SERVING_MODES
+from llmft.components.lib.serving.serve_check import check_result_target, serve_check
 from llmft.trainer.io import atomic_write_json, check_owned_file
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    # heavy: yaml
-    from llmft.components.lib.plan.schema import SERVING_MODES
-
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     check = sub.add_parser(
         "check",
@@ -53,9 +52,6 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-
-    # heavy: yaml
-    from llmft.components.lib.serving.serve_check import check_result_target, serve_check
 
     if args.json:
         check_result_target(Path(args.json))

@@ -28,6 +28,7 @@ import tempfile
 from collections.abc import Mapping
 
 from llmft.trainer.__main__ import main
+from llmft.trainer.config_load import config_to_dict, load_config
 
 STOP_CODES = (0, 130, 143)  # a rank that finished, or stopped by a signal after its checkpoint
 
@@ -89,10 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def preflight(args: argparse.Namespace) -> None:
     """Validate the config and plan the run before any rank starts (raises LlmftError)."""
-    # heavy: yaml
-    from llmft.trainer.config_load import config_to_dict, load_config
-
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer.rundir import plan_start
 
     cfg = load_config(args.config, args.overrides)  # validated once, by the loader
@@ -101,7 +99,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 def launch(cmd: list[str]) -> int:
     """Run torchrun in its own session; forward SIGTERM/SIGINT; return :func:`launch_outcome`."""
-    # heavy: torch, yaml
+    # heavy: torch
     from llmft.trainer.distributed import EXIT_DIR_ENV, read_rank_exits
 
     exit_dir = tempfile.mkdtemp(prefix="llmft-ranks-")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.trainer.assets.sample_data.generate_facts import PROBES
+from llmft.trainer.config_load import parse_bool, split_assignment
 from llmft.trainer.data.samples import sample_path
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
@@ -120,15 +121,12 @@ TINY_WORK_DIR = "runs/pipeline-tiny"
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
     """name -> InputSpec of the pipeline's parameters (type and default)."""
     if pipeline is None:
-        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
+        # heavy: kfp, kubeflow_katib_api, pydantic
         from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     return dict(pipeline.component_spec.inputs or {})
 
 
 def _coerce(name: str, raw: str, kfp_type: str) -> Any:
-    # heavy: yaml
-    from llmft.trainer.config_load import parse_bool
-
     try:
         if kfp_type == "Boolean":
             return parse_bool(raw)
@@ -143,9 +141,6 @@ def _coerce(name: str, raw: str, kfp_type: str) -> Any:
 
 def parse_arguments(items: list[str], pipeline=None) -> dict[str, Any]:
     """``["lora_r=16", "deploy=false"]`` -> typed arguments, checked against the pipeline's parameters."""
-    # heavy: yaml
-    from llmft.trainer.config_load import split_assignment
-
     inputs = pipeline_inputs(pipeline)
     out: dict[str, Any] = {}
     for item in items:

@@ -32,6 +32,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+import docstring_parser
 from kfp import compiler, dsl, kubernetes
 
 from llmft.components.cleanup import cleanup_run
@@ -117,9 +118,6 @@ def pipeline_signature(*, hpo: bool, defaults: Mapping[str, Any] | None = None) 
 def pipeline_docstring(description: str, signature: inspect.Signature) -> str:
     """``description`` plus an Args section with plan_run's description of each parameter (KFP
     parses it into the compiled YAML's parameter descriptions)."""
-    # heavy: docstring_parser
-    import docstring_parser
-
     described = {p.arg_name: p.description for p in docstring_parser.parse(plan_run.python_func.__doc__).params}
     lines = [description, "", "Args:"]
     lines += [f"    {name}: {' '.join((described.get(name) or name).split())}" for name in signature.parameters]

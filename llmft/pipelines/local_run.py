@@ -159,7 +159,7 @@ def run_pipeline_locally(
     from kfp import local
 
     if pipeline is None:
-        # heavy: kfp, kubeflow_katib_api, pydantic, yaml
+        # heavy: kfp, kubeflow_katib_api, pydantic
         from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,9 @@ from typing import Any
 
 from llmft.components.lib.evaluation.checkpoints import generation_rows, task_scores
 from llmft.components.lib.evaluation.task_eval import beats, metric_value
+from llmft.components.lib.plan.schema import read_plan
+from llmft.components.lib.serving.deployment import deploy_promoted, plan_deploy_request
+from llmft.components.lib.serving.serving_form import merged_model
 from llmft.pipelines.defaults import DEMO_PROBES
 
 
@@ -120,15 +123,6 @@ def merged_answers(run_dir: str | Path, facts: dict[str, Any]) -> dict[str, str]
     (:func:`llmft.components.lib.serving.serving_form.merged_model`, ``llmft export --merge``) at the plan's
     ``merged_dir`` and deployed with the run's deploy mode as form ``merged`` (deploy_mode=vllm: a second
     vLLM server with the merged model as the one served name)."""
-
-    # heavy: yaml
-    from llmft.components.lib.plan.schema import read_plan
-
-    # heavy: yaml
-    from llmft.components.lib.serving.deployment import deploy_promoted, plan_deploy_request
-
-    # heavy: yaml
-    from llmft.components.lib.serving.serving_form import merged_model
 
     plan = read_plan(Path(run_dir) / "plan-run" / "plan")
     adapter_dir = str(facts["promotion"]["destination"])

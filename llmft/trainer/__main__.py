@@ -18,6 +18,7 @@ import sys
 import threading
 
 from llmft.trainer import errors
+from llmft.trainer.config_load import config_to_yaml, load_config_checked
 from llmft.trainer.errors import EXIT_OK, SignalStop
 from llmft.trainer.storage import describe_disk_fault, describe_path_error, disk_fault, disk_fault_exit_code
 
@@ -47,7 +48,7 @@ def _rank_prefix() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # heavy: torch, yaml
+    # heavy: torch
     from llmft.trainer.distributed import write_rank_exit
 
     args = build_parser().parse_intermixed_args(argv)  # key=value words before and after the options
@@ -164,17 +165,14 @@ def use_expandable_segments() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Parse, then one :class:`~llmft.trainer.train.Trainer`: build -> train -> close."""
-    # heavy: yaml
-    from llmft.trainer.config_load import config_to_yaml, load_config_checked
-
     cfg, warnings = load_config_checked(args.config, args.overrides)  # validated once
     if args.print_config:
         print(config_to_yaml(cfg), end="")
         return 0
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer.steps import STOP
 
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer.train import Stopped, Trainer
 
     trainer = Trainer(cfg, warnings)

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from llmft.trainer.data.loader import MicroBatch, eval_micro_batches
 from llmft.trainer.data.shards import open_split
 from llmft.trainer.distributed import DistInfo, all_reduce_sum
 from llmft.trainer.errors import DataError
+from llmft.trainer.fp8 import load_base_model
 from llmft.trainer.loss import loss_fn, token_nll_sum
 from llmft.trainer.model import register_attention, resolve_dtype
 
@@ -82,9 +84,6 @@ def evaluate_model(
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [nll sum, targets]
     if progress and rank == 0:
-        # heavy: tqdm
-        from tqdm import tqdm
-
         batches = tqdm(batches, desc=f"evaluate {split}", unit="batch", mininterval=1.0)
     for micro in batches:
         batch = micro.to_torch(device)
@@ -202,9 +201,6 @@ class PerplexityEvaluator:
 
     def _base(self, model_path: str):
         if self._path != model_path:
-            # heavy: safetensors
-            from llmft.trainer.fp8 import load_base_model
-
             self._model = None  # the previous model's memory is free before the next one loads
             register_attention(self.attn_implementation)
             kwargs = {

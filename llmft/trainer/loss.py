@@ -74,7 +74,9 @@ def token_nll_sum(model, batch: dict, *, varlen: bool = False) -> torch.Tensor:
 def fused_token_nll_sum(model, batch: dict) -> torch.Tensor:
     """Drop-in for :func:`token_nll_sum`: the SUM of next-token NLL over supervised targets (0-d
     float32), through trainer.fastpath's fused linear cross-entropy (no full-vocab logits)."""
-    # optional: the fast path (llmft/trainer/fastpath), imported only where it is on
+    # Not at module level: what a run needs for correctness does not import the fast path (issue 26);
+    # importing it registers its attention with transformers.
+    # heavy: transformers
     from llmft.trainer.fastpath.loss import fused_causal_lm_loss  # only where kernels.fused_loss resolved on
 
     return fused_causal_lm_loss(

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import BitsAndBytesConfig
+from transformers.integrations import HfDeepSpeedConfig
 
 import llmft.trainer.fastpath  # noqa: F401 - registers its attention kernels
 from llmft.trainer import moe_model
@@ -23,6 +25,7 @@ from llmft.trainer.distributed import import_deepspeed
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.fastpath import apply_kernels, moe
 from llmft.trainer.fastpath.settings import enable_checkpointing, run_settings
+from llmft.trainer.fp8 import load_base
 from llmft.trainer.loss import BUILTIN_ATTENTION
 from llmft.trainer.model_dir import content_hash
 
@@ -64,9 +67,6 @@ def _load_kwargs(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, zer
         "use_safetensors": True,
     }
     if cfg.method == "qlora":
-        # heavy: transformers
-        from transformers import BitsAndBytesConfig
-
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=cfg.qlora.quant_type,
@@ -91,9 +91,6 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     here); the returned :class:`~llmft.trainer.fastpath.resolve.FastPath` says what was switched
     on, why anything is off, and what applying did.
     """
-    # heavy: safetensors
-    from llmft.trainer.fp8 import load_base  # FP8 bases: dequantized, or 4-bit from a bf16 copy (QLoRA)
-
     check_method_supported(cfg, device)
 
     moe_model.check_lora_config(cfg)  # MoE LoRA targets checked from config.json first
@@ -171,9 +168,6 @@ def register_attention(name: str) -> None:
 
 def _zero3_init(ds_config: dict | None):
     """While the returned object lives, from_pretrained partitions weights over ranks (zero.Init)."""
-    # heavy: transformers
-    from transformers.integrations import HfDeepSpeedConfig
-
     import_deepspeed()
 
     return HfDeepSpeedConfig(ds_config)

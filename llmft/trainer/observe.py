@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tqdm import tqdm
+
 from llmft.trainer import flops, langfuse_sink
 from llmft.trainer.config_load import flatten_dict
 from llmft.trainer.io import atomic_write_text
@@ -225,9 +227,6 @@ class Observer:
         self._start_mlflow(config_dict, mlflow_run_id)
         self._start_langfuse(config_dict, run_id or self.run_name, start_step, total_steps)
         if cfg.observe.progress_bar:
-            # heavy: tqdm
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=total_steps,
                 initial=start_step,
@@ -267,7 +266,7 @@ class Observer:
         """Eval lines for Katib's StdOut collector, exactly `eval_loss=<v>` and `perplexity=<v>`."""
         if not self.active:
             return
-        # heavy: numpy, torch
+        # heavy: torch
         from llmft.trainer.evaluate import katib_lines
 
         self.event("eval", step, metrics)

@@ -10,8 +10,10 @@ import gc
 import random
 import signal
 
+import numpy as np
 import torch
 
+from llmft.trainer.distributed import ranks_with_flag
 from llmft.trainer.errors import LlmftError, SignalStop
 
 
@@ -82,9 +84,6 @@ class StepCounters:
 
     def check_bad_streak(self, info, max_bad: int) -> None:
         """At a log step: raise TrainingAborted once ``max_bad`` consecutive steps were non-finite."""
-        # heavy: yaml
-        from llmft.trainer.distributed import ranks_with_flag
-
         hit_step = int(self.hit_step.item())
         if hit_step < 0:
             return
@@ -121,10 +120,6 @@ def collect_garbage(step: int, every: int) -> None:
 
 
 def seed_all(seed: int) -> None:
-
-    # heavy: numpy
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import transformers
 
 from llmft.trainer import checkpoint as ckpt
 from llmft.trainer import model as model_lib
@@ -482,9 +483,6 @@ class Trainer:
     def _manifest(self) -> dict:
         # heavy: peft
         import peft
-
-        # heavy: transformers
-        import transformers
 
         final_metrics = {k: self.last_eval.get(k) for k in ("eval_loss", "perplexity", "tokens")}
         return {

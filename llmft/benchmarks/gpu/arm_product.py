@@ -34,6 +34,7 @@ import numpy as np
 from llmft.benchmarks.gpu import common
 from llmft.benchmarks.gpu.arm_project import write_model_dir
 from llmft.trainer import flops
+from llmft.trainer.config_load import load_config
 from llmft.trainer.data.loader import PackedLoader, resolve_global_sequences
 from llmft.trainer.data.packing import best_fit_pack
 from llmft.trainer.data.shards import write_split
@@ -169,9 +170,6 @@ def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: st
 
 
 def run(a) -> dict:
-    # heavy: yaml
-    from llmft.trainer.config_load import load_config
-
     root = Path(a.work)
     config, max_length = product_config(a.model, a.method)
     cfg = load_config(str(config), [f"max_steps={a.steps}"])

@@ -30,6 +30,11 @@ import random
 import sys
 from pathlib import Path
 
+from llmft.benchmarks.data_bench import generate_alpaca_rows
+from llmft.benchmarks.gpu import common
+from llmft.trainer.config_load import load_config
+from llmft.trainer.data.shards import open_split
+
 WORDS = (
     "apple river stone cloud green quiet seven paper window garden silver morning bridge candle "
     "forest ocean yellow winter summer letter market thunder music pencil mountain rabbit violet"
@@ -60,9 +65,6 @@ def write_model(model: str, root: Path) -> Path:
     # heavy: transformers
     from transformers import AutoTokenizer
 
-    # heavy: numpy
-    from llmft.benchmarks.gpu import common
-
     out = root / f"{model}-qwen3tok"
     if (out / "config.json").is_file():
         return out
@@ -80,9 +82,6 @@ def write_model(model: str, root: Path) -> Path:
 
 
 def _documents(data: Path, split: str) -> list[dict]:
-    # heavy: numpy
-    from llmft.trainer.data.shards import open_split
-
     shards = open_split(data, split)
     offsets = [int(x) for x in shards.doc_offsets]
     return [
@@ -102,12 +101,6 @@ def reference(model_dir: Path, data: Path, config: Path, steps: int, out: Path, 
 
     # heavy: transformers
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
-
-    # heavy: yaml
-    from llmft.trainer.config_load import load_config
-
-    # heavy: numpy
-    from llmft.trainer.data.shards import open_split
 
     cfg = load_config(str(config), [f"model.name_or_path={model_dir}", f"data={data}"])
     train = _documents(data, "train")
@@ -155,7 +148,7 @@ def reference(model_dir: Path, data: Path, config: Path, steps: int, out: Path, 
 
 def compare(a) -> dict:
     """Score the product's and the reference's adapters with one evaluator; read both speeds."""
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer.evaluate import evaluate_perplexity
 
     def events(run: Path, kind: str) -> list[dict]:
@@ -209,9 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--synthetic-json", default="", help="the project-product row's JSON of the same call")
     a = p.parse_args(argv)
     if a.cmd == "rows":
-        # heavy: numpy
-        from llmft.benchmarks.data_bench import generate_alpaca_rows
-
         generate_alpaca_rows(Path(a.out), a.rows)
     elif a.cmd == "echo-rows":
         echo_rows(Path(a.out), a.rows)

@@ -29,13 +29,13 @@ from llmft.trainer.__main__ import main as trainer_main
 
 
 def main() -> int:
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer import model as trainer_model
 
     # heavy: torch
     from llmft.trainer.fastpath import apply_kernels
 
-    # heavy: numpy, torch
+    # heavy: torch
     from llmft.trainer.fastpath.attention import register
 
     register()
@@ -71,7 +71,7 @@ def main() -> int:
 def skip_saves() -> None:
     """The trainer writes no checkpoint and no final/ (its summary names a final/ that does not exist)."""
 
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer.train import Trainer
 
     def no_save(run, step, wall, evaluated):
@@ -95,7 +95,7 @@ def profile_steps(spec: str, out_dir: str) -> None:
     # heavy: torch
     from torch.profiler import ProfilerActivity, profile
 
-    # heavy: numpy, torch, yaml
+    # heavy: torch
     from llmft.trainer.train import Trainer
 
     first, last = (int(v) for v in spec.split(":"))

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import urllib3
+
 from llmft.trainer.errors import LlmftError, TransientError
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -212,7 +214,6 @@ class Cluster:
 
     # -- one wrapper for every call ---------------------------------------------------------
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        import urllib3  # heavy: urllib3
         from kubernetes.client.rest import ApiException  # heavy: kubernetes
 
         try:

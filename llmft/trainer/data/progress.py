@@ -10,11 +10,10 @@ import os
 import sys
 from collections.abc import Iterable
 
+from tqdm import tqdm
+
 
 def progress(iterable: Iterable | None = None, *, desc: str, total: int | None = None, unit: str = "rows"):
-    # heavy: tqdm
-    from tqdm import tqdm
-
     tty = sys.stderr.isatty()
     return tqdm(
         iterable,

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import jinja2
 import numpy as np
 
 from llmft.trainer.data.encode import EncodePlan, encode_chunk, init_worker
@@ -185,9 +186,6 @@ def _check_arguments(max_length: int, truncation: str, num_proc: int | None) -> 
 def _checked_end_of_turn(tokenizer, template: str, source: str) -> str:
     """Compile the chat template and render a probe conversation with it; a template that is not valid
     Jinja, or fails on a plain user/assistant exchange, is a one-line DataError naming where it came from."""
-    # heavy: jinja2
-    import jinja2
-
     where = "the tokenizer's chat template" if source == "tokenizer" else f"--chat-template ({source})"
     try:
         return end_of_turn_marker(tokenizer, template)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
+from transformers import AttentionInterface
 
 from llmft.trainer.loss import bucket_max_length
 
@@ -47,9 +48,6 @@ handles H % Hkv == 0 itself), "repeat" expands them to H heads first. Chosen whe
 def register(gqa_mode: str = "repeat") -> str:
     """Register ``llmft_varlen`` with transformers' AttentionInterface; returns the name. Idempotent
     (a later call's ``gqa_mode``, one of :data:`GQA_MODES`, replaces an earlier one's)."""
-    # heavy: transformers
-    from transformers import AttentionInterface
-
     if gqa_mode not in GQA_MODES:
         raise ValueError(f"GQA mode {gqa_mode!r}: one of {GQA_MODES}")
     forward = varlen_attention_forward

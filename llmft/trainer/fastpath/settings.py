@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from transformers import AutoConfig
 
 from llmft.trainer.data.loader import dataset_info, resolve_global_sequences
 from llmft.trainer.errors import ConfigError
@@ -53,9 +54,6 @@ def micro_sequences_for(cfg, info) -> int:
 
 def model_config(model_cfg):
     """The base model's transformers config (config.json only); a one-line ConfigError when unreadable."""
-    # heavy: transformers
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(
             model_cfg.name_or_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code

@@ -38,6 +38,7 @@ from llmft.components.lib.evaluation.task_eval import score_answer
 from llmft.components.lib.registry.mlflow_registry import PROMOTED_PATH_TAG, champion_version, version_perplexity
 from llmft.components.lib.registry.promote import promoted_destination
 from llmft.trainer import langfuse_sink
+from llmft.trainer.data.loader import dataset_info
 from llmft.trainer.io import is_complete
 from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
 
@@ -134,7 +135,6 @@ def _compare(
     """``size``, ``max_new_tokens``: generations.PROMPT_SET_SIZE and MAX_NEW_TOKENS unless given;
     ``evaluator``: the evaluate step's :class:`~llmft.trainer.evaluate.PerplexityEvaluator`, whose
     loaded base the comparison reuses (a new one otherwise)."""
-    from llmft.trainer.data.loader import dataset_info  # heavy: numpy
     from llmft.trainer.evaluate import PerplexityEvaluator  # heavy: torch
 
     split, max_new_tokens = evaluation["split"], max_new_tokens or gen.MAX_NEW_TOKENS

@@ -17,6 +17,7 @@ from typing import Any
 from llmft.components.lib.evaluation import generations as gen
 from llmft.components.lib.evaluation.lm_eval_tasks import run_task
 from llmft.components.lib.evaluation.task_eval import HELDOUT, Question, mean_scores, read_questions, score_answer
+from llmft.trainer.data.loader import dataset_info
 
 
 class TaskRunner:
@@ -82,8 +83,6 @@ class TaskRunner:
 def task_runner(plan, evaluator, tokenized_dir: str) -> TaskRunner | None:
     """The evaluate step's runner of ``plan.evaluation`` (None when no task is selected): questions from
     ``eval_questions`` or the validation split, the tokenizer and end-of-turn the data was tokenized with."""
-    from llmft.trainer.data.loader import dataset_info  # heavy: numpy
-
     settings = plan.evaluation
     if not settings.tasks:
         return None

@@ -31,6 +31,7 @@ from llmft.components.lib.plan.schema import (
 )
 from llmft.components.lib.plan.volume_paths import check_path_component
 from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
+from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import BOOL_WORDS, split_assignment
 from llmft.trainer.errors import ConfigError
@@ -276,8 +277,6 @@ def check_serving(plan, config) -> str:
 
 def check_sweep(plan, max_lora_rank: int) -> None:
     """The sweep spec parses, its ranks are servable, and its fixed trial settings clash with nothing."""
-    from llmft.katib.experiment import SweepSpec, apply_overrides  # heavy: kubeflow_katib_api
-
     sweep = plan.sweep
     if sweep.backend not in SWEEP_BACKENDS:
         raise _fail("sweep_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")

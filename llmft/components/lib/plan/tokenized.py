@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.data.tokenize import cache_key_for, tokenize_dataset
 from llmft.trainer.errors import DataError
 from llmft.trainer.model_dir import check_model_dir
 
@@ -20,8 +21,6 @@ def tokenize_to_volume(
 ) -> dict[str, Any]:
     """Tokenize ``input_dir`` into ``<root>/tokenized/<cache_key>``; the manifest gains ``path``. A local
     ``model`` directory without weights or tokenizer is refused first (it could not be trained on)."""
-    from llmft.trainer.data.tokenize import cache_key_for, tokenize_dataset  # heavy: numpy, transformers
-
     check_model_dir(model)
     key = cache_key_for(input_dir, model, max_length=max_length, pack=pack, revision=revision)
     output_dir = Path(root) / "tokenized" / key

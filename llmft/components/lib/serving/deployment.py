@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import yaml
 
 from llmft.components.lib.cluster import Cluster
@@ -215,8 +216,6 @@ def find_crd(crd_dir: str | None = None) -> Path | None:
 
 def crd_schema_errors(obj: dict[str, Any], crd_path: str | Path) -> list[str]:
     """Every place ``obj`` violates the CRD's openAPIV3Schema for its apiVersion (jsonschema)."""
-    import jsonschema  # heavy: jsonschema
-
     with open(crd_path) as fh:
         crd = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     version = obj["apiVersion"].split("/")[-1]

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import llmft
 from llmft.components.lib.serving.inferenceservice import MODEL_MOUNT, _urllib_get, smoke_test
 from llmft.trainer.errors import EXIT_PREEMPTED, LlmftError, TransientError
 from llmft.trainer.io import OWNED_FILE_MARK
@@ -76,7 +77,6 @@ def serving_venv() -> Path:
     """Where the serving virtualenv is: ``$LLMFT_SERVING_VENV``, else ``.venv-serving`` in the checkout."""
     if os.environ.get(SERVING_VENV_ENV):
         return Path(os.environ[SERVING_VENV_ENV])
-    import llmft  # heavy: llmft
 
     checkout = Path(llmft.__file__).resolve().parent.parent
     return checkout / SERVING_VENV_DIR if (checkout / "setup.cfg").is_file() else Path.cwd() / SERVING_VENV_DIR
