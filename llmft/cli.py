@@ -38,6 +38,20 @@ GROUPS: dict[str, tuple[str, str]] = {
 }
 
 
+GROUP_EXTRAS: dict[str, str] = {
+    "data": "trainer",
+    "train": "trainer",
+    "pipeline": "pipeline",
+    "sweep": "pipeline,katib",
+    "export": "trainer",
+    "serve": "pipeline,trainer",
+    "dev": "trainer",
+    "bench": "trainer",
+}
+"""The extras of setup.cfg each group's module imports from (its module level may import their light packages:
+docs/architecture.md, "Imports"); a group whose package is missing is one line naming them."""
+
+
 def _epilog() -> str:
     codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODE_MEANINGS.items())
     return (
@@ -101,13 +115,28 @@ def main(argv: list[str] | None = None) -> int:
         args = top.parse_args(argv)  # handles --help/--version/unknown group
         top.print_help()
         return 2
-    parser = build_group_parser(argv[0])
+    try:
+        parser = build_group_parser(argv[0])
+    except ModuleNotFoundError as exc:
+        if os.environ.get("LLMFT_DEBUG", "") not in ("", "0"):
+            raise
+        print(missing_extra(argv[0], exc), file=sys.stderr)
+        return 1
     args = parse_group_args(parser, argv[1:])
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
     return run_command(func, args)
+
+
+def missing_extra(group: str, exc: ModuleNotFoundError) -> str:
+    """The one line for a group whose module needs a package this install lacks (exit 1: the install's
+    configuration), naming the extra that brings it."""
+    return (
+        f"error: llmft {group} needs the Python package {exc.name!r}, which is not installed here; "
+        f"install the extra it comes with: pip install 'kfp-llm-finetune[{GROUP_EXTRAS[group]}]'"
+    )
 
 
 def run_command(func, args) -> int:

@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import kfp_server_api  # light, but only with kfp: the pipeline extra (llmft pipeline needs it: llmft/cli.py says so)
+import urllib3
+
 from llmft.commands import render_job
 from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
 from llmft.katib.k8s_names import check_k8s_name
@@ -229,9 +232,6 @@ def _client(args: argparse.Namespace):
     # heavy: kfp
     import kfp
 
-    # heavy: urllib3
-    import urllib3
-
     try:
         return kfp.Client(host=args.host, namespace=args.namespace or "kubeflow", **client_auth(args))
     except urllib3.exceptions.HTTPError as exc:  # MaxRetryError: nothing answered the health check at --host
@@ -244,9 +244,6 @@ def _client(args: argparse.Namespace):
 
 def _api_call(args: argparse.Namespace, fn, *a, **kw):
     """One KFP API call; a 401/403 (the auth proxy refused us) becomes a one-line ConfigError with the fix."""
-    # heavy: kfp_server_api
-    import kfp_server_api
-
     try:
         return fn(*a, **kw)
     except kfp_server_api.ApiException as exc:

@@ -29,9 +29,14 @@ from pathlib import Path
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.schema import DataLayout, Images
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.webhook_rules import check_experiment
+from llmft.trainer.command_line import override_pairs
+from llmft.trainer.config_load import changed_settings, split_assignment
+from llmft.trainer.data.prepare import prepare_dataset
+from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import is_complete, write_owned_file
 from llmft.trainer.tiny_model import build_tiny_model
@@ -144,8 +149,6 @@ def make_cluster(args: argparse.Namespace):
 
 def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
     """``key=value`` items -> (sweep overrides, job settings, fixed train overrides)."""
-    # heavy: yaml
-    from llmft.trainer.config_load import split_assignment
 
     sweep, job, train = [], {}, []
     for item in items:
@@ -167,14 +170,11 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
 def trial_job(settings: dict, name: str):
     """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
     the plan's own job builder (so a trial gets what the pipeline's trials get)."""
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.build import job_plan
 
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
-
-    # heavy: yaml
-    from llmft.components.lib.plan.schema import DataLayout, Images
 
     # heavy: kfp
     from llmft.components.plan import parameter_defaults
@@ -197,23 +197,14 @@ def build_from_settings(items: list[str]):
     """The Experiment (typed model) for ``llmft sweep create key=value ...``; its trials start from the
     trainer config the pipeline's plan would resolve from the same parameters. No plan step writes a
     config.yaml on the volume here, so the trials carry its non-default settings as key=value."""
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
 
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.build import trainer_plan
 
-    # heavy: yaml
-    from llmft.components.lib.plan.schema import DataLayout
-
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib.experiment import SweepSpec, apply_overrides
-
-    # heavy: yaml
-    from llmft.trainer.command_line import override_pairs
-
-    # heavy: yaml
-    from llmft.trainer.config_load import changed_settings
 
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)
@@ -232,7 +223,7 @@ def build_from_settings(items: list[str]):
 
 
 def run_create(args: argparse.Namespace) -> int:
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib.experiment import experiment_dict, load_yaml, to_yaml
 
     if args.output:
@@ -260,7 +251,7 @@ def run_create(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace, body: dict) -> int:
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib import status as katib_status
 
     cluster = make_cluster(args)
@@ -282,7 +273,7 @@ def _submit(args: argparse.Namespace, body: dict) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib import status as katib_status
 
     cluster = make_cluster(args)
@@ -307,10 +298,10 @@ def run_best(args: argparse.Namespace) -> int:
 
 
 def _print_best(cluster, name: str, namespace: str) -> int:
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib.experiment import GROUP, PLURAL, VERSION
 
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib.status import best_overrides
 
     for line in best_overrides(cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)):
@@ -322,14 +313,11 @@ def _print_best(cluster, name: str, namespace: str) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
-    # heavy: kubeflow_katib_api, pydantic, yaml
+    # heavy: kubeflow_katib_api, pydantic
     from llmft.katib.local_sweep import run_local_sweep
-
-    # heavy: yaml
-    from llmft.trainer.command_line import override_pairs
 
     sweep_items, job, train = split_settings(args.settings)
     if job:
@@ -366,12 +354,6 @@ def local_inputs(workdir: Path, model: str | None, data: str | None) -> tuple[st
             build_tiny_model(model_dir)
         model = str(model_dir)
     if data is None:
-        # heavy: orjson
-        from llmft.trainer.data.prepare import prepare_dataset
-
-        # heavy: numpy, orjson
-        from llmft.trainer.data.tokenize import tokenize_dataset
-
         sample = files("llmft.trainer.assets.sample_data") / "alpaca_demo.jsonl"
         prepared = workdir / "prepared"
         if not is_complete(prepared):

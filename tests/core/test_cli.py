@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from llmft import cli
 from llmft.cli import GROUPS, build_group_parser, main
 
 
@@ -108,3 +109,27 @@ def test_train_takes_options_between_key_value_words(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "  r: 8\n" in printed and "  alpha: 64.0\n" in printed
     assert "data: /d\n" in printed and "seed: 3\n" in printed
+
+
+def test_a_group_whose_extra_is_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    """A group module that imports a package this install lacks (the light packages of an extra are imported at
+    module level: docs/architecture.md) is one line naming the package and the extra, exit 1, no traceback."""
+    (tmp_path / "group_without_its_extra.py").write_text("import no_such_package_of_an_extra\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.GROUPS, "sweep", ("group_without_its_extra", "sweeps"))
+    monkeypatch.delenv("LLMFT_DEBUG", raising=False)
+    assert cli.main(["sweep", "status"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "'no_such_package_of_an_extra'" in err
+    assert "pip install 'kfp-llm-finetune[pipeline,katib]'" in err
+
+
+def test_every_group_names_extras_that_setup_cfg_defines(repo_root):
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(repo_root / "setup.cfg", encoding="utf-8")
+    defined = set(parser["options.extras_require"])
+    assert set(cli.GROUP_EXTRAS) == set(cli.GROUPS)
+    named = {extra for extras in cli.GROUP_EXTRAS.values() for extra in extras.split(",")}
+    assert named <= defined, sorted(named - defined)

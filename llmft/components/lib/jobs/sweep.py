@@ -33,6 +33,18 @@ from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.plan.schema import TrainerLaunch, job_name
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
+from llmft.katib.experiment import (
+    GROUP,
+    PLURAL,
+    TRIAL_NAME_PLACEHOLDER,
+    VERSION,
+    SweepSpec,
+    apply_overrides,
+    build_experiment,
+    to_yaml,
+    trial_overrides,
+)
+from llmft.katib.local_sweep import run_local_sweep
 from llmft.katib.tracking import ParentRun
 from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
@@ -94,8 +106,6 @@ def sweep_trial_job(
     one (``llmft sweep create``), ``settings`` (dotted key -> value) on the command line. Then the
     keys a trial sets itself, the fixed trial settings and the searched ones (Katib's
     ``${trialParameters.x}``) replace theirs."""
-    from llmft.katib.experiment import TRIAL_NAME_PLACEHOLDER, trial_overrides  # heavy: kubeflow_katib_api
-
     if not data:
         raise ConfigError(
             "data= is required: the tokenized shards on the PVC written by `llmft data tokenize` "
@@ -127,8 +137,6 @@ def trial_backend(name: str) -> Backend:
 
 def build_sweep_experiment(sweep, **job):
     """The ``V1beta1Experiment`` for ``sweep`` whose trials run :func:`sweep_trial_job` (``**job``)."""
-    from llmft.katib.experiment import build_experiment  # heavy: kubeflow_katib_api
-
     return build_experiment(sweep, sweep_trial_job(sweep, **job))
 
 
@@ -172,9 +180,6 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
 
     Returns ``{"experiment", "best_overrides", "metrics"}``; raises ``ExperimentFailed`` when
     the sweep fails or no trial reports the objective."""
-
-    from llmft.katib.experiment import SweepSpec, apply_overrides  # heavy: kubeflow_katib_api
-
     sweep, trainer = plan.sweep, plan.trainer
     spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
     fixed = list(sweep.trial_overrides)
@@ -208,8 +213,6 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
 
 
 def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment) -> dict:
-    from llmft.katib.local_sweep import run_local_sweep  # heavy: kubeflow_katib_api, optuna
-
     # the final training's config, as the Katib trials; each trial's run is named after its output_dir
     args = [f"data={tokenized_dir}", "observe.run_name=", *fixed]
     result = run_local_sweep(
@@ -237,8 +240,6 @@ def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experime
 
 
 def _run_katib(spec, cluster, timeout_s, poll_s, output_dir, **job) -> dict:
-    from llmft.katib.experiment import GROUP, PLURAL, VERSION, to_yaml  # heavy: kubeflow_katib_api
-
     body = build_sweep_experiment(spec, **job).to_dict()
     body["metadata"].setdefault("labels", {}).update(job["job"].labels)  # the run-id label: cleanup finds it
     check_experiment(body)
