@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from llmft.trainer import fp8
 from llmft.trainer.data.loader import MicroBatch, eval_micro_batches
 from llmft.trainer.data.shards import open_split
 from llmft.trainer.distributed import DistInfo, all_reduce_sum
 from llmft.trainer.errors import DataError
-from llmft.trainer.fp8 import load_base_model
 from llmft.trainer.loss import loss_fn, token_nll_sum
 from llmft.trainer.model import register_attention, resolve_dtype
 
@@ -210,7 +210,7 @@ class PerplexityEvaluator:
                 "revision": self.revision,
                 "use_safetensors": True,
             }
-            self._model = load_base_model(model_path, self.revision, "lora", kwargs).to(self.device)
+            self._model = fp8.load_base_model(model_path, self.revision, "lora", kwargs).to(self.device)
             self._path = model_path
         return self._model
 

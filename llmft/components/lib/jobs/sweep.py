@@ -31,6 +31,7 @@ from llmft.components.lib.jobs.backends import Backend, backend_for
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.plan.schema import TrainerLaunch, job_name
+from llmft.katib import local_sweep
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
 from llmft.katib.experiment import (
@@ -44,7 +45,6 @@ from llmft.katib.experiment import (
     to_yaml,
     trial_overrides,
 )
-from llmft.katib.local_sweep import run_local_sweep
 from llmft.katib.tracking import ParentRun
 from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
@@ -215,7 +215,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
 def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment) -> dict:
     # the final training's config, as the Katib trials; each trial's run is named after its output_dir
     args = [f"data={tokenized_dir}", "observe.run_name=", *fixed]
-    result = run_local_sweep(
+    result = local_sweep.run_local_sweep(
         spec,
         trials=spec.max_trials,
         trainer_args=args,
