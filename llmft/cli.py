@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         parser = build_group_parser(argv[0])
-    except ModuleNotFoundError as exc:
-        if os.environ.get("LLMFT_DEBUG", "") not in ("", "0"):
+    except ModuleNotFoundError as exc:  # a package of an extra; a module of ours missing is a bug: its traceback
+        if os.environ.get("LLMFT_DEBUG", "") not in ("", "0") or (exc.name or "llmft").split(".")[0] == "llmft":
             raise
         print(missing_extra(argv[0], exc), file=sys.stderr)
         return 1

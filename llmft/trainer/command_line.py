@@ -1,7 +1,7 @@
 """The trainer's command line, built in one place: ``llmft train [--nproc N] [--config FILE] key=value ...``.
 
 Overrides travel as (key, value) pairs. A ``key=value`` string is split once, by the one grammar
-(``split_assignment`` in llmft/trainer/config.py), at the edge where it comes in (:func:`override_pairs`);
+(``split_assignment`` in llmft/trainer/config_load.py), at the edge where it comes in (:func:`override_pairs`);
 a value goes back into a command line through :func:`format_override_value`. Every launcher builds its
 command with :func:`train_arguments`: a PyTorchJob replica, a TrainJob node and a Katib trial
 (llmft/components/lib/jobs/pytorchjob_spec.py ``trainer_command``), the local backend

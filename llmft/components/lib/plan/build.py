@@ -150,11 +150,11 @@ def _data_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> DataPl
     )
 
 
-PIPELINE_SETTINGS = tuple(setting.name for _, setting in iter_settings() if setting.pipeline)
-"""The pipeline parameters that are trainer settings: declared on the trainer's fields
-(llmft/trainer/config.py, ``Setting(name, pipeline=True)``), never listed here."""
 TRAINER_PARAMETERS = {key: setting.name for key, setting in iter_settings() if setting.pipeline}
-"""Trainer key -> the pipeline parameter that sets it (named in a refusal)."""
+"""Trainer key -> the pipeline parameter that sets it (named in a refusal): declared on the trainer's fields
+(llmft/trainer/config.py, ``Setting(name, pipeline=True)``), never listed here."""
+PIPELINE_SETTINGS = tuple(TRAINER_PARAMETERS.values())
+"""The pipeline parameters that are trainer settings."""
 
 
 def trainer_settings(p: PipelineParameters, run_dir: str, run_id: str) -> dict[str, Any]:
