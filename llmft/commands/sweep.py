@@ -28,7 +28,7 @@ from pathlib import Path
 
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.parameters import PipelineParameters, parameter_defaults
 from llmft.components.lib.plan.schema import DataLayout, Images
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import check_k8s_name
@@ -175,9 +175,6 @@ def trial_job(settings: dict, name: str):
 
     # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
-
-    # heavy: kfp
-    from llmft.components.plan import parameter_defaults
 
     defaults = parameter_defaults()
     values = dict(defaults)

@@ -32,7 +32,6 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-import docstring_parser
 from kfp import compiler, dsl, kubernetes
 
 from llmft.components.cleanup import cleanup_run
@@ -47,8 +46,9 @@ from llmft.components.lib.plan.checks import (
     parse_node_selector,
     parse_secret,
 )
-from llmft.components.lib.plan.schema import DATA_MOUNT, SWEEP_PREFIX, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
-from llmft.components.plan import INTERNAL_INPUTS, compile_time_defaults, plan_run
+from llmft.components.lib.plan.parameters import PARAMETERS, Form, Parameter, compile_time_defaults
+from llmft.components.lib.plan.schema import DATA_MOUNT, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
+from llmft.components.plan import plan_run
 from llmft.components.prepare_dataset import prepare_dataset
 from llmft.components.promote import promote_best_checkpoint
 from llmft.components.register import register_model
@@ -58,7 +58,6 @@ from llmft.components.tokenize_dataset import tokenize_dataset
 from llmft.components.train import train_model
 from llmft.trainer.errors import ConfigError
 
-PIPELINE_NAME = "llm-finetune"
 DESCRIPTION = "Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM"
 TASK_ORDER = (
     "plan-run",
@@ -94,51 +93,59 @@ SWEEP_RETRIES = 2
 """Retries of the sweep task; a retry re-attaches to the same Experiment (its name derives from the run id)."""
 
 
-# --- the parameter list, derived from the plan component -----------------------------------
+# --- the parameter list, derived from the declarations ---------------------------------------
 
 
-def pipeline_signature(*, hpo: bool, defaults: Mapping[str, Any] | None = None) -> inspect.Signature:
-    """plan_run's parameters (without ``sweep_*`` unless ``hpo``), with the compile-time defaults
-    (images; anything in ``defaults``) in place of its literal ones."""
-    overrides = {**compile_time_defaults(), **(defaults or {})}
-    params = []
-    for name, param in inspect.signature(plan_run.python_func).parameters.items():
-        if name in INTERNAL_INPUTS or (name.startswith(SWEEP_PREFIX) and not hpo):
-            continue
-        default = overrides.get(name, param.default)
-        if not isinstance(default, param.annotation):  # an int given for a float parameter
-            default = param.annotation(default)
-        params.append(param.replace(default=default))
-    unknown = set(defaults or {}) - {p.name for p in params}
+def fixed_values(form: Form, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """name -> compiled value of every parameter the form's plan reads: the declared default, the compile-time
+    defaults (images), then ``defaults``; the offered ones are their run parameters' defaults."""
+    known = {p.name: p for p in PARAMETERS if form.has(p)}
+    unknown = sorted(set(defaults or {}) - set(known))
     if unknown:
-        raise ConfigError(f"unknown pipeline parameter(s) {sorted(unknown)}")
-    return inspect.Signature(params)
+        raise ConfigError(f"unknown pipeline parameter(s) {unknown}")
+    values = {**{n: p.default for n, p in known.items()}, **compile_time_defaults(), **(defaults or {})}
+    return {name: _typed(known[name], value) for name, value in values.items()}
 
 
-def pipeline_docstring(description: str, signature: inspect.Signature) -> str:
-    """``description`` plus an Args section with plan_run's description of each parameter (KFP
-    parses it into the compiled YAML's parameter descriptions)."""
-    described = {p.arg_name: p.description for p in docstring_parser.parse(plan_run.python_func.__doc__).params}
+def _typed(parameter: Parameter, value: Any) -> Any:
+    """An int given for a float parameter becomes a float (KFP's type check is strict)."""
+    return value if isinstance(value, parameter.type) else parameter.type(value)
+
+
+def pipeline_signature(form: Form, fixed: Mapping[str, Any]) -> inspect.Signature:
+    """The form's run parameters, in declaration order, with their compiled values as defaults."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature(
+        [inspect.Parameter(p.name, kind, default=fixed[p.name], annotation=p.type) for p in form.offered()]
+    )
+
+
+def pipeline_docstring(description: str, form: Form) -> str:
+    """``description`` plus an Args section with each run parameter's declared description (KFP parses it into
+    the compiled YAML's parameter descriptions)."""
     lines = [description, "", "Args:"]
-    lines += [f"    {name}: {' '.join((described.get(name) or name).split())}" for name in signature.parameters]
+    lines += [f"    {p.name}: {form.description(p)}" for p in form.offered()]
     return "\n".join(lines) + "\n"
 
 
-def build_pipeline(*, hpo: bool = False, defaults: Mapping[str, Any] | None = None):
-    """The pipeline (a KFP GraphComponent). ``defaults`` replace parameter defaults; for the
-    parameters its own tasks apply (COMPILED_PARAMETERS: Secrets, the evaluate node selector)
-    they also decide what the compiled YAML mounts."""
-    signature = pipeline_signature(hpo=hpo, defaults=defaults)
-    name = f"{PIPELINE_NAME}-hpo" if hpo else PIPELINE_NAME
+def build_pipeline(
+    *, hpo: bool = False, minimal: bool = False, local: bool = False, defaults: Mapping[str, Any] | None = None
+):
+    """The pipeline (a KFP GraphComponent) of one :class:`Form`. ``defaults`` replace parameter defaults: of a
+    run parameter, its default; of any other (the compile-time ones: Secrets, the evaluate node selector; those
+    a smaller form leaves out), the value compiled in."""
+    form = Form(hpo=hpo, minimal=minimal, local=local)
+    fixed = fixed_values(form, defaults)
+    signature = pipeline_signature(form, fixed)
+    name = form.pipeline_name
     description = HPO_DESCRIPTION if hpo else DESCRIPTION
-    static = {n: p.default for n, p in signature.parameters.items()}
 
     def pipeline(*args, **kwargs):
-        values = signature.bind(*args, **kwargs).arguments  # name -> pipeline channel
-        add_steps(values, static, pipeline_name=name, hpo=hpo)
+        values = {**fixed, **signature.bind(*args, **kwargs).arguments}  # run parameters are pipeline channels
+        add_steps(values, fixed, pipeline_name=name, hpo=hpo)
 
     pipeline.__signature__ = signature  # type: ignore[attr-defined]  # inspect.signature (so KFP) reads it
-    pipeline.__doc__ = pipeline_docstring(description, signature)
+    pipeline.__doc__ = pipeline_docstring(description, form)
     pipeline.__name__ = pipeline.__qualname__ = name.replace("-", "_") + "_pipeline"
     return dsl.pipeline(name=name, description=description)(pipeline)
 

@@ -116,7 +116,7 @@ def sim_plan(volume: Path, *, hpo: bool = False, run_id: str = SIM_RUN_ID, **cha
     """A plan (the real builder, the pipelines' defaults) whose job trains the tiny model on ``volume``."""
     from llmft.components.lib.plan.build import build_plan, write_run_config
     from llmft.components.lib.plan.checks import compiled_settings
-    from llmft.components.plan import parameter_defaults
+    from llmft.components.lib.plan.parameters import parameter_defaults
 
     values = {
         **parameter_defaults(),

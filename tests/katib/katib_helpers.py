@@ -47,7 +47,7 @@ def sweep_plan(*, run_id: str = "run-0001", environ: dict | None = None, **chang
     """The HPO pipeline's plan with ``changes`` over its parameter defaults (the real plan builder)."""
     from llmft.components.lib.plan.build import build_plan
     from llmft.components.lib.plan.checks import compiled_settings
-    from llmft.components.plan import parameter_defaults
+    from llmft.components.lib.plan.parameters import parameter_defaults
 
     values = {**parameter_defaults(), **changes}
     environ = {"MLFLOW_TRACKING_URI": "unused-by-the-plan"} if environ is None else environ

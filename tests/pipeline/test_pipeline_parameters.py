@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -13,8 +16,8 @@ import pytest
 from plan_helpers import parameters
 
 from llmft.components.lib.plan.build import PIPELINE_SETTINGS, TRAINER_PARAMETERS
-from llmft.components.lib.plan.parameters import PipelineParameters
-from llmft.components.plan import INTERNAL_INPUTS, plan_run
+from llmft.components.lib.plan.parameters import INTERNAL_INPUTS, PipelineParameters
+from llmft.components.plan import plan_run
 from llmft.katib.search_space import DEFAULT_SEARCH_SPACE
 from llmft.trainer.config import SETTING_NAMES, iter_settings
 from llmft.trainer.errors import ConfigError
@@ -138,3 +141,41 @@ def test_the_declared_once_check_sees_a_re_listing(tmp_path):
     old.write_text('"""doc lora_r"""\nPIPELINE_SETTINGS = ("model", "method", "lora_r")\nx = "seed"\n')
     assert _listed_together(old, set(SETTING_NAMES)) == [["model", "method", "lora_r"]]
     assert sorted(_string_constants(old)) == ["lora_r", "method", "model", "seed"]
+
+
+# --- the generated files ---------------------------------------------------------------------------------
+
+GENERATOR = REPO / "tools" / "gen_pipeline_parameters.py"
+
+
+@pytest.fixture(scope="module")
+def generator():
+    spec = importlib.util.spec_from_file_location("gen_pipeline_parameters", GENERATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_plan_components_signature_is_generated_from_the_declarations(generator):
+    """llmft/components/plan.py holds exactly what the generator writes (make pipeline-parameters)."""
+    text = generator.PLAN_MODULE.read_text(encoding="utf-8")
+    assert generator.with_plan_function(text) == text, "stale: run make pipeline-parameters"
+    changed = text.replace("    lora_r: int = 16,", "    lora_r: int = 8,")
+    assert changed != text and generator.with_plan_function(changed) == text
+
+
+def test_the_parameter_reference_is_generated_from_the_declarations(generator):
+    assert generator.REFERENCE.read_text(encoding="utf-8") == generator.render_reference(), (
+        "stale: run make pipeline-parameters"
+    )
+
+
+@pytest.mark.slow
+def test_the_generators_check_fails_on_a_stale_reference(tmp_path):
+    stale = tmp_path / "pipeline-parameters.md"
+    run = [sys.executable, str(GENERATOR), "--reference", str(stale)]
+    subprocess.run(run, check=True, capture_output=True, timeout=120)
+    assert subprocess.run([*run, "--check"], capture_output=True, timeout=120).returncode == 0
+    stale.write_text(stale.read_text().replace("LoRA alpha", "LoRA alpha (edited by hand)"))
+    out = subprocess.run([*run, "--check"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "stale" in out.stderr

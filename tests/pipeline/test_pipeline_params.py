@@ -7,10 +7,11 @@ import inspect
 
 import pytest
 
+from llmft.components.lib.plan.parameters import INTERNAL_INPUTS, Form
 from llmft.components.lib.plan.schema import DataLayout
-from llmft.components.plan import INTERNAL_INPUTS, plan_run
+from llmft.components.plan import plan_run
 from llmft.pipelines.defaults import LOCAL_DEFAULTS, parse_arguments, pipeline_inputs
-from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline, pipeline_signature
+from llmft.pipelines.llm_finetune import build_pipeline, fixed_values, llm_finetune_pipeline, pipeline_signature
 from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS, llm_finetune_hpo_pipeline
 from llmft.trainer.errors import ConfigError
 
@@ -25,11 +26,12 @@ def test_the_pipelines_take_exactly_the_plan_components_parameters():
 
 @pytest.mark.slow
 def test_compile_time_defaults_replace_the_signatures():
-    signature = pipeline_signature(hpo=False, defaults={"lora_r": 32, "learning_rate": 1})
+    signature = pipeline_signature(Form(), fixed_values(Form(), {"lora_r": 32, "learning_rate": 1}))
     assert signature.parameters["lora_r"].default == 32 and signature.parameters["learning_rate"].default == 1.0
+    assert type(signature.parameters["learning_rate"].default) is float  # KFP's type check is strict
     assert build_pipeline(defaults={"deploy": False}).component_spec.inputs["deploy"].default is False
     with pytest.raises(ConfigError, match="unknown pipeline parameter"):
-        pipeline_signature(hpo=False, defaults={"sweep_max_trials": 3})
+        fixed_values(Form(), {"sweep_max_trials": 3})
 
 
 def test_data_layout_paths_and_volume_relative_paths():

@@ -12,9 +12,9 @@ from plan_helpers import CLUSTER, RUN_ID, make_plan, parameters
 
 from llmft.components.lib.plan.build import build_plan, write_run_config
 from llmft.components.lib.plan.checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
-from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.parameters import PipelineParameters, parameter_defaults
 from llmft.components.lib.plan.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
-from llmft.components.plan import parameter_defaults, plan_run
+from llmft.components.plan import plan_run
 from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError, OutputNotOursError
 from llmft.trainer.io import OWNED_FILE_MARK

@@ -43,8 +43,6 @@ logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always
 SWEEP_BACKENDS = ("katib", "local")
 PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
 """Trainer keys the plan sets itself; ``train_overrides`` may not change them."""
-SWEEP_PREFIX = "sweep_"
-"""Parameters named ``sweep_*`` belong to the HPO pipeline only (the plain one leaves their defaults)."""
 COMPILED_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector")
 """Parameters the compiled YAML applies to the KFP tasks themselves: fixed at compile time."""
 TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
