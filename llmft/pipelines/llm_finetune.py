@@ -37,17 +37,12 @@ from kfp import compiler, dsl, kubernetes
 from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
-from llmft.components.images import IMAGE_UID
-from llmft.components.lib.plan.checks import (
-    SECRET_PARAMETERS,
-    TASK_RESOURCE_GROUPS,
-    TASK_SECRET_KINDS,
-    compiled_settings,
-    parse_node_selector,
-    parse_secret,
-)
+from llmft.components.images import IMAGE_UID, all_images
+from llmft.components.lib.jobs.pytorchjob_spec import GPU_TOLERATION
+from llmft.components.lib.plan.checks import SECRET_PARAMETERS, compiled_settings, parse_node_selector, parse_secret
 from llmft.components.lib.plan.parameters import PARAMETERS, Form, Parameter, compile_time_defaults
 from llmft.components.lib.plan.schema import DATA_MOUNT, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
+from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS, STEP, task_order
 from llmft.components.plan import plan_run
 from llmft.components.prepare_dataset import prepare_dataset
 from llmft.components.promote import promote_best_checkpoint
@@ -59,33 +54,11 @@ from llmft.components.train import train_model
 from llmft.trainer.errors import ConfigError
 
 DESCRIPTION = "Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM"
-TASK_ORDER = (
-    "plan-run",
-    "prepare-dataset",
-    "tokenize-dataset",
-    "train-model",
-    "evaluate-perplexity",
-    "promote-best-checkpoint",
-    "choose-serving-form",
-    "register-model",
-    "deploy-adapter",
-)
-"""The nine tasks, in the order they run (inside the exit handler group EXIT_GROUP)."""
+TASK_ORDER = task_order(hpo=False)
+"""The nine tasks, in the order they run (inside the exit handler group EXIT_GROUP): lib/plan/steps.py STEPS."""
 EXIT_GROUP = "exit-handler-1"
 """The dsl.ExitHandler group holding the pipeline's body; CLEANUP_TASK runs after it, whatever its outcome."""
 CLEANUP_TASK = "cleanup-run"
-
-GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-"""GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule."""
-GPU_STEPS = ("evaluate-perplexity",)
-"""Tasks that run model forward passes on a GPU in their own pod."""
-TASK_GROUPS = {
-    "prepare-dataset": "data",
-    "tokenize-dataset": "data",
-    "evaluate-perplexity": "eval",
-    "choose-serving-form": "data",  # the merge streams one tensor at a time, but a 70B one in float32 is GBs
-}
-"""Resource group of each task (TASK_RESOURCE_GROUPS); the others are light "step" tasks."""
 
 TRAIN_RETRIES = 2
 """Retries of the train task; each resumes from the newest complete checkpoint."""
@@ -154,21 +127,27 @@ def build_pipeline(
 
 
 def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: Mapping) -> dsl.PipelineTask:
-    """Mount the PVC at /data as the images' uid (the volume's owner), set CPU/memory requests and limits
-    from the step's parameters, mount the step's Secrets (compile-time names, required keys), and place GPU
-    steps on GPU nodes."""
+    """Apply the step's record (lib/plan/steps.py): mount the PVC at /data as the images' uid (the volume's
+    owner), set CPU/memory requests and limits from its resource group's parameters, mount its Secrets
+    (compile-time names, required keys), and place a GPU step on GPU nodes."""
+    record = STEP[step]
+    image = task.component_spec.implementation.container.image
+    if image != all_images()[record.image]:
+        raise ConfigError(f"step {step}: its component runs on {image}, its record says the {record.image} image")
     kubernetes.mount_pvc(task, pvc_name=values["pvc_name"], mount_path=DATA_MOUNT)
     kubernetes.set_security_context(task, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID, run_as_non_root=True)
-    cpu, memory = TASK_RESOURCE_GROUPS[TASK_GROUPS.get(step, "step")]
+    cpu, memory = RESOURCE_PARAMETERS[record.resources]
     task.set_cpu_request(values[cpu]).set_cpu_limit(values[cpu])
     task.set_memory_request(values[memory]).set_memory_limit(values[memory])
     for secret in task_secrets(step, static):
         kubernetes.use_secret_as_env(task, secret_name=secret.name, secret_key_to_env={k: k for k in secret.keys})
-    if step in GPU_STEPS:
-        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1)
+    if record.gpus:
+        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(record.gpus)
         for key, value in parse_node_selector(static["gpu_node_selector"]).items():
             kubernetes.add_node_selector(task, key, value)
-        kubernetes.add_toleration(task, **GPU_TOLERATION)
+        kubernetes.add_toleration(
+            task, key=GPU_TOLERATION.key, operator=GPU_TOLERATION.operator, effect=GPU_TOLERATION.effect
+        )
     task.set_caching_options(False)  # our own content-addressed caches decide reuse
     return task
 
@@ -176,7 +155,7 @@ def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: M
 def task_secrets(step: str, static: Mapping) -> list:
     """The Secrets (SecretMount) the compiled pipeline mounts into ``step``."""
 
-    mounts = [parse_secret(kind, static[SECRET_PARAMETERS[kind]]) for kind in TASK_SECRET_KINDS.get(step, ())]
+    mounts = [parse_secret(kind, static[SECRET_PARAMETERS[kind]]) for kind in STEP[step].secrets]
     return [m for m in mounts if m is not None]
 
 

@@ -16,12 +16,12 @@ the sweep is a parent run with one child run per trial.
 """
 
 # No `from __future__ import annotations`: KFP reads the real parameter annotations.
+from llmft.components.lib.plan.steps import task_order
 from llmft.pipelines.llm_finetune import SWEEP_RETRIES, SWEEP_TASK_TIMEOUT_S, build_pipeline  # noqa: F401
-from llmft.pipelines.llm_finetune import TASK_ORDER as BASE_TASK_ORDER
 from llmft.pipelines.llm_finetune import compile_pipeline as compile_any
 
 PIPELINE_NAME = "llm-finetune-hpo"
-TASK_ORDER = (*BASE_TASK_ORDER[:3], "sweep-hyperparameters", *BASE_TASK_ORDER[3:])
+TASK_ORDER = task_order(hpo=True)
 """The ten tasks, in the order they run."""
 
 HPO_LOCAL_DEFAULTS = {

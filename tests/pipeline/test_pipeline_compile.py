@@ -13,11 +13,10 @@ import textwrap
 import pytest
 import yaml
 
-from llmft.components.lib.plan.checks import TASK_SECRET_KINDS
+from llmft.components.lib.plan.steps import STEPS
 from llmft.pipelines.llm_finetune import (
     CLEANUP_TASK,
     EXIT_GROUP,
-    GPU_STEPS,
     TASK_ORDER,
     TRAIN_RETRIES,
     TRAIN_TASK_TIMEOUT_S,
@@ -233,15 +232,15 @@ def test_named_secrets_are_mounted_exactly_where_needed_and_never_optional(compi
         "langfuse": {"llmft-langfuse": {"LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"}},
     }
     expected = {task: {} for task in (*TASK_ORDER, "sweep-hyperparameters")}
-    for task, kinds in TASK_SECRET_KINDS.items():
-        for kind in kinds:
-            expected[task].update(mounts[kind])
+    for step in STEPS:
+        for kind in step.secrets:
+            expected[step.task].update(mounts[kind])
     assert {task: _secret_mounts(executors[f"exec-{task}"]) for task in expected} == expected
 
 
 def test_gpu_steps_get_a_gpu_and_the_compiled_node_selector(compiled, compiled_with_secrets):
     spec, executors = compiled
-    for task in GPU_STEPS:
+    for task in (step.task for step in STEPS if step.gpus):
         platform = executors[f"exec-{task}"]
         assert "nodeSelector" not in platform  # default: the GPU request alone places the pod
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in platform["tolerations"]

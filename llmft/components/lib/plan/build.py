@@ -68,6 +68,7 @@ from llmft.components.lib.plan.schema import (
     on_kfp_cluster,
     run_label,
 )
+from llmft.components.lib.plan.steps import mounted_secret_kinds
 from llmft.components.lib.plan.volume_space import check_volume_space
 from llmft.trainer.config import RUN_CONFIG_FILE, iter_settings
 from llmft.trainer.config_load import config_to_yaml, nest_dotted, resolve_config
@@ -101,6 +102,7 @@ def build_plan(
         trainer=checks.check_image(p.trainer_image), serving_runtime=checks.check_runtime(p.serving_runtime)
     )
     secrets = {kind: checks.parse_secret(kind, getattr(p, param)) for kind, param in checks.SECRET_PARAMETERS.items()}
+    mounted = mounted_secret_kinds()  # the Secrets the compiled pipeline mounts into its own tasks
     trainer = trainer_plan(p, layout, run_id)
     config = trainer.config
     pipeline = settings.get("pipeline", "llm-finetune")
@@ -120,7 +122,7 @@ def build_plan(
         serving=_serving_plan(p, layout, run_id, images, secrets),
         sweep=_sweep_plan(p, layout, run_id) if pipeline.endswith("-hpo") else None,
         evaluation=eval_plan(p),
-        task_secrets=tuple(s for s in (secrets["hf"], secrets["mlflow"], secrets["langfuse"]) if s is not None),
+        task_secrets=tuple(secrets[kind] for kind in checks.SECRET_PARAMETERS if kind in mounted and secrets[kind]),
         task_resources=checks.task_resources(p),
         parameters=p.as_dict(),
     )

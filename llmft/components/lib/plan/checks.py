@@ -29,6 +29,7 @@ from llmft.components.lib.plan.schema import (
     Resources,
     SecretMount,
 )
+from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS
 from llmft.components.lib.plan.volume_paths import check_path_component
 from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
@@ -52,19 +53,6 @@ SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 also the environment variable's name."""
 SECRET_PARAMETERS = {"hf": "hf_token_secret", "mlflow": "mlflow_secret", "langfuse": "langfuse_secret"}
 """kind -> the pipeline parameter that names its Secret ('' = none)."""
-TASK_SECRET_KINDS = {
-    "prepare-dataset": ("hf", "langfuse"),  # langfuse: a langfuse://<dataset> source
-    "tokenize-dataset": ("hf",),
-    "evaluate-perplexity": ("hf", "mlflow", "langfuse"),  # the adapter comparison (champion from MLflow)
-    "choose-serving-form": ("hf",),  # a hub base model, for the merge
-    "register-model": ("mlflow", "langfuse"),  # langfuse: the MLflow version, linked from the training trace
-    "sweep-hyperparameters": ("mlflow",),
-}
-"""Which Secrets the compiled pipeline mounts into which of its own tasks (the training job and
-every trial get hf, mlflow and langfuse; the InferenceService hf)."""
-TASK_RESOURCE_GROUPS = {"step": ("step_cpu", "step_memory"), "data": ("data_cpu", "data_memory")}
-TASK_RESOURCE_GROUPS["eval"] = ("eval_cpu", "eval_memory")
-"""group -> (cpu parameter, memory parameter) of the KFP tasks (see llmft/pipelines/llm_finetune.py)."""
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -200,7 +188,7 @@ def check_resources(group: str, cpu: str, memory: str):
 def task_resources(p: PipelineParameters) -> dict:
     return {
         group: check_resources(group, getattr(p, cpu), getattr(p, mem))
-        for group, (cpu, mem) in TASK_RESOURCE_GROUPS.items()
+        for group, (cpu, mem) in RESOURCE_PARAMETERS.items()
     }
 
 
