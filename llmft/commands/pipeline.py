@@ -1,9 +1,11 @@
 """`llmft pipeline ...`: compile, run locally (kfp.local), submit, or schedule the KFP pipeline.
 
-Every command takes pipeline parameters as ``key=value`` (typed by the plan component's signature).
-``compile`` makes them the compiled pipeline's defaults; ``submit`` and ``schedule`` pass them as
-the run's arguments and compile with them too, so the parameters the pipeline's own tasks apply
-(hf_token_secret, mlflow_secret, gpu_node_selector) mount what the run names. Errors reach the
+Every command takes pipeline parameters as ``key=value`` (typed by their declarations,
+llmft/components/lib/plan/parameters.py; an older name still works, with a note). ``compile`` makes them the
+compiled pipeline's defaults; ``submit`` and ``schedule`` compile with them too and pass the run parameters
+among them as the run's arguments, so the parameters the pipeline's own tasks apply (hf_token_secret,
+mlflow_secret, langfuse_secret, gpu_node_selector: never run parameters) mount what the command names.
+``--minimal`` picks the minimal form (about ten run parameters; the others are compiled in). Errors reach the
 CLI, which prints them as one line with their exit code. Heavy imports (kfp, the pipeline module,
 mlflow) happen inside each command.
 
@@ -28,7 +30,8 @@ import kfp_server_api  # light, but only with kfp: the pipeline extra (llmft pip
 import urllib3
 
 from llmft.commands import render_job
-from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
+from llmft.commands.pipeline_args import check_yaml_output, command_form, load_pipeline, typed_arguments
+from llmft.components.lib.plan.forms import Form
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.pipelines.defaults import (
     DEFAULT_WORK_DIR,
@@ -36,6 +39,7 @@ from llmft.pipelines.defaults import (
     REAL_LOCAL_DEFAULTS,
     REAL_WORK_DIR,
     TINY_WORK_DIR,
+    run_arguments,
 )
 from llmft.pipelines.local_run import run_pipeline_locally
 from llmft.pipelines.real_demo import heldout_report, learning_report, merged_answers
@@ -53,8 +57,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         "arguments",
         nargs="*",
         metavar="key=value",
-        help="parameter defaults of the compiled pipeline (e.g. "
-        "mlflow_secret=llmft-mlflow); Secrets and gpu_node_selector are fixed here",
+        help="parameter values of the compiled pipeline: run parameters' defaults, and the values it compiles in "
+        "(e.g. mlflow_secret=llmft-mlflow: Secrets and gpu_node_selector are fixed here; with --minimal every "
+        "parameter but its ten)",
     )
     compile_.add_argument(
         "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
@@ -63,6 +68,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--force", action="store_true", help="replace a file (or symlink) at --output that llmft did not write"
     )
     compile_.add_argument("--hpo", action="store_true", help="compile llm_finetune_hpo_pipeline (Katib sweep) instead")
+    compile_.add_argument("--minimal", action="store_true", help=MINIMAL_HELP)
     compile_.set_defaults(func=run_compile)
 
     local = sub.add_parser(
@@ -70,7 +76,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="run the whole pipeline here with kfp.local (CPU): by default the real SmolLM2-135M-Instruct learns "
         "three made-up facts (short profile, `make demo`), scored base against adapter on held-out questions",
     )
-    local.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. max_steps=40)")
+    local.add_argument(
+        "arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. finetune_max_steps=40)"
+    )
     local.add_argument(
         "--work-dir",
         default=None,
@@ -117,6 +125,7 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user installs)")
     parser.add_argument("--service-account", default=None, help="service account the run's pods use")
     parser.add_argument("--hpo", action="store_true", help="use llm_finetune_hpo_pipeline (Katib sweep)")
+    parser.add_argument("--minimal", action="store_true", help=MINIMAL_HELP)
     auth = parser.add_argument_group(
         "authentication behind Kubeflow's auth proxy (secrets are read from a variable or a file, never taken "
         "on the command line, and never printed)"
@@ -142,6 +151,11 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     cookie.add_argument("--cookie-file", metavar="FILE", help="the session cookie(s) from FILE")
 
 
+MINIMAL_HELP = (
+    "the minimal form: ten run parameters (base_model, dataset, finetune_method, finetune_max_steps, "
+    "finetune_learning_rate, finetune_lora_r, promote_eval_tasks, promote_metric, serving_namespace, "
+    "mlflow_tracking_uri), every other one compiled in (docs/pipeline-parameters.md)"
+)
 KF_SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
 KF_SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 """Where kfp.client's ServiceAccountTokenVolumeCredentials reads the token (kfp/client/__init__.py)."""
@@ -197,7 +211,7 @@ def run_compile(args: argparse.Namespace) -> int:
     from kfp import compiler
 
     check_yaml_output(args.output, force=args.force)
-    pipeline = load_pipeline(args.hpo, typed_arguments(args))
+    pipeline = load_pipeline(command_form(args), typed_arguments(args))
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "pipeline.yaml"
         compiler.Compiler().compile(pipeline, package_path=str(package))
@@ -257,13 +271,13 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    arguments = typed_arguments(args)
-    pipeline = load_pipeline(args.hpo, arguments)
+    arguments, form = typed_arguments(args), command_form(args)
+    pipeline = load_pipeline(form, arguments)
     result = _api_call(
         args,
         _client(args).create_run_from_pipeline_func,
         pipeline,
-        arguments=arguments,
+        arguments=run_arguments(arguments, form),
         run_name=args.run_name,
         experiment_name=args.experiment,
         namespace=args.namespace,
@@ -280,8 +294,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     from kfp import compiler
 
     cron = validate_cron(args.cron)
-    arguments = typed_arguments(args)
-    pipeline = load_pipeline(args.hpo, arguments)
+    arguments, form = typed_arguments(args), command_form(args)
+    pipeline = load_pipeline(form, arguments)
     client = _client(args)
     experiment = _api_call(args, client.create_experiment, args.experiment, namespace=args.namespace)
     with tempfile.TemporaryDirectory() as tmp:
@@ -295,7 +309,7 @@ def run_schedule(args: argparse.Namespace) -> int:
             cron_expression=cron,
             max_concurrency=args.max_concurrency,
             no_catchup=True,
-            params=arguments,
+            params=run_arguments(arguments, form),
             pipeline_package_path=package,
             enable_caching=False,
             service_account=args.service_account,
@@ -305,7 +319,6 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    pipeline = load_pipeline(args.hpo)
     extra_defaults: dict = {}
     if args.hpo:
         # heavy: kfp, kubeflow_katib_api, pydantic
@@ -317,13 +330,13 @@ def run_local(args: argparse.Namespace) -> int:
         extra_defaults = {**extra_defaults, **REAL_LOCAL_DEFAULTS}
     elif not tiny:
         extra_defaults = {**extra_defaults, **DEMO_DEFAULTS}
-    overrides = typed_arguments(args)
+    overrides = typed_arguments(args, Form(hpo=args.hpo, local=True))
     started = time.perf_counter()
     outcome = run_pipeline_locally(
         overrides,
         work_dir=args.work_dir or (REAL_WORK_DIR if real else TINY_WORK_DIR if tiny else DEFAULT_WORK_DIR),
         verbose=args.verbose,
-        pipeline=pipeline,
+        hpo=args.hpo,
         extra_defaults=extra_defaults,
     )
     print(outcome.render(time.perf_counter() - started))

@@ -34,7 +34,9 @@ def add_parser(sub) -> None:
     render = sub.add_parser(
         "render-job", help="write the PyTorchJob or TrainJob the train step would submit (for review)"
     )
-    render.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. num_workers=2)")
+    render.add_argument(
+        "arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. training_workers=2)"
+    )
     choices = sorted(render_names())
     render.add_argument("--backend", choices=choices, required=True, help=" or ".join(choices))
     render.add_argument(
@@ -46,7 +48,7 @@ def add_parser(sub) -> None:
     render.add_argument("--run-id", default="RUN-ID", help="KFP run id the job name derives from (default RUN-ID)")
     render.add_argument("--namespace", default=None, help="namespace to set on the job (default: none)")
     render.add_argument(
-        "--data", default=None, help="tokenized shards the trainer reads (default <data_root>/tokenized/CACHE_KEY)"
+        "--data", default=None, help="tokenized shards the trainer reads (default /data/tokenized/CACHE_KEY)"
     )
     render.add_argument("--hpo", action="store_true", help="take the HPO pipeline's parameters")
     render.set_defaults(func=run_render_job)

@@ -18,7 +18,7 @@ def deploy_adapter(
     """Serve the form the serving-form step chose: build the InferenceService, then deploy the champion.
 
     Form ``lora`` (serving.json): the servability check runs first (no DoRA, no ``modules_to_save``,
-    rank within ``max_lora_rank``, target modules vLLM supports). The InferenceService uses the
+    rank within ``serving_max_lora_rank``, target modules vLLM supports). The InferenceService uses the
     Hugging Face serving runtime with ``--backend=vllm``, LoRA enabled, the adapter registered as a
     LoRA module under the registered model's name and the base model as ``<name>-base``, storage
     from the PVC and GPU resources. Form ``merged``: the merged model directory alone, served as the
@@ -27,16 +27,16 @@ def deploy_adapter(
 
     Only the champion is served: a version the register step did not make the champion
     (registration.json ``is_champion`` false or missing) is registered but not deployed, unless
-    ``deploy_policy=always``.
+    ``serving_deploy_policy=always``.
 
-    ``deploy_mode=kserve`` (and ``deploy=true``): apply it, wait for Ready, and smoke-test the
+    ``serving_deploy_mode=kserve`` (and ``serving_deploy=true``): apply it, wait for Ready, and smoke-test the
     OpenAI endpoints: ``/openai/v1/models`` lists both names, and the adapter's greedy completion of
     a fixed prompt is not the base model's (merged: its one name is listed and answers).
-    ``deploy_mode=local``: load base + adapter (or the merged model) with transformers and generate
-    for a few prompts, failing if the adapter changes nothing. ``deploy_mode=vllm`` (kfp.local): serve the
+    ``serving_deploy_mode=local``: load base + adapter (or the merged model) with transformers and generate
+    for a few prompts, failing if the adapter changes nothing. ``serving_deploy_mode=vllm`` (kfp.local): serve the
     manifest's model(s) with a real vLLM from the serving virtualenv (``make serving-venv``), run the same
     smoke test for each prompt, stop it; deployment.json carries ``models`` and ``answers``.
-    ``deploy=false``: stop after writing the manifest.
+    ``serving_deploy=false``: stop after writing the manifest.
 
     Outputs: ``manifest`` (inferenceservice.yaml) and ``deployment`` (deployment.json:
     servability report, mode, status, endpoint, sample generations, or vLLM's ``models`` and ``answers``).
@@ -47,7 +47,7 @@ def deploy_adapter(
     from llmft.components.lib.plan.schema import read_plan
 
     run_plan = read_plan(plan.path)
-    run_plan.layout.use_hf_cache()  # deploy_mode=local loads the base model: before transformers is imported
+    run_plan.layout.use_hf_cache()  # serving_deploy_mode=local loads the base model: before transformers is imported
     from llmft.components.lib.serving.deployment import deploy_promoted, plan_deploy_request
     from llmft.components.lib.serving.serving_form import read_form
 

@@ -21,8 +21,8 @@ def evaluate_perplexity(
 
     Uses the trainer's own token-weighted evaluation on the validation split, so the
     numbers match the ``eval_loss=`` / ``perplexity=`` lines the trainer prints. Then the plan's
-    ``eval_tasks`` on each model over the same load of the base (llmft/components/lib/evaluation/task_eval.py):
-    ``heldout`` answers up to ``eval_max_questions`` questions greedily (exact match, contains, token F1;
+    ``promote_eval_tasks`` on each model over the same load of the base (llmft/components/lib/evaluation/task_eval.py):
+    ``heldout`` answers up to ``promote_eval_max_questions`` questions greedily (exact match, contains, token F1;
     evaluation.json's ``generations`` keeps the per-question table); shipped lm-eval tasks run offline.
     The best checkpoint is the best by ``promote_metric``.
 

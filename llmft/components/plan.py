@@ -22,73 +22,78 @@ from llmft.components.images import PIPELINE_IMAGE
 @dsl.component(base_image=PIPELINE_IMAGE, install_kfp_package=False)
 def plan_run(
     plan: Output[Artifact],
-    model: str = "Qwen/Qwen2.5-7B-Instruct",
+    base_model: str = "Qwen/Qwen2.5-7B-Instruct",
     dataset: str = "tatsu-lab/alpaca",
     dataset_format: str = "auto",
+    dataset_max_reject_fraction: float = 0.01,
     dataset_split: str = "train",
-    val_fraction: float = 0.05,
-    max_reject_fraction: float = 0.01,
-    max_length: int = 2048,
-    packing: bool = True,
-    method: str = "lora",
-    lora_r: int = 16,
-    lora_alpha: float = 32.0,
-    lora_dropout: float = 0.05,
-    lora_target_modules: str = "all-linear",
-    learning_rate: float = 0.0002,
-    epochs: float = 1.0,
-    max_steps: int = 0,
-    seed: int = 42,
-    train_overrides: str = "",
-    sweep_backend: str = "katib",
-    sweep_algorithm: str = "tpe",
-    sweep_max_trials: int = 12,
-    sweep_parallel_trials: int = 3,
-    sweep_max_failed_trials: int = 3,
-    sweep_overrides: str = "",
-    sweep_trial_overrides: str = "",
-    sweep_timeout_s: int = 259200,
-    training_backend: str = "kubeflow",
-    training_runtime: str = "torch-distributed",
-    num_workers: int = 1,
-    gpus_per_worker: int = 1,
-    worker_cpu: str = "8",
-    worker_memory: str = "64Gi",
-    gpu_node_selector: str = "",
-    job_timeout_s: int = 86400,
-    trainer_image: str = "",
-    pvc_name: str = "llmft-data",
-    data_root: str = "/data",
-    hf_token_secret: str = "",
-    mlflow_secret: str = "",
-    langfuse_secret: str = "",
-    step_cpu: str = "1",
-    step_memory: str = "2Gi",
-    data_cpu: str = "4",
-    data_memory: str = "16Gi",
-    eval_cpu: str = "8",
-    eval_memory: str = "64Gi",
-    mlflow_tracking_uri: str = "",
+    dataset_val_fraction: float = 0.05,
+    finetune_batch_size: int = 8,
+    finetune_epochs: float = 1.0,
+    finetune_eval_every: int = 0,
+    finetune_learning_rate: float = 0.0002,
+    finetune_lora_alpha: float = 32.0,
+    finetune_lora_dropout: float = 0.05,
+    finetune_lora_r: int = 16,
+    finetune_lora_target_modules: str = "all-linear",
+    finetune_max_length: int = 2048,
+    finetune_max_steps: int = 0,
+    finetune_method: str = "lora",
+    finetune_micro_batch_size: str = "auto",
+    finetune_overrides: str = "",
+    finetune_packing: bool = True,
+    finetune_save_every: int = 0,
+    finetune_seed: int = 42,
+    finetune_warmup_ratio: float = 0.0,
+    hpo_algorithm: str = "tpe",
+    hpo_backend: str = "katib",
+    hpo_max_failed_trials: int = 3,
+    hpo_max_trials: int = 12,
+    hpo_overrides: str = "",
+    hpo_parallel_trials: int = 3,
+    hpo_timeout_s: int = 259200,
+    hpo_trial_overrides: str = "",
     mlflow_experiment: str = "llm-finetune",
     mlflow_model_name: str = "llm-adapter",
+    mlflow_tracking_uri: str = "",
+    promote_eval_max_questions: int = 16,
+    promote_eval_questions: str = "",
+    promote_eval_tasks: str = "heldout",
     promote_margin: float = 0.01,
     promote_metric: str = "perplexity",
-    eval_tasks: str = "heldout",
-    eval_questions: str = "",
-    eval_max_questions: int = 16,
-    deploy: bool = True,
-    deploy_mode: str = "kserve",
-    deploy_policy: str = "champion",
+    serving_cpu: str = "4",
+    serving_deploy: bool = True,
+    serving_deploy_mode: str = "kserve",
+    serving_deploy_policy: str = "champion",
+    serving_deploy_timeout_s: int = 1800,
+    serving_gpus: int = 1,
+    serving_max_lora_rank: int = 64,
+    serving_memory: str = "32Gi",
     serving_mode: str = "auto",
     serving_name: str = "llm-adapter",
     serving_namespace: str = "",
-    serving_gpus: int = 1,
-    serving_cpu: str = "4",
-    serving_memory: str = "32Gi",
-    serving_runtime: str = "",
-    max_lora_rank: int = 64,
     serving_prompts: str = "",
-    deploy_timeout_s: int = 1800,
+    serving_runtime: str = "",
+    step_cpu: str = "1",
+    step_data_cpu: str = "4",
+    step_data_memory: str = "16Gi",
+    step_eval_cpu: str = "8",
+    step_eval_memory: str = "64Gi",
+    step_memory: str = "2Gi",
+    training_backend: str = "kubeflow",
+    training_cpu: str = "8",
+    training_gpus_per_worker: int = 1,
+    training_image: str = "",
+    training_memory: str = "64Gi",
+    training_runtime: str = "torch-distributed",
+    training_timeout_s: int = 86400,
+    training_workers: int = 1,
+    volume_path: str = "/data",
+    volume_pvc_name: str = "llmft-data",
+    gpu_node_selector: str = "",
+    hf_token_secret: str = "",
+    langfuse_secret: str = "",
+    mlflow_secret: str = "",
     run_id: str = "",
     compiled: str = "",
 ):
@@ -98,99 +103,108 @@ def plan_run(
     hf_token_secret, mlflow_secret and langfuse_secret.
 
     Args:
-        model: Base model: a Hugging Face hub id or a directory on the volume.
-        dataset: Raw data: a hub dataset id or a file/folder on the volume.
+        base_model: The model to fine-tune: a Hugging Face hub id, or a directory on the volume.
+        dataset: The raw training data: a hub dataset id, or a file or folder on the volume.
         dataset_format: auto, openai (messages), sharegpt, alpaca, prompt_completion or text.
+        dataset_max_reject_fraction: Fail the prepare step when more rows than this fraction are rejected.
         dataset_split: Split of a hub dataset to read.
-        val_fraction: Fraction of accepted rows held out for validation (0 < f < 1).
-        max_reject_fraction: Fail the prepare step when more rows than this fraction are rejected.
-        max_length: Tokens per packed training sequence.
-        packing: Pack several conversations into each sequence (attention never crosses them).
-        method: lora, qlora or full.
-        lora_r: LoRA rank (above max_lora_rank the adapter is served merged; serving_mode=lora refuses it).
-        lora_alpha: LoRA alpha (scale = alpha / r).
-        lora_dropout: LoRA dropout.
-        lora_target_modules: Comma-separated module names, or all-linear.
-        learning_rate: Peak learning rate.
-        epochs: Passes over the training split (when max_steps is 0).
-        max_steps: Optimizer steps; > 0 wins over epochs.
-        seed: Seed of the data split and order, LoRA init and dropout.
-        train_overrides: More trainer settings as key=value pairs, e.g. "save_every=200 eval_every=100".
-        sweep_backend: katib (a Katib Experiment of PyTorchJob trials) or local (Optuna under kfp.local
-            only).
-        sweep_algorithm: random, tpe, grid or bayesianoptimization.
-        sweep_max_trials: Trials in total.
-        sweep_parallel_trials: Trials at once.
-        sweep_max_failed_trials: Failed trials tolerated before the sweep fails.
-        sweep_overrides: More sweep settings as key=value, e.g. "space.lora_r.values=8,16
+        dataset_val_fraction: Fraction of accepted rows held out for validation (0 < f < 1).
+        finetune_batch_size: Packed sequences (of finetune_max_length tokens) per optimizer step, over all
+            GPUs; each GPU runs as many per forward pass as finetune_micro_batch_size says and accumulates
+            the rest.
+        finetune_epochs: Passes over the training split (when finetune_max_steps is 0).
+        finetune_eval_every: Score the validation split every N optimizer steps (0 = at the end only).
+        finetune_learning_rate: Peak learning rate.
+        finetune_lora_alpha: LoRA alpha (scale = alpha / r).
+        finetune_lora_dropout: LoRA dropout.
+        finetune_lora_r: LoRA rank (above serving_max_lora_rank the adapter is served merged;
+            serving_mode=lora refuses it).
+        finetune_lora_target_modules: Comma-separated module names, or all-linear.
+        finetune_max_length: Tokens per packed training sequence.
+        finetune_max_steps: Optimizer steps; > 0 wins over finetune_epochs.
+        finetune_method: lora, qlora or full.
+        finetune_micro_batch_size: Packed sequences per forward pass on each GPU, or auto (as many as fit
+            its free memory; under DeepSpeed ZeRO the fastest size that fits).
+        finetune_overrides: More trainer settings as key=value pairs (docs/config-reference.md), e.g.
+            "keep_last=3 optim.weight_decay=0.01"; they win over the parameters.
+        finetune_packing: Pack several conversations into each sequence (attention never crosses them).
+        finetune_save_every: Write a checkpoint every N optimizer steps (0 = at the end only); the evaluate
+            step scores each complete one, and a retried task resumes from the newest.
+        finetune_seed: Seed of the data split and order, LoRA init and dropout.
+        finetune_warmup_ratio: Learning-rate warmup as a fraction of the optimizer steps.
+        hpo_algorithm: random, tpe, grid or bayesianoptimization.
+        hpo_backend: katib (a Katib Experiment whose trials are the training job).
+        hpo_max_failed_trials: Failed trials tolerated before the sweep fails.
+        hpo_max_trials: Trials in total.
+        hpo_overrides: More sweep settings as key=value, e.g. "space.lora_r.values=8,16
             early_stopping=false".
-        sweep_trial_overrides: Fixed trainer settings of every trial ('' = max_steps=200 eval_every=25 ...).
-        sweep_timeout_s: How long the sweep step waits for the Experiment.
-        training_backend: kubeflow (a PyTorchJob), trainjob (a Kubeflow Trainer v2 TrainJob) or local
-            (subprocesses of the step, kfp.local only). The sweep's trials run on the same kind of job.
-        training_runtime: The runtime a trainjob references: NAME of a ClusterTrainingRuntime (default: the
-            torch-distributed one Kubeflow Trainer ships) or TrainingRuntime/NAME in the run's namespace.
-        num_workers: PyTorchJob pods: one Master plus num_workers - 1 Workers.
-        gpus_per_worker: GPUs per pod (one trainer process per GPU).
-        worker_cpu: CPU request and limit of each training pod (and Katib trial).
-        worker_memory: Memory request and limit of each training pod, including the 8Gi /dev/shm.
-        gpu_node_selector: label=value[,label=value] the GPU pods must match ('' = none; the GPU request
-            places them). Fixed when compiling (the evaluate task applies it).
-        job_timeout_s: The job's activeDeadlineSeconds, and how long the train step waits for it (default
-            one day: a stuck job holds its GPUs no longer; raise it for longer runs, up to the task's 3-day
-            timeout).
-        trainer_image: Image of the training pods and Katib trials (default: the one compiled in).
-        pvc_name: The ReadWriteMany data/checkpoint PVC.
-        data_root: Where the PVC is mounted (keep /data on a cluster).
-        hf_token_secret: Secret with the key HF_TOKEN for gated models/data ('' = none). NAME or
-            NAME:KEY,... Fixed when compiling (prepare, tokenize and evaluate mount it).
-        mlflow_secret: Secret with MLflow keys, NAME (key MLFLOW_TRACKING_URI) or NAME:KEY,... from
-            MLFLOW_TRACKING_URI, _USERNAME, _PASSWORD, _TOKEN ('' = none). Fixed when compiling (register
-            mounts it).
-        langfuse_secret: Secret with LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_HOST for the
-            trainer's traces ('' = none). NAME or NAME:KEY,...
-        step_cpu: CPU request and limit of the light steps (plan, train and sweep launchers, promote,
-            register, deploy).
-        step_memory: Memory request and limit of the light steps.
-        data_cpu: CPU request and limit of prepare, tokenize and the serving-form step (which merges an
-            adapter).
-        data_memory: Memory request and limit of prepare, tokenize and the serving-form step.
-        eval_cpu: CPU request and limit of the evaluate step (1 GPU).
-        eval_memory: Memory request and limit of the evaluate step (loads the base model).
-        mlflow_tracking_uri: MLflow server ('' = MLFLOW_TRACKING_URI from mlflow_secret).
+        hpo_parallel_trials: Trials at once.
+        hpo_timeout_s: How long the sweep step waits for the Experiment.
+        hpo_trial_overrides: Fixed trainer settings of every trial ('' = max_steps=200 eval_every=25 ...).
         mlflow_experiment: MLflow experiment of the training runs and the registration.
         mlflow_model_name: Registered model name (also the promoted adapter's folder name).
+        mlflow_tracking_uri: MLflow server, http(s)://... ('' = MLFLOW_TRACKING_URI from the mlflow Secret).
+        promote_eval_max_questions: Held-out questions per model (at most; bounds the evaluate step's
+            generation time).
+        promote_eval_questions: JSONL file on the volume of {"question": ..., "answer": ...} for heldout (''
+            = the validation split's conversations, the last assistant turn as the reference).
+        promote_eval_tasks: Tasks the evaluate step scores base and checkpoints on, comma-separated: heldout
+            (greedy answers to held-out questions: exact match, contains, token F1) and the lm-eval tasks
+            shipped in llmft/trainer/assets/lm_eval_tasks (run offline); '' = perplexity only.
         promote_margin: Gain over the base model required to promote: relative for perplexity (0.01 = 1%
             lower), absolute points for a task score (0.01 = one point higher).
         promote_metric: What the promote gate, the best checkpoint and the registry's champion follow:
-            perplexity or a metric of a task in eval_tasks, e.g. heldout.contains, heldout.exact_match,
-            heldout.token_f1.
-        eval_tasks: Tasks the evaluate step scores base and checkpoints on, comma-separated: heldout (greedy
-            answers to held-out questions: exact match, contains, token F1) and the lm-eval tasks shipped in
-            llmft/trainer/assets/lm_eval_tasks (run offline); '' = perplexity only.
-        eval_questions: JSONL file on the volume of {"question": ..., "answer": ...} for heldout ('' = the
-            validation split's conversations, the last assistant turn as the reference).
-        eval_max_questions: Held-out questions per model (at most; bounds the evaluate step's generation
-            time).
-        deploy: Apply the InferenceService (false: write and validate its manifest only).
-        deploy_mode: kserve, local (a generation check with transformers, kfp.local only) or vllm (a real
-            vLLM server on this machine with the manifest's arguments, and the smoke test; kfp.local only,
-            make serving-venv).
-        deploy_policy: champion (deploy only a version the registry made its champion; one that lost is
-            registered, not served) or always.
+            perplexity or a metric of a task in promote_eval_tasks, e.g. heldout.contains,
+            heldout.exact_match, heldout.token_f1.
+        serving_cpu: CPU request and limit of the predictor.
+        serving_deploy: Apply the InferenceService (false: write and validate its manifest only).
+        serving_deploy_mode: kserve (an InferenceService).
+        serving_deploy_policy: champion (deploy only a version the registry made its champion; one that lost
+            is registered, not served) or always.
+        serving_deploy_timeout_s: How long the deploy step waits for the InferenceService to be Ready.
+        serving_gpus: GPUs of the predictor.
+        serving_max_lora_rank: vLLM --max-lora-rank of the runtime (8, 16, 32, 64, 128, 256, 320 or 512).
+        serving_memory: Memory request and limit of the predictor.
         serving_mode: auto (the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its
             base, the reason logged), lora (LoRA only: an adapter vLLM refuses fails the run) or merged
             (always merged: a full copy of the weights on the volume, served without --enable-lora).
         serving_name: InferenceService name (at most 45 characters).
         serving_namespace: Namespace of the InferenceService ('' = the pipeline's).
-        serving_gpus: GPUs of the predictor.
-        serving_cpu: CPU request and limit of the predictor.
-        serving_memory: Memory request and limit of the predictor.
-        serving_runtime: KServe (Cluster)ServingRuntime (default: the one compiled in).
-        max_lora_rank: vLLM --max-lora-rank of the runtime (8, 16, 32, 64, 128, 256, 320 or 512).
         serving_prompts: Prompts, separated by ' | ', that the deploy step's check puts to base and adapter
             (the first one in the endpoint smoke test); '' = two general questions.
-        deploy_timeout_s: How long the deploy step waits for the InferenceService to be Ready.
+        serving_runtime: KServe (Cluster)ServingRuntime (default: the one compiled in).
+        step_cpu: CPU request and limit of the light steps (plan, train and sweep launchers, promote,
+            register, deploy).
+        step_data_cpu: CPU request and limit of prepare, tokenize and the serving-form step (which merges an
+            adapter).
+        step_data_memory: Memory request and limit of prepare, tokenize and the serving-form step.
+        step_eval_cpu: CPU request and limit of the evaluate step (1 GPU).
+        step_eval_memory: Memory request and limit of the evaluate step (loads the base model).
+        step_memory: Memory request and limit of the light steps.
+        training_backend: kubeflow (a PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob); the sweep's
+            trials run on the same kind of job.
+        training_cpu: CPU request and limit of each training pod (and Katib trial).
+        training_gpus_per_worker: GPUs per pod (one trainer process per GPU).
+        training_image: Image of the training pods and Katib trials (default: the one compiled in).
+        training_memory: Memory request and limit of each training pod, including the 8Gi /dev/shm.
+        training_runtime: The runtime a trainjob references: NAME of a ClusterTrainingRuntime (default: the
+            torch-distributed one Kubeflow Trainer ships) or TrainingRuntime/NAME in the run's namespace.
+        training_timeout_s: The job's activeDeadlineSeconds, and how long the train step waits for it
+            (default one day: a stuck job holds its GPUs no longer; raise it for longer runs, up to the
+            task's 3-day timeout).
+        training_workers: Training pods: one master plus training_workers - 1 workers.
+        volume_path: Where the volume is mounted (a cluster mounts the PVC at /data).
+        volume_pvc_name: The ReadWriteMany data/checkpoint PVC.
+        gpu_node_selector: label=value[,label=value] the GPU pods must match ('' = none; the GPU request
+            places them); the evaluate task applies it too.
+        hf_token_secret: Secret with the key HF_TOKEN for gated models and data ('' = none), NAME or
+            NAME:KEY,...; prepare, tokenize, evaluate, the serving form, the training job and the
+            InferenceService mount it.
+        langfuse_secret: Secret with LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_HOST for the traces
+            ('' = none), NAME or NAME:KEY,...
+        mlflow_secret: Secret with MLflow keys ('' = none), NAME (key MLFLOW_TRACKING_URI) or NAME:KEY,...
+            from MLFLOW_TRACKING_URI, _USERNAME, _PASSWORD, _TOKEN; register, evaluate, the sweep and the
+            training job mount it.
         run_id: (set by the pipeline) the KFP run id.
         compiled: (set by the pipeline) its name and the values its tasks were compiled with.
 
@@ -201,73 +215,78 @@ def plan_run(
     from llmft.components.lib.plan.step import run_plan_step
 
     parameters = PipelineParameters(
-        model=model,
+        base_model=base_model,
         dataset=dataset,
         dataset_format=dataset_format,
+        dataset_max_reject_fraction=dataset_max_reject_fraction,
         dataset_split=dataset_split,
-        val_fraction=val_fraction,
-        max_reject_fraction=max_reject_fraction,
-        max_length=max_length,
-        packing=packing,
-        method=method,
-        lora_r=lora_r,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        lora_target_modules=lora_target_modules,
-        learning_rate=learning_rate,
-        epochs=epochs,
-        max_steps=max_steps,
-        seed=seed,
-        train_overrides=train_overrides,
-        sweep_backend=sweep_backend,
-        sweep_algorithm=sweep_algorithm,
-        sweep_max_trials=sweep_max_trials,
-        sweep_parallel_trials=sweep_parallel_trials,
-        sweep_max_failed_trials=sweep_max_failed_trials,
-        sweep_overrides=sweep_overrides,
-        sweep_trial_overrides=sweep_trial_overrides,
-        sweep_timeout_s=sweep_timeout_s,
-        training_backend=training_backend,
-        training_runtime=training_runtime,
-        num_workers=num_workers,
-        gpus_per_worker=gpus_per_worker,
-        worker_cpu=worker_cpu,
-        worker_memory=worker_memory,
-        gpu_node_selector=gpu_node_selector,
-        job_timeout_s=job_timeout_s,
-        trainer_image=trainer_image,
-        pvc_name=pvc_name,
-        data_root=data_root,
-        hf_token_secret=hf_token_secret,
-        mlflow_secret=mlflow_secret,
-        langfuse_secret=langfuse_secret,
-        step_cpu=step_cpu,
-        step_memory=step_memory,
-        data_cpu=data_cpu,
-        data_memory=data_memory,
-        eval_cpu=eval_cpu,
-        eval_memory=eval_memory,
-        mlflow_tracking_uri=mlflow_tracking_uri,
+        dataset_val_fraction=dataset_val_fraction,
+        finetune_batch_size=finetune_batch_size,
+        finetune_epochs=finetune_epochs,
+        finetune_eval_every=finetune_eval_every,
+        finetune_learning_rate=finetune_learning_rate,
+        finetune_lora_alpha=finetune_lora_alpha,
+        finetune_lora_dropout=finetune_lora_dropout,
+        finetune_lora_r=finetune_lora_r,
+        finetune_lora_target_modules=finetune_lora_target_modules,
+        finetune_max_length=finetune_max_length,
+        finetune_max_steps=finetune_max_steps,
+        finetune_method=finetune_method,
+        finetune_micro_batch_size=finetune_micro_batch_size,
+        finetune_overrides=finetune_overrides,
+        finetune_packing=finetune_packing,
+        finetune_save_every=finetune_save_every,
+        finetune_seed=finetune_seed,
+        finetune_warmup_ratio=finetune_warmup_ratio,
+        hpo_algorithm=hpo_algorithm,
+        hpo_backend=hpo_backend,
+        hpo_max_failed_trials=hpo_max_failed_trials,
+        hpo_max_trials=hpo_max_trials,
+        hpo_overrides=hpo_overrides,
+        hpo_parallel_trials=hpo_parallel_trials,
+        hpo_timeout_s=hpo_timeout_s,
+        hpo_trial_overrides=hpo_trial_overrides,
         mlflow_experiment=mlflow_experiment,
         mlflow_model_name=mlflow_model_name,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+        promote_eval_max_questions=promote_eval_max_questions,
+        promote_eval_questions=promote_eval_questions,
+        promote_eval_tasks=promote_eval_tasks,
         promote_margin=promote_margin,
         promote_metric=promote_metric,
-        eval_tasks=eval_tasks,
-        eval_questions=eval_questions,
-        eval_max_questions=eval_max_questions,
-        deploy=deploy,
-        deploy_mode=deploy_mode,
-        deploy_policy=deploy_policy,
+        serving_cpu=serving_cpu,
+        serving_deploy=serving_deploy,
+        serving_deploy_mode=serving_deploy_mode,
+        serving_deploy_policy=serving_deploy_policy,
+        serving_deploy_timeout_s=serving_deploy_timeout_s,
+        serving_gpus=serving_gpus,
+        serving_max_lora_rank=serving_max_lora_rank,
+        serving_memory=serving_memory,
         serving_mode=serving_mode,
         serving_name=serving_name,
         serving_namespace=serving_namespace,
-        serving_gpus=serving_gpus,
-        serving_cpu=serving_cpu,
-        serving_memory=serving_memory,
-        serving_runtime=serving_runtime,
-        max_lora_rank=max_lora_rank,
         serving_prompts=serving_prompts,
-        deploy_timeout_s=deploy_timeout_s,
+        serving_runtime=serving_runtime,
+        step_cpu=step_cpu,
+        step_data_cpu=step_data_cpu,
+        step_data_memory=step_data_memory,
+        step_eval_cpu=step_eval_cpu,
+        step_eval_memory=step_eval_memory,
+        step_memory=step_memory,
+        training_backend=training_backend,
+        training_cpu=training_cpu,
+        training_gpus_per_worker=training_gpus_per_worker,
+        training_image=training_image,
+        training_memory=training_memory,
+        training_runtime=training_runtime,
+        training_timeout_s=training_timeout_s,
+        training_workers=training_workers,
+        volume_path=volume_path,
+        volume_pvc_name=volume_pvc_name,
+        gpu_node_selector=gpu_node_selector,
+        hf_token_secret=hf_token_secret,
+        langfuse_secret=langfuse_secret,
+        mlflow_secret=mlflow_secret,
     )
     run_plan_step(parameters, plan.path, plan.metadata, run_id=run_id, compiled=compiled)
 

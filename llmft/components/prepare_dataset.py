@@ -17,7 +17,7 @@ def prepare_dataset(
 
     The dataset (hub id or a file/folder on the volume) is converted to the canonical schema
     under ``<data_root>/datasets/<run_id>``; rows that fail validation go to rejects.jsonl, and
-    the step fails when more than ``max_reject_fraction`` of them are rejected.
+    the step fails when more than ``dataset_max_reject_fraction`` of them are rejected.
 
     Outputs: ``prepared`` (report.json; metadata ``path`` = the folder on the volume) and
     ``metrics`` (rows accepted and rejected).

@@ -19,7 +19,7 @@ def promote_best_checkpoint(
     ``base * (1 - promote_margin)``, a task score (e.g. ``heldout.contains``) above
     ``base + promote_margin``; and, with
     ``serving_mode=lora``, refuses a LoRA adapter vLLM could not serve (DoRA, ``modules_to_save``, a rank
-    above ``max_lora_rank``; otherwise the next step serves such an adapter merged). Otherwise copies
+    above ``serving_max_lora_rank``; otherwise the next step serves such an adapter merged). Otherwise copies
     its servable files (adapter or weights, tokenizer, manifest; not optimizer state)
     atomically to ``<data_root>/models/<mlflow_model_name>/<run_id>`` with a COMPLETE marker.
     The decision and its reason are written as JSON beside that folder in both cases.

@@ -1,29 +1,32 @@
 """`llm_finetune_pipeline`: plan -> raw dataset -> validated JSONL -> packed shards -> fine-tune ->
 evaluate -> promote -> serving form (LoRA, or merged) -> register in MLflow -> deploy to KServe vLLM.
 
-The parameter list is not written here: it is the signature of the plan component
-(``plan_run`` in llmft/components/plan.py), copied onto the pipeline function by :func:`build_pipeline`
-(KFP's decorator reads ``inspect.signature`` and the docstring's Args, so the types, defaults and
-descriptions reach the compiled YAML and the KFP UI). The first task, ``plan-run``, checks them all
-and writes plan.json; every later task takes the plan plus its data artifacts.
+Every form of the pipeline is built here, from one definition (:func:`build_pipeline`): the full one
+(``llm-finetune``), the HPO one (``llm-finetune-hpo``, llmft/pipelines/llm_finetune_hpo.py), their minimal
+forms (``-minimal``: about ten run parameters, the others compiled in) and the form kfp.local runs. Which
+parameters a form offers, with their types, defaults and descriptions, comes from their one declaration
+(``PipelineParameters``, llmft/components/lib/plan/parameters.py): KFP's decorator reads the pipeline
+function's ``inspect.signature`` and its docstring's Args, so they reach the compiled YAML and the KFP UI.
+The others are passed to the plan step as the constants they were compiled with. The first task,
+``plan-run``, checks them all and writes plan.json; every later task takes the plan plus its data artifacts.
 
-The platform settings are applied here, once:
+The platform settings are applied here, once, from each step's record (llmft/components/lib/plan/steps.py):
 
-* the data/checkpoint PVC (``pvc_name``) is mounted at ``/data`` in every task, whose container runs as
+* the data/checkpoint PVC (``volume_pvc_name``) is mounted at ``/data`` in every task, whose container runs as
   the images' uid and gid (``set_security_context``: honoured from KFP backend 2.16, ignored before, where
   the image's ``USER`` gives the same uid; the volume's root must belong to it: lib/plan/volume_access.py);
-* CPU and memory requests and limits of every task come from the ``step_*``, ``data_*`` and
-  ``eval_*`` parameters (resolved by the KFP backend at run time, 2.4 onwards);
-* the Secrets named by ``hf_token_secret`` / ``mlflow_secret`` are mounted as environment
+* CPU and memory requests and limits of every task come from the ``step_*`` parameters of its resource group
+  (resolved by the KFP backend at run time, 2.4 onwards);
+* the Secrets named by ``hf_token_secret`` / ``mlflow_secret`` / ``langfuse_secret`` are mounted as environment
   variables into the tasks that need them, without ``optional`` (ignored by KFP backends before
   2.15, kubeflow/pipelines#12216); like the evaluate task's ``gpu_node_selector`` they are fixed
-  when compiling (``llmft pipeline compile ... hf_token_secret=NAME``), because backends before
-  2.5 cannot take a Secret name or a node selector from a parameter;
+  when compiling (``llmft pipeline compile ... hf_token_secret=NAME``) and are no run parameters, because
+  backends before 2.5 cannot take a Secret name or a node selector from a parameter;
 * the train task has a timeout and retries (it resumes from the newest checkpoint);
 * the steps run inside a ``dsl.ExitHandler`` whose exit task (``cleanup-run``) deletes the run's
   unfinished jobs and Experiments when the run fails (llmft/components/lib/jobs/cleanup.py).
 
-No pipeline parameter is a secret. ``llmft pipeline compile`` writes the YAML;
+No pipeline parameter is a secret. ``llmft pipeline compile [--hpo] [--minimal]`` writes the YAML;
 ``llmft pipeline run-local`` runs it here through kfp.local.
 """
 
@@ -33,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kfp import compiler, dsl, kubernetes
+from kfp.dsl.graph_component import GraphComponent
 
 from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
@@ -40,7 +44,8 @@ from llmft.components.evaluate import evaluate_perplexity
 from llmft.components.images import IMAGE_UID, all_images
 from llmft.components.lib.jobs.pytorchjob_spec import GPU_TOLERATION
 from llmft.components.lib.plan.checks import SECRET_PARAMETERS, compiled_settings, parse_node_selector, parse_secret
-from llmft.components.lib.plan.parameters import PARAMETERS, Form, Parameter, compile_time_defaults
+from llmft.components.lib.plan.forms import Form, renamed
+from llmft.components.lib.plan.parameters import PARAMETERS, Parameter, compile_time_defaults
 from llmft.components.lib.plan.schema import DATA_MOUNT, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS, STEP, task_order
 from llmft.components.plan import plan_run
@@ -71,12 +76,14 @@ SWEEP_RETRIES = 2
 
 def fixed_values(form: Form, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """name -> compiled value of every parameter the form's plan reads: the declared default, the compile-time
-    defaults (images), then ``defaults``; the offered ones are their run parameters' defaults."""
+    defaults (images), then ``defaults`` (older names accepted); the offered ones are their run parameters'
+    defaults."""
     known = {p.name: p for p in PARAMETERS if form.has(p)}
-    unknown = sorted(set(defaults or {}) - set(known))
+    given = renamed(defaults or {})
+    unknown = sorted(set(given) - set(known))
     if unknown:
         raise ConfigError(f"unknown pipeline parameter(s) {unknown}")
-    values = {**{n: p.default for n, p in known.items()}, **compile_time_defaults(), **(defaults or {})}
+    values = {**{n: p.default for n, p in known.items()}, **compile_time_defaults(), **given}
     return {name: _typed(known[name], value) for name, value in values.items()}
 
 
@@ -101,17 +108,25 @@ def pipeline_docstring(description: str, form: Form) -> str:
     return "\n".join(lines) + "\n"
 
 
+class Pipeline(GraphComponent):
+    """A compiled-in-Python pipeline whose callers (kfp.local, a pipeline that calls this one) may still use a
+    parameter's older name: it is renamed, with a RenamedParameterWarning, before KFP checks the names."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **renamed(kwargs))
+
+
 def build_pipeline(
     *, hpo: bool = False, minimal: bool = False, local: bool = False, defaults: Mapping[str, Any] | None = None
-):
+) -> Pipeline:
     """The pipeline (a KFP GraphComponent) of one :class:`Form`. ``defaults`` replace parameter defaults: of a
     run parameter, its default; of any other (the compile-time ones: Secrets, the evaluate node selector; those
-    a smaller form leaves out), the value compiled in."""
+    a minimal form leaves out), the value compiled in."""
     form = Form(hpo=hpo, minimal=minimal, local=local)
     fixed = fixed_values(form, defaults)
     signature = pipeline_signature(form, fixed)
     name = form.pipeline_name
-    description = HPO_DESCRIPTION if hpo else DESCRIPTION
+    description = (HPO_DESCRIPTION if hpo else DESCRIPTION) + (MINIMAL_NOTE if minimal else "")
 
     def pipeline(*args, **kwargs):
         values = {**fixed, **signature.bind(*args, **kwargs).arguments}  # run parameters are pipeline channels
@@ -120,7 +135,9 @@ def build_pipeline(
     pipeline.__signature__ = signature  # type: ignore[attr-defined]  # inspect.signature (so KFP) reads it
     pipeline.__doc__ = pipeline_docstring(description, form)
     pipeline.__name__ = pipeline.__qualname__ = name.replace("-", "_") + "_pipeline"
-    return dsl.pipeline(name=name, description=description)(pipeline)
+    component = dsl.pipeline(name=name, description=description)(pipeline)
+    component.__class__ = Pipeline  # the same object, its calls renaming older names first
+    return component
 
 
 # --- the steps --------------------------------------------------------------------------------
@@ -134,7 +151,7 @@ def apply_platform(task: dsl.PipelineTask, step: str, values: Mapping, static: M
     image = task.component_spec.implementation.container.image
     if image != all_images()[record.image]:
         raise ConfigError(f"step {step}: its component runs on {image}, its record says the {record.image} image")
-    kubernetes.mount_pvc(task, pvc_name=values["pvc_name"], mount_path=DATA_MOUNT)
+    kubernetes.mount_pvc(task, pvc_name=values["volume_pvc_name"], mount_path=DATA_MOUNT)
     kubernetes.set_security_context(task, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID, run_as_non_root=True)
     cpu, memory = RESOURCE_PARAMETERS[record.resources]
     task.set_cpu_request(values[cpu]).set_cpu_limit(values[cpu])
@@ -239,14 +256,18 @@ def add_release_steps(plan, tokenized, run, values: Mapping, static: Mapping) ->
 HPO_DESCRIPTION = (
     "Sweep the fine-tuning hyperparameters with Katib, then fine-tune, evaluate, register and serve the best adapter"
 )
+MINIMAL_NOTE = " (minimal form: the other parameters are compiled in; docs/pipeline-parameters.md)"
 
 llm_finetune_pipeline = build_pipeline()
 """The pipeline with the defaults of this environment (images from llmft/components/images.py)."""
 
 
-def compile_pipeline(output: str, *, hpo: bool = False, defaults: Mapping[str, Any] | None = None) -> str:
+def compile_pipeline(
+    output: str, *, hpo: bool = False, minimal: bool = False, defaults: Mapping[str, Any] | None = None
+) -> str:
     """Compile the pipeline (``defaults`` replace parameter defaults) to ``output`` (YAML); return the path."""
 
-    pipeline = build_pipeline(hpo=hpo, defaults=defaults) if (hpo or defaults) else llm_finetune_pipeline
+    plain = not (hpo or minimal or defaults)
+    pipeline = llm_finetune_pipeline if plain else build_pipeline(hpo=hpo, minimal=minimal, defaults=defaults)
     compiler.Compiler().compile(pipeline, package_path=output)
     return output

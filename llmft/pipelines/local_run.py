@@ -1,4 +1,4 @@
-"""Run ``llm_finetune_pipeline`` on this machine with kfp.local (``llmft pipeline run-local``).
+"""Run the pipeline on this machine with kfp.local (``llmft pipeline run-local``): its local form.
 
 ``kfp.local.SubprocessRunner(use_venv=False)`` runs each task as a subprocess of this
 Python, so the tasks import the installed package exactly as the component image would.
@@ -150,21 +150,23 @@ def run_pipeline_locally(
     *,
     work_dir: str | Path,
     verbose: bool = False,
-    pipeline=None,
+    hpo: bool = False,
     extra_defaults: dict[str, Any] | None = None,
 ) -> LocalOutcome:
-    """Run the pipeline (default ``llm_finetune_pipeline``) through kfp.local with the local
-    defaults (plus ``extra_defaults``); never raises for a failed task (see the outcome)."""
+    """Run the pipeline (the HPO one with ``hpo``) through kfp.local with the local defaults (plus
+    ``extra_defaults``, then ``overrides``; older parameter names accepted): its local form, built with these
+    arguments as its values (the compile-time ones too); never raises for a failed task (see the outcome)."""
     # heavy: kfp
     from kfp import local
 
-    if pipeline is None:
-        # heavy: kfp, kubeflow_katib_api, pydantic
-        from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
+    # heavy: kfp, kubeflow_katib_api, pydantic
+    from llmft.pipelines.llm_finetune import build_pipeline
+
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"work folder {work}: preparing the base model and MLflow store ...", flush=True)
     arguments = resolve_local_arguments(overrides, work, extra_defaults)
+    pipeline = build_pipeline(hpo=hpo, local=True, defaults=arguments)
     prepare_local_mlflow(arguments["mlflow_tracking_uri"], arguments["mlflow_experiment"], work / "mlartifacts")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Tiny matrices on a small shared CPU: one intra-op thread per process is many times faster
@@ -180,7 +182,7 @@ def run_pipeline_locally(
         stream = ProgressStream(log, _screen(), verbose=verbose)
         try:
             with contextlib.redirect_stdout(stream):
-                pipeline(**arguments)
+                pipeline()  # every value is the local form's compiled default
             outcome.succeeded = True
         except RuntimeError as exc:
             failed = FAILED_TASK.search(ANSI.sub("", str(exc)))

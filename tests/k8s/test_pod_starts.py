@@ -27,7 +27,7 @@ def test_a_job_whose_pods_never_start_is_stopped_with_their_reason(
     sim, fake_cluster, fake_custom_api, sim_volume, monkeypatch
 ):
     monkeypatch.setattr(pod_starts, "NEVER_STARTED_LIMIT", 3)
-    plan = sim_plan(sim_volume, run_id="run-never-starts", job_timeout_s=30)
+    plan = sim_plan(sim_volume, run_id="run-never-starts", training_timeout_s=30)
     sim.never_start[f"{plan.job.name}-master-0"] = NOT_ADMITTED
     with pytest.raises(JobNeverStarts) as error:
         run_on_cluster(plan.job, plan.trainer.launch(f"{sim_volume}/tokenized/demo"), cluster=fake_cluster,

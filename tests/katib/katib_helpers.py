@@ -25,7 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from llmft.katib.experiment import experiment_dict
 
-JOB = {"model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY", "pvc_name": "llmft-data"}
+JOB = {"base_model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY", "volume_pvc_name": "llmft-data"}
 
 
 def build_body(*overrides: str, **job) -> dict:

@@ -8,7 +8,10 @@ from pathlib import Path
 from llmft.cli import main as llmft_main
 from llmft.pipelines.local_run import LocalOutcome
 
-CAUSE = "pipeline parameters: `lora_r`=64 exceeds `max_lora_rank`=8 of the vLLM runtime. Lower lora_r"
+CAUSE = (
+    "pipeline parameters: `finetune_lora_r`=64 exceeds `serving_max_lora_rank`=8 of the vLLM runtime. "
+    "Lower finetune_lora_r"
+)
 # The last lines kfp.local logged for a failed plan-run task (a real run, shortened).
 TAIL = [
     '"outputFile": "/w/kfp/llm-finetune-2026-11-28/plan-run/executor_output.json"',

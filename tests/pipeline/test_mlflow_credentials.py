@@ -161,7 +161,7 @@ def test_the_local_run_log_and_screen_never_show_a_password():
 
     log, screen = io.StringIO(), io.StringIO()
     stream = ProgressStream(log, screen, verbose=True)
-    text = f"inputs: {{'mlflow_tracking_uri': '{CANARY_URI}', 'model': 'https://bob:pw@hub.example/m'}}\n"
+    text = f"inputs: {{'mlflow_tracking_uri': '{CANARY_URI}', 'base_model': 'https://bob:pw@hub.example/m'}}\n"
     assert stream.write(text) == len(text)
     for shown in (log.getvalue(), screen.getvalue()):
         assert "s3cr3tCANARY" not in shown and "bob:pw" not in shown

@@ -27,8 +27,97 @@ SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret")
 """Parameters that hold a Secret's name (never a credential)."""
 
 # The parameter lists, frozen: name -> (KFP type, default). Changing one is a user-facing change
-# (README, docs/cluster-guide.md); the images' defaults depend on LLMFT_* and are checked apart.
+# (README, docs/cluster-guide.md, docs/pipeline-parameters.md); the images' defaults depend on LLMFT_* and are
+# checked apart.
 FINETUNE_PARAMETERS = {
+    "base_model": ("STRING", "Qwen/Qwen2.5-7B-Instruct"),
+    "dataset": ("STRING", "tatsu-lab/alpaca"),
+    "dataset_format": ("STRING", "auto"),
+    "dataset_max_reject_fraction": ("NUMBER_DOUBLE", 0.01),
+    "dataset_split": ("STRING", "train"),
+    "dataset_val_fraction": ("NUMBER_DOUBLE", 0.05),
+    "finetune_batch_size": ("NUMBER_INTEGER", 8),
+    "finetune_epochs": ("NUMBER_DOUBLE", 1.0),
+    "finetune_eval_every": ("NUMBER_INTEGER", 0),
+    "finetune_learning_rate": ("NUMBER_DOUBLE", 0.0002),
+    "finetune_lora_alpha": ("NUMBER_DOUBLE", 32.0),
+    "finetune_lora_dropout": ("NUMBER_DOUBLE", 0.05),
+    "finetune_lora_r": ("NUMBER_INTEGER", 16),
+    "finetune_lora_target_modules": ("STRING", "all-linear"),
+    "finetune_max_length": ("NUMBER_INTEGER", 2048),
+    "finetune_max_steps": ("NUMBER_INTEGER", 0),
+    "finetune_method": ("STRING", "lora"),
+    "finetune_micro_batch_size": ("STRING", "auto"),
+    "finetune_overrides": ("STRING", ""),
+    "finetune_packing": ("BOOLEAN", True),
+    "finetune_save_every": ("NUMBER_INTEGER", 0),
+    "finetune_seed": ("NUMBER_INTEGER", 42),
+    "finetune_warmup_ratio": ("NUMBER_DOUBLE", 0.0),
+    "mlflow_experiment": ("STRING", "llm-finetune"),
+    "mlflow_model_name": ("STRING", "llm-adapter"),
+    "mlflow_tracking_uri": ("STRING", ""),
+    "promote_eval_max_questions": ("NUMBER_INTEGER", 16),
+    "promote_eval_questions": ("STRING", ""),
+    "promote_eval_tasks": ("STRING", "heldout"),
+    "promote_margin": ("NUMBER_DOUBLE", 0.01),
+    "promote_metric": ("STRING", "perplexity"),
+    "serving_cpu": ("STRING", "4"),
+    "serving_deploy": ("BOOLEAN", True),
+    "serving_deploy_policy": ("STRING", "champion"),
+    "serving_deploy_timeout_s": ("NUMBER_INTEGER", 1800),
+    "serving_gpus": ("NUMBER_INTEGER", 1),
+    "serving_max_lora_rank": ("NUMBER_INTEGER", 64),
+    "serving_memory": ("STRING", "32Gi"),
+    "serving_mode": ("STRING", "auto"),
+    "serving_name": ("STRING", "llm-adapter"),
+    "serving_namespace": ("STRING", ""),
+    "serving_prompts": ("STRING", ""),
+    "serving_runtime": ("STRING", None),
+    "step_cpu": ("STRING", "1"),
+    "step_data_cpu": ("STRING", "4"),
+    "step_data_memory": ("STRING", "16Gi"),
+    "step_eval_cpu": ("STRING", "8"),
+    "step_eval_memory": ("STRING", "64Gi"),
+    "step_memory": ("STRING", "2Gi"),
+    "training_backend": ("STRING", "kubeflow"),
+    "training_cpu": ("STRING", "8"),
+    "training_gpus_per_worker": ("NUMBER_INTEGER", 1),
+    "training_image": ("STRING", None),
+    "training_memory": ("STRING", "64Gi"),
+    "training_runtime": ("STRING", "torch-distributed"),
+    "training_timeout_s": ("NUMBER_INTEGER", 86400),
+    "training_workers": ("NUMBER_INTEGER", 1),
+    "volume_pvc_name": ("STRING", "llmft-data"),
+}
+HPO_PARAMETERS = {
+    "hpo_algorithm": ("STRING", "tpe"),
+    "hpo_max_failed_trials": ("NUMBER_INTEGER", 3),
+    "hpo_max_trials": ("NUMBER_INTEGER", 12),
+    "hpo_overrides": ("STRING", ""),
+    "hpo_parallel_trials": ("NUMBER_INTEGER", 3),
+    "hpo_timeout_s": ("NUMBER_INTEGER", 259200),
+    "hpo_trial_overrides": ("STRING", ""),
+}
+MINIMAL_PARAMETERS = (
+    "base_model",
+    "dataset",
+    "finetune_learning_rate",
+    "finetune_lora_r",
+    "finetune_max_steps",
+    "finetune_method",
+    "mlflow_tracking_uri",
+    "promote_eval_tasks",
+    "promote_metric",
+    "serving_namespace",
+)
+COMPILED_IN = {"gpu_node_selector": "", "hf_token_secret": "", "langfuse_secret": "", "mlflow_secret": ""}
+"""Applied by the compiled YAML to the KFP tasks: no run parameter, a constant of the plan step."""
+CLUSTER_CONSTANTS = {"serving_deploy_mode": "kserve", "volume_path": "/data"}
+"""kfp.local settings: a cluster's pipeline passes the one value a cluster can use."""
+
+# The lists before issue 49 item 2 (every parameter a run parameter, unprefixed names), kept to compare:
+# each old parameter is still there, renamed, with its type and default, or compiled in with its default.
+OLD_FINETUNE_PARAMETERS = {
     "model": ("STRING", "Qwen/Qwen2.5-7B-Instruct"),
     "dataset": ("STRING", "tatsu-lab/alpaca"),
     "dataset_format": ("STRING", "auto"),
@@ -89,7 +178,7 @@ FINETUNE_PARAMETERS = {
     "serving_prompts": ("STRING", ""),
     "deploy_timeout_s": ("NUMBER_INTEGER", 1800),
 }
-SWEEP_PARAMETERS = {
+OLD_SWEEP_PARAMETERS = {
     "sweep_backend": ("STRING", "katib"),
     "sweep_algorithm": ("STRING", "tpe"),
     "sweep_max_trials": ("NUMBER_INTEGER", 12),
@@ -101,11 +190,12 @@ SWEEP_PARAMETERS = {
 }
 
 
-def _compile(tmp_path_factory, *arguments: str, hpo: bool = False):
+def _compile(tmp_path_factory, *arguments: str, hpo: bool = False, minimal: bool = False):
     from llmft.cli import main
 
     path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
-    assert main(["pipeline", "compile", "--output", str(path), *(["--hpo"] if hpo else []), *arguments]) == 0
+    flags = [*(["--hpo"] if hpo else []), *(["--minimal"] if minimal else [])]
+    assert main(["pipeline", "compile", "--output", str(path), *flags, *arguments]) == 0
     text = path.read_text()
     spec, platform = list(yaml.safe_load_all(text))
     return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"], text
@@ -177,7 +267,7 @@ def test_nine_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
 
 def test_every_task_mounts_the_pvc_and_has_cpu_and_memory_from_parameters(compiled):
     spec, executors = compiled
-    pvc = "pipelinechannel--pvc_name"  # the pipeline parameter, as the exit handler group passes it on
+    pvc = "pipelinechannel--volume_pvc_name"  # the pipeline parameter, as the exit handler group passes it on
     assert spec["components"][f"comp-{EXIT_GROUP}"]["inputDefinitions"]["parameters"][pvc] == {
         "parameterType": "STRING"
     }
@@ -187,9 +277,11 @@ def test_every_task_mounts_the_pvc_and_has_cpu_and_memory_from_parameters(compil
             {"componentInputParameter": pvc, "mountPath": "/data", "pvcNameParameter": {"componentInputParameter": pvc}}
         ], task
         resources = spec["deploymentSpec"]["executors"][f"exec-{task}"]["container"]["resources"]
-        group = {"prepare-dataset": "data", "tokenize-dataset": "data", "evaluate-perplexity": "eval"}.get(task, "step")
-        group = "data" if task == "choose-serving-form" else group  # the merge: a data-sized pod
-        cpu, memory = (f"{{{{$.inputs.parameters['pipelinechannel--{group}_{kind}']}}}}" for kind in ("cpu", "memory"))
+        group = {"prepare-dataset": "data_", "tokenize-dataset": "data_", "evaluate-perplexity": "eval_"}.get(task, "")
+        group = "data_" if task == "choose-serving-form" else group  # the merge: a data-sized pod
+        cpu, memory = (
+            f"{{{{$.inputs.parameters['pipelinechannel--step_{group}{kind}']}}}}" for kind in ("cpu", "memory")
+        )
         assert (resources["resourceCpuRequest"], resources["resourceCpuLimit"]) == (cpu, cpu), task  # not BestEffort
         assert (resources["resourceMemoryRequest"], resources["resourceMemoryLimit"]) == (memory, memory), task
 
@@ -279,24 +371,86 @@ def _parameters(spec: dict) -> dict[str, tuple[str, object]]:
         default = definition.get("defaultValue")
         if definition["parameterType"] == "NUMBER_INTEGER":
             default = int(default)
-        out[name] = (definition["parameterType"], None if name in ("trainer_image", "serving_runtime") else default)
+        out[name] = (definition["parameterType"], None if name in ("training_image", "serving_runtime") else default)
     return out
+
+
+def _plan_inputs(spec: dict) -> dict:
+    """What the pipeline hands the plan step, input by input: a run parameter's channel or a constant."""
+    return _body(spec)["plan-run"]["inputs"]["parameters"]
 
 
 def test_the_parameter_lists_are_frozen_and_the_pipelines_agree(compiled, compiled_with_secrets):
     spec, _ = compiled
     hpo_spec, _, _ = compiled_with_secrets
     assert _parameters(spec) == FINETUNE_PARAMETERS
-    hpo = _parameters(hpo_spec)
-    assert set(hpo) == set(FINETUNE_PARAMETERS) | set(SWEEP_PARAMETERS)
-    compiled_here = {"hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector"}  # set when compiling
-    assert {n: v for n, v in hpo.items() if n not in compiled_here} == {
-        **{n: v for n, v in FINETUNE_PARAMETERS.items() if n not in compiled_here},
-        **SWEEP_PARAMETERS,
-    }
+    assert _parameters(hpo_spec) == {**FINETUNE_PARAMETERS, **HPO_PARAMETERS}
     for name, definition in hpo_spec["root"]["inputDefinitions"]["parameters"].items():
         assert len(definition.get("description", "")) > 10, f"{name} has no description for the KFP UI"
-    assert "LoRA rank" in spec["root"]["inputDefinitions"]["parameters"]["lora_r"]["description"]
+    assert "LoRA rank" in spec["root"]["inputDefinitions"]["parameters"]["finetune_lora_r"]["description"]
+
+
+def test_the_form_lists_the_parameters_in_the_order_they_are_declared():
+    """The KFP UI shows a form's parameters sorted by name (docs/pipeline-parameters.md cites why), so the
+    declaration order, the docs' order and the form's order are one order only while names sort as declared."""
+    from llmft.components.lib.plan.forms import Form
+
+    for form in (Form(), Form(hpo=True), Form(minimal=True), Form(hpo=True, minimal=True), Form(local=True)):
+        names = [p.name for p in form.offered()]
+        assert names == sorted(names), form
+    assert [p.name for p in Form(minimal=True).offered()] == list(MINIMAL_PARAMETERS)
+    assert list(FINETUNE_PARAMETERS) == sorted(FINETUNE_PARAMETERS)
+
+
+def test_the_new_form_keeps_every_old_parameter(compiled, compiled_with_secrets):
+    """Against the lists before the rename: each old parameter is a run parameter under its new name with the
+    same type and default, or (compiled in, or a kfp.local setting) a constant of the plan step with its old
+    default; what the run parameters add is the training knobs once only in finetune_overrides."""
+    from llmft.components.lib.plan.parameters import OLD_NAMES
+
+    for (spec, *_), old in ((compiled, OLD_FINETUNE_PARAMETERS), (compiled_with_secrets, OLD_SWEEP_PARAMETERS)):
+        now, inputs = _parameters(spec), _plan_inputs(spec)
+        for name, (kind, default) in old.items():
+            new = OLD_NAMES.get(name, name)
+            if new in now:
+                assert now[new] == (kind, default), name
+            else:
+                assert new in {**COMPILED_IN, **CLUSTER_CONSTANTS, "hpo_backend": "katib"}, name
+                if new not in COMPILED_IN or spec is compiled[0]:
+                    assert inputs[new] == {"runtimeValue": {"constant": default}}, name
+    added = set(FINETUNE_PARAMETERS) - {OLD_NAMES.get(n, n) for n in OLD_FINETUNE_PARAMETERS}
+    assert added == {f"finetune_{k}" for k in ("batch_size", "eval_every", "micro_batch_size", "save_every")} | {
+        "finetune_warmup_ratio"
+    }
+
+
+def test_values_fixed_when_compiling_are_constants_of_the_plan_step(compiled_with_secrets):
+    """The Secrets and the evaluate node selector are applied by the compiled YAML itself (backends before 2.5
+    take them from no parameter): no field of the run's form, and the plan step checks the very values the
+    tasks mount."""
+    spec, executors, _ = compiled_with_secrets
+    inputs = _plan_inputs(spec)
+    assert not set(COMPILED_IN) & set(spec["root"]["inputDefinitions"]["parameters"])
+    assert inputs["hf_token_secret"] == {"runtimeValue": {"constant": "llmft-hf-token"}}
+    assert inputs["gpu_node_selector"] == {"runtimeValue": {"constant": "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"}}
+    assert _secret_mounts(executors["exec-prepare-dataset"])["llmft-hf-token"] == {"HF_TOKEN"}
+    assert inputs["serving_deploy_mode"] == {"runtimeValue": {"constant": "kserve"}}  # local and vllm: kfp.local
+    assert inputs["hpo_backend"] == {"runtimeValue": {"constant": "katib"}}
+
+
+@pytest.mark.slow
+def test_the_minimal_pipeline_offers_ten_parameters_and_compiles_in_the_rest(tmp_path_factory):
+    """``llmft pipeline compile --minimal``: the same steps, ten run parameters; every other value (given here,
+    or the declared default) reaches the plan step as a constant."""
+    spec, executors, _ = _compile(tmp_path_factory, "finetune_lora_alpha=8", "volume_pvc_name=team-data", minimal=True)
+    assert list(_parameters(spec)) == list(MINIMAL_PARAMETERS)
+    assert spec["pipelineInfo"]["name"] == "llm-finetune-minimal"
+    assert set(_body(spec)) == set(TASK_ORDER)
+    inputs = _plan_inputs(spec)
+    assert inputs["finetune_lora_r"] == {"componentInputParameter": "pipelinechannel--finetune_lora_r"}
+    assert inputs["finetune_lora_alpha"] == {"runtimeValue": {"constant": 8.0}}
+    assert inputs["step_data_cpu"] == {"runtimeValue": {"constant": "4"}}
+    assert executors["exec-plan-run"]["pvcMount"][0]["constant"] == "team-data"
 
 
 def test_no_parameter_is_or_holds_a_secret(compiled):
@@ -332,6 +486,7 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     assert not [k for k in os.environ if k.startswith("LLMFT_")], "the launcher pod has no LLMFT_* variable"
     from llmft.components.lib.serving.deployment import DeployRequest, serve_spec
     from llmft.components.lib.plan.build import build_plan
+    from llmft.components.lib.plan.parameters import BY_NAME
     from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob, pytorchjob_to_dict
     from llmft.components.lib.serving.inferenceservice import build_inference_service, isvc_to_dict
     from llmft.components.lib.jobs.sweep import sweep_trial_job
@@ -344,6 +499,8 @@ BUILD_FROM_COMPILED = textwrap.dedent(
               for (n, v), d in zip(values.items(), spec["root"]["inputDefinitions"]["parameters"].values())}
     values["mlflow_tracking_uri"] = "http://mlflow:5000"
     body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    fixed = body["plan-run"]["inputs"]["parameters"]  # what the pipeline compiled in: constants of the plan step
+    values |= {n: v["runtimeValue"]["constant"] for n, v in fixed.items() if n in BY_NAME and "runtimeValue" in v}
     compiled = body["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
     plan = build_plan(values, run_id="run-1", compiled=compiled, environ={"KFP_POD_NAME": "p"})
     job = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, plan.trainer.launch("/d"))))

@@ -91,8 +91,8 @@ def world(tmp_path_factory, tiny_model_dir, langfuse):
         patch.setenv(key, value)
     plan = make_plan(
         run_id=RUN_ID,
-        model=str(tiny_model_dir),
-        data_root=str(root),
+        base_model=str(tiny_model_dir),
+        volume_path=str(root),
         mlflow_tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
         mlflow_model_name=MODEL_NAME,
     )

@@ -55,8 +55,8 @@ def test_the_plan_refuses_an_unknown_task_name():
     from plan_helpers import make_plan
 
     with pytest.raises(ConfigError, match="unknown task 'hellaswag'"):
-        make_plan(eval_tasks="hellaswag")
-    assert make_plan(eval_tasks="velmora_mc", promote_metric="velmora_mc.acc").registry.promote_metric == (
+        make_plan(promote_eval_tasks="hellaswag")
+    assert make_plan(promote_eval_tasks="velmora_mc", promote_metric="velmora_mc.acc").registry.promote_metric == (
         "velmora_mc.acc"
     )
 

@@ -1,10 +1,10 @@
 """What the evaluate step scores besides perplexity, and how a score is compared: no torch here (the plan
-step validates ``eval_tasks`` / ``promote_metric`` in the pipeline image).
+step validates ``promote_eval_tasks`` / ``promote_metric`` in the pipeline image).
 
-Tasks (pipeline parameter ``eval_tasks``, comma-separated; ``''`` = perplexity only):
+Tasks (pipeline parameter ``promote_eval_tasks``, comma-separated; ``''`` = perplexity only):
 
 * ``heldout``: held-out generation. Questions with reference answers (the validation split's last
-  assistant turns, or the JSONL file ``eval_questions`` on the volume: ``{"question": ..., "answer": ...}``
+  assistant turns, or the JSONL file ``promote_eval_questions`` on the volume: ``{"question": ..., "answer": ...}``
   per line) are answered greedily by the base model and by every checkpoint; each answer is scored by
   ``exact_match`` (normalized equality), ``contains`` (the normalized reference appears in the answer)
   and ``token_f1`` (SQuAD-style token overlap F1); the metrics are the means over the questions.
@@ -34,7 +34,7 @@ LM_EVAL_TASK_DIR = Path(__file__).resolve().parents[3] / "trainer" / "assets" / 
 LM_EVAL_METRICS = ("acc",)
 """The lm-eval metrics a shipped task reports (multiple-choice accuracy)."""
 DEFAULT_MAX_QUESTIONS = 16
-"""Held-out questions per model by default: cheap enough for every run (bounded by ``eval_max_questions``)."""
+"""Held-out questions per model by default: cheap enough for every run (bounded by ``promote_eval_max_questions``)."""
 
 
 def lm_eval_task_names(task_dir: Path = LM_EVAL_TASK_DIR) -> tuple[str, ...]:
@@ -47,13 +47,13 @@ def known_tasks() -> tuple[str, ...]:
 
 
 def parse_tasks(text: str) -> tuple[str, ...]:
-    """``eval_tasks`` -> task names in order, duplicates dropped; ConfigError naming an unknown one."""
+    """``promote_eval_tasks`` -> task names in order, duplicates dropped; ConfigError naming an unknown one."""
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     known = known_tasks()
     for name in names:
         if name not in known:
             raise ConfigError(
-                f"pipeline parameter `eval_tasks`: unknown task {name!r}; use a comma-separated list of "
+                f"pipeline parameter `promote_eval_tasks`: unknown task {name!r}; use a comma-separated list of "
                 f"{', '.join(known)} (or '' for perplexity only)"
             )
     return names
@@ -74,7 +74,7 @@ def check_promote_metric(metric: str, tasks: tuple[str, ...]) -> str:
     if metric not in available:
         raise ConfigError(
             f"pipeline parameter `promote_metric`={metric!r}: not a metric this run computes; use one of "
-            f"{', '.join(available)} (a task metric needs its task in `eval_tasks`)"
+            f"{', '.join(available)} (a task metric needs its task in `promote_eval_tasks`)"
         )
     return metric
 

@@ -53,7 +53,7 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
 DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "eval.max_sequences=512")
-"""Fixed trainer settings of every trial when ``sweep_trial_overrides`` is empty: short runs,
+"""Fixed trainer settings of every trial when ``hpo_trial_overrides`` is empty: short runs,
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
@@ -149,8 +149,8 @@ def check_servable_ranks(sweep, max_lora_rank: int) -> None:
         ranks = [float(v) for v in param.values] if param.values else [float(param.max or 0)]
         if max(ranks) > max_lora_rank:
             raise ConfigError(
-                f"the sweep searches lora.r up to {max(ranks):g} but max_lora_rank={max_lora_rank}: "
-                "vLLM would refuse the winner. Lower space.lora_r.values or raise max_lora_rank (or serve the "
+                f"the sweep searches lora.r up to {max(ranks):g} but serving_max_lora_rank={max_lora_rank}: "
+                "vLLM would refuse the winner. Lower space.lora_r.values or raise serving_max_lora_rank (or serve the "
                 "winner merged: serving_mode=merged)"
             )
 
@@ -161,12 +161,12 @@ SHADOWING_KEYS = {"schedule.warmup_ratio": "schedule.warmup_steps"}
 
 def warn_shadowed(user_overrides: Sequence[str], best: Sequence[str]) -> None:
     """The train step passes the sweep's best after the plan's config, so the best win. Print a
-    warning for a ``train_overrides`` setting a best value replaces, or one that would make a swept
+    warning for a ``finetune_overrides`` setting a best value replaces, or one that would make a swept
     value ineffective (``schedule.warmup_steps`` > 0 overrides ``schedule.warmup_ratio``)."""
     user_keys = dict(override_pairs(user_overrides))
     for item, (key, _) in zip(best, override_pairs(best), strict=True):
         if key in user_keys:
-            print(f"warning: train_overrides sets {key}={user_keys[key]}; the sweep's {item} replaces it")
+            print(f"warning: finetune_overrides sets {key}={user_keys[key]}; the sweep's {item} replaces it")
         shadow = SHADOWING_KEYS.get(key)
         if shadow in user_keys and user_keys[shadow] not in ("0", "0.0"):
             print(

@@ -18,9 +18,8 @@ from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.jobs.backends import BACKENDS
 from llmft.components.lib.jobs.sweep import check_servable_ranks, check_trial_overrides
-from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.parameters import COMPILE_TIME_PARAMETERS, PipelineParameters
 from llmft.components.lib.plan.schema import (
-    COMPILED_PARAMETERS,
     DATA_MOUNT,
     DEPLOY_MODES,
     KFP_POD_ENV,
@@ -71,27 +70,27 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     """The scalar parameters, and what cannot run on a cluster."""
     rules = [
         ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
-        ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
-        ("num_workers", p.num_workers >= 1, "must be >= 1"),
-        ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),
+        ("serving_deploy_mode", p.serving_deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
+        ("training_workers", p.training_workers >= 1, "must be >= 1"),
+        ("training_gpus_per_worker", p.training_gpus_per_worker >= 0, "must be >= 0"),
         ("serving_gpus", p.serving_gpus >= 0, "must be >= 0"),
-        ("max_length", p.max_length >= 16, "must be >= 16 tokens"),
-        ("val_fraction", 0.0 < p.val_fraction < 1.0, "must be in (0, 1)"),
-        ("max_reject_fraction", 0.0 <= p.max_reject_fraction <= 1.0, "must be in [0, 1]"),
+        ("finetune_max_length", p.finetune_max_length >= 16, "must be >= 16 tokens"),
+        ("dataset_val_fraction", 0.0 < p.dataset_val_fraction < 1.0, "must be in (0, 1)"),
+        ("dataset_max_reject_fraction", 0.0 <= p.dataset_max_reject_fraction <= 1.0, "must be in [0, 1]"),
         ("promote_margin", 0.0 <= p.promote_margin < 1.0, "must be in [0, 1), e.g. 0.01 for 1%"),
-        ("model", bool(p.model.strip()), "must name a hub id or a model directory"),
+        ("base_model", bool(p.base_model.strip()), "must name a hub id or a model directory"),
         ("dataset", bool(p.dataset.strip()), "must name a hub dataset or a file/folder on the volume"),
-        ("job_timeout_s", p.job_timeout_s > 0, "must be > 0"),
-        ("deploy_timeout_s", p.deploy_timeout_s > 0, "must be > 0"),
+        ("training_timeout_s", p.training_timeout_s > 0, "must be > 0"),
+        ("serving_deploy_timeout_s", p.serving_deploy_timeout_s > 0, "must be > 0"),
     ]
     for name, ok, message in rules:
         if not ok:
             raise _fail(name, getattr(p, name), message)
     check_path_component(p.mlflow_model_name, "mlflow_model_name")
-    check_k8s_name(p.pvc_name, "pvc_name", kind="subdomain")
+    check_k8s_name(p.volume_pvc_name, "volume_pvc_name", kind="subdomain")
     if p.serving_namespace:
         check_k8s_name(p.serving_namespace, "serving_namespace")
-    if p.deploy and p.deploy_mode == "kserve":
+    if p.serving_deploy and p.serving_deploy_mode == "kserve":
         check_k8s_name(p.serving_name, "serving_name", kind="dns1035", max_length=45)
     if on_cluster:
         _check_cluster_only(p)
@@ -101,8 +100,8 @@ def _check_cluster_only(p: PipelineParameters) -> None:
     """`local` backends need torch and transformers, which the pipeline image lacks; and every
     task mounts the volume at DATA_MOUNT."""
     local = [("training_backend", p.training_backend, "kubeflow")]
-    if p.deploy:
-        local.append(("deploy_mode", p.deploy_mode, "kserve"))
+    if p.serving_deploy:
+        local.append(("serving_deploy_mode", p.serving_deploy_mode, "kserve"))
     for name, value, use in local:
         if value in ("local", "vllm"):  # vllm: a vLLM server from the serving virtualenv of this machine
             raise _fail(
@@ -111,29 +110,14 @@ def _check_cluster_only(p: PipelineParameters) -> None:
                 f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
                 f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
             )
-    if p.data_root != DATA_MOUNT:
+    if p.volume_path != DATA_MOUNT:
         raise _fail(
-            "data_root", p.data_root, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
+            "volume_path", p.volume_path, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
         )
 
 
-def check_compiled(p: PipelineParameters, settings: Mapping[str, Any]) -> None:
-    """On a cluster: the parameters the YAML applied statically must still have their compiled values."""
-    compiled = settings.get("compiled") or {}
-    for name in COMPILED_PARAMETERS:
-        value = getattr(p, name)
-        if name in compiled and value != compiled[name]:
-            raise _fail(
-                name,
-                value,
-                f"this pipeline was compiled with {name}={compiled[name]!r}, which its own tasks use (KFP backends "
-                f"before 2.5 cannot take it from a parameter). Recompile: llmft pipeline compile --output FILE "
-                f"{name}={shlex.quote(str(value))}",
-            )
-
-
 def check_image(reference: str) -> str:
-    return check_pinned(reference, source="pipeline parameter `trainer_image`")
+    return check_pinned(reference, source="pipeline parameter `training_image`")
 
 
 def check_runtime(name: str) -> str:
@@ -158,7 +142,7 @@ def parse_secret(kind: str, text: str):
     return SecretMount(kind=kind, name=name, keys=tuple(dict.fromkeys(keys)))
 
 
-def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
+def extra_override_list(text: str, what: str = "finetune_overrides") -> list[str]:
     """Split free-form ``key=value`` overrides, refusing keys the plan sets itself."""
     items = shlex.split(text or "")
     for item in items:
@@ -171,23 +155,23 @@ def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
     return items
 
 
-def check_resources(group: str, cpu: str, memory: str):
-    """``<group>_cpu`` / ``<group>_memory`` as Kubernetes quantities above zero."""
+def check_resources(names: tuple[str, str], cpu: str, memory: str):
+    """``cpu`` and ``memory`` (the parameters ``names``) as Kubernetes quantities above zero."""
     from kubernetes.utils import parse_quantity  # heavy: kubernetes
 
-    for suffix, value, example in (("cpu", cpu, "'4' or '500m'"), ("memory", memory, "'16Gi'")):
+    for name, value, example in ((names[0], cpu, "'4' or '500m'"), (names[1], memory, "'16Gi'")):
         try:
             ok = parse_quantity(str(value)) > 0
         except ValueError:
             ok = False
         if not ok:
-            raise _fail(f"{group}_{suffix}", value, f"not a positive Kubernetes quantity (e.g. {example})")
+            raise _fail(name, value, f"not a positive Kubernetes quantity (e.g. {example})")
     return Resources(cpu=str(cpu), memory=str(memory))
 
 
 def task_resources(p: PipelineParameters) -> dict:
     return {
-        group: check_resources(group, getattr(p, cpu), getattr(p, mem))
+        group: check_resources((cpu, mem), getattr(p, cpu), getattr(p, mem))
         for group, (cpu, mem) in RESOURCE_PARAMETERS.items()
     }
 
@@ -238,7 +222,7 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
 
 
 def check_serving(plan, config) -> str:
-    """What vLLM can serve as a LoRA module: a plain LoRA adapter of rank <= max_lora_rank (a vLLM-accepted
+    """What vLLM can serve as a LoRA module: a plain LoRA adapter of rank <= serving_max_lora_rank (a vLLM-accepted
     value). ``serving_mode=lora`` refuses anything else; ``auto`` serves it merged into its base instead.
     Returns why the adapter will be served merged ('' = as a LoRA module, or decided after promotion)."""
     if config.method == "full" or not plan.serving.deploy:
@@ -246,19 +230,20 @@ def check_serving(plan, config) -> str:
 
     rank, mode = plan.serving.max_lora_rank, plan.serving.serving_mode
     if rank not in VLLM_MAX_LORA_RANKS:
-        raise _fail("max_lora_rank", rank, f"vLLM accepts only {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
+        raise _fail("serving_max_lora_rank", rank, f"vLLM accepts only {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
     if mode == "merged":
         return "serving_mode=merged"
     refusals = []
     if config.lora.use_dora:
         refusals.append("lora.use_dora=true (DoRA): vLLM does not serve DoRA adapters")
     if config.lora.r > rank:
-        refusals.append(f"`lora_r`={config.lora.r} exceeds `max_lora_rank`={rank} of the vLLM runtime")
+        refusals.append(f"`finetune_lora_r`={config.lora.r} exceeds `serving_max_lora_rank`={rank} of the vLLM runtime")
     if refusals and mode == "lora":
         raise ConfigError(
             f"pipeline parameters: {'; '.join(refusals)}, so vLLM would refuse the adapter and serving_mode=lora "
-            "serves adapters only as LoRA modules. Train a plain LoRA adapter of rank <= max_lora_rank (lower "
-            "lora_r or raise max_lora_rank; lora.use_dora=false), or set serving_mode=auto to serve it merged"
+            "serves adapters only as LoRA modules. Train a plain LoRA adapter of rank <= serving_max_lora_rank (lower "
+            "finetune_lora_r or raise serving_max_lora_rank; lora.use_dora=false), or set serving_mode=auto to serve "
+            "it merged"
         )
     return f"{'; '.join(refusals)}: the adapter will be served merged into its base model" if refusals else ""
 
@@ -267,12 +252,12 @@ def check_sweep(plan, max_lora_rank: int) -> None:
     """The sweep spec parses, its ranks are servable, and its fixed trial settings clash with nothing."""
     sweep = plan.sweep
     if sweep.backend not in SWEEP_BACKENDS:
-        raise _fail("sweep_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
+        raise _fail("hpo_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
     if sweep.backend == "local" and plan.on_cluster:
         raise _fail(
-            "sweep_backend",
+            "hpo_backend",
             "local",
-            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use sweep_backend=katib",
+            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use hpo_backend=katib",
         )
     spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
     if plan.serving.deploy and plan.trainer.method != "full" and plan.serving.serving_mode != "merged":
@@ -368,13 +353,16 @@ def _reason(exc: Exception) -> str:
 
 
 def compiled_settings(pipeline: str, values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> str:
-    """The ``compiled`` JSON the pipeline passes to the plan step; ``allow_remote_code`` is read from
-    :data:`REMOTE_CODE_ENV` where the pipeline is compiled (a run's parameters cannot change it)."""
+    """The ``compiled`` JSON the pipeline passes to the plan step: its name, whether it sweeps (the HPO forms:
+    ``llm-finetune-hpo[-minimal]``), the compile-time values its own tasks apply (for the record), and
+    ``allow_remote_code``, read from :data:`REMOTE_CODE_ENV` where the pipeline is compiled (a run's
+    parameters cannot change it)."""
     environ = os.environ if environ is None else environ
     return json.dumps(
         {
             "pipeline": pipeline,
-            "compiled": {name: values[name] for name in COMPILED_PARAMETERS},
+            "hpo": "hpo" in pipeline.split("-"),
+            "compiled": {name: values[name] for name in COMPILE_TIME_PARAMETERS},
             "allow_remote_code": environ.get(REMOTE_CODE_ENV, "") in ("1", "true", "yes"),
         }
     )
@@ -387,7 +375,7 @@ TRUE_WORDS = tuple(word for word, value in BOOL_WORDS.items() if value)
 
 
 def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tuple[str, ...] = ()) -> bool:
-    """``model.trust_remote_code=true`` (in train_overrides, or a sweep's trial overrides) runs Python code
+    """``model.trust_remote_code=true`` (in finetune_overrides, or a sweep's trial overrides) runs Python code
     from the model's repository in pods that hold the run's credentials: refused unless the pipeline was
     compiled with :data:`REMOTE_CODE_ENV`=1, and then announced in a WARNING line. Returns whether it is on."""
     wanted = bool(config.model.trust_remote_code) or any(
@@ -398,7 +386,7 @@ def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tupl
         return False
     if not settings.get("allow_remote_code"):
         raise ConfigError(
-            f"train_overrides: {REMOTE_CODE_KEY}=true runs code from the model's repository inside the training "
+            f"finetune_overrides: {REMOTE_CODE_KEY}=true runs code from the model's repository inside the training "
             "pods, which hold the run's credentials; this pipeline was compiled without allowing it. Drop it, or "
             f"recompile with {REMOTE_CODE_ENV}=1 llmft pipeline compile ... if you trust that repository"
         )

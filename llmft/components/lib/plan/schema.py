@@ -42,13 +42,11 @@ logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always
 (llmft/components/lib/serving/serving_form.py)."""
 SWEEP_BACKENDS = ("katib", "local")
 PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
-"""Trainer keys the plan sets itself; ``train_overrides`` may not change them."""
-COMPILED_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector")
-"""Parameters the compiled YAML applies to the KFP tasks themselves: fixed at compile time."""
+"""Trainer keys the plan sets itself; ``finetune_overrides`` may not change them."""
 TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the train task: the job's own deadline (``job_timeout_s``) must end first."""
+"""kfp.kubernetes.set_timeout of the train task: the job's own deadline (``training_timeout_s``) must end first."""
 SWEEP_TASK_TIMEOUT_S = 4 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the sweep task: longer than its own wait (``sweep_timeout_s``)."""
+"""kfp.kubernetes.set_timeout of the sweep task: longer than its own wait (``hpo_timeout_s``)."""
 DEPLOY_POLICIES = ("champion", "always")
 """champion: deploy only a version that became (or stayed) the registry's champion; always: deploy it anyway."""
 KFP_POD_ENV = "KFP_POD_NAME"
@@ -173,11 +171,11 @@ class TrainerPlan:
     plus only what is decided after the plan (:meth:`launch`)."""
 
     config: TrainConfig
-    """Every trainer setting, typed (``config.lora.r`` is the pipeline's ``lora_r``)."""
+    """Every trainer setting, typed (``config.lora.r`` is the pipeline's ``finetune_lora_r``)."""
     config_path: str
     """``<run_dir>/config.yaml`` on the volume."""
     user_overrides: tuple[str, ...] = ()
-    """The ``train_overrides`` part alone (the sweep warns when its best values replace one)."""
+    """The ``finetune_overrides`` part alone (the sweep warns when its best values replace one)."""
 
     @property
     def model(self) -> str:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 RESOURCE_PARAMETERS = {
     "step": ("step_cpu", "step_memory"),
-    "data": ("data_cpu", "data_memory"),
-    "eval": ("eval_cpu", "eval_memory"),
+    "data": ("step_data_cpu", "step_data_memory"),
+    "eval": ("step_eval_cpu", "step_eval_memory"),
 }
 """A step's resource group -> the pipeline parameters of its CPU and memory (request = limit)."""
 IMAGE_ROLES = ("pipeline", "trainer", "katib")

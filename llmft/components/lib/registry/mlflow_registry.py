@@ -200,7 +200,7 @@ def update_champion(client, model_name: str, version: str, value: float, *, metr
 
 def is_champion(facts: Mapping[str, Any]) -> bool:
     """The register step's verdict in registration.json: only an explicit ``is_champion: true`` deploys
-    under ``deploy_policy=champion``; a missing key (an older or partial file) is not the champion."""
+    under ``serving_deploy_policy=champion``; a missing key (an older or partial file) is not the champion."""
     return facts.get("is_champion") is True
 
 

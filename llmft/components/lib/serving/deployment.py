@@ -17,9 +17,9 @@ InferenceService CRD's OpenAPI schema, then
   manifest's own arguments (:mod:`llmft.components.lib.serving.vllm_local`), runs the same smoke test as ``kserve``
   for each prompt, and stops it; deployment.json carries ``models`` and ``answers``.
 
-With ``deploy=False`` it stops after the validated manifest, and so it does for a version that
-did not become the registry's champion (``deploy_policy=champion``, the default): the served model
-stays the champion; ``deploy_policy=always`` deploys it anyway.
+With ``serving_deploy=false`` it stops after the validated manifest, and so it does for a version that
+did not become the registry's champion (``serving_deploy_policy=champion``, the default): the served model
+stays the champion; ``serving_deploy_policy=always`` deploys it anyway.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def deploy_promoted(
     if req.deploy_policy == "champion" and not req.is_champion:
         print(
             f"not deploying version {req.version}: it did not beat the champion in the registry, which stays "
-            "served (set deploy_policy=always to deploy it anyway)"
+            "served (set serving_deploy_policy=always to deploy it anyway)"
         )
         return {**result, "status": "not-champion"}
     if req.mode == "local":
@@ -305,7 +305,8 @@ def _check_lora(req: DeployRequest) -> None:
     if not (Path(req.adapter_dir) / "adapter_config.json").is_file():
         raise LlmftError(
             f"{req.adapter_dir} holds full model weights, not a LoRA adapter: this step serves adapters "
-            "with vLLM's LoRA support. Set deploy=false for method=full, or train with method=lora."
+            "with vLLM's LoRA support. Set serving_deploy=false for finetune_method=full, or train with "
+            "finetune_method=lora."
         )
     problems = check_vllm_servable(req.adapter_dir, max_lora_rank=req.max_lora_rank)
     if problems:
