@@ -152,9 +152,8 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 MINIMAL_HELP = (
-    "the minimal form: ten run parameters (base_model, dataset, finetune_method, finetune_max_steps, "
-    "finetune_learning_rate, finetune_lora_r, promote_eval_tasks, promote_metric, serving_namespace, "
-    "mlflow_tracking_uri), every other one compiled in (docs/pipeline-parameters.md)"
+    f"the minimal form: run parameters {', '.join(p.name for p in Form(minimal=True).offered())} only; every other "
+    "value compiled in (docs/pipeline-parameters.md)"
 )
 KF_SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
 KF_SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
