@@ -10,14 +10,10 @@ from plan_helpers import make_plan
 from test_pipeline_promote_eval import finish_run, make_checkpoint
 
 from llmft.components.lib.evaluation.checkpoints import evaluate_run, kfp_metrics, render_html, render_markdown
-from llmft.components.lib.evaluation.task_eval import (
-    best_of,
-    known_tasks,
-    parse_tasks,
-    read_questions,
-    score_answer,
-    task_metrics,
-)
+from llmft.components.lib.evaluation.questions import Question, read_questions
+from llmft.components.lib.evaluation.scoring import score_answer
+from llmft.components.lib.evaluation.task_eval import best_of, parse_tasks
+from llmft.components.lib.evaluation.task_plan import resolve_task
 from llmft.components.lib.evaluation.task_runner import TaskRunner
 from llmft.components.lib.registry.promote import PromotionRefused, decide, promote
 from llmft.trainer.errors import ConfigError, DataError
@@ -27,15 +23,17 @@ def test_an_answer_is_scored_by_exact_match_contains_and_token_f1():
     assert score_answer("Paris.", "paris") == {"exact_match": 1.0, "contains": 1.0, "token_f1": 1.0}
     scores = score_answer("The capital is Paris", "Paris")
     assert scores["exact_match"] == 0.0 and scores["contains"] == 1.0
-    # 1 common token of 4 answered and 1 referenced: precision 1/4, recall 1 -> F1 = 2*(1/4)/(5/4) = 0.4
-    assert scores["token_f1"] == pytest.approx(0.4, abs=1e-12)
+    # 'the' is an article (SQuAD): 1 common token of 3 answered and 1 referenced: P 1/3, R 1 -> F1 = 0.5
+    assert scores["token_f1"] == pytest.approx(0.5, abs=1e-12)
     assert score_answer("Lyon", "Paris") == {"exact_match": 0.0, "contains": 0.0, "token_f1": 0.0}
     assert score_answer("", "Paris")["contains"] == 0.0
 
 
 def test_the_plan_refuses_an_unknown_task_and_a_metric_no_task_computes():
-    with pytest.raises(ConfigError, match="`eval_tasks`: unknown task 'mmlu'"):
-        make_plan(eval_tasks="heldout,mmlu")
+    with pytest.raises(ConfigError, match="`eval_tasks`: 'no_such_task' is not heldout, a shipped task"):
+        make_plan(eval_tasks="heldout,no_such_task")
+    with pytest.raises(DataError, match="eval task 'mmlu': its datasets is not in the evaluation cache"):
+        make_plan(eval_tasks="heldout,mmlu")  # a registry group, but offline and not cached
     with pytest.raises(ConfigError, match="`promote_metric`='heldout.contains'"):
         make_plan(eval_tasks="", promote_metric="heldout.contains")
     with pytest.raises(ConfigError, match="`promote_metric`='bleu'"):
@@ -48,9 +46,8 @@ def test_the_plan_refuses_an_unknown_task_and_a_metric_no_task_computes():
 
 
 def test_every_shipped_task_has_metrics_and_parse_keeps_order():
-    assert known_tasks()[0] == "heldout"
-    assert parse_tasks("") == ()
-    assert "heldout.token_f1" in task_metrics(("heldout",))
+    assert parse_tasks("") == () and parse_tasks("velmora_mc, heldout,velmora_mc") == ("velmora_mc", "heldout")
+    assert "token_f1" in resolve_task("heldout", "/nowhere", {}).metrics
 
 
 def test_a_questions_file_with_a_wrong_schema_is_refused_in_one_line_naming_file_line_and_field(tmp_path):
@@ -124,10 +121,9 @@ def test_evaluate_run_scores_each_model_on_its_tasks_and_picks_the_best_by_the_m
         "llmft.components.lib.evaluation.generations.generate_answers",
         lambda model, tokenizer, prompts, **kw: [answers[model.rsplit("/", 1)[-1]]] * len(prompts),
     )
-    from llmft.components.lib.evaluation.task_eval import Question
-
+    heldout = resolve_task("heldout", "/nowhere", {})
     runner = TaskRunner(
-        _FakeEvaluator(), None, ("heldout",), [Question("1", [{"role": "user", "content": "Q?"}], "Velmora")]
+        _FakeEvaluator(), None, (heldout,), [Question("1", [{"role": "user", "content": "Q?"}], ("Velmora",))]
     )
     ppl = {None: 50.0, "step-10": 20.0, "step-20": 30.0}
 
