@@ -47,14 +47,12 @@ def evaluate_perplexity(
     from llmft.components.lib.evaluation.checkpoints import (
         base_evaluator,
         eval_curve,
-        eval_sets,
         evaluate_run,
-        gate_preview,
         kfp_metrics,
         read_metrics_history,
         render_html,
-        write_outputs,
     )
+    from llmft.components.lib.evaluation.outputs import eval_sets, gate_preview, write_outputs
     from llmft.components.lib.evaluation.comparison import compare_in_langfuse
     from llmft.components.lib.evaluation.task_runner import task_runner
 

@@ -138,7 +138,8 @@ def _guard_text(guard: dict[str, Any]) -> str:
     value, base = guard.get("value"), guard.get("base")
     shown = "missing" if value is None else f"{value:.4f}"
     against = "missing" if base is None else f"{base:.4f}"
-    return f"{guard['metric']} {against}->{shown} (tolerance {guard['tolerance']:g}): {'held' if guard['held'] else 'LOST'}"
+    state = "held" if guard["held"] else "LOST"
+    return f"{guard['metric']} {against}->{shown} (tolerance {guard['tolerance']:g}): {state}"
 
 
 def curve_lines(evaluation: dict[str, Any]) -> list[str]:

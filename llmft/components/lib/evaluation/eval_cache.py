@@ -114,9 +114,12 @@ def cache_tasks(
     from lm_eval.tasks._index import TaskIndex  # optional: lm_eval
 
     if load_dataset is None:
-        from datasets import load_dataset  # heavy: datasets
+        import datasets  # heavy: datasets
+
+        load_dataset = datasets.load_dataset
     cache_dir = Path(cache_dir)
-    folders = families(names) or [registry_dir()]
+    root = registry_dir()
+    folders = families(names) or ([root] if root else [])
     registry = TaskIndex.build(folders)
     index = read_index(cache_dir)
     lines = []

@@ -36,8 +36,10 @@ def registry_dir() -> Path | None:
 @functools.cache
 def _texts() -> tuple[tuple[Path, str], ...]:
     root = registry_dir()
-    found = []
-    for folder, dirs, files in os.walk(root or ()):
+    found: list[tuple[Path, str]] = []
+    if root is None:
+        return ()
+    for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
         for name in files:
             if name.endswith((".yaml", ".yml")):

@@ -65,8 +65,8 @@ KFP_POD_ENV = "KFP_POD_NAME"
 class DataLayout:
     """Folders on the shared volume (the PVC on a cluster; a local folder for run-local).
 
-    ``<root>/hf-cache`` HF_HOME; ``eval-cache`` lm-eval task data; ``datasets/<run>`` prepared JSONL; ``tokenized/<cache key>``
-    packed shards, reused by any run with the same key; ``runs/<run>`` checkpoints and
+    ``<root>/hf-cache`` HF_HOME; ``eval-cache`` lm-eval task data; ``datasets/<run>`` prepared JSONL;
+    ``tokenized/<cache key>`` packed shards, reused by any run with the same key; ``runs/<run>`` checkpoints and
     metrics; ``sweeps/<experiment>`` trials; ``models/<registered name>/<run>`` promoted adapters;
     ``merged/<registered name>/<run>`` the promoted adapter merged into its base (serving form ``merged``).
     """
