@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from llmft.components.lib.evaluation.eval_cache import cache_tasks
+from llmft.components.lib.evaluation.task_plan import resolve_task
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
@@ -26,16 +29,12 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cache(args: argparse.Namespace) -> int:
-    from llmft.components.lib.evaluation.eval_cache import cache_tasks
-
     for line in cache_tasks(list(args.tasks), args.cache):
         print(line)
     return 0
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from llmft.components.lib.evaluation.task_plan import resolve_task
-
     for name in args.tasks:
         task = resolve_task(name, args.cache, os.environ)
         where = {"cached": f"cached in {args.cache}", "hub": "not cached: lm-eval fetches it from the reachable hub"}

@@ -206,3 +206,46 @@ def test_the_run_summary_shows_each_task_base_against_the_best_and_the_gate():
     assert "heldout     exact_match 0.00->0.50, contains 0.25->1.00, token_f1 0.10->0.80 (n=4, 3 s/model)" in text
     assert "gate        step-4 has heldout.contains 1.0000" in text
     assert all(len(line) <= 100 for line in text.splitlines()), "one screen: the summary's lines fit 100 columns"
+
+
+def _guarded(base_acc: float, **checkpoints: tuple[float, float]) -> dict:
+    """Evaluation where each checkpoint has (heldout.contains, arc_easy.acc); the base (0.25, base_acc)."""
+    entries = [
+        {"name": name, "step": int(name.split("-")[1]), "path": f"/ckpt/{name}", "perplexity": 10.0, "eval_loss": 1.0,
+         "tasks": {"heldout": {"contains": contains}, "arc_easy": {"acc": acc}}}
+        for name, (contains, acc) in checkpoints.items()
+    ]  # fmt: skip
+    base = {"name": "base", "perplexity": 50.0, "eval_loss": 3.9,
+            "tasks": {"heldout": {"contains": 0.25}, "arc_easy": {"acc": base_acc}}}  # fmt: skip
+    return {"split": "val", "base": base, "checkpoints": entries, "best": entries[0]["name"]}
+
+
+def test_guards_refuse_a_checkpoint_that_loses_a_guard_task():
+    guards = [("arc_easy.acc", 0.02)]
+    lost = _guarded(0.61, **{"step-20": (0.75, 0.58)})  # contains up 50 points, arc_easy down 3
+    assert decide(lost, 0.01, "heldout.contains").promoted, "without the guard it would be promoted"
+    decision = decide(lost, 0.01, "heldout.contains", guards)
+    assert not decision.promoted and decision.checkpoint == "step-20"
+    assert decision.reason == (
+        "refusing to promote: no checkpoint keeps every guard; the best, step-20, loses arc_easy.acc 0.5800 against "
+        "the base's 0.6100, beyond the tolerance 0.02 (limit 0.5900)"
+    )
+    (guard,) = decision.guards
+    assert guard["held"] is False and guard["limit"] == pytest.approx(0.59, abs=1e-12)
+    # exactly at the limit holds (>=); a checkpoint that keeps the guard is preferred to a better one that does not
+    edge = _guarded(0.61, **{"step-10": (0.5, 0.59), "step-20": (0.75, 0.5)})
+    chosen = decide(edge, 0.01, "heldout.contains", guards)
+    assert chosen.promoted and chosen.checkpoint == "step-10" and chosen.guards[0]["held"]
+    assert "guards held: arc_easy.acc 0.5900 (base 0.6100, limit 0.5900)" in chosen.reason
+    missing = decide(_guarded(0.61, **{"step-10": (0.5, 0.7)}), 0.01, "heldout.contains", [("velmora_mc.acc", 0.0)])
+    assert not missing.promoted and "velmora_mc.acc missing" in missing.reason, "an unmeasured guard never holds"
+
+
+def test_a_perplexity_guard_is_relative_and_a_nan_never_ranks_first():
+    evaluation = _guarded(0.5, **{"step-10": (0.5, 0.5), "step-20": (0.6, 0.5)})
+    evaluation["checkpoints"][1]["perplexity"] = 53.0  # base 50: 6% worse
+    decision = decide(evaluation, 0.01, "heldout.contains", [("perplexity", 0.05)])
+    assert decision.checkpoint == "step-10", "step-20 loses perplexity beyond 5%: limit 52.5"
+    evaluation["checkpoints"][1]["tasks"]["heldout"]["contains"] = float("nan")
+    for order in (evaluation["checkpoints"], evaluation["checkpoints"][::-1]):
+        assert best_of(order, "heldout.contains")["name"] == "step-10"

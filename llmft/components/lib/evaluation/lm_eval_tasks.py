@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.evaluation.eval_cache import DEFAULT_METRICS, metric_names, offline_config
+from llmft.components.lib.evaluation.eval_cache import DEFAULT_METRICS, check_cached, metric_names, offline_config
 from llmft.components.lib.evaluation.task_eval import LM_EVAL_TASK_DIR
 from llmft.trainer.errors import ConfigError, DataError
 from llmft.trainer.yaml_limits import load_user_yaml, read_yaml_text
@@ -145,8 +145,6 @@ def lm_eval_configs(task, cache_dir: str) -> list[dict[str, Any] | str]:
     if task.kind in ("shipped", "volume"):
         return [task_config(task.source)]
     if task.kind == "cached":
-        from llmft.components.lib.evaluation.eval_cache import check_cached
-
         entry = check_cached(cache_dir, task.name) or {"tasks": {}}
         return [offline_config(cache_dir, leaf, spec) for leaf, spec in entry["tasks"].items()]
     return [task.name]
