@@ -52,8 +52,8 @@ def evaluate_perplexity(
         read_metrics_history,
         render_html,
     )
-    from llmft.components.lib.evaluation.outputs import eval_sets, gate_preview, write_outputs
     from llmft.components.lib.evaluation.comparison import compare_in_langfuse
+    from llmft.components.lib.evaluation.outputs import eval_sets, gate_preview, write_outputs
     from llmft.components.lib.evaluation.task_runner import task_runner
 
     run_dir = run.metadata["path"]
