@@ -82,7 +82,7 @@ def check_cached(cache_dir: str | Path, name: str) -> dict[str, Any] | None:
 def offline_config(cache_dir: str | Path, leaf: str, task: dict[str, Any]) -> dict[str, Any]:
     """lm-eval's config of registry task ``leaf`` (the installed registry's YAML, its ``!function`` helpers
     included: lm-eval's own code) reading the cached Parquet files instead of a hub."""
-    from lm_eval.tasks._yaml_loader import load_yaml  # optional: lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml  # heavy: lm_eval
 
     root = registry_dir()
     if root is None:
@@ -110,8 +110,8 @@ def cache_tasks(
 ) -> list[str]:
     """Download and write the data of every task ``names`` stand for (see the module docstring); the lines to
     print. ``load_dataset``: ``datasets.load_dataset`` unless given (tests hand in a generated dataset)."""
-    from lm_eval import __version__ as lm_eval_version  # optional: lm_eval
-    from lm_eval.tasks._index import TaskIndex  # optional: lm_eval
+    from lm_eval import __version__ as lm_eval_version  # heavy: lm_eval
+    from lm_eval.tasks._index import TaskIndex  # heavy: lm_eval
 
     if load_dataset is None:
         import datasets  # heavy: datasets
@@ -137,8 +137,8 @@ def cache_tasks(
 
 def _expand(name: str, registry: dict, overrides: dict) -> dict[str, tuple[Path, dict]]:
     """Task name -> (its YAML, overrides a group applies) for every task ``name`` stands for."""
-    from lm_eval.tasks._index import Kind  # optional: lm_eval
-    from lm_eval.tasks._yaml_loader import load_yaml  # optional: lm_eval
+    from lm_eval.tasks._index import Kind  # heavy: lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml  # heavy: lm_eval
 
     entry = registry.get(name)
     if entry is None:
@@ -158,7 +158,7 @@ def _expand(name: str, registry: dict, overrides: dict) -> dict[str, tuple[Path,
 
 
 def _cache_leaf(leaf: str, yaml_path: Path, overrides: dict, cache_dir: Path, load_dataset) -> dict[str, Any]:
-    from lm_eval.tasks._yaml_loader import load_yaml  # optional: lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml  # heavy: lm_eval
 
     config = {**load_yaml(yaml_path, resolve_func=False), **overrides}
     path, name = str(config.get("dataset_path") or ""), config.get("dataset_name")
