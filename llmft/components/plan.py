@@ -30,7 +30,7 @@ def plan_run(
     dataset_val_fraction: float = 0.05,
     finetune_batch_size: int = 8,
     finetune_epochs: float = 1.0,
-    finetune_eval_every: int = 0,
+    finetune_eval_every: float = 0.1,
     finetune_learning_rate: float = 0.0002,
     finetune_lora_alpha: float = 32.0,
     finetune_lora_dropout: float = 0.05,
@@ -42,7 +42,7 @@ def plan_run(
     finetune_micro_batch_size: str = "auto",
     finetune_overrides: str = "",
     finetune_packing: bool = True,
-    finetune_save_every: int = 0,
+    finetune_save_every: float = 0.25,
     finetune_seed: int = 42,
     finetune_warmup_ratio: float = 0.0,
     hpo_algorithm: str = "tpe",
@@ -56,9 +56,13 @@ def plan_run(
     mlflow_experiment: str = "llm-finetune",
     mlflow_model_name: str = "llm-adapter",
     mlflow_tracking_uri: str = "",
+    promote_eval_batch_size: int = 8,
+    promote_eval_limit: int = 500,
     promote_eval_max_questions: int = 16,
+    promote_eval_num_fewshot: int = -1,
     promote_eval_questions: str = "",
     promote_eval_tasks: str = "heldout",
+    promote_guards: str = "",
     promote_margin: float = 0.01,
     promote_metric: str = "perplexity",
     serving_cpu: str = "4",
@@ -113,7 +117,8 @@ def plan_run(
             GPUs; each GPU runs as many per forward pass as finetune_micro_batch_size says and accumulates
             the rest.
         finetune_epochs: Passes over the training split (when finetune_max_steps is 0).
-        finetune_eval_every: Score the validation split every N optimizer steps (0 = at the end only).
+        finetune_eval_every: Score the validation split every N optimizer steps (a whole N >= 1), or at
+            every fraction f of the run (0 < f < 1: 0.1 = ten evaluations); 0 = at the end only.
         finetune_learning_rate: Peak learning rate.
         finetune_lora_alpha: LoRA alpha (scale = alpha / r).
         finetune_lora_dropout: LoRA dropout.
@@ -128,8 +133,9 @@ def plan_run(
         finetune_overrides: More trainer settings as key=value pairs (docs/config-reference.md), e.g.
             "keep_last=3 optim.weight_decay=0.01"; they win over the parameters.
         finetune_packing: Pack several conversations into each sequence (attention never crosses them).
-        finetune_save_every: Write a checkpoint every N optimizer steps (0 = at the end only); the evaluate
-            step scores each complete one, and a retried task resumes from the newest.
+        finetune_save_every: Write a checkpoint every N optimizer steps (a whole N >= 1), or at every
+            fraction f of the run (0 < f < 1: 0.25 = four); the evaluate step scores each complete one, and
+            a retried task resumes from the newest. 0 = at the end only.
         finetune_seed: Seed of the data split and order, LoRA init and dropout.
         finetune_warmup_ratio: Learning-rate warmup as a fraction of the optimizer steps.
         hpo_algorithm: random, tpe, grid or bayesianoptimization.
@@ -144,18 +150,27 @@ def plan_run(
         mlflow_experiment: MLflow experiment of the training runs and the registration.
         mlflow_model_name: Registered model name (also the promoted adapter's folder name).
         mlflow_tracking_uri: MLflow server, http(s)://... ('' = MLFLOW_TRACKING_URI from the mlflow Secret).
+        promote_eval_batch_size: lm-eval requests per forward pass.
+        promote_eval_limit: lm-eval documents per task and model at most (0 = all): bounds the evaluate
+            step's time.
         promote_eval_max_questions: Held-out questions per model (at most; bounds the evaluate step's
             generation time).
-        promote_eval_questions: JSONL file on the volume of {"question": ..., "answer": ...} for heldout (''
-            = the validation split's conversations, the last assistant turn as the reference).
+        promote_eval_num_fewshot: Few-shot examples per lm-eval question (-1 = each task's own default,
+            usually 0).
+        promote_eval_questions: JSONL file on the volume of {"question": ..., "answer": ... or [...]} for
+            heldout ('' = the validation split's conversations, the last assistant turn as the reference).
         promote_eval_tasks: Tasks the evaluate step scores base and checkpoints on, comma-separated: heldout
-            (greedy answers to held-out questions: exact match, contains, token F1) and the lm-eval tasks
-            shipped in llmft/trainer/assets/lm_eval_tasks (run offline); '' = perplexity only.
+            (greedy answers to held-out questions: SQuAD exact match and token F1, whole-word contains),
+            velmora_mc (shipped), any lm-eval task, group or tag (arc_easy, mmlu_abstract_algebra,
+            hellaswag; data from <volume>/eval-cache, filled by `llmft eval cache`, or a reachable hub) and
+            task YAMLs on the volume (/data/tasks/t.yaml); '' = perplexity only.
+        promote_guards: Metrics the adapter may not lose to the base, comma-separated metric[:tolerance],
+            e.g. "arc_easy.acc:0.02" (two points; default 0.01) or "perplexity:0.05" (5%); '' = none.
         promote_margin: Gain over the base model required to promote: relative for perplexity (0.01 = 1%
             lower), absolute points for a task score (0.01 = one point higher).
         promote_metric: What the promote gate, the best checkpoint and the registry's champion follow:
             perplexity or a metric of a task in promote_eval_tasks, e.g. heldout.contains,
-            heldout.exact_match, heldout.token_f1.
+            heldout.exact_match, heldout.token_f1, arc_easy.acc.
         serving_cpu: CPU request and limit of the predictor.
         serving_deploy: Apply the InferenceService (false: write and validate its manifest only).
         serving_deploy_mode: kserve (an InferenceService).
@@ -249,9 +264,13 @@ def plan_run(
         mlflow_experiment=mlflow_experiment,
         mlflow_model_name=mlflow_model_name,
         mlflow_tracking_uri=mlflow_tracking_uri,
+        promote_eval_batch_size=promote_eval_batch_size,
+        promote_eval_limit=promote_eval_limit,
         promote_eval_max_questions=promote_eval_max_questions,
+        promote_eval_num_fewshot=promote_eval_num_fewshot,
         promote_eval_questions=promote_eval_questions,
         promote_eval_tasks=promote_eval_tasks,
+        promote_guards=promote_guards,
         promote_margin=promote_margin,
         promote_metric=promote_metric,
         serving_cpu=serving_cpu,

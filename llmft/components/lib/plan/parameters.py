@@ -105,8 +105,10 @@ class PipelineParameters:
         many per forward pass as finetune_micro_batch_size says and accumulates the rest.""",
     )
     finetune_epochs: float = _p(1.0, "Passes over the training split (when finetune_max_steps is 0).", was=("epochs",))
-    finetune_eval_every: int = _p(
-        0, "Score the validation split every N optimizer steps (0 = at the end only).", was=()
+    finetune_eval_every: float = _p(
+        0.1,
+        """Score the validation split every N optimizer steps (a whole N >= 1), or at every fraction f of the run
+        (0 < f < 1: 0.1 = ten evaluations); 0 = at the end only.""",
     )
     finetune_learning_rate: float = _p(0.0002, "Peak learning rate.", minimal=True, was=("learning_rate",))
     finetune_lora_alpha: float = _p(32.0, "LoRA alpha (scale = alpha / r).", was=("lora_alpha",))
@@ -138,10 +140,11 @@ class PipelineParameters:
     finetune_packing: bool = _p(
         True, "Pack several conversations into each sequence (attention never crosses them).", was=("packing",)
     )
-    finetune_save_every: int = _p(
-        0,
-        """Write a checkpoint every N optimizer steps (0 = at the end only); the evaluate step scores each
-        complete one, and a retried task resumes from the newest.""",
+    finetune_save_every: float = _p(
+        0.25,
+        """Write a checkpoint every N optimizer steps (a whole N >= 1), or at every fraction f of the run (0 < f <
+        1: 0.25 = four); the evaluate step scores each complete one, and a retried task resumes from the newest.
+        0 = at the end only.""",
     )
     finetune_seed: int = _p(42, "Seed of the data split and order, LoRA init and dropout.", was=("seed",))
     finetune_warmup_ratio: float = _p(0.0, "Learning-rate warmup as a fraction of the optimizer steps.")
@@ -182,24 +185,43 @@ class PipelineParameters:
         "", "MLflow server, http(s)://... ('' = MLFLOW_TRACKING_URI from the mlflow Secret).", minimal=True
     )
     # evaluation and the promotion gate (promote_)
+    promote_eval_batch_size: int = _p(8, "lm-eval requests per forward pass.", was=("eval_batch_size",))
+    promote_eval_limit: int = _p(
+        500,
+        "lm-eval documents per task and model at most (0 = all): bounds the evaluate step's time.",
+        was=("eval_limit",),
+    )
     promote_eval_max_questions: int = _p(
         16,
         "Held-out questions per model (at most; bounds the evaluate step's generation time).",
         was=("eval_max_questions",),
     )
+    promote_eval_num_fewshot: int = _p(
+        -1,
+        "Few-shot examples per lm-eval question (-1 = each task's own default, usually 0).",
+        was=("eval_num_fewshot",),
+    )
     promote_eval_questions: str = _p(
         "",
-        """JSONL file on the volume of {"question": ..., "answer": ...} for heldout ('' = the validation split's
-        conversations, the last assistant turn as the reference).""",
+        """JSONL file on the volume of {"question": ..., "answer": ... or [...]} for heldout ('' = the validation
+        split's conversations, the last assistant turn as the reference).""",
         was=("eval_questions",),
     )
     promote_eval_tasks: str = _p(
         "heldout",
         """Tasks the evaluate step scores base and checkpoints on, comma-separated: heldout (greedy answers to
-        held-out questions: exact match, contains, token F1) and the lm-eval tasks shipped in
-        llmft/trainer/assets/lm_eval_tasks (run offline); '' = perplexity only.""",
+        held-out questions: SQuAD exact match and token F1, whole-word contains), velmora_mc (shipped), any
+        lm-eval task, group or tag (arc_easy, mmlu_abstract_algebra, hellaswag; data from <volume>/eval-cache,
+        filled by `llmft eval cache`, or a reachable hub) and task YAMLs on the volume (/data/tasks/t.yaml); '' =
+        perplexity only.""",
         minimal=True,
         was=("eval_tasks",),
+    )
+    promote_guards: str = _p(
+        "",
+        """Metrics the adapter may not lose to the base, comma-separated metric[:tolerance], e.g.
+        "arc_easy.acc:0.02" (two points; default 0.01) or "perplexity:0.05" (5%); '' = none.""",
+        was=("eval_guards",),
     )
     promote_margin: float = _p(
         0.01,
@@ -209,7 +231,8 @@ class PipelineParameters:
     promote_metric: str = _p(
         "perplexity",
         """What the promote gate, the best checkpoint and the registry's champion follow: perplexity or a metric
-        of a task in promote_eval_tasks, e.g. heldout.contains, heldout.exact_match, heldout.token_f1.""",
+        of a task in promote_eval_tasks, e.g. heldout.contains, heldout.exact_match, heldout.token_f1,
+        arc_easy.acc.""",
         minimal=True,
     )
     # serving with KServe + vLLM (serving_)
