@@ -35,9 +35,9 @@ case "${1:?plan}" in
     bench --out "$OUT" --label r6-prof --jobs "project-product:qwen2.5-1.5b:lora" --steps 30 --warmup 10 \
       --product-extra="--profile-step 5" --deadline-s 170 --arm-timeout-s 165
     wait $CKPT; cat "$W/ckpt.log" | tee -a "$OUT/bench.log"; du -sh /tmp/llmft-project/models/* | tee -a "$OUT/bench.log"
-    bench --out "$OUT" --label r6-after --jobs "$MOE" "${MOE_ARGS[@]}" --deadline-s $(left 380) --arm-timeout-s $(left 380)
+    bench --out "$OUT" --label r6-after --jobs "$MOE" "${MOE_ARGS[@]}" --deadline-s $(left 370) --arm-timeout-s $(left 370)
     (cd .before && python3 -m llmft bench train --work "$W" --out "$W/before" --label r6-before --jobs "$MOE" \
-       "${MOE_ARGS[@]}" --deadline-s $(left 585) --arm-timeout-s $(left 585)) 2>&1 | tee -a "$OUT/bench.log"
+       "${MOE_ARGS[@]}" --deadline-s $(left 565) --arm-timeout-s $(left 565)) 2>&1 | tee -a "$OUT/bench.log"
     bench --out "$OUT" --jobs "" --merge-from "$W/before"
     ;;
   *) echo "unknown plan $1"; exit 2 ;;
