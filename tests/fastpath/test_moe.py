@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 
 from llmft.trainer import flops, moe_model
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.fastpath import moe
+from llmft.trainer.fastpath import moe, moe_rows
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -277,7 +277,7 @@ def test_routing_offsets_and_row_moves_are_adjoint():
     """Offsets are bincount's running sum; gather and combine are each other's transpose (so their
     gradients are each other), checked in float64 by gradcheck and against the indexing they replace."""
     x, index, _ = _routing_inputs()
-    routing = moe.Routing(index, 4)
+    routing = moe_rows.Routing(index, 4)
     assert torch.equal(routing.offs, torch.cumsum(torch.bincount(index.reshape(-1), minlength=4), 0).int())
     rows = routing.gather(x)
     assert torch.equal(rows, x[routing.order // 2])
@@ -293,8 +293,10 @@ def test_scaled_swiglu_equals_the_separate_ops_and_its_gradient():
     w = torch.rand(7, dtype=torch.float64, requires_grad=True)
     gate, up = gate_up.chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up * w.unsqueeze(-1)
-    torch.testing.assert_close(moe._SwiGLUScaled.apply(gate_up, w), ref, rtol=0, atol=1e-15)
-    assert torch.autograd.gradcheck(moe._SwiGLUScaled.apply, (gate_up, w))
+    for compiled in (False, True):  # compiled: Inductor's C++ kernels here, Triton on CUDA
+        node = lambda g, v, c=compiled: moe_rows._SwiGLUScaled.apply(g, v, c)  # noqa: E731
+        torch.testing.assert_close(node(gate_up, w), ref, rtol=0, atol=1e-15)
+        assert torch.autograd.gradcheck(node, (gate_up, w))
 
 
 def test_grouped_experts_never_wait_on_the_host(monkeypatch):
@@ -336,3 +338,33 @@ def test_4bit_experts_keep_only_the_gate_up_output_and_routing_weights():
     assert {s for s in saved if s and s[0] == rows} == {(rows, 2 * 16), (rows,)}
     out.sum().backward()
     assert x.grad is not None and weights.grad.abs().sum() > 0
+
+
+@pytest.mark.slow  # Inductor compiles three small C++ kernels on CPU: about 20 s
+def test_compiled_row_kernels_run_compiled_inside_the_experts_eager_region():
+    """moe.py runs the experts outside the compiled layers (torch.compiler.disable); the row moves and the
+    SiLU product called from there still run as compiled kernels, once for any row count, and give the
+    eager path's results (float32: within a few rounding steps of the same sums)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_moe(torch.float32)
+    experts = moe_model.base_experts(moe_model.moe_blocks(model)[0].experts)
+    torch._dynamo.reset()
+    counters.clear()
+    run = torch.compiler.disable(
+        lambda x, i, w, c: moe.grouped_experts(experts, x, i, w, kernel="torch.grouped_mm", compiled=c)
+    )
+    try:
+        for tokens in (13, 29):  # two row counts: no second compile
+            x, index, weights = _routing_inputs(tokens=tokens, dtype=torch.float32, hidden=32)
+            results = []
+            for compiled in (False, True):
+                xg, wg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+                out = run(xg, index, wg, compiled)
+                (out**2).sum().backward()
+                results.append((out.detach(), xg.grad, wg.grad))
+            for eager, fast in zip(*results, strict=True):
+                torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-6)
+        assert counters["stats"]["unique_graphs"] == 3  # gather-sum, SwiGLU forward, SwiGLU backward
+    finally:
+        torch._dynamo.reset()

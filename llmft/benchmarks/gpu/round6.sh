@@ -6,6 +6,10 @@
 #   call1  the product's 1.5B LoRA row profiled (while the 30B-A3B FP8 checkpoint is written beside it), then the
 #          shipped 30B-A3B QLoRA config with the code before (.before/) and after the MoE changes, each with one
 #          profiled step and synchronized step marks (5 steps: 1-2 compile, 3 profiled, 4-5 timed).
+#   call2  (cold) the 30B FP8 and 8B checkpoints written beside the 0.5B LoRA product row, then the 30B-A3B QLoRA
+#          config with the final code (profiled as in call 1), then the 7B config on the 8B shape (step-marked).
+#   call3  (warm, after call2) the MoE GPU check (check_moe.py: grouped, rows compiled, 4-bit, against an fp32
+#          copy), then the 1.5B full config.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
@@ -39,6 +43,27 @@ case "${1:?plan}" in
     (cd .before && python3 -m llmft bench train --work "$W" --out "$W/before" --label r6-before --jobs "$MOE" \
        "${MOE_ARGS[@]}" --deadline-s $(left 565) --arm-timeout-s $(left 565)) 2>&1 | tee -a "$OUT/bench.log"
     bench --out "$OUT" --jobs "" --merge-from "$W/before"
+    ;;
+  call2)
+    (python3 -m llmft.benchmarks.gpu.fp8_checkpoint --out /tmp/llmft-project/models > "$W/ckpt.log" 2>&1
+     echo "fp8 checkpoint rc=$? at ${SECONDS}s" >> "$W/ckpt.log") &
+    CKPT=$!
+    (python3 -c "from pathlib import Path; from llmft.benchmarks.gpu.arm_project import write_model_dir; \
+write_model_dir('llama-3-8b', Path('/tmp/llmft-project/models'))" > "$W/ckpt8b.log" 2>&1
+     echo "8b checkpoint rc=$? at ${SECONDS}s" >> "$W/ckpt8b.log") &
+    CKPT8=$!
+    bench --out "$OUT" --label r6 --jobs "project-product:qwen2.5-0.5b:lora" --steps 30 --warmup 10 \
+      --deadline-s 140 --arm-timeout-s 135
+    wait $CKPT $CKPT8; cat "$W/ckpt.log" "$W/ckpt8b.log" | tee -a "$OUT/bench.log"
+    bench --out "$OUT" --label r6-final --jobs "$MOE" "${MOE_ARGS[@]}" --deadline-s $(left 370) --arm-timeout-s $(left 370)
+    bench --out "$OUT" --label r6 --jobs "project-product:llama-3-8b:lora" --steps 5 --warmup 3 --product-extra="--marks" \
+      --deadline-s $(left 565) --arm-timeout-s $(left 565)
+    ;;
+  call3)
+    timeout 150 python3 -m llmft.benchmarks.gpu.check_moe --layers 2 --tokens 8192 --json-out "$OUT/check-moe.json" \
+      > "$W/check_moe.log" 2>&1; echo "check_moe rc=$?" | tee -a "$OUT/bench.log"
+    bench --out "$OUT" --label r6 --jobs "project-product:qwen2.5-1.5b:full" --steps 30 --warmup 10 \
+      --deadline-s $(left 330) --arm-timeout-s $(left 330)
     ;;
   *) echo "unknown plan $1"; exit 2 ;;
 esac

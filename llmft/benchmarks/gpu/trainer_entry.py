@@ -160,36 +160,42 @@ KERNEL_FAMILIES = (
 )
 
 
-def kernel_families(prof) -> list[tuple[str, float]]:
-    """(family, GPU seconds) of every CUDA kernel of the profile, by name (first matching family)."""
+def kernel_families(events) -> list[tuple[str, float]]:
+    """(family, GPU seconds) of every CUDA kernel of the profile's ``events``, by name (first matching family);
+    ranges (``record_function`` names, which the profiler also shows on the GPU's timeline) are not kernels."""
     import re
 
     totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type.name != "CUDA":
+    for event in events:
+        if (
+            event.device_type.name != "CUDA"
+            or getattr(event, "is_user_annotation", False)
+            or event.name.startswith("moe.")
+        ):
             continue
         family = next((f for f, pattern in KERNEL_FAMILIES if re.search(pattern, event.name)), "other")
         totals[family] = totals.get(family, 0.0) + (event.time_range.end - event.time_range.start) / 1e6
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-def named_ranges(prof, prefix: str = "moe.") -> list[tuple[str, float, int]]:
+def named_ranges(averages, prefix: str = "moe.") -> list[tuple[str, float, int]]:
     """(range, GPU seconds of the kernels launched inside it, calls) of every ``record_function`` range
-    whose name starts with ``prefix`` (nested ranges are counted in both)."""
-    rows = []
-    for avg in prof.key_averages():
+    whose name starts with ``prefix`` (the profiler lists each twice, as the host's range and as its span on
+    the GPU's timeline: the larger is kept)."""
+    rows: dict[str, tuple[float, int]] = {}
+    for avg in averages:
         if avg.key.startswith(prefix):
             device = getattr(avg, "device_time_total", None)
-            device = avg.cuda_time_total if device is None else device
-            rows.append((avg.key, device / 1e6, avg.count))
-    return sorted(rows, key=lambda r: -r[1])
+            device = (avg.cuda_time_total if device is None else device) / 1e6
+            rows[avg.key] = max(rows.get(avg.key, (0.0, 0)), (device, avg.count))
+    return sorted(((k, v[0], v[1]) for k, v in rows.items()), key=lambda r: -r[1])
 
 
-def gpu_busy_seconds(prof) -> float:
+def gpu_busy_seconds(prof, events=None) -> float:
     """Union of the CUDA kernel/memcpy intervals (seconds): time the GPU was doing anything."""
     spans = sorted(
         (e.time_range.start, e.time_range.end)
-        for e in prof.events()
+        for e in (prof.events() if events is None else events)
         if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
     )
     busy, cur_start, cur_end = 0.0, None, None
@@ -204,20 +210,22 @@ def gpu_busy_seconds(prof) -> float:
 
 
 def report_profile(prof, wall: float, steps: int, out_dir: str) -> None:
-    busy = gpu_busy_seconds(prof)
+    events = prof.events()  # built once: a 48-layer MoE step has a few hundred thousand
+    busy = gpu_busy_seconds(prof, events)
     print(
         f"[profile] {steps} steps: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms "
         f"({100 * busy / wall:.1f}%), GPU idle {(wall - busy) * 1e3 / steps:.1f} ms per step",
         flush=True,
     )
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), flush=True)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90), flush=True)
-    families = kernel_families(prof)
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), flush=True)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90), flush=True)
+    families = kernel_families(events)
     summary = {"steps": steps, "wall_s": wall, "gpu_busy_s": busy, "families_s": dict(families)}
     print("[profile] GPU time by kernel family (per profiled step):", flush=True)
     for family, seconds in families:
         print(f"[profile]   {family:<44} {seconds * 1e3 / steps:10.1f} ms  {100 * seconds / wall:5.1f}% of wall")
-    ranges = named_ranges(prof)
+    ranges = named_ranges(averages)
     if ranges:
         summary["moe_ranges_s"] = {name: seconds for name, seconds, _ in ranges}
         print("[profile] GPU time inside the MoE experts' ranges (per profiled step):", flush=True)

@@ -33,13 +33,13 @@ and strides allow it, else a per-expert matmul loop over the sorted tokens (same
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 from typing import Any, Literal, cast
 
 import torch
 
+from llmft.trainer.fastpath.moe_rows import Routing, profiled, swiglu_scaled
 from llmft.trainer.fastpath.qlora import _dequantize
 from llmft.trainer.moe_aux import install_router_aux
 from llmft.trainer.moe_model import base_experts, freeze_routers, model_config, moe_blocks
@@ -57,14 +57,6 @@ def expert_wrappers(module) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- grouped matmul
-
-
-def _range(name: str):
-    """A named profiler range (``moe.*``: llmft/benchmarks/gpu/trainer_entry.py sums the GPU time inside
-    each) while torch.profiler records, else nothing (no per-call cost on a training step)."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
 
 
 def grouped_kernel(dtype: torch.dtype, device: torch.device, widths: tuple[int, ...]) -> str:
@@ -103,17 +95,17 @@ class _DequantGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, offs, fetch, kernel):
         ctx.save_for_backward(offs)
         ctx.fetch, ctx.kernel = fetch, kernel
-        with _range("moe.dequant"):
+        with profiled("moe.dequant"):
             w = fetch(x.dtype)
-        with _range("moe.grouped_mm"):
+        with profiled("moe.grouped_mm"):
             return _gmm(x, w.transpose(-2, -1), offs, kernel)
 
     @staticmethod
     def backward(ctx, grad):
         (offs,) = ctx.saved_tensors
-        with _range("moe.bwd.dequant"):
+        with profiled("moe.bwd.dequant"):
             w = ctx.fetch(grad.dtype)
-        with _range("moe.bwd.grouped_mm"):
+        with profiled("moe.bwd.grouped_mm"):
             return _gmm(grad.contiguous(), w, offs, ctx.kernel), None, None, None
 
 
@@ -121,7 +113,7 @@ def _frozen_linear(x, experts, name: str, offs, kernel: str) -> torch.Tensor:
     if getattr(experts, "_llmft_4bit", False):
         return _DequantGroupedLinear.apply(x, offs, _dequantizer(experts, name), kernel)
     weight = getattr(experts, name)
-    with _range("moe.grouped_mm"):
+    with profiled("moe.grouped_mm"):
         return _gmm(x, weight.to(x.dtype).transpose(-2, -1), offs, kernel)
 
 
@@ -154,109 +146,6 @@ def _lora_delta(x, lora: tuple, offs, kernel: str, num_experts: int) -> torch.Te
     return _gmm(h, b.permute(2, 1, 0).contiguous(), offs, kernel) * scaling  # B_e^T: [E, r, out]
 
 
-# ----------------------------------------------------------------------------- routing
-
-
-class Routing:
-    """Where each (token, slot) pair of a top-k routing goes, sorted by expert, computed on the device
-    without a host sync (``torch.bincount`` on CUDA reads the ids' min and max back to size its output).
-
-    ``source[s]``: the token of sorted row s; ``inverse[t, j]``: the sorted row of token t's j-th expert;
-    ``offs[e]``: the end of expert e's rows (int32, what ``grouped_mm`` takes)."""
-
-    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
-        tokens, top_k = top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        self.order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
-        self.offs = torch.searchsorted(flat.index_select(0, self.order), bounds).to(torch.int32)
-        self.source = torch.div(self.order, top_k, rounding_mode="floor")
-        inverse = torch.empty_like(self.order)
-        inverse[self.order] = torch.arange(self.order.numel(), device=flat.device)
-        self.inverse = inverse.view(tokens, top_k)
-
-    def gather(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> the sorted rows [T k, H] (row s is token ``source[s]``)."""
-        with _range("moe.route"):
-            return _RowsGather.apply(hidden_states, self.source, self.inverse, "moe.bwd.route")
-
-    def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        """The sorted rows [T k, H] -> [T, H], each token the sum of its k rows (fp32 accumulation)."""
-        with _range("moe.combine"):
-            return _RowsGather.apply(rows, self.inverse, self.source, "moe.bwd.combine")
-
-    def weights(self, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The routing weight of each sorted row, [T k]."""
-        return top_k_weights.reshape(-1).index_select(0, self.order)
-
-
-def _gather_sum(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index]`` ([n] -> [n, H]) or, for a 2-D ``index`` [n, k], the sum of the k rows it names."""
-    rows = x.index_select(0, index.reshape(-1))
-    return rows if index.dim() == 1 else rows.view(*index.shape, -1).sum(dim=1)
-
-
-class _RowsGather(torch.autograd.Function):
-    """Routing's two row moves, each the other's adjoint: gathering rows by ``index`` (1-D: one source row
-    each; 2-D [n, k]: the sum of k rows), whose gradient is the move by ``adjoint``. Both directions are
-    plain gathers (deterministic, no atomics): the sorted order is a permutation of the (token, slot) pairs.
-    """
-
-    @staticmethod
-    def forward(ctx, x, index, adjoint, label):
-        ctx.save_for_backward(adjoint)
-        ctx.label = label
-        return _gather_sum(x, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (adjoint,) = ctx.saved_tensors
-        with _range(ctx.label):
-            return _gather_sum(grad.contiguous(), adjoint), None, None, None
-
-
-class _SwiGLUScaled(torch.autograd.Function):
-    """``act(gate) * up * w`` per sorted row (``gate_up`` [S, 2I] from the fused gate/up matmul, ``w`` [S] the
-    routing weights): the routing weight applied before the down projection, which is linear, so the
-    experts' output needs no [S, H] product of its own. Saves only ``gate_up`` and ``w`` (the SiLU and the
-    products are recomputed in backward): 2I values a row where separate ops keep gate, act(gate), up and
-    the [S, H] expert output (2I + I + H)."""
-
-    @staticmethod
-    def forward(ctx, gate_up, w):
-        ctx.save_for_backward(gate_up, w)
-        gate, up = gate_up.chunk(2, dim=-1)
-        with _range("moe.swiglu"):
-            return torch.nn.functional.silu(gate) * up * w.unsqueeze(-1).to(up.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        with _range("moe.bwd.swiglu"):
-            return _SwiGLUScaled._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
-        gate_up, w = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.empty_like(gate_up)
-        grad_gate, grad_up = out.chunk(2, dim=-1)  # written in place: three [S, I] temporaries at most
-        act = torch.nn.functional.silu(gate)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            acc = torch.promote_types(grad.dtype, torch.float32)  # fp32 sums for bf16, float64 stays
-            grad_w = (grad * act).mul_(up).sum(-1, dtype=acc).to(w.dtype)
-        g = grad * w.unsqueeze(-1).to(grad.dtype)
-        torch.mul(g, act, out=grad_up)
-        del act
-        torch.ops.aten.silu_backward.grad_input(g.mul_(up), gate, grad_input=grad_gate)
-        return out, grad_w
-
-
-def _is_silu(experts) -> bool:
-    act = getattr(experts, "act_fn", None)
-    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
-
-
 def grouped_experts(
     experts,
     hidden_states: torch.Tensor,
@@ -266,6 +155,7 @@ def grouped_experts(
     gate_up_lora: tuple | None = None,
     down_lora: tuple | None = None,
     kernel: str = "loop",
+    compiled: bool = False,
 ) -> torch.Tensor:
     """The experts of one MoE block with optional LoRA on either fused tensor.
 
@@ -274,21 +164,18 @@ def grouped_experts(
     ``(lora_A.weight, lora_B.weight, scaling)`` of the PEFT ParamWrapper adapting that tensor.
     The routing weight multiplies each row's down-projection input (the projection and its adapter are
     linear, so that is w (W + s B A) x = (W + s B A)(w x)), and the rows are summed back per token.
+    ``compiled``: the row moves and the SiLU product as Inductor kernels (llmft/trainer/fastpath/moe_rows.py).
     """
-    with _range("moe.route"):
-        routing = Routing(top_k_index, experts.num_experts)
+    with profiled("moe.route"):
+        routing = Routing(top_k_index, experts.num_experts, compiled=compiled)
     rows = routing.gather(hidden_states.to(compute_dtype(experts)))  # [S, H], S = T k
     offs = routing.offs
     gate_up = _frozen_linear(rows, experts, "gate_up_proj", offs, kernel)
     if gate_up_lora is not None:
         gate_up = gate_up + _lora_delta(rows, gate_up_lora, offs, kernel, experts.num_experts)
-    with _range("moe.route"):
+    with profiled("moe.route"):
         w = routing.weights(top_k_weights)
-    if _is_silu(experts):
-        inner = _SwiGLUScaled.apply(gate_up, w)
-    else:
-        gate, up = gate_up.chunk(2, dim=-1)
-        inner = experts.act_fn(gate) * up * w.unsqueeze(-1).to(up.dtype)
+    inner = swiglu_scaled(experts.act_fn, gate_up, w, compiled=compiled)
     out = _frozen_linear(inner, experts, "down_proj", offs, kernel)
     if down_lora is not None:
         out = out + _lora_delta(inner, down_lora, offs, kernel, experts.num_experts)
@@ -336,11 +223,13 @@ def _lora_experts_forward(self, hidden_states, top_k_index, top_k_weights, *args
         gate_up_lora=loras.get("gate_up_proj"),
         down_lora=loras.get("down_proj"),
         kernel=self._llmft_kernel,
+        compiled=self._llmft_compiled,
     )
 
 
 def _plain_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    return grouped_experts(self, hidden_states, top_k_index, top_k_weights, kernel=self._llmft_kernel)
+    kernel, compiled = self._llmft_kernel, self._llmft_compiled
+    return grouped_experts(self, hidden_states, top_k_index, top_k_weights, kernel=kernel, compiled=compiled)
 
 
 def _kernel_for(experts, rank: int) -> str:
@@ -351,12 +240,14 @@ def _kernel_for(experts, rank: int) -> str:
     return grouped_kernel(compute_dtype(experts), device, widths)
 
 
-def swap_grouped_experts(model) -> dict:
+def swap_grouped_experts(model, compile_rows: bool = False) -> dict:
     """Route every MoE block's experts through :func:`grouped_experts` where that is needed:
     experts carrying PEFT LoRA (instead of PEFT's merged-weight parametrization) and 4-bit
     experts (dequantized per use). Frozen bf16 experts keep transformers' own implementation.
+    ``compile_rows``: the row moves and SiLU product as Inductor kernels (on CUDA with compiled layers).
     Returns counts, the kernel and any block left alone with its reason. Idempotent."""
     report: dict[str, Any] = {"lora_experts": 0, "grouped_4bit": 0, "kernel": None, "kept": {}}
+    report["rows_compiled"] = compile_rows
     for block in moe_blocks(model):
         outer, experts = block.experts, base_experts(block.experts)
         if hasattr(outer, "_llmft_kernel"):
@@ -371,6 +262,7 @@ def swap_grouped_experts(model) -> dict:
             continue
         rank = max((w.r[n] for w in wrappers.values() for n in w.r), default=0)
         outer._llmft_kernel = report["kernel"] = _kernel_for(experts, rank)
+        outer._llmft_compiled = compile_rows
         if wrappers:
             outer._llmft_peft_forward = outer.forward
             outer.forward = types.MethodType(_lora_experts_forward, outer)
@@ -427,12 +319,17 @@ def _share_parametrized_class(module, shared: dict) -> None:
 
 
 def apply_moe(
-    model, *, fuse_lora: bool = True, freeze_router: bool = True, aux_coef: float | None = None
+    model,
+    *,
+    fuse_lora: bool = True,
+    freeze_router: bool = True,
+    aux_coef: float | None = None,
+    compile_rows: bool = False,
 ) -> dict | None:
     """Everything MoE-specific once the method is applied: routers frozen (LoRA/QLoRA), grouped
-    experts swapped in (``fuse_lora``; always for 4-bit experts), the load-balancing loss armed when
-    the model config asks for it. Returns the ``moe`` entry of the fast-path report; None for a
-    dense model."""
+    experts swapped in (``fuse_lora``; always for 4-bit experts; ``compile_rows``: their row moves and
+    SiLU product compiled), the load-balancing loss armed when the model config asks for it. Returns the
+    ``moe`` entry of the fast-path report; None for a dense model."""
     blocks = moe_blocks(model)
     if not blocks:
         return None
@@ -446,7 +343,7 @@ def apply_moe(
         "experts_4bit": sum(1 for b in blocks if getattr(base_experts(b.experts), "_llmft_4bit", False)),
     }
     if fuse_lora or report["experts_4bit"]:
-        report.update(swap_grouped_experts(model))
+        report.update(swap_grouped_experts(model, compile_rows=compile_rows))
     if report["experts_4bit"]:
         report["frozen_fp32_to_bf16"] = frozen_to_compute_dtype(model, compute_dtype(base_experts(blocks[0].experts)))
     report["router_aux_loss_coef"] = install_router_aux(model, aux_coef)
