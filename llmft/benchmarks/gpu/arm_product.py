@@ -254,6 +254,29 @@ def run(a) -> dict:
     return result
 
 
+def from_saved_metrics(a) -> dict:
+    """The row of a run whose trainer finished but whose arm was cut by the harness's deadline before it wrote
+    its JSON: the same :func:`summarize` over the metrics.jsonl (and step marks) the arm had copied beside its
+    log, with the loader's tokens of the same seeded data (rebuilt here, deterministic)."""
+    config, max_length = product_config(a.model, a.method)
+    cfg = load_config(str(config), [f"max_steps={a.steps}"])
+    vocab = common.MODEL_SHAPES[a.model]["vocab_size"]
+    samples = samples_for(a.steps, cfg.batch.global_sequences, max_length, a.profile, vocab)
+    data_dir = write_product_dataset(
+        samples,
+        max_length,
+        Path(a.work) / "data" / f"product-{a.model}-{a.profile}-{max_length}-{len(samples.lengths)}",
+    )
+    docs = step_documents(data_dir, cfg, a.steps)
+    metrics = Path(a.from_metrics)
+    marks = metrics.with_name(metrics.name.replace(".metrics.jsonl", ".marks.jsonl"))
+    shape = flops.shape_from_config(common.hf_config(a.model))
+    result = {"arm": a.arm_name, "model": a.model, "method": a.method, "config": str(config.relative_to(REPO))}
+    result.update(summarize(metrics, docs, shape, a.method, a.warmup, flops.PEAK_BF16_FLOPS["H200"], marks))
+    result["recomputed_from"] = metrics.name
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(common.MODEL_SHAPES))
@@ -267,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm-name", default="project-product")
     p.add_argument("--work", default="/tmp/llmft-project", help="shared with the project arm (model checkpoints)")
     p.add_argument("--json-out", required=True)
+    p.add_argument("--from-metrics", default="", help="recompute a cut arm's row from its saved metrics.jsonl (H200)")
     a = p.parse_args(argv)
-    result = run(a)
+    result = from_saved_metrics(a) if a.from_metrics else run(a)
+    if a.from_metrics:
+        common.write_json(a.json_out, result)
     keys = ("arm", "model", "method", "config", "tokens_per_s", "trainer_logged_tokens_per_s", "mfu", "peak_mem_gib")
     print({k: result.get(k) for k in keys})
     return 0 if result.get("tokens_per_s") else 1

@@ -1,7 +1,7 @@
 """GPU checks of llmft/trainer/fastpath/moe.py on Qwen3-30B-A3B's layer widths: grouped experts
-with LoRA against PEFT's ParamWrapper path (bf16, both measured against an fp32 copy), with the row
-moves and SiLU product compiled (moe_rows.py), compiled layers, 4-bit experts (rows compiled, as the
-trainer runs them on CUDA) against their dequantized weights, and the time and peak memory of one
+with LoRA against PEFT's ParamWrapper path (bf16, both measured against an fp32 copy), with the SiLU
+product compiled (moe_rows.py), compiled layers, 4-bit experts (SiLU product compiled, as the trainer
+runs them on CUDA) against their dequantized weights, and the time and peak memory of one
 forward + backward of each path.
 
 python -m llmft.benchmarks.gpu.check_moe --layers 2 --tokens 8192 --json-out F
@@ -103,7 +103,7 @@ def run(layers: int, tokens: int, json_out: str) -> dict:
     stage("peft_grouped_mm", measured)
     stage("swap", lambda: moe.swap_grouped_experts(model))
     stage("llmft_grouped", measured)
-    for block in moe.moe_blocks(model):  # the row moves and SiLU product as Inductor kernels (moe_rows.py)
+    for block in moe.moe_blocks(model):  # the SiLU product as Inductor kernels (moe_rows.py)
         block.experts._llmft_compiled = True
     stage("llmft_grouped_rows_compiled", measured)
     compile_decoder_layers(model)

@@ -164,10 +164,10 @@ def grouped_experts(
     ``(lora_A.weight, lora_B.weight, scaling)`` of the PEFT ParamWrapper adapting that tensor.
     The routing weight multiplies each row's down-projection input (the projection and its adapter are
     linear, so that is w (W + s B A) x = (W + s B A)(w x)), and the rows are summed back per token.
-    ``compiled``: the row moves and the SiLU product as Inductor kernels (llmft/trainer/fastpath/moe_rows.py).
+    ``compiled``: the SiLU product as Inductor kernels (llmft/trainer/fastpath/moe_rows.py).
     """
     with profiled("moe.route"):
-        routing = Routing(top_k_index, experts.num_experts, compiled=compiled)
+        routing = Routing(top_k_index, experts.num_experts)
     rows = routing.gather(hidden_states.to(compute_dtype(experts)))  # [S, H], S = T k
     offs = routing.offs
     gate_up = _frozen_linear(rows, experts, "gate_up_proj", offs, kernel)
@@ -244,7 +244,7 @@ def swap_grouped_experts(model, compile_rows: bool = False) -> dict:
     """Route every MoE block's experts through :func:`grouped_experts` where that is needed:
     experts carrying PEFT LoRA (instead of PEFT's merged-weight parametrization) and 4-bit
     experts (dequantized per use). Frozen bf16 experts keep transformers' own implementation.
-    ``compile_rows``: the row moves and SiLU product as Inductor kernels (on CUDA with compiled layers).
+    ``compile_rows``: the SiLU product as Inductor kernels (on CUDA with compiled layers).
     Returns counts, the kernel and any block left alone with its reason. Idempotent."""
     report: dict[str, Any] = {"lora_experts": 0, "grouped_4bit": 0, "kernel": None, "kept": {}}
     report["rows_compiled"] = compile_rows
@@ -327,8 +327,8 @@ def apply_moe(
     compile_rows: bool = False,
 ) -> dict | None:
     """Everything MoE-specific once the method is applied: routers frozen (LoRA/QLoRA), grouped
-    experts swapped in (``fuse_lora``; always for 4-bit experts; ``compile_rows``: their row moves and
-    SiLU product compiled), the load-balancing loss armed when the model config asks for it. Returns the
+    experts swapped in (``fuse_lora``; always for 4-bit experts; ``compile_rows``: their SiLU product
+    compiled), the load-balancing loss armed when the model config asks for it. Returns the
     ``moe`` entry of the fast-path report; None for a dense model."""
     blocks = moe_blocks(model)
     if not blocks:

@@ -1,12 +1,14 @@
 """The memory-bound part of an MoE experts call (llmft/trainer/fastpath/moe.py ``grouped_experts``): routing the
 (token, slot) pairs to sorted rows and back, and the gated activation with the routing weight.
 
-Profile of the Qwen3-30B-A3B QLoRA step on one H200 (issue 46, BENCHMARKS.md): with these as separate eager
-ops, the SiLU product took 1.07 s of a 6.5 s step (0.82 ms forward and 1.96 ms backward per call on
-[131k, 768] rows: about five times the bytes they must move) and the row gathers 0.4 s. On CUDA with compiled
-layers (``compiled``) both run as Inductor kernels: the forward's three passes and the backward's seven become
-one kernel each, the gather-and-sum one reduction; compiled once for any row count (``dynamic=True``), called
-from the experts' eager region (moe.py runs the experts outside the compiled layers).
+Profiles of the Qwen3-30B-A3B QLoRA step on one H200 (issue 46, BENCHMARKS.md): with the SiLU product as
+separate eager ops it took 1.07 s of a 6.5 s step (0.82 ms forward and 1.96 ms backward per call on
+[131k, 768] rows: five to seven times the bytes they must move). On CUDA with compiled layers (``compiled``) it
+runs as Inductor kernels, compiled once for any row count (``dynamic=True``) and called from the experts'
+eager region (moe.py runs the experts outside the compiled layers): 2x faster per row forward, 1.4x backward
+(a hand-written kernel is the next step: the backward still moves about six times its bytes). The
+row moves stay eager gathers: compiled as one gather-and-sum reduction they ran 2.3x slower than
+``index_select`` + ``sum`` (0.87 s against 0.38 s a step, same bytes).
 
 - :class:`Routing`: offsets from ``searchsorted`` over the sorted ids (``torch.bincount`` on CUDA reads the
   ids' min and max back to the host: two syncs per layer and micro step), the rows gathered and summed back
@@ -47,7 +49,7 @@ def swiglu_forward(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward(gate_up: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate_up, d w) of :func:`swiglu_forward`, computed in fp32 (float64 stays): one kernel compiled."""
+    """(d gate_up, d w) of :func:`swiglu_forward`, computed in fp32 (float64 stays); Inductor fuses it."""
     acc = torch.promote_types(grad.dtype, torch.float32)
     gate, up = gate_up.to(acc).chunk(2, dim=-1)
     g = grad.to(acc)
@@ -78,7 +80,7 @@ def swiglu_backward_eager(gate_up, w, grad) -> tuple[torch.Tensor, torch.Tensor]
 @functools.cache
 def _compiled(name: str):
     """The Inductor-compiled form of one of this module's functions (once per process, any row count)."""
-    fn = {"gather_sum": gather_sum, "swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward}[name]
+    fn = {"swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward}[name]
     return torch.compile(fn, dynamic=True)
 
 
@@ -98,7 +100,7 @@ class Routing:
     ``source[s]``: the token of sorted row s; ``inverse[t, j]``: the sorted row of token t's j-th expert;
     ``offs[e]``: the end of expert e's rows (int32, what ``grouped_mm`` takes)."""
 
-    def __init__(self, top_k_index: torch.Tensor, num_experts: int, compiled: bool = False):
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
         tokens, top_k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         self.order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -108,17 +110,16 @@ class Routing:
         inverse = torch.empty_like(self.order)
         inverse[self.order] = torch.arange(self.order.numel(), device=flat.device)
         self.inverse = inverse.view(tokens, top_k)
-        self.compiled = compiled
 
     def gather(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, H] -> the sorted rows [T k, H] (row s is token ``source[s]``)."""
         with profiled("moe.route"):
-            return _RowsGather.apply(hidden_states, self.source, self.inverse, "moe.bwd.route", self.compiled)
+            return _RowsGather.apply(hidden_states, self.source, self.inverse, "moe.bwd.route")
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         """The sorted rows [T k, H] -> [T, H], each token the sum of its k rows (fp32 accumulation)."""
         with profiled("moe.combine"):
-            return _RowsGather.apply(rows, self.inverse, self.source, "moe.bwd.combine", self.compiled)
+            return _RowsGather.apply(rows, self.inverse, self.source, "moe.bwd.combine")
 
     def weights(self, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The routing weight of each sorted row, [T k]."""
@@ -132,17 +133,17 @@ class _RowsGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, index, adjoint, label, compiled):
+    def forward(ctx, x, index, adjoint, label):
         ctx.save_for_backward(adjoint)
-        ctx.label, ctx.compiled = label, compiled
-        return _fn("gather_sum", compiled and index.dim() == 2)(x.detach(), index)  # detached: an inference graph
+        ctx.label = label
+        return gather_sum(x, index)
 
     @staticmethod
     def backward(ctx, grad):
         (adjoint,) = ctx.saved_tensors
         with profiled(ctx.label):
-            moved = _fn("gather_sum", ctx.compiled and adjoint.dim() == 2)(grad.contiguous(), adjoint)
-        return moved, None, None, None, None
+            moved = gather_sum(grad.contiguous(), adjoint)
+        return moved, None, None, None
 
 
 class _SwiGLUScaled(torch.autograd.Function):
