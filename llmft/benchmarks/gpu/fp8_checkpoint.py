@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 
 from llmft.benchmarks.gpu import common
+from llmft.trainer.tiny_model import build_tokenizer
 
 BLOCK = (128, 128)
 FP8_MODELS = ("qwen3-30b-a3b",)
@@ -64,6 +65,7 @@ def make_tensors(spec: dict, std: float, seed: int, device) -> dict:
     # heavy: torch
     import torch
 
+    # heavy: torch
     from llmft.trainer.fp8 import quantize_blockwise
 
     out = {}
@@ -87,8 +89,6 @@ def write_fp8_model_dir(model: str, root: Path, seed: int = 0, device: str = "cu
     a transformers Qwen3-MoE config instead of the named shape's (tests)."""
     # heavy: safetensors
     from safetensors.torch import save_file
-
-    from llmft.trainer.tiny_model import build_tokenizer
 
     out = root / model
     if (out / "config.json").is_file():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -163,8 +164,6 @@ KERNEL_FAMILIES = (
 def kernel_families(events) -> list[tuple[str, float]]:
     """(family, GPU seconds) of every CUDA kernel of the profile's ``events``, by name (first matching family);
     ranges (``record_function`` names, which the profiler also shows on the GPU's timeline) are not kernels."""
-    import re
-
     totals: dict[str, float] = {}
     for event in events:
         if (

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -80,14 +82,14 @@ def swiglu_backward_eager(gate_up, w, grad) -> tuple[torch.Tensor, torch.Tensor]
 @functools.cache
 def _compiled(name: str):
     """The Inductor-compiled form of one of this module's functions (once per process, any row count)."""
-    fn = {"swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward}[name]
-    return torch.compile(fn, dynamic=True)
+    table: dict[str, Callable[..., Any]] = {"swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward}
+    return torch.compile(table[name], dynamic=True)
 
 
 def _fn(name: str, compiled: bool):
     if compiled:
         return _compiled(name)
-    return {"gather_sum": gather_sum, "swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward_eager}[name]
+    return {"swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward_eager}[name]
 
 
 # ----------------------------------------------------------------------------- routing
