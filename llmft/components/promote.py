@@ -17,7 +17,8 @@ def promote_best_checkpoint(
     Refuses (the step fails, so nothing is registered or deployed) unless the best
     checkpoint beats the base model on that metric by ``promote_margin``: perplexity below
     ``base * (1 - promote_margin)``, a task score (e.g. ``heldout.contains``) above
-    ``base + promote_margin``; and, with
+    ``base + promote_margin``, among the checkpoints that keep every ``eval_guards`` metric within its
+    tolerance of the base's; and, with
     ``serving_mode=lora``, refuses a LoRA adapter vLLM could not serve (DoRA, ``modules_to_save``, a rank
     above ``max_lora_rank``; otherwise the next step serves such an adapter merged). Otherwise copies
     its servable files (adapter or weights, tokenizer, manifest; not optimizer state)
@@ -31,12 +32,11 @@ def promote_best_checkpoint(
     import os
 
     from llmft.components.lib.plan.schema import read_plan
-    from llmft.components.lib.registry.promote import promote_to_volume, promoted_destination
+    from llmft.components.lib.registry.promote import promote_to_volume, promoted_destination, read_evaluation
 
     run_plan = read_plan(plan.path)
     root, name, run_id = run_plan.layout.root, run_plan.registry.model_name, run_plan.run_id
-    with open(os.path.join(evaluation.path, "evaluation.json")) as fh:
-        result = json.load(fh)
+    result = read_evaluation(os.path.join(evaluation.path, "evaluation.json"))  # one line naming a corrupt file
     destination = str(promoted_destination(root, name, run_id))
     decision = promote_to_volume(
         result,
@@ -47,6 +47,7 @@ def promote_best_checkpoint(
         metric=run_plan.registry.promote_metric,
         # serving_mode=lora: vLLM must be able to serve what is registered; auto/merged can merge it
         max_lora_rank=run_plan.serving.max_lora_rank if run_plan.serving.serving_mode == "lora" else None,
+        guards=[(g.metric, g.tolerance) for g in run_plan.evaluation.guards],
     )
 
     os.makedirs(promoted.path, exist_ok=True)

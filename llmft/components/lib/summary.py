@@ -97,11 +97,16 @@ def _model_lines(facts: dict[str, Any]) -> list[str]:
             f"perplexity  base {base_ppl:.2f} -> best {best['perplexity']:.2f} ({best['name']}, "
             f"{gain:.1%} lower; {len(evaluation['checkpoints'])} checkpoints evaluated)"
         )
+        lines += curve_lines(evaluation)
         lines += task_lines(evaluation, best)
     promotion = facts.get("promotion")
     if promotion:
         lines.append(f"promoted    {promotion['checkpoint']} -> {promotion.get('destination')}")
         lines.append(f"gate        {_clip(promotion.get('reason', ''), 88)}")
+    elif evaluation and evaluation.get("gate"):
+        lines.append(f"gate        {_clip(evaluation['gate'].get('reason', ''), 88)}")
+    gate = (promotion or (evaluation or {}).get("gate") or {}).get("guards") or []
+    lines += [f"guard       {_clip(_guard_text(g), 88)}" for g in gate]
     serving = facts.get("serving")
     if serving:
         lines.append(f"serving     {serving['form']}: {_clip(serving['reason'], 80)}")
@@ -127,6 +132,24 @@ def task_lines(evaluation: dict[str, Any], best: dict[str, Any]) -> list[str]:
         count = f"n={base_scores['questions']:.0f}, " if "questions" in base_scores else ""
         lines.append(f"{task:<11} {shown} ({count}{base_scores.get('seconds', 0):.0f} s/model)")
     return lines
+
+
+def _guard_text(guard: dict[str, Any]) -> str:
+    value, base = guard.get("value"), guard.get("base")
+    shown = "missing" if value is None else f"{value:.4f}"
+    against = "missing" if base is None else f"{base:.4f}"
+    state = "held" if guard["held"] else "LOST"
+    return f"{guard['metric']} {against}->{shown} (tolerance {guard['tolerance']:g}): {state}"
+
+
+def curve_lines(evaluation: dict[str, Any]) -> list[str]:
+    """The trainer's eval perplexity at each evaluation of the run (evaluation.json ``curve``), on one line."""
+    curve = evaluation.get("curve") or []
+    if len(curve) < 2:
+        return []
+    points = ", ".join(f"{int(p['step'])}:{p['perplexity']:.2f}" for p in curve[:12])
+    more = f" (+{len(curve) - 12})" if len(curve) > 12 else ""
+    return [f"curve       eval perplexity by step {_clip(points, 70)}{more}"]
 
 
 def _alias_text(registration: dict[str, Any]) -> str:
