@@ -83,8 +83,10 @@ class FakeCustomObjectsApi:
     """In-memory custom objects. ``on_get(obj, count)`` may mutate a stored object's
     status on its count-th GET (scripting a controller). A controller simulator
     (cluster_sim.py) plugs in through ``before_read`` (called before every get and list)
-    and ``on_delete(key, obj)``. ``fail_next(n, status)`` makes the next ``n`` gets and lists
-    fail with that HTTP status (an API server that blinks)."""
+    and ``on_delete(key, obj)``; admission webhooks through ``admission(operation, plural, body, old)``
+    (CREATE or UPDATE; returns the mutated body or raises the webhook's ApiException; kserve_admission.py).
+    ``fail_next(n, status)`` makes the next ``n`` gets and lists fail with that HTTP status (an API server
+    that blinks)."""
 
     def __init__(self, on_get: Callable[[dict, int], None] | None = None):
         self.objects: dict[tuple, dict] = {}
@@ -93,6 +95,7 @@ class FakeCustomObjectsApi:
         self.on_get = on_get
         self.before_read: Callable[[], None] | None = None
         self.on_delete: Callable[[tuple, dict], None] | None = None
+        self.admission: Callable[[str, str, dict, dict | None], dict] | None = None
         self.failures: list[int] = []
         self.propagations: list[str | None] = []  # propagationPolicy of every delete call
         self.unserved: set[str] = set()  # plurals whose CRD is not installed: 404 on every call
@@ -121,6 +124,8 @@ class FakeCustomObjectsApi:
         self.calls.append(("create", *key, body))
         if key in self.objects:
             raise api_error(409, f'{plural}.{group} "{key[-1]}" already exists')
+        if self.admission is not None:  # mutating, then validating webhooks (before the object is stored)
+            body = self.admission("CREATE", plural, copy.deepcopy(body), None)
         stored = copy.deepcopy(body)
         stored["metadata"].update(
             namespace=namespace,
@@ -165,6 +170,8 @@ class FakeCustomObjectsApi:
             raise api_error(404, f'{plural}.{group} "{name}" not found')
         if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
             raise api_error(409, "the object has been modified; please apply your changes to the latest version")
+        if self.admission is not None:
+            body = self.admission("UPDATE", plural, copy.deepcopy(body), copy.deepcopy(current))
         stored = copy.deepcopy(body)
         stored["metadata"].update(
             resourceVersion=self._next_version(),
@@ -210,6 +217,10 @@ class FakeCustomObjectsApi:
     def created(self, plural: str) -> list[dict]:
         """Bodies of every create call for ``plural``, in order."""
         return [c[-1] for c in self.calls if c[0] == "create" and c[4] == plural]
+
+    def sent(self, plural: str) -> list[dict]:
+        """Bodies of every create and replace call for ``plural``, in order (as sent, before admission)."""
+        return [c[-1] for c in self.calls if c[0] in ("create", "replace") and c[4] == plural]
 
 
 def _merge(target: dict, patch: dict) -> None:
