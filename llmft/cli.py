@@ -26,7 +26,10 @@ from llmft.trainer.storage import describe_disk_fault, describe_path_error, disk
 GROUPS: dict[str, tuple[str, str]] = {
     "data": ("llmft.commands.data", "prepare raw datasets into JSONL; tokenize and pack onto shards"),
     "train": ("llmft.commands.train", "run the trainer (one process, or --nproc N through torchrun)"),
-    "pipeline": ("llmft.commands.pipeline", "compile, run locally (kfp.local), submit or schedule the KFP pipeline"),
+    "pipeline": (
+        "llmft.commands.pipeline",
+        "compile, run locally (kfp.local), submit or schedule the KFP pipeline; render its job; clean up ended runs",
+    ),
     "sweep": ("llmft.commands.sweep", "Katib hyperparameter sweeps: create, status, best, run-local"),
     "export": ("llmft.commands.export", "merge an adapter into its base model (or bundle it) for serving"),
     "eval": ("llmft.commands.eval", "cache lm-eval tasks' data for offline evaluation on the volume; check a cache"),

@@ -1,4 +1,5 @@
-"""`llmft pipeline ...`: compile, run locally (kfp.local), submit, or schedule the KFP pipeline.
+"""`llmft pipeline ...`: compile, run locally (kfp.local), submit, or schedule the KFP pipeline; render the
+training job (render-job); delete the jobs of ended runs (janitor).
 
 Every command takes pipeline parameters as ``key=value`` (typed by the plan component's signature).
 ``compile`` makes them the compiled pipeline's defaults; ``submit`` and ``schedule`` pass them as
@@ -27,7 +28,7 @@ from pathlib import Path
 import kfp_server_api  # light, but only with kfp: the pipeline extra (llmft pipeline needs it: llmft/cli.py says so)
 import urllib3
 
-from llmft.commands import render_job
+from llmft.commands import janitor, render_job
 from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.pipelines.defaults import (
@@ -108,6 +109,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     schedule.set_defaults(func=run_schedule)
 
     render_job.add_parser(sub)  # render-job: the PyTorchJob / TrainJob the train step would submit
+    janitor.add_parser(sub)  # janitor: delete the jobs of runs that have ended (deploy/janitor.yaml's CronJob)
 
 
 def _cluster_arguments(parser: argparse.ArgumentParser) -> None:

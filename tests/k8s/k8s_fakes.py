@@ -23,7 +23,7 @@ kubernetes/kubernetes; the client is kubernetes 30.1.0):
 
 Not traced to source (test choices): resourceVersions are increasing integers from 101 and uids are
 ``uid-<name>-<n>`` (the real ones are opaque); a patch is a recursive JSON merge (no strategic merge,
-no ``null`` deletes); label selectors support ``k=v`` terms only (tests/k8s/trainer_v2_sim.py adds set-based
+no ``null`` deletes); label selectors support ``k=v`` and ``k`` terms only (tests/k8s/trainer_v2_sim.py adds set-based
 ones); ``fail_next``'s 503 body is made up.
 """
 
@@ -96,6 +96,7 @@ class FakeCustomObjectsApi:
         self.before_read: Callable[[], None] | None = None
         self.on_delete: Callable[[tuple, dict], None] | None = None
         self.admission: Callable[[str, str, dict, dict | None], dict] | None = None
+        self.dependents: Callable[[tuple, dict], list] | None = None  # a deleted object's blocking dependents
         self.failures: list[int] = []
         self.propagations: list[str | None] = []  # propagationPolicy of every delete call
         self.unserved: set[str] = set()  # plurals whose CRD is not installed: 404 on every call
@@ -196,7 +197,8 @@ class FakeCustomObjectsApi:
         """Background (or no policy): the object goes at once; the garbage collector deletes its
         dependents afterwards (``on_delete``). Foreground, with a controller behind ``on_delete``:
         the object stays, with ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer, until
-        that controller has seen its blocking dependents go (apiserver registry/generic/registry/store.go
+        that controller has seen its blocking dependents go (``dependents``; none: it goes at once)
+        (apiserver registry/generic/registry/store.go
         ``updateForGracefulDeletionAndFinalizers``; kubernetes.io/docs/concepts/architecture/garbage-collection)."""
         key = (group, version, namespace, plural, name)
         self.calls.append(("delete", *key))
@@ -208,6 +210,8 @@ class FakeCustomObjectsApi:
             if not deleted["metadata"].get("deletionTimestamp"):
                 deleted["metadata"].update(deletionTimestamp=rfc3339_now(), finalizers=["foregroundDeletion"])
                 self.on_delete(key, deleted)
+            if not (self.dependents and self.dependents(key, deleted)):  # nothing blocks it: the GC drops the
+                self.objects.pop(key, None)  # foregroundDeletion finalizer at once
             return {"kind": "Status", "status": "Success"}
         deleted = self.objects.pop(key)
         if self.on_delete is not None:
@@ -235,11 +239,12 @@ def _merge(target: dict, patch: dict) -> None:
 
 
 def _labels_match(labels: dict | None, selector: str | None) -> bool:
+    """``k=v`` terms, and bare ``k`` (the label exists)."""
     if not selector:
         return True
     labels = labels or {}
-    wanted = dict(part.split("=", 1) for part in selector.split(","))
-    return all(labels.get(k) == v for k, v in wanted.items())
+    terms = [part.split("=", 1) for part in selector.split(",")]
+    return all(labels.get(t[0]) == t[1] if len(t) == 2 else t[0] in labels for t in terms)
 
 
 class FakeCoreV1Api:

@@ -156,7 +156,8 @@ def deploy_inference_service(
     pending = PendingReporter(
         cluster, f"{PREDICTOR_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn, hints=SERVING_HINTS
     )
-    deadline, why, stuck = time.monotonic() + timeout_s, "not polled yet", []
+    deadline, why = time.monotonic() + timeout_s, "not polled yet"
+    stuck: list[str] = []
     while True:
         obj = cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
         if generation is not None:
