@@ -307,7 +307,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    pipeline = load_pipeline(args.hpo)
+    pipeline = load_pipeline(args.hpo, local=True)
     extra_defaults: dict = {}
     if args.hpo:
         # heavy: kfp, kubeflow_katib_api, pydantic

@@ -153,14 +153,16 @@ def run_pipeline_locally(
     pipeline=None,
     extra_defaults: dict[str, Any] | None = None,
 ) -> LocalOutcome:
-    """Run the pipeline (default ``llm_finetune_pipeline``) through kfp.local with the local
+    """Run the pipeline (default: ``local_pipeline()``, which retries nothing) through kfp.local with the local
     defaults (plus ``extra_defaults``); never raises for a failed task (see the outcome)."""
     # heavy: kfp
     from kfp import local
 
     if pipeline is None:
         # heavy: kfp, kubeflow_katib_api, pydantic
-        from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
+        from llmft.pipelines.llm_finetune import local_pipeline
+
+        pipeline = local_pipeline()
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"work folder {work}: preparing the base model and MLflow store ...", flush=True)

@@ -129,6 +129,28 @@ def _check_cluster_only(p: PipelineParameters) -> None:
         )
 
 
+def check_runs_here(plan) -> None:
+    """kfp.local: a backend that creates cluster objects cannot run here. Refused in one line by the plan step,
+    before prepare and tokenize, instead of the train (or sweep) step failing after them."""
+    backend = BACKENDS[plan.job.backend]
+    if backend.needs_cluster:
+        local = next(b.name for b in BACKENDS.values() if not b.needs_cluster)
+        raise _fail(
+            "training_backend",
+            backend.name,
+            f"`{backend.name}` creates a {backend.resource.kind if backend.resource else 'cluster job'}, which runs "
+            f"only on a cluster; this run is under kfp.local ({KFP_POD_ENV} is not set): use "
+            f"training_backend={local}, or submit the pipeline to a cluster (llmft pipeline submit)",
+        )
+    if plan.sweep is not None and plan.sweep.backend != "local":
+        raise _fail(
+            "sweep_backend",
+            plan.sweep.backend,
+            f"`{plan.sweep.backend}` creates a Katib Experiment, which runs only on a cluster; this run is under "
+            f"kfp.local ({KFP_POD_ENV} is not set): use sweep_backend=local",
+        )
+
+
 def check_compiled(p: PipelineParameters, settings: Mapping[str, Any]) -> None:
     """On a cluster: the parameters the YAML applied statically must still have their compiled values."""
     compiled = settings.get("compiled") or {}
