@@ -259,6 +259,7 @@ class FakeCoreV1Api:
         self.events: dict[str, list] = {}
         self.config_maps: dict[tuple[str, str], dict] = {}  # (namespace, name) -> data
         self.claims: set[tuple[str, str]] = set()  # (namespace, name) of the PVCs that exist
+        self.claim_details: dict[tuple[str, str], dict] = {}
         self.before_read: Callable[[], None] | None = None
 
     def add_event(
@@ -286,9 +287,21 @@ class FakeCoreV1Api:
         return client.CoreV1EventList(items=items)
 
     def read_namespaced_persistent_volume_claim(self, name, namespace, **_):
+        """A claim of ``claims``: Bound, ReadWriteMany, to a volume that existed (no provisioner annotation),
+        unless ``claim_details[(namespace, name)]`` says otherwise (phase, access_modes, provisioner, storage_class)."""
         if (namespace, name) not in self.claims:
             raise api_error(404, f'persistentvolumeclaims "{name}" not found')
-        return client.V1PersistentVolumeClaim(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
+        details = {"phase": "Bound", "access_modes": ["ReadWriteMany"], "provisioner": None, "storage_class": "",
+                   **self.claim_details.get((namespace, name), {})}  # fmt: skip
+        provisioner = details["provisioner"]
+        annotations = {"volume.kubernetes.io/storage-provisioner": provisioner} if provisioner else None
+        return client.V1PersistentVolumeClaim(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace, annotations=annotations),
+            spec=client.V1PersistentVolumeClaimSpec(
+                access_modes=details["access_modes"], storage_class_name=details["storage_class"]
+            ),
+            status=client.V1PersistentVolumeClaimStatus(phase=details["phase"]),
+        )
 
     def read_namespaced_config_map(self, name, namespace, **_):
         data = self.config_maps.get((namespace, name))

@@ -371,20 +371,55 @@ def preflight_serving_namespace(plan, cluster=None) -> None:
         return
     missing = []
     try:
-        cluster.core_api.read_namespaced_persistent_volume_claim(serving.pvc_name, there)
+        claim = cluster.core_api.read_namespaced_persistent_volume_claim(serving.pvc_name, there)
     except Exception as exc:  # noqa: BLE001 - kubernetes ApiException or a transport error
         found = "does not exist" if getattr(exc, "status", None) == 404 else f"cannot be read ({_reason(exc)})"
         missing.append(f"PVC {there}/{serving.pvc_name} {found}")
+    else:
+        missing += claim_problems(claim, f"{there}/{serving.pvc_name}")
     denied = [verb for verb in SERVING_VERBS if not _may(cluster, verb, there)]
     if denied:
         missing.append(f"no RoleBinding in {there} lets this service account {'/'.join(denied)} inferenceservices")
     if missing:
         raise ConfigError(
             f"serving_namespace={there}: " + "; ".join(missing) + f". Create the PVC {serving.pvc_name} in {there} on "
-            f"the same volume and bind this service account there to a Role granting create/get/update on "
-            "inferenceservices and get on persistentvolumeclaims (docs/cluster-guide.md, Serving in another "
-            "namespace), or leave serving_namespace empty to serve in the pipeline's namespace"
+            "the same volume (a PersistentVolume of the data PVC's storage, claimed there) and bind this service "
+            "account there to a Role granting create/get/update on inferenceservices and get on "
+            "persistentvolumeclaims (docs/cluster-guide.md, Serving in another namespace), or leave "
+            "serving_namespace empty to serve in the pipeline's namespace"
         )
+
+
+PROVISIONER_ANNOTATIONS = ("volume.kubernetes.io/storage-provisioner", "volume.beta.kubernetes.io/storage-provisioner")
+"""Set on a claim the PersistentVolume controller provisions a volume for (kubernetes
+pkg/controller/volume/persistentvolume/pv_controller.go ``setClaimProvisioner``); a claim bound to a volume
+that existed (a static PersistentVolume of the same export) has neither."""
+SHARED_ACCESS_MODES = ("ReadWriteMany", "ReadOnlyMany")
+
+
+def claim_problems(claim, where: str) -> list[str]:
+    """What shows a serving namespace's claim cannot be the pipeline's data volume: not Bound; provisioned by a
+    StorageClass (a new, empty volume: its own directory or disk, not the one the pipeline wrote); or mountable
+    from one node only (the predictor reads it beside the pipeline's pods)."""
+    status, spec = claim.status, claim.spec
+    phase = (status.phase if status else None) or "Pending"
+    if phase != "Bound":
+        return [f"PVC {where} is {phase}, not Bound"]
+    annotations = (claim.metadata.annotations if claim.metadata else None) or {}
+    provisioner = next((annotations[a] for a in PROVISIONER_ANNOTATIONS if a in annotations), None)
+    problems = []
+    if provisioner:
+        storage_class = (spec.storage_class_name if spec else None) or "the default"
+        problems.append(
+            f"PVC {where} was provisioned by {provisioner} (storage class {storage_class}): a new, empty volume, not "
+            "the pipeline's (bind it to a PersistentVolume of the same storage instead)"
+        )
+    modes = (spec.access_modes if spec else None) or []
+    if not any(mode in SHARED_ACCESS_MODES for mode in modes):
+        problems.append(
+            f"PVC {where} is {'/'.join(modes) or 'without access modes'}: it needs ReadWriteMany or ReadOnlyMany"
+        )
+    return problems
 
 
 def _may(cluster, verb: str, namespace: str) -> bool:
