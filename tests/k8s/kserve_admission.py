@@ -101,13 +101,18 @@ class KServe:
 
     def install(self, custom) -> KServe:
         """Plug the webhooks and the controller into a FakeCustomObjectsApi."""
+        self.install_webhooks(custom)
+        custom.before_read = lambda: [
+            self.reconcile(o) for k, o in custom.objects.items() if k[3] == "inferenceservices"
+        ]
+        return self
+
+    def install_webhooks(self, custom) -> KServe:
+        """Plug the webhooks alone (another simulator plays the controller: cluster_sim.py's FakeVllm)."""
         previous = custom.admission
         custom.admission = lambda op, plural, body, old: (
             self.admit(op, body, old) if plural == "inferenceservices" else (previous or _same)(op, plural, body, old)
         )
-        custom.before_read = lambda: [
-            self.reconcile(o) for k, o in custom.objects.items() if k[3] == "inferenceservices"
-        ]
         return self
 
     # -- the webhooks ---------------------------------------------------------------------------------------
