@@ -71,8 +71,7 @@ def test_the_exit_handler_deletes_only_the_runs_unfinished_jobs(sim, fake_cluste
     report = cleanup_run(fake_cluster, RUN, print_fn=lambda _: None)
     assert sorted(report["deleted"]) == ["Experiment/run-sweep", "PyTorchJob/run-train"]
     assert report["kept"] == ["PyTorchJob/run-old-trial"]
-    left = {key[-1] for key in fake_custom_api.objects}
-    assert left == {"run-old-trial", "other-train"}
+    assert set(fake_custom_api.propagations) == {"Foreground"}  # the job stays until its pods are gone
     # The deleted job's pod gets SIGTERM and its grace period (pod termination is asynchronous): it
     # must be gone within that grace, while the other run's job keeps running.
     deadline = time.monotonic() + 60
@@ -80,6 +79,9 @@ def test_the_exit_handler_deletes_only_the_runs_unfinished_jobs(sim, fake_cluste
         sim.reconcile()
         time.sleep(0.2)
     assert sim.running() in ([], ["other-train-master-0"]) and "run-train-master-0" not in sim.running()
+    sim.reconcile()
+    left = {key[-1] for key in fake_custom_api.objects}
+    assert left == {"run-old-trial", "other-train"}
 
 
 @pytest.mark.slow
