@@ -35,7 +35,7 @@ from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import BOOL_WORDS, split_assignment
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.mlflow_settings import redacted_uri
+from llmft.trainer.mlflow_settings import redact_credentials
 
 SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hf": (("HF_TOKEN",), ("HF_TOKEN",)),
@@ -228,10 +228,10 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
     MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
     the train step copies it into the training job's environment."""
     if p.mlflow_tracking_uri:
-        if redacted_uri(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
+        if redact_credentials(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
             raise _fail(
                 "mlflow_tracking_uri",
-                redacted_uri(p.mlflow_tracking_uri),
+                redact_credentials(p.mlflow_tracking_uri),
                 "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
                 "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
             )

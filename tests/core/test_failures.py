@@ -1,0 +1,86 @@
+"""The one mapping from what ended a command to its exit code and line (llmft/trainer/failures.py), shared by
+`llmft <group>` and every trainer rank; and the one URL redactor every line passes through."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from llmft import cli
+from llmft.trainer.__main__ import TRAINER
+from llmft.trainer.errors import EXIT_INTERNAL, EXIT_TRANSIENT, EXIT_USER_ERROR, ConfigError
+from llmft.trainer.failures import Teller, describe_failure, extras_providing, missing_package
+from llmft.trainer.mlflow_settings import redact_credentials
+
+
+@pytest.mark.parametrize("teller", [Teller(), TRAINER, cli.group_teller("data")], ids=["plain", "trainer", "cli"])
+def test_an_io_error_of_any_kind_is_transient_and_names_the_file(teller):
+    """EIO from a flaky network volume (not a full disk, not a bad path) is retried: exit 200, one line."""
+    code, message = describe_failure(OSError(errno.EIO, os.strerror(errno.EIO), "/data/runs/a/metrics.jsonl"), teller)
+    assert code == EXIT_TRANSIENT
+    assert message.startswith("/data/runs/a/metrics.jsonl: Input/output error (OSError, errno 5). An I/O fault")
+    assert "\n" not in message and "exit 200 is retried" in message
+    assert ("resumes from its newest complete checkpoint" in message) == (teller is TRAINER)
+
+
+def test_an_unexpected_exception_is_a_bug_and_a_user_error_keeps_its_lines():
+    code, message = describe_failure(ZeroDivisionError("division\nby zero"))
+    assert code == EXIT_INTERNAL and message.startswith("internal error: ZeroDivisionError: division by zero.")
+    assert describe_failure(ConfigError("c.yaml:\n  lora.r: 4 -> 8\n")) == (
+        EXIT_USER_ERROR,
+        "c.yaml:\n  lora.r: 4 -> 8",
+    )
+
+
+@pytest.mark.parametrize(
+    "module, extra",
+    [("kfp", "executor"), ("optuna", "katib"), ("transformers", "trainer"), ("peft", "trainer"),
+     ("pyarrow", "trainer"), ("langfuse", "observe"), ("kfp.kubernetes", "pipeline"), ("kubeflow.katib", "katib"),
+     ("mlflow", "observe")],
+)  # fmt: skip
+def test_a_missing_package_is_bad_input_naming_the_extra_that_brings_it(module, extra):
+    """Read from the installed metadata (setup.cfg's extras): exit 1, never "internal error ... This is a bug"."""
+    code, message = describe_failure(ModuleNotFoundError(f"No module named {module!r}", name=module))
+    assert code == EXIT_USER_ERROR
+    assert message == (
+        f"this command needs the Python package {module!r}, which is not installed here; install the extra it comes "
+        f"with: pip install 'kfp-llm-finetune[{extra}]'"
+    )
+
+
+def test_a_commands_own_extras_win_where_several_bring_the_package():
+    assert extras_providing("kfp")[:2] == ["executor", "pipeline"]
+    line = missing_package(ModuleNotFoundError(name="kfp"), cli.group_teller("sweep"))
+    assert line is not None and line.startswith("llmft sweep needs the Python package 'kfp'")
+    assert line.endswith("pip install 'kfp-llm-finetune[pipeline]'")
+    unknown = missing_package(ModuleNotFoundError(name="no_such_package"), cli.group_teller("sweep"))
+    assert unknown is not None and unknown.endswith("pip install 'kfp-llm-finetune[pipeline,katib]'")
+    torch_line = describe_failure(ModuleNotFoundError(name="torch"), TRAINER)[1]
+    assert torch_line.startswith("the trainer needs the Python package 'torch'") and "make install" in torch_line
+
+
+def test_a_missing_module_of_llmft_itself_stays_a_bug():
+    assert describe_failure(ModuleNotFoundError(name="llmft.commands.gone"))[0] == EXIT_INTERNAL
+    assert missing_package(ImportError("cannot import name 'x' from 'kfp'", name="kfp")) is None
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("http://bob:PASSWORD@host:8888/pipeline", "http://***@host:8888/pipeline"),
+        ("https://ghp_TOKEN@github.example/x", "https://***@github.example/x"),  # a token alone, no password
+        ("https://bob:p@ss@host/", "https://***@host/"),  # a password holding @
+        ("see http://bob:pw@a/ and https://c/?next=x@y", "see http://***@a/ and https://c/?next=x@y"),
+        ("http://host:5000/path@x", "http://host:5000/path@x"),  # an @ after the authority is no credential
+    ],
+)
+def test_the_one_redactor_hides_every_userinfo(url, shown):
+    assert redact_credentials(url) == shown
+
+
+def test_no_failure_line_shows_a_credential():
+    code, message = describe_failure(OSError(errno.EIO, "Input/output error", "https://bob:SECRET@store/b/k"))
+    assert code == EXIT_TRANSIENT and "SECRET" not in message and "https://***@store/b/k" in message
+    assert "SECRET" not in describe_failure(ConfigError("--host http://bob:SECRET@h: refused"))[1]
