@@ -20,6 +20,7 @@ import threading
 from llmft.trainer.config_load import config_to_yaml, load_config_checked
 from llmft.trainer.errors import EXIT_OK, SignalStop
 from llmft.trainer.failures import Teller, describe_failure
+from llmft.trainer.rank_exits import write_rank_exit
 
 EPILOG = """examples:
   llmft train --config llmft/trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
@@ -47,9 +48,6 @@ def _rank_prefix() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # heavy: torch
-    from llmft.trainer.distributed import write_rank_exit
-
     args = build_parser().parse_intermixed_args(argv)  # key=value words before and after the options
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop_while_starting) if main_thread else None  # build() sets its own

@@ -34,6 +34,7 @@ from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import BOOL_WORDS, split_assignment
+from llmft.trainer.data.formats import FORMAT_CHOICES
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import redact_credentials
 
@@ -84,6 +85,7 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     rules = [
         ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
         ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
+        ("dataset_format", p.dataset_format in FORMAT_CHOICES, f"use one of {', '.join(FORMAT_CHOICES)}"),  # prepare's
         ("num_workers", p.num_workers >= 1, "must be >= 1"),
         ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),
         ("serving_gpus", p.serving_gpus >= 0, "must be >= 0"),
