@@ -238,8 +238,8 @@ def _client(args: argparse.Namespace):
     except urllib3.exceptions.HTTPError as exc:  # MaxRetryError: nothing answered the health check at --host
         reason = getattr(exc, "reason", None) or exc
         raise TransientError(
-            f"--host {redact_credentials(args.host)}: the KFP API did not answer ({type(reason).__name__}: {reason}). Check the URL "
-            "and that the KFP API is reachable from here (ingress, VPN or a kubectl port-forward)"
+            f"--host {redact_credentials(args.host)}: the KFP API did not answer ({type(reason).__name__}: {reason}). "
+            "Check the URL and that the KFP API is reachable from here (ingress, VPN or a kubectl port-forward)"
         ) from None
 
 
@@ -250,9 +250,10 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
     except kfp_server_api.ApiException as exc:
         if exc.status in (401, 403):
             raise ConfigError(
-                f"--host {redact_credentials(args.host)}: HTTP {exc.status} {exc.reason}: the KFP API (or Kubeflow's auth proxy in front "
-                "of it) refused the request. Pass credentials: --token-env VAR / --token-file FILE (a bearer token), "
-                "--cookie-env VAR / --cookie-file FILE (a logged-in browser's session cookie), or --sa-token"
+                f"--host {redact_credentials(args.host)}: HTTP {exc.status} {exc.reason}: the KFP API (or Kubeflow's "
+                "auth proxy in front of it) refused the request. Pass credentials: --token-env VAR / --token-file "
+                "FILE (a bearer token), --cookie-env VAR / --cookie-file FILE (a logged-in browser's session cookie), "
+                "or --sa-token"
             ) from None
         raise
 

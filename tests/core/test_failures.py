@@ -51,7 +51,15 @@ def test_a_missing_package_is_bad_input_naming_the_extra_that_brings_it(module, 
 
 
 def test_a_commands_own_extras_win_where_several_bring_the_package():
-    assert extras_providing("kfp")[:2] == ["executor", "pipeline"]
+    assert extras_providing("kfp") == ["executor", "pipeline"]
+    assert extras_providing("mlflow") == ["observe", "pipeline"]  # mlflow-skinny, mlflow: both import as mlflow
+    assert extras_providing("kubernetes_validate") == ["dev"] and extras_providing("yaml") == []
+    assert missing_package(ModuleNotFoundError(name="pytest")) == (
+        "this command needs the Python package 'pytest', which is not installed here; install the extra it comes "
+        "with: pip install 'kfp-llm-finetune[dev]'"
+    )
+    line = missing_package(ModuleNotFoundError(name="mlflow"), Teller(extras=("pipeline",)))
+    assert line is not None and line.endswith("[pipeline]'")
     line = missing_package(ModuleNotFoundError(name="kfp"), cli.group_teller("sweep"))
     assert line is not None and line.startswith("llmft sweep needs the Python package 'kfp'")
     assert line.endswith("pip install 'kfp-llm-finetune[pipeline]'")
@@ -84,3 +92,74 @@ def test_no_failure_line_shows_a_credential():
     code, message = describe_failure(OSError(errno.EIO, "Input/output error", "https://bob:SECRET@store/b/k"))
     assert code == EXIT_TRANSIENT and "SECRET" not in message and "https://***@store/b/k" in message
     assert "SECRET" not in describe_failure(ConfigError("--host http://bob:SECRET@h: refused"))[1]
+
+
+PLAIN, TRAINER_NOTE = Teller(), "; the run resumes from its newest complete checkpoint"
+
+
+@pytest.mark.parametrize(
+    "exc, teller, expected",
+    [
+        (
+            OSError(errno.EIO, "Input/output error", "/d/f"),
+            PLAIN,
+            (200, "/d/f: Input/output error (OSError, errno 5). An I/O fault (full or read-only disk, permissions, "
+                  "network storage): fix it and re-run; exit 200 is retried by the pipeline"),
+        ),
+        (
+            OSError(errno.EIO, "Input/output error"),
+            TRAINER,
+            (200, "Input/output error (OSError, errno 5). An I/O fault (full or read-only disk, permissions, network "
+                  "storage): fix it and re-run; exit 200 is retried by the pipeline" + TRAINER_NOTE),
+        ),
+        (PermissionError(), PLAIN, (200, "PermissionError (PermissionError, errno None). An I/O fault (full or "
+                                          "read-only disk, permissions, network storage): fix it and re-run; exit 200 "
+                                          "is retried by the pipeline")),
+        (KeyboardInterrupt(), PLAIN, (130, "interrupted (Ctrl-C)")),
+        (KeyboardInterrupt("stopped\nby SIGTERM"), PLAIN, (130, "stopped by SIGTERM")),
+        (
+            ValueError("bad\n value"),
+            PLAIN,
+            (3, "internal error: ValueError: bad value. This is a bug; re-run with LLMFT_DEBUG=1 for the traceback and "
+                "report it"),
+        ),
+    ],
+)  # fmt: skip
+def test_each_kind_of_failure_is_told_in_exactly_these_words(exc, teller, expected):
+    """The lines docs/failure-modes.md quotes: every branch of the one mapping, word for word."""
+    assert describe_failure(exc, teller) == expected
+
+
+def test_a_full_disk_names_what_was_written_and_a_short_path_is_bad_input():
+    code, message = describe_failure(OSError(errno.ENOSPC, "No space left on device", "/d/f"), TRAINER)
+    assert code == 200 and message.startswith("/d/f: No space left on device (errno 28, ENOSPC) writing the run's")
+    assert message.endswith(TRAINER_NOTE) and "\n" not in message
+    assert describe_failure(OSError(errno.EFBIG, "File too large", "/d/f"))[0] == 1  # ulimit -f: a retry hits it
+    code, message = describe_failure(OSError(errno.ENAMETOOLONG, "File name too long", "/d/" + "x" * 300))
+    assert code == 1 and "file name too long" in message
+
+
+@pytest.mark.parametrize(
+    "world, exc, code",
+    [
+        ("2", RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:5011"), 200),
+        ("2", RuntimeError("Connection reset by peer"), 200),
+        ("2", RuntimeError("shape mismatch"), 3),
+        ("1", RuntimeError("Connection reset by peer"), 3),  # one rank has no peer to lose
+        ("", RuntimeError("Connection reset by peer"), 3),
+    ],
+)
+def test_a_lost_peer_rank_is_transient_only_in_a_multi_rank_run(monkeypatch, world, exc, code):
+    import torch.distributed  # noqa: F401 - the check looks for torch already loaded
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    got, message = describe_failure(exc, TRAINER)
+    assert got == code
+    assert message.startswith("lost a peer rank (RuntimeError: ") == (code == 200)
+
+
+def test_a_dist_error_of_any_text_is_a_lost_peer(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert describe_failure(dist.DistError("store timed out"), TRAINER)[0] == 200

@@ -199,3 +199,61 @@ def test_a_shards_minus_100_labels_are_no_targets_and_token_0_is_one(tmp_path):
     assert micro.targets.tolist() == [-100, 0, 7, -100, -100, 0, 3, -100]  # never across the documents
     batch = micro.to_torch(CPU)
     assert batch["supervised"].tolist() == [1, 2, 5, 6]
+
+
+def test_the_streak_message_names_the_rank_or_the_gradients_and_starts_from_the_resumed_count():
+    counters = StepCounters(CPU, skipped=5)  # a resumed run carries its skipped steps on
+    for step in (8, 9):
+        counters.update(step, torch.tensor(float("nan")), torch.tensor(1.0), torch.tensor(True), torch.tensor(True), 2)
+    assert int(counters.skipped) == 7 and int(counters.hit_step) == 9
+    with pytest.raises(TrainingAborted) as caught:
+        counters.check_bad_streak(ONE, 2)
+    assert str(caught.value) == (
+        "step 9: 2 consecutive steps with a non-finite loss or gradient norm (non-finite loss on rank(s) [0]); "
+        "updates were skipped, stopping. Lower optim.lr, check the data, or raise max_bad_steps."
+    )
+    gradients = StepCounters(CPU)  # every rank's loss finite: the all-reduced gradient norm was not
+    for step in (1, 2):
+        bad = torch.tensor(True)
+        gradients.update(step, torch.tensor(1.0), torch.tensor(float("inf")), bad, torch.tensor(False), 2)
+    with pytest.raises(TrainingAborted, match=r"\(non-finite loss in the gradients \(all-reduced over every rank\)\)"):
+        gradients.check_bad_streak(ONE, 2)
+
+
+def test_a_stop_exits_128_plus_the_signal_and_says_where():
+    from llmft.trainer.steps import Stopped
+
+    stopped = Stopped(signal.SIGTERM, 12)
+    assert stopped.exit_code == 143 and str(stopped) == "SIGTERM at step 12"
+    assert Stopped(signal.SIGINT, 3).exit_code == 130
+
+
+def test_garbage_is_collected_on_schedule_and_seeds_repeat(monkeypatch):
+    import gc
+    import random
+
+    import numpy as np
+
+    from llmft.trainer.steps import collect_garbage, scheduled_gc, seed_all
+
+    calls: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation))
+    for step in range(1, 7):
+        collect_garbage(step, 3)
+        collect_garbage(step, 0)  # 0: the automatic collector, never a scheduled one
+    assert calls == [1, 1]
+    with scheduled_gc(0):
+        assert gc.isenabled()
+    with scheduled_gc(5):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+    def draws(seed: int) -> tuple:
+        seed_all(seed)
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    assert draws(2**32 + 7) == draws(2**32 + 7) != draws(8)
+    seed_all(2**32 + 7)
+    state = np.random.get_state()[1][0]
+    seed_all(7)
+    assert np.random.get_state()[1][0] == state  # numpy takes the seed modulo 2**32
