@@ -163,3 +163,50 @@ def test_a_dist_error_of_any_text_is_a_lost_peer(monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert describe_failure(dist.DistError("store timed out"), TRAINER)[0] == 200
+
+
+def test_a_lost_peer_and_a_signal_stop_are_told_word_for_word(monkeypatch):
+    import torch.distributed  # noqa: F401 - the check looks for torch already loaded
+
+    from llmft.trainer.errors import SignalStop
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    long = "Connection reset by peer " + "x" * 400
+    code, message = describe_failure(RuntimeError(long), TRAINER)
+    assert (code, message) == (
+        200,
+        f"lost a peer rank (RuntimeError: {long[:300]}): another node or rank died without a checkpoint (OOM kill, "
+        "lost node, crash); exit 200 so this pod restarts too and every rank resumes together from the newest "
+        "complete checkpoint",
+    )
+    monkeypatch.delenv("WORLD_SIZE")
+    assert describe_failure(RuntimeError("Connection reset by peer"), TRAINER)[0] == 3  # no WORLD_SIZE: one rank
+    assert describe_failure(SignalStop(15, "stopped by SIGTERM"), TRAINER) == (143, "stopped by SIGTERM")
+
+
+def test_extras_are_read_from_any_requirement_spelling(monkeypatch):
+    from llmft.trainer import failures
+
+    requirements = [
+        'Foo_Bar>=1; extra == "x"',
+        "PyYAML>=6; extra == 'y'",
+        'kfp-kubernetes>=2.16; extra == "pipeline"',
+        'top-pkg; extra == "z"',
+        "numpy>=1.26",  # the base install: no extra
+        'kfp-llm-finetune[trainer]; extra == "dev"',
+    ]
+    monkeypatch.setattr(failures.importlib.metadata, "requires", lambda name: requirements)
+    assert extras_providing("foo_bar") == ["x"] and extras_providing("yaml") == ["y"]
+    assert extras_providing("kfp.kubernetes") == ["pipeline"] and extras_providing("kfp") == []
+    assert extras_providing("top_pkg.sub") == ["z"] and extras_providing("numpy") == []
+    assert failures._preferred(["dev", "x"], ()) == ["x"] and failures._preferred(["dev"], ()) == ["dev"]
+    assert failures._preferred(["x", "y"], ("y",)) == ["y"]
+    assert missing_package(ModuleNotFoundError(name="other.mod")) == (
+        "this command needs the Python package 'other.mod', which is not installed here; install it: pip install other"
+    )
+
+    def absent(name):
+        raise failures.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(failures.importlib.metadata, "requires", absent)
+    assert extras_providing("kfp") == []  # a source tree without installed metadata

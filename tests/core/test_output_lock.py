@@ -58,7 +58,8 @@ def test_the_lock_is_reentrant_within_a_thread_and_held_across_processes(tmp_pat
             timeout=60,
         )
         assert probe.returncode == 9  # another process cannot take it
-        assert lock_path(final).stat().st_size == 0  # never written
+        held = lock_path(final).stat()
+        assert held.st_size == 0 and held.st_mode & 0o777 == 0o666 & ~_umask()  # never written; the umask's mode
     assert not lock_path(final).exists()  # removed by its holder
 
 
@@ -100,3 +101,11 @@ def test_a_filesystem_without_flock_writes_without_a_lock_and_other_errors_are_r
     monkeypatch.setattr(module.fcntl, "flock", fcntl.flock)
     assert lock_path(tmp_path / "a" / ".." / "out") == tmp_path / ".out.llmft-writer.lock"
     assert lock_path("out").parent == __import__("pathlib").Path.cwd()
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

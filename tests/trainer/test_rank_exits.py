@@ -10,10 +10,13 @@ def test_each_rank_records_its_code_where_the_launcher_reads_it(tmp_path, monkey
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")  # the folder named, never the current one
     monkeypatch.setenv(EXIT_DIR_ENV, str(tmp_path))
-    for rank, code in (("0", 143), ("1", 1), ("", 200)):  # no RANK: one process, rank 0 (overwrites the first)
+    for rank, code in (("0", 143), ("1", 1), ("", 200)):  # RANK empty: one process, rank 0 (overwrites the first)
         monkeypatch.setenv("RANK", rank)
         write_rank_exit(code)
     assert read_rank_exits(str(tmp_path)) == {0: 200, 1: 1}
+    monkeypatch.delenv("RANK")  # no RANK at all: rank 0 too
+    write_rank_exit(3)
+    assert read_rank_exits(str(tmp_path)) == {0: 3, 1: 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "rank-0", "rank-1"]
     assert not any((tmp_path / "cwd").iterdir())
     assert (tmp_path / "rank-1").read_text() == "1\n"

@@ -257,3 +257,58 @@ def test_garbage_is_collected_on_schedule_and_seeds_repeat(monkeypatch):
     state = np.random.get_state()[1][0]
     seed_all(7)
     assert np.random.get_state()[1][0] == state  # numpy takes the seed modulo 2**32
+
+
+def test_fresh_counters_start_at_nothing_on_the_device_in_their_types():
+    counters = StepCounters(CPU, skipped=2)
+    expected = {
+        "streak": (0, torch.int64),
+        "hit_step": (-1, torch.int64),
+        "hit_local": (False, torch.bool),
+        "skipped": (2, torch.int64),
+        "loss_sum": (0.0, torch.float32),
+        "good_steps": (0.0, torch.float32),
+        "grad_norm": (0.0, torch.float32),
+    }
+    for name, (value, dtype) in expected.items():
+        tensor = getattr(counters, name)
+        assert tensor.item() == value and tensor.dtype == dtype and tensor.device == CPU, name
+    counters.update(1, torch.tensor(3.0), torch.tensor(0.5), torch.tensor(False), torch.tensor(False), 2)
+    assert counters.loss_sum.item() == 3.0 and counters.good_steps.item() == 1.0 and counters.grad_norm.item() == 0.5
+    assert counters.streak.item() == 0 and counters.hit_step.item() == -1 and counters.skipped.item() == 2
+
+
+def test_the_stop_request_starts_clear_and_says_exactly_which_signals(monkeypatch):
+    from llmft.trainer.errors import SignalStop
+    from llmft.trainer.steps import StopRequest, collect_garbage, seed_all
+
+    request = StopRequest()
+    assert request.signum == 0
+    request.signum = signal.SIGTERM
+    previous = request.install()
+    try:
+        assert request.signum == 0  # a new run's request starts clear
+        request._handle(signal.SIGINT, None)
+        with pytest.raises(SignalStop) as caught:
+            request._handle(signal.SIGINT, None)
+    finally:
+        StopRequest.restore(previous)
+    assert str(caught.value) == "interrupted by a second Ctrl-C: stopped at once, without a checkpoint"
+
+    import gc
+
+    steps: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: steps.append(generation))
+    for step in range(1, 5):
+        before = len(steps)
+        collect_garbage(step, 1)  # every step
+        collect_garbage(step, 2)  # even steps only
+        steps[before:] = [step] * (len(steps) - before)
+    assert steps == [1, 2, 2, 3, 4, 4]
+
+    import numpy as np
+
+    seed_all(100)
+    ours = np.random.rand()
+    np.random.seed(100)
+    assert ours == np.random.rand()
