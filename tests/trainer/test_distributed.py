@@ -218,7 +218,7 @@ def stop(signum, frame):  # rank 0 commits and exits 143; rank 1 fails while sto
     sys.exit(code)
 
 signal.signal(signal.SIGTERM, stop)
-print(f"rank {rank} ready", flush=True)
+os.write(1, f"rank {rank} ready\\n".encode())  # one write: the two ranks' lines never interleave
 time.sleep(RANK_SLEEP_S)  # never signalled: exit 0, the outcome the test refuses
 """
 RANK_SLEEP_S = 60
@@ -229,7 +229,13 @@ deadline allows for a machine loaded well past its cores. A launcher that does n
 
 def test_a_failed_rank_wins_over_sigterm(tmp_path):
     """Real torchrun under `llmft train`'s launcher, with stand-in ranks: one exits 143 on SIGTERM,
-    the other 1. The launcher was signalled, but a rank failed: the job must not look preempted."""
+    the other 1. The launcher was signalled, but a rank failed: the job must not look preempted.
+
+    It failed 2 of 11 runs under load (exit 0 after the ranks' whole sleep): with PYTHONUNBUFFERED, print()
+    writes its text and its newline separately, so the two ranks' lines could arrive as "rank 0 readyrank 1
+    ready" and one line; the test counted one ready rank, never sent SIGTERM, and read on until the ranks
+    slept out their 120 s. Each rank now writes its line in one write, the test counts every "ready" it reads,
+    and a run that ends before both is told at once."""
     script = tmp_path / "ranks.py"
     script.write_text(FAKE_RANKS.replace("RANK_SLEEP_S", str(RANK_SLEEP_S)))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
@@ -247,10 +253,11 @@ def test_a_failed_rank_wins_over_sigterm(tmp_path):
     try:
         ready = 0
         for line in proc.stdout:
-            ready += line.startswith("rank ")
+            ready += line.count(" ready")  # print()'s text and newline could interleave: "rank 0 readyrank 1 ready"
             if ready == 2:
                 proc.send_signal(signal.SIGTERM)
                 break
+        assert ready == 2, "the ranks ended before both said they were ready"
         deadline = time.monotonic() + FORWARD_DEADLINE_S
         while not any(line.startswith("[llmft] SIGTERM: forwarded") for line in _drain(errors)):
             assert time.monotonic() < deadline, "the launcher did not forward SIGTERM to torchrun"
