@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def say_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write: print() writes them apart (under PYTHONUNBUFFERED, which the
+    Training Operator sets), so two ranks' lines could merge into one ("[rank 0] error: x[rank 1] error: y")."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _rank_prefix() -> str:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     return f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) or os.environ.get("LLMFT_DEBUG", "") not in ("", "0"):
             raise
         code, message = describe_failure(exc, TRAINER)
-        print(f"{_rank_prefix()}error: {message}", file=sys.stderr, flush=True)
+        say_line(f"{_rank_prefix()}error: {message}")
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -39,3 +39,25 @@ def test_garbage_in_the_folder_is_skipped_and_no_folder_writes_nothing(tmp_path,
     monkeypatch.setenv(EXIT_DIR_ENV, "")
     write_rank_exit(1)
     assert not (tmp_path / "absent").exists() and read_rank_exits(str(tmp_path)) == {}
+
+
+def test_a_ranks_error_line_is_one_write(monkeypatch):
+    """Two ranks share a pod's stderr: print() writes the text, then the newline (two writes under PYTHONUNBUFFERED,
+    which the Training Operator sets), so another rank's line could land between them; say_line writes once."""
+    import sys
+
+    from llmft.trainer.__main__ import say_line
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    say_line("[rank 1] error: x")
+    assert writes == ["[rank 1] error: x\n"]
