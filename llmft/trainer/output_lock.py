@@ -59,13 +59,13 @@ def output_lock(final: str | os.PathLike) -> Iterator[None]:
 
 def _locked_file(path: Path, final: str | os.PathLike) -> int:
     """An open descriptor of ``path`` holding its lock. The holder removes the file before it lets go, so a lock
-    taken on a file that is no longer at ``path`` (a waiter's, on the removed one) is dropped and taken again."""
-    told = False
+    taken on a file that is no longer at ``path`` (a waiter's, on the removed one) is dropped and taken again.
+    A symlink at ``path`` is never followed (O_NOFOLLOW: the open fails)."""
     while True:
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
         try:
-            told = _acquire(fd, final, told)
-            held, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            _acquire(fd, final)
+            held, now = os.fstat(fd), os.lstat(path)
             if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
                 return fd
         except FileNotFoundError:
@@ -76,22 +76,19 @@ def _locked_file(path: Path, final: str | os.PathLike) -> int:
         os.close(fd)
 
 
-def _acquire(fd: int, final: str | os.PathLike, told: bool) -> bool:
-    """Lock ``fd``, waiting for another holder (said once); returns whether the wait was said."""
+def _acquire(fd: int, final: str | os.PathLike) -> None:
+    """Lock ``fd``; when another process holds it, say so (stderr is line-buffered) and wait."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return told
+        return
     except BlockingIOError:
         pass
     except OSError as exc:
         if exc.errno in NO_FLOCK:
-            return told  # no locks on this filesystem: write without one
+            return  # no locks on this filesystem: write without one
         raise
-    if not told:
-        print(
-            f"[llmft] {os.path.abspath(final)}: another llmft process is writing it; waiting for it to finish",
-            file=sys.stderr,
-            flush=True,
-        )
+    print(
+        f"[llmft] {os.path.abspath(final)}: another llmft process is writing it; waiting for it to finish",
+        file=sys.stderr,
+    )
     fcntl.flock(fd, fcntl.LOCK_EX)
-    return True

@@ -109,3 +109,11 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_symlink_where_the_lock_goes_is_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    lock_path(tmp_path / "out").symlink_to(elsewhere)
+    with pytest.raises(OSError), output_lock(tmp_path / "out"):
+        pass
+    assert not elsewhere.exists()  # nothing created through the link
