@@ -42,6 +42,7 @@ from llmft.pipelines.local_run import run_pipeline_locally
 from llmft.pipelines.real_demo import heldout_report, learning_report, merged_answers
 from llmft.trainer.errors import ConfigError, TransientError
 from llmft.trainer.io import write_owned_file
+from llmft.trainer.mlflow_settings import redact_credentials
 
 CRON_FIELD = re.compile(r"^[0-9*?/,\-LW#A-Za-z]+$")
 
@@ -239,8 +240,8 @@ def _client(args: argparse.Namespace):
     except urllib3.exceptions.HTTPError as exc:  # MaxRetryError: nothing answered the health check at --host
         reason = getattr(exc, "reason", None) or exc
         raise TransientError(
-            f"--host {args.host}: the KFP API did not answer ({type(reason).__name__}: {reason}). Check the URL "
-            "and that the KFP API is reachable from here (ingress, VPN or a kubectl port-forward)"
+            f"--host {redact_credentials(args.host)}: the KFP API did not answer ({type(reason).__name__}: {reason}). "
+            "Check the URL and that the KFP API is reachable from here (ingress, VPN or a kubectl port-forward)"
         ) from None
 
 
@@ -251,9 +252,10 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
     except kfp_server_api.ApiException as exc:
         if exc.status in (401, 403):
             raise ConfigError(
-                f"--host {args.host}: HTTP {exc.status} {exc.reason}: the KFP API (or Kubeflow's auth proxy in front "
-                "of it) refused the request. Pass credentials: --token-env VAR / --token-file FILE (a bearer token), "
-                "--cookie-env VAR / --cookie-file FILE (a logged-in browser's session cookie), or --sa-token"
+                f"--host {redact_credentials(args.host)}: HTTP {exc.status} {exc.reason}: the KFP API (or Kubeflow's "
+                "auth proxy in front of it) refused the request. Pass credentials: --token-env VAR / --token-file "
+                "FILE (a bearer token), --cookie-env VAR / --cookie-file FILE (a logged-in browser's session cookie), "
+                "or --sa-token"
             ) from None
         raise
 
@@ -272,7 +274,7 @@ def run_submit(args: argparse.Namespace) -> int:
         service_account=args.service_account,
         enable_caching=False,
     )
-    print(f"submitted run {result.run_id} in experiment {args.experiment!r} on {args.host}")
+    print(f"submitted run {result.run_id} in experiment {args.experiment!r} on {redact_credentials(args.host)}")
     return 0
 
 

@@ -106,7 +106,7 @@ def plan_run(
     Args:
         model: Base model: a Hugging Face hub id or a directory on the volume.
         dataset: Raw data: a hub dataset id or a file/folder on the volume.
-        dataset_format: auto, openai (messages), sharegpt, alpaca, prompt_completion or text.
+        dataset_format: auto, messages (OpenAI chat), sharegpt, alpaca, prompt_completion or text.
         dataset_split: Split of a hub dataset to read.
         val_fraction: Fraction of accepted rows held out for validation (0 < f < 1).
         max_reject_fraction: Fail the prepare step when more rows than this fraction are rejected.

@@ -21,7 +21,6 @@ The run log says which happened (one ``base model:`` line).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import tempfile
@@ -37,7 +36,8 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.fp8_format import FINEGRAINED, BaseFormat, QuantFormat, quant_format, read_model_config
 from llmft.trainer.io import atomic_directory, is_complete, share_files
 from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
-from llmft.trainer.model_dir import content_hash
+from llmft.trainer.model_dir import check_weights, content_hash
+from llmft.trainer.output_lock import output_lock
 from llmft.trainer.quant4bit import quantize_linears_4bit
 from llmft.trainer.safe_files import copy_file
 from llmft.trainer.tiny_model import build_tiny_model
@@ -133,6 +133,7 @@ def load_base(name_or_path: str, revision: str | None, method: str, kwargs: dict
     from transformers import AutoModelForCausalLM
 
     plan = load_plan(name_or_path, revision, method, kwargs)
+    check_weights(plan.path)  # a truncated local base: one line naming the file, not safetensors' internal error
     with warnings.catch_warnings():  # "the quantization_config from the model will be used": meant so
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(plan.path, **plan.kwargs)
@@ -171,8 +172,7 @@ def dequantized_copy(name_or_path: str, revision: str | None, dtype=torch.bfloat
     digest, _ = content_hash(base.directory)
     target = cache_root() / "dequantized" / f"{base.directory.name}-{_dtype_name(dtype)}-{digest[:16]}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with output_lock(target):  # the one writer lock of every output (llmft/trainer/output_lock.py)
         if not is_complete(target):
             rewrite_checkpoint(base, target, dtype=dtype, kind="fp8-dequantized", force=False)
     return target

@@ -34,8 +34,9 @@ from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import BOOL_WORDS, split_assignment
+from llmft.trainer.data.formats import FORMAT_CHOICES
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.mlflow_settings import redacted_uri
+from llmft.trainer.mlflow_settings import redact_credentials
 
 SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hf": (("HF_TOKEN",), ("HF_TOKEN",)),
@@ -84,6 +85,7 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     rules = [
         ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
         ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
+        ("dataset_format", p.dataset_format in FORMAT_CHOICES, f"use one of {', '.join(FORMAT_CHOICES)}"),  # prepare's
         ("num_workers", p.num_workers >= 1, "must be >= 1"),
         ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),
         ("serving_gpus", p.serving_gpus >= 0, "must be >= 0"),
@@ -250,10 +252,10 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
     MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
     the train step copies it into the training job's environment."""
     if p.mlflow_tracking_uri:
-        if redacted_uri(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
+        if redact_credentials(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
             raise _fail(
                 "mlflow_tracking_uri",
-                redacted_uri(p.mlflow_tracking_uri),
+                redact_credentials(p.mlflow_tracking_uri),
                 "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
                 "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
             )
