@@ -109,7 +109,7 @@ def plan_run(
     Args:
         base_model: The model to fine-tune: a Hugging Face hub id, or a directory on the volume.
         dataset: The raw training data: a hub dataset id, or a file or folder on the volume.
-        dataset_format: auto, openai (messages), sharegpt, alpaca, prompt_completion or text.
+        dataset_format: auto, messages (OpenAI chat), sharegpt, alpaca, prompt_completion or text.
         dataset_max_reject_fraction: Fail the prepare step when more rows than this fraction are rejected.
         dataset_split: Split of a hub dataset to read.
         dataset_val_fraction: Fraction of accepted rows held out for validation (0 < f < 1).

@@ -154,19 +154,20 @@ def run_pipeline_locally(
     extra_defaults: dict[str, Any] | None = None,
 ) -> LocalOutcome:
     """Run the pipeline (the HPO one with ``hpo``) through kfp.local with the local defaults (plus
-    ``extra_defaults``, then ``overrides``; older parameter names accepted): its local form, built with these
-    arguments as its values (the compile-time ones too); never raises for a failed task (see the outcome)."""
+    ``extra_defaults``, then ``overrides``; older parameter names accepted): its kfp.local form, which retries
+    nothing (``local_pipeline``), built with these arguments as its values (the compile-time ones too); never
+    raises for a failed task (see the outcome)."""
     # heavy: kfp
     from kfp import local
 
     # heavy: kfp, kubeflow_katib_api, pydantic
-    from llmft.pipelines.llm_finetune import build_pipeline
+    from llmft.pipelines.llm_finetune import local_pipeline
 
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"work folder {work}: preparing the base model and MLflow store ...", flush=True)
     arguments = resolve_local_arguments(overrides, work, extra_defaults)
-    pipeline = build_pipeline(hpo=hpo, local=True, defaults=arguments)
+    pipeline = local_pipeline(hpo=hpo, defaults=arguments)
     prepare_local_mlflow(arguments["mlflow_tracking_uri"], arguments["mlflow_experiment"], work / "mlartifacts")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Tiny matrices on a small shared CPU: one intra-op thread per process is many times faster

@@ -303,7 +303,7 @@ def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch, capsys):
     artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     plan_run.python_func(
         plan=artifact,
-        **parameters(finetune_lora_r=8, serving_max_lora_rank=8, volume_path=str(tmp_path)),
+        **parameters(finetune_lora_r=8, serving_max_lora_rank=8, volume_path=str(tmp_path), training_backend="local"),
         run_id="r1",
         compiled="",
     )
@@ -313,7 +313,11 @@ def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch, capsys):
     assert artifact.metadata["trainer_image"] == plan.images.trainer
     assert "serving form" not in capsys.readouterr().out  # a plain adapter: decided after promotion
     dora = parameters(
-        finetune_lora_r=8, serving_max_lora_rank=8, finetune_overrides="lora.use_dora=true", volume_path=str(tmp_path)
+        finetune_lora_r=8,
+        serving_max_lora_rank=8,
+        finetune_overrides="lora.use_dora=true",
+        volume_path=str(tmp_path),
+        training_backend="local",
     )
     plan_run.python_func(plan=artifact, **dora, run_id="r2", compiled="")
     assert "serving form: merged (lora.use_dora=true (DoRA)" in capsys.readouterr().out

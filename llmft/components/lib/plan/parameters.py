@@ -90,7 +90,7 @@ class PipelineParameters:
     dataset: str = _p(
         "tatsu-lab/alpaca", "The raw training data: a hub dataset id, or a file or folder on the volume.", minimal=True
     )
-    dataset_format: str = _p("auto", "auto, openai (messages), sharegpt, alpaca, prompt_completion or text.")
+    dataset_format: str = _p("auto", "auto, messages (OpenAI chat), sharegpt, alpaca, prompt_completion or text.")
     dataset_max_reject_fraction: float = _p(
         0.01, "Fail the prepare step when more rows than this fraction are rejected.", was=("max_reject_fraction",)
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 from llmft.components.lib.jobs.trainjob_runtime import preflight_runtime
 from llmft.components.lib.plan.build import build_plan, write_run_config
-from llmft.components.lib.plan.checks import preflight_secrets, preflight_serving_namespace
+from llmft.components.lib.plan.checks import check_runs_here, preflight_secrets, preflight_serving_namespace
 from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.components.lib.plan.schema import RunPlan, write_plan
 from llmft.components.lib.plan.volume_access import check_volume_writable
@@ -31,6 +31,7 @@ def run_plan_step(
         preflight_runtime(run_plan)
         check_volume_writable(run_plan.layout)
     else:
+        check_runs_here(run_plan)  # a cluster-only backend: refused here, before prepare and tokenize
         print("kfp.local: Secret preflight skipped (credentials come from this environment)")
     write_run_config(run_plan)  # the trainer's resolved config on the volume, before the plan is handed on
     write_plan(run_plan, plan_dir)

@@ -48,7 +48,7 @@ from typing import Any
 from llmft.components.lib.evaluation.checkpoints import task_scores
 from llmft.components.lib.evaluation.task_eval import PERPLEXITY, lower_is_better
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
+from llmft.trainer.mlflow_settings import prepare_mlflow, redact_credentials, tracking_uri_without_credentials
 
 CHAMPION_ALIAS = "champion"
 KEY_TAG = "llmft.registration_key"
@@ -460,10 +460,7 @@ def _error_code(exc) -> str:
 
 def _redacted_uri(client) -> str:
     uri = str(getattr(getattr(client, "_tracking_client", None), "tracking_uri", "") or "")
-    if "@" in uri and "://" in uri:  # never echo credentials embedded in a URI
-        scheme, rest = uri.split("://", 1)
-        uri = f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return uri
+    return redact_credentials(uri)  # never echo credentials embedded in a URI
 
 
 def _now_ms() -> int:
