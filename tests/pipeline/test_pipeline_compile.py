@@ -546,4 +546,5 @@ def test_the_compiled_images_reach_the_job_the_trials_and_the_inference_service(
         [sys.executable, str(script), str(package)], env=clean, capture_output=True, text=True, timeout=300
     )
     assert built.returncode == 0, built.stderr
-    assert json.loads(built.stdout) == {"job": image, "trial": image, "runtime": "my-vllm-runtime"}
+    # the last line: the plan step prints its notes (volume, grace period) before
+    assert json.loads(built.stdout.splitlines()[-1]) == {"job": image, "trial": image, "runtime": "my-vllm-runtime"}

@@ -193,7 +193,9 @@ def test_finetune_lora_r_reaches_the_peft_model(tmp_path, tiny_model_dir):
     from llmft.trainer.model import load_model
 
     artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
-    values = parameters(base_model=str(tiny_model_dir), finetune_lora_r=4, volume_path=str(tmp_path))
+    values = parameters(
+        base_model=str(tiny_model_dir), finetune_lora_r=4, volume_path=str(tmp_path), training_backend="local"
+    )
     plan_run.python_func(plan=artifact, **values, run_id="route", compiled="")
     launch = read_plan(artifact.path).trainer.launch(str(tmp_path / "tokenized" / "k"))
     config = load_config(launch.config_path, [f"{k}={v}" for k, v in launch.overrides.items()])
