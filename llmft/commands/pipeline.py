@@ -327,6 +327,9 @@ def run_local(args: argparse.Namespace) -> int:
         extra_defaults=extra_defaults,
     )
     print(outcome.render(time.perf_counter() - started))
+    if outcome.stopped_by:
+        print(f"error: {outcome.failure_line()}", file=sys.stderr)
+        return 128 + outcome.stopped_by
     if not outcome.succeeded:
         print(f"error: {outcome.failure_line()}", file=sys.stderr)
         return 1
