@@ -63,7 +63,17 @@ SERVABLE_PATTERNS = (
 
 
 class PromotionRefused(LlmftError):
-    """No checkpoint beats the base model by the required margin."""
+    """Nothing may be promoted: the gate said no (:class:`GateRefused`), or the checkpoint cannot be (no COMPLETE
+    marker, no weights, an adapter vLLM would refuse under serving_mode=lora, a margin out of range)."""
+
+
+class GateRefused(PromotionRefused):
+    """The gate's decision: no checkpoint beats the base model by the margin. Not a failure of the run: the promote
+    step reports it as its decision ("not promoted: <reason>") and the pipeline skips register and deploy."""
+
+    def __init__(self, message: str, decision: PromotionDecision):
+        super().__init__(message)
+        self.decision = decision
 
 
 @dataclass(frozen=True)
@@ -214,7 +224,7 @@ def promote(
     record_path = destination.with_name(destination.name + ".decision.json")
     if not decision.promoted or decision.checkpoint_path is None:  # a promoted decision names its checkpoint
         atomic_write_json(record_path, decision.to_dict())
-        raise PromotionRefused(f"{decision.reason} (decision recorded in {record_path})")
+        raise GateRefused(f"{decision.reason} (decision recorded in {record_path})", decision)
     source = Path(decision.checkpoint_path)
     decision = PromotionDecision(**{**decision.to_dict(), "destination": str(destination)})
     copy_servable(source, destination, decision, max_lora_rank=max_lora_rank)

@@ -101,6 +101,9 @@ class DeployRequest:
     """The plan's SecretMount of the HF token (its HF_TOKEN key, required), or None."""
     is_champion: bool = True
     """Whether the register step made this version the champion (registration.json ``is_champion``)."""
+    registered: bool = True
+    """False: the run has no MLflow (registration.json ``registered: false``): no champion to compare with, the
+    promoted adapter (which beat the base model) is served, and the result says so."""
     deploy_policy: str = "champion"
     """champion: deploy only the champion; always: deploy this version even when it lost."""
     form: str = "lora"
@@ -133,6 +136,14 @@ started beside the old one and traffic moves once it is Ready, so a redeploy nee
 (docs/cluster-guide.md, Redeploying)."""
 
 
+UNREGISTERED = "unregistered"
+"""The version label of an adapter a run without MLflow serves."""
+NO_REGISTRY_NOTE = (
+    "no MLflow registry: the promoted adapter (it beat the base model at the gate) is served; with no champion "
+    "to compare with, deploy_policy=champion does not apply"
+)
+
+
 def plan_deploy_request(
     run_plan, *, adapter_dir: str, registered: Mapping[str, Any], form: str, model_dir: str = "", form_reason: str = ""
 ) -> DeployRequest:
@@ -140,11 +151,12 @@ def plan_deploy_request(
     adapter ``adapter_dir`` the register step recorded as ``registered`` (registration.json), served in
     ``form`` (serving.json). The deploy step sends it as is; ``make demo-real`` changes the form it serves."""
     settings = run_plan.serving
+    in_registry = registered.get("registered", True) is not False
     return DeployRequest(
         adapter_dir=adapter_dir,
         base_model=run_plan.trainer.model,
         adapter_name=registered["model_name"],
-        version=str(registered["version"]),
+        version=str(registered["version"]) if in_registry else UNREGISTERED,
         deploy=settings.deploy,
         mode=settings.mode,
         name=settings.name,
@@ -159,7 +171,8 @@ def plan_deploy_request(
         runtime=settings.runtime,
         node_selector=settings.node_selector,
         hf_secret=settings.hf_secret,
-        is_champion=is_champion(registered),
+        is_champion=is_champion(registered) if in_registry else True,
+        registered=in_registry,
         deploy_policy=settings.deploy_policy,
         form=form,
         model_dir=model_dir,
@@ -274,6 +287,9 @@ def deploy_promoted(
         **write_manifest(body, manifest_path, crd_dir=crd_dir),
     }
     print(f"manifest: {manifest_path} (CRD schema {'ok' if result['schema_validated'] else 'not checked'})")
+    if not req.registered:
+        print(NO_REGISTRY_NOTE)
+        result["note"] = NO_REGISTRY_NOTE
     if not req.deploy:
         return {**result, "status": "manifest-only"}
     if req.deploy_policy == "champion" and not req.is_champion:
