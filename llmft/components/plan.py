@@ -153,7 +153,8 @@ def plan_run(
         data_memory: Memory request and limit of prepare, tokenize and the serving-form step.
         eval_cpu: CPU request and limit of the evaluate step (1 GPU).
         eval_memory: Memory request and limit of the evaluate step (loads the base model).
-        mlflow_tracking_uri: MLflow server ('' = MLFLOW_TRACKING_URI from mlflow_secret).
+        mlflow_tracking_uri: MLflow server ('' = MLFLOW_TRACKING_URI from mlflow_secret; neither: no MLflow, the run
+            trains, evaluates, promotes and deploys, and registers nothing).
         mlflow_experiment: MLflow experiment of the training runs and the registration.
         mlflow_model_name: Registered model name (also the promoted adapter's folder name).
         promote_margin: Gain over the base model required to promote: relative for perplexity (0.01 = 1% lower),
@@ -217,6 +218,10 @@ def plan_run(
     print(f"trainer config: {run_plan.trainer.config_path} (llmft train --config; data= after tokenize)")
     if run_plan.serving.form_note:
         print(f"serving form: merged ({run_plan.serving.form_note})")
+    if not run_plan.registry.enabled:
+        from llmft.components.lib.plan.checks import NO_MLFLOW_REASON
+
+        print(f"mlflow: off, nothing will be tracked or registered: {NO_MLFLOW_REASON}")
 
 
 INTERNAL_INPUTS = ("plan", "run_id", "compiled")
