@@ -7,10 +7,11 @@ passed on to the running task.
   once with one line naming the first (pid, since when) and the fix (wait, or another ``--work-dir``). The
   kernel drops the lock when the holder exits, however it exits.
 * :class:`StopForwarder`: SIGTERM to run-local (``kill``, a CI job's timeout, a container stop) is passed to
-  the running task's process (the KFP executor under kfp.local's ``sh -c``), which stops as it would in its pod (the train task forwards it to ``llmft
-  train``, whose ranks commit a checkpoint and exit 143; the other steps remove what they half-wrote); tasks
-  that start afterwards (kfp.local's exit handler) get it too. run-local waits for them, then exits 143.
-  A second SIGTERM stops everything at once (SIGKILL to every process below run-local).
+  the running task's process (the KFP executor under kfp.local's ``sh -c``), which stops as it would in its
+  pod (the train task forwards it to ``llmft train``, whose ranks commit a checkpoint and exit 143; the other
+  steps remove what they half-wrote). Once that task ended no other task, retry or exit handler starts
+  (llmft/pipelines/local_run.py ``ProgressStream``); a task that starts meanwhile gets the signal too.
+  run-local then exits 143. A second SIGTERM stops everything at once (SIGKILL to every process below it).
 """
 
 from __future__ import annotations

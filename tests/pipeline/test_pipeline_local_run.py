@@ -99,7 +99,7 @@ def test_summary_fits_one_screen_and_names_every_fact(local_run):
         "perplexity  base",
         "promoted    step-",
         "serving     lora: vLLM serves the adapter as a LoRA module",
-        "version 1;",
+        "version 1 (models:/tiny-adapter/1);",
         "alias champion -> this version",
         "inferenceservice.yaml",
         "sample      prompt:",
