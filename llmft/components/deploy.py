@@ -41,8 +41,8 @@ def deploy_adapter(
 
     Outputs: ``manifest`` (inferenceservice.yaml) and ``deployment`` (deployment.json:
     servability report, mode, status, endpoint, sample generations, or vLLM's ``models`` and ``answers``;
-    metadata ``endpoint``: the OpenAI chat route of the deployed InferenceService, '' where nothing was
-    deployed on a cluster, ``model``: the name to request, ``status``).
+    metadata ``endpoint``: the OpenAI chat route of the deployed InferenceService and ``url`` (only when it was
+    deployed), ``model``: the name to request, ``status``).
     """
     import json
     import os
@@ -53,9 +53,8 @@ def deploy_adapter(
     with step_outcome("deploy-adapter"):
         run_plan = read_plan(plan.path)
         run_plan.layout.use_hf_cache()  # deploy_mode=local loads the base model: before transformers is imported
-        from llmft.components.lib.serving.deployment import deploy_promoted, plan_deploy_request
+        from llmft.components.lib.serving.deployment import deploy_promoted, deployment_metadata, plan_deploy_request
         from llmft.components.lib.serving.serving_form import read_form
-        from llmft.components.lib.summary import CHAT_ROUTE
 
         form = read_form(serving.path)
         settings = run_plan.serving
@@ -75,8 +74,8 @@ def deploy_adapter(
     os.makedirs(deployment.path, exist_ok=True)
     with open(os.path.join(deployment.path, "deployment.json"), "w") as fh:
         json.dump(result, fh, indent=2, sort_keys=True, default=str)
-    deployment.metadata.update({"mode": settings.mode, "form": form.form, "status": result["status"]})
-    endpoint = result["url"] + CHAT_ROUTE if result.get("url") else ""
-    deployment.metadata.update({"endpoint": endpoint, "url": result.get("url") or "", "model": request.adapter_name})
+    deployment.metadata.update(
+        deployment_metadata(result, mode=settings.mode, form=form.form, model=request.adapter_name)
+    )
     manifest.metadata.update({"name": settings.name, "path": os.path.join(manifest.path, "inferenceservice.yaml")})
     print(f"deploy ({settings.mode}, {form.form} form): {result['status']}")

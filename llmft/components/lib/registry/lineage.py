@@ -123,6 +123,15 @@ def open_for_training(plan) -> str | None:
     return parent_id
 
 
+def sweep_parent_tags(plan) -> dict[str, str]:
+    """Tags that make a sweep's parent run (llmft/katib/tracking.py ``ParentRun``) a child of the pipeline run's, its
+    trials' runs grandchildren: one tree for the HPO pipeline too ({} without MLflow)."""
+    parent_id = open_for_training(plan)
+    if not parent_id:
+        return {}
+    return {PARENT_TAG: parent_id, PIPELINE_RUN_TAG: plan.run_id, STEP_TAG: "sweep"}
+
+
 def job_env_with_parent(plan, parent_id: str | None):
     """``plan`` whose job env also carries the parent run's id (what the cluster job's trainer reads)."""
     if not parent_id:

@@ -49,6 +49,7 @@ from llmft.components.lib.serving.inferenceservice import (
 from llmft.components.lib.serving.local_check import local_generation_check
 from llmft.components.lib.serving.servability import AdapterNotServableError, check_vllm_servable
 from llmft.components.lib.serving.vllm_local import serve_and_check
+from llmft.components.lib.summary import CHAT_ROUTE
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.io import atomic_write_text, is_complete
 
@@ -179,6 +180,15 @@ def plan_deploy_request(
         form_reason=form_reason,
         prompts=tuple(settings.prompts) or DEFAULT_PROMPTS,
     )
+
+
+def deployment_metadata(result: dict[str, Any], *, mode: str, form: str, model: str) -> dict[str, Any]:
+    """The deploy step's output metadata: mode, form, status, the name to request and, when something serves it on
+    a cluster, its ``url`` and ``endpoint`` (the OpenAI chat route); no placeholder where nothing serves."""
+    metadata: dict[str, Any] = {"mode": mode, "form": form, "status": result["status"], "model": model}
+    if result.get("url"):
+        metadata |= {"url": result["url"], "endpoint": result["url"] + CHAT_ROUTE}
+    return metadata
 
 
 def serve_spec(req: DeployRequest):
