@@ -6,7 +6,8 @@ The `promote-best-checkpoint` step reads the evaluation written by the evaluate 
 * picks the best checkpoint by ``promote_metric`` (perplexity by default, or a task metric such as
   ``heldout.contains``; ties go to the lower perplexity, then the later step: task_eval.best_of);
 * refuses unless it beats the base model's value of that metric by ``margin`` (perplexity: below
-  ``base * (1 - margin)``; a task score: above ``base + margin``), raising :class:`PromotionRefused`;
+  ``base * (1 - margin)``; a task score: above ``base + margin``), raising :class:`GateRefused` (a
+  :class:`PromotionRefused` carrying the decision, which the promote step reports as ``not promoted``);
   an adapter whose perplexity fell but whose task score did not rise is refused under a task metric;
 * copies the servable files of that checkpoint (adapter or full weights, tokenizer,
   manifest; never optimizer or RNG state) atomically to ``destination`` with a
