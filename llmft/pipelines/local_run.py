@@ -94,6 +94,7 @@ class ProgressStream(io.TextIOBase):
             if not self.verbose and parse_line(line) is not None:
                 self._progress(line)
         self.screen.flush()
+        self.log.flush()  # run-local.log follows the run line by line (tail -f)
 
     def _end_after_stop(self, signum: int, finished: str | None) -> None:
         """A stop signal came (local_stop.StopForwarder): once the running task has ended, no other task starts,

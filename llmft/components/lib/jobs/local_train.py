@@ -113,6 +113,7 @@ def run_local_training(
             tail.append(line.rstrip("\n"))
             if log:
                 log.write(line)
+                log.flush()  # train.log follows the trainer line by line
             observations += parse_metric_lines([line], METRICS)
         code = process.wait()
     finally:
