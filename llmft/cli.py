@@ -29,6 +29,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "pipeline": ("llmft.commands.pipeline", "compile, run locally (kfp.local), submit or schedule the KFP pipeline"),
     "sweep": ("llmft.commands.sweep", "Katib hyperparameter sweeps: create, status, best, run-local"),
     "export": ("llmft.commands.export", "merge an adapter into its base model (or bundle it) for serving"),
+    "eval": ("llmft.commands.eval", "cache lm-eval tasks' data for offline evaluation on the volume; check a cache"),
     "serve": (
         "llmft.commands.serve",
         "serve an adapter with a real vLLM here, as the InferenceService would; check it",
@@ -44,6 +45,7 @@ GROUP_EXTRAS: dict[str, str] = {
     "pipeline": "pipeline",
     "sweep": "pipeline,katib",
     "export": "trainer",
+    "eval": "eval",
     "serve": "pipeline,trainer",
     "dev": "trainer",
     "bench": "trainer",

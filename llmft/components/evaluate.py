@@ -37,9 +37,10 @@ def evaluate_perplexity(
     Outputs: ``evaluation`` (evaluation.json, read by the promote step), ``report`` (an HTML
     page with the loss and perplexity plot embedded as a PNG, shown in the KFP UI) and
     ``metrics`` (base and best eval loss / perplexity and every task metric, ``base_<metric>`` /
-    ``best_<metric>``).
+    ``best_<metric>``, and the gate's verdict: ``gate_promoted``, ``guard_<metric>``). evaluation.json also
+    records what each task was scored on (``eval_sets``: hash, size, version) and the gate's decision with its
+    reason (``gate``, the promote step's own rule over the same numbers).
     """
-    import json
     import os
 
     from llmft.components.lib.plan.schema import read_plan
@@ -48,12 +49,14 @@ def evaluate_perplexity(
     run_plan.layout.use_hf_cache()  # before transformers is imported
     from llmft.components.lib.evaluation.checkpoints import (
         base_evaluator,
+        eval_curve,
         evaluate_run,
         kfp_metrics,
         read_metrics_history,
         render_html,
     )
     from llmft.components.lib.evaluation.comparison import compare_in_langfuse
+    from llmft.components.lib.evaluation.outputs import eval_sets, gate_preview, write_outputs
     from llmft.components.lib.evaluation.task_runner import task_runner
 
     run_dir = run.metadata["path"]
@@ -70,6 +73,8 @@ def evaluate_perplexity(
     )
     if runner is not None and runner.answers:
         result["generations"] = runner.table()
+    result["eval_sets"] = eval_sets(result, runner, tokenized.metadata["path"])
+    result["gate"] = gate_preview(result, run_plan)
     compared = compare_in_langfuse(
         result,
         run_dir=run_dir,
@@ -85,14 +90,11 @@ def evaluate_perplexity(
     if compared is not None:
         result["langfuse"] = compared
 
-    os.makedirs(evaluation.path, exist_ok=True)
-    with open(os.path.join(evaluation.path, "evaluation.json"), "w") as fh:
-        json.dump(result, fh, indent=2, sort_keys=True)
-    evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
     history = read_metrics_history(os.path.join(run_dir, "metrics.jsonl"))
-    with open(report.path, "w") as fh:
-        fh.write(render_html(result, history, title=f"Evaluation of {os.path.basename(run_dir)}"))
-
+    result["curve"] = eval_curve(history)  # the trainer's evaluations at eval_every: perplexity per step
+    page = render_html(result, history, title=f"Evaluation of {os.path.basename(run_dir)}")
+    write_outputs(result, page, evaluation.path, report.path)  # a full disk: one line naming the path
+    evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
     for name, value in kfp_metrics(result).items():
         metrics.log_metric(name, value)
     from llmft.components.lib.registry.lineage import record_evaluation  # MLflow: the pipeline run's evaluate child

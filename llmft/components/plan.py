@@ -78,6 +78,10 @@ def plan_run(
     eval_tasks: str = "heldout",
     eval_questions: str = "",
     eval_max_questions: int = 16,
+    eval_guards: str = "",
+    eval_num_fewshot: int = -1,
+    eval_limit: int = 500,
+    eval_batch_size: int = 8,
     deploy: bool = True,
     deploy_mode: str = "kserve",
     deploy_policy: str = "champion",
@@ -160,13 +164,21 @@ def plan_run(
         promote_margin: Gain over the base model required to promote: relative for perplexity (0.01 = 1% lower),
             absolute points for a task score (0.01 = one point higher).
         promote_metric: What the promote gate, the best checkpoint and the registry's champion follow: perplexity or
-            a metric of a task in eval_tasks, e.g. heldout.contains, heldout.exact_match, heldout.token_f1.
+            a metric of a task in eval_tasks, e.g. heldout.contains, heldout.exact_match, heldout.token_f1,
+            arc_easy.acc.
         eval_tasks: Tasks the evaluate step scores base and checkpoints on, comma-separated: heldout (greedy
-            answers to held-out questions: exact match, contains, token F1) and the lm-eval tasks shipped in
-            llmft/trainer/assets/lm_eval_tasks (run offline); '' = perplexity only.
-        eval_questions: JSONL file on the volume of {"question": ..., "answer": ...} for heldout ('' = the
-            validation split's conversations, the last assistant turn as the reference).
+            answers to held-out questions: SQuAD exact match and token F1, whole-word contains), velmora_mc (shipped),
+            any lm-eval task, group or tag (arc_easy, mmlu_abstract_algebra, hellaswag; data from
+            <data_root>/eval-cache, filled by `llmft eval cache`, or a reachable hub) and task YAMLs on the volume
+            (/data/tasks/t.yaml); '' = perplexity only.
+        eval_questions: JSONL file on the volume of {"question": ..., "answer": ... or [...]} for heldout ('' =
+            the validation split's conversations, the last assistant turn as the reference).
         eval_max_questions: Held-out questions per model (at most; bounds the evaluate step's generation time).
+        eval_guards: Metrics the adapter may not lose to the base, comma-separated metric[:tolerance], e.g.
+            "arc_easy.acc:0.02" (two points; default 0.01) or "perplexity:0.05" (5%); '' = none.
+        eval_num_fewshot: Few-shot examples per lm-eval question (-1 = each task's own default, usually 0).
+        eval_limit: lm-eval documents per task and model at most (0 = all): bounds the evaluate step's time.
+        eval_batch_size: lm-eval requests per forward pass.
         deploy: Apply the InferenceService (false: write and validate its manifest only).
         deploy_mode: kserve, local (a generation check with transformers, kfp.local only) or vllm (a real vLLM
             server on this machine with the manifest's arguments, and the smoke test; kfp.local only, make

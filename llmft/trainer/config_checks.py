@@ -49,8 +49,8 @@ def validate(cfg: Any, where=lambda key: "config") -> list[str]:
         ("eval.micro_sequences", cfg.eval.micro_sequences >= 1, "must be >= 1"),
         ("max_steps", cfg.max_steps >= 0, "must be >= 0"),
         ("epochs", cfg.max_steps > 0 or cfg.epochs > 0, "must be > 0 when max_steps is 0"),
-        ("eval_every", cfg.eval_every >= 0, "must be >= 0"),
-        ("save_every", cfg.save_every >= 0, "must be >= 0"),
+        ("eval_every", _every_ok(cfg.eval_every), _EVERY),
+        ("save_every", _every_ok(cfg.save_every), _EVERY),
         ("log_every", cfg.log_every >= 1, "must be >= 1"),
         ("keep_last", cfg.keep_last >= 1, "must be >= 1"),
         ("gc_every", cfg.gc_every >= 0, "must be >= 0"),
@@ -107,3 +107,10 @@ def _check_choices(cfg, prefix: str, where) -> None:
             key = prefix + f.name
             allowed = ", ".join(map(str, f.metadata["choices"]))
             raise ConfigError(f"{where(key)}: `{key}` is {value!r}; allowed values: {allowed}")
+
+
+_EVERY = "must be 0, a fraction of the run in (0, 1), or a whole number of steps >= 1"
+
+
+def _every_ok(value: float) -> bool:
+    return value == 0 or 0 < value < 1 or (value >= 1 and float(value).is_integer())

@@ -40,7 +40,7 @@ import transformers
 from llmft.trainer import checkpoint as ckpt
 from llmft.trainer import model as model_lib
 from llmft.trainer import rundir
-from llmft.trainer.config import TrainConfig
+from llmft.trainer.config import TrainConfig, every_steps
 from llmft.trainer.config_load import config_to_dict
 from llmft.trainer.data.loader import PackedLoader, StepBatch, resolve_global_sequences
 from llmft.trainer.distributed import (
@@ -142,6 +142,8 @@ class Trainer:
         self.method = choose_method(cfg, self.info.device)
         self.plan = rundir.decide(self.cfg, self.config_dict, self.info)
         self.total_steps = self.plan.total_steps
+        self.eval_steps = every_steps(cfg.eval_every, self.total_steps)  # a fraction of the run, or N steps
+        self.save_steps = every_steps(cfg.save_every, self.total_steps)
         self.loader = self._loader()
         seed_all(cfg.seed)  # identical initialisation on every rank
         self.tokenizer = self._load_tokenizer()
@@ -314,7 +316,7 @@ class Trainer:
                 self._log_step(step, counters, window)
                 counters.check_bad_streak(self.info, cfg.max_bad_steps)
             evaluated = self._maybe_evaluate(step, final)
-            if (cfg.save_every and step % cfg.save_every == 0) or final or stop:
+            if (self.save_steps and step % self.save_steps == 0) or final or stop:
                 self._save(step, time.perf_counter() - t_start, evaluated)
             self.observer.progress(step, loss=self.last_train_loss, tokens_per_s=self.last_tokens_per_s)
             collect_garbage(step, cfg.gc_every)
@@ -384,7 +386,7 @@ class Trainer:
 
     def _maybe_evaluate(self, step: int, final: bool) -> bool:
         cfg = self.cfg
-        if self.plan.eval_note is not None or not ((cfg.eval_every and step % cfg.eval_every == 0) or final):
+        if self.plan.eval_note is not None or not ((self.eval_steps and step % self.eval_steps == 0) or final):
             return False
         with self.speed.pause():
             metrics = evaluate_model(

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from llmft.components.lib.evaluation.lm_eval_tasks import task_config
-from llmft.components.lib.evaluation.task_eval import LM_EVAL_TASK_DIR, lm_eval_task_names, parse_tasks, task_metrics
+from llmft.components.lib.evaluation.task_eval import LM_EVAL_TASK_DIR, lm_eval_task_names, parse_tasks
+from llmft.components.lib.evaluation.task_plan import resolve_task
 from llmft.trainer.assets.sample_data.generate_facts import FACTS
 from llmft.trainer.errors import ConfigError, DataError
 
@@ -17,7 +18,7 @@ from llmft.trainer.errors import ConfigError, DataError
 def test_the_shipped_task_is_known_and_its_right_choices_state_the_facts():
     assert lm_eval_task_names() == ("velmora_mc",)
     assert parse_tasks("heldout,velmora_mc") == ("heldout", "velmora_mc")
-    assert "velmora_mc.acc" in task_metrics(("velmora_mc",))
+    assert resolve_task("velmora_mc", "/nowhere", {}).metrics == ("acc",)
     config = task_config("velmora_mc")
     rows = [json.loads(line) for line in open(config["dataset_kwargs"]["data_files"]["test"])]
     assert len(rows) == len(FACTS)
@@ -41,6 +42,7 @@ GOOD = (LM_EVAL_TASK_DIR / "velmora_mc.yaml").read_text().replace("velmora_mc", 
     [
         (GOOD.replace("doc_to_text:", "doc_to_txt:"), ROW, "t.yaml: field `doc_to_text`"),
         (GOOD.replace("dataset_path: json", "dataset_path: cais/mmlu"), "", "t.yaml: fields `task`"),
+        (GOOD + "process_docs: !function utils.process\n", ROW, "t.yaml: a `!function` tag runs Python code"),
         (GOOD, ROW + '\n{"question": "q", "choices": ["a"], "answer": 0}', "t.jsonl:2: field `choices`"),
         (GOOD, '{"question": "q", "choices": ["a", "b"], "answer": 2}', "t.jsonl:1: field `answer`"),
     ],
@@ -54,8 +56,8 @@ def test_a_task_file_with_a_wrong_schema_is_refused_in_one_line_naming_file_and_
 def test_the_plan_refuses_an_unknown_task_name():
     from plan_helpers import make_plan
 
-    with pytest.raises(ConfigError, match="unknown task 'hellaswag'"):
-        make_plan(eval_tasks="hellaswag")
+    with pytest.raises(ConfigError, match="'hellaswag_typo' is not heldout"):
+        make_plan(eval_tasks="hellaswag_typo")
     assert make_plan(eval_tasks="velmora_mc", promote_metric="velmora_mc.acc").registry.promote_metric == (
         "velmora_mc.acc"
     )
@@ -69,7 +71,7 @@ def test_lm_eval_scores_the_loaded_model_offline_as_its_own_loglikelihoods_do(ti
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmft.components.lib.evaluation.lm_eval_tasks import run_task
+    from llmft.components.lib.evaluation.lm_eval_tasks import run_tasks
     from llmft.trainer.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -86,5 +88,13 @@ def test_lm_eval_scores_the_loaded_model_offline_as_its_own_loglikelihoods_do(ti
                 logits = model(torch.tensor([whole])).logits.log_softmax(-1)[0]
             scores.append(sum(logits[i - 1, whole[i]].item() for i in range(len(context), len(whole))))
         right += max(range(len(scores)), key=scores.__getitem__) == row["answer"]
-    result = run_task("velmora_mc", model, tokenizer)
+    result = run_tasks(
+        resolve_task("velmora_mc", "/nowhere", {}),
+        model,
+        tokenizer,
+        cache_dir="",
+        num_fewshot=-1,
+        limit=0,
+        batch_size=8,
+    )
     assert math.isclose(result["acc"], right / len(rows), abs_tol=1e-12)

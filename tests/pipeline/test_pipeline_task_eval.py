@@ -10,14 +10,10 @@ from plan_helpers import make_plan
 from test_pipeline_promote_eval import finish_run, make_checkpoint
 
 from llmft.components.lib.evaluation.checkpoints import evaluate_run, kfp_metrics, render_html, render_markdown
-from llmft.components.lib.evaluation.task_eval import (
-    best_of,
-    known_tasks,
-    parse_tasks,
-    read_questions,
-    score_answer,
-    task_metrics,
-)
+from llmft.components.lib.evaluation.questions import Question, read_questions
+from llmft.components.lib.evaluation.scoring import score_answer
+from llmft.components.lib.evaluation.task_eval import best_of, parse_tasks
+from llmft.components.lib.evaluation.task_plan import resolve_task
 from llmft.components.lib.evaluation.task_runner import TaskRunner
 from llmft.components.lib.registry.promote import PromotionRefused, decide, promote
 from llmft.trainer.errors import ConfigError, DataError
@@ -27,15 +23,17 @@ def test_an_answer_is_scored_by_exact_match_contains_and_token_f1():
     assert score_answer("Paris.", "paris") == {"exact_match": 1.0, "contains": 1.0, "token_f1": 1.0}
     scores = score_answer("The capital is Paris", "Paris")
     assert scores["exact_match"] == 0.0 and scores["contains"] == 1.0
-    # 1 common token of 4 answered and 1 referenced: precision 1/4, recall 1 -> F1 = 2*(1/4)/(5/4) = 0.4
-    assert scores["token_f1"] == pytest.approx(0.4, abs=1e-12)
+    # 'the' is an article (SQuAD): 1 common token of 3 answered and 1 referenced: P 1/3, R 1 -> F1 = 0.5
+    assert scores["token_f1"] == pytest.approx(0.5, abs=1e-12)
     assert score_answer("Lyon", "Paris") == {"exact_match": 0.0, "contains": 0.0, "token_f1": 0.0}
     assert score_answer("", "Paris")["contains"] == 0.0
 
 
 def test_the_plan_refuses_an_unknown_task_and_a_metric_no_task_computes():
-    with pytest.raises(ConfigError, match="`eval_tasks`: unknown task 'mmlu'"):
-        make_plan(eval_tasks="heldout,mmlu")
+    with pytest.raises(ConfigError, match="`eval_tasks`: 'no_such_task' is not heldout, a shipped task"):
+        make_plan(eval_tasks="heldout,no_such_task")
+    with pytest.raises(DataError, match="eval task 'mmlu': its datasets is not in the evaluation cache"):
+        make_plan(eval_tasks="heldout,mmlu")  # a registry group, but offline and not cached
     with pytest.raises(ConfigError, match="`promote_metric`='heldout.contains'"):
         make_plan(eval_tasks="", promote_metric="heldout.contains")
     with pytest.raises(ConfigError, match="`promote_metric`='bleu'"):
@@ -48,9 +46,8 @@ def test_the_plan_refuses_an_unknown_task_and_a_metric_no_task_computes():
 
 
 def test_every_shipped_task_has_metrics_and_parse_keeps_order():
-    assert known_tasks()[0] == "heldout"
-    assert parse_tasks("") == ()
-    assert "heldout.token_f1" in task_metrics(("heldout",))
+    assert parse_tasks("") == () and parse_tasks("velmora_mc, heldout,velmora_mc") == ("velmora_mc", "heldout")
+    assert "token_f1" in resolve_task("heldout", "/nowhere", {}).metrics
 
 
 def test_a_questions_file_with_a_wrong_schema_is_refused_in_one_line_naming_file_line_and_field(tmp_path):
@@ -124,10 +121,9 @@ def test_evaluate_run_scores_each_model_on_its_tasks_and_picks_the_best_by_the_m
         "llmft.components.lib.evaluation.generations.generate_answers",
         lambda model, tokenizer, prompts, **kw: [answers[model.rsplit("/", 1)[-1]]] * len(prompts),
     )
-    from llmft.components.lib.evaluation.task_eval import Question
-
+    heldout = resolve_task("heldout", "/nowhere", {})
     runner = TaskRunner(
-        _FakeEvaluator(), None, ("heldout",), [Question("1", [{"role": "user", "content": "Q?"}], "Velmora")]
+        _FakeEvaluator(), None, (heldout,), [Question("1", [{"role": "user", "content": "Q?"}], ("Velmora",))]
     )
     ppl = {None: 50.0, "step-10": 20.0, "step-20": 30.0}
 
@@ -210,3 +206,46 @@ def test_the_run_summary_shows_each_task_base_against_the_best_and_the_gate():
     assert "heldout     exact_match 0.00->0.50, contains 0.25->1.00, token_f1 0.10->0.80 (n=4, 3 s/model)" in text
     assert "gate        step-4 has heldout.contains 1.0000" in text
     assert all(len(line) <= 100 for line in text.splitlines()), "one screen: the summary's lines fit 100 columns"
+
+
+def _guarded(base_acc: float, **checkpoints: tuple[float, float]) -> dict:
+    """Evaluation where each checkpoint has (heldout.contains, arc_easy.acc); the base (0.25, base_acc)."""
+    entries = [
+        {"name": name, "step": int(name.split("-")[1]), "path": f"/ckpt/{name}", "perplexity": 10.0, "eval_loss": 1.0,
+         "tasks": {"heldout": {"contains": contains}, "arc_easy": {"acc": acc}}}
+        for name, (contains, acc) in checkpoints.items()
+    ]  # fmt: skip
+    base = {"name": "base", "perplexity": 50.0, "eval_loss": 3.9,
+            "tasks": {"heldout": {"contains": 0.25}, "arc_easy": {"acc": base_acc}}}  # fmt: skip
+    return {"split": "val", "base": base, "checkpoints": entries, "best": entries[0]["name"]}
+
+
+def test_guards_refuse_a_checkpoint_that_loses_a_guard_task():
+    guards = [("arc_easy.acc", 0.02)]
+    lost = _guarded(0.61, **{"step-20": (0.75, 0.58)})  # contains up 50 points, arc_easy down 3
+    assert decide(lost, 0.01, "heldout.contains").promoted, "without the guard it would be promoted"
+    decision = decide(lost, 0.01, "heldout.contains", guards)
+    assert not decision.promoted and decision.checkpoint == "step-20"
+    assert decision.reason == (
+        "refusing to promote: no checkpoint keeps every guard; the best, step-20, loses arc_easy.acc 0.5800 against "
+        "the base's 0.6100, beyond the tolerance 0.02 (limit 0.5900)"
+    )
+    (guard,) = decision.guards
+    assert guard["held"] is False and guard["limit"] == pytest.approx(0.59, abs=1e-12)
+    # exactly at the limit holds (>=); a checkpoint that keeps the guard is preferred to a better one that does not
+    edge = _guarded(0.61, **{"step-10": (0.5, 0.59), "step-20": (0.75, 0.5)})
+    chosen = decide(edge, 0.01, "heldout.contains", guards)
+    assert chosen.promoted and chosen.checkpoint == "step-10" and chosen.guards[0]["held"]
+    assert "guards held: arc_easy.acc 0.5900 (base 0.6100, limit 0.5900)" in chosen.reason
+    missing = decide(_guarded(0.61, **{"step-10": (0.5, 0.7)}), 0.01, "heldout.contains", [("velmora_mc.acc", 0.0)])
+    assert not missing.promoted and "velmora_mc.acc missing" in missing.reason, "an unmeasured guard never holds"
+
+
+def test_a_perplexity_guard_is_relative_and_a_nan_never_ranks_first():
+    evaluation = _guarded(0.5, **{"step-10": (0.5, 0.5), "step-20": (0.6, 0.5)})
+    evaluation["checkpoints"][1]["perplexity"] = 53.0  # base 50: 6% worse
+    decision = decide(evaluation, 0.01, "heldout.contains", [("perplexity", 0.05)])
+    assert decision.checkpoint == "step-10", "step-20 loses perplexity beyond 5%: limit 52.5"
+    evaluation["checkpoints"][1]["tasks"]["heldout"]["contains"] = float("nan")
+    for order in (evaluation["checkpoints"], evaluation["checkpoints"][::-1]):
+        assert best_of(order, "heldout.contains")["name"] == "step-10"

@@ -137,7 +137,7 @@ def _evaluation_rows(facts: dict[str, Any]) -> list[Row]:
             f"{_count(len(evaluation['checkpoints']), 'checkpoint')} evaluated)",
         )
     ]
-    return rows + task_rows(evaluation, best)
+    return rows + curve_rows(evaluation) + task_rows(evaluation, best)
 
 
 def task_rows(evaluation: dict[str, Any], best: dict[str, Any]) -> list[Row]:
@@ -161,15 +161,18 @@ def task_lines(evaluation: dict[str, Any], best: dict[str, Any]) -> list[str]:
 
 
 def _decision_rows(facts: dict[str, Any]) -> list[Row]:
-    promotion = facts.get("promotion")
-    if not promotion:
-        return []
-    if promotion.get("promoted", True):
-        return [
-            ("promoted", f"{promotion['checkpoint']} -> {promotion.get('destination')}"),
-            ("gate", promotion["reason"]),
-        ]
-    return [("gate", f"not promoted: {promotion.get('reason', '')}")]
+    """The gate's decision (promote's, else the evaluate step's preview of it) and each guard's verdict."""
+    promotion, evaluation = facts.get("promotion"), facts.get("evaluation") or {}
+    if promotion and promotion.get("promoted", True):
+        rows = [("promoted", f"{promotion['checkpoint']} -> {promotion.get('destination')}"), ("gate", promotion["reason"])]
+    elif promotion:
+        rows = [("gate", f"not promoted: {promotion.get('reason', '')}")]
+    elif evaluation.get("gate"):
+        rows = [("gate", evaluation["gate"].get("reason", ""))]
+    else:
+        rows = []
+    guards = (promotion or evaluation.get("gate") or {}).get("guards") or []
+    return rows + [("guard", _guard_text(g)) for g in guards]
 
 
 def _serving_rows(facts: dict[str, Any]) -> list[Row]:
@@ -187,6 +190,24 @@ def _serving_rows(facts: dict[str, Any]) -> list[Row]:
     elif facts.get("promotion") and not facts["promotion"].get("promoted", True):
         rows.append(("mlflow", "not registered: not promoted"))
     return rows
+
+
+def _guard_text(guard: dict[str, Any]) -> str:
+    value, base = guard.get("value"), guard.get("base")
+    shown = "missing" if value is None else f"{value:.4f}"
+    against = "missing" if base is None else f"{base:.4f}"
+    state = "held" if guard["held"] else "LOST"
+    return f"{guard['metric']} {against}->{shown} (tolerance {guard['tolerance']:g}): {state}"
+
+
+def curve_rows(evaluation: dict[str, Any]) -> list[Row]:
+    """The trainer's eval perplexity at each evaluation of the run (evaluation.json ``curve``), on one row."""
+    curve = evaluation.get("curve") or []
+    if len(curve) < 2:
+        return []
+    points = ", ".join(f"{int(p['step'])}:{p['perplexity']:.2f}" for p in curve[:12])
+    more = f" (+{len(curve) - 12})" if len(curve) > 12 else ""
+    return [("curve", f"eval perplexity by step {_clip(points, 70)}{more}")]
 
 
 def _alias_text(registration: dict[str, Any]) -> str:

@@ -125,6 +125,13 @@ def kfp_metrics(evaluation: dict[str, Any]) -> dict[str, float]:
         out[f"{label}_eval_loss"] = float(result["eval_loss"])
         out[f"{label}_perplexity"] = float(result["perplexity"])
         out |= {f"{label}_{name}": value for name, value in task_scores(result).items()}
+    gate = evaluation.get("gate") or {}
+    if gate:
+        out["gate_promoted"] = float(bool(gate.get("promoted")))
+        for guard in gate.get("guards") or []:
+            if guard.get("value") is not None:
+                out[f"guard_{guard['metric']}"] = float(guard["value"])
+            out[f"guard_{guard['metric']}_held"] = float(bool(guard.get("held")))
     return out
 
 
@@ -149,6 +156,18 @@ def read_metrics_history(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+def eval_curve(history: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """``[{step, eval_loss, perplexity}]`` of the trainer's evaluations (metrics.jsonl ``event: eval`` rows), the
+    last row of a step winning (a resumed run evaluates a step again)."""
+    points: dict[int, dict[str, float]] = {}
+    for row in history:
+        loss, step = row.get("eval_loss"), row.get("step")
+        if row.get("event") == "eval" and isinstance(step, int | float) and isinstance(loss, int | float):
+            if math.isfinite(loss):
+                points[int(step)] = {"step": int(step), "eval_loss": float(loss), "perplexity": math.exp(min(loss, 50))}
+    return [points[k] for k in sorted(points)]
 
 
 def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -220,7 +239,8 @@ def render_html(evaluation: dict[str, Any], history: list[dict[str, Any]], *, ti
         f"<p>Split: {html.escape(evaluation['split'])}. Best checkpoint: <b>{html.escape(evaluation['best'])}</b>.</p>"
         f"<img alt='loss and perplexity' src='data:image/png;base64,{png}'/>"
         "<table><tr><th>model</th><th>step</th><th>eval loss</th><th>perplexity</th></tr>"
-        f"{cells}</table>{_tasks_html(evaluation)}{_generations_html(evaluation)}{_langfuse_html(evaluation)}"
+        f"{cells}</table>{_tasks_html(evaluation)}{_gate_html(evaluation)}{_generations_html(evaluation)}"
+        f"{_langfuse_html(evaluation)}"
         "</body></html>\n"
     )
 
@@ -248,6 +268,32 @@ def _tasks_html(evaluation: dict[str, Any]) -> str:
     return (
         f"<h3>Tasks, base against each checkpoint (promote metric: {metric})</h3><table><tr>{head}</tr>{body}</table>"
     )
+
+
+def gate_lines(evaluation: dict[str, Any]) -> list[str]:
+    """The gate's verdict and its reason, then one line per guard (its base, value and limit)."""
+    gate = evaluation.get("gate") or {}
+    if not gate:
+        return []
+    verdict = "promote" if gate.get("promoted") else "refuse"
+    lines = [f"{verdict}: {gate.get('reason', '')}"]
+    for g in gate.get("guards") or []:
+        value = "missing" if g.get("value") is None else f"{g['value']:.4f}"
+        base = "missing" if g.get("base") is None else f"{g['base']:.4f}"
+        limit = "-" if g.get("limit") is None else f"{g['limit']:.4f}"
+        state = "held" if g.get("held") else "LOST"
+        lines.append(
+            f"guard {g['metric']}: {value} vs base {base} (limit {limit}, tolerance {g['tolerance']:g}): {state}"
+        )
+    return lines
+
+
+def _gate_html(evaluation: dict[str, Any]) -> str:
+    lines = gate_lines(evaluation)
+    if not lines:
+        return ""
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines[1:])
+    return f"<h3>Promotion gate</h3><p><b>{html.escape(lines[0])}</b></p><ul>{items}</ul>"
 
 
 def generation_rows(evaluation: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
@@ -307,6 +353,9 @@ def render_markdown(evaluation: dict[str, Any], history: list[dict[str, Any]], *
     if names:
         lines += ["", f"| model | {' | '.join(names)} | task seconds |", "|---" * (len(names) + 2) + "|"]
         lines += [f"| {' | '.join(row)} |" for row in rows]
+    gate = gate_lines(evaluation)
+    if gate:
+        lines += ["", f"**Promotion gate**: {gate[0]}", *(f"- {line}" for line in gate[1:])]
     generations = generation_rows(evaluation)
     if generations:
         lines += ["", f"| question | reference | base | {evaluation['best']} | scores |", "|---|---|---|---|---|"]

@@ -14,7 +14,7 @@ Only when Langfuse is configured (LANGFUSE_PUBLIC_KEY/SECRET_KEY, from the Secre
 3. in Langfuse: the dataset ``llmft/<model name>`` holds the prompts as items (ids fixed by the
    prompt, so every run of the model answers the same items), and each model's answers are one
    dataset run (the SDK's experiment runner), named ``<run id>/<model>``, with the item scores
-   ``exact_match`` (short references only), ``contains`` and ``token_f1`` (lib/evaluation/task_eval.py) and
+   ``exact_match``, ``contains`` and ``token_f1`` (lib/evaluation/scoring.py, the evaluate step's own scorer) and
    the run scores ``perplexity`` and ``eval_loss`` (the validation split), their means, and for the base and
    the new adapter every task metric the evaluate step computed (``heldout.contains``, an lm-eval task's
    ``acc``). Langfuse's dataset view then lists the runs side by side, item by item;
@@ -34,7 +34,7 @@ from typing import Any
 
 from llmft.components.lib.evaluation import generations as gen
 from llmft.components.lib.evaluation.checkpoints import adapter_dir, task_scores
-from llmft.components.lib.evaluation.task_eval import score_answer
+from llmft.components.lib.evaluation.scoring import METRICS, score_answer
 from llmft.components.lib.registry.mlflow_registry import PROMOTED_PATH_TAG, champion_version, version_perplexity
 from llmft.components.lib.registry.promote import promoted_destination
 from llmft.trainer import langfuse_sink
@@ -162,11 +162,16 @@ def _compare(
         scores[label] = {k: float(v) for k, v in (known or measured).items() if k in ("eval_loss", "perplexity")}
         scores[label] |= task_scores(known or {})  # the evaluate step's tasks: base against adapter
         print(f"langfuse comparison: {label} answered {len(prompts)} prompts", flush=True)
+    gate = evaluation.get("gate") or {}
+    if gate:  # the promote gate's verdict on the new adapter's run, each guard's value beside it
+        scores[best["name"]]["gate_promoted"] = float(bool(gate.get("promoted")))
+        scores[best["name"]] |= {f"guard_{g['metric']}_held": float(bool(g["held"])) for g in gate.get("guards", [])}
     record = langfuse_sink.read_run_record(run_dir)
     section = record_runs(
         prompts, answers, scores, model_name=model_name, run_id=run_id, base_model=base_model, training=record
     )
     section.update(new=best["name"], champion=champion, champion_note=note or None, prompts=len(prompts))
+    section["gate_reason"] = gate.get("reason")
     return section
 
 
@@ -180,13 +185,12 @@ def record_runs(prompts, answers: dict, scores: dict, *, model_name, run_id, bas
     items = _upsert_items(client, name, prompts)
     trace_id = training.get("trace_id") if training else None
 
-    def exact(*, output, expected_output, **_):
-        answer, reference = str(output or ""), str(expected_output or "")
-        value = gen.exact_match(answer, reference)
-        overlap = [
-            Evaluation(name=k, value=v) for k, v in score_answer(answer, reference).items() if k != "exact_match"
-        ]
-        return overlap + ([] if value is None else [Evaluation(name="exact_match", value=value)])
+    references = {items[i].id: list(p.references) for i, p in enumerate(prompts)}
+
+    def exact(*, output, item=None, expected_output=None, **_):
+        """The one scorer (scoring.py), as evaluation.json scores the same answer: the best over its references."""
+        refs = references.get(getattr(item, "id", None)) or [str(expected_output or "")]
+        return [Evaluation(name=k, value=v) for k, v in score_answer(str(output or ""), refs).items()]
 
     runs = {}
     for label, outputs in answers.items():
@@ -195,7 +199,7 @@ def record_runs(prompts, answers: dict, scores: dict, *, model_name, run_id, bas
 
         def summary(*, item_results, _scores=run_scores, **_):
             means = {}
-            for metric in ("exact_match", "contains", "token_f1"):
+            for metric in METRICS:
                 found = [e.value for r in item_results for e in r.evaluations if e.name == metric]
                 means |= {metric: sum(found) / len(found)} if found else {}
             return [Evaluation(name=k, value=v) for k, v in {**_scores, **means}.items()]

@@ -1,38 +1,37 @@
 """What the evaluate step scores besides perplexity, and how a score is compared: no torch here (the plan
-step validates ``eval_tasks`` / ``promote_metric`` in the pipeline image).
+step validates ``eval_tasks`` / ``promote_metric`` / ``eval_guards`` in the pipeline image).
 
 Tasks (pipeline parameter ``eval_tasks``, comma-separated; ``''`` = perplexity only):
 
 * ``heldout``: held-out generation. Questions with reference answers (the validation split's last
-  assistant turns, or the JSONL file ``eval_questions`` on the volume: ``{"question": ..., "answer": ...}``
-  per line) are answered greedily by the base model and by every checkpoint; each answer is scored by
-  ``exact_match`` (normalized equality), ``contains`` (the normalized reference appears in the answer)
-  and ``token_f1`` (SQuAD-style token overlap F1); the metrics are the means over the questions.
-* an lm-evaluation-harness task shipped in llmft/trainer/assets/lm_eval_tasks/ (its YAML's ``task:`` name),
-  run offline on local JSON data (llmft/components/lib/evaluation/lm_eval_tasks.py).
+  assistant turns, or the JSONL file ``eval_questions`` on the volume, questions.py) are answered greedily by the
+  base model and by every checkpoint; each answer is scored by scoring.py (SQuAD v1.1 exact match and token F1,
+  whole-word ``contains``; the best over several references); the metrics are the means over the questions.
+* an lm-evaluation-harness task (lm_eval_tasks.py): shipped in llmft/trainer/assets/lm_eval_tasks/, a task YAML
+  on the volume (a path ending in ``.yaml``), or any task, group or tag of lm-eval's registry (its data from
+  the volume's cache, eval_cache.py, or a reachable hub).
 
-A metric is named ``<task>.<metric>`` (``heldout.contains``); ``perplexity`` is lower-is-better, every
-task metric higher-is-better. ``promote_metric`` names the one the promote gate, the best checkpoint and
-the registry's champion follow (:func:`beats`).
+A metric is named ``<task>.<metric>`` (``heldout.contains``, ``arc_easy.acc``); perplexities are
+lower-is-better, every other metric higher-is-better. ``promote_metric`` names the one the promote gate, the
+best checkpoint and the registry's champion follow (:func:`beats`); ``eval_guards`` the ones the adapter may
+not lose (:func:`parse_guards`).
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections import Counter
-from dataclasses import dataclass
+import math
 from pathlib import Path
 
-from llmft.trainer.errors import ConfigError, DataError
+from llmft.trainer.errors import ConfigError
 
 PERPLEXITY = "perplexity"
 HELDOUT = "heldout"
-HELDOUT_METRICS = ("exact_match", "contains", "token_f1")
 LM_EVAL_TASK_DIR = Path(__file__).resolve().parents[3] / "trainer" / "assets" / "lm_eval_tasks"  # llmft/trainer/...
 """The lm-eval task YAMLs shipped with the package (their data beside them, as JSON Lines)."""
-LM_EVAL_METRICS = ("acc",)
-"""The lm-eval metrics a shipped task reports (multiple-choice accuracy)."""
+LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
+"""Metric names (the part after the task) that fall as a model improves: lm-eval's perplexities."""
+MAX_TASKS = 64
+MAX_TASK_CHARS = 200
 DEFAULT_MAX_QUESTIONS = 16
 """Held-out questions per model by default: cheap enough for every run (bounded by ``eval_max_questions``)."""
 
@@ -42,45 +41,73 @@ def lm_eval_task_names(task_dir: Path = LM_EVAL_TASK_DIR) -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in task_dir.glob("*.yaml"))) if task_dir.is_dir() else ()
 
 
-def known_tasks() -> tuple[str, ...]:
-    return (HELDOUT, *lm_eval_task_names())
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` for an error line: at most ``limit`` characters (a 100 KB value is not echoed whole)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
 
 
 def parse_tasks(text: str) -> tuple[str, ...]:
-    """``eval_tasks`` -> task names in order, duplicates dropped; ConfigError naming an unknown one."""
+    """``eval_tasks`` -> entries in order, duplicates dropped; ConfigError on an entry no task can have (the plan
+    step then finds each one: task_plan.py)."""
+    if len(text) > MAX_TASKS * MAX_TASK_CHARS:
+        raise ConfigError(f"pipeline parameter `eval_tasks`={shown(text)}: too long; name at most {MAX_TASKS} tasks")
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    known = known_tasks()
+    if len(names) > MAX_TASKS:
+        raise ConfigError(f"pipeline parameter `eval_tasks`: {len(names)} tasks; name at most {MAX_TASKS}")
     for name in names:
-        if name not in known:
+        if len(name) > MAX_TASK_CHARS or any(c.isspace() or not c.isprintable() for c in name):
             raise ConfigError(
-                f"pipeline parameter `eval_tasks`: unknown task {name!r}; use a comma-separated list of "
-                f"{', '.join(known)} (or '' for perplexity only)"
+                f"pipeline parameter `eval_tasks`: {shown(name)} is not a task name or a task file's path; use "
+                "heldout, lm-eval task, group or tag names, or /data/.../task.yaml, comma-separated"
             )
     return names
 
 
-def task_metrics(tasks: tuple[str, ...]) -> tuple[str, ...]:
-    """Every metric name the tasks produce (perplexity first)."""
-    names = [PERPLEXITY]
-    for task in tasks:
-        metrics = HELDOUT_METRICS if task == HELDOUT else LM_EVAL_METRICS
-        names += [f"{task}.{m}" for m in metrics]
-    return tuple(names)
+def check_promote_metric(metric: str, available: tuple[str, ...], open_tasks: tuple[str, ...] = ()) -> str:
+    """``promote_metric`` must be perplexity or a metric a selected task computes (``open_tasks``: tasks whose
+    metrics are known only when they run, any of whose ``<task>.<name>`` is accepted)."""
+    if metric in available or metric.partition(".")[0] in open_tasks:
+        return metric
+    raise ConfigError(
+        f"pipeline parameter `promote_metric`={shown(metric)}: not a metric this run computes; use one of "
+        f"{', '.join(available)} (a task metric needs its task in `eval_tasks`)"
+    )
 
 
-def check_promote_metric(metric: str, tasks: tuple[str, ...]) -> str:
-    """``promote_metric`` must be perplexity or a metric of a selected task."""
-    available = task_metrics(tasks)
-    if metric not in available:
-        raise ConfigError(
-            f"pipeline parameter `promote_metric`={metric!r}: not a metric this run computes; use one of "
-            f"{', '.join(available)} (a task metric needs its task in `eval_tasks`)"
-        )
-    return metric
+def parse_guards(
+    text: str, available: tuple[str, ...], open_tasks: tuple[str, ...] = ()
+) -> tuple[tuple[str, float], ...]:
+    """``eval_guards`` (``arc_easy.acc:0.02,heldout.token_f1``; a tolerance in the metric's units, default
+    :data:`DEFAULT_GUARD_TOLERANCE`) -> (metric, tolerance) pairs; ConfigError naming a bad one."""
+    guards = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        metric, _, raw = part.partition(":")
+        try:
+            tolerance = float(raw) if raw.strip() else DEFAULT_GUARD_TOLERANCE
+        except ValueError:
+            tolerance = -1.0
+        if not (math.isfinite(tolerance) and 0 <= tolerance < 1):
+            raise ConfigError(
+                f"pipeline parameter `eval_guards`: {shown(part)}: the tolerance after ':' must be a number in [0, 1), "
+                "e.g. arc_easy.acc:0.02 (two points) or perplexity:0.05 (5%)"
+            )
+        try:
+            check_promote_metric(metric.strip(), available, open_tasks)
+        except ConfigError:
+            raise ConfigError(
+                f"pipeline parameter `eval_guards`: {shown(metric)} is not a metric this run computes; use one of "
+                f"{', '.join(available)}"
+            ) from None
+        guards.append((metric.strip(), tolerance))
+    return tuple(guards)
+
+
+DEFAULT_GUARD_TOLERANCE = 0.01
+"""A guard's tolerance when ``eval_guards`` gives none: one point of a score, 1% of a perplexity."""
 
 
 def lower_is_better(metric: str) -> bool:
-    return metric == PERPLEXITY
+    return metric.rpartition(".")[2] in LOWER_IS_BETTER
 
 
 def metric_value(result: dict, metric: str) -> float | None:
@@ -105,90 +132,16 @@ def beats(value: float, base: float, metric: str, margin: float) -> bool:
 
 
 def rank_key(result: dict, metric: str) -> tuple[float, float, int]:
-    """Sort key, best first: the metric (its direction), then lower perplexity, then the later step."""
+    """Sort key, best first: the metric (its direction), then lower perplexity, then the later step. A missing or
+    non-finite value (a NaN in a hand-made evaluation.json) ranks last, whatever the order."""
     value = metric_value(result, metric)
-    value = float("inf") if value is None else (value if lower_is_better(metric) else -value)
-    return value, float(result.get(PERPLEXITY, float("inf"))), -int(result.get("step") or 0)
+    value = (
+        float("inf") if value is None or not math.isfinite(value) else (value if lower_is_better(metric) else -value)
+    )
+    perplexity = result.get(PERPLEXITY)
+    perplexity = float(perplexity) if isinstance(perplexity, int | float) and math.isfinite(perplexity) else math.inf
+    return value, perplexity, -int(result.get("step") or 0)
 
 
 def best_of(checkpoints: list[dict], metric: str) -> dict:
     return min(checkpoints, key=lambda c: rank_key(c, metric))
-
-
-# ----------------------------------------------------------------------------- scoring
-
-
-def normalize(text: str) -> str:
-    """Case-folded, punctuation to spaces, whitespace collapsed."""
-    return " ".join(re.sub(r"[^\w\s]", " ", text.casefold()).split())
-
-
-def score_answer(answer: str, reference: str) -> dict[str, float]:
-    """exact_match, contains and token_f1 of one answer against its reference."""
-    got, want = normalize(answer), normalize(reference)
-    return {
-        "exact_match": float(got == want),
-        "contains": float(bool(want) and want in got),
-        "token_f1": _f1(got, want),
-    }
-
-
-def _f1(answer: str, reference: str) -> float:
-    got, want = answer.split(), reference.split()
-    common = sum((Counter(got) & Counter(want)).values())
-    if not got or not want or not common:
-        return float(got == want)
-    precision, recall = common / len(got), common / len(want)
-    return 2 * precision * recall / (precision + recall)
-
-
-def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {m: sum(r[m] for r in rows) / len(rows) for m in HELDOUT_METRICS} if rows else {}
-
-
-# ----------------------------------------------------------------------------- questions
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str
-    messages: list
-    """The prompt: a conversation without its answer."""
-    reference: str
-
-
-def read_questions(path: str | Path, limit: int) -> list[Question]:
-    """The first ``limit`` questions of a JSONL file of ``{"question": str, "answer": str}`` (optionally
-    ``"system": str``); DataError naming the file, line and field of a bad row."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: eval_questions file not found; give a JSONL file on the volume or ''")
-    questions: list[Question] = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if len(questions) >= limit:
-                break
-            if line.strip():
-                questions.append(_question(path, number, line))
-    if not questions:
-        raise DataError(f"{path}: no question in the file; write one JSON object per line with question and answer")
-    return questions
-
-
-def _question(path: Path, number: int, line: str) -> Question:
-    where = f"{path}:{number}"
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{where}: not JSON ({exc.msg}); write one JSON object per line") from None
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: a row must be a JSON object with question and answer")
-    for field in ("question", "answer"):
-        if not isinstance(row.get(field), str) or not row[field].strip():
-            raise DataError(f'{where}: field `{field}` must be a non-empty string, e.g. {{"{field}": "..."}}')
-    if "system" in row and not isinstance(row["system"], str):
-        raise DataError(f"{where}: field `system` must be a string")
-    messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + [
-        {"role": "user", "content": row["question"]}
-    ]
-    return Question(f"{number}", messages, row["answer"])

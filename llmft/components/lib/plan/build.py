@@ -38,8 +38,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from llmft.components.lib.evaluation.lm_eval_tasks import task_config
-from llmft.components.lib.evaluation.task_eval import HELDOUT, check_promote_metric, parse_tasks, read_questions
+from llmft.components.lib.evaluation.task_plan import eval_plan
 from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
 from llmft.components.lib.jobs.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.plan import checks as checks
@@ -55,7 +54,6 @@ from llmft.components.lib.plan.schema import (
     TRAIN_TASK_TIMEOUT_S,
     DataLayout,
     DataPlan,
-    EvalPlan,
     Images,
     JobPlan,
     RegistryPlan,
@@ -119,7 +117,7 @@ def build_plan(
         registry=_registry_plan(p, layout, run_id, on_cluster, environ),
         serving=_serving_plan(p, layout, run_id, images, secrets),
         sweep=_sweep_plan(p, layout, run_id) if pipeline.endswith("-hpo") else None,
-        evaluation=eval_plan(p),
+        evaluation=eval_plan(p, layout, os.environ if environ is None else environ),
         task_secrets=tuple(s for s in (secrets["hf"], secrets["mlflow"], secrets["langfuse"]) if s is not None),
         task_resources=checks.task_resources(p),
         parameters=p.as_dict(),
@@ -259,29 +257,6 @@ def _task_bounded(name: str, value: int, task_timeout_s: int) -> int:
 
 def _without_key(secret: SecretMount, key: str) -> SecretMount:
     return dataclasses.replace(secret, keys=tuple(k for k in secret.keys if k != key))
-
-
-def eval_plan(p: PipelineParameters) -> EvalPlan:
-    """``eval_tasks`` (known names only), ``promote_metric`` (a metric they compute), the questions file
-    (its rows' schema, when the plan step can read it), ``eval_max_questions``."""
-    tasks = parse_tasks(p.eval_tasks)
-    for task in tasks:
-        if task != HELDOUT:
-            task_config(task)  # a shipped lm-eval task's YAML and data rows: DataError naming file and field
-    check_promote_metric(p.promote_metric, tasks)
-    if not 1 <= p.eval_max_questions <= MAX_QUESTIONS:
-        raise ConfigError(
-            f"pipeline parameter `eval_max_questions`={p.eval_max_questions}: must be between 1 and {MAX_QUESTIONS}"
-        )
-    if p.eval_questions:
-        if HELDOUT not in tasks:
-            raise ConfigError("pipeline parameter `eval_questions` is set but `eval_tasks` lacks heldout: add it")
-        read_questions(p.eval_questions, p.eval_max_questions)  # DataError naming file, line and field
-    return EvalPlan(tasks=tasks, questions=p.eval_questions, max_questions=p.eval_max_questions)
-
-
-MAX_QUESTIONS = 1000
-"""Upper bound of ``eval_max_questions``: generation per model and checkpoint stays bounded."""
 
 
 def _registry_plan(p: PipelineParameters, layout: DataLayout, run_id: str, on_cluster: bool, environ) -> RegistryPlan:

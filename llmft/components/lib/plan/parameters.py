@@ -76,6 +76,10 @@ class PipelineParameters:
     eval_tasks: str = "heldout"
     eval_questions: str = ""
     eval_max_questions: int = 16
+    eval_guards: str = ""
+    eval_num_fewshot: int = -1
+    eval_limit: int = 500
+    eval_batch_size: int = 8
     deploy: bool = True
     deploy_mode: str = "kserve"
     deploy_policy: str = "champion"

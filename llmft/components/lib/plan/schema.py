@@ -65,8 +65,8 @@ KFP_POD_ENV = "KFP_POD_NAME"
 class DataLayout:
     """Folders on the shared volume (the PVC on a cluster; a local folder for run-local).
 
-    ``<root>/hf-cache`` HF_HOME; ``datasets/<run>`` prepared JSONL; ``tokenized/<cache key>``
-    packed shards, reused by any run with the same key; ``runs/<run>`` checkpoints and
+    ``<root>/hf-cache`` HF_HOME; ``eval-cache`` lm-eval task data; ``datasets/<run>`` prepared JSONL;
+    ``tokenized/<cache key>`` packed shards, reused by any run with the same key; ``runs/<run>`` checkpoints and
     metrics; ``sweeps/<experiment>`` trials; ``models/<registered name>/<run>`` promoted adapters;
     ``merged/<registered name>/<run>`` the promoted adapter merged into its base (serving form ``merged``).
     """
@@ -95,6 +95,11 @@ class DataLayout:
     @property
     def hf_home(self) -> str:
         return f"{self.root}/hf-cache"
+
+    @property
+    def eval_cache(self) -> str:
+        """The offline lm-eval data cache (``llmft eval cache``; lib/evaluation/eval_cache.py)."""
+        return f"{self.root}/eval-cache"
 
     def hf_env(self) -> dict[str, str]:
         """HF_HOME on the volume plus the caches an image may set on its own (which would win
@@ -278,14 +283,61 @@ class RegistryPlan:
 
 
 @dataclass(frozen=True)
+class EvalTaskPlan:
+    """One task of ``eval_tasks`` as the plan step found it (llmft/components/lib/evaluation/task_plan.py)."""
+
+    name: str
+    """What ``eval_tasks`` says: heldout, a shipped task, a task YAML's path, or an lm-eval registry name."""
+    kind: str
+    """heldout, shipped, volume (a task YAML on the volume), cached (registry, data in the eval cache) or hub
+    (registry, data fetched by lm-eval from a reachable hub)."""
+    label: str
+    """The task's name in metric names (``<label>.<metric>``): the YAML's ``task:`` for a task file."""
+    metrics: tuple[str, ...] = ()
+    """The metrics it reports (() = not known before it runs: a hub task)."""
+    source: str = ""
+    """The task YAML (shipped, volume)."""
+    version: str = ""
+    """The task's version (its YAML's ``metadata.version``; for a group its tasks', joined)."""
+    data_hash: str = ""
+    """SHA-256 over its data (files, or the cached splits' digests); '' when not known before it runs."""
+    size: int = 0
+    """Documents in its test split(s) (0 = not known before it runs)."""
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A metric the adapter may not lose to the base by more than ``tolerance`` (eval_guards)."""
+
+    metric: str
+    tolerance: float
+
+
+@dataclass(frozen=True)
 class EvalPlan:
     """What the evaluate step scores besides perplexity (llmft/components/lib/evaluation/task_eval.py)."""
 
     tasks: tuple[str, ...] = ()
-    """Known task names (heldout, shipped lm-eval tasks), checked by the plan step."""
+    """Task labels in order (heldout, shipped and volume tasks, lm-eval registry names), checked by the plan step."""
     questions: str = ""
     """JSONL file of question/answer rows for heldout; '' = the validation split."""
     max_questions: int = 16
+    specs: tuple[EvalTaskPlan, ...] = ()
+    """Each task as the plan step resolved it (same order as ``tasks``)."""
+    cache_dir: str = ""
+    """The offline lm-eval data cache on the volume (``<data_root>/eval-cache``)."""
+    num_fewshot: int = -1
+    """Few-shot examples per lm-eval question (-1 = each task's own default)."""
+    limit: int = 0
+    """lm-eval documents per task at most (0 = all)."""
+    batch_size: int = 8
+    """lm-eval's batch size (requests per forward pass)."""
+    guards: tuple[Guard, ...] = ()
+    """Metrics the adapter may not lose by more than their tolerance (the promote gate)."""
+    max_new_tokens: int = 128
+    """New tokens per held-out answer."""
+    generation_timeout_s: int = 600
+    """Wall-clock bound of one batch of held-out answers."""
 
 
 @dataclass(frozen=True)

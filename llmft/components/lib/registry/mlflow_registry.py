@@ -81,6 +81,9 @@ PROMOTED_PATH_TAG = "llmft.promoted_path"
 """The model-version tag naming the promoted adapter's directory."""
 LINK_TAG_PREFIX = "llmft.langfuse."
 """Prefix of the model-version tags that lead to Langfuse."""
+EVAL_SET_TAG_PREFIX = "llmft.eval_set."
+"""Prefix of the version tags saying what each metric was scored on (``llmft.eval_set.heldout``:
+:func:`eval_set_identity`); the champion is chosen only among versions scored alike on the promote metric."""
 
 
 @dataclass(frozen=True)
@@ -142,13 +145,36 @@ class Registration:
     """The trainer's MLflow run (training_manifest.json ``mlflow_run_id``): the version is created from it."""
     training_manifest: dict[str, Any] = field(default_factory=dict)
     """What the trainer recorded (package versions, config): the MLflow Model's requirements and base dtype."""
+    eval_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What each metric was scored on (evaluation.json ``eval_sets``), tagged ``llmft.eval_set.<task>``."""
 
     def metric_value(self) -> float:
         return float(self.perplexity) if self.metric == PERPLEXITY else float(self.scores[self.metric])
 
+    def identity(self) -> str | None:
+        """What the promote metric was scored on (None: not recorded, an older evaluation)."""
+        found = self.eval_sets.get(eval_set_key(self.metric))
+        return None if found is None else eval_set_identity(found)
+
     def score_tags(self) -> dict[str, str]:
         tags = {METRIC_TAG_PREFIX + name: repr(float(value)) for name, value in self.scores.items()}
+        tags |= {EVAL_SET_TAG_PREFIX + key: eval_set_identity(found) for key, found in self.eval_sets.items()}
         return {**tags, PERPLEXITY_TAG: repr(float(self.perplexity)), PROMOTE_METRIC_TAG: self.metric}
+
+
+def eval_set_key(metric: str) -> str:
+    """The ``eval_sets`` entry a metric was scored on: ``perplexity``, or the task of ``<task>.<metric>``."""
+    return PERPLEXITY if metric == PERPLEXITY else metric.partition(".")[0]
+
+
+def eval_set_identity(found: Mapping[str, Any]) -> str:
+    """One comparable string: the data's hash (16 hex digits), its size, and the task's version and lm-eval
+    settings where it has them (``sha:1a2b...;n:16`` / ``sha:...;n:500;v:1.0;fewshot:-1;limit:500``)."""
+    parts = [f"sha:{str(found.get('hash', ''))[:16]}", f"n:{found.get('size', 0)}"]
+    for key, short in (("split", "split"), ("version", "v"), ("num_fewshot", "fewshot"), ("limit", "limit")):
+        if key in found:
+            parts.append(f"{short}:{found[key]}")
+    return ";".join(parts)
 
 
 def register_adapter(
@@ -167,7 +193,9 @@ def register_adapter(
     else:
         register_run, artifact_uri = _log_run(client, reg)
         version = _create_version(client, reg, register_run, artifact_uri)
-    alias = update_champion(client, reg.model_name, str(version.version), reg.metric_value(), metric=reg.metric)
+    alias = update_champion(
+        client, reg.model_name, str(version.version), reg.metric_value(), metric=reg.metric, identity=reg.identity()
+    )
     return {
         "registered": True,
         "model_name": reg.model_name,
@@ -242,15 +270,22 @@ def _run_exists(client, run_id: str) -> bool:
     return True
 
 
-def update_champion(client, model_name: str, version: str, value: float, *, metric: str = PERPLEXITY) -> dict[str, Any]:
-    """Move ``champion`` to the best version by ``metric`` (:func:`best_version`; ``value`` is this version's)
-    and verify it stayed there.
+def update_champion(
+    client, model_name: str, version: str, value: float, *, metric: str = PERPLEXITY, identity: str | None = None
+) -> dict[str, Any]:
+    """Move ``champion`` to the best version by ``metric`` among those scored like this one (``identity``:
+    :func:`eval_set_identity` of what ``metric`` was scored on; :func:`best_version`) and verify it stayed there.
+
+    Like with like: when the current champion was scored on another metric or another evaluation set (its
+    ``llmft.eval_set.<task>`` tag differs, or it has no value of ``metric``), nothing is compared and the
+    champion stays (:func:`unlike_champion` says why in one line); withdrawing it (tag ``llmft.withdrawn``) lets
+    the versions scored alike compete.
 
     MLflow has no compare-and-set on aliases (``MlflowClient.set_registered_model_alias(name, alias,
     version)``, mlflow 3.17 ``mlflow/tracking/client.py`` 5549): two runs that read the champion, then
     each set it, race, and the slower one wins whatever its perplexity. So no writer compares against
-    what it read: each sets the alias to the best of *all* versions (a total order: lowest recorded
-    perplexity, then lowest version number; withdrawn versions excluded), then re-reads the alias and
+    what it read: each sets the alias to the best of *all* like versions (a total order: best recorded
+    value, then lowest version number; withdrawn versions excluded), then re-reads the alias and
     the versions and sets it again while they disagree. The versions only grow, every write is
     followed by its writer's check, so whatever the interleaving the alias ends on the best version.
     ``is_champion``: this version is the best at this writer's last check. A better version registered
@@ -258,8 +293,11 @@ def update_champion(client, model_name: str, version: str, value: float, *, metr
     applies last): the single-writer rule for serving is docs/cluster-guide.md's, one run per model at a
     time (KFP recurring runs: max_concurrency=1)."""
     previous = champion_version(client, model_name)
+    unlike = unlike_champion(previous, version, metric, identity)
+    if unlike is not None:
+        return _alias_facts(False, str(previous.version), str(previous.version), previous, unlike, metric, None)
     for _ in range(CHAMPION_ATTEMPTS):
-        best = best_version(client, model_name, metric)
+        best = best_version(client, model_name, metric, identity)
         if best is None:  # no version carries the metric: this one, whatever it is, leads
             best = client.get_model_version(model_name, version)
         current = champion_version(client, model_name)
@@ -272,20 +310,43 @@ def update_champion(client, model_name: str, version: str, value: float, *, metr
     )
 
 
+def unlike_champion(champion, version: str, metric: str, identity: str | None) -> str | None:
+    """None when ``champion`` may be compared with the new version (none yet, itself, withdrawn, or scored alike on
+    ``metric``); else the one line saying why not and what stays."""
+    if champion is None or str(champion.version) == str(version) or WITHDRAWN_TAG in (champion.tags or {}):
+        return None
+    tags = champion.tags or {}
+    theirs = tags.get(EVAL_SET_TAG_PREFIX + eval_set_key(metric))
+    if version_metric(champion, metric) is None:
+        why = f"it has no recorded {metric} (it was promoted on {tags.get(PROMOTE_METRIC_TAG, PERPLEXITY)})"
+    elif identity is not None and theirs != identity:
+        why = f"its {metric} was scored on {theirs or 'an unrecorded set'}, this version's on {identity}"
+    else:
+        return None
+    return (
+        f"not compared with champion v{champion.version}: {why}; unlike evaluations are never compared, so the "
+        f"champion stays v{champion.version} (tag it {WITHDRAWN_TAG} to let versions scored alike compete)"
+    )
+
+
 def is_champion(facts: Mapping[str, Any]) -> bool:
     """The register step's verdict in registration.json: only an explicit ``is_champion: true`` deploys
     under ``deploy_policy=champion``; a missing key (an older or partial file) is not the champion."""
     return facts.get("is_champion") is True
 
 
-def best_version(client, model_name: str, metric: str = PERPLEXITY):
+def best_version(client, model_name: str, metric: str = PERPLEXITY, identity: str | None = None):
     """The version best by its recorded ``metric`` (the lowest perplexity, the highest task score; ties: the
-    lowest version number), skipping versions tagged :data:`WITHDRAWN_TAG`; None when no version has it."""
+    lowest version number) among those scored on ``identity`` (when given: tag ``llmft.eval_set.<task>``),
+    skipping versions tagged :data:`WITHDRAWN_TAG`; None when no version qualifies."""
     sign = 1.0 if lower_is_better(metric) else -1.0
+    tag = EVAL_SET_TAG_PREFIX + eval_set_key(metric)
     ranked = [
         (sign * value, int(v.version), v)
         for v in client.search_model_versions(f"name = '{_quote(model_name)}'")
-        if WITHDRAWN_TAG not in (v.tags or {}) and (value := version_metric(v, metric)) is not None
+        if WITHDRAWN_TAG not in (v.tags or {})
+        and (identity is None or (v.tags or {}).get(tag) == identity)
+        and (value := version_metric(v, metric)) is not None
     ]
     return min(ranked, key=lambda item: item[:2])[2] if ranked else None
 
@@ -513,6 +574,10 @@ def registration_from_run(
     promotion = promotion or {}
     if _finite(promotion.get("improvement")):
         metrics["promote_improvement"] = float(promotion["improvement"])
+    for guard in promotion.get("guards") or []:  # the gate's guards: each value and whether it held
+        if _finite(guard.get("value")):
+            metrics[f"guard_{guard['metric']}"] = float(guard["value"])
+        metrics[f"guard_{guard['metric']}_held"] = float(bool(guard.get("held")))
     gate = {PROMOTION_REASON_TAG: str(promotion["reason"])[:5000]} if promotion.get("reason") else {}
     params = {
         **training_manifest.get("config", {}),
@@ -535,6 +600,7 @@ def registration_from_run(
         scores=task_scores(best),
         training_run_id=str(training_manifest.get("mlflow_run_id") or ""),
         training_manifest=training_manifest,
+        eval_sets=dict(evaluation.get("eval_sets") or {}),
     )
 
 

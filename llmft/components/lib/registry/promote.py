@@ -25,7 +25,10 @@ the umask-based mode (safetensors writes 0600), so a serving pod under another U
 from __future__ import annotations
 
 import fnmatch
+import json
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,7 @@ from llmft.components.lib.evaluation.task_eval import (
 )
 from llmft.components.lib.plan.volume_paths import check_path_component, path_under
 from llmft.components.lib.serving.servability import require_vllm_servable
-from llmft.trainer.errors import ConfigError, LlmftError
+from llmft.trainer.errors import ConfigError, DataError, LlmftError
 from llmft.trainer.hf_files import TOKENIZER_FILES
 from llmft.trainer.io import TRAINING_MANIFEST, atomic_directory, atomic_write_json, is_complete
 from llmft.trainer.safe_files import check_file, copy_file
@@ -112,14 +115,19 @@ class PromotionDecision:
     """The best checkpoint's value of ``metric``."""
     base_value: float | None = None
     """The base model's value of ``metric``."""
+    guards: tuple[dict[str, Any], ...] = ()
+    """Each guard metric of the chosen checkpoint: metric, tolerance, base, value, limit, held (eval_guards)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def decide(evaluation: dict[str, Any], margin: float, metric: str = PERPLEXITY) -> PromotionDecision:
-    """Choose the best checkpoint of ``evaluation`` by ``metric`` and decide whether it may be promoted:
-    it must beat the base model's value of that metric by ``margin`` (task_eval.threshold)."""
+def decide(
+    evaluation: dict[str, Any], margin: float, metric: str = PERPLEXITY, guards: Sequence[tuple[str, float]] = ()
+) -> PromotionDecision:
+    """Choose the best checkpoint of ``evaluation`` by ``metric`` among those that keep every guard (no guard
+    metric below the base's by more than its tolerance: :func:`guard_checks`) and decide whether it may be
+    promoted: it must beat the base model's value of that metric by ``margin`` (task_eval.threshold)."""
     if not 0.0 <= margin < 1.0:
         raise PromotionRefused(f"promote margin {margin} is out of range: use a fraction in [0, 1), e.g. 0.01 for 1%")
     base_ppl = float(evaluation["base"]["perplexity"])
@@ -137,25 +145,58 @@ def decide(evaluation: dict[str, Any], margin: float, metric: str = PERPLEXITY) 
             f"no complete checkpoint was evaluated on {metric}: nothing to promote",
             metric=metric, base_value=base_value,
         )  # fmt: skip
-    best = best_of(checkpoints, metric)
+    checks = {c["name"]: guard_checks(evaluation["base"], c, guards) for c in checkpoints}
+    keeping = [c for c in checkpoints if all(g["held"] for g in checks[c["name"]])]
+    best = best_of(keeping or checkpoints, metric)
     value = float(metric_value(best, metric))  # type: ignore[arg-type]  # filtered above
-    promoted = beats(value, base_value, metric, margin)
-    improvement = _improvement(value, base_value, metric)
+    promoted = bool(keeping) and beats(value, base_value, metric, margin)
+    reason = _reason(promoted, best["name"], metric, value, base_value, margin, limit)
+    if not keeping:
+        reason = _guard_reason(best["name"], checks[best["name"]])
+    elif guards:
+        reason += "; " + _guards_held(checks[best["name"]])
     return PromotionDecision(
-        promoted,
-        best["name"],
-        best.get("path"),
-        best.get("step"),
-        best.get("perplexity"),
-        best.get("eval_loss"),
-        base_ppl,
-        margin,
-        limit,
-        improvement,
-        _reason(promoted, best["name"], metric, value, base_value, margin, limit),
-        metric=metric,
-        value=value,
-        base_value=base_value,
+        promoted, best["name"], best.get("path"), best.get("step"), best.get("perplexity"), best.get("eval_loss"),
+        base_ppl, margin, limit, _improvement(value, base_value, metric), reason, metric=metric, value=value,
+        base_value=base_value, guards=tuple(checks[best["name"]]),
+    )  # fmt: skip
+
+
+def guard_checks(base: dict[str, Any], candidate: dict[str, Any], guards: Sequence[tuple[str, float]]) -> list[dict]:
+    """Each guard on one checkpoint: the base's value, the checkpoint's, the limit (a score: base - tolerance;
+    a perplexity: base x (1 + tolerance)) and whether it held (a value missing on either side does not)."""
+    out = []
+    for metric, tolerance in guards:
+        base_value, value = metric_value(base, metric), metric_value(candidate, metric)
+        if base_value is None or not math.isfinite(base_value):
+            out.append({"metric": metric, "tolerance": tolerance, "base": base_value, "value": value, "limit": None,
+                        "held": False})  # fmt: skip
+            continue
+        lower = lower_is_better(metric)
+        limit = base_value * (1.0 + tolerance) if lower else base_value - tolerance
+        held = value is not None and math.isfinite(value) and (value <= limit if lower else value >= limit)
+        out.append({"metric": metric, "tolerance": tolerance, "base": base_value, "value": value, "limit": limit,
+                    "held": held})  # fmt: skip
+    return out
+
+
+def _number(value: float | None) -> str:
+    return "missing" if value is None else f"{value:.4f}"
+
+
+def _guard_reason(name: str, checks: list[dict]) -> str:
+    lost = [g for g in checks if not g["held"]]
+    said = "; ".join(
+        f"{g['metric']} {_number(g['value'])} against the base's {_number(g['base'])}, beyond the tolerance "
+        f"{g['tolerance']:g} (limit {_number(g['limit'])})"
+        for g in lost
+    )
+    return f"refusing to promote: no checkpoint keeps every guard; the best, {name}, loses {said}"
+
+
+def _guards_held(checks: list[dict]) -> str:
+    return "guards held: " + ", ".join(
+        f"{g['metric']} {_number(g['value'])} (base {_number(g['base'])}, limit {_number(g['limit'])})" for g in checks
     )
 
 
@@ -180,6 +221,20 @@ def _reason(promoted: bool, name: str, metric: str, value: float, base: float, m
     )
 
 
+def read_evaluation(path: str | Path) -> dict[str, Any]:
+    """The evaluate step's evaluation.json; DataError naming the file when it is not the JSON object it wrote."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing: the evaluate step did not finish; re-run it") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise DataError(f"{path}: not the JSON the evaluate step writes ({exc}); re-run the evaluate step") from None
+    if not isinstance(data, dict) or not isinstance(data.get("base"), dict):
+        raise DataError(f"{path}: no `base` entry: not an evaluation the evaluate step wrote; re-run it")
+    return data
+
+
 def promoted_destination(data_root: str | Path, model_name: str, run_id: str) -> Path:
     """``<data_root>/models/<model_name>/<run_id>``, resolved; ConfigError naming the pipeline parameter
     when either is not one plain path component or the result leaves ``<data_root>/models``."""
@@ -197,11 +252,14 @@ def promote_to_volume(
     margin: float,
     metric: str = PERPLEXITY,
     max_lora_rank: int | None = None,
+    guards: Sequence[tuple[str, float]] = (),
 ) -> PromotionDecision:
     """:func:`promote` into :func:`promoted_destination` (what the promote step calls)."""
     destination = promoted_destination(data_root, model_name, run_id)
     root = Path(data_root) / MODELS_FOLDER
-    return promote(evaluation, destination, margin=margin, metric=metric, root=root, max_lora_rank=max_lora_rank)
+    return promote(
+        evaluation, destination, margin=margin, metric=metric, root=root, max_lora_rank=max_lora_rank, guards=guards
+    )
 
 
 def promote(
@@ -212,6 +270,7 @@ def promote(
     metric: str = PERPLEXITY,
     root: str | Path | None = None,
     max_lora_rank: int | None = None,
+    guards: Sequence[tuple[str, float]] = (),
 ) -> PromotionDecision:
     """Decide (by ``metric``), then copy the best checkpoint to ``destination`` atomically.
 
@@ -221,7 +280,7 @@ def promote(
     under ``root``. Both are checked before anything is written.
     """
     destination = _checked_destination(Path(destination), root)
-    decision = decide(evaluation, margin, metric)
+    decision = decide(evaluation, margin, metric, guards)
     record_path = destination.with_name(destination.name + ".decision.json")
     if not decision.promoted or decision.checkpoint_path is None:  # a promoted decision names its checkpoint
         atomic_write_json(record_path, decision.to_dict())

@@ -1,0 +1,153 @@
+"""The plan step's reading of ``eval_tasks``: each entry found, in seconds, before any GPU time.
+
+* ``heldout``; a shipped task (llmft/trainer/assets/lm_eval_tasks/); a task YAML on the volume (a path ending in
+  ``.yaml``): read and checked by lm_eval_tasks.task_config (file, field or line named in one line);
+* any other name is an lm-eval registry task, group or tag: its data must be in the volume's eval cache
+  (eval_cache.check_cached: every file at its recorded size), or a hub must be reachable (the evaluate step's
+  lm-eval then fetches it). Otherwise one line names the task, its dataset and the command that caches it.
+
+Nothing here imports lm_eval or torch (the pipeline image).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import urllib.request
+from collections.abc import Mapping
+
+from llmft.components.lib.evaluation.eval_cache import cache_command, check_cached
+from llmft.components.lib.evaluation.lm_eval_registry import NAME, dataset_of, defined, registry_dir
+from llmft.components.lib.evaluation.lm_eval_tasks import data_digest, task_config, task_metrics_of
+from llmft.components.lib.evaluation.questions import read_questions
+from llmft.components.lib.evaluation.scoring import METRICS
+from llmft.components.lib.evaluation.task_eval import (
+    HELDOUT,
+    PERPLEXITY,
+    check_promote_metric,
+    lm_eval_task_names,
+    parse_guards,
+    parse_tasks,
+    shown,
+)
+from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.schema import DataLayout, EvalPlan, EvalTaskPlan, Guard
+from llmft.trainer.errors import ConfigError, DataError
+
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long the plan step waits for the dataset hub before it counts the cluster as offline."""
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def hub_reachable(environ: Mapping[str, str]) -> bool:
+    """False when an offline variable is set; else whether ``HF_ENDPOINT`` (the Hugging Face hub by default)
+    answers within :data:`HUB_PROBE_TIMEOUT_S`."""
+    if any(environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in OFFLINE_ENV):
+        return False
+    endpoint = environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except Exception:  # noqa: BLE001 - any failure means: not reachable from here
+        return False
+
+
+def resolve_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> EvalTaskPlan:
+    """One ``eval_tasks`` entry as the evaluate step will run it (see the module docstring)."""
+    if name == HELDOUT:
+        return EvalTaskPlan(HELDOUT, "heldout", HELDOUT, METRICS)
+    if name in lm_eval_task_names() or name.endswith((".yaml", ".yml")):
+        return _file_task(name)
+    if not NAME.match(name):
+        raise ConfigError(f"pipeline parameter `eval_tasks`: {shown(name)} is not a task name (letters, digits, _.-:+)")
+    if name == PERPLEXITY:
+        raise ConfigError("pipeline parameter `eval_tasks`: perplexity is always computed; leave it out")
+    entry = check_cached(cache_dir, name)
+    if entry is not None:
+        return _cached_task(name, entry)
+    return _uncached_task(name, cache_dir, environ)
+
+
+def _file_task(name: str) -> EvalTaskPlan:
+    if name.endswith((".yaml", ".yml")) and not os.path.isabs(name):
+        raise ConfigError(f"pipeline parameter `eval_tasks`: {shown(name)}: give a task file's absolute path")
+    config = task_config(name)
+    digest, rows = data_digest(config)
+    version = str((config.get("metadata") or {}).get("version", ""))
+    kind = "volume" if name.endswith((".yaml", ".yml")) else "shipped"
+    return EvalTaskPlan(name, kind, config["task"], tuple(task_metrics_of(config)), name, version, digest, rows)
+
+
+def _cached_task(name: str, entry: dict) -> EvalTaskPlan:
+    tasks = entry["tasks"]
+    metric_sets = [set(task["metrics"]) for task in tasks.values()]
+    metrics = tuple(m for m in next(iter(tasks.values()))["metrics"] if all(m in s for s in metric_sets))
+    digest = hashlib.sha256()
+    for leaf in sorted(tasks):
+        for split in sorted(tasks[leaf]["splits"]):
+            digest.update(f"{leaf}/{split}:{tasks[leaf]['splits'][split]['sha256']}\n".encode())
+    versions = sorted({f"{leaf}={tasks[leaf].get('version')}" for leaf in tasks})
+    version = versions[0].partition("=")[2] if len(tasks) == 1 else ",".join(versions)
+    size = sum(_test_rows(task) for task in tasks.values())
+    return EvalTaskPlan(name, "cached", name, metrics, "", version, digest.hexdigest(), size)
+
+
+def _test_rows(task: dict) -> int:
+    splits = task["splits"]
+    return int((splits.get("test") or next(iter(splits.values()), {"rows": 0}))["rows"])
+
+
+def _uncached_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> EvalTaskPlan:
+    found = defined(name)
+    if registry_dir() is not None and found is None:
+        raise ConfigError(
+            f"pipeline parameter `eval_tasks`: {shown(name)} is not heldout, a shipped task "
+            f"({', '.join(lm_eval_task_names())}), a task file's path or a task, group or tag of lm-eval's registry"
+        )
+    if hub_reachable(environ):
+        return EvalTaskPlan(name, "hub", name)
+    dataset = "/".join(part for part in dataset_of(found) if part) if found else ""
+    what = f"dataset {dataset}" if dataset else "its datasets"
+    raise DataError(
+        f"eval task {name!r}: {what} is not in the evaluation cache {cache_dir} and no dataset hub is reachable "
+        f"from here; on a machine with internet run `{cache_command([name])}` and copy <dir> to {cache_dir}"
+    )
+
+
+MAX_QUESTIONS = 1000
+"""Upper bound of ``eval_max_questions``: generation per model and checkpoint stays bounded."""
+MAX_BATCH_SIZE = 1024
+
+
+def eval_plan(p: PipelineParameters, layout: DataLayout, environ: Mapping[str, str]) -> EvalPlan:
+    """``eval_tasks`` (each found: :func:`resolve_task`), ``promote_metric`` and ``eval_guards`` (metrics they
+    compute), the questions file (every row, bounded by the run's context), and the lm-eval settings."""
+    specs = tuple(resolve_task(name, layout.eval_cache, environ) for name in parse_tasks(p.eval_tasks))
+    available = (PERPLEXITY, *(f"{s.label}.{m}" for s in specs for m in s.metrics))
+    open_tasks = tuple(s.label for s in specs if not s.metrics)
+    check_promote_metric(p.promote_metric, available, open_tasks)
+    guards = tuple(Guard(m, t) for m, t in parse_guards(p.eval_guards, available, open_tasks))
+    _check_range("eval_max_questions", p.eval_max_questions, 1, MAX_QUESTIONS)
+    _check_range("eval_num_fewshot", p.eval_num_fewshot, -1, 64)
+    _check_range("eval_limit", p.eval_limit, 0, 10_000_000)
+    _check_range("eval_batch_size", p.eval_batch_size, 1, MAX_BATCH_SIZE)
+    if p.eval_questions:
+        if HELDOUT not in (s.name for s in specs):
+            raise ConfigError("pipeline parameter `eval_questions` is set but `eval_tasks` lacks heldout: add it")
+        read_questions(p.eval_questions, p.eval_max_questions, max_length=p.max_length)  # file, line, field
+    return EvalPlan(
+        tasks=tuple(s.label for s in specs),
+        questions=p.eval_questions,
+        max_questions=p.eval_max_questions,
+        specs=specs,
+        cache_dir=layout.eval_cache,
+        num_fewshot=p.eval_num_fewshot,
+        limit=p.eval_limit,
+        batch_size=p.eval_batch_size,
+        guards=guards,
+    )
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"pipeline parameter `{name}`={value}: must be between {low} and {high}")
