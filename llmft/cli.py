@@ -18,15 +18,17 @@ import os
 import sys
 from importlib.metadata import version
 
-from llmft.trainer import errors
 from llmft.trainer.errors import EXIT_CODE_MEANINGS
-from llmft.trainer.storage import describe_disk_fault, describe_path_error, disk_fault, disk_fault_exit_code
+from llmft.trainer.failures import Teller, describe_failure, missing_package
 
 # group name -> (module, one-line help). Order is the order shown in --help.
 GROUPS: dict[str, tuple[str, str]] = {
     "data": ("llmft.commands.data", "prepare raw datasets into JSONL; tokenize and pack onto shards"),
     "train": ("llmft.commands.train", "run the trainer (one process, or --nproc N through torchrun)"),
-    "pipeline": ("llmft.commands.pipeline", "compile, run locally (kfp.local), submit or schedule the KFP pipeline"),
+    "pipeline": (
+        "llmft.commands.pipeline",
+        "compile, run locally (kfp.local), submit or schedule the KFP pipeline; render its job; clean up ended runs",
+    ),
     "sweep": ("llmft.commands.sweep", "Katib hyperparameter sweeps: create, status, best, run-local"),
     "export": ("llmft.commands.export", "merge an adapter into its base model (or bundle it) for serving"),
     "eval": ("llmft.commands.eval", "cache lm-eval tasks' data for offline evaluation on the volume; check a cache"),
@@ -51,7 +53,9 @@ GROUP_EXTRAS: dict[str, str] = {
     "bench": "trainer",
 }
 """The extras of setup.cfg each group's module imports from (its module level may import their light packages:
-docs/architecture.md, "Imports"); a group whose package is missing is one line naming them."""
+docs/architecture.md, "Imports"). A package that is missing, at the group's import or later in a command, is one
+line naming the extra that brings it (llmft/trainer/failures.py reads it from the installed metadata; these
+are named when the metadata does not say, and win where several extras bring it)."""
 
 
 def _epilog() -> str:
@@ -117,75 +121,41 @@ def main(argv: list[str] | None = None) -> int:
         args = top.parse_args(argv)  # handles --help/--version/unknown group
         top.print_help()
         return 2
+    teller = group_teller(argv[0])
     try:
         parser = build_group_parser(argv[0])
     except ModuleNotFoundError as exc:  # a package of an extra; a module of ours missing is a bug: its traceback
-        if os.environ.get("LLMFT_DEBUG", "") not in ("", "0") or (exc.name or "llmft").split(".")[0] == "llmft":
+        if os.environ.get("LLMFT_DEBUG", "") not in ("", "0") or missing_package(exc, teller) is None:
             raise
-        print(missing_extra(argv[0], exc), file=sys.stderr)
+        print(f"error: {missing_package(exc, teller)}", file=sys.stderr)
         return 1
     args = parse_group_args(parser, argv[1:])
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
-    return run_command(func, args)
+    return run_command(func, args, teller)
 
 
-def missing_extra(group: str, exc: ModuleNotFoundError) -> str:
-    """The one line for a group whose module needs a package this install lacks (exit 1: the install's
-    configuration), naming the extra that brings it."""
-    return (
-        f"error: llmft {group} needs the Python package {exc.name!r}, which is not installed here; "
-        f"install the extra it comes with: pip install 'kfp-llm-finetune[{GROUP_EXTRAS[group]}]'"
-    )
+def group_teller(group: str) -> Teller:
+    """How a failure of ``llmft <group>`` is told: a missing package names the group and, where setup.cfg's
+    metadata does not say, the group's extras."""
+    return Teller(command=f"llmft {group}", extras=tuple(GROUP_EXTRAS[group].split(",")))
 
 
-def run_command(func, args) -> int:
-    """Run one sub-command; turn whatever it raises into one line on stderr and its exit code.
-
-    LlmftError -> its ``exit_code`` (1 bad input, 200 transient); OSError (full or read-only disk,
-    I/O error) -> 200; KeyboardInterrupt -> 130; anything else -> 3 (a bug). ``LLMFT_DEBUG=1``
-    re-raises instead, so the traceback shows."""
+def run_command(func, args, teller: Teller = Teller()) -> int:
+    """Run one sub-command; turn whatever it raises into one line on stderr and its exit code
+    (llmft/trainer/failures.py: LlmftError -> its ``exit_code``, a missing package -> 1, an OSError -> 200,
+    KeyboardInterrupt -> 130, anything else -> 3, a bug). ``LLMFT_DEBUG=1`` re-raises instead, so the
+    traceback shows."""
     try:
         return int(func(args) or 0)
     except BaseException as exc:
         if os.environ.get("LLMFT_DEBUG", "") not in ("", "0") or isinstance(exc, SystemExit | GeneratorExit):
             raise
-        code, message = describe_failure(exc)
+        code, message = describe_failure(exc, teller)
         print(f"error: {message}", file=sys.stderr)
         return code
-
-
-def describe_failure(exc: BaseException) -> tuple[int, str]:
-    """(exit code, one-line message) for an exception that reached the command line."""
-
-    if isinstance(exc, errors.LlmftError):
-        return exc.exit_code, _one_line(str(exc), keep_lines=True)
-    if isinstance(exc, KeyboardInterrupt):  # a SignalStop (SIGTERM: 143) says which signal and what was kept
-        return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), _one_line(str(exc)) or "interrupted (Ctrl-C)"
-    disk = describe_disk_fault(exc, "the output")  # also safetensors' and torch.save's own errors
-    if disk is not None:
-        return disk_fault_exit_code(disk_fault(exc) or 0), _one_line(disk)
-    bad_path = describe_path_error(exc)  # a 300-character output path: bad input, not an I/O fault
-    if bad_path is not None:
-        return errors.EXIT_USER_ERROR, bad_path
-    if isinstance(exc, OSError):
-        where = f"{exc.filename}: " if exc.filename else ""
-        what = exc.strerror or str(exc) or type(exc).__name__
-        return errors.EXIT_TRANSIENT, _one_line(
-            f"{where}{what} ({type(exc).__name__}, errno {exc.errno}). An I/O fault (full or read-only disk, "
-            "permissions, network storage): fix it and re-run; exit 200 is retried by the pipeline"
-        )
-    return errors.EXIT_INTERNAL, _one_line(
-        f"internal error: {type(exc).__name__}: {exc}. This is a bug; re-run with LLMFT_DEBUG=1 for the traceback "
-        "and report it"
-    )
-
-
-def _one_line(text: str, *, keep_lines: bool = False) -> str:
-    """Messages written as a list of offending lines (prepare's rejects) keep them; others are one line."""
-    return text.strip() if keep_lines else " ".join(text.split())
 
 
 if __name__ == "__main__":

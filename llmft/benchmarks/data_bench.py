@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from llmft.trainer.data.prepare import prepare_dataset
+from llmft.trainer.data.shards import IGNORE_INDEX
 from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.io import atomic_write_json, atomic_write_text
 from llmft.trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS, build_tiny_model
@@ -142,7 +143,7 @@ def naive_path(raw: Path, work: Path, model: str) -> dict:
         prompt = tok.apply_chat_template(
             row["messages"][:-1], tokenize=True, add_generation_prompt=True, return_dict=False
         )
-        return {"input_ids": full, "labels": [-100] * len(prompt) + full[len(prompt) :]}
+        return {"input_ids": full, "labels": [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]}
 
     ds = ds.map(to_messages, remove_columns=ds.column_names)
     ds = ds.map(tokenize, remove_columns=["messages"])

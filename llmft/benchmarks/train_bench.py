@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline-s", type=float, default=540.0, help="stop starting arms after this many seconds")
     parser.add_argument("--arm-timeout-s", type=float, default=420.0, help="kill one arm after this many seconds")
     parser.add_argument("--extra", default="", help="extra arguments passed to every packed arm (space-separated)")
+    parser.add_argument(
+        "--product-extra",
+        default="",
+        help="arguments for the product arm's harness, not the trainer (e.g. '--marks --profile-step 3': "
+        "arm_product.py)",
+    )
     parser.add_argument("--label", default="", help="tag stored on every arm of this invocation (e.g. 2gpu-zero3)")
     parser.add_argument("--merge-from", default="", help="also merge the arms of the result JSON files in this folder")
 
@@ -108,7 +114,7 @@ def _job_command(job: str, args, json_out: Path) -> list[str]:
         ]
     if arm == "project-product":  # the shipped config decides everything else: of --extra only --nproc
         run = ["--model", model, "--method", method, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        run += ["--nproc", str(_extra_nproc(args.extra))]
+        run += ["--nproc", str(_extra_nproc(args.extra)), *getattr(args, "product_extra", "").split()]
         return [py, "-m", "llmft.benchmarks.gpu.arm_product", *run, "--profile", args.profile, *common[-2:]]
     micro = DEFAULT_MICRO.get((model, method), 32)
     module = "llmft.benchmarks.gpu.arm_fast" if arm == "fastpath" else "llmft.benchmarks.gpu.arm_project"

@@ -7,13 +7,13 @@ import signal
 
 # The defaults live in the library (one place); the CLI only shows them. llmft/trainer/data/limits.py imports
 # nothing, so `llmft data --help` stays fast.
+from llmft.trainer.data.formats import FORMAT_CHOICES
 from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.data.prepare import prepare_dataset
 from llmft.trainer.data.summary import prepare_summary, tokenize_summary
 from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.errors import SignalStop
 
-FORMAT_CHOICES = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 TRUNCATION_CHOICES = ("drop", "truncate", "error")
 
 

@@ -1,4 +1,5 @@
-"""`llmft pipeline ...`: compile, run locally (kfp.local), submit, or schedule the KFP pipeline.
+"""`llmft pipeline ...`: compile, run locally (kfp.local), submit, or schedule the KFP pipeline; render the
+training job (render-job); delete the jobs of ended runs (janitor).
 
 Every command takes pipeline parameters as ``key=value`` (typed by the plan component's signature).
 ``compile`` makes them the compiled pipeline's defaults; ``submit`` and ``schedule`` pass them as
@@ -27,7 +28,7 @@ from pathlib import Path
 import kfp_server_api  # light, but only with kfp: the pipeline extra (llmft pipeline needs it: llmft/cli.py says so)
 import urllib3
 
-from llmft.commands import render_job
+from llmft.commands import janitor, render_job
 from llmft.commands.pipeline_args import check_yaml_output, load_pipeline, typed_arguments
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.pipelines.defaults import (
@@ -41,6 +42,7 @@ from llmft.pipelines.local_run import run_pipeline_locally
 from llmft.pipelines.real_demo import heldout_report, learning_report, merged_answers
 from llmft.trainer.errors import ConfigError, TransientError
 from llmft.trainer.io import write_owned_file
+from llmft.trainer.mlflow_settings import redact_credentials
 
 CRON_FIELD = re.compile(r"^[0-9*?/,\-LW#A-Za-z]+$")
 
@@ -110,6 +112,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     schedule.set_defaults(func=run_schedule)
 
     render_job.add_parser(sub)  # render-job: the PyTorchJob / TrainJob the train step would submit
+    janitor.add_parser(sub)  # janitor: delete the jobs of runs that have ended (deploy/janitor.yaml's CronJob)
 
 
 def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,8 +242,8 @@ def _client(args: argparse.Namespace):
     except urllib3.exceptions.HTTPError as exc:  # MaxRetryError: nothing answered the health check at --host
         reason = getattr(exc, "reason", None) or exc
         raise TransientError(
-            f"--host {args.host}: the KFP API did not answer ({type(reason).__name__}: {reason}). Check the URL "
-            "and that the KFP API is reachable from here (ingress, VPN or a kubectl port-forward)"
+            f"--host {redact_credentials(args.host)}: the KFP API did not answer ({type(reason).__name__}: {reason}). "
+            "Check the URL and that the KFP API is reachable from here (ingress, VPN or a kubectl port-forward)"
         ) from None
 
 
@@ -251,9 +254,10 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
     except kfp_server_api.ApiException as exc:
         if exc.status in (401, 403):
             raise ConfigError(
-                f"--host {args.host}: HTTP {exc.status} {exc.reason}: the KFP API (or Kubeflow's auth proxy in front "
-                "of it) refused the request. Pass credentials: --token-env VAR / --token-file FILE (a bearer token), "
-                "--cookie-env VAR / --cookie-file FILE (a logged-in browser's session cookie), or --sa-token"
+                f"--host {redact_credentials(args.host)}: HTTP {exc.status} {exc.reason}: the KFP API (or Kubeflow's "
+                "auth proxy in front of it) refused the request. Pass credentials: --token-env VAR / --token-file "
+                "FILE (a bearer token), --cookie-env VAR / --cookie-file FILE (a logged-in browser's session cookie), "
+                "or --sa-token"
             ) from None
         raise
 
@@ -272,7 +276,7 @@ def run_submit(args: argparse.Namespace) -> int:
         service_account=args.service_account,
         enable_caching=False,
     )
-    print(f"submitted run {result.run_id} in experiment {args.experiment!r} on {args.host}")
+    print(f"submitted run {result.run_id} in experiment {args.experiment!r} on {redact_credentials(args.host)}")
     return 0
 
 
@@ -307,7 +311,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    pipeline = load_pipeline(args.hpo)
+    pipeline = load_pipeline(args.hpo, local=True)
     extra_defaults: dict = {}
     if args.hpo:
         # heavy: kfp, kubeflow_katib_api, pydantic

@@ -17,17 +17,20 @@ YAML_SUFFIXES = (".yaml", ".yml")
 about line 2303 in kfp 2.17)."""
 
 
-def load_pipeline(hpo: bool, defaults: dict | None = None):
-    """The pipeline (GraphComponent); with ``defaults``, built with them as parameter defaults."""
+def load_pipeline(hpo: bool, defaults: dict | None = None, *, local: bool = False):
+    """The pipeline (GraphComponent); with ``defaults``, built with them as parameter defaults; ``local``: the
+    one kfp.local runs, without retries (llmft/pipelines/llm_finetune.py ``local_pipeline``)."""
 
     try:
         # heavy: kfp, kubeflow_katib_api, pydantic
-        from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline
+        from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline, local_pipeline
 
         # heavy: kfp, kubeflow_katib_api, pydantic
         from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
     except ImportError as exc:
         raise ConfigError(f"cannot import the pipelines ({exc}); install the `pipeline` extra") from None
+    if local:
+        return local_pipeline(hpo=hpo, defaults=defaults)
     if defaults:
         return build_pipeline(hpo=hpo, defaults=defaults)
     return llm_finetune_hpo_pipeline if hpo else llm_finetune_pipeline

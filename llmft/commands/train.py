@@ -29,6 +29,7 @@ from collections.abc import Mapping
 
 from llmft.trainer.__main__ import main
 from llmft.trainer.config_load import config_to_dict, load_config
+from llmft.trainer.rank_exits import EXIT_DIR_ENV, read_rank_exits
 
 STOP_CODES = (0, 130, 143)  # a rank that finished, or stopped by a signal after its checkpoint
 
@@ -97,32 +98,51 @@ def preflight(args: argparse.Namespace) -> None:
     plan_start(cfg, config_to_dict(cfg))
 
 
+FORWARDED = (
+    "[llmft] {name}: forwarded to the ranks through torchrun; each commits a checkpoint after its step in flight, "
+    "then exits (a second Ctrl-C stops at once)"
+)
+
+
 def launch(cmd: list[str]) -> int:
-    """Run torchrun in its own session; forward SIGTERM/SIGINT; return :func:`launch_outcome`."""
-    # heavy: torch
-    from llmft.trainer.distributed import EXIT_DIR_ENV, read_rank_exits
+    """Run torchrun in its own session; forward SIGTERM/SIGINT; return :func:`launch_outcome`.
 
+    The forwarding handlers are in place before torchrun exists and stay until it has exited, so no moment is
+    left where a signal to this launcher is lost (a handler installed after ``Popen`` left one: the signal
+    that came while torchrun started was never forwarded, and the ranks ran on). A signal that came while
+    torchrun was being started is recorded and forwarded once it runs; one that came after torchrun exited
+    is still counted."""
     exit_dir = tempfile.mkdtemp(prefix="llmft-ranks-")
+    got_signal: list[int] = []
+    started: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):
+        got_signal.append(signum)
+        if started:
+            _forward(started[0], signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        proc = subprocess.Popen(
-            cmd, env={**os.environ, EXIT_DIR_ENV: exit_dir}, start_new_session=True, preexec_fn=_die_with_parent
-        )
-        got_signal: list[int] = []
-
-        def forward(signum, _frame):
-            got_signal.append(signum)
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            proc = subprocess.Popen(
+                cmd, env={**os.environ, EXIT_DIR_ENV: exit_dir}, start_new_session=True, preexec_fn=_in_the_child
+            )
+            started.append(proc)
+            if got_signal:  # it came while torchrun was being started: torchrun gets it now
+                _forward(proc, got_signal[-1])
             code = proc.wait()
         finally:
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, handler)  # runs a handler still pending first (CPython checks before it swaps)
         return launch_outcome(code, read_rank_exits(exit_dir), got_signal)
     finally:
         shutil.rmtree(exit_dir, ignore_errors=True)
+
+
+def _forward(proc: subprocess.Popen, signum: int) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signum)
+        print(FORWARDED.format(name=signal.Signals(signum).name), file=sys.stderr, flush=True)
 
 
 def launch_outcome(torchrun_code: int, rank_codes: dict[int, int], signals: list[int]) -> int:
@@ -140,10 +160,15 @@ def launch_outcome(torchrun_code: int, rank_codes: dict[int, int], signals: list
     return torchrun_code if torchrun_code > 0 else 128 - torchrun_code
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when this launcher dies (it runs in its own session, so a kill of
-    the launcher's process group would not reach it). Linux only; elsewhere a no-op."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+_PRCTL = None
+try:  # loaded here, not in the forked child (dlopen after fork is unsafe while another thread holds its lock)
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: no parent-death signal
+    pass
+
+
+def _in_the_child() -> None:
+    """In the child, before torchrun starts: get SIGTERM when this launcher dies (it runs in its own session, so a
+    kill of the launcher's process group would not reach it). Linux only; elsewhere a no-op."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -106,7 +106,7 @@ def plan_run(
     Args:
         model: Base model: a Hugging Face hub id or a directory on the volume.
         dataset: Raw data: a hub dataset id or a file/folder on the volume.
-        dataset_format: auto, openai (messages), sharegpt, alpaca, prompt_completion or text.
+        dataset_format: auto, messages (OpenAI chat), sharegpt, alpaca, prompt_completion or text.
         dataset_split: Split of a hub dataset to read.
         val_fraction: Fraction of accepted rows held out for validation (0 < f < 1).
         max_reject_fraction: Fail the prepare step when more rows than this fraction are rejected.
@@ -207,7 +207,7 @@ def plan_run(
     values = dict(locals())  # first statement: exactly the parameters, handed to the plan builder by name
     from llmft.components.lib.jobs.trainjob_runtime import preflight_runtime
     from llmft.components.lib.plan.build import build_plan, write_run_config
-    from llmft.components.lib.plan.checks import preflight_secrets, preflight_serving_namespace
+    from llmft.components.lib.plan.checks import check_runs_here, preflight_secrets, preflight_serving_namespace
     from llmft.components.lib.plan.schema import write_plan
     from llmft.components.lib.plan.volume_access import check_volume_writable
 
@@ -221,6 +221,7 @@ def plan_run(
         preflight_runtime(run_plan)
         check_volume_writable(run_plan.layout)
     else:
+        check_runs_here(run_plan)  # a cluster-only backend: refused here, before prepare and tokenize
         print("kfp.local: Secret preflight skipped (credentials come from this environment)")
     write_run_config(run_plan)  # the trainer's resolved config on the volume, before the plan is handed on
     write_plan(run_plan, plan.path)

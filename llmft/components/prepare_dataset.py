@@ -26,34 +26,37 @@ def prepare_dataset(
     import os
 
     from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.task_attempts import task_attempt
 
     run_plan = read_plan(plan.path)
-    run_plan.layout.use_hf_cache()  # before datasets/huggingface_hub are imported
-    from llmft.trainer.data.prepare import prepare_dataset as prepare
+    # one error line and its exit code; a retry of a permanent failure ends at once (lib/task_attempts.py)
+    with task_attempt(run_plan.layout.root, run_plan.run_id, "prepare-dataset"):
+        run_plan.layout.use_hf_cache()  # before datasets/huggingface_hub are imported
+        from llmft.trainer.data.prepare import prepare_dataset as prepare
 
-    data = run_plan.data
-    report = prepare(
-        data.dataset,
-        data.prepared_dir,
-        format=data.format,
-        split=data.split,
-        val_fraction=data.val_fraction,
-        seed=data.seed,
-        max_reject_fraction=data.max_reject_fraction,
-    )
+        data = run_plan.data
+        report = prepare(
+            data.dataset,
+            data.prepared_dir,
+            format=data.format,
+            split=data.split,
+            val_fraction=data.val_fraction,
+            seed=data.seed,
+            max_reject_fraction=data.max_reject_fraction,
+        )
 
-    os.makedirs(prepared.path, exist_ok=True)
-    with open(os.path.join(prepared.path, "report.json"), "w") as fh:
-        json.dump(report, fh, indent=2, sort_keys=True, default=str)
-    prepared.metadata.update(
-        {
-            "path": data.prepared_dir,
-            "accepted": report["accepted"],
-            "rejected": report["rejected"],
-            "format": str(report.get("format", data.format)),
-            "source_hash": str(report.get("source_hash", "")),
-        }
-    )
-    metrics.log_metric("rows_accepted", report["accepted"])
-    metrics.log_metric("rows_rejected", report["rejected"])
-    print(f"prepared {report['accepted']} rows ({report['rejected']} rejected) into {data.prepared_dir}")
+        os.makedirs(prepared.path, exist_ok=True)
+        with open(os.path.join(prepared.path, "report.json"), "w") as fh:
+            json.dump(report, fh, indent=2, sort_keys=True, default=str)
+        prepared.metadata.update(
+            {
+                "path": data.prepared_dir,
+                "accepted": report["accepted"],
+                "rejected": report["rejected"],
+                "format": str(report.get("format", data.format)),
+                "source_hash": str(report.get("source_hash", "")),
+            }
+        )
+        metrics.log_metric("rows_accepted", report["accepted"])
+        metrics.log_metric("rows_rejected", report["rejected"])
+        print(f"prepared {report['accepted']} rows ({report['rejected']} rejected) into {data.prepared_dir}")

@@ -26,28 +26,35 @@ def tokenize_dataset(
     import os
 
     from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.task_attempts import task_attempt
 
     run_plan = read_plan(plan.path)
-    run_plan.layout.use_hf_cache()  # before transformers is imported
-    from llmft.components.lib.plan.tokenized import manifest_metrics, tokenize_to_volume
+    # one error line and its exit code; a retry of a permanent failure ends at once (lib/task_attempts.py)
+    with task_attempt(run_plan.layout.root, run_plan.run_id, "tokenize-dataset"):
+        run_plan.layout.use_hf_cache()  # before transformers is imported
+        from llmft.components.lib.plan.tokenized import manifest_metrics, tokenize_to_volume
 
-    data = run_plan.data
-    manifest = tokenize_to_volume(
-        prepared.metadata["path"],
-        run_plan.trainer.model,
-        run_plan.layout.root,
-        max_length=data.max_length,
-        pack=data.packing,
-        revision=run_plan.trainer.revision,
-    )
-    output_dir = manifest["path"]
+        data = run_plan.data
+        manifest = tokenize_to_volume(
+            prepared.metadata["path"],
+            run_plan.trainer.model,
+            run_plan.layout.root,
+            max_length=data.max_length,
+            pack=data.packing,
+            revision=run_plan.trainer.revision,
+        )
+        output_dir = manifest["path"]
 
-    os.makedirs(tokenized.path, exist_ok=True)
-    with open(os.path.join(tokenized.path, "manifest.json"), "w") as fh:
-        json.dump(manifest, fh, indent=2, sort_keys=True, default=str)
-    tokenized.metadata.update(
-        {"path": output_dir, "cache_key": manifest["cache_key"], "cache_hit": bool(manifest.get("cache_hit", False))}
-    )
-    for name, value in sorted(manifest_metrics(manifest).items()):
-        metrics.log_metric(name, value)
-    print(f"tokenized into {output_dir} (cache {'hit' if manifest.get('cache_hit') else 'miss'})")
+        os.makedirs(tokenized.path, exist_ok=True)
+        with open(os.path.join(tokenized.path, "manifest.json"), "w") as fh:
+            json.dump(manifest, fh, indent=2, sort_keys=True, default=str)
+        tokenized.metadata.update(
+            {
+                "path": output_dir,
+                "cache_key": manifest["cache_key"],
+                "cache_hit": bool(manifest.get("cache_hit", False)),
+            }
+        )
+        for name, value in sorted(manifest_metrics(manifest).items()):
+            metrics.log_metric(name, value)
+        print(f"tokenized into {output_dir} (cache {'hit' if manifest.get('cache_hit') else 'miss'})")

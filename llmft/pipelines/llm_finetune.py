@@ -20,7 +20,8 @@ The platform settings are applied here, once:
   2.15, kubeflow/pipelines#12216); like the evaluate task's ``gpu_node_selector`` they are fixed
   when compiling (``llmft pipeline compile ... hf_token_secret=NAME``), because backends before
   2.5 cannot take a Secret name or a node selector from a parameter;
-* the train task has a timeout and retries (it resumes from the newest checkpoint);
+* the train task has a timeout and retries (it resumes from the newest checkpoint), prepare and tokenize
+  retries (exit 200 is a transient fault); under kfp.local nothing is retried (:func:`local_pipeline`);
 * serving form, register and deploy run under ``dsl.If`` on the promote step's ``decision`` output: a gate
   that refuses (the adapter does not beat the base model) is a decision, not a failure, so the run ends green
   with the reason in the promote step's output and the run summary (``summarize-run``, on both branches);
@@ -102,6 +103,10 @@ TASK_GROUPS = {
 
 TRAIN_RETRIES = 2
 """Retries of the train task; each resumes from the newest complete checkpoint."""
+DATA_RETRIES = 2
+"""Retries of prepare and tokenize, which exit 200 on a transient fault (the hub did not answer, a full or
+read-only disk) and say it is retried; a retry of a permanent failure (exit 1) ends at once
+(llmft/components/lib/task_attempts.py)."""
 SWEEP_RETRIES = 2
 """Retries of the sweep task; a retry re-attaches to the same Experiment (its name derives from the run id)."""
 
@@ -207,6 +212,8 @@ def add_body(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool)
     apply_platform(prepare.set_display_name("prepare dataset"), "prepare-dataset", values, static)
     tokenize = tokenize_dataset(plan=plan, prepared=prepare.outputs["prepared"])
     apply_platform(tokenize.set_display_name("tokenize to PVC"), "tokenize-dataset", values, static)
+    for data_task in (prepare, tokenize):
+        data_task.set_retry(num_retries=DATA_RETRIES, backoff_duration="60s", backoff_factor=2.0)
     tokenized = tokenize.outputs["tokenized"]
 
     best = add_sweep_step(plan, tokenized, values, static).outputs["Output"] if hpo else ""
@@ -285,6 +292,20 @@ HPO_DESCRIPTION = (
 
 llm_finetune_pipeline = build_pipeline()
 """The pipeline with the defaults of this environment (images from llmft/components/images.py)."""
+
+
+def local_pipeline(*, hpo: bool = False, defaults: Mapping[str, Any] | None = None):
+    """The pipeline as kfp.local runs it (``llmft pipeline run-local``): the same tasks, no retries. kfp.local
+    retries a failed task whatever its exit code, after the backoff (kfp 2.17.3
+    ``kfp/local/orchestrator/task_executor.py`` 124-175): a permanent failure (exit 1: bad data, a NaN abort, a
+    cluster-only backend) ran twice more, 60 s and 120 s later, and a local trainer trained again each time.
+    On a cluster the retries stay: a lost launcher, a transient fault (exit 200)."""
+    pipeline = build_pipeline(hpo=hpo, defaults=defaults)
+    spec = pipeline.pipeline_spec
+    for component in [spec.root, *spec.components.values()]:
+        for task in component.dag.tasks.values():
+            task.ClearField("retry_policy")
+    return pipeline
 
 
 def compile_pipeline(output: str, *, hpo: bool = False, defaults: Mapping[str, Any] | None = None) -> str:

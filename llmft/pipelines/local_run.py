@@ -229,7 +229,7 @@ def run_pipeline_locally(
     pipeline=None,
     extra_defaults: dict[str, Any] | None = None,
 ) -> LocalOutcome:
-    """Run the pipeline (default ``llm_finetune_pipeline``) through kfp.local with the local
+    """Run the pipeline (default: ``local_pipeline()``, which retries nothing) through kfp.local with the local
     defaults (plus ``extra_defaults``); never raises for a failed task (see the outcome). The work folder is
     held for the whole run (WorkFolderInUse, exit 1, when another run holds it); SIGTERM stops the running
     task and the outcome records it (``stopped_by``)."""
@@ -244,7 +244,9 @@ def _run_locked(overrides, work: Path, verbose: bool, pipeline, extra_defaults) 
 
     if pipeline is None:
         # heavy: kfp, kubeflow_katib_api, pydantic
-        from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
+        from llmft.pipelines.llm_finetune import local_pipeline
+
+        pipeline = local_pipeline()
     print(f"work folder {work}: preparing the base model and MLflow store ...", flush=True)
     arguments = resolve_local_arguments(overrides, work, extra_defaults)
     prepare_local_mlflow(arguments["mlflow_tracking_uri"], arguments["mlflow_experiment"], work / "mlartifacts")

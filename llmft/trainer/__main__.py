@@ -17,10 +17,10 @@ import signal
 import sys
 import threading
 
-from llmft.trainer import errors
 from llmft.trainer.config_load import config_to_yaml, load_config_checked
 from llmft.trainer.errors import EXIT_OK, SignalStop
-from llmft.trainer.storage import describe_disk_fault, describe_path_error, disk_fault, disk_fault_exit_code
+from llmft.trainer.failures import Teller, describe_failure
+from llmft.trainer.rank_exits import write_rank_exit
 
 EPILOG = """examples:
   llmft train --config llmft/trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
@@ -42,15 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def say_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write: print() writes them apart (under PYTHONUNBUFFERED, which the
+    Training Operator sets), so two ranks' lines could merge into one ("[rank 0] error: x[rank 1] error: y")."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _rank_prefix() -> str:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     return f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
-    # heavy: torch
-    from llmft.trainer.distributed import write_rank_exit
-
     args = build_parser().parse_intermixed_args(argv)  # key=value words before and after the options
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop_while_starting) if main_thread else None  # build() sets its own
@@ -61,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         if isinstance(exc, SystemExit) or os.environ.get("LLMFT_DEBUG", "") not in ("", "0"):
             raise
-        code, message = describe_failure(exc)
-        print(f"{_rank_prefix()}error: {message}", file=sys.stderr, flush=True)
+        code, message = describe_failure(exc, TRAINER)
+        say_line(f"{_rank_prefix()}error: {message}")
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -96,59 +100,14 @@ def _stop_while_starting(signum, _frame) -> None:
     )
 
 
-def describe_failure(exc: BaseException) -> tuple[int, str]:
-    """(exit code, message) for what ended a run: a user error keeps its lines (a resume diff),
-    anything else is one line."""
-
-    if isinstance(exc, errors.LlmftError):
-        return exc.exit_code, str(exc).strip()
-    if lost_peer(exc):
-        return errors.EXIT_TRANSIENT, (
-            f"lost a peer rank ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}): another node or rank died "
-            "without a checkpoint (OOM kill, lost node, crash); exit 200 so this pod restarts too and every rank "
-            "resumes together from the newest complete checkpoint"
-        )
-    if isinstance(exc, KeyboardInterrupt):  # SignalStop says which signals; a bare one came before any handler
-        return getattr(exc, "exit_code", errors.EXIT_INTERRUPTED), str(exc).strip() or STARTUP_INTERRUPT
-    disk = describe_disk_fault(exc, "the run's output (a checkpoint, final/ or a log)")
-    if disk is not None:  # safetensors and torch.save report a full disk as their own errors, not OSError
-        return disk_fault_exit_code(
-            disk_fault(exc) or 0
-        ), disk + "; the run resumes from its newest complete checkpoint"
-    bad_path = describe_path_error(exc)  # output_dir too long a name: bad input, not an I/O fault
-    if bad_path is not None:
-        return errors.EXIT_USER_ERROR, bad_path
-    if isinstance(exc, OSError):
-        where = f"{exc.filename}: " if exc.filename else ""
-        return errors.EXIT_TRANSIENT, (
-            f"{where}{exc.strerror or exc} ({type(exc).__name__}). An I/O fault (full or read-only disk, "
-            "network storage): fix it and re-run; the run resumes from its newest checkpoint"
-        )
-    text = " ".join(str(exc).split())
-    return errors.EXIT_INTERNAL, (
-        f"internal error: {type(exc).__name__}: {text}. This is a bug: re-run with LLMFT_DEBUG=1 for the "
-        "traceback and report it"
-    )
-
-
-PEER_LOST_MESSAGES = ("Connection closed by peer", "Connection reset by peer")
-"""What gloo's RuntimeError says when another rank's process is gone (third_party/gloo tcp/pair.cc)."""
-
-
-def lost_peer(exc: BaseException) -> bool:
-    """A collective failed because another rank died: torch.distributed's DistError (NCCL, the
-    store, the network) or gloo's peer-reset RuntimeError, in a multi-rank run. Such a failure is
-    retryable: under restartPolicy ExitCode the surviving pods must exit >= 128 so the operator
-    restarts them too, and the whole job resumes from its newest checkpoint (the restart budget in
-    llmft/trainer/rundir.py bounds the loop)."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or "torch" not in sys.modules:
-        return False
-    # heavy: torch
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in PEER_LOST_MESSAGES)
+TRAINER = Teller(
+    command="the trainer",
+    output="the run's output (a checkpoint, final/ or a log)",
+    resume="the run resumes from its newest complete checkpoint",
+    interrupted=STARTUP_INTERRUPT,
+    extras=("trainer",),
+)
+"""How a rank tells what ended it (llmft/trainer/failures.py, the one mapping)."""
 
 
 def use_expandable_segments() -> None:
@@ -187,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     except Stopped as exc:
         code = exc.exit_code
     except BaseException as exc:
-        code = describe_failure(exc)[0]
+        code = describe_failure(exc, TRAINER)[0]
         raise
     finally:
         trainer.close(code)

@@ -478,6 +478,17 @@ def _shapes_must_fit(path: Path) -> Iterator[None]:
 # ----------------------------------------------------------------------------- retention
 
 
+def best_checkpoint_step(output_dir: str | Path, run_id: str) -> int | None:
+    """This run's complete checkpoint with the lowest eval loss measured at its own step (ties: the earliest);
+    None when none was evaluated. :func:`prune_checkpoints` never deletes it."""
+    scored = []
+    for step, path in complete_checkpoints(output_dir, run_id):
+        evaluation = read_state(path).get("eval")
+        if evaluation:
+            scored.append((evaluation["eval_loss"], step))
+    return min(scored)[1] if scored else None
+
+
 def prune_checkpoints(output_dir: str | Path, keep_last: int, best_step: int | None, run_id: str) -> list[Path]:
     """Delete this run's complete checkpoints beyond the last ``keep_last`` (never the best) and any
     uncommitted leftovers of ours (``.step-N.partial``, ``step-N`` without its marker). Checkpoints

@@ -4,8 +4,9 @@ A checkpoint carries its ``COMPLETE`` marker only after every file was written a
 (llmft/trainer/checkpoint.py), but a file can still go bad afterwards: truncated by a full or flaky volume,
 or edited by hand. Loading such a file fails deep inside torch, safetensors or json (exit 3), or,
 for ``optimizer.pt``, after minutes of model loading. :func:`checkpoint_problem` reads only what a
-few bytes tell (JSON files parsed, safetensors headers against the file size, the zip directory of
-the torch files against theirs) and returns one line naming the first bad file, or None.
+few bytes tell (every JSON file parsed, adapter_config.json among them; safetensors headers against
+the file size, the zip directory of the torch files against theirs) and returns one line naming the
+first bad file, or None.
 
 What the trainer does with a bad one (llmft/trainer/rundir.py, docs/failure-modes.md): ``resume=auto`` never
 resumes from it; it falls back to the newest checkpoint that passes, warns naming the bad file, and
@@ -45,6 +46,8 @@ def checkpoint_problem(path: Path) -> str | None:
             _json_object(path / SCHEDULER_FILE)
         for rng in sorted((path / "rng").glob("rank-*.json")):
             _json_object(rng)
+        for other in sorted(set(path.glob("*.json")) - {path / STATE_FILE, path / CONFIG_FILE, path / SCHEDULER_FILE}):
+            _json_object(other)  # adapter_config.json, config.json, the tokenizer's: every JSON file of it
         _check_weights(path)
         torch_files = sorted((path / DEEPSPEED_DIR).rglob("*.pt")) if (path / DEEPSPEED_DIR).is_dir() else []
         for file in torch_files or [path / OPTIMIZER_FILE]:

@@ -10,8 +10,10 @@ dict forms, and the diffs a resume checks.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +61,31 @@ class _Source:
         self.override_label = "override"  # what the key=value items are called (e.g. train_overrides)
 
     def where(self, key: str) -> str:
-        if key in self.overridden:
-            return f"{self.override_label} `{key}=...`"
+        """The file and line, or the override, that set ``key``: also an override of a key below it (``k0.x=1``
+        made the unknown ``k0``) or above it (``lora.r.x=4`` made ``lora.r`` a mapping)."""
+        related = [k for k in self.overridden if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
+        if related:
+            return f"{self.override_label} `{shown(min(related, key=len))}=...`"
         if key in self.lines:
             return f"{self.path}, line {self.lines[key]}"
         return self.names.get(key, self.path)
+
+
+def shown(text: str) -> str:
+    """``text`` with its control characters escaped (a newline as ``\\n``): an error that echoes what the user typed
+    stays one line."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], text)
+
+
+def _non_ascii_note(key: str) -> str:
+    """Why a key that looks right is unknown: a letter from another alphabet (a Cyrillic о for o)."""
+    odd = [c for c in key if not c.isascii()]
+    if not odd:
+        return ""
+    return (
+        f"; `{key}` holds {odd[0]!r} (U+{ord(odd[0]):04X} {unicodedata.name(odd[0], 'a non-ASCII character')}), "
+        "not an ASCII letter: type the key again"
+    )
 
 
 def _compose_yaml(path: Path, source: _Source) -> dict:
@@ -99,6 +121,11 @@ def _node_to_dict(node: yaml.MappingNode, prefix: str, source: _Source) -> dict:
     for key_node, value_node in node.value:
         _check_plain(key_node, source)
         key = prefix + str(key_node.value)
+        if key in source.lines:  # YAML would keep the last one silently
+            raise ConfigError(
+                f"{source.path}, line {key_node.start_mark.line + 1}: `{shown(key)}` is written twice (first on line "
+                f"{source.lines[key]}); a mapping holds each key once: delete one"
+            )
         source.lines[key] = key_node.start_mark.line + 1
         if isinstance(value_node, yaml.MappingNode):
             out[str(key_node.value)] = _node_to_dict(value_node, key + ".", source)
@@ -133,20 +160,22 @@ def _apply_override(tree: dict, text: str, source: _Source) -> None:
     try:
         key, raw = split_assignment(text)
     except ConfigError:
-        raise ConfigError(f"override `{text}`: expected key=value (for example lora.r=16)") from None
+        raise ConfigError(f"override `{shown(text)}`: expected key=value (for example lora.r=16)") from None
     try:
-        check_yaml_shape(raw, f"override `{key}=...`")
+        check_yaml_shape(raw, f"override `{shown(key)}=...`")
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override `{text}`: not a plain YAML value ({' '.join(str(exc).split())})") from None
+        raise ConfigError(f"override `{shown(text)}`: not a plain YAML value ({' '.join(str(exc).split())})") from None
     node = tree
     parts = key.split(".")
     if not all(part.strip() for part in parts):
-        raise ConfigError(f"override `{text}`: `{key}` has an empty name between dots; write e.g. lora.r=16")
+        raise ConfigError(
+            f"override `{shown(text)}`: `{shown(key)}` has an empty name between dots; write e.g. lora.r=16"
+        )
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override `{text}`: `{part}` is not a section")
+            raise ConfigError(f"override `{shown(text)}`: `{shown(part)}` is not a section")
     node[parts[-1]] = value
     source.overridden.add(key)
 
@@ -227,8 +256,8 @@ def _build(cls, data: Any, prefix: str, source: _Source):
     for key in data:
         if key not in known:
             raise ConfigError(
-                f"{source.where(prefix + str(key))}: unknown key `{prefix}{key}` "
-                f"(known keys in {section}: {', '.join(sorted(known))})"
+                f"{source.where(prefix + str(key))}: unknown key `{shown(prefix + str(key))}` "
+                f"(known keys in {section}: {', '.join(sorted(known))}){_non_ascii_note(str(key))}"
             )
     kwargs = {}
     for f in dataclasses.fields(cls):

@@ -122,31 +122,6 @@ def ranks_with_flag(flag: torch.Tensor, info: DistInfo) -> list[int]:
     return [i for i, v in enumerate(all_reduce_sum(vec).tolist()) if v > 0]
 
 
-EXIT_DIR_ENV = "LLMFT_EXIT_DIR"
-"""Set by `llmft train --nproc N`: each rank writes its exit code there, so the launcher can tell
-a failed rank from one stopped by a signal (torchrun reports any rank's failure as 1)."""
-
-
-def write_rank_exit(code: int) -> None:
-    directory = os.environ.get(EXIT_DIR_ENV)
-    if directory and os.path.isdir(directory):
-        rank = _env_int("RANK", default=0)
-        with open(os.path.join(directory, f"rank-{rank}"), "w") as fh:
-            fh.write(f"{code}\n")
-
-
-def read_rank_exits(directory: str) -> dict[int, int]:
-    """{rank: exit code} of the ranks that recorded one (a rank killed by a signal records none)."""
-    codes = {}
-    for name in os.listdir(directory):
-        try:
-            with open(os.path.join(directory, name)) as fh:
-                codes[int(name.removeprefix("rank-"))] = int(fh.read().strip())
-        except (OSError, ValueError):
-            continue
-    return codes
-
-
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized():
         return obj

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from llmft.trainer import fp8
 from llmft.trainer.data.loader import MicroBatch, eval_micro_batches
-from llmft.trainer.data.shards import open_split
+from llmft.trainer.data.shards import IGNORE_INDEX, open_split
 from llmft.trainer.distributed import DistInfo, all_reduce_sum
 from llmft.trainer.errors import DataError, LlmftError
 from llmft.trainer.loss import loss_fn, token_nll_sum
@@ -48,7 +48,7 @@ def katib_lines(metrics: dict, now: datetime.datetime | None = None) -> str:
 
 def _dummy_batch() -> MicroBatch:
     one = np.zeros(1, dtype=np.int64)
-    return MicroBatch(one, one, np.full(1, -100, dtype=np.int64), np.ones(1, dtype=np.int64))
+    return MicroBatch(one, one, np.full(1, IGNORE_INDEX, dtype=np.int64), np.ones(1, dtype=np.int64))
 
 
 @torch.no_grad()
@@ -92,7 +92,7 @@ def evaluate_model(
         with autocast_ctx():
             nll = loss_fn(model, batch)
         sums[0] += nll.double()
-        sums[1] += (batch["targets"] != -100).sum()
+        sums[1] += (batch["targets"] != IGNORE_INDEX).sum()
     if world > 1:
         all_reduce_sum(sums)
     model.train(was_training)

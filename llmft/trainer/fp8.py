@@ -9,16 +9,18 @@ How ``llmft train`` uses such a base (:func:`load_plan`, called by ``llmft/train
   GPU alike, so the adapter trains over the same weights everywhere and evaluation and export
   (which dequantize the same way) see the same base.
 * QLoRA: transformers cannot re-quantize an FP8 checkpoint to 4-bit (``from_pretrained`` refuses a
-  ``BitsAndBytesConfig`` for a model whose config says FP8), so the base is first dequantized, shard
-  by shard, into a bf16 copy (cached under ``$LLMFT_CACHE`` or ``$HF_HOME/llmft``), and that copy is
-  quantized to 4-bit NF4 by bitsandbytes as usual (CUDA only).
+  ``BitsAndBytesConfig`` for a model whose config says FP8). On one GPU (the config's ``device_map``) the
+  base is loaded dequantized to bf16 onto the GPU and its linears are then stored in 4-bit NF4 with the
+  same bitsandbytes settings (llmft/trainer/quant4bit.py; the fused MoE experts as on every QLoRA path,
+  llmft/trainer/fastpath/moe.py): no copy on disk. Under DeepSpeed ZeRO-3 (no device map: the weights are
+  partitioned while loading) it is first dequantized, shard by shard, into a bf16 copy (cached under
+  ``$LLMFT_CACHE`` or ``$HF_HOME/llmft``), and that copy is quantized by bitsandbytes while loading.
 
 The run log says which happened (one ``base model:`` line).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import tempfile
@@ -34,7 +36,9 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.fp8_format import FINEGRAINED, BaseFormat, QuantFormat, quant_format, read_model_config
 from llmft.trainer.io import atomic_directory, is_complete, share_files
 from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
-from llmft.trainer.model_dir import content_hash
+from llmft.trainer.model_dir import check_weights, content_hash
+from llmft.trainer.output_lock import output_lock
+from llmft.trainer.quant4bit import quantize_linears_4bit
 from llmft.trainer.safe_files import copy_file
 from llmft.trainer.tiny_model import build_tiny_model
 
@@ -51,6 +55,8 @@ class LoadPlan:
     """from_pretrained keyword arguments."""
     base: BaseFormat
     """For the run log and the manifest."""
+    four_bit: Any = None
+    """QLoRA over FP8 on one GPU: the BitsAndBytesConfig applied after loading (quant4bit.py)."""
 
 
 def base_format(name_or_path: str, revision: str | None = None) -> QuantFormat:
@@ -75,6 +81,11 @@ def load_plan(name_or_path: str, revision: str | None, method: str, kwargs: dict
     dtype = kwargs.get("dtype", torch.bfloat16)
     if not fmt.is_fp8:
         return LoadPlan(name_or_path, kwargs, BaseFormat(fmt.describe(), "loaded as stored"))
+    if method == "qlora" and "device_map" in kwargs:  # one GPU: dequantized onto it, then its linears in 4 bits
+        four_bit = kwargs.get("quantization_config")
+        action = "dequantized to bfloat16 on load, re-quantized to 4-bit by bitsandbytes (no copy on disk)"
+        loaded = {**kwargs, "dtype": torch.bfloat16, "quantization_config": _dequantize_config(fmt)}
+        return LoadPlan(name_or_path, loaded, BaseFormat(fmt.describe(), action), four_bit=four_bit)
     if method == "qlora":
         copy = dequantized_copy(name_or_path, revision, torch.bfloat16)
         plain = {k: v for k, v in kwargs.items() if k != "revision"}
@@ -116,14 +127,18 @@ def load_base_model(name_or_path: str, revision: str | None, method: str, kwargs
 def load_base(name_or_path: str, revision: str | None, method: str, kwargs: dict) -> tuple[Any, BaseFormat]:
     """``AutoModelForCausalLM.from_pretrained`` for a base in any supported format (the one call
     llmft/trainer/model.py makes), and how it was loaded. An FP8 base is dequantized (LoRA, full) or
-    re-quantized to 4-bit from a bf16 copy (QLoRA); rank 0 prints one ``base model:`` line saying which."""
+    dequantized and re-quantized to 4-bit (QLoRA: on the GPU, or from a bf16 copy under ZeRO-3); rank 0
+    prints one ``base model:`` line saying which."""
     # heavy: transformers
     from transformers import AutoModelForCausalLM
 
     plan = load_plan(name_or_path, revision, method, kwargs)
+    check_weights(plan.path)  # a truncated local base: one line naming the file, not safetensors' internal error
     with warnings.catch_warnings():  # "the quantization_config from the model will be used": meant so
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(plan.path, **plan.kwargs)
+    if plan.four_bit is not None:
+        quantize_linears_4bit(model, plan.four_bit)
     if plan.path != name_or_path:  # the adapter's base stays the model the user named
         model.name_or_path = name_or_path
         model.config._name_or_path = name_or_path
@@ -157,8 +172,7 @@ def dequantized_copy(name_or_path: str, revision: str | None, dtype=torch.bfloat
     digest, _ = content_hash(base.directory)
     target = cache_root() / "dequantized" / f"{base.directory.name}-{_dtype_name(dtype)}-{digest[:16]}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with output_lock(target):  # the one writer lock of every output (llmft/trainer/output_lock.py)
         if not is_complete(target):
             rewrite_checkpoint(base, target, dtype=dtype, kind="fp8-dequantized", force=False)
     return target

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.trainer.errors import OutputNotOursError
+from llmft.trainer.output_lock import output_lock
 from llmft.trainer.storage import disk_guard
 
 COMPLETE_MARKER = "COMPLETE"
@@ -276,9 +277,17 @@ def atomic_directory(
     (:func:`remove_stale_temps`). Every file gets the umask-based mode (:func:`share_files`). On an
     exception the temp dir is removed and ``final`` is untouched. With ``marker=True`` a
     ``COMPLETE`` file is written after the rename, so readers that check :func:`is_complete`
-    never load a directory mid-write.
+    never load a directory mid-write. One writer of ``final`` at a time: a second waits
+    (:func:`~llmft.trainer.output_lock.output_lock`).
     """
     final = Path(os.path.abspath(final))  # "." or "x/.." have no name to build a sibling from
+    with output_lock(final):  # one writer at a time, from the check to the marker (llmft/trainer/output_lock.py)
+        with _atomic_directory(final, kind, overwrite, marker, force, inputs) as tmp:
+            yield tmp
+
+
+@contextlib.contextmanager
+def _atomic_directory(final: Path, kind: str, overwrite: bool, marker: bool, force: bool, inputs) -> Iterator[Path]:
     if overwrite:
         check_output_target(final, kind=kind, force=force, inputs=inputs)
     final.parent.mkdir(parents=True, exist_ok=True)

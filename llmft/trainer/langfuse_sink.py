@@ -256,8 +256,11 @@ def dataset_rows(name: str) -> list[tuple[str, Any]]:
             f"{spec}: LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are not set. Export them and LANGFUSE_HOST (in "
             "the pipeline: the Secret named by langfuse_secret) to read a Langfuse dataset"
         )
+    client = (
+        get_client()
+    )  # outside the try: a missing SDK is this install's (exit 1 naming the extra), not the server's
     try:
-        dataset = get_client().get_dataset(name)
+        dataset = client.get_dataset(name)
     except Exception as exc:  # noqa: BLE001 - the SDK raises its API errors and httpx errors
         status = getattr(exc, "status_code", None)
         if status == 404:

@@ -117,7 +117,7 @@ def prepare_mlflow(uri: str, *, required: bool = True) -> str | None:
     if reason is None:
         return None
     message = (
-        f"MLflow tracking server {redacted_uri(uri)} is unreachable: {reason}. Check MLFLOW_TRACKING_URI (the "
+        f"MLflow tracking server {redact_credentials(uri)} is unreachable: {reason}. Check MLFLOW_TRACKING_URI (the "
         "pipeline parameter mlflow_tracking_uri, or the key of the Secret it mounts for MLflow, e.g. llmft-mlflow) "
         "and that the server runs"
     )
@@ -126,21 +126,13 @@ def prepare_mlflow(uri: str, *, required: bool = True) -> str | None:
     return message
 
 
-def redacted_uri(uri: str) -> str:
-    """``uri`` without credentials embedded in it."""
-    parts = urlsplit(uri)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-        return parts._replace(netloc=netloc).geturl()
-    return uri
-
-
-URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]+@")
-"""The ``user:password@`` part of any URL in a text (what :func:`redact_credentials` hides)."""
+URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]+@")
+"""The user-info part of any URL in a text (``user:password@``, ``user@``, ``token@``; up to the authority's last
+``@``, so a password holding ``@`` is hidden whole): what :func:`redact_credentials` hides."""
 
 
 def redact_credentials(text: str) -> str:
-    """``text`` with the user name and password of every URL in it replaced by ``***``: for what is logged or
-    shown where the URL may carry them (kfp.local's dump of a task's inputs)."""
+    """``text`` with the user name and password (or token) of every URL in it replaced by ``***``: the one URL
+    redactor, for whatever is logged or shown where a URL may carry them (an error line, a tracking URI, kfp.local's
+    dump of a task's inputs)."""
     return URL_USERINFO.sub(r"\1***@", text)

@@ -137,7 +137,12 @@ def load_model(cfg: TrainConfig, device: torch.device, *, ds_config: dict | None
     decision = dataclasses.replace(decision, base=base)
     if cfg.kernels.fused_lora is True and not decision.fused_lora.on:
         raise ConfigError(f"kernels.fused_lora=true: {decision.fused_lora.why}; set it to auto or false")
-    moe_report = moe.apply_moe(model, fuse_lora=cfg.kernels.fused_lora is not False, freeze_router=cfg.method != "full")
+    moe_report = moe.apply_moe(
+        model,
+        fuse_lora=cfg.kernels.fused_lora is not False,
+        freeze_router=cfg.method != "full",
+        compile_rows=fast.compile.on and device.type == "cuda",
+    )
     if moe_report is not None:  # frozen router, grouped experts, load-balancing loss
         decision = dataclasses.replace(decision, moe=moe_report)
     model.train()

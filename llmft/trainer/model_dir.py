@@ -1,12 +1,13 @@
 """A local base-model directory is checked before any data is tokenized (so before any GPU time).
 
-:func:`check_model_dir` looks at the files only, not their contents: ``config.json``, safetensors weights
-(``model.safetensors``, or the shards a ``model.safetensors.index.json`` names) and a fast tokenizer
-(``tokenizer.json``). A missing piece is a one-line :class:`~llmft.trainer.errors.DataError` naming the
-directory and the fix, where otherwise tokenizing would succeed and the train step would fail minutes
-later. The pipeline's tokenize step calls it first (llmft/components/lib/plan/tokenized.py); a missing chat template
-is the tokenizer's own check (:func:`llmft.trainer.data.templates.missing_template_error`), also before any
-row is tokenized. A hub id (no such local directory) is not checked here: the loaders report it.
+:func:`check_model_dir` looks at the files only, not what they hold: ``config.json``, safetensors weights
+(``model.safetensors``, or the shards a ``model.safetensors.index.json`` names, each whole by its header and
+size: :func:`check_weights`, which every base load runs too) and a fast tokenizer (``tokenizer.json``). A
+missing or damaged piece is a one-line :class:`~llmft.trainer.errors.DataError` naming the directory and the
+fix, where otherwise tokenizing would succeed and the train step would fail minutes later. The pipeline's
+tokenize step calls it first (llmft/components/lib/plan/tokenized.py); a missing chat template is the
+tokenizer's own check (:func:`llmft.trainer.data.templates.missing_template_error`), also before any row is
+tokenized. A hub id (no such local directory) is not checked here: the loaders report it.
 
 :func:`content_hash` identifies a local base model's files (the run manifest records it; export and the
 FP8 dequantized copy check against it).
@@ -19,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+from llmft.trainer.checkpoint_check import Corrupt, safetensors_problem
 from llmft.trainer.errors import DataError
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -42,6 +44,7 @@ def check_model_dir(model: str) -> None:
     missing = missing_weights(path)
     if missing:
         raise DataError(f"model {model}: {missing}. Fix: {FIX_WRITE} (safetensors weights)")
+    check_weights(path)
     if not (path / "tokenizer.json").is_file():
         raise DataError(
             f"model {model}: no tokenizer.json (a fast tokenizer). Fix: save the tokenizer into it "
@@ -64,6 +67,35 @@ def missing_weights(path: Path) -> str:
     if any(path.glob("*.bin")):
         return "weights only as pickle (*.bin), which this project never loads; no model.safetensors"
     return "no weights (model.safetensors or model.safetensors.index.json)"
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the model directory ``path``: the shards its index names, else model.safetensors."""
+    index = path / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            return [path / s for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, AttributeError, TypeError):
+            return []  # missing_weights says what is wrong with the index
+    return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+def check_weights(model: str | os.PathLike) -> None:
+    """A one-line DataError naming the first weight file of the local model directory ``model`` that cannot be
+    whole (truncated by a full disk or a copy cut short, a corrupt header): read from the headers and the file
+    sizes, before any load (safetensors' own error is an internal one, and a hash check would call it
+    another model). A hub id is left to the loader."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return
+    for file in weight_files(path):
+        try:
+            safetensors_problem(file)
+        except Corrupt as exc:
+            raise DataError(
+                f"model {model}: {exc}: the model's weights are damaged. Fix: copy or download the model again, or "
+                f"{FIX_WRITE}"
+            ) from None
 
 
 def content_hash(directory: Path, full_limit: int = 2 << 30) -> tuple[str, str]:

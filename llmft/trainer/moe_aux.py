@@ -34,6 +34,7 @@ import functools
 
 import torch
 
+from llmft.trainer.data.shards import IGNORE_INDEX
 from llmft.trainer.moe_model import base_experts, model_config, moe_blocks
 
 ATTRIBUTE = "_llmft_router_aux"
@@ -69,7 +70,7 @@ class RouterAux:
             slots.index_add_(0, flat, ones[: flat.numel()])
         rows = rows.clamp(min=1).unsqueeze(-1)
         aux = self.num_experts * ((slots.view(docs + 1, -1) / rows) * (probs / rows)).sum(-1)
-        supervised = (batch["targets"].reshape(-1)[:tokens] != -100).to(dtype)
+        supervised = (batch["targets"].reshape(-1)[:tokens] != IGNORE_INDEX).to(dtype)
         weight = torch.zeros(docs + 1, device=device, dtype=dtype).index_add_(0, doc, supervised)[:docs]
         return (weight * aux[:docs]).sum(), weight.sum()
 

@@ -1,6 +1,6 @@
 """What the trainer's steps share besides :class:`~llmft.trainer.train.Trainer` itself: the stop
-request (SIGTERM / SIGINT), the per-step counters kept on the device, the garbage-collection
-schedule, and seeding.
+request (SIGTERM / SIGINT), the per-step counters kept on the device, the loss scale and the schedule of
+one step, the garbage-collection schedule, and seeding.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import contextlib
 import gc
 import random
 import signal
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -94,6 +95,40 @@ class StepCounters:
             f"(non-finite loss {where}); updates were skipped, stopping. Lower optim.lr, check the data, "
             "or raise max_bad_steps."
         )
+
+
+def loss_scale(world_size: int, global_targets: int) -> float:
+    """What each rank multiplies its token-NLL sum by before ``backward``: world size / the global target count.
+
+    Micro steps add their gradients and both engines average gradients over ranks (DDP's all-reduce / world,
+    DeepSpeed likewise), so the update is the gradient of every rank's NLL over every micro step divided by the
+    global target count: the single-process mean over the same tokens, whatever the ranks and accumulation."""
+    return world_size / max(global_targets, 1)
+
+
+@dataclass(frozen=True)
+class StepActions:
+    """What the trainer does after a step."""
+
+    log: bool  # read the device counters, log, check the non-finite streak
+    evaluate: bool  # score the validation split (when there is one)
+    save: bool  # commit a checkpoint
+    stop: bool  # exit 128 + the signal after the checkpoint
+
+
+def step_actions(
+    step: int, total_steps: int, *, log_every: int, eval_every: int, save_every: int, stop_signal: int
+) -> StepActions:
+    """The schedule of one step (every N steps; 0 = only at the end). The last step always logs, evaluates and
+    saves (final/ and the evaluate step read it); a stop signal logs and saves, then stops the run, unless it
+    came on the last step: that run completes (exit 0) and says so."""
+    final = step == total_steps
+    return StepActions(
+        log=step % log_every == 0 or final or bool(stop_signal),
+        evaluate=bool(eval_every and step % eval_every == 0) or final,
+        save=bool(save_every and step % save_every == 0) or final or bool(stop_signal),
+        stop=bool(stop_signal) and not final,
+    )
 
 
 @contextlib.contextmanager

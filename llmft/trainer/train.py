@@ -79,7 +79,16 @@ from llmft.trainer.observe import (
     summary_screen,
 )
 from llmft.trainer.optim import build_optimizer, build_scheduler
-from llmft.trainer.steps import STOP, StepCounters, Stopped, collect_garbage, scheduled_gc, seed_all
+from llmft.trainer.steps import (
+    STOP,
+    StepCounters,
+    Stopped,
+    collect_garbage,
+    loss_scale,
+    scheduled_gc,
+    seed_all,
+    step_actions,
+)
 from llmft.trainer.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -311,16 +320,23 @@ class Trainer:
             if step == cfg.debug.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             stop = max_over_ranks(STOP.signum)
-            final = step == self.total_steps
-            if step % cfg.log_every == 0 or final or stop:
+            actions = step_actions(
+                step,
+                self.total_steps,
+                log_every=cfg.log_every,
+                eval_every=self.eval_steps,
+                save_every=self.save_steps,
+                stop_signal=stop,
+            )
+            if actions.log:
                 self._log_step(step, counters, window)
                 counters.check_bad_streak(self.info, cfg.max_bad_steps)
-            evaluated = self._maybe_evaluate(step, final)
-            if (self.save_steps and step % self.save_steps == 0) or final or stop:
+            evaluated = actions.evaluate and self._maybe_evaluate(step)
+            if actions.save:
                 self._save(step, time.perf_counter() - t_start, evaluated)
             self.observer.progress(step, loss=self.last_train_loss, tokens_per_s=self.last_tokens_per_s)
             collect_garbage(step, cfg.gc_every)
-            if stop and not final:
+            if actions.stop:
                 self.observer.notice(
                     f"{signal.Signals(stop).name}: checkpoint step-{step} committed; exiting {128 + stop}"
                 )
@@ -331,7 +347,7 @@ class Trainer:
         """All micro batches of this rank: loss = token-NLL sum / global target count (x world size,
         since the engines average gradients over ranks). Returns (local NLL sum, local non-finite)."""
         info, engine, debug = self.info, self.engine, self.cfg.debug
-        scale = self.world / max(batch.global_targets, 1)
+        scale = loss_scale(self.world, batch.global_targets)
         poison = batch.step in debug.nan_steps and debug.nan_rank in (-1, info.rank)
         local = torch.zeros((), dtype=torch.float32, device=info.device)
         last = len(batch.micro_batches) - 1
@@ -384,9 +400,9 @@ class Trainer:
         window.update(self._new_window())
         self.observer.log_train(step, metrics)
 
-    def _maybe_evaluate(self, step: int, final: bool) -> bool:
+    def _maybe_evaluate(self, step: int) -> bool:
         cfg = self.cfg
-        if self.plan.eval_note is not None or not ((self.eval_steps and step % self.eval_steps == 0) or final):
+        if self.plan.eval_note is not None:  # no validation split
             return False
         with self.speed.pause():
             metrics = evaluate_model(
@@ -447,18 +463,10 @@ class Trainer:
                 config=self.config_dict,
             )
             if self.info.is_main:
-                ckpt.prune_checkpoints(out, self.cfg.keep_last, self._best_checkpoint_step(), self.plan.run_id)
+                best = ckpt.best_checkpoint_step(out, self.plan.run_id)
+                ckpt.prune_checkpoints(out, self.cfg.keep_last, best, self.plan.run_id)
                 self.observer.checkpoint_saved(step)
             barrier()
-
-    def _best_checkpoint_step(self) -> int | None:
-        """This run's checkpoint with the lowest eval loss measured at its own step."""
-        scored = []
-        for step, path in ckpt.complete_checkpoints(self.cfg.output_dir, self.plan.run_id):
-            evaluation = ckpt.read_state(path).get("eval")
-            if evaluation:
-                scored.append((evaluation["eval_loss"], step))
-        return min(scored)[1] if scored else None
 
     def _write_final(self) -> Path:
         """output_dir/final/: weights, tokenizer + chat template, generation config, training_manifest.json."""

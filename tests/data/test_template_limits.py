@@ -9,12 +9,12 @@ import threading
 
 import pytest
 
-from llmft.cli import describe_failure
 from llmft.commands.data import _stop_cleanly_on_sigterm
 from llmft.trainer.data import limits
 from llmft.trainer.data.template_limits import TemplateTooSlow
 from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.errors import EXIT_PREEMPTED, DataError, SignalStop
+from llmft.trainer.failures import describe_failure
 
 NEVER_ENDS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 WRITES_10M = "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}"

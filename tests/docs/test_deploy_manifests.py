@@ -27,6 +27,7 @@ CORE_KINDS = {
     "ClusterRoleBinding",
     "PersistentVolumeClaim",
     "Job",
+    "CronJob",
     "Secret",
     "ConfigMap",
     "Deployment",
@@ -78,6 +79,7 @@ def test_deploy_has_the_manifests_the_cluster_guide_names(deploy_dir):
         "cluster-role.yaml",
         "pvc-data.yaml",
         "volume-permissions.yaml",
+        "janitor.yaml",
         "secrets/llmft-hf-token.yaml",
         "secrets/llmft-mlflow.yaml",
         "secrets/llmft-langfuse.yaml",
@@ -121,6 +123,7 @@ def test_rendered_objects_take_params_and_namespace(deploy_dir, rendered):
     params = read_env_file(deploy_dir / "params.env")
     namespace = yaml.safe_load((deploy_dir / "kustomization.yaml").read_text())["namespace"]
     expected = {"Namespace", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "PersistentVolumeClaim", "Job"}
+    expected.add("CronJob")
     assert set(rendered) == expected, "ConfigMap must stay local"
     pvc = rendered["PersistentVolumeClaim"]
     assert pvc["metadata"]["name"] == params["PVC_NAME"]
@@ -220,6 +223,34 @@ def test_the_permissions_job_gives_the_volume_root_to_the_images_uid_and_touches
     (volume,) = pod["volumes"]
     assert volume["persistentVolumeClaim"]["claimName"] == read_env_file(deploy_dir / "params.env")["PVC_NAME"]
     assert container["volumeMounts"] == [{"name": volume["name"], "mountPath": "/data"}]
+
+
+def test_the_janitor_runs_the_pipeline_image_as_the_pipeline_account_every_period(deploy_dir, rendered):
+    """Issue 42.2/42.3: the CronJob that deletes the jobs of ended runs (llmft/components/lib/jobs/orphans.py)
+    runs `llmft pipeline janitor` on the period and keep window the code states, with the RBAC it needs."""
+    from llmft.components.images import IMAGE_REGISTRY, IMAGE_TAG
+    from llmft.components.lib.jobs.orphans import JANITOR_PERIOD_S, KEEP_FOR_RETRY_S
+
+    cron = rendered["CronJob"]
+    assert cron["spec"]["schedule"] == f"*/{JANITOR_PERIOD_S // 60} * * * *"
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    template = cron["spec"]["jobTemplate"]["spec"]["template"]
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == f"{IMAGE_REGISTRY}/llmft-pipeline:{IMAGE_TAG}", "keep in step with images.py"
+    assert container["command"] == ["llmft", "pipeline", "janitor", "--keep-for-retry-s", str(KEEP_FOR_RETRY_S)]
+    assert pod["serviceAccountName"] == read_env_file(deploy_dir / "params.env")["PIPELINE_SERVICE_ACCOUNT"]
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    granted = _granted(rendered["Role"])
+    assert {"get", "list"} <= granted[("argoproj.io", "workflows")]
+    for kind in (
+        ("kubeflow.org", "pytorchjobs"),
+        ("trainer.kubeflow.org", "trainjobs"),
+        ("kubeflow.org", "experiments"),
+    ):
+        assert {"list", "delete"} <= granted[kind]
+    assert {"list"} <= granted[("", "pods")]
 
 
 def test_namespace_enables_katib_metrics_collection(rendered):

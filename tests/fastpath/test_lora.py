@@ -61,13 +61,27 @@ def test_dropout_no_longer_keeps_peft_forward(small_qwen2):
 
 
 def test_an_unknown_dropout_module_keeps_peft_forward(small_qwen2):
+    """The module whose dropout the fused path cannot run stays PEFT's: in training mode, with the same random
+    stream, the partly fused model computes what PEFT computes (AlphaDropout's mask included); the others fuse."""
     model = _peft(small_qwen2)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
-    q_proj.lora_dropout["default"] = torch.nn.AlphaDropout(0.1)
+    q_proj.lora_dropout["default"] = torch.nn.AlphaDropout(0.5)
+    model.train()
+    input_ids = torch.randint(0, small_qwen2.config.vocab_size, (2, 9))
+    torch.manual_seed(7)
+    ref_out, ref_grads = _loss_and_grads(model, input_ids)
     skipped = fuse_lora_linears(model)
     assert list(skipped) == ["base_model.model.model.layers.0.self_attn.q_proj"]
     assert "AlphaDropout" in skipped["base_model.model.model.layers.0.self_attn.q_proj"]
     assert count_fused(model) == 2 * len(TARGETS) - 1
+    torch.manual_seed(7)
+    new_out, new_grads = _loss_and_grads(model, input_ids)
+    n = decoder_reduction_length(small_qwen2.config, input_ids.numel())  # fp32 rounding: tests/float_bounds.py
+    torch.testing.assert_close(new_out, ref_out, **close(ref_out, n))
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(new_grads[name], grad, **close(grad, n), msg=name)
+    torch.manual_seed(8)  # another mask: the dropout really runs (the comparison above is not of a no-op)
+    assert not torch.allclose(_loss_and_grads(model, input_ids)[0], new_out)
 
 
 @pytest.mark.parametrize("grouped", [False, True])

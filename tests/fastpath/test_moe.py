@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 
 from llmft.trainer import flops, moe_model
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.fastpath import moe
+from llmft.trainer.fastpath import moe, moe_rows
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -261,3 +261,110 @@ def test_flops_of_the_qwen3_30b_a3b_shape():
     assert flops.lora_adapter_flops_per_token(shape, 16, [*ATTENTION, "experts", "base_layer"]) == (
         attention_lora + experts
     )
+
+
+# ----------------------------------------------------------------------------- routing and the expert MLP
+
+
+def _routing_inputs(tokens=13, experts=4, top_k=2, hidden=8, seed=5, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen, dtype=dtype)
+    return torch.randn(tokens, hidden, generator=gen, dtype=dtype), index, weights
+
+
+def test_routing_offsets_and_row_moves_are_adjoint():
+    """Offsets are bincount's running sum; gather and combine are each other's transpose (so their
+    gradients are each other), checked in float64 by gradcheck and against the indexing they replace."""
+    x, index, _ = _routing_inputs()
+    routing = moe_rows.Routing(index, 4)
+    assert torch.equal(routing.offs, torch.cumsum(torch.bincount(index.reshape(-1), minlength=4), 0).int())
+    rows = routing.gather(x)
+    assert torch.equal(rows, x[routing.order // 2])
+    assert torch.equal(routing.combine(rows), 2 * x)  # each token's 2 rows summed back
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(routing.gather, (x,))
+    z = torch.randn(rows.shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(routing.combine, (z,))
+
+
+def test_scaled_swiglu_equals_the_separate_ops_and_its_gradient():
+    gate_up = torch.randn(7, 10, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up * w.unsqueeze(-1)
+    for compiled in (False, True):  # compiled: Inductor's C++ kernels here, Triton on CUDA
+        node = lambda g, v, c=compiled: moe_rows._SwiGLUScaled.apply(g, v, c)  # noqa: E731
+        torch.testing.assert_close(node(gate_up, w), ref, rtol=0, atol=1e-15)
+        assert torch.autograd.gradcheck(node, (gate_up, w))
+
+
+def test_grouped_experts_never_wait_on_the_host(monkeypatch):
+    """Routing without a device-to-host read: torch.bincount reads the ids' min and max back on CUDA
+    (a sync per layer and micro step before); the kernel path, forward and backward, reads nothing back."""
+    model = tiny_moe(torch.float32)
+    experts = moe_model.base_experts(moe_model.moe_blocks(model)[0].experts)
+    x, index, weights = _routing_inputs(dtype=torch.float32, hidden=32)
+    x.requires_grad_(True)
+    weights.requires_grad_(True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync")
+
+    monkeypatch.setattr(torch, "bincount", refuse)
+    for name in ("item", "tolist", "__bool__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = moe.grouped_experts(experts, x, index, weights, kernel="torch.grouped_mm")
+    out.sum().backward()
+    monkeypatch.undo()
+    reference = moe.grouped_experts(experts, x.detach(), index, weights.detach(), kernel="loop")
+    torch.testing.assert_close(out.detach(), reference)
+
+
+def test_4bit_experts_keep_only_the_gate_up_output_and_routing_weights():
+    """Per routed row the backward needs the gate/up output [S, 2I] and the routing weight [S]: no [S, H]
+    expert output (the routing weight multiplies the down projection's input) and no SiLU or product kept."""
+    pytest.importorskip("bitsandbytes")
+    model = tiny_moe(torch.float32)
+    moe.quantize_experts_4bit(model)
+    experts = moe_model.base_experts(moe_model.moe_blocks(model)[0].experts)
+    x, index, weights = _routing_inputs(dtype=torch.float32, hidden=32)
+    x.requires_grad_(True)
+    weights.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = moe.grouped_experts(experts, x, index, weights, kernel="torch.grouped_mm")
+    rows = index.numel()
+    assert {s for s in saved if s and s[0] == rows} == {(rows, 2 * 16), (rows,)}
+    out.sum().backward()
+    assert x.grad is not None and weights.grad.abs().sum() > 0
+
+
+@pytest.mark.slow  # Inductor compiles two small C++ kernels on CPU: about 20 s
+def test_compiled_swiglu_runs_compiled_inside_the_experts_eager_region():
+    """moe.py runs the experts outside the compiled layers (torch.compiler.disable); the SiLU product called
+    from there still runs as compiled kernels, once for any row count, and gives the eager path's results
+    (float32: within a few rounding steps of the same sums)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_moe(torch.float32)
+    experts = moe_model.base_experts(moe_model.moe_blocks(model)[0].experts)
+    torch._dynamo.reset()
+    counters.clear()
+    run = torch.compiler.disable(
+        lambda x, i, w, c: moe.grouped_experts(experts, x, i, w, kernel="torch.grouped_mm", compiled=c)
+    )
+    try:
+        for tokens in (13, 29):  # two row counts: no second compile
+            x, index, weights = _routing_inputs(tokens=tokens, dtype=torch.float32, hidden=32)
+            results = []
+            for compiled in (False, True):
+                xg, wg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+                out = run(xg, index, wg, compiled)
+                (out**2).sum().backward()
+                results.append((out.detach(), xg.grad, wg.grad))
+            for eager, fast in zip(*results, strict=True):
+                torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-6)
+        assert counters["stats"]["unique_graphs"] == 2  # SwiGLU forward and backward
+    finally:
+        torch._dynamo.reset()

@@ -299,6 +299,7 @@ class ClusterSim:
         self.katib: dict | None = None  # {"early_stopping": bool, "metrics_file": Path}: Masters are Katib trials
         self._lock = threading.RLock()
         custom.before_read, custom.on_delete, core.before_read = self.reconcile, self.on_delete, self.refresh
+        custom.dependents = self.dependents
         self.workdir.mkdir(parents=True, exist_ok=True)
 
     # -- the API objects ---------------------------------------------------------------------------
@@ -628,6 +629,13 @@ class ClusterSim:
                     self._delete_pod(pod.metadata.name)
             if plural == "inferenceservices" and name in self.servers:
                 self.servers.pop(name).stop()
+
+    def dependents(self, key: tuple, obj: dict) -> list:
+        """The pods a deleted PyTorchJob still owns (``blockOwnerDeletion``: job_controller.go 222-233); the
+        other kinds' dependents are not simulated."""
+        if key[3] != "pytorchjobs":
+            return []
+        return [p for p in self.pods(key[4]) if _owner_uid(p) == obj["metadata"]["uid"]]
 
     def stop(self) -> None:
         """End every container (test teardown)."""

@@ -23,7 +23,7 @@ kubernetes/kubernetes; the client is kubernetes 30.1.0):
 
 Not traced to source (test choices): resourceVersions are increasing integers from 101 and uids are
 ``uid-<name>-<n>`` (the real ones are opaque); a patch is a recursive JSON merge (no strategic merge,
-no ``null`` deletes); label selectors support ``k=v`` terms only (tests/k8s/trainer_v2_sim.py adds set-based
+no ``null`` deletes); label selectors support ``k=v`` and ``k`` terms only (tests/k8s/trainer_v2_sim.py adds set-based
 ones); ``fail_next``'s 503 body is made up.
 """
 
@@ -83,8 +83,10 @@ class FakeCustomObjectsApi:
     """In-memory custom objects. ``on_get(obj, count)`` may mutate a stored object's
     status on its count-th GET (scripting a controller). A controller simulator
     (cluster_sim.py) plugs in through ``before_read`` (called before every get and list)
-    and ``on_delete(key, obj)``. ``fail_next(n, status)`` makes the next ``n`` gets and lists
-    fail with that HTTP status (an API server that blinks)."""
+    and ``on_delete(key, obj)``; admission webhooks through ``admission(operation, plural, body, old)``
+    (CREATE or UPDATE; returns the mutated body or raises the webhook's ApiException; kserve_admission.py).
+    ``fail_next(n, status)`` makes the next ``n`` gets and lists fail with that HTTP status (an API server
+    that blinks)."""
 
     def __init__(self, on_get: Callable[[dict, int], None] | None = None):
         self.objects: dict[tuple, dict] = {}
@@ -93,6 +95,8 @@ class FakeCustomObjectsApi:
         self.on_get = on_get
         self.before_read: Callable[[], None] | None = None
         self.on_delete: Callable[[tuple, dict], None] | None = None
+        self.admission: Callable[[str, str, dict, dict | None], dict] | None = None
+        self.dependents: Callable[[tuple, dict], list] | None = None  # a deleted object's blocking dependents
         self.failures: list[int] = []
         self.propagations: list[str | None] = []  # propagationPolicy of every delete call
         self.unserved: set[str] = set()  # plurals whose CRD is not installed: 404 on every call
@@ -121,6 +125,8 @@ class FakeCustomObjectsApi:
         self.calls.append(("create", *key, body))
         if key in self.objects:
             raise api_error(409, f'{plural}.{group} "{key[-1]}" already exists')
+        if self.admission is not None:  # mutating, then validating webhooks (before the object is stored)
+            body = self.admission("CREATE", plural, copy.deepcopy(body), None)
         stored = copy.deepcopy(body)
         stored["metadata"].update(
             namespace=namespace,
@@ -165,6 +171,8 @@ class FakeCustomObjectsApi:
             raise api_error(404, f'{plural}.{group} "{name}" not found')
         if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
             raise api_error(409, "the object has been modified; please apply your changes to the latest version")
+        if self.admission is not None:
+            body = self.admission("UPDATE", plural, copy.deepcopy(body), copy.deepcopy(current))
         stored = copy.deepcopy(body)
         stored["metadata"].update(
             resourceVersion=self._next_version(),
@@ -189,7 +197,8 @@ class FakeCustomObjectsApi:
         """Background (or no policy): the object goes at once; the garbage collector deletes its
         dependents afterwards (``on_delete``). Foreground, with a controller behind ``on_delete``:
         the object stays, with ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer, until
-        that controller has seen its blocking dependents go (apiserver registry/generic/registry/store.go
+        that controller has seen its blocking dependents go (``dependents``; none: it goes at once)
+        (apiserver registry/generic/registry/store.go
         ``updateForGracefulDeletionAndFinalizers``; kubernetes.io/docs/concepts/architecture/garbage-collection)."""
         key = (group, version, namespace, plural, name)
         self.calls.append(("delete", *key))
@@ -201,6 +210,8 @@ class FakeCustomObjectsApi:
             if not deleted["metadata"].get("deletionTimestamp"):
                 deleted["metadata"].update(deletionTimestamp=rfc3339_now(), finalizers=["foregroundDeletion"])
                 self.on_delete(key, deleted)
+            if not (self.dependents and self.dependents(key, deleted)):  # nothing blocks it: the GC drops the
+                self.objects.pop(key, None)  # foregroundDeletion finalizer at once
             return {"kind": "Status", "status": "Success"}
         deleted = self.objects.pop(key)
         if self.on_delete is not None:
@@ -210,6 +221,10 @@ class FakeCustomObjectsApi:
     def created(self, plural: str) -> list[dict]:
         """Bodies of every create call for ``plural``, in order."""
         return [c[-1] for c in self.calls if c[0] == "create" and c[4] == plural]
+
+    def sent(self, plural: str) -> list[dict]:
+        """Bodies of every create and replace call for ``plural``, in order (as sent, before admission)."""
+        return [c[-1] for c in self.calls if c[0] in ("create", "replace") and c[4] == plural]
 
 
 def _merge(target: dict, patch: dict) -> None:
@@ -224,11 +239,12 @@ def _merge(target: dict, patch: dict) -> None:
 
 
 def _labels_match(labels: dict | None, selector: str | None) -> bool:
+    """``k=v`` terms, and bare ``k`` (the label exists)."""
     if not selector:
         return True
     labels = labels or {}
-    wanted = dict(part.split("=", 1) for part in selector.split(","))
-    return all(labels.get(k) == v for k, v in wanted.items())
+    terms = [part.split("=", 1) for part in selector.split(",")]
+    return all(labels.get(t[0]) == t[1] if len(t) == 2 else t[0] in labels for t in terms)
 
 
 class FakeCoreV1Api:
@@ -243,6 +259,7 @@ class FakeCoreV1Api:
         self.events: dict[str, list] = {}
         self.config_maps: dict[tuple[str, str], dict] = {}  # (namespace, name) -> data
         self.claims: set[tuple[str, str]] = set()  # (namespace, name) of the PVCs that exist
+        self.claim_details: dict[tuple[str, str], dict] = {}
         self.before_read: Callable[[], None] | None = None
 
     def add_event(
@@ -270,9 +287,21 @@ class FakeCoreV1Api:
         return client.CoreV1EventList(items=items)
 
     def read_namespaced_persistent_volume_claim(self, name, namespace, **_):
+        """A claim of ``claims``: Bound, ReadWriteMany, to a volume that existed (no provisioner annotation),
+        unless ``claim_details[(namespace, name)]`` says otherwise (phase, access_modes, provisioner, storage_class)."""
         if (namespace, name) not in self.claims:
             raise api_error(404, f'persistentvolumeclaims "{name}" not found')
-        return client.V1PersistentVolumeClaim(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
+        details = {"phase": "Bound", "access_modes": ["ReadWriteMany"], "provisioner": None, "storage_class": "",
+                   **self.claim_details.get((namespace, name), {})}  # fmt: skip
+        provisioner = details["provisioner"]
+        annotations = {"volume.kubernetes.io/storage-provisioner": provisioner} if provisioner else None
+        return client.V1PersistentVolumeClaim(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace, annotations=annotations),
+            spec=client.V1PersistentVolumeClaimSpec(
+                access_modes=details["access_modes"], storage_class_name=details["storage_class"]
+            ),
+            status=client.V1PersistentVolumeClaimStatus(phase=details["phase"]),
+        )
 
     def read_namespaced_config_map(self, name, namespace, **_):
         data = self.config_maps.get((namespace, name))

@@ -3,7 +3,6 @@ simulated cluster of cluster_sim.py (pods are real local processes; no real clus
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -72,8 +71,7 @@ def test_the_exit_handler_deletes_only_the_runs_unfinished_jobs(sim, fake_cluste
     report = cleanup_run(fake_cluster, RUN, print_fn=lambda _: None)
     assert sorted(report["deleted"]) == ["Experiment/run-sweep", "PyTorchJob/run-train"]
     assert report["kept"] == ["PyTorchJob/run-old-trial"]
-    left = {key[-1] for key in fake_custom_api.objects}
-    assert left == {"run-old-trial", "other-train"}
+    assert set(fake_custom_api.propagations) == {"Foreground"}  # the job stays until its pods are gone
     # The deleted job's pod gets SIGTERM and its grace period (pod termination is asynchronous): it
     # must be gone within that grace, while the other run's job keeps running.
     deadline = time.monotonic() + 60
@@ -81,6 +79,9 @@ def test_the_exit_handler_deletes_only_the_runs_unfinished_jobs(sim, fake_cluste
         sim.reconcile()
         time.sleep(0.2)
     assert sim.running() in ([], ["other-train-master-0"]) and "run-train-master-0" not in sim.running()
+    sim.reconcile()
+    left = {key[-1] for key in fake_custom_api.objects}
+    assert left == {"run-old-trial", "other-train"}
 
 
 @pytest.mark.slow
@@ -131,12 +132,18 @@ def test_jobs_are_owned_by_the_runs_workflow_never_by_the_launcher_pod(
     ]
 
 
-def test_sigterm_to_the_sweep_launcher_deletes_its_experiment(sim, fake_cluster, fake_custom_api, sim_volume, tmp_path):
+def test_sigterm_to_the_sweep_launcher_deletes_its_experiment(
+    sim, fake_cluster, fake_custom_api, sim_volume, tmp_path, monkeypatch
+):
     """The sweep step's launcher, cancelled while it waits: the Experiment (and with it, through
     Katib's ownership, its trials) is deleted before the step exits 143. The Experiment carries the
     run-id label the exit handler finds."""
     from llmft.components.lib.jobs.sweep import run_sweep_step
     from llmft.katib.experiment import GROUP, PLURAL, VERSION
+
+    launcher = "llm-finetune-x7k2p-system-container-impl-3"
+    monkeypatch.setenv("KFP_POD_NAME", launcher)
+    sim.kfp_launcher(launcher, "llm-finetune-x7k2p", deadline_s=3600)
 
     plan = sim_plan(sim_volume, hpo=True, run_id=RUN, sweep_max_trials=2, sweep_parallel_trials=1,
                     sweep_max_failed_trials=1, sweep_overrides="space.lora_r.values=4,8")  # fmt: skip
@@ -149,7 +156,7 @@ def test_sigterm_to_the_sweep_launcher_deletes_its_experiment(sim, fake_cluster,
         while key not in fake_custom_api.objects:
             time.sleep(0.1)
         seen["labels"] = dict(fake_custom_api.objects[key]["metadata"]["labels"])
-        os.kill(os.getpid(), signal.SIGTERM)
+        sim.cancel_run("llm-finetune-x7k2p")  # KFP's cancel: activeDeadlineSeconds 0, then Argo's SIGTERM
 
     def unhandled(signum, frame):
         raise AssertionError("SIGTERM reached the test: the sweep launcher did not handle it")

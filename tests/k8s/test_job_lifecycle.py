@@ -6,7 +6,6 @@ Each test names the issue-15 item it covers."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -190,19 +189,22 @@ def test_pending_pods_are_explained_at_most_once_per_n_polls(
 
 
 def test_sigterm_to_the_launcher_deletes_its_job_and_the_trainer_commits(
-    sim, fake_cluster, fake_custom_api, sim_volume
+    sim, fake_cluster, fake_custom_api, sim_volume, monkeypatch
 ):
     """Item 2: a cancelled run's launcher gets SIGTERM (Argo, exec_control.go 56-64); it deletes the
-    PyTorchJob, whose pods get SIGTERM in turn and commit a checkpoint before they stop."""
+    PyTorchJob (foreground), whose pods get SIGTERM in turn and commit a checkpoint before they stop."""
     plan = sim_plan(sim_volume, run_id="run-cancel", max_steps=5000)
     master = f"{plan.job.name}-master-0"
+    launcher, workflow = "llm-finetune-x7k2p-system-container-impl-1", "llm-finetune-x7k2p"
+    monkeypatch.setenv("KFP_POD_NAME", launcher)
+    sim.kfp_launcher(launcher, workflow, deadline_s=3600)
 
     class Cancelled(Exception):
         pass
 
     def cancel_when_training() -> None:
         sim.wait_for_log(master, "step=2 ")
-        os.kill(os.getpid(), signal.SIGTERM)
+        sim.cancel_run(workflow)  # KFP's cancel: activeDeadlineSeconds 0, then Argo's SIGTERM
 
     def unhandled(signum, frame):  # what would kill this test process without the launcher's handler
         raise Cancelled("SIGTERM reached the test: the launcher did not handle it")
@@ -214,9 +216,10 @@ def test_sigterm_to_the_launcher_deletes_its_job_and_the_trainer_commits(
             _run(plan, fake_cluster, print_fn=lambda _: None)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert stopped.value.code == 143
-    assert (GROUP, VERSION, SIM_NAMESPACE, PLURAL, plan.job.name) not in fake_custom_api.objects
+    assert stopped.value.code == 143 and fake_custom_api.propagations == ["Foreground"]
     _wait_until(lambda: not sim.running(), 120, "the job's pods to stop")
+    sim.reconcile()
+    assert (GROUP, VERSION, SIM_NAMESPACE, PLURAL, plan.job.name) not in fake_custom_api.objects
     checkpoints = sim_volume / "runs" / "run-cancel" / "checkpoints"
     assert [p for p in checkpoints.iterdir() if is_complete(p)], "the trainer committed a checkpoint on the way out"
 

@@ -254,7 +254,10 @@ def test_webhook_rules_reject_what_the_operator_rejects(mutate, message):
     assert any(message in e for e in errors), errors
 
 
+@pytest.mark.harness
 def test_crd_schema_catches_type_errors(pytorchjob_crd_errors):
+    """The validator every PyTorchJob test relies on does reject a wrong type (a harness check: a validator that
+    accepted everything would make those tests pass vacuously)."""
     job = _valid_job()
     job["spec"]["runPolicy"]["backoffLimit"] = "three"
     job["spec"]["nprocPerNode"] = 8

@@ -52,3 +52,40 @@ def test_the_wait_for_a_deleted_job_is_bounded_and_names_what_is_left():
         wait_until_gone("PyTorchJob team-a/x", lambda: False, lambda: ["x-master-0"], timeout_s=0, poll_s=0)
     message = str(error.value)
     assert "pod x-master-0" in message and "--grace-period=0 --force" in message and "\n" not in message
+
+
+@pytest.mark.slow
+def test_a_quick_retry_after_a_cancel_waits_for_the_cancelled_pods(
+    sim, fake_cluster, fake_custom_api, sim_volume, monkeypatch
+):
+    """Issue 42 (Low): the run is cancelled while its job trains (the launcher's SIGTERM deletes the job, now
+    with foreground propagation), then Retried at once. The retry's launcher finds the job still being deleted
+    (its master committing its SIGTERM checkpoint) and waits until it and its pods are gone before creating it
+    again: no pod-name collision, no second trainer on the run directory; the new job resumes and succeeds."""
+    import signal
+    import threading
+
+    launcher, workflow = "llm-finetune-x7k2p-system-container-impl-1", "llm-finetune-x7k2p"
+    monkeypatch.setenv("KFP_POD_NAME", launcher)
+    sim.kfp_launcher(launcher, workflow, deadline_s=3600)
+    plan = sim_plan(sim_volume, run_id="run-quick-retry", max_steps=6)
+    launch = plan.trainer.launch(f"{sim_volume}/tokenized/demo")
+    master = f"{plan.job.name}-master-0"
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        threading.Thread(
+            target=lambda: (sim.wait_for_log(master, "step=1 "), sim.cancel_run(workflow)), daemon=True
+        ).start()
+        with pytest.raises(SystemExit) as stopped:
+            run_on_cluster(plan.job, launch, cluster=fake_cluster, poll_s=0.2, owner={}, print_fn=lambda _: None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 143
+    key = (GROUP, VERSION, SIM_NAMESPACE, PLURAL, plan.job.name)
+    assert fake_custom_api.objects[key]["metadata"].get("deletionTimestamp"), "foreground: the job waits for its pods"
+    del sim._workflow(workflow)["spec"]["activeDeadlineSeconds"]  # the Retry unsets a cancel's deadline of 0
+    printed: list[str] = []
+    result = run_on_cluster(plan.job, launch, cluster=fake_cluster, poll_s=0.2, owner={}, print_fn=printed.append)
+    assert result["succeeded"] and not result["reattached"]
+    assert any("being deleted: waiting until it is gone" in line for line in printed), printed[:5]
+    assert sim.collisions == [] and [pod for pod, code in sim.history if pod == master and code == 1] == []

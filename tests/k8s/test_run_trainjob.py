@@ -372,3 +372,40 @@ def test_a_failed_trainjob_is_recreated_only_after_its_node_pods_are_gone(crd_di
     assert run_trainjob(sim.cluster, job, timeout_s=5, poll_s=0.01, print_fn=lambda _: None)["succeeded"]
     assert sim.custom.propagations == ["Foreground"]
     assert events.index("gone") < events.index("create"), events
+
+
+@pytest.mark.parametrize("leftover", ["deleting", "pods-only"])
+def test_a_quick_retry_after_a_cancel_waits_for_the_old_node_pods(leftover, crd_dir):
+    """Issue 42 (Low): a cancel's SIGTERM deleted the TrainJob (foreground: it stays, with deletionTimestamp,
+    until its pods are gone), or someone deleted it in the background (its pods outlive it). A run's Retry
+    seconds later must not start node pods beside the old ones still committing their checkpoint: the new
+    rank 0 would meet the old run lock and exit 1, and the TrainJob would be suspended as a permanent failure.
+    Before, it re-attached to the dying TrainJob, or created a new one at once."""
+    sim = TrainerSim(crd_dir)
+    job = _trainjob()
+    start(sim, trainjob_to_dict(job))  # the cancelled attempt's node pods, still terminating
+    if leftover == "deleting":
+        _existing(sim, job, None)
+        stored = sim.custom.objects[(GROUP, VERSION, NS, PLURAL, job_name())]
+        stored["metadata"].update(deletionTimestamp=rfc3339_now(), finalizers=["foregroundDeletion"])
+    events: list[str] = []
+    list_pods, create = sim.core.list_namespaced_pod, sim.custom.create_namespaced_custom_object
+
+    def listing(namespace, label_selector=None, **kwargs):
+        events.append("list")
+        if events.count("list") == 3 and "gone" not in events:  # the kubelet confirmed their end
+            sim.core.pods[NS], sim.pods = [], []
+            sim.custom.objects.pop((GROUP, VERSION, NS, PLURAL, job_name()), None)  # the GC finishes it
+            events.append("gone")
+        return list_pods(namespace, label_selector=label_selector, **kwargs)
+
+    def creating(*args, **kwargs):
+        events.append("create")
+        sim.script(start, condition("Complete", "AllJobsCompleted"))  # the new TrainJob's controller
+        return create(*args, **kwargs)
+
+    sim.core.list_namespaced_pod, sim.custom.create_namespaced_custom_object = listing, creating
+    printed: list[str] = []
+    assert run_trainjob(sim.cluster, job, timeout_s=5, poll_s=0.01, print_fn=printed.append)["succeeded"]
+    assert events.index("gone") < events.index("create"), events
+    assert any("waiting until" in line for line in printed) and not any("re-attaching" in line for line in printed)

@@ -12,7 +12,6 @@ from llmft.components.lib.serving.inferenceservice import (
     KSERVE_FIRST_LORA_NAMES,
     ServeSpec,
     build_inference_service,
-    deploy_inference_service,
     inference_service_errors,
     isvc_to_dict,
     served_models,
@@ -20,6 +19,7 @@ from llmft.components.lib.serving.inferenceservice import (
     smoke_test,
     storage_layout,
 )
+from llmft.components.lib.serving.isvc_apply import deploy_inference_service
 from llmft.trainer.errors import ConfigError
 
 NS = "team-a"
@@ -233,6 +233,7 @@ def test_deploy_creates_and_waits_until_ready(fake_cluster, fake_custom_api, isv
         "url": "http://demo-lora.team-a.example.com",
         "internal_url": "http://demo-lora-predictor.team-a.svc.cluster.local",
         "generation": 1,
+        "deployment_mode": "Knative",  # no mode annotation: the cluster's default (tests/k8s/test_kserve_modes.py)
     }
     (sent,) = fake_custom_api.created("inferenceservices")
     assert isvc_crd_errors(sent) == [] and sent["metadata"]["namespace"] == NS

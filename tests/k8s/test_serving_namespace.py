@@ -58,3 +58,40 @@ def test_the_pvc_and_a_rolebinding_there_pass_and_the_own_namespace_is_not_check
 def test_the_mesh_message_names_what_serving_elsewhere_needs():
     message = mesh_denial_message("http://m.team-a.svc/openai/v1/models")
     assert "serving_namespace" in message and "needs the data PVC and a RoleBinding" in message
+
+
+@pytest.mark.parametrize(
+    ("details", "shown"),
+    [
+        ({"phase": "Pending"}, "PVC serving/llmft-data is Pending, not Bound"),
+        ({"provisioner": "cluster.local/nfs-subdir-external-provisioner", "storage_class": "nfs-client"},
+         "PVC serving/llmft-data was provisioned by cluster.local/nfs-subdir-external-provisioner (storage class "
+         "nfs-client): a new, empty volume, not the pipeline's"),
+        ({"access_modes": ["ReadWriteOnce"]}, "PVC serving/llmft-data is ReadWriteOnce: it needs ReadWriteMany"),
+    ],
+    ids=["unbound", "dynamically-provisioned", "one-node"],
+)  # fmt: skip
+def test_a_claim_there_that_cannot_be_the_data_volume_is_refused(details, shown, sim_volume):
+    """Issue 42 (Low): a claim of the same name is not enough. A StorageClass provisions a new, empty volume for
+    it (the pipeline's adapter is not there: the model load failed after the whole run); an unbound claim or a
+    ReadWriteOnce one cannot be mounted beside the pipeline's pods."""
+    plan = sim_plan(sim_volume, run_id="run-serving-ns", serving_namespace="serving")
+    cluster, _ = _cluster([("serving", "llmft-data")], BOUND)
+    cluster.core_api.claim_details[("serving", "llmft-data")] = details
+    with pytest.raises(ConfigError) as refused:
+        preflight_serving_namespace(plan, cluster)
+    message = str(refused.value)
+    assert shown in message and "\n" not in message and "a PersistentVolume of the data PVC's storage" in message
+
+
+def test_a_model_load_failure_in_another_namespace_names_the_claim_and_the_likely_cause():
+    from llmft.components.lib.serving.isvc_apply import load_failure_message
+
+    body = {"metadata": {"name": "m-serve", "namespace": "serving"},
+            "spec": {"predictor": {"model": {"storageUri": "pvc://llmft-data/models/m/run-1"}}}}  # fmt: skip
+    message = load_failure_message(body, "BlockedByFailedLoad: ModelLoadFailed adapter_config.json not found", "team-a")
+    assert "\n" not in message and "InferenceService serving/m-serve failed to load the model" in message
+    assert "It reads pvc://llmft-data/models/m/run-1 (PVC serving/llmft-data)" in message
+    assert "serves in namespace serving, not the pipeline's team-a" in message and "new, empty volume" in message
+    same = load_failure_message({**body, "metadata": {"name": "m-serve", "namespace": "team-a"}}, "x", "team-a")
+    assert "Likely cause" not in same and "kubectl logs -n team-a -l serving.kserve.io/inferenceservice=m-serve" in same

@@ -85,7 +85,10 @@ def test_the_trainjob_runs_the_plans_config_file_and_no_plan_setting():
     assert args == ["train", "--nproc", "1", "--config", f"{plan.trainer.run_dir}/config.yaml", f"data={DATA}"]
 
 
+@pytest.mark.harness
 def test_shipped_runtimes_are_valid_cluster_training_runtimes(crd_dir, runtime_crd_errors):
+    """Upstream's runtimes against upstream's schema: the fixtures the simulator merges our TrainJobs onto are what
+    Kubeflow Trainer v2.3.0 ships (a harness check; llmft's reading of them: test_trainjob_runtime.py)."""
     for name in ("torch_distributed", "deepspeed_distributed"):
         assert runtime_crd_errors(load_runtime(crd_dir, name)) == [], name
 

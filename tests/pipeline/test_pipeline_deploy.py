@@ -82,10 +82,14 @@ def test_kserve_serves_base_and_adapter_under_their_own_names(volume, tmp_path, 
     """Item 4: `--model_name=<name>-base`, `--lora-modules <name>=...`; the smoke test finds the base in
     KServe's /openai/v1/models (which lists the base name once per registered name, never the adapter's:
     issue 33 item 3) and gets a different greedy completion from the adapter than from the base."""
+    from kserve_admission import KServe
+
     cluster, custom, sim = kserve
+    webhooks = KServe("v0.20.0", "Serverless").install_webhooks(custom)  # KServe's default install (issue 42.1)
     path = tmp_path / "isvc.yaml"
     result = deploy_promoted(deploy_request(volume, "trained", mode="kserve"), manifest_path=path, cluster=cluster,
                              crd_dir=str(crd_dir))  # fmt: skip
+    assert webhooks.denied == [] and result["deployment_mode"] == "Knative"
     assert result["status"] == "deployed" and result["base_name"] == "m-base" and result["lora_name"] == "m"
     (applied,) = custom.created("inferenceservices")
     assert applied["spec"] == yaml.safe_load(path.read_text())["spec"]  # what was validated is what was applied

@@ -326,14 +326,18 @@ def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("KFP_POD_NAME", raising=False)
     artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     plan_run.python_func(
-        plan=artifact, **parameters(lora_r=8, max_lora_rank=8, data_root=str(tmp_path)), run_id="r1", compiled=""
+        plan=artifact,
+        **parameters(lora_r=8, max_lora_rank=8, data_root=str(tmp_path), training_backend="local"),
+        run_id="r1",
+        compiled="",
     )
     plan = read_plan(artifact.path)
     assert plan.run_id == "r1" and plan.trainer.config.lora.r == 8 and not plan.on_cluster
     assert load_config(plan.trainer.config_path, ["data=d"]) == dataclasses.replace(plan.trainer.config, data="d")
     assert artifact.metadata["trainer_image"] == plan.images.trainer
     assert "serving form" not in capsys.readouterr().out  # a plain adapter: decided after promotion
-    dora = parameters(lora_r=8, max_lora_rank=8, train_overrides="lora.use_dora=true", data_root=str(tmp_path))
+    dora = parameters(lora_r=8, max_lora_rank=8, train_overrides="lora.use_dora=true", data_root=str(tmp_path),
+                      training_backend="local")  # fmt: skip
     plan_run.python_func(plan=artifact, **dora, run_id="r2", compiled="")
     assert "serving form: merged (lora.use_dora=true (DoRA)" in capsys.readouterr().out
     assert read_plan(artifact.path).serving.form_note.startswith("lora.use_dora=true")

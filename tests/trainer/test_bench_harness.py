@@ -7,6 +7,7 @@ from argparse import Namespace
 
 import numpy as np
 import pytest
+import torch
 
 from llmft.benchmarks import train_bench
 from llmft.benchmarks.gpu import common
@@ -363,3 +364,29 @@ def test_each_row_names_its_kernel_path_and_device():
     )
     assert "| NVIDIA H100 80GB HBM3 |" in table
     assert f"- project-product llama-3-8b full z: {line}; load peak 56.4 GiB" in table
+
+
+def test_fp8_benchmark_checkpoint_loads_as_the_seeds_fp8_base(tmp_path):
+    """The 30B benchmark checkpoint's writer (FP8, shard per layer, experts one by one) on a tiny Qwen3-MoE:
+    transformers loads every tensor of it (none missing, none unexpected), the routers, norms, embeddings and
+    lm_head as written in bf16, the attention and experts within FP8's rounding of a normal(0, std) init."""
+    from moe_model import tiny_moe_config
+    from transformers import AutoModelForCausalLM
+
+    from llmft.benchmarks.gpu.fp8_checkpoint import write_fp8_model_dir
+    from llmft.trainer.fp8 import load_base
+
+    config = tiny_moe_config(hidden_size=256, moe_intermediate_size=128, head_dim=128, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=512)  # fmt: skip
+    path = write_fp8_model_dir("tiny", tmp_path, device="cpu", config=config)
+    assert (path / "model.safetensors.index.json").is_file() and not (tmp_path / "tiny.partial").exists()
+    model, base = load_base(str(path), None, "lora", {"dtype": torch.float32})
+    assert base.format == "FP8 (fine-grained, block [128, 128])"
+    _, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    layer = model.model.layers[1]
+    assert torch.equal(layer.input_layernorm.weight, torch.ones(256))
+    experts = layer.mlp.experts.gate_up_proj
+    assert experts.shape == (4, 256, 256) and 0.015 < experts.std().item() < 0.025
+    assert layer.mlp.gate.weight.dtype == torch.float32 and 0.015 < layer.mlp.gate.weight.std().item() < 0.025
+    assert write_fp8_model_dir("tiny", tmp_path, device="cpu", config=config) == path  # written once

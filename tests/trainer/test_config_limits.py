@@ -49,6 +49,30 @@ def test_deep_nesting_is_one_line_not_a_recursion_error(tmp_path, depth):
     refused(tmp_path, "lora: " + "[" * depth + "]" * depth + "\n", f"nested deeper than {MAX_YAML_DEPTH} levels")
 
 
+def test_the_depth_limit_is_exactly_max_yaml_depth():
+    """64 nested lists load; 65 are refused (the boundary, not only far past it)."""
+    assert MAX_YAML_DEPTH == 64
+    loaded = load_user_yaml("[" * MAX_YAML_DEPTH + "]" * MAX_YAML_DEPTH, "t.yaml")
+    for _ in range(MAX_YAML_DEPTH - 1):
+        (loaded,) = loaded
+    assert loaded == []
+    with pytest.raises(ConfigError, match=f"^t.yaml, line 1: nested deeper than {MAX_YAML_DEPTH} levels"):
+        load_user_yaml("[" * (MAX_YAML_DEPTH + 1) + "]" * (MAX_YAML_DEPTH + 1), "t.yaml")
+
+
+@pytest.mark.parametrize("value", ["16.5", "16.000001", "true", "'16'x"])
+def test_an_integer_key_refuses_a_fraction_rather_than_rounding_it(tmp_path, value):
+    """lora.r=16.5 must not train at rank 16: a fraction (or a word) for an int is one line naming the key."""
+    with pytest.raises(ConfigError, match=r"`lora.r` must be int|not a plain YAML value"):
+        load_config(None, ["model.name_or_path=m", "data=d", f"lora.r={value}"])
+    (tmp_path / "c.yaml").write_text("model: {name_or_path: m}\ndata: d\nlora:\n  r: 16.5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml, line 4: `lora.r` must be int, got 16.5$"):
+        load_config(str(tmp_path / "c.yaml"))
+    assert (
+        load_config(None, ["model.name_or_path=m", "data=d", "lora.r=16.0"]).lora.r == 16
+    )  # a whole number written as a float is that number
+
+
 def test_a_binary_file_is_one_line(tmp_path):
     message = refused(tmp_path, b"lora:\n  r: 8\n\x7fELF\x02\x01\x01\x00\xd0\xff", "not UTF-8 text")
     assert ", line 3:" in message and "0xd0" in message

@@ -26,8 +26,9 @@ import pytest
 from trainer_helpers import REPO, clean_env, train_in_process
 
 from llmft.trainer import storage
-from llmft.trainer.__main__ import describe_failure
+from llmft.trainer.__main__ import TRAINER
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR
+from llmft.trainer.failures import describe_failure
 from llmft.trainer.storage import DiskFullError, disk_guard
 
 ENOSPC_TEXT = "Error while serializing: I/O error: No space left on device (os error 28)"
@@ -50,7 +51,7 @@ def safetensors_enospc():
     ids=["safetensors-enospc", "torch-save", "edquot", "erofs"],
 )
 def test_a_disk_fault_in_any_shape_is_exit_200_not_a_bug(exc):
-    code, message = describe_failure(exc)
+    code, message = describe_failure(exc, TRAINER)
     assert code == EXIT_TRANSIENT and "internal error" not in message and "\n" not in message, message
     assert "exit 200 is retried" in message
 
@@ -84,7 +85,7 @@ def test_a_short_write_with_no_errno_names_the_path_and_the_fault(tmp_path):
 @pytest.mark.parametrize("exc", [NUMPY_SHORT_WRITE, TORCH_SHORT_WRITE], ids=["numpy-tofile", "torch-save"])
 def test_a_short_write_under_a_file_size_limit_is_efbig_not_a_full_disk(exc, file_size_limit):
     """Issue 35: `ulimit -f` during a checkpoint said ENOSPC and `free space` (68 GiB were free), exit 200."""
-    code, message = describe_failure(exc)
+    code, message = describe_failure(exc, TRAINER)
     assert code == EXIT_USER_ERROR and "File too large (errno 27, EFBIG)" in message and "ulimit -f" in message
     assert "No space left" not in message and "\n" not in message
 
@@ -98,7 +99,7 @@ def test_a_path_too_long_is_bad_input_not_a_retry(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "file name too long" in err and "choose a shorter output path" in err
     assert err.count("\n") == 1 and "retried" not in err
-    code, message = describe_failure(OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(output)))
+    code, message = describe_failure(OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(output)), TRAINER)
     assert code == EXIT_USER_ERROR and "file name too long" in message
 
 

@@ -4,9 +4,12 @@ non-finite steps on one rank, SIGTERM through `llmft train --nproc`."""
 from __future__ import annotations
 
 import json
+import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -205,7 +208,7 @@ def test_config_error_under_nproc_is_one_line_before_any_rank_starts(tiny_model_
 
 FAKE_RANKS = """
 import os, signal, sys, time
-from llmft.trainer.distributed import write_rank_exit
+from llmft.trainer.rank_exits import write_rank_exit  # no torch: the stand-in ranks start in a moment
 
 rank = int(os.environ["RANK"])
 
@@ -215,16 +218,26 @@ def stop(signum, frame):  # rank 0 commits and exits 143; rank 1 fails while sto
     sys.exit(code)
 
 signal.signal(signal.SIGTERM, stop)
-print(f"rank {rank} ready", flush=True)
-time.sleep(120)
+os.write(1, f"rank {rank} ready\\n".encode())  # one write: the two ranks' lines never interleave
+time.sleep(RANK_SLEEP_S)  # never signalled: exit 0, the outcome the test refuses
 """
+RANK_SLEEP_S = 60
+FORWARD_DEADLINE_S = 30
+"""The launcher forwards within milliseconds of the signal (its handler is in place before torchrun starts); the
+deadline allows for a machine loaded well past its cores. A launcher that does not forward fails in this time."""
 
 
 def test_a_failed_rank_wins_over_sigterm(tmp_path):
     """Real torchrun under `llmft train`'s launcher, with stand-in ranks: one exits 143 on SIGTERM,
-    the other 1. The launcher was signalled, but a rank failed: the job must not look preempted."""
+    the other 1. The launcher was signalled, but a rank failed: the job must not look preempted.
+
+    It failed 2 of 11 runs under load (exit 0 after the ranks' whole sleep): with PYTHONUNBUFFERED, print()
+    writes its text and its newline separately, so the two ranks' lines could arrive as "rank 0 readyrank 1
+    ready" and one line; the test counted one ready rank, never sent SIGTERM, and read on until the ranks
+    slept out their 120 s. Each rank now writes its line in one write, the test counts every "ready" it reads,
+    and a run that ends before both is told at once."""
     script = tmp_path / "ranks.py"
-    script.write_text(FAKE_RANKS)
+    script.write_text(FAKE_RANKS.replace("RANK_SLEEP_S", str(RANK_SLEEP_S)))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
     driver = "import sys; from llmft.commands.train import launch; sys.exit(launch(sys.argv[1:]))"
     proc = subprocess.Popen(
@@ -232,16 +245,70 @@ def test_a_failed_rank_wins_over_sigterm(tmp_path):
         cwd=REPO,
         env=clean_env(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
     )
-    ready = 0
-    for line in proc.stdout:
-        ready += line.startswith("rank ")
-        if ready == 2:
-            proc.send_signal(signal.SIGTERM)
-            break
-    assert proc.wait(timeout=120) == 1
+    errors: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [errors.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        ready = 0
+        for line in proc.stdout:
+            ready += line.count(" ready")  # print()'s text and newline could interleave: "rank 0 readyrank 1 ready"
+            if ready == 2:
+                proc.send_signal(signal.SIGTERM)
+                break
+        assert ready == 2, "the ranks ended before both said they were ready"
+        deadline = time.monotonic() + FORWARD_DEADLINE_S
+        while not any(line.startswith("[llmft] SIGTERM: forwarded") for line in _drain(errors)):
+            assert time.monotonic() < deadline, "the launcher did not forward SIGTERM to torchrun"
+        assert proc.wait(timeout=RANK_SLEEP_S + 30) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+
+
+def _drain(lines: queue.Queue, wait_s: float = 0.5) -> list[str]:
+    try:
+        return [lines.get(timeout=wait_s)]
+    except queue.Empty:
+        return []
+
+
+def test_a_signal_while_torchrun_starts_is_forwarded_once_it_runs(tmp_path, monkeypatch, capsys):
+    """The launcher's handlers are in place before torchrun exists: a SIGTERM that arrives while it is being
+    started (here: from inside Popen) is recorded and forwarded the moment it runs, never lost."""
+    import subprocess as real
+
+    from llmft.commands import train as train_command
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+        "time.sleep(30)\n"
+        "sys.exit(0)\n"
+    )
+
+    class SignalledWhileStarting(real.Popen):
+        def __init__(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher itself, before torchrun runs
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(train_command.subprocess, "Popen", SignalledWhileStarting)
+    outside: list[int] = []  # what this process does with a SIGTERM the launcher does not handle: keep it
+
+    def guard(signum, _frame):
+        outside.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, guard)
+    try:
+        started = time.monotonic()
+        assert train_command.launch([sys.executable, str(child)]) == 143
+        assert time.monotonic() - started < 25  # forwarded at once, not after the child's 30 s
+        assert signal.getsignal(signal.SIGTERM) is guard and not outside  # restored; none reached it
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "[llmft] SIGTERM: forwarded to the ranks through torchrun" in capsys.readouterr().err
 
 
 def test_launch_outcome_prefers_a_failed_rank_then_the_signal():

@@ -37,11 +37,17 @@ def test_attention_is_causal_per_document():
 
 
 def test_step_and_per_token_flops_and_mfu():
+    """The step's count written out from the shapes (not from the functions it is made of): LoRA r16 all-linear
+    on 450 tokens in three documents."""
     docs = [100, 300, 50]
+    n = 28 * (1536 * 1536 * 2 + 1536 * 256 * 2 + 3 * 1536 * 8960) + 151936 * 1536
+    adapters = 28 * 6 * 16 * ((1536 + 1536) + 2 * (1536 + 256) + (1536 + 1536) + 2 * (1536 + 8960) + (8960 + 1536))
+    pairs = 100 * 101 + 300 * 301 + 50 * 51  # 2 x L(L+1)/2 causal query-key pairs per document
+    attention = 3 * 2 * pairs * 128 * 12 * 28  # forward 2 FLOPs x pairs x head_dim x heads x layers; backward 2x
     total = flops.step_flops(QWEN_1_5B, "lora", docs)
-    dense = flops.dense_flops_per_token(QWEN_1_5B, "lora") * 450
-    assert total == dense + flops.attention_flops(QWEN_1_5B, docs)
+    assert total == (4 * n + adapters) * 450 + attention
     assert flops.flops_per_token(QWEN_1_5B, "lora", docs) == pytest.approx(total / 450)
+    assert flops.step_flops(QWEN_1_5B, "full", docs) == 6 * n * 450 + attention
     assert flops.mfu(989.4e12, 2.0, flops.peak_flops("NVIDIA H100 80GB HBM3")) == pytest.approx(0.5)
     assert flops.peak_flops("NVIDIA GH200 480GB") == flops.PEAK_BF16_FLOPS["GH200"]
     assert flops.peak_flops("cpu") is None and flops.mfu(1.0, 1.0, None) is None

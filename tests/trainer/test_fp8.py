@@ -1,6 +1,7 @@
 """FP8 base checkpoints: the tiny FP8 checkpoint the project writes is the format transformers reads,
 our block-wise dequantization equals transformers', LoRA trains on it on CPU end to end (evaluation
-and export from the same base), and QLoRA resolves to a dequantized bf16 copy (4-bit needs CUDA).
+and export from the same base); QLoRA on one device loads it dequantized and stores its linears in 4 bits
+(bitsandbytes' CPU backend here), and under ZeRO-3 (no device map) resolves to a dequantized bf16 copy.
 
 FP8 e4m3 error bound used below: 3 mantissa bits, so a normal value rounds to within 2^-4 of
 itself (relative); below the smallest normal (2^-6) the spacing is 2^-9, an absolute error of at
@@ -105,9 +106,52 @@ def test_load_plan_dense_and_lora(tiny_model_dir, fp8_dir):
     }
 
 
-def test_qlora_resolves_to_a_cached_bf16_copy(fp8_dir, tmp_path, monkeypatch):
-    """QLoRA keeps its 4-bit config but loads a dequantized bf16 copy (transformers refuses a
-    BitsAndBytesConfig for an FP8 checkpoint); the copy is built once and reused."""
+def test_qlora_on_one_device_loads_fp8_dequantized_then_4bit_with_no_copy(tmp_path, monkeypatch):
+    """QLoRA with a device map (one GPU): the FP8 base is dequantized while loading and its linears are then
+    stored in 4 bits: the layers transformers' own 4-bit loading converts (its replace_with_bnb_linear on the
+    same model), each holding exactly bitsandbytes' quantization of the dequantized FP8 weight; the fused
+    MoE experts stay for llmft/trainer/fastpath/moe.py; nothing is written under the cache."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from moe_model import save_tiny_moe_dir
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    from llmft.trainer.fp8 import load_base, write_fp8_checkpoint
+    from llmft.trainer.fp8_format import dequantize
+
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    dense = save_tiny_moe_dir(tmp_path / "moe", hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
+    fp8 = write_fp8_checkpoint(dense, tmp_path / "moe-fp8", block=(16, 16))
+    config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.uint8,
+    )  # fmt: skip
+    kwargs = {"dtype": torch.bfloat16, "quantization_config": config, "device_map": {"": "cpu"}}
+    model, base = load_base(str(fp8), None, "qlora", kwargs)
+    assert "4-bit" in base.action and "no copy" in base.action and base.dequantized_copy is None
+    assert not (tmp_path / "cache").exists() and model.is_loaded_in_4bit
+    converted = {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shadow = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(fp8)))
+    replace_with_bnb_linear(shadow, modules_to_not_convert=["lm_head"], quantization_config=config)
+    assert converted == {n for n, m in shadow.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert "lm_head" not in converted and any(n.endswith("self_attn.q_proj") for n in converted)
+    weights = stored(fp8)
+    for name in converted:
+        q, scale = weights[f"{name}.weight"], weights[f"{name}.weight_scale_inv"]
+        expected, _ = bnb.functional.quantize_4bit(
+            dequantize(q, scale, (16, 16), torch.bfloat16), quant_type="nf4", compress_statistics=True
+        )
+        assert torch.equal(model.get_submodule(name).weight.data, expected), name
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16  # moe.py quantizes these
+
+
+def test_qlora_under_zero3_resolves_to_a_cached_bf16_copy(fp8_dir, tmp_path, monkeypatch):
+    """QLoRA without a device map (DeepSpeed ZeRO-3 partitions while loading) keeps its 4-bit config but loads a
+    dequantized bf16 copy (transformers refuses a BitsAndBytesConfig for an FP8 checkpoint); the copy is built
+    once and reused."""
     from llmft.trainer.fp8 import load_base, load_plan
     from llmft.trainer.fp8_format import dequantize
     from llmft.trainer.io import COMPLETE_MARKER

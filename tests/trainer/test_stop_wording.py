@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from llmft.trainer.__main__ import describe_failure
+from llmft.trainer.__main__ import TRAINER
 from llmft.trainer.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from llmft.trainer.failures import describe_failure
 
 
 @pytest.fixture
@@ -31,12 +32,12 @@ def test_a_ctrl_c_after_a_stop_request_names_both_signals(stop_request, first, w
     stop_request._handle(first, None)  # what the handler does when the signal arrives (e.g. during model load)
     with pytest.raises(KeyboardInterrupt) as info:
         stop_request._handle(signal.SIGINT, None)
-    code, message = describe_failure(info.value)
+    code, message = describe_failure(info.value, TRAINER)
     assert code == EXIT_INTERRUPTED and wording in message and "without a checkpoint" in message
 
 
 def test_a_ctrl_c_before_any_handler_is_not_called_a_second_one():
-    code, message = describe_failure(KeyboardInterrupt())
+    code, message = describe_failure(KeyboardInterrupt(), TRAINER)
     assert code == EXIT_INTERRUPTED and "second" not in message and "starting" in message
 
 

@@ -54,17 +54,25 @@ PRODUCT_KEYS = ("model.name_or_path", "data", "max_steps", "output_dir")
 
 
 def product_command(
-    config: str | Path, model_dir: Path, data_dir: Path, out_dir: Path, steps: int, nproc: int = 1, saves: bool = True
+    config: str | Path,
+    model_dir: Path,
+    data_dir: Path,
+    out_dir: Path,
+    steps: int,
+    nproc: int = 1,
+    saves: bool = True,
+    wrapped: bool = False,
 ) -> list[str]:
     """``llmft train [--nproc N] --config <shipped config>`` plus exactly :data:`PRODUCT_KEYS` (``--nproc`` is
     the launcher's flag, not a setting: the config's global batch is split over the ranks).
 
     ``saves=False`` (full fine-tuning): the same trainer entry point with the same arguments through the
     benchmark's wrapper (trainer_entry.py, ``BENCH_SKIP_SAVES=1``), which writes no checkpoint and no
-    ``final/``: an 8B ZeRO-3 checkpoint with its optimizer state is over 100 GB, more than the device's disk."""
+    ``final/``: an 8B ZeRO-3 checkpoint with its optimizer state is over 100 GB, more than the device's disk.
+    ``wrapped``: through the same wrapper with saves as asked (a profiled or step-marked run, trainer_entry.py)."""
     values = (model_dir, data_dir, steps, out_dir)
     overrides = [f"{key}={value}" for key, value in zip(PRODUCT_KEYS, values, strict=True)]
-    if not saves:
+    if not saves or wrapped:
         entry = ["-m", "llmft.benchmarks.gpu.trainer_entry", "--config", str(config), *overrides]
         if nproc > 1:
             launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]  # llmft train's
@@ -130,23 +138,29 @@ def step_documents(data_dir: Path, cfg, steps: int) -> dict[int, np.ndarray]:
         loader.close()
 
 
-def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: str, warmup: int, peak) -> dict:
+def summarize(
+    metrics_path: Path, docs: dict[int, np.ndarray], shape, method: str, warmup: int, peak, marks: Path | None = None
+) -> dict:
     """Throughput between the first train record at or after ``warmup`` and the last one; ``peak`` is the
-    FLOP/s of every GPU of the run together (MFU per GPU)."""
+    FLOP/s of every GPU of the run together (MFU per GPU). With step ``marks`` (trainer_entry.py
+    ``BENCH_STEP_MARKS``: the synchronized end of step s - 1, taken as a record of step s - 1) the window may
+    start at the mark of step ``warmup + 1`` when the config logs too rarely for two records after it."""
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("event") == "train"]
-    starts = [i for i, r in enumerate(train) if r["step"] >= warmup]
-    if not starts or starts[0] == len(train) - 1:
+    timed = [r for r in train if r["step"] >= warmup]
+    if marks is not None and marks.is_file() and not any(r["step"] == warmup for r in train):
+        marked = [json.loads(line) for line in marks.read_text().splitlines() if line.strip()]
+        timed = [{"step": warmup, "time": m["time"], "mark": True} for m in marked if m["step"] == warmup + 1] + timed
+    if len(timed) < 2:
         return {"error": f"too few train records after step {warmup} to time ({[r['step'] for r in train]})"}
-    first, last = train[starts[0]], train[-1]
+    first, last = timed[0], timed[-1]
     span = last["time"] - first["time"]
     steps = range(first["step"] + 1, last["step"] + 1)
     tokens = sum(int(docs[s].sum()) for s in steps)
     work = sum(flops.step_flops(shape, method, docs[s]) for s in steps)
     final = next((r for r in records if r.get("event") == "final"), {})
     fast_path = next((r.get("fast_path") for r in records if r.get("event") == "fast_path"), None)
-    timed = train[starts[0] :]
     step_s = [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(timed, timed[1:], strict=False)]
     bench_tps = tokens / span
     logged_tps = final.get("tokens_per_s")
@@ -161,12 +175,19 @@ def summarize(metrics_path: Path, docs: dict[int, np.ndarray], shape, method: st
         "logged_vs_bench_tokens_per_s": logged_tps / bench_tps - 1 if logged_tps else None,
         "peak_mem_gib": max(r.get("peak_mem_gib", 0) for r in train),
         "reserved_mem_gib": max(r.get("peak_reserved_gib", 0) for r in train),
+        "window": [first["step"], last["step"], "mark" if "mark" in first else "record"],
         "first_losses": [r["loss"] for r in train[:5]],
         "compile_s": final.get("warmup_s"),
         "load_s": final.get("load_s"),
         "load_peak_gib": final.get("load_peak_gib"),
         "fast_path": fast_path,
     }
+
+
+def profile_summary(log: Path) -> dict | None:
+    """The ``[profile-json]`` line a profiled run printed (trainer_entry.py report_profile), else None."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("[profile-json] ")]
+    return json.loads(lines[-1].removeprefix("[profile-json] ")) if lines else None
 
 
 def run(a) -> dict:
@@ -181,9 +202,18 @@ def run(a) -> dict:
     )
     out_dir = root / "runs" / f"product-{a.model}-{a.method}-{int(time.time())}"
     saves = a.method != "full"  # full fine-tuning arms write no checkpoints (product_command)
-    cmd = product_command(config.relative_to(REPO), model_dir, data_dir, out_dir, a.steps, a.nproc, saves=saves)
+    wrapped = bool(a.profile_step or a.marks)
+    cmd = product_command(
+        config.relative_to(REPO), model_dir, data_dir, out_dir, a.steps, a.nproc, saves=saves, wrapped=wrapped
+    )
     started = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1", BENCH_SKIP_SAVES="0" if saves else "1")
+    marks = Path(a.json_out).with_suffix(".marks.jsonl") if a.marks else None
+    if marks is not None:
+        marks.unlink(missing_ok=True)
+        env["BENCH_STEP_MARKS"] = str(marks)
+    if a.profile_step:
+        env.update(BENCH_PROFILE_STEPS=f"{a.profile_step}:{a.profile_step}", BENCH_PROFILE_TRACE="0")
     log_copy = Path(a.json_out).with_suffix(".trainer.log")  # streamed: an arm cut by its timeout keeps its log
     with open(log_copy, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -213,13 +243,37 @@ def run(a) -> dict:
         shape = flops.shape_from_config(common.hf_config(a.model))
         docs = step_documents(data_dir, cfg, a.steps)
         peak = flops.peak_flops(result["device"])
-        result.update(summarize(metrics_path, docs, shape, a.method, a.warmup, peak and peak * a.nproc))
+        result.update(summarize(metrics_path, docs, shape, a.method, a.warmup, peak and peak * a.nproc, marks))
+        result["profile"] = profile_summary(log_copy)
         if result.get("tokens_per_s"):
             result["tokens_per_s_per_gpu"] = result["tokens_per_s"] / a.nproc
         dropout = cfg.lora.dropout if a.method != "full" else None
         result["kernel_path"] = common.kernel_path(result.get("fast_path"), dropout)
     common.write_json(a.json_out, result)
     common.remove_run_dir(out_dir)  # the real CLI wrote its checkpoint and final/: measured, not kept
+    return result
+
+
+def from_saved_metrics(a) -> dict:
+    """The row of a run whose trainer finished but whose arm was cut by the harness's deadline before it wrote
+    its JSON: the same :func:`summarize` over the metrics.jsonl (and step marks) the arm had copied beside its
+    log, with the loader's tokens of the same seeded data (rebuilt here, deterministic)."""
+    config, max_length = product_config(a.model, a.method)
+    cfg = load_config(str(config), [f"max_steps={a.steps}"])
+    vocab = common.MODEL_SHAPES[a.model]["vocab_size"]
+    samples = samples_for(a.steps, cfg.batch.global_sequences, max_length, a.profile, vocab)
+    data_dir = write_product_dataset(
+        samples,
+        max_length,
+        Path(a.work) / "data" / f"product-{a.model}-{a.profile}-{max_length}-{len(samples.lengths)}",
+    )
+    docs = step_documents(data_dir, cfg, a.steps)
+    metrics = Path(a.from_metrics)
+    marks = metrics.with_name(metrics.name.replace(".metrics.jsonl", ".marks.jsonl"))
+    shape = flops.shape_from_config(common.hf_config(a.model))
+    result = {"arm": a.arm_name, "model": a.model, "method": a.method, "config": str(config.relative_to(REPO))}
+    result.update(summarize(metrics, docs, shape, a.method, a.warmup, flops.PEAK_BF16_FLOPS["H200"], marks))
+    result["recomputed_from"] = metrics.name
     return result
 
 
@@ -231,11 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="max_steps (the shipped config logs every 10)")
     p.add_argument("--warmup", type=int, default=10, help="time from the first train record at or after this step")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (llmft train --nproc); the global batch is the config's")
+    p.add_argument("--profile-step", type=int, default=0, help="torch.profiler over this step (trainer_entry.py)")
+    p.add_argument("--marks", action="store_true", help="synchronized step marks: time from step --warmup + 1 on")
     p.add_argument("--arm-name", default="project-product")
     p.add_argument("--work", default="/tmp/llmft-project", help="shared with the project arm (model checkpoints)")
     p.add_argument("--json-out", required=True)
+    p.add_argument("--from-metrics", default="", help="recompute a cut arm's row from its saved metrics.jsonl (H200)")
     a = p.parse_args(argv)
-    result = run(a)
+    result = from_saved_metrics(a) if a.from_metrics else run(a)
+    if a.from_metrics:
+        common.write_json(a.json_out, result)
     keys = ("arm", "model", "method", "config", "tokens_per_s", "trainer_logged_tokens_per_s", "mfu", "peak_mem_gib")
     print({k: result.get(k) for k in keys})
     return 0 if result.get("tokens_per_s") else 1

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from llmft.benchmarks.gpu import common
+from llmft.benchmarks.gpu.fp8_checkpoint import FP8_MODELS, write_fp8_model_dir
 from llmft.trainer import flops
 from llmft.trainer.command_line import override_pairs
 from llmft.trainer.data.shards import write_split
@@ -36,10 +37,13 @@ SEED = 42
 
 
 def write_model_dir(model: str, root: Path) -> Path:
-    """Random-init weights (seed 0, bf16, as the other arms build them) + a tokenizer, saved once."""
+    """Random-init weights (seed 0, bf16, as the other arms build them) + a tokenizer, saved once; the 30B MoE
+    shape in FP8 (fp8_checkpoint.py)."""
     out = root / model
     if (out / "config.json").is_file():
         return out
+    if model in FP8_MODELS:  # the seeds' form; 61 GB in bf16 does not fit a one-GPU machine's disk
+        return write_fp8_model_dir(model, root)
     # heavy: torch
     import torch
 

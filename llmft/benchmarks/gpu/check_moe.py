@@ -1,6 +1,7 @@
 """GPU checks of llmft/trainer/fastpath/moe.py on Qwen3-30B-A3B's layer widths: grouped experts
-with LoRA against PEFT's ParamWrapper path (bf16, both measured against an fp32 copy), compiled
-layers, 4-bit experts against their dequantized weights, and the time and peak memory of one
+with LoRA against PEFT's ParamWrapper path (bf16, both measured against an fp32 copy), with the SiLU
+product compiled (moe_rows.py), compiled layers, 4-bit experts (SiLU product compiled, as the trainer
+runs them on CUDA) against their dequantized weights, and the time and peak memory of one
 forward + backward of each path.
 
 python -m llmft.benchmarks.gpu.check_moe --layers 2 --tokens 8192 --json-out F
@@ -102,6 +103,9 @@ def run(layers: int, tokens: int, json_out: str) -> dict:
     stage("peft_grouped_mm", measured)
     stage("swap", lambda: moe.swap_grouped_experts(model))
     stage("llmft_grouped", measured)
+    for block in moe.moe_blocks(model):  # the SiLU product as Inductor kernels (moe_rows.py)
+        block.experts._llmft_compiled = True
+    stage("llmft_grouped_rows_compiled", measured)
     compile_decoder_layers(model)
     stage("llmft_grouped_compiled", measured)
     model = None  # free the bf16 copy before the 4-bit models
@@ -125,7 +129,7 @@ def _check_4bit(layers: int, ids) -> dict:
         with torch.no_grad():
             for name in ("gate_up_proj", "down_proj"):
                 getattr(moe.base_experts(ref.experts), name).copy_(getattr(moe.base_experts(block.experts), name))
-    out = {"swap": moe.swap_grouped_experts(model)}
+    out = {"swap": moe.swap_grouped_experts(model, compile_rows=True)}
     shape = tuple(moe.base_experts(moe.moe_blocks(model)[0].experts).gate_up_proj.shape)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):

@@ -13,13 +13,21 @@ benchmark measures steps; an 8B ZeRO-3 checkpoint with its optimizer state is ov
 
 ``BENCH_PROFILE_STEPS=A:B`` (optional) runs torch.profiler over trainer steps A..B and prints how
 much of their wall time the GPU was busy, plus the top kernels; ``BENCH_PROFILE_OUT`` is the folder
-for the gzipped Chrome trace (default: the working directory).
+for the gzipped Chrome trace (default: the working directory; ``BENCH_PROFILE_TRACE=0`` writes none). The
+report also sums the GPU time by kernel family and inside the MoE experts' named ranges (``moe.*``:
+llmft/trainer/fastpath/moe.py), where the profile of a mixture-of-experts step goes.
+
+``BENCH_STEP_MARKS=FILE`` (optional) appends one JSON line per step, ``{"step": s, "time": t}``, taken when
+step s starts, after a device synchronize: the end of step s - 1 (arm_product.py times windows from them
+where the config's ``log_every`` leaves too few train records; each mark costs one sync a step).
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -63,6 +71,8 @@ def main() -> int:
     trainer_model.load_model = load_model
     if os.environ.get("BENCH_SKIP_SAVES") == "1":
         skip_saves()
+    if os.environ.get("BENCH_STEP_MARKS"):  # wrapped first: the profiler's report comes before the next mark
+        mark_steps(os.environ["BENCH_STEP_MARKS"])
     if os.environ.get("BENCH_PROFILE_STEPS"):
         profile_steps(os.environ["BENCH_PROFILE_STEPS"], os.environ.get("BENCH_PROFILE_OUT", "."))
     return trainer_main(sys.argv[1:])
@@ -119,11 +129,72 @@ def profile_steps(spec: str, out_dir: str) -> None:
     Trainer.forward_backward = forward_backward
 
 
-def gpu_busy_seconds(prof) -> float:
+def mark_steps(path: str) -> None:
+    """``BENCH_STEP_MARKS``: a synchronized timestamp at the start of every step (module doc)."""
+    # heavy: torch
+    import torch
+
+    # heavy: torch
+    from llmft.trainer.train import Trainer
+
+    original = Trainer.forward_backward
+
+    def forward_backward(run, batch):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        with open(path, "a") as marks:
+            marks.write(json.dumps({"step": batch.step, "time": time.time()}) + "\n")
+        return original(run, batch)
+
+    Trainer.forward_backward = forward_backward
+
+
+KERNEL_FAMILIES = (
+    ("4-bit dequantization (bitsandbytes)", r"kDequantize|dequantize"),
+    ("flash attention", r"flash|fmha|attention"),
+    ("matmuls (cuBLAS / CUTLASS)", r"gemm|cutlass|nvjet|sm90_xmma|Gemm|wgmma"),
+    ("sort / routing", r"[Ss]ort|scan|searchsorted|index|gather|scatter|bincount|histogram"),
+    ("optimizer / grad norm", r"multi_tensor|adam|Adam|norm_kernel|foreach"),
+    ("compiled elementwise (Inductor Triton)", r"^triton_"),
+    ("project Triton kernels", r"^_|lora|philox|loss"),
+    ("copies / fills", r"copy|Memcpy|Memset|fill|cat"),
+)
+
+
+def kernel_families(events) -> list[tuple[str, float]]:
+    """(family, GPU seconds) of every CUDA kernel of the profile's ``events``, by name (first matching family);
+    ranges (``record_function`` names, which the profiler also shows on the GPU's timeline) are not kernels."""
+    totals: dict[str, float] = {}
+    for event in events:
+        if (
+            event.device_type.name != "CUDA"
+            or getattr(event, "is_user_annotation", False)
+            or event.name.startswith("moe.")
+        ):
+            continue
+        family = next((f for f, pattern in KERNEL_FAMILIES if re.search(pattern, event.name)), "other")
+        totals[family] = totals.get(family, 0.0) + (event.time_range.end - event.time_range.start) / 1e6
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def named_ranges(averages, prefix: str = "moe.") -> list[tuple[str, float, int]]:
+    """(range, GPU seconds of the kernels launched inside it, calls) of every ``record_function`` range
+    whose name starts with ``prefix`` (the profiler lists each twice, as the host's range and as its span on
+    the GPU's timeline: the larger is kept)."""
+    rows: dict[str, tuple[float, int]] = {}
+    for avg in averages:
+        if avg.key.startswith(prefix):
+            device = getattr(avg, "device_time_total", None)
+            device = (avg.cuda_time_total if device is None else device) / 1e6
+            rows[avg.key] = max(rows.get(avg.key, (0.0, 0)), (device, avg.count))
+    return sorted(((k, v[0], v[1]) for k, v in rows.items()), key=lambda r: -r[1])
+
+
+def gpu_busy_seconds(prof, events=None) -> float:
     """Union of the CUDA kernel/memcpy intervals (seconds): time the GPU was doing anything."""
     spans = sorted(
         (e.time_range.start, e.time_range.end)
-        for e in prof.events()
+        for e in (prof.events() if events is None else events)
         if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
     )
     busy, cur_start, cur_end = 0.0, None, None
@@ -138,14 +209,30 @@ def gpu_busy_seconds(prof) -> float:
 
 
 def report_profile(prof, wall: float, steps: int, out_dir: str) -> None:
-    busy = gpu_busy_seconds(prof)
+    events = prof.events()  # built once: a 48-layer MoE step has a few hundred thousand
+    busy = gpu_busy_seconds(prof, events)
     print(
         f"[profile] {steps} steps: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms "
         f"({100 * busy / wall:.1f}%), GPU idle {(wall - busy) * 1e3 / steps:.1f} ms per step",
         flush=True,
     )
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), flush=True)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90), flush=True)
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), flush=True)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90), flush=True)
+    families = kernel_families(events)
+    summary = {"steps": steps, "wall_s": wall, "gpu_busy_s": busy, "families_s": dict(families)}
+    print("[profile] GPU time by kernel family (per profiled step):", flush=True)
+    for family, seconds in families:
+        print(f"[profile]   {family:<44} {seconds * 1e3 / steps:10.1f} ms  {100 * seconds / wall:5.1f}% of wall")
+    ranges = named_ranges(averages)
+    if ranges:
+        summary["moe_ranges_s"] = {name: seconds for name, seconds, _ in ranges}
+        print("[profile] GPU time inside the MoE experts' ranges (per profiled step):", flush=True)
+        for name, seconds, calls in ranges:
+            print(f"[profile]   {name:<44} {seconds * 1e3 / steps:10.1f} ms  {calls:6d} calls")
+    print(f"[profile-json] {json.dumps(summary)}", flush=True)
+    if os.environ.get("BENCH_PROFILE_TRACE", "1") == "0":
+        return
     trace = os.path.join(out_dir, f"trace-{os.getpid()}.json")
     prof.export_chrome_trace(trace)
     with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:

@@ -135,7 +135,19 @@ def read_manifest(dataset_dir: str | Path) -> dict:
         raise FileNotFoundError(
             f"{path}: missing; `{dataset_dir}` is not a tokenized dataset (run `llmft data tokenize`)"
         )
-    return json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # truncated, overwritten or not ours
+        manifest = exc
+    if not isinstance(manifest, dict):
+        why = (
+            " ".join(str(manifest).split())[:120] if isinstance(manifest, Exception) else f"a {type(manifest).__name__}"
+        )
+        raise DataError(
+            f"{path}: not the JSON `llmft data tokenize` writes ({why}); the folder is damaged. Re-run "
+            "`llmft data tokenize` into a new --output"
+        )
+    return manifest
 
 
 def open_split(dataset_dir: str | Path, split: str) -> TokenizedSplit:

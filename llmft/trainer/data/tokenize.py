@@ -50,6 +50,7 @@ from llmft.trainer.data.templates import (
 )
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import atomic_directory, atomic_write_json, check_output_target, is_complete, sha256_file
+from llmft.trainer.output_lock import output_lock
 from llmft.trainer.tokenizer import load_tokenizer
 
 FORMAT_VERSION = 2  # 2: replies located in their own turn and tokenized as their own pieces (new labels)
@@ -91,19 +92,20 @@ def tokenize_dataset(
         chat_template=chat_template,
         revision=revision,
     )
-    cached = cached_manifest(output_dir, identity["cache_key"])
-    if cached is not None:
-        check_dropped(cached, max_drop_fraction)
-        print(f"cache hit: {output_dir} already holds cache key {identity['cache_key'][:16]}; nothing rewritten")
-        return {**cached, "cache_hit": True}
-    started = time.perf_counter()
-    with atomic_directory(output_dir, kind=TOKENIZED_KIND, marker=True, force=force, inputs=inputs) as tmp:
-        splits = _tokenize_splits(split_files, tmp, tokenizer, plan, pack, num_proc or default_num_proc())
-        manifest = {**identity, "cache_hit": False, "splits": splits}
-        check_dropped(manifest, max_drop_fraction)
-        manifest["created_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")  # noqa: UP017 - py3.10
-        manifest["seconds"] = round(time.perf_counter() - started, 3)
-        atomic_write_json(tmp / MANIFEST, manifest)
+    with output_lock(output_dir):  # a second tokenize of the same folder waits, then finds the first's cache hit
+        cached = cached_manifest(output_dir, identity["cache_key"])
+        if cached is not None:
+            check_dropped(cached, max_drop_fraction)
+            print(f"cache hit: {output_dir} already holds cache key {identity['cache_key'][:16]}; nothing rewritten")
+            return {**cached, "cache_hit": True}
+        started = time.perf_counter()
+        with atomic_directory(output_dir, kind=TOKENIZED_KIND, marker=True, force=force, inputs=inputs) as tmp:
+            splits = _tokenize_splits(split_files, tmp, tokenizer, plan, pack, num_proc or default_num_proc())
+            manifest = {**identity, "cache_hit": False, "splits": splits}
+            check_dropped(manifest, max_drop_fraction)
+            manifest["created_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")  # noqa: UP017
+            manifest["seconds"] = round(time.perf_counter() - started, 3)
+            atomic_write_json(tmp / MANIFEST, manifest)
     return manifest
 
 
@@ -290,7 +292,7 @@ def cached_manifest(output_dir: Path, key: str) -> dict | None:
         manifest = json.loads(path.read_text())
     except ValueError:
         return None
-    if manifest.get("cache_key") != key:
+    if not isinstance(manifest, dict) or manifest.get("cache_key") != key:
         return None
     for split in manifest.get("splits", {}):
         if not all(

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100
+from llmft.trainer.data.shards import IGNORE_INDEX
+
 _COMPILED_CHUNK = None
 
 

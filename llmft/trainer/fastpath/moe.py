@@ -33,11 +33,14 @@ and strides allow it, else a per-expert matmul loop over the sorted tokens (same
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Literal, cast
 
 import torch
 
+from llmft.trainer.fastpath.moe_rows import Routing, profiled, swiglu_scaled
+from llmft.trainer.fastpath.qlora import _dequantize
 from llmft.trainer.moe_aux import install_router_aux
 from llmft.trainer.moe_model import base_experts, freeze_routers, model_config, moe_blocks
 
@@ -92,21 +95,45 @@ class _DequantGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, offs, fetch, kernel):
         ctx.save_for_backward(offs)
         ctx.fetch, ctx.kernel = fetch, kernel
-        w = fetch().to(x.dtype)
-        return _gmm(x, w.transpose(-2, -1), offs, kernel)
+        with profiled("moe.dequant"):
+            w = fetch(x.dtype)
+        with profiled("moe.grouped_mm"):
+            return _gmm(x, w.transpose(-2, -1), offs, kernel)
 
     @staticmethod
     def backward(ctx, grad):
         (offs,) = ctx.saved_tensors
-        w = ctx.fetch().to(grad.dtype)
-        return _gmm(grad.contiguous(), w, offs, ctx.kernel), None, None, None
+        with profiled("moe.bwd.dequant"):
+            w = ctx.fetch(grad.dtype)
+        with profiled("moe.bwd.grouped_mm"):
+            return _gmm(grad.contiguous(), w, offs, ctx.kernel), None, None, None
 
 
 def _frozen_linear(x, experts, name: str, offs, kernel: str) -> torch.Tensor:
     if getattr(experts, "_llmft_4bit", False):
-        return _DequantGroupedLinear.apply(x, offs, lambda: getattr(experts, name), kernel)
+        return _DequantGroupedLinear.apply(x, offs, _dequantizer(experts, name), kernel)
     weight = getattr(experts, name)
-    return _gmm(x, weight.to(x.dtype).transpose(-2, -1), offs, kernel)
+    with profiled("moe.grouped_mm"):
+        return _gmm(x, weight.to(x.dtype).transpose(-2, -1), offs, kernel)
+
+
+def _dequantizer(experts, name: str):
+    """``fetch(dtype)``: the 4-bit tensor ``name`` of ``experts`` dequantized, [E, out, in], by the same
+    bitsandbytes kernels its parametrization calls (``functional.dequantize_4bit``), called directly:
+    reading the parametrized attribute costs about as much host time again (parametrize's property,
+    the QuantState unpacking) four times per layer and micro step."""
+    state = _quant_state(experts, name)
+    packed = experts.parametrizations[name].original
+    nested = (state.state2.absmax, state.state2.code, state.offset) if state.nested else (None, None, None)
+    spec = (state.blocksize, state.state2.blocksize if state.nested else 0, state.quant_type)
+    shape = tuple(state.shape)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+
+    def fetch(dtype):
+        flat = _dequantize(packed, state.absmax, *nested, rows, cols, spec, dtype)
+        return flat.view(shape)
+
+    return fetch
 
 
 def _lora_delta(x, lora: tuple, offs, kernel: str, num_experts: int) -> torch.Tensor:
@@ -128,32 +155,31 @@ def grouped_experts(
     gate_up_lora: tuple | None = None,
     down_lora: tuple | None = None,
     kernel: str = "loop",
+    compiled: bool = False,
 ) -> torch.Tensor:
     """The experts of one MoE block with optional LoRA on either fused tensor.
 
     Same contract and result as ``Qwen3MoeExperts.forward``: ``hidden_states`` [T, H], the router's
     top-k expert ids and weights [T, k]; returns sum_j w_tj * expert_j(x_t). Each lora is
     ``(lora_A.weight, lora_B.weight, scaling)`` of the PEFT ParamWrapper adapting that tensor.
+    The routing weight multiplies each row's down-projection input (the projection and its adapter are
+    linear, so that is w (W + s B A) x = (W + s B A)(w x)), and the rows are summed back per token.
+    ``compiled``: the SiLU product as Inductor kernels (llmft/trainer/fastpath/moe_rows.py).
     """
-    num_tokens, top_k = top_k_index.shape
-    num_experts = experts.num_experts
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    rows = hidden_states[order // top_k].to(compute_dtype(experts))  # [S, H], S = T k
+    with profiled("moe.route"):
+        routing = Routing(top_k_index, experts.num_experts)
+    rows = routing.gather(hidden_states.to(compute_dtype(experts)))  # [S, H], S = T k
+    offs = routing.offs
     gate_up = _frozen_linear(rows, experts, "gate_up_proj", offs, kernel)
     if gate_up_lora is not None:
-        gate_up = gate_up + _lora_delta(rows, gate_up_lora, offs, kernel, num_experts)
-    gate, up = gate_up.chunk(2, dim=-1)
-    inner = experts.act_fn(gate) * up
+        gate_up = gate_up + _lora_delta(rows, gate_up_lora, offs, kernel, experts.num_experts)
+    with profiled("moe.route"):
+        w = routing.weights(top_k_weights)
+    inner = swiglu_scaled(experts.act_fn, gate_up, w, compiled=compiled)
     out = _frozen_linear(inner, experts, "down_proj", offs, kernel)
     if down_lora is not None:
-        out = out + _lora_delta(inner, down_lora, offs, kernel, num_experts)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    unsort = torch.empty_like(order)
-    unsort[order] = torch.arange(order.numel(), device=order.device)
-    return out[unsort].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        out = out + _lora_delta(inner, down_lora, offs, kernel, experts.num_experts)
+    return routing.combine(out).to(hidden_states.dtype)
 
 
 # ----------------------------------------------------------------------------- swapping it in
@@ -197,11 +223,13 @@ def _lora_experts_forward(self, hidden_states, top_k_index, top_k_weights, *args
         gate_up_lora=loras.get("gate_up_proj"),
         down_lora=loras.get("down_proj"),
         kernel=self._llmft_kernel,
+        compiled=self._llmft_compiled,
     )
 
 
 def _plain_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    return grouped_experts(self, hidden_states, top_k_index, top_k_weights, kernel=self._llmft_kernel)
+    kernel, compiled = self._llmft_kernel, self._llmft_compiled
+    return grouped_experts(self, hidden_states, top_k_index, top_k_weights, kernel=kernel, compiled=compiled)
 
 
 def _kernel_for(experts, rank: int) -> str:
@@ -212,12 +240,14 @@ def _kernel_for(experts, rank: int) -> str:
     return grouped_kernel(compute_dtype(experts), device, widths)
 
 
-def swap_grouped_experts(model) -> dict:
+def swap_grouped_experts(model, compile_rows: bool = False) -> dict:
     """Route every MoE block's experts through :func:`grouped_experts` where that is needed:
     experts carrying PEFT LoRA (instead of PEFT's merged-weight parametrization) and 4-bit
     experts (dequantized per use). Frozen bf16 experts keep transformers' own implementation.
+    ``compile_rows``: the SiLU product as Inductor kernels (on CUDA with compiled layers).
     Returns counts, the kernel and any block left alone with its reason. Idempotent."""
     report: dict[str, Any] = {"lora_experts": 0, "grouped_4bit": 0, "kernel": None, "kept": {}}
+    report["rows_compiled"] = compile_rows
     for block in moe_blocks(model):
         outer, experts = block.experts, base_experts(block.experts)
         if hasattr(outer, "_llmft_kernel"):
@@ -232,6 +262,7 @@ def swap_grouped_experts(model) -> dict:
             continue
         rank = max((w.r[n] for w in wrappers.values() for n in w.r), default=0)
         outer._llmft_kernel = report["kernel"] = _kernel_for(experts, rank)
+        outer._llmft_compiled = compile_rows
         if wrappers:
             outer._llmft_peft_forward = outer.forward
             outer.forward = types.MethodType(_lora_experts_forward, outer)
@@ -288,12 +319,17 @@ def _share_parametrized_class(module, shared: dict) -> None:
 
 
 def apply_moe(
-    model, *, fuse_lora: bool = True, freeze_router: bool = True, aux_coef: float | None = None
+    model,
+    *,
+    fuse_lora: bool = True,
+    freeze_router: bool = True,
+    aux_coef: float | None = None,
+    compile_rows: bool = False,
 ) -> dict | None:
     """Everything MoE-specific once the method is applied: routers frozen (LoRA/QLoRA), grouped
-    experts swapped in (``fuse_lora``; always for 4-bit experts), the load-balancing loss armed when
-    the model config asks for it. Returns the ``moe`` entry of the fast-path report; None for a
-    dense model."""
+    experts swapped in (``fuse_lora``; always for 4-bit experts; ``compile_rows``: their SiLU product
+    compiled), the load-balancing loss armed when the model config asks for it. Returns the
+    ``moe`` entry of the fast-path report; None for a dense model."""
     blocks = moe_blocks(model)
     if not blocks:
         return None
@@ -307,7 +343,7 @@ def apply_moe(
         "experts_4bit": sum(1 for b in blocks if getattr(base_experts(b.experts), "_llmft_4bit", False)),
     }
     if fuse_lora or report["experts_4bit"]:
-        report.update(swap_grouped_experts(model))
+        report.update(swap_grouped_experts(model, compile_rows=compile_rows))
     if report["experts_4bit"]:
         report["frozen_fp32_to_bf16"] = frozen_to_compute_dtype(model, compute_dtype(base_experts(blocks[0].experts)))
     report["router_aux_loss_coef"] = install_router_aux(model, aux_coef)

@@ -63,16 +63,22 @@ layer (all-linear: S_in = 6H + I, S_out = 3H + 2 KV + 2I).
    4-bit, the router in bf16); LoRA on all-linear adapts the attention projections only, expert
    LoRA (``lora.target_modules`` with ``experts``) adds r (H + 2 I_m) + r (I_m + H) per expert.
    Kept per token: b (3H + 4Q) for the norms' inputs, q/k/v/o and the adapted input, b (Q + KV) for
-   Qwen3's q/k norms, the router's fp32 probabilities (4E), and per routed row (k per token)
-   b (2 I_m + H): the gate/up output the activation's backward reads and each expert's output the
-   routing weights' gradient reads (frozen experts need no input for their own backward). The
-   trainer's grouped path for 4-bit experts keeps each row's input too (+ k b H); expert LoRA keeps
-   the rows' inputs of both tensors and the adapters' outputs (+ k b (H + 2 I_m)). Measured on the
-   Qwen3-30B-A3B shape (these rows: tests/fastpath/test_memory.py): 48 layers LoRA 110.9 GiB at T =
-   9,880 (this model 111.1), QLoRA 56.4 at 5,897 (57.9); 4 layers LoRA 17.5 at 18,447 (17.2), QLoRA
-   16.2 (16.0), expert LoRA 22.1 (21.9). Before these rows the trainer ran MoE models at one
-   sequence per forward with every layer checkpointed; the shipped 1xH100 QLoRA config now plans
-   one 4096-token sequence per forward without recomputation (estimate 46 of 71 GiB usable).
+   Qwen3's q/k norms, the router's fp32 probabilities (4E), and per routed row (k per token): with
+   transformers' own experts (frozen bf16, attention-only LoRA) b (2 I_m + H), the gate/up output the
+   activation's backward reads and each expert's output the routing weights' gradient reads; with the
+   trainer's grouped experts (4-bit experts, expert LoRA: fastpath/moe_rows.py) b 2 I_m + 4, the gate/up
+   output and the routing weight (the weight multiplies the down projection's input, and the SiLU
+   product is recomputed). Expert LoRA adds the rows' inputs of both tensors and the adapters' outputs
+   (+ k b (H + 2 I_m)); the 4-bit attention node's LoRA dropout keeps one mask byte per adapted input
+   (S_in; fastpath/qlora.py draws its masks with torch's generator, which compiled code saves rather
+   than replays). Measured on the Qwen3-30B-A3B shape (these rows: tests/fastpath/test_memory.py): 48
+   layers LoRA 110.9 GiB at T = 9,880 (this model 111.1); the shipped QLoRA config (dropout 0.05) on one
+   H200 at T = 16,384, training's own peak (issue 46): 83.35 GiB (this model 85.4), and 116.35 with the
+   code before issue 46, which also kept act(gate) and the [S, H] expert output per row (I_m + H more:
+   this model so adjusted 118.3); 4 layers LoRA 17.5 at 18,447 (17.2). The QLoRA 56.4 GiB at 5,897 of
+   round four was the load's peak, not training's (its bf16 experts before 4-bit storage), and the
+   4-layer QLoRA and expert-LoRA rows (16.2, 22.1 GiB) ran the code before issue 46. The shipped 1xH100
+   QLoRA config plans 3 x 4096 tokens per forward on an H100 and 6 on an H200, without recomputation.
 
 Calibration (peak = torch.cuda.max_memory_allocated of the benchmark's trainer runs,
 llmft/benchmarks/results/2026-11-26-{h100,h200}.json; T = the run's largest micro batch in tokens,
@@ -298,11 +304,15 @@ def moe_activation_bytes_per_token(setup: Setup) -> float:
         s.moe_intermediate,
         s.experts_per_token,
     )
-    out = b * (3 * h + 4 * q) + b * (q + kv) + 4 * s.n_experts + k * b * (2 * i_m + h)
-    if setup.method == "qlora":
-        out += k * b * h
+    out = b * (3 * h + 4 * q) + b * (q + kv) + 4 * s.n_experts
+    if setup.method == "qlora" or setup.lora_experts:  # the trainer's grouped experts (fastpath/moe_rows.py)
+        out += k * (b * 2 * i_m + 4)  # per routed row: the gate/up output and the routing weight
+    else:  # transformers' grouped_mm experts: the gate/up output and each expert's output
+        out += k * b * (2 * i_m + h)
     if setup.lora_experts:
         out += k * b * (h + 2 * i_m)
+    if setup.method == "qlora" and setup.lora_dropout > 0:  # the 4-bit attention node's dropout masks
+        out += sum(d_in for d_in, _ in setup.adapted.values())
     return out
 
 

@@ -89,6 +89,10 @@ class Backend:
     run: Callable[[Any, Any], Any] | None = None
     reads: tuple[Grant, ...] = ()
     """What else its launcher reads (a TrainJob's runtimes), beyond its own kind."""
+    needs_cluster: bool = True
+    """It creates cluster objects (its pods need the cluster's scheduler and volume): under kfp.local the plan
+    step refuses it (llmft/components/lib/plan/checks.py ``check_runs_here``) instead of the train step failing
+    after prepare and tokenize."""
 
     def grants(self) -> tuple[Grant, ...]:
         """The RBAC it needs (tests/docs/test_deploy_manifests.py: deploy/ grants it): its jobs, then ``reads``."""
@@ -241,4 +245,4 @@ register(
         ),
     )
 )
-register(Backend(name="local", run=local_train.run_local_step))
+register(Backend(name="local", run=local_train.run_local_step, needs_cluster=False))

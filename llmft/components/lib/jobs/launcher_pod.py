@@ -41,13 +41,18 @@ node-pressure eviction and graceful node shutdown, DeletionByPodGC; on by defaul
 in 1.31: https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions)."""
 WORKFLOW = ("argoproj.io", "v1alpha1", "workflows")
 """(group, version, plural) of the run's Argo Workflow, which the launcher reads on SIGTERM."""
-DELETE_CAUSES = ("cancelled", "timed out", "unknown")
-"""Causes of a launcher's SIGTERM that delete its job (:func:`sigterm_cause`)."""
+DELETE_CAUSES = ("cancelled", "timed out")
+"""Causes of a launcher's SIGTERM that delete its job (:func:`sigterm_cause`): what the run's Workflow shows.
+Every other cause keeps the job, marked for the run's retry: an eviction whose ``DisruptionTarget`` the kubelet
+has not written yet reads as ``other``, a Workflow that did not answer as ``unknown``. A cancel the handler
+could not see is deleted by the run's janitor once the Workflow shows the run ended
+(llmft/components/lib/jobs/orphans.py)."""
 
 
 KEEP_ANNOTATION = "llmft.kubeflow.org/keep-for-retry"
-"""Set on a job by its launcher's SIGTERM handler when the launcher was evicted (the value says how):
-the exit handler (:func:`cleanup_run`) keeps such a job for the run's retry to re-attach to."""
+"""Set on a job by its launcher's SIGTERM handler when the run was not shown cancelled or timed out (the value
+says why: an eviction, or a cause it could not read): the exit handler (:func:`cleanup_run`) and the janitor
+keep such a job for the run's retry to re-attach to (the janitor for ``keep_for_retry_s`` after the run ended)."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +110,10 @@ def sigterm_cause(
       (what KFP's cancel patches);
     * ``evicted``: the Workflow is neither, and the pod carries ``DisruptionTarget`` True (drain,
       preemption, taint, node pressure or shutdown): the job lives on, the retry re-attaches to it;
-    * ``other``: the Workflow is neither and the pod shows no disruption (deleted by hand, say): kept;
-    * ``unknown``: outside a KFP pod, or the pod or Workflow cannot be read (RBAC): deleted, as a
-      cancel is the usual reason and a job left behind would hold its GPUs until its deadline.
+    * ``other``: the Workflow is neither and the pod shows no disruption yet (a kubelet eviction writes its
+      condition asynchronously; deleted by hand): kept, and marked;
+    * ``unknown``: outside a KFP pod, or the pod or Workflow cannot be read (RBAC, an API that did not
+      answer): kept, and marked; if it was a cancel, the janitor deletes the job once the run has ended.
 
     ``launcher``: this pod as read before training (:func:`read_launcher_pod`; read now when None).
     The order makes a cancel's DELETE quick: the task deadline needs no call, the Workflow one GET;
@@ -181,10 +187,10 @@ def delete_on_sigterm(
     cause: Callable[[], tuple[str, str]] | None = None,
     launcher: LauncherPod | None = None,
 ) -> Iterator[None]:
-    """While the block runs, SIGTERM deletes the named object if the run was cancelled or timed out
-    (``cause``, default :func:`sigterm_cause` on ``launcher``, read on entry when None), keeps it
-    otherwise, and exits 143 (preempted). An evicted launcher also marks the object
-    (:data:`KEEP_ANNOTATION`) so that the exit handler keeps it for the run's retry.
+    """While the block runs, SIGTERM deletes the named object (foreground: it goes once its pods have
+    committed their checkpoint) if the run was cancelled or timed out (``cause``, default
+    :func:`sigterm_cause` on ``launcher``, read on entry when None), keeps it otherwise, marked
+    (:data:`KEEP_ANNOTATION`) for the run's retry, and exits 143 (preempted).
 
     Only the main thread can receive signals; elsewhere (a test runner's thread) this is a no-op.
     The previous handler is restored when the block ends."""
@@ -202,13 +208,15 @@ def delete_on_sigterm(
         except Exception as exc:  # noqa: BLE001 - deciding must not stop the cleanup
             kind, why = "unknown", f"could not tell why: {exc}"
         if kind not in DELETE_CAUSES:
-            print_fn(f"SIGTERM ({kind}: {why}): keeping {plural} {name}; the task's retry re-attaches to it")
-            if kind == "evicted":
-                _mark_kept(cluster, target, namespace, f"launcher evicted: {why}", print_fn)
+            print_fn(
+                f"SIGTERM ({kind}: {why}): keeping {plural} {name}; the task's retry re-attaches to it (the run's "
+                "janitor deletes it once the run has ended)"
+            )
+            _mark_kept(cluster, target, namespace, f"launcher {kind}: {why}", print_fn)
             raise SystemExit(EXIT_PREEMPTED)
         print_fn(f"SIGTERM ({kind}: {why}): deleting {plural} {name}")
         try:
-            cluster.delete_custom_object(*target, namespace=namespace)
+            cluster.delete_custom_object(*target, namespace=namespace, propagation="Foreground")
         except Exception as exc:  # noqa: BLE001 - report and exit anyway: the exit handler tries again
             print_fn(f"warning: could not delete {plural} {name}: {exc}")
         raise SystemExit(EXIT_PREEMPTED)
@@ -226,7 +234,8 @@ def _mark_kept(cluster, target: tuple[str, str, str, str], namespace: str | None
     try:
         cluster.patch_custom_object(*target, patch, namespace=namespace)
     except Exception as exc:  # noqa: BLE001 - the exit handler also reads the Workflow's lost pods
-        print_fn(f"warning: could not mark {target[2]} {target[3]} to be kept: {exc}")
+        print_fn(f"warning: could not mark {target[2]} {target[3]} to be kept: {exc}")  # the exit handler and the
+        # janitor also read the run's lost and evicted pods (cleanup.py lost_task_pods)
 
 
 def _workflow_owner(pod) -> Any:

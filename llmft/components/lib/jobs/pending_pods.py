@@ -22,9 +22,9 @@ PENDING_HINTS = (
 )
 
 
-def pending_reasons(cluster, selector: str, namespace: str) -> list[str]:
+def pending_reasons(cluster, selector: str, namespace: str, hints=PENDING_HINTS) -> list[str]:
     """One line per Pending pod: its waiting reason, its unschedulable condition, or its latest
-    Warning event, with a hint when a known cause matches."""
+    Warning event, with a hint when a known cause matches (``hints``: (text in the reason, hint) pairs)."""
     lines = []
     for pod in cluster.list_pods(selector, namespace=namespace):
         if pod.status is None or pod.status.phase != "Pending":
@@ -41,7 +41,7 @@ def pending_reasons(cluster, selector: str, namespace: str) -> list[str]:
             warnings = [e for e in cluster.list_events(name, namespace=namespace) if e.type == "Warning"]
             found += [f"{e.reason}: {e.message}" for e in warnings[-1:]]
         for text in found:
-            hint = next((h for key, h in PENDING_HINTS if key in text), "")
+            hint = next((h for key, h in hints if key in text), "")
             lines.append(f"pod {name} Pending: {text}" + (f" -> {hint}" if hint else ""))
     return lines
 
@@ -49,8 +49,8 @@ def pending_reasons(cluster, selector: str, namespace: str) -> list[str]:
 class PendingReporter:
     """Called once per poll; every ``every`` polls, prints why the job's pods are Pending (if they are)."""
 
-    def __init__(self, cluster, selector: str, namespace: str, *, every: int, print_fn=print):
-        self.cluster, self.selector, self.namespace = cluster, selector, namespace
+    def __init__(self, cluster, selector: str, namespace: str, *, every: int, print_fn=print, hints=PENDING_HINTS):
+        self.cluster, self.selector, self.namespace, self.hints = cluster, selector, namespace, hints
         self.every, self.print_fn, self.polls = max(1, every), print_fn, 0
 
     def __call__(self) -> list[str]:
@@ -59,7 +59,7 @@ class PendingReporter:
         if self.polls % self.every:
             return []
         try:
-            lines = pending_reasons(self.cluster, self.selector, self.namespace)
+            lines = pending_reasons(self.cluster, self.selector, self.namespace, self.hints)
         except ClusterError as exc:
             lines = [f"(could not read why the pods are Pending: {exc})"]
         for line in lines:

@@ -148,6 +148,16 @@ def run_job(
     )
     with sigterm:
         previous = _get_job(cluster, name, namespace, api_retries, print_fn)
+        if previous is not None and (previous.get("metadata") or {}).get("deletionTimestamp"):
+            print_fn(f"PyTorchJob {namespace}/{name} of an earlier attempt is being deleted: waiting until it is gone")
+            _wait_gone(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
+            previous = None
+        elif previous is None and _job_pods(cluster, name, namespace):
+            print_fn(
+                f"pods of an earlier PyTorchJob {namespace}/{name} are still stopping: waiting until they are gone"
+            )
+            _wait_gone(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
+            previous = None
         state = job_state(cluster, previous) if previous is not None else "absent"
         if state == "succeeded":
             print_fn(f"PyTorchJob {name} already Succeeded (an earlier attempt of this task): not running it again")
@@ -281,6 +291,14 @@ def _delete_and_wait(cluster, name: str, namespace: str, *, timeout_s: float, po
     except ClusterError as exc:
         if exc.status != 404:
             raise
+    _wait_gone(cluster, name, namespace, timeout_s=timeout_s, poll_s=poll_s)
+
+
+def _wait_gone(cluster, name: str, namespace: str, *, timeout_s: float, poll_s: float) -> None:
+    """Wait until the job ``name`` and its pods are gone: one an earlier attempt deleted (a cancel's SIGTERM,
+    the exit handler or the janitor: foreground, so the job stays until its pods have committed their SIGTERM
+    checkpoint; or by hand, in the background: the pods outlive the job). A new job's pods beside them would
+    collide with their names and share the run directory with a trainer still writing to it."""
     wait_until_gone(
         f"PyTorchJob {namespace}/{name}",
         lambda: _get_job(cluster, name, namespace, 3, print) is not None,
@@ -422,7 +440,7 @@ def _check_starts(cluster, starts, name: str, namespace: str) -> None:
     except ClusterError:
         return  # the next poll reads them
     except JobNeverStarts:
-        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
         raise
 
 

@@ -179,6 +179,9 @@ class PyTorchJobSpec:
     """Secrets for pulling a private trainer image."""
     run_as_user: int | None = images.IMAGE_UID
     """UID the pods run as (the trainer image's non-root user); None = image default."""
+    termination_grace_s: int | None = None
+    """Seconds a pod may take to stop after SIGTERM, to commit its checkpoint (None = Kubernetes' 30 s; the plan
+    sizes it from the checkpoint: llmft/components/lib/jobs/grace.py)."""
 
 
 def _spec_errors(spec: PyTorchJobSpec) -> list[str]:
@@ -393,6 +396,7 @@ def pod_template(spec: PyTorchJobSpec):
             service_account_name=spec.service_account,
             image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in spec.image_pull_secrets] or None,
             security_context=security,
+            termination_grace_period_seconds=spec.termination_grace_s,
         ),
     )
 
@@ -527,4 +531,5 @@ def build_pytorchjob_spec(job, launch, *, name: str | None = None, namespace: st
         labels=dict(job.labels),
         active_deadline_seconds=int(job.timeout_s),
         clean_pod_policy="Running",
+        termination_grace_s=job.termination_grace_s,
     )

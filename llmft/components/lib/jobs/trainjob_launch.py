@@ -220,6 +220,13 @@ def delete_and_wait(
     except ClusterError as exc:
         if exc.status != 404:
             raise
+    _wait_gone(cluster, name, namespace, poll_s=poll_s, timeout_s=timeout_s)
+
+
+def _wait_gone(cluster: Cluster, name: str, namespace: str, *, poll_s: float, timeout_s: float | None = None) -> None:
+    """Wait until the TrainJob ``name`` and its node pods are gone (one an earlier attempt, the exit handler or
+    the janitor deleted: a quick Retry after a cancel must not start node pods beside old ones still committing
+    their SIGTERM checkpoint, whose run lock would stop the new rank 0 with exit 1)."""
     wait_until_gone(
         f"TrainJob {namespace}/{name}",
         lambda: get_trainjob(cluster, name, namespace) is not None,
@@ -237,7 +244,7 @@ def delete_trainjobs_by_label(cluster: Cluster, label_selector: str, namespace: 
     for job in cluster.list_custom_objects(GROUP, VERSION, PLURAL, label_selector=label_selector, namespace=namespace):
         name = job["metadata"]["name"]
         try:
-            cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+            cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
         except ClusterError as exc:
             if exc.status != 404:
                 raise
@@ -252,6 +259,14 @@ def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: fl
     (none, or a Failed one deleted first; the trainer resumes from the newest complete checkpoint)."""
     name = body["metadata"]["name"]
     previous = get_trainjob(cluster, name, namespace)
+    if previous is not None and (previous.get("metadata") or {}).get("deletionTimestamp"):
+        print_fn(f"TrainJob {namespace}/{name} of an earlier attempt is being deleted: waiting until it is gone")
+        _wait_gone(cluster, name, namespace, poll_s=min(poll_s, 5.0))
+        previous = None
+    elif previous is None and node_pods(cluster, name, namespace):
+        print_fn(f"node pods of an earlier TrainJob {namespace}/{name} are still stopping: waiting until they are gone")
+        _wait_gone(cluster, name, namespace, poll_s=min(poll_s, 5.0))
+        previous = None
     condition = terminal_condition(previous) if previous is not None else None
     if condition is not None and condition["type"] == COMPLETE:
         print_fn(f"TrainJob {namespace}/{name} already Complete (an earlier attempt of this task): not run again")

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmft.components.lib.evaluation.task_plan import eval_plan
+from llmft.components.lib.jobs.grace import grace_period_s
 from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
 from llmft.components.lib.jobs.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.plan import checks as checks
@@ -66,11 +67,12 @@ from llmft.components.lib.plan.schema import (
     on_kfp_cluster,
     run_label,
 )
-from llmft.components.lib.plan.volume_space import check_volume_space
+from llmft.components.lib.plan.volume_space import check_volume_space, run_footprint
 from llmft.trainer.config import RUN_CONFIG_FILE, iter_settings
 from llmft.trainer.config_load import config_to_yaml, nest_dotted, resolve_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import write_owned_file
+from llmft.trainer.storage import human
 
 # --- the builder ------------------------------------------------------------------------------
 
@@ -131,7 +133,20 @@ def build_plan(
     note = check_volume_space(plan, config, p.data_root)  # the run's checkpoints must fit the mounted volume
     if note:
         print(note, flush=True)
-    return plan
+    return _with_grace(plan, config)
+
+
+def _with_grace(plan: RunPlan, config) -> RunPlan:
+    """The training pods' grace period, sized from the checkpoint's estimated size (jobs/grace.py)."""
+    footprint, why_not = run_footprint(plan, config)
+    grace = grace_period_s(footprint.checkpoint if footprint else None)
+    print(
+        f"training pods: terminationGracePeriodSeconds {grace} ("
+        + (f"a {human(footprint.checkpoint)} checkpoint" if footprint else f"checkpoint size unknown: {why_not}")
+        + ")",
+        flush=True,
+    )
+    return dataclasses.replace(plan, job=dataclasses.replace(plan.job, termination_grace_s=grace))
 
 
 def _data_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> DataPlan:

@@ -34,8 +34,9 @@ from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import BOOL_WORDS, split_assignment
+from llmft.trainer.data.formats import FORMAT_CHOICES
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.mlflow_settings import redacted_uri
+from llmft.trainer.mlflow_settings import redact_credentials
 
 SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hf": (("HF_TOKEN",), ("HF_TOKEN",)),
@@ -85,6 +86,7 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     rules = [
         ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
         ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
+        ("dataset_format", p.dataset_format in FORMAT_CHOICES, f"use one of {', '.join(FORMAT_CHOICES)}"),  # prepare's
         ("num_workers", p.num_workers >= 1, "must be >= 1"),
         ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),
         ("serving_gpus", p.serving_gpus >= 0, "must be >= 0"),
@@ -127,6 +129,28 @@ def _check_cluster_only(p: PipelineParameters) -> None:
     if p.data_root != DATA_MOUNT:
         raise _fail(
             "data_root", p.data_root, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
+        )
+
+
+def check_runs_here(plan) -> None:
+    """kfp.local: a backend that creates cluster objects cannot run here. Refused in one line by the plan step,
+    before prepare and tokenize, instead of the train (or sweep) step failing after them."""
+    backend = BACKENDS[plan.job.backend]
+    if backend.needs_cluster:
+        local = next(b.name for b in BACKENDS.values() if not b.needs_cluster)
+        raise _fail(
+            "training_backend",
+            backend.name,
+            f"`{backend.name}` creates a {backend.resource.kind if backend.resource else 'cluster job'}, which runs "
+            f"only on a cluster; this run is under kfp.local ({KFP_POD_ENV} is not set): use "
+            f"training_backend={local}, or submit the pipeline to a cluster (llmft pipeline submit)",
+        )
+    if plan.sweep is not None and plan.sweep.backend != "local":
+        raise _fail(
+            "sweep_backend",
+            plan.sweep.backend,
+            f"`{plan.sweep.backend}` creates a Katib Experiment, which runs only on a cluster; this run is under "
+            f"kfp.local ({KFP_POD_ENV} is not set): use sweep_backend=local",
         )
 
 
@@ -230,10 +254,10 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
     and deploys without it and records "not registered" (False). A parameter never carries credentials: the KFP
     UI shows it and the train step copies it into the training job's environment."""
     if p.mlflow_tracking_uri:
-        if redacted_uri(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
+        if redact_credentials(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
             raise _fail(
                 "mlflow_tracking_uri",
-                redacted_uri(p.mlflow_tracking_uri),
+                redact_credentials(p.mlflow_tracking_uri),
                 "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
                 "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
             )
@@ -351,20 +375,55 @@ def preflight_serving_namespace(plan, cluster=None) -> None:
         return
     missing = []
     try:
-        cluster.core_api.read_namespaced_persistent_volume_claim(serving.pvc_name, there)
+        claim = cluster.core_api.read_namespaced_persistent_volume_claim(serving.pvc_name, there)
     except Exception as exc:  # noqa: BLE001 - kubernetes ApiException or a transport error
         found = "does not exist" if getattr(exc, "status", None) == 404 else f"cannot be read ({_reason(exc)})"
         missing.append(f"PVC {there}/{serving.pvc_name} {found}")
+    else:
+        missing += claim_problems(claim, f"{there}/{serving.pvc_name}")
     denied = [verb for verb in SERVING_VERBS if not _may(cluster, verb, there)]
     if denied:
         missing.append(f"no RoleBinding in {there} lets this service account {'/'.join(denied)} inferenceservices")
     if missing:
         raise ConfigError(
             f"serving_namespace={there}: " + "; ".join(missing) + f". Create the PVC {serving.pvc_name} in {there} on "
-            f"the same volume and bind this service account there to a Role granting create/get/update on "
-            "inferenceservices and get on persistentvolumeclaims (docs/cluster-guide.md, Serving in another "
-            "namespace), or leave serving_namespace empty to serve in the pipeline's namespace"
+            "the same volume (a PersistentVolume of the data PVC's storage, claimed there) and bind this service "
+            "account there to a Role granting create/get/update on inferenceservices and get on "
+            "persistentvolumeclaims (docs/cluster-guide.md, Serving in another namespace), or leave "
+            "serving_namespace empty to serve in the pipeline's namespace"
         )
+
+
+PROVISIONER_ANNOTATIONS = ("volume.kubernetes.io/storage-provisioner", "volume.beta.kubernetes.io/storage-provisioner")
+"""Set on a claim the PersistentVolume controller provisions a volume for (kubernetes
+pkg/controller/volume/persistentvolume/pv_controller.go ``setClaimProvisioner``); a claim bound to a volume
+that existed (a static PersistentVolume of the same export) has neither."""
+SHARED_ACCESS_MODES = ("ReadWriteMany", "ReadOnlyMany")
+
+
+def claim_problems(claim, where: str) -> list[str]:
+    """What shows a serving namespace's claim cannot be the pipeline's data volume: not Bound; provisioned by a
+    StorageClass (a new, empty volume: its own directory or disk, not the one the pipeline wrote); or mountable
+    from one node only (the predictor reads it beside the pipeline's pods)."""
+    status, spec = claim.status, claim.spec
+    phase = (status.phase if status else None) or "Pending"
+    if phase != "Bound":
+        return [f"PVC {where} is {phase}, not Bound"]
+    annotations = (claim.metadata.annotations if claim.metadata else None) or {}
+    provisioner = next((annotations[a] for a in PROVISIONER_ANNOTATIONS if a in annotations), None)
+    problems = []
+    if provisioner:
+        storage_class = (spec.storage_class_name if spec else None) or "the default"
+        problems.append(
+            f"PVC {where} was provisioned by {provisioner} (storage class {storage_class}): a new, empty volume, not "
+            "the pipeline's (bind it to a PersistentVolume of the same storage instead)"
+        )
+    modes = (spec.access_modes if spec else None) or []
+    if not any(mode in SHARED_ACCESS_MODES for mode in modes):
+        problems.append(
+            f"PVC {where} is {'/'.join(modes) or 'without access modes'}: it needs ReadWriteMany or ReadOnlyMany"
+        )
+    return problems
 
 
 def _may(cluster, verb: str, namespace: str) -> bool:

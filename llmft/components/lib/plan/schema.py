@@ -226,6 +226,10 @@ class TrainerLaunch:
     """Settings decided after the plan only (the tokenized data, a sweep's best, Katib's trial values)."""
 
 
+UNKNOWN_GRACE_S = 600
+"""A training pod's grace period when its checkpoint's size is not known at plan time (jobs/grace.py)."""
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """Inputs of the training job (PyTorchJob) and of every Katib trial."""
@@ -247,6 +251,9 @@ class JobPlan:
     labels: dict[str, str]
     runtime: str = DEFAULT_RUNTIME
     """Backend trainjob: the (Cluster)TrainingRuntime the TrainJob references (NAME or TrainingRuntime/NAME)."""
+    termination_grace_s: int = UNKNOWN_GRACE_S
+    """``terminationGracePeriodSeconds`` of every training pod: time to commit the SIGTERM checkpoint, sized by the
+    plan from the checkpoint's estimated size (llmft/components/lib/jobs/grace.py; 600 when unknown)."""
 
 
 @dataclass(frozen=True)

@@ -97,15 +97,11 @@ def estimate(config: dict, *, method: str, lora_rank: int, targets: tuple[str, .
     )
 
 
-def check_volume_space(plan, config, data_root: str) -> str:
-    """ConfigError (one line) when the run's estimated footprint exceeds the free space at ``data_root``;
-    else a note for the plan step's log (what was estimated, or why nothing was; '' where no volume is mounted)."""
-    root = Path(data_root)
-    if not root.is_dir():
-        return ""
+def run_footprint(plan, config) -> tuple[Footprint | None, str]:
+    """(the run's :class:`Footprint`, "") from the model's config.json, or (None, why it could not be read)."""
     model = model_config(plan.trainer.model, plan.layout.hf_env()["HF_HUB_CACHE"], config.model.revision)
     if model is None:
-        return f"volume space not checked: config.json of {plan.trainer.model} is not readable here"
+        return None, f"config.json of {plan.trainer.model} is not readable here"
     try:
         footprint = estimate(
             model,
@@ -116,7 +112,19 @@ def check_volume_space(plan, config, data_root: str) -> str:
             merged=plan.serving.serving_mode == "merged" or bool(plan.serving.form_note),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        return f"volume space not checked: {plan.trainer.model}'s config.json has no usable shape ({exc})"
+        return None, f"{plan.trainer.model}'s config.json has no usable shape ({exc})"
+    return footprint, ""
+
+
+def check_volume_space(plan, config, data_root: str) -> str:
+    """ConfigError (one line) when the run's estimated footprint exceeds the free space at ``data_root``;
+    else a note for the plan step's log (what was estimated, or why nothing was; '' where no volume is mounted)."""
+    root = Path(data_root)
+    if not root.is_dir():
+        return ""
+    footprint, why_not = run_footprint(plan, config)
+    if footprint is None:
+        return f"volume space not checked: {why_not}"
     usage = shutil.disk_usage(root)
     summary = f"about {human(footprint.total)} ({footprint.describe()})"
     if footprint.total > usage.free:

@@ -59,7 +59,7 @@ from llmft.components.lib.registry.lineage import PARENT_TAG, pipeline_parent_ru
 from llmft.components.lib.registry.lineage import experiment_id as _experiment_id
 from llmft.components.lib.registry.mlflow_model import is_adapter, log_adapter_model
 from llmft.trainer.errors import ConfigError
-from llmft.trainer.mlflow_settings import prepare_mlflow, tracking_uri_without_credentials
+from llmft.trainer.mlflow_settings import prepare_mlflow, redact_credentials, tracking_uri_without_credentials
 
 CHAMPION_ALIAS = "champion"
 KEY_TAG = "llmft.registration_key"
@@ -527,10 +527,7 @@ def _error_code(exc) -> str:
 
 def _redacted_uri(client) -> str:
     uri = str(getattr(getattr(client, "_tracking_client", None), "tracking_uri", "") or "")
-    if "@" in uri and "://" in uri:  # never echo credentials embedded in a URI
-        scheme, rest = uri.split("://", 1)
-        uri = f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return uri
+    return redact_credentials(uri)  # never echo credentials embedded in a URI
 
 
 def _now_ms() -> int:

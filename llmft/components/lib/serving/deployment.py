@@ -41,11 +41,11 @@ from llmft.components.lib.registry.mlflow_registry import is_champion
 from llmft.components.lib.serving.inferenceservice import (
     ServeSpec,
     build_inference_service,
-    deploy_inference_service,
     isvc_to_dict,
     served_models,
     smoke_test,
 )
+from llmft.components.lib.serving.isvc_apply import deploy_inference_service
 from llmft.components.lib.serving.local_check import local_generation_check
 from llmft.components.lib.serving.servability import AdapterNotServableError, check_vllm_servable
 from llmft.components.lib.serving.vllm_local import serve_and_check
@@ -115,10 +115,11 @@ class DeployRequest:
     form_reason: str = ""
     """Why that form (logged)."""
     rollout: str = "Recreate"
-    """How a redeploy replaces the predictor's pods (``predictor.deploymentStrategy.type``, RawDeployment
-    only): Recreate (the default: the old pod goes first, so a redeploy needs no spare GPU; the model is
-    unavailable while the new pod loads) or RollingUpdate (KServe's default: 25% surge, the new pod needs
-    a free GPU before the old one goes). See :data:`ROLLOUTS`."""
+    """How a redeploy in raw (Standard/RawDeployment) mode replaces the predictor's pods
+    (``predictor.deploymentStrategy.type``): Recreate (the default: the old pod goes first, so a redeploy
+    needs no spare GPU; the model is unavailable while the new pod loads) or RollingUpdate (KServe's default:
+    25% surge, the new pod needs a free GPU before the old one goes). See :data:`ROLLOUTS`; Knative mode
+    takes no strategy (llmft/components/lib/serving/deployment_mode.py)."""
     vllm_options: Mapping[str, Any] = field(default_factory=dict)
     """mode vllm: ``max_tokens`` of the answers and keyword arguments of
     :class:`llmft.components.lib.serving.vllm_local.VllmServer` (port, log_path, extra_argv, ...)."""
@@ -127,14 +128,15 @@ class DeployRequest:
 ROLLOUTS = ("Recreate", "RollingUpdate")
 """Values of DeployRequest.rollout (Kubernetes apps/v1 DeploymentStrategyType).
 
-KServe honours ``predictor.deploymentStrategy`` in RawDeployment mode only (v0.20.0
+KServe honours ``predictor.deploymentStrategy`` in raw mode only (v0.20.0
 pkg/apis/serving/v1beta1/component.go 129-131: "Only applicable for raw deployment mode"); its
 deployment reconciler copies it onto the Deployment, and without it sets RollingUpdate with maxSurge and
 maxUnavailable 25% (pkg/controller/v1beta1/inferenceservice/reconcilers/deployment/deployment_reconciler.go
 162-168, 340-350). One GPU predictor: 25% rounds up to one surge pod, which stays Pending without a spare GPU,
-so a redeploy never becomes Ready. In Serverless mode Knative ignores the field: a new Revision is
-started beside the old one and traffic moves once it is Ready, so a redeploy needs a spare GPU there
-(docs/cluster-guide.md, Redeploying)."""
+so a redeploy never becomes Ready. In Knative (Serverless) mode KServe's webhook refuses the field, so the
+deploy step sets it only on a redeploy of an InferenceService the cluster runs in raw mode
+(llmft/components/lib/serving/deployment_mode.py); there a new Revision is started beside the old one and
+traffic moves once it is Ready, so a redeploy needs a spare GPU (docs/cluster-guide.md, Redeploying)."""
 
 
 UNREGISTERED = "unregistered"
@@ -316,13 +318,13 @@ def deploy_promoted(
 
 
 def inference_service_body(req: DeployRequest, spec: ServeSpec | None = None) -> dict[str, Any]:
-    """The InferenceService of the request as a dict, its predictor's rollout set (:data:`ROLLOUTS`)."""
+    """The InferenceService of the request as a dict, as a first deploy sends it: no deployment mode and no
+    deploymentStrategy, which every KServe release admits in either mode; a redeploy adds the rollout
+    (:data:`ROLLOUTS`) where the cluster runs it in raw mode (llmft/components/lib/serving/isvc_apply.py)."""
 
     if req.rollout not in ROLLOUTS:
         raise ConfigError(f"rollout {req.rollout!r}: use one of {', '.join(ROLLOUTS)}")
-    body = isvc_to_dict(build_inference_service(spec or serve_spec(req)))
-    body["spec"]["predictor"]["deploymentStrategy"] = {"type": req.rollout}
-    return body
+    return isvc_to_dict(build_inference_service(spec or serve_spec(req)))
 
 
 def _check_lora(req: DeployRequest) -> None:
@@ -382,11 +384,17 @@ def _vllm_check(req: DeployRequest, body: dict, names: tuple[str, ...]) -> dict[
 def _deploy_to_kserve(req: DeployRequest, body: dict, cluster, http_post, http_get) -> dict[str, Any]:
 
     cluster = cluster or Cluster(req.namespace or None)
-    served = deploy_inference_service(cluster, body, timeout_s=req.timeout_s)
+    served = deploy_inference_service(cluster, body, timeout_s=req.timeout_s, rollout=req.rollout)
     url = served.get("internal_url") or served["url"]
     names = served_models(serve_spec(req))  # (base, adapter), or (merged,)
     adapter_name, base_name = names[-1], (names[0] if len(names) == 2 else None)
     smoke = smoke_test(url, adapter_name, req.prompts[0], base_name=base_name, http_post=http_post, http_get=http_get)
     base_text = f", {base_name!r} answered {smoke['base_text']!r}" if base_name else " (merged form: one model)"
     print(f"smoke test: {smoke['endpoint']}: {adapter_name!r} answered {smoke['text']!r}{base_text}")
-    return {"status": "deployed", "url": served["url"], "internal_url": served.get("internal_url"), "smoke_test": smoke}
+    return {
+        "status": "deployed",
+        "url": served["url"],
+        "internal_url": served.get("internal_url"),
+        "deployment_mode": served.get("deployment_mode"),
+        "smoke_test": smoke,
+    }

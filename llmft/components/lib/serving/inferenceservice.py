@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmft.components import images
-from llmft.components.lib.cluster import Cluster, ClusterError
 from llmft.components.lib.jobs.pytorchjob_spec import GPU_TOLERATION, SecretEnv, Toleration
+from llmft.components.lib.serving.deployment_mode import MODE_ANNOTATION
 from llmft.katib.k8s_names import is_k8s_name
 from llmft.trainer.errors import ConfigError
 
@@ -113,7 +113,8 @@ class ServeSpec:
     max_replicas: int = 1
     """Most replicas."""
     deployment_mode: str | None = None
-    """``serving.kserve.io/deploymentMode`` annotation (RawDeployment, Serverless); None = cluster default."""
+    """``serving.kserve.io/deploymentMode`` annotation; None (the deploy step's choice) = the cluster's default
+    mode, whose spelling differs by KServe release (llmft/components/lib/serving/deployment_mode.py)."""
     extra_args: tuple[str, ...] = ()
     """More server/vLLM flags, e.g. ``("--gpu-memory-utilization=0.85",)``."""
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -262,7 +263,7 @@ def build_inference_service(spec: ServeSpec):
     tolerations = spec.tolerations if spec.tolerations is not None else ((GPU_TOLERATION,) if spec.gpus else ())
     annotations = dict(spec.annotations)
     if spec.deployment_mode:
-        annotations["serving.kserve.io/deploymentMode"] = spec.deployment_mode
+        annotations[MODE_ANNOTATION] = spec.deployment_mode
     model = kserve.V1beta1ModelSpec(
         name="kserve-container",
         model_format=kserve.V1beta1ModelFormat(name=images.SERVING_MODEL_FORMAT),
@@ -359,84 +360,6 @@ def _form_errors(form: str | None, args: list[str]) -> list[str]:
     if form == "lora" and "--lora-modules" not in args:
         return [f"spec.predictor.model.args: {FORM_LABEL}=lora needs --enable-lora and --lora-modules"]
     return []
-
-
-def isvc_ready(obj: dict) -> tuple[bool, str]:
-    """(ready, why not): Ready means condition Ready=True, status.url set, and the status
-    observed the current generation."""
-    status = obj.get("status") or {}
-    generation = (obj.get("metadata") or {}).get("generation")
-    observed = status.get("observedGeneration")
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
-    if generation is not None and observed is not None and observed < generation:
-        return False, f"status is from generation {observed}, spec is generation {generation}"
-    if not ready or ready.get("status") != "True":
-        reason = (ready or {}).get("reason") or (ready or {}).get("message") or "no Ready condition yet"
-        return False, f"Ready is not True ({reason})"
-    if not status.get("url"):
-        return False, "status.url not set yet"
-    return True, ""
-
-
-def _load_failure(obj: dict) -> str | None:
-    model_status = (obj.get("status") or {}).get("modelStatus") or {}
-    if model_status.get("transitionStatus") in ("BlockedByFailedLoad", "InvalidSpec"):
-        info = model_status.get("lastFailureInfo") or {}
-        return f"{model_status['transitionStatus']}: {info.get('reason', '')} {info.get('message', '')}".strip()
-    return None
-
-
-def _create_or_replace(cluster: Cluster, body: dict, namespace: str) -> dict:
-    name = body["metadata"]["name"]
-    try:
-        return cluster.create_custom_object(GROUP, VERSION, PLURAL, body, namespace=namespace)
-    except ClusterError as exc:
-        if exc.status != 409:
-            raise
-    existing = cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
-    body = json.loads(json.dumps(body))
-    body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
-    return cluster.replace_custom_object(GROUP, VERSION, PLURAL, name, body, namespace=namespace)
-
-
-def deploy_inference_service(
-    cluster: Cluster, isvc, *, timeout_s: float = 1800.0, poll_s: float = 10.0, print_fn: Callable[[str], Any] = print
-) -> dict:
-    """Create (or replace) the InferenceService and wait until it is Ready; returns
-    ``{"name", "namespace", "url", "internal_url", "generation"}``. A failed model load
-    raises RuntimeError at once; no Ready within ``timeout_s`` raises TimeoutError."""
-    body = isvc if isinstance(isvc, dict) else isvc_to_dict(isvc)
-    name = body["metadata"]["name"]
-    namespace = body["metadata"].get("namespace") or cluster.namespace
-    body["metadata"]["namespace"] = namespace
-    applied = _create_or_replace(cluster, body, namespace)
-    generation = (applied.get("metadata") or {}).get("generation")
-    print_fn(f"applied InferenceService {namespace}/{name} (generation {generation}); waiting for Ready")
-    deadline, why = time.monotonic() + timeout_s, "not polled yet"
-    while True:
-        obj = cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
-        if generation is not None:
-            obj.setdefault("metadata", {}).setdefault("generation", generation)
-        failure = _load_failure(obj)
-        if failure:
-            raise RuntimeError(
-                f"InferenceService {namespace}/{name} failed to load the model: {failure}. "
-                "Check the predictor pod's log (kubectl logs -l serving.kserve.io/inferenceservice="
-                f"{name} -c kserve-container)"
-            )
-        ready, why = isvc_ready(obj)
-        if ready:
-            status = obj["status"]
-            return {
-                "name": name,
-                "namespace": namespace,
-                "url": status["url"],
-                "internal_url": (status.get("address") or {}).get("url"),
-                "generation": generation,
-            }
-        if time.monotonic() + poll_s > deadline:
-            raise TimeoutError(f"InferenceService {namespace}/{name} not Ready after {timeout_s:.0f}s: {why}")
-        time.sleep(poll_s)
 
 
 def _urllib_post(url: str, payload: dict, timeout_s: float) -> tuple[int, Any]:
