@@ -164,7 +164,10 @@ def _decision_rows(facts: dict[str, Any]) -> list[Row]:
     """The gate's decision (promote's, else the evaluate step's preview of it) and each guard's verdict."""
     promotion, evaluation = facts.get("promotion"), facts.get("evaluation") or {}
     if promotion and promotion.get("promoted", True):
-        rows = [("promoted", f"{promotion['checkpoint']} -> {promotion.get('destination')}"), ("gate", promotion["reason"])]
+        rows = [
+            ("promoted", f"{promotion['checkpoint']} -> {promotion.get('destination')}"),
+            ("gate", promotion["reason"]),
+        ]
     elif promotion:
         rows = [("gate", f"not promoted: {promotion.get('reason', '')}")]
     elif evaluation.get("gate"):

@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 from llmft.components.lib.plan.checks import NO_MLFLOW_REASON
 from llmft.trainer.errors import TransientError
-from llmft.trainer.mlflow_settings import redacted_uri
+from llmft.trainer.mlflow_settings import redact_credentials
 from llmft.trainer.storage import disk_fault, free_bytes, human
 
 FULL_STORE_TEXTS = ("database or disk is full", "disk I/O error")
@@ -61,7 +61,11 @@ def registry_fault(exc: BaseException, tracking_uri: str, artifact_location: str
     text = str(exc)
     if any(needle in text for needle in FULL_STORE_TEXTS):
         db = _sqlite_path(tracking_uri)
-        store = f"the MLflow tracking store {db}" if db else f"the MLflow tracking server {redacted_uri(tracking_uri)}"
+        store = (
+            f"the MLflow tracking store {db}"
+            if db
+            else f"the MLflow tracking server {redact_credentials(tracking_uri)}"
+        )
         return RegistryStoreFull(
             f"{store} is full ({next(n for n in FULL_STORE_TEXTS if n in text)}): {_free(db.parent if db else None)}. "
             "Fix: free space there or move the store, then re-run the step (exit 200 is retried)"
