@@ -214,7 +214,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     return result
 
 
-def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment, tags) -> dict:
+def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment, tags=None) -> dict:
     # the final training's config, as the Katib trials; each trial's run is named after its output_dir
     args = [f"data={tokenized_dir}", "observe.run_name=", *fixed]
     result = local_sweep.run_local_sweep(
