@@ -310,7 +310,8 @@ def render_summary(
             shown = wrapped[: WRAPPED[label] - 1] + [_clip(" ".join(wrapped[WRAPPED[label] - 1 :]), 88)]
             lines += [_line(label if i == 0 else "", part, 88) for i, part in enumerate(shown) if part != "(empty)"]
         else:
-            lines.append(_line(label, text, 80 if label == "serving" else 90))
+            width = 80 if label == "serving" else 90
+            lines.append(_line(label, text, 10_000 if "/" in text else width))  # a path, image or URL stays whole
     if facts.get("report_path"):
         lines.append(f"report      {facts['report_path']} (HTML: loss and perplexity plot)")
     lines += [f"artifacts   {facts['run_dir']}", rule]
