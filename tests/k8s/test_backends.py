@@ -5,7 +5,7 @@ dispatch, the sweep's trial building (and Katib's trial-kind rules), render-job 
 from __future__ import annotations
 
 import pytest
-from conftest import sim_plan
+from sim_plans import sim_plan
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.jobs import backends

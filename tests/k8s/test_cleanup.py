@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-from conftest import SIM_NAMESPACE, sim_plan
 from k8s_fakes import api_error
 from kubernetes import client
+from sim_plans import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
 from llmft.components.lib.jobs.backends import run_on_cluster

@@ -14,8 +14,8 @@ import threading
 
 import pytest
 from cluster_sim import ClusterSim
-from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
+from sim_plans import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.cleanup import cleanup_after_run

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import sim_plan
+from sim_plans import sim_plan
 from trainer_v2_sim import make_plan
 
 from llmft.components.lib.jobs.backends import backend_for

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from cluster_sim import Chaos
-from conftest import SIM_NAMESPACE, TINY_TRAIN, sim_plan
+from sim_plans import SIM_NAMESPACE, TINY_TRAIN, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
 from llmft.components.lib.jobs.backends import run_on_cluster

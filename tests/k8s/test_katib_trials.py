@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from cluster_sim import base_env, k8s_expand, katib_early_stop, katib_wrap
-from conftest import TINY_TRAIN, sim_plan
+from sim_plans import TINY_TRAIN, sim_plan
 
 from llmft.components.lib.jobs.pytorchjob_launch import wait_for_job
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION

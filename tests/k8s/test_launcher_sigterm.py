@@ -14,9 +14,9 @@ import time
 
 import pytest
 from cluster_sim import ClusterSim
-from conftest import SIM_NAMESPACE, sim_plan
 from fake_clock import FakeClock
 from k8s_fakes import api_error
+from sim_plans import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.jobs import trainjob_spec
 from llmft.components.lib.jobs.backends import run_on_cluster

@@ -7,8 +7,8 @@ activeDeadlineSeconds; the launcher stops the job after NEVER_STARTED_LIMIT such
 from __future__ import annotations
 
 import pytest
-from conftest import SIM_NAMESPACE, sim_plan
 from kubernetes import client
+from sim_plans import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.jobs import pod_starts
 from llmft.components.lib.jobs.backends import run_on_cluster

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from cluster_sim import condition, set_condition
-from conftest import SIM_NAMESPACE, sim_plan
+from sim_plans import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.cluster import wait_until_gone
 from llmft.components.lib.jobs.backends import run_on_cluster

@@ -7,8 +7,8 @@ such a run in one line naming what is missing, before any GPU time."""
 from __future__ import annotations
 
 import pytest
-from conftest import sim_plan
 from k8s_fakes import FakeAuthorizationApi, FakeCoreV1Api, FakeCustomObjectsApi
+from sim_plans import sim_plan
 
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.plan.checks import SERVING_VERBS, preflight_serving_namespace
