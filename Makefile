@@ -36,7 +36,7 @@ help:
 	@echo "make demo      run the whole pipeline locally (kfp.local, CPU): SmolLM2-135M learns 3 made-up facts, base vs adapter on held-out questions"
 	@echo "make demo-tiny the plumbing run: the same pipeline on a tiny random-weight model (its answers are noise)"
 	@echo "make demo-real the same with a real pretrained model (SmolLM2-135M) and a real vLLM (~15 min)"
-	@echo "make test      run the test suite"
+	@echo "make test      run the test suite, over TEST_WORKERS=2 pytest-xdist workers (TEST_WORKERS=0: one process)"
 	@echo "make test-fast the unit tests only (-m 'not slow': no processes, servers or training runs)"
 	@echo "make mutation  mutation testing (mutmut) of the rules' modules against their fast tests; not in CI (minutes)"
 	@echo "make test-clock-ahead  tests/k8s, tests/katib, tests/pipeline with the wall clock a year ahead (time-machine)"
