@@ -212,7 +212,9 @@ def prepare_volume(case: Case, data_root: Path) -> None:
         hub_cache(data_root / "hf-cache" / "hub", built)
 
 
-MLFLOW_START_S = 120
+MLFLOW_START_S = 300
+"""How long the server may take to answer /health: its first start creates the SQLite store (alembic migrations),
+which took over 120 s on the 2-core machine under other work. A wait, not a cost: a healthy server answers sooner."""
 
 
 @contextlib.contextmanager
@@ -244,13 +246,19 @@ def _wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + MLFLOW_START_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise PipelineCheckFailed(f"mlflow server exited with {server.returncode}: {log}")
+            raise PipelineCheckFailed(f"mlflow server exited with {server.returncode}: {_tail(log)}")
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
                     return
         time.sleep(0.5)
-    raise PipelineCheckFailed(f"mlflow server not healthy after {MLFLOW_START_S} s: {log}")
+    raise PipelineCheckFailed(f"mlflow server not healthy after {MLFLOW_START_S} s: {_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    """The end of the server's log, in the error itself: the work folder holding the log is removed on failure."""
+    text = log.read_text(errors="replace").splitlines()[-lines:] if log.is_file() else ["(no log)"]
+    return f"{log}, last lines:\n" + "\n".join(text)
 
 
 # ---------------------------------------------------------------------------------------------
