@@ -2,7 +2,7 @@
 
 The job is built by the launcher's own code from a plan built from the given pipeline
 parameters: ``build_plan`` (as the plan-run step does on a cluster), then
-``plan.trainer.launch(<tokenized dir>)`` and ``build_pytorchjob_spec`` (as the train step does),
+``plan.trainer.launch(<tokenized dir>)`` and ``build_job_spec`` (as the train step does),
 then the backend's ``build`` (llmft/components/lib/jobs/backends.py: every backend with a
 ``render_name``). Only the tokenized folder (known once the tokenize
 step ran) and the run id (the KFP run's) are placeholders. The job runs ``llmft train --config
@@ -19,7 +19,7 @@ import yaml
 
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
 from llmft.components.lib.jobs.backends import backend_for, render_names
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.plan.parameters import parameter_defaults
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import config_to_yaml
@@ -80,7 +80,7 @@ def render_job_and_config(
     pipeline = "llm-finetune-hpo" if hpo else "llm-finetune"
     plan = build_plan(values, run_id=run_id, compiled=compiled_settings(pipeline, values), environ=RENDER_POD)
     launch = plan.trainer.launch(data or plan.layout.tokenized("CACHE_KEY"))
-    spec = build_pytorchjob_spec(plan.job, launch, namespace=namespace)
+    spec = build_job_spec(plan.job, launch, namespace=namespace)
     config = f"{plan.trainer.config_path}:\n{config_to_yaml(plan.trainer.config)}"
     return backend_for(training_backend).build_job(plan.job, spec), config
 

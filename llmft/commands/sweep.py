@@ -200,7 +200,7 @@ def build_from_settings(items: list[str]):
     trainer config the pipeline's plan would resolve from the same parameters. No plan step writes a
     config.yaml on the volume here, so the trials carry its non-default settings as key=value."""
     # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
+    from llmft.components.lib.jobs.katib_sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
 
     # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.build import trainer_plan

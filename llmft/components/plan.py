@@ -84,7 +84,7 @@ def plan_run(
     step_eval_cpu: str = "8",
     step_eval_memory: str = "64Gi",
     step_memory: str = "2Gi",
-    training_backend: str = "kubeflow",
+    training_backend: str = "pytorchjob",
     training_cpu: str = "8",
     training_gpus_per_worker: int = 1,
     training_image: str = "",
@@ -197,8 +197,9 @@ def plan_run(
         step_eval_cpu: CPU request and limit of the evaluate step (1 GPU).
         step_eval_memory: Memory request and limit of the evaluate step (loads the base model).
         step_memory: Memory request and limit of the light steps.
-        training_backend: kubeflow (a PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob); the sweep's
-            trials run on the same kind of job.
+        training_backend: pytorchjob (a Training Operator v1 PyTorchJob; its older name kubeflow is still
+            accepted) or trainjob (a Kubeflow Trainer v2 TrainJob); the sweep's trials run on the same kind
+            of job.
         training_cpu: CPU request and limit of each training pod (and Katib trial).
         training_gpus_per_worker: GPUs per pod (one trainer process per GPU).
         training_image: Image of the training pods and Katib trials (default: the one compiled in).

@@ -63,11 +63,19 @@ def toy(monkeypatch):
 
 
 def test_the_registry_holds_the_three_backends_and_the_pipeline_values():
-    assert list(backends.BACKENDS) == ["kubeflow", "trainjob", "local"]
-    assert render_names() == {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
+    assert list(backends.BACKENDS) == ["pytorchjob", "trainjob", "local"]
+    assert render_names() == {"pytorchjob": "pytorchjob", "trainjob": "trainjob"}
     assert [r.plural for r in run_resources()] == ["pytorchjobs", "experiments", "trainjobs"]  # API order
     with pytest.raises(ConfigError, match="training_backend='rayjob' is not a training backend"):
         backend_for("rayjob")
+
+
+def test_the_older_name_kubeflow_still_means_a_pytorchjob(sim_volume):
+    """Issue 48.6: ``training_backend=kubeflow`` was renamed ``pytorchjob`` (a TrainJob is Kubeflow too); a run,
+    a recurring run or a notebook that still says kubeflow gets the PyTorchJob, its plan under the new name."""
+    assert backend_for("kubeflow") is backend_for("pytorchjob")
+    plan = sim_plan(sim_volume, training_backend="kubeflow")
+    assert plan.job.backend == "pytorchjob"
 
 
 def test_the_train_step_dispatches_to_a_registered_backend(toy, sim_volume, fake_cluster, monkeypatch):
@@ -84,7 +92,7 @@ def test_the_train_step_dispatches_to_a_registered_backend(toy, sim_volume, fake
 
 def test_render_job_and_the_sweep_build_the_registered_backends_job(toy, sim_volume):
     from llmft.commands.render_job import render_job
-    from llmft.components.lib.jobs.sweep import build_sweep_experiment
+    from llmft.components.lib.jobs.katib_sweep import build_sweep_experiment
     from llmft.katib.experiment import SweepSpec
     from llmft.katib.webhook_rules import check_experiment
 

@@ -138,7 +138,7 @@ def test_sigterm_to_the_sweep_launcher_deletes_its_experiment(
     """The sweep step's launcher, cancelled while it waits: the Experiment (and with it, through
     Katib's ownership, its trials) is deleted before the step exits 143. The Experiment carries the
     run-id label the exit handler finds."""
-    from llmft.components.lib.jobs.sweep import run_sweep_step
+    from llmft.components.lib.jobs.katib_sweep import run_sweep_step
     from llmft.katib.experiment import GROUP, PLURAL, VERSION
 
     launcher = "llm-finetune-x7k2p-system-container-impl-3"

@@ -21,11 +21,10 @@ from trainer_v2_sim import (
 
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.jobs.backends import run_on_cluster
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.jobs.trainjob_launch import (
     PERMANENT_EXIT_ANNOTATION,
     TrainJobFailed,
-    delete_trainjobs_by_label,
     run_trainjob,
 )
 from llmft.components.lib.jobs.trainjob_spec import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
@@ -163,7 +162,7 @@ def _plan(**changes):
 
 def _trainjob(**changes):
     plan = _plan(**changes)
-    spec = build_pytorchjob_spec(plan.job, plan.trainer.launch(DATA), namespace=NS)
+    spec = build_job_spec(plan.job, plan.trainer.launch(DATA), namespace=NS)
     return build_trainjob(spec, runtime=plan.job.runtime)
 
 
@@ -297,17 +296,6 @@ def test_a_missing_or_mpi_runtime_is_refused_before_submitting(crd_dir):
     with pytest.raises(ConfigError, match="framework deepspeed.*does not launch torchrun"):
         run_trainjob(mpi.cluster, _trainjob(training_runtime="deepspeed-distributed"), timeout_s=5, poll_s=0.01)
     assert _created(missing) == [] and _created(mpi) == []
-
-
-def test_delete_trainjobs_by_label_deletes_only_the_runs_jobs(crd_dir):
-    sim = TrainerSim(crd_dir)
-    for name, run in (("a1", "run-a"), ("a2", "run-a"), ("b1", "run-b")):
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "metadata": {"name": name}}
-        body["metadata"]["labels"] = {"pipelines.kubeflow.org/run-id": run}
-        sim.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
-    assert delete_trainjobs_by_label(sim.cluster, "pipelines.kubeflow.org/run-id=run-a") == ["a1", "a2"]
-    assert [key[-1] for key in sim.custom.objects] == ["b1"]
-    assert delete_trainjobs_by_label(sim.cluster, "pipelines.kubeflow.org/run-id=run-a") == []
 
 
 def test_the_train_step_dispatches_backend_trainjob(crd_dir):

@@ -13,8 +13,8 @@ from trainer_v2_sim import build_jobset, load_runtime, make_plan, node_pods, str
 
 from llmft.components.lib.jobs.pytorchjob_spec import (
     ElasticSpec,
+    build_job_spec,
     build_pytorchjob,
-    build_pytorchjob_spec,
     pytorchjob_to_dict,
 )
 from llmft.components.lib.jobs.trainjob_spec import (
@@ -49,7 +49,7 @@ def runtime_crd_errors(crd_dir):
 
 def _spec(**changes):
     plan = make_plan(training_backend="trainjob", **changes)
-    return plan, build_pytorchjob_spec(plan.job, plan.trainer.launch(DATA))
+    return plan, build_job_spec(plan.job, plan.trainer.launch(DATA))
 
 
 PLANS = {

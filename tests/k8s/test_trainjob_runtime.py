@@ -100,14 +100,12 @@ def test_the_sdks_timeout_is_a_one_line_transient_error(crd_dir):
 
 def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(crd_dir):
     """get_job times out (backend.py 437-440) or its get_runtime does: a transient fault, not JobTimedOut."""
-    from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+    from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
     from llmft.components.lib.jobs.trainjob_spec import build_trainjob
 
     cluster = _cluster(crd_dir)
     plan = make_plan(training_backend="trainjob")
-    job = build_trainjob(
-        build_pytorchjob_spec(plan.job, plan.trainer.launch("/data/tokenized/x")), runtime=plan.job.runtime
-    )
+    job = build_trainjob(build_job_spec(plan.job, plan.trainer.launch("/data/tokenized/x")), runtime=plan.job.runtime)
 
     def stall(obj, count):  # after the submit, the server stops answering
         cluster.custom_api.unanswered.add(PLURAL)
@@ -119,7 +117,7 @@ def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(cr
 
 def test_the_kubeflow_backend_reads_no_runtime(crd_dir):
     cluster = _cluster(crd_dir, forbidden={"trainingruntimes", "clustertrainingruntimes"})
-    preflight_runtime(make_plan(training_backend="kubeflow"), cluster)
+    preflight_runtime(make_plan(training_backend="pytorchjob"), cluster)
     assert cluster.custom_api.calls == []
 
 

@@ -12,7 +12,7 @@ from kfp import dsl
 
 from llmft.components.images import KATIB_IMAGE
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.jobs import sweep as sweep_lib
+from llmft.components.lib.jobs import katib_sweep as sweep_lib
 from llmft.components.lib.plan.schema import write_plan
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.katib.errors import ExperimentFailed
@@ -214,7 +214,7 @@ def test_the_step_logic_imports_in_the_kfp_executor_runtime():
 
     code = (
         "import kfp.dsl as d; assert not hasattr(d, 'component'); "
-        "from llmft.components.lib.jobs.sweep import run_sweep_step; "
+        "from llmft.components.lib.jobs.katib_sweep import run_sweep_step; "
         "from llmft.components.lib.plan.schema import read_plan; "
         "print('ok')"
     )

@@ -90,7 +90,7 @@ FINETUNE_PARAMETERS = {
     "step_eval_cpu": ("STRING", "8"),
     "step_eval_memory": ("STRING", "64Gi"),
     "step_memory": ("STRING", "2Gi"),
-    "training_backend": ("STRING", "kubeflow"),
+    "training_backend": ("STRING", "pytorchjob"),
     "training_cpu": ("STRING", "8"),
     "training_gpus_per_worker": ("NUMBER_INTEGER", 1),
     "training_image": ("STRING", None),
@@ -147,7 +147,7 @@ OLD_FINETUNE_PARAMETERS = {
     "max_steps": ("NUMBER_INTEGER", 0),
     "seed": ("NUMBER_INTEGER", 42),
     "train_overrides": ("STRING", ""),
-    "training_backend": ("STRING", "kubeflow"),
+    "training_backend": ("STRING", "pytorchjob"),
     "training_runtime": ("STRING", "torch-distributed"),
     "num_workers": ("NUMBER_INTEGER", 1),
     "gpus_per_worker": ("NUMBER_INTEGER", 1),
@@ -572,8 +572,8 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     from llmft.components.lib.plan.parameters import BY_NAME
     from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob, pytorchjob_to_dict
     from llmft.components.lib.serving.inferenceservice import build_inference_service, isvc_to_dict
-    from llmft.components.lib.jobs.sweep import sweep_trial_job
-    from llmft.components.lib.jobs.pytorchjob_launch import build_pytorchjob_spec
+    from llmft.components.lib.jobs.katib_sweep import sweep_trial_job
+    from llmft.components.lib.jobs.pytorchjob_launch import build_job_spec
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     spec = next(yaml.safe_load_all(open(sys.argv[1])))
@@ -586,7 +586,7 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     values |= {n: v["runtimeValue"]["constant"] for n, v in fixed.items() if n in BY_NAME and "runtimeValue" in v}
     compiled = body["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
     plan = build_plan(values, run_id="run-1", compiled=compiled, environ={"KFP_POD_NAME": "p"})
-    job = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, plan.trainer.launch("/d"))))
+    job = pytorchjob_to_dict(build_pytorchjob(build_job_spec(plan.job, plan.trainer.launch("/d"))))
     sweep = apply_overrides(SweepSpec(name=plan.sweep.experiment), list(plan.sweep.settings))
     trial = sweep_trial_job(sweep, job=plan.job, config_path=plan.trainer.config_path, data="/data/tokenized/k")
     request = DeployRequest(adapter_dir="/data/models/m/run-1", base_model="org/m", adapter_name="m", version="1",

@@ -194,7 +194,7 @@ def test_a_sweep_beyond_the_serving_rank_is_refused_unless_served_merged():
     assert plan.serving.form_note == "serving_mode=merged"
 
 
-@pytest.mark.parametrize(("name", "use"), [("training_backend", "kubeflow"), ("serving_deploy_mode", "kserve")])
+@pytest.mark.parametrize(("name", "use"), [("training_backend", "pytorchjob"), ("serving_deploy_mode", "kserve")])
 def test_local_backends_are_refused_on_a_cluster_and_fine_under_kfp_local(name, use):
     assert make_plan(**{name: "local"}).on_cluster is False
     with pytest.raises(ConfigError, match=f"`{name}`='local'.*kfp.local.*use {name}={use}"):

@@ -1,4 +1,4 @@
-"""The train step's two backends: `kubeflow` (PyTorchJob through the TrainingClient, against
+"""The train step's two backends: `pytorchjob` (PyTorchJob through the TrainingClient, against
 fakes at the kubernetes-client boundary) and `local` (real torchrun subprocesses)."""
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The training backends: one protocol (:class:`Backend`), one registry (:data:`BACKENDS`).
 
-A backend is what the train step runs the trainer on: ``kubeflow`` (a Training Operator v1 PyTorchJob),
+A backend is what the train step runs the trainer on: ``pytorchjob`` (a Training Operator v1 PyTorchJob; its
+older name ``kubeflow`` is still accepted),
 ``trainjob`` (a Kubeflow Trainer v2 TrainJob) and ``local`` (subprocesses of the step, kfp.local only). Every
 place that used to ask "which backend?" reads the registry instead:
 
 * the train step (llmft/components/train.py) calls ``backend_for(job.backend).run(plan, launch)``; a cluster
   backend's ``run`` is :func:`run_on_cluster_or_exit`, which reads the launcher pod once and calls the
   backend's ``attach`` (submit the job or re-attach to it, and wait);
-* the sweep (llmft/components/lib/jobs/sweep.py ``sweep_trial_job``) builds its Katib trial with ``trial_job``;
+* the sweep (llmft/components/lib/jobs/katib_sweep.py ``sweep_trial_job``) builds its Katib trial with ``trial_job``;
 * ``llmft pipeline render-job --backend <render_name>`` (llmft/commands/render_job.py) writes ``build``'s body;
 * the run's cleanup (llmft/components/lib/jobs/cleanup.py) deletes by :func:`run_resources`, every backend's
   ``resource`` (its (group, version, plural, kind), written once, llmft/katib/trial_kinds.py) and Katib's
@@ -38,7 +39,7 @@ from llmft.components.lib.jobs import (
     trainjob_spec,
 )
 from llmft.components.lib.jobs.launcher_pod import read_launcher_pod
-from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec
+from llmft.components.lib.jobs.pytorchjob_spec import JobSpec
 from llmft.katib.trial_kinds import (
     EXPERIMENT_RESOURCE,
     PYTORCHJOB,
@@ -69,7 +70,7 @@ class Backend:
     """One training backend: what the train step, the sweep, render-job and the cleanup need of it.
 
     ``build(job, spec)``: the job body (a dict, as the API server receives it) of the plan's ``job`` (JobPlan)
-    running ``spec`` (the :class:`PyTorchJobSpec` every backend starts from: image, resources, Secrets, the
+    running ``spec`` (the :class:`JobSpec` every backend starts from: image, resources, Secrets, the
     trainer command). ``trial_job(job, spec, early_stopping)``: the same as a Katib trial template.
     ``attach(job, launch, *, cluster, launcher, owner, poll_s, print_fn, api_retries, pending_every)``: submit
     the job or re-attach to it (a retried task) and wait for its end; a summary dict. ``run(plan, launch)``:
@@ -77,14 +78,16 @@ class Backend:
 
     name: str
     """The pipeline's ``training_backend`` value (the plan step accepts exactly the registered names)."""
+    aliases: tuple[str, ...] = ()
+    """Older ``training_backend`` values users typed for it, still accepted with the same meaning."""
     render_name: str = ""
     """``llmft pipeline render-job --backend`` value; "" = nothing to render (local)."""
     resource: JobResource | None = None
     """The kind it creates (RBAC, cleanup and SIGTERM delete by it); None = it creates nothing (local)."""
     trial_kind: TrialKind | None = None
     """What Katib needs of its trials; None = no Katib trials."""
-    build: Callable[[Any, PyTorchJobSpec], dict] | None = None
-    trial_job: Callable[[Any, PyTorchJobSpec, bool], dict] | None = None
+    build: Callable[[Any, JobSpec], dict] | None = None
+    trial_job: Callable[[Any, JobSpec, bool], dict] | None = None
     attach: Callable[..., dict] | None = None
     run: Callable[[Any, Any], Any] | None = None
     reads: tuple[Grant, ...] = ()
@@ -99,13 +102,13 @@ class Backend:
         own = (Grant(self.resource.group, self.resource.plural, JOB_VERBS),) if self.resource else ()
         return (*own, *self.reads)
 
-    def build_job(self, job, spec: PyTorchJobSpec) -> dict:
+    def build_job(self, job, spec: JobSpec) -> dict:
         """:attr:`build`'s body; ConfigError for a backend that creates no job (local)."""
         if self.build is None:
             raise ConfigError(f"training_backend={self.name} creates no cluster job to build")
         return self.build(job, spec)
 
-    def build_trial_job(self, job, spec: PyTorchJobSpec, early_stopping: bool) -> dict:
+    def build_trial_job(self, job, spec: JobSpec, early_stopping: bool) -> dict:
         """:attr:`trial_job`'s Katib trial template; ConfigError for a backend without Katib trials."""
         if self.trial_job is None:
             raise ConfigError(f"training_backend={self.name} runs no Katib trials")
@@ -135,11 +138,18 @@ def unregister(name: str) -> None:
         unregister_trial_kind(backend.trial_kind)
 
 
+def is_backend(name: str) -> bool:
+    """``name`` is a registered ``training_backend`` value or an older name of one."""
+    return any(name == b.name or name in b.aliases for b in BACKENDS.values())
+
+
 def backend_for(name: str) -> Backend:
-    """The backend of a ``training_backend`` value; ConfigError (one line) for an unknown one."""
-    if name not in BACKENDS:
-        raise ConfigError(f"training_backend={name!r} is not a training backend; use one of {', '.join(BACKENDS)}")
-    return BACKENDS[name]
+    """The backend of a ``training_backend`` value (or an older name of it); ConfigError (one line) for an
+    unknown one."""
+    for backend in BACKENDS.values():
+        if name == backend.name or name in backend.aliases:
+            return backend
+    raise ConfigError(f"training_backend={name!r} is not a training backend; use one of {', '.join(BACKENDS)}")
 
 
 def render_names() -> dict[str, str]:
@@ -203,25 +213,26 @@ def _run_cluster_step(plan, launch) -> dict:
 # --- the registry's entries ----------------------------------------------------------------------
 
 
-def _build_pytorchjob(job, spec: PyTorchJobSpec) -> dict:
+def _build_pytorchjob(job, spec: JobSpec) -> dict:
     return pytorchjob_spec.pytorchjob_to_dict(pytorchjob_spec.build_pytorchjob(spec))
 
 
-def _trial_pytorchjob(job, spec: PyTorchJobSpec, early_stopping: bool) -> dict:
+def _trial_pytorchjob(job, spec: JobSpec, early_stopping: bool) -> dict:
     return katib_trial.trial_pytorchjob_dict(spec, early_stopping=early_stopping)
 
 
-def _build_trainjob(job, spec: PyTorchJobSpec) -> dict:
+def _build_trainjob(job, spec: JobSpec) -> dict:
     return trainjob_spec.trainjob_to_dict(trainjob_spec.build_trainjob(spec, runtime=job.runtime))
 
 
-def _trial_trainjob(job, spec: PyTorchJobSpec, early_stopping: bool) -> dict:
+def _trial_trainjob(job, spec: JobSpec, early_stopping: bool) -> dict:
     return trainjob_spec.trial_trainjob_dict(spec, runtime=job.runtime, early_stopping=early_stopping)
 
 
 register(
     Backend(
-        name="kubeflow",
+        name="pytorchjob",
+        aliases=("kubeflow",),  # its name until issue 48: a TrainJob is Kubeflow too
         render_name="pytorchjob",
         resource=pytorchjob_spec.RESOURCE,
         trial_kind=PYTORCHJOB,

@@ -1,8 +1,8 @@
 """The pytorchjob backend on a cluster: submit the run's PyTorchJob, or re-attach to it, and wait for it.
 
-:func:`build_pytorchjob_spec` turns the plan's :class:`~llmft.components.lib.plan.build.JobPlan` and the
+:func:`build_job_spec` turns the plan's :class:`~llmft.components.lib.plan.build.JobPlan` and the
 trainer's launch (``--config`` the plan's config.yaml, then ``data=`` and a sweep's best) into a
-:class:`PyTorchJobSpec` (image, resources, node selector, Secrets, the data
+:class:`JobSpec` (image, resources, node selector, Secrets, the data
 PVC at the plan's mount path, the run-id label, ``activeDeadlineSeconds`` = the plan's job timeout,
 ``cleanPodPolicy: Running``); Katib trials are built by the same function. :func:`attach_pytorchjob`
 runs it (the registry's ``attach``, llmft/components/lib/jobs/backends.py). What a real cluster
@@ -66,8 +66,8 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     KIND,
     PLURAL,
     VERSION,
+    build_job_spec,
     build_pytorchjob,
-    build_pytorchjob_spec,
 )
 from llmft.components.lib.plan.schema import (
     JOB_WAIT_GRACE_S,
@@ -107,7 +107,7 @@ def attach_pytorchjob(
     or re-attached to, and waited for (see :func:`run_job`)."""
     return run_job(
         cluster,
-        build_pytorchjob_spec(job, launch),
+        build_job_spec(job, launch),
         timeout_s=float(job.timeout_s),
         poll_s=poll_s,
         print_fn=print_fn,
@@ -132,7 +132,7 @@ def run_job(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
-    """Submit the PyTorchJob of ``spec`` (a PyTorchJobSpec), or re-attach to it, and wait for its end
+    """Submit the PyTorchJob of ``spec`` (a JobSpec), or re-attach to it, and wait for its end
     (the module docstring lists the rules). SIGTERM deletes it on a cancel. ``launcher``: this pod as
     read before training (default: read now); ``owner``: the job's ownerReference (default: the run's
     Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch, compared with the

@@ -38,7 +38,7 @@ from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, unmark_kept
 from llmft.components.lib.jobs.pytorchjob_logs import newest_progress_only
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.jobs.trainjob_runtime import check_runtime, sdk_backend
 from llmft.components.lib.jobs.trainjob_spec import (
     GROUP,
@@ -236,23 +236,6 @@ def _wait_gone(cluster: Cluster, name: str, namespace: str, *, poll_s: float, ti
     )
 
 
-def delete_trainjobs_by_label(cluster: Cluster, label_selector: str, namespace: str | None = None) -> list[str]:
-    """Delete every TrainJob matching ``label_selector`` (e.g. ``pipelines.kubeflow.org/run-id=<run>``),
-    for the pipeline's cleanup on cancel; returns the names deleted (one already gone is skipped)."""
-    namespace = namespace or cluster.namespace
-    deleted = []
-    for job in cluster.list_custom_objects(GROUP, VERSION, PLURAL, label_selector=label_selector, namespace=namespace):
-        name = job["metadata"]["name"]
-        try:
-            cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
-        except ClusterError as exc:
-            if exc.status != 404:
-                raise
-            continue
-        deleted.append(name)
-    return deleted
-
-
 def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: float, print_fn=print) -> str:
     """Create the TrainJob, or find the one an earlier attempt of this task created (same name):
     ``reused`` (Complete), ``attached`` (still running: watched, not restarted) or ``created``
@@ -419,7 +402,7 @@ def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None, 
     """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run
     (``owner``: its ownerReference, the run's Workflow)."""
 
-    trainjob = build_trainjob(build_pytorchjob_spec(job, launch), runtime=job.runtime)
+    trainjob = build_trainjob(build_job_spec(job, launch), runtime=job.runtime)
     cluster = cluster or cluster_module.Cluster()
     return run_trainjob(cluster, trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s, owner=owner)
 

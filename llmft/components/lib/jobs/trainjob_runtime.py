@@ -70,7 +70,7 @@ def explain_read_error(exc: RuntimeError, kind: str, name: str, namespace: str) 
         return ConfigError(
             f"{what}: Kubeflow Trainer v2 is not installed (the API server does not serve "
             f"{resource}.trainer.kubeflow.org: HTTP 404). Install Kubeflow Trainer v2 with its default runtimes, "
-            "or use training_backend=kubeflow (a PyTorchJob)"
+            "or use training_backend=pytorchjob (a PyTorchJob)"
         )
     if status == 404:
         return ConfigError(

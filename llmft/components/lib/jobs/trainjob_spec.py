@@ -1,6 +1,6 @@
 """Build and validate the trainer's TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1).
 
-``build_trainjob(PyTorchJobSpec, runtime)`` returns the Kubeflow SDK's own model
+``build_trainjob(JobSpec, runtime)`` returns the Kubeflow SDK's own model
 (``kubeflow_trainer_api.models.TrainerV1alpha1TrainJob``) of a TrainJob that references a
 (Cluster)TrainingRuntime (default ``torch-distributed``, the one a default install ships) and
 overrides what the trainer needs through the v2.3 API:
@@ -73,7 +73,7 @@ def parse_runtime_ref(value: str) -> tuple[str, str]:
 
 
 def trainjob_spec_errors(spec) -> list[str]:
-    """The PyTorchJob builder's checks of a ``PyTorchJobSpec`` plus what differs for a TrainJob."""
+    """The PyTorchJob builder's checks of a ``JobSpec`` plus what differs for a TrainJob."""
 
     errors = [e for e in _spec_errors(spec) if not e.startswith("name ")]
     longest_pod = f"{spec.name}-{TRAINER_JOB}-0-{max(spec.num_nodes - 1, 0)}{POD_SUFFIX}"

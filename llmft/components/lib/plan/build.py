@@ -41,8 +41,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmft.components.lib.evaluation.task_plan import eval_plan
+from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.jobs.grace import grace_period_s
-from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
+from llmft.components.lib.jobs.katib_sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
 from llmft.components.lib.jobs.trainjob_spec import parse_runtime_ref
 from llmft.components.lib.plan import checks as checks
 from llmft.components.lib.plan.checks import check_resources, check_tracking, extra_override_list, parse_node_selector
@@ -234,7 +235,7 @@ def job_plan(p: PipelineParameters, layout: DataLayout, run_id: str, images: Ima
         env["MLFLOW_TRACKING_URI"] = p.mlflow_tracking_uri
         job_secrets = [_without_key(s, "MLFLOW_TRACKING_URI") for s in job_secrets]
     return JobPlan(
-        backend=p.training_backend,
+        backend=backend_for(p.training_backend).name,  # the registered name, an older one resolved
         name=job_name(run_id),
         num_workers=p.training_workers,
         gpus_per_worker=p.training_gpus_per_worker,

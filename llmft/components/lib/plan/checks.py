@@ -16,8 +16,8 @@ from typing import Any
 
 from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.jobs.backends import BACKENDS
-from llmft.components.lib.jobs.sweep import check_servable_ranks, check_trial_overrides
+from llmft.components.lib.jobs.backends import BACKENDS, backend_for, is_backend
+from llmft.components.lib.jobs.katib_sweep import check_servable_ranks, check_trial_overrides
 from llmft.components.lib.plan.parameters import COMPILE_TIME_PARAMETERS, PipelineParameters
 from llmft.components.lib.plan.schema import (
     DATA_MOUNT,
@@ -70,7 +70,7 @@ def check_run_id(run_id: str) -> str:
 def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     """The scalar parameters, and what cannot run on a cluster."""
     rules = [
-        ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
+        ("training_backend", is_backend(p.training_backend), f"use one of {', '.join(BACKENDS)}"),  # the registry
         ("serving_deploy_mode", p.serving_deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
         ("dataset_format", p.dataset_format in FORMAT_CHOICES, f"use one of {', '.join(FORMAT_CHOICES)}"),  # prepare's
         ("training_workers", p.training_workers >= 1, "must be >= 1"),
@@ -101,7 +101,7 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
 def _check_cluster_only(p: PipelineParameters) -> None:
     """`local` backends need torch and transformers, which the pipeline image lacks; and every
     task mounts the volume at DATA_MOUNT."""
-    local = [("training_backend", p.training_backend, "kubeflow")]
+    local = [("training_backend", p.training_backend, "pytorchjob")]
     if p.serving_deploy:
         local.append(("serving_deploy_mode", p.serving_deploy_mode, "kserve"))
     for name, value, use in local:
@@ -121,7 +121,7 @@ def _check_cluster_only(p: PipelineParameters) -> None:
 def check_runs_here(plan) -> None:
     """kfp.local: a backend that creates cluster objects cannot run here. Refused in one line by the plan step,
     before prepare and tokenize, instead of the train (or sweep) step failing after them."""
-    backend = BACKENDS[plan.job.backend]
+    backend = backend_for(plan.job.backend)
     if backend.needs_cluster:
         local = next(b.name for b in BACKENDS.values() if not b.needs_cluster)
         raise _fail(

@@ -298,9 +298,9 @@ class PipelineParameters:
     step_memory: str = _p("2Gi", "Memory request and limit of the light steps.")
     # the training job (training_)
     training_backend: str = _p(
-        "kubeflow",
-        """kubeflow (a PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob); the sweep's trials run on the
-        same kind of job.""",
+        "pytorchjob",
+        """pytorchjob (a Training Operator v1 PyTorchJob; its older name kubeflow is still accepted) or trainjob (a
+        Kubeflow Trainer v2 TrainJob); the sweep's trials run on the same kind of job.""",
         local_values="local (subprocesses of the train step)",
     )
     training_cpu: str = _p("8", "CPU request and limit of each training pod (and Katib trial).", was=("worker_cpu",))

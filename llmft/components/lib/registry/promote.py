@@ -361,7 +361,3 @@ def _entries(directory: Path, depth: int) -> list[Path]:
         found += [Path(root, name) for name in files + links]
         dirs[:] = [d for d in dirs if d not in links] if level < depth else []
     return sorted(found)
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"

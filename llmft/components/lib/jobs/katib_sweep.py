@@ -29,7 +29,7 @@ from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.jobs.backends import Backend, backend_for
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.plan.schema import TrainerLaunch, job_name
 from llmft.components.lib.registry.lineage import sweep_parent_tags
 from llmft.katib import local_sweep
@@ -58,7 +58,7 @@ DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "ev
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
-PYTORCHJOB_BACKEND = "kubeflow"
+PYTORCHJOB_BACKEND = "pytorchjob"
 """The backend whose trial a backend without Katib trials of its own gets (:func:`trial_backend`)."""
 
 
@@ -123,7 +123,7 @@ def sweep_trial_job(
         trial["observe.mlflow_experiment"] = mlflow_experiment
     base = {k: v for k, v in (settings or {}).items() if k not in {*trial, *SETTINGS_NOT_CARRIED}}
     launch = TrainerLaunch(config_path, {**base, **trial})
-    spec = build_pytorchjob_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
+    spec = build_job_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
     return trial_backend(job.backend).build_trial_job(job, spec, sweep.early_stopping)
