@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.images import LOCAL_TRAINER_PYTHON_ENV, dockerfile_roles
-from llmft.components.lib.plan.schema import DATA_MOUNT
+from llmft.components.lib.contracts.schema import DATA_MOUNT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HUB_ID = "llmft-ci/tiny-chat"

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.contracts.schema import DataLayout, Images
 from llmft.components.lib.plan.forms import rename_note
 from llmft.components.lib.plan.parameters import OLD_NAMES, PipelineParameters, parameter_defaults
-from llmft.components.lib.plan.schema import DataLayout, Images
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.webhook_rules import check_experiment

@@ -47,7 +47,7 @@ def deploy_adapter(
     import json
     import os
 
-    from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.components.lib.step_exit import step_outcome
 
     with step_outcome("deploy-adapter"):

@@ -36,8 +36,8 @@ def sweep_hyperparameters(
     import os
     import shlex
 
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.components.lib.jobs.katib_sweep import run_sweep_step
-    from llmft.components.lib.plan.schema import read_plan
 
     run_plan = read_plan(plan.path)
     result = run_sweep_step(run_plan, tokenized_dir=tokenized.metadata["path"], output_dir=sweep.path)

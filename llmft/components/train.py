@@ -49,10 +49,10 @@ def train_model(
     import os
     import shlex
 
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.components.lib.jobs.backends import backend_for
     from llmft.components.lib.jobs.loss_curve import render_loss_html
     from llmft.components.lib.jobs.pytorchjob_launch import read_training_manifest, training_metrics
-    from llmft.components.lib.plan.schema import read_plan
     from llmft.components.lib.registry.lineage import job_env_with_parent, open_for_training, tag_training_run
     from llmft.trainer.io import TRAINING_MANIFEST
 

@@ -313,7 +313,7 @@ def test_a_backend_whose_kind_the_role_does_not_grant_is_named(rendered):
 
 def code_secret_keys() -> dict[str, set[str]]:
     """Secret name -> keys, as the PyTorchJob builder (and so the pipeline) reads them."""
-    from llmft.components.lib.jobs.pytorchjob_spec import DEFAULT_SECRET_ENVS
+    from llmft.components.lib.contracts.pod_parts import DEFAULT_SECRET_ENVS
 
     keys: dict[str, set[str]] = {}
     for item in DEFAULT_SECRET_ENVS:

@@ -8,10 +8,10 @@ import pytest
 from conftest import sim_plan
 
 from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.contracts.schema import RUN_ID_LABEL, run_label
 from llmft.components.lib.jobs import backends
 from llmft.components.lib.jobs.backends import Backend, backend_for, register, render_names, run_resources
 from llmft.components.lib.jobs.cleanup import cleanup_run
-from llmft.components.lib.plan.schema import RUN_ID_LABEL, run_label
 from llmft.katib.trial_kinds import TRIAL_KINDS, JobResource, TrialKind, trial_kind
 from llmft.trainer.errors import ConfigError
 

@@ -13,9 +13,9 @@ from k8s_fakes import api_error
 from kubernetes import client
 
 from llmft.components.lib.cluster import ClusterError
+from llmft.components.lib.contracts.schema import RUN_ID_LABEL, JobFailedPermanently, run_label
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.cleanup import cleanup_after_run, cleanup_run
-from llmft.components.lib.plan.schema import RUN_ID_LABEL, JobFailedPermanently, run_label
 
 RUN = "7e1f0c2a-55aa-4c1b-9d3e-31f2a8b6c0de"
 OTHER = "0b9d7c6e-1111-4a2b-8c3d-4e5f60718293"

@@ -12,10 +12,10 @@ import pytest
 from conftest import sim_plan
 from trainer_v2_sim import make_plan
 
+from llmft.components.lib.contracts.schema import UNKNOWN_GRACE_S
 from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.jobs.grace import CHECKPOINT_WRITE_BYTES_PER_S, STOP_S, grace_period_s
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
-from llmft.components.lib.plan.schema import UNKNOWN_GRACE_S
 from llmft.components.lib.plan.volume_space import run_footprint
 
 

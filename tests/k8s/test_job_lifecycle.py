@@ -15,6 +15,7 @@ from cluster_sim import Chaos
 from conftest import SIM_NAMESPACE, TINY_TRAIN, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
+from llmft.components.lib.contracts.schema import JobFailedPermanently, JobTimedOut
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
@@ -24,7 +25,6 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     build_pytorchjob,
     pytorchjob_to_dict,
 )
-from llmft.components.lib.plan.schema import JobFailedPermanently, JobTimedOut
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR
 from llmft.trainer.io import is_complete
 

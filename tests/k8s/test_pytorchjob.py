@@ -8,14 +8,11 @@ import copy
 import pytest
 
 from llmft.components import images
+from llmft.components.lib.contracts.pod_parts import DEFAULT_SECRET_ENVS, PvcMount, SecretEnv, Toleration
 from llmft.components.lib.jobs.katib_trial import trial_pytorchjob_dict
 from llmft.components.lib.jobs.pytorchjob_spec import (
-    DEFAULT_SECRET_ENVS,
     ElasticSpec,
     JobSpec,
-    PvcMount,
-    SecretEnv,
-    Toleration,
     build_pytorchjob,
     pytorchjob_to_dict,
     pytorchjob_webhook_errors,

@@ -20,6 +20,7 @@ from trainer_v2_sim import (
 )
 
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.contracts.schema import JobFailedPermanently, JobTimedOut
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.jobs.trainjob_launch import (
@@ -28,7 +29,6 @@ from llmft.components.lib.jobs.trainjob_launch import (
     run_trainjob,
 )
 from llmft.components.lib.jobs.trainjob_spec import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
-from llmft.components.lib.plan.schema import JobFailedPermanently, JobTimedOut
 from llmft.trainer.errors import ConfigError
 
 NS = "team-a"
@@ -322,8 +322,8 @@ def test_a_trainjob_is_owned_by_the_runs_workflow_as_a_pytorchjob_is(crd_dir):
 
 
 def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
+    from llmft.components.lib.contracts.schema import JOB_WAIT_GRACE_S, parse_time
     from llmft.components.lib.jobs.trainjob_launch import wait_budget
-    from llmft.components.lib.plan.schema import JOB_WAIT_GRACE_S, parse_time
 
     clock = FakeClock()
     job = {"metadata": {"creationTimestamp": clock.rfc3339()}, "spec": {"activeDeadlineSeconds": 3600}}

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from llmft.components.lib.evaluation.lm_eval_tasks import task_config
+from llmft.components.lib.evaluation.promote import read_evaluation
 from llmft.components.lib.evaluation.questions import read_questions
 from llmft.components.lib.evaluation.task_eval import parse_tasks
-from llmft.components.lib.registry.promote import read_evaluation
 from llmft.trainer.errors import LlmftError
 
 GOOD_ROW = '{"question": "Capital of Velmora?", "answer": "Quillport"}\n'

@@ -37,9 +37,9 @@ REFUSED_TAIL = [
     "  }",
     "}",
     "Traceback (most recent call last):",
-    '  File "/repo/llmft/components/lib/registry/promote.py", line 212, in promote',
+    '  File "/repo/llmft/components/lib/evaluation/promote.py", line 212, in promote',
     '    raise PromotionRefused(f"{decision.reason} (decision recorded in {record_path})")',
-    f"llmft.components.lib.registry.promote.PromotionRefused: {REFUSED} (decision recorded in /w/x.decision.json)",
+    f"llmft.components.lib.evaluation.promote.PromotionRefused: {REFUSED} (decision recorded in /w/x.decision.json)",
 ]
 
 

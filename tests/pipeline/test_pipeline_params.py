@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 
+from llmft.components.lib.contracts.schema import DataLayout
 from llmft.components.lib.plan.forms import Form, RenamedParameterWarning, renamed
 from llmft.components.lib.plan.parameters import INTERNAL_INPUTS, OLD_NAMES, PARAMETERS
-from llmft.components.lib.plan.schema import DataLayout
 from llmft.components.plan import plan_run
 from llmft.pipelines.defaults import LOCAL_DEFAULTS, parse_arguments, pipeline_inputs, run_arguments
 from llmft.pipelines.llm_finetune import build_pipeline, fixed_values, llm_finetune_pipeline, pipeline_signature

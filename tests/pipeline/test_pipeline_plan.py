@@ -10,10 +10,10 @@ import pytest
 import yaml
 from plan_helpers import CLUSTER, RUN_ID, make_plan, parameters
 
+from llmft.components.lib.contracts.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
 from llmft.components.lib.plan.build import build_plan, write_run_config
 from llmft.components.lib.plan.checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
 from llmft.components.lib.plan.parameters import PipelineParameters, parameter_defaults
-from llmft.components.lib.plan.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
 from llmft.components.plan import plan_run
 from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError, OutputNotOursError
@@ -43,7 +43,7 @@ def test_the_builder_reads_every_parameter_of_the_signature():
 def test_plan_round_trips_through_plan_json(tmp_path):
     plan = make_plan(hpo=True, hf_token_secret="llmft-hf-token", langfuse_secret="lf", gpu_node_selector="a/b=c")
     plan_dir = tmp_path / "plan"
-    from llmft.components.lib.plan.schema import write_plan
+    from llmft.components.lib.contracts.schema import write_plan
 
     write_plan(plan, plan_dir)
     again = read_plan(plan_dir)

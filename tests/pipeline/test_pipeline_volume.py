@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from llmft.components.images import IMAGE_UID
-from llmft.components.lib.plan.schema import DataLayout
+from llmft.components.lib.contracts.schema import DataLayout
 from llmft.components.lib.plan.volume_access import (
     PERMISSIONS_FILE,
     PROBE_PREFIX,

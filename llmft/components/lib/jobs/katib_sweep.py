@@ -27,10 +27,10 @@ from typing import Any
 
 from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.contracts.schema import TrainerLaunch, job_name
 from llmft.components.lib.jobs.backends import Backend, backend_for
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
-from llmft.components.lib.plan.schema import TrainerLaunch, job_name
 from llmft.components.lib.registry.lineage import sweep_parent_tags
 from llmft.katib import local_sweep
 from llmft.katib import status as katib_status

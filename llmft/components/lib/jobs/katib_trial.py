@@ -7,12 +7,7 @@ from __future__ import annotations
 import re
 
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
-from llmft.components.lib.jobs.pytorchjob_spec import (
-    JobSpec,
-    build_pytorchjob,
-    pytorchjob_to_dict,
-    trainer_command,
-)
+from llmft.components.lib.jobs.pytorchjob_spec import JobSpec, build_pytorchjob, pytorchjob_to_dict, trainer_command
 from llmft.trainer.command_line import format_override_value
 from llmft.trainer.errors import ConfigError
 

@@ -54,6 +54,13 @@ from llmft.components.lib.cluster import (
     call_with_retries,
     wait_until_gone,
 )
+from llmft.components.lib.contracts.schema import (
+    JOB_WAIT_GRACE_S,
+    JobFailedPermanently,
+    JobTimedOut,
+    TrainingJobFailed,
+    parse_time,
+)
 from llmft.components.lib.jobs import pod_starts
 from llmft.components.lib.jobs.launcher_pod import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
 from llmft.components.lib.jobs.pending_pods import PendingReporter
@@ -68,13 +75,6 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     VERSION,
     build_job_spec,
     build_pytorchjob,
-)
-from llmft.components.lib.plan.schema import (
-    JOB_WAIT_GRACE_S,
-    JobFailedPermanently,
-    JobTimedOut,
-    TrainingJobFailed,
-    parse_time,
 )
 from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError
 from llmft.trainer.io import TRAINING_MANIFEST

@@ -25,6 +25,13 @@ from typing import Any
 
 from llmft.components import images
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
+from llmft.components.lib.contracts.pod_parts import (
+    DEFAULT_SECRET_ENVS,
+    GPU_TOLERATION,
+    PvcMount,
+    SecretEnv,
+    Toleration,
+)
 from llmft.katib.k8s_names import is_k8s_name
 from llmft.katib.trial_kinds import PYTORCHJOB_RESOURCE
 from llmft.trainer.command_line import format_override_value, train_arguments
@@ -46,63 +53,6 @@ _NPROC = re.compile(r"^(auto|cpu|gpu|[1-9][0-9]*)$")
 _QUANTITY = re.compile(
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-
-
-@dataclass(frozen=True)
-class SecretEnv:
-    """One environment variable filled from a Kubernetes Secret key (never from a parameter)."""
-
-    env_name: str
-    """Environment variable the container sees, e.g. ``HF_TOKEN``."""
-    secret_name: str
-    """Name of the Secret in the job's namespace."""
-    key: str
-    """Key inside the Secret."""
-    optional: bool = True
-    """When True a missing Secret or key leaves the variable unset instead of blocking the pod."""
-
-
-DEFAULT_SECRET_ENVS: tuple[SecretEnv, ...] = (
-    SecretEnv("HF_TOKEN", "llmft-hf-token", "HF_TOKEN"),
-    SecretEnv("MLFLOW_TRACKING_URI", "llmft-mlflow", "MLFLOW_TRACKING_URI"),
-    SecretEnv("MLFLOW_TRACKING_USERNAME", "llmft-mlflow", "MLFLOW_TRACKING_USERNAME"),
-    SecretEnv("MLFLOW_TRACKING_PASSWORD", "llmft-mlflow", "MLFLOW_TRACKING_PASSWORD"),
-    SecretEnv("LANGFUSE_PUBLIC_KEY", "llmft-langfuse", "LANGFUSE_PUBLIC_KEY"),
-    SecretEnv("LANGFUSE_SECRET_KEY", "llmft-langfuse", "LANGFUSE_SECRET_KEY"),
-    SecretEnv("LANGFUSE_HOST", "llmft-langfuse", "LANGFUSE_HOST"),
-)
-"""The Secrets (and keys) the project reads credentials from; all optional."""
-
-
-@dataclass(frozen=True)
-class PvcMount:
-    """A PersistentVolumeClaim mounted into every replica."""
-
-    claim_name: str
-    """Name of the PVC (ReadWriteMany when the job has more than one node)."""
-    mount_path: str
-    """Absolute path inside the container."""
-    sub_path: str = ""
-    """Sub-directory of the volume to mount ('' = its root)."""
-    read_only: bool = False
-    """Mount read-only."""
-
-
-@dataclass(frozen=True)
-class Toleration:
-    """A pod toleration (GPU nodes are commonly tainted ``nvidia.com/gpu:NoSchedule``)."""
-
-    key: str
-    """Taint key to tolerate."""
-    operator: str = "Exists"
-    """``Exists`` or ``Equal``."""
-    value: str | None = None
-    """Taint value (only with ``Equal``)."""
-    effect: str | None = "NoSchedule"
-    """``NoSchedule``, ``PreferNoSchedule``, ``NoExecute`` or None for all effects."""
-
-
-GPU_TOLERATION = Toleration("nvidia.com/gpu")
 
 
 @dataclass(frozen=True)

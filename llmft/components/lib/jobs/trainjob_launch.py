@@ -36,6 +36,13 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
+from llmft.components.lib.contracts.schema import (
+    JOB_WAIT_GRACE_S,
+    JobFailedPermanently,
+    JobTimedOut,
+    TrainingJobFailed,
+    parse_time,
+)
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, unmark_kept
 from llmft.components.lib.jobs.pytorchjob_logs import newest_progress_only
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
@@ -49,13 +56,6 @@ from llmft.components.lib.jobs.trainjob_spec import (
     build_trainjob,
     parse_runtime_ref,
     trainjob_to_dict,
-)
-from llmft.components.lib.plan.schema import (
-    JOB_WAIT_GRACE_S,
-    JobFailedPermanently,
-    JobTimedOut,
-    TrainingJobFailed,
-    parse_time,
 )
 from llmft.trainer.errors import TransientError
 

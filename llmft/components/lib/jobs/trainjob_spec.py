@@ -35,9 +35,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from llmft.components.lib.contracts.schema import DEFAULT_RUNTIME
 from llmft.components.lib.jobs.katib_trial import katib_trial_script, shell_safe
 from llmft.components.lib.jobs.pytorchjob_spec import _spec_errors, pod_template, resolved_nproc
-from llmft.components.lib.plan.schema import DEFAULT_RUNTIME
 from llmft.katib.k8s_names import RFC1035_LABEL, RFC1123_SUBDOMAIN
 from llmft.katib.trial_kinds import TRAINJOB_RESOURCE
 from llmft.trainer.command_line import format_overrides

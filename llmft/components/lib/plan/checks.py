@@ -16,10 +16,7 @@ from typing import Any
 
 from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.jobs.backends import BACKENDS, backend_for, is_backend
-from llmft.components.lib.jobs.katib_sweep import check_servable_ranks, check_trial_overrides
-from llmft.components.lib.plan.parameters import COMPILE_TIME_PARAMETERS, PipelineParameters
-from llmft.components.lib.plan.schema import (
+from llmft.components.lib.contracts.schema import (
     DATA_MOUNT,
     DEPLOY_MODES,
     KFP_POD_ENV,
@@ -28,8 +25,11 @@ from llmft.components.lib.plan.schema import (
     Resources,
     SecretMount,
 )
+from llmft.components.lib.contracts.volume_paths import check_path_component
+from llmft.components.lib.jobs.backends import BACKENDS, backend_for, is_backend
+from llmft.components.lib.jobs.katib_sweep import check_servable_ranks, check_trial_overrides
+from llmft.components.lib.plan.parameters import COMPILE_TIME_PARAMETERS, PipelineParameters
 from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS
-from llmft.components.lib.plan.volume_paths import check_path_component
 from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
@@ -237,13 +237,6 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
     if secret is not None and "MLFLOW_TRACKING_URI" in secret.keys:
         return True
     return not on_cluster and bool(environ.get("MLFLOW_TRACKING_URI"))
-
-
-NO_MLFLOW_REASON = (
-    "no MLflow server configured (mlflow_tracking_uri is empty and mlflow_secret names no Secret with the key "
-    "MLFLOW_TRACKING_URI); set either to track and register"
-)
-"""Why a run without MLflow registers nothing (the register step's registration.json, the summary)."""
 
 
 def check_serving(plan, config) -> str:

@@ -10,16 +10,11 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
+from llmft.components.lib.contracts.schema import NO_MLFLOW_REASON, RunPlan, write_plan
 from llmft.components.lib.jobs.trainjob_runtime import preflight_runtime
 from llmft.components.lib.plan.build import build_plan, write_run_config
-from llmft.components.lib.plan.checks import (
-    NO_MLFLOW_REASON,
-    check_runs_here,
-    preflight_secrets,
-    preflight_serving_namespace,
-)
+from llmft.components.lib.plan.checks import check_runs_here, preflight_secrets, preflight_serving_namespace
 from llmft.components.lib.plan.parameters import PipelineParameters
-from llmft.components.lib.plan.schema import RunPlan, write_plan
 from llmft.components.lib.plan.volume_access import check_volume_writable
 
 

@@ -267,6 +267,17 @@ class SweepPlan:
     """``<root>/sweeps/<experiment>``."""
 
 
+PROMOTED, NOT_PROMOTED = "promoted", "not promoted"
+"""The promote step's decision (its ``decision`` output): the steps after it run under one of the two
+(lib/plan/steps.py ``Step.branch``, the pipeline's ``dsl.If``)."""
+
+NO_MLFLOW_REASON = (
+    "no MLflow server configured (mlflow_tracking_uri is empty and mlflow_secret names no Secret with the key "
+    "MLFLOW_TRACKING_URI); set either to track and register"
+)
+"""Why a run without MLflow registers nothing (the register step's registration.json, the summary)."""
+
+
 @dataclass(frozen=True)
 class RegistryPlan:
     """Promote and register."""
@@ -278,7 +289,7 @@ class RegistryPlan:
     promote_margin: float
     promoted_dir: str
     promote_metric: str = "perplexity"
-    """What the promote gate, the best checkpoint and the champion follow (lib/evaluation/task_eval.py)."""
+    """What the promote gate, the best checkpoint and the champion follow (lib/contracts/metrics.py)."""
     enabled: bool = True
     """False: no MLflow server is configured (an empty mlflow_tracking_uri, no mlflow Secret with the key, and off a
     cluster no MLFLOW_TRACKING_URI): nothing is tracked or registered; register records "not registered", deploy
