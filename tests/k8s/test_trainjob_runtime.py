@@ -13,6 +13,7 @@ import yaml
 from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi, load_runtime, make_plan
 
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.jobs.trainjob_launch import run_trainjob
 from llmft.components.lib.jobs.trainjob_runtime import RBAC_FILES, preflight_runtime
 from llmft.components.lib.jobs.trainjob_spec import GROUP, PLURAL, VERSION
@@ -115,9 +116,12 @@ def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(cr
         run_trainjob(cluster, job, timeout_s=5, poll_s=0.01, print_fn=lambda _: None)
 
 
-def test_the_kubeflow_backend_reads_no_runtime(crd_dir):
+def test_the_pytorchjob_backend_reads_no_runtime(crd_dir):
+    """The preflight is the registry's (issue 48.2): only the trainjob entry has one, no backend name is compared."""
     cluster = _cluster(crd_dir, forbidden={"trainingruntimes", "clustertrainingruntimes"})
-    preflight_runtime(make_plan(training_backend="pytorchjob"), cluster)
+    plan = make_plan(training_backend="pytorchjob")
+    backend_for(plan.job.backend).check_preflight(plan, cluster)
+    assert backend_for("pytorchjob").preflight is None and backend_for("trainjob").preflight is preflight_runtime
     assert cluster.custom_api.calls == []
 
 

@@ -40,7 +40,11 @@ SERVING_MODES = ("auto", "lora", "merged")
 """auto: the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its base (the reason
 logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always the merged model
 (llmft/components/lib/serving/serving_form.py)."""
+CLUSTER_DEPLOY_MODES = ("kserve",)
+"""The deploy modes a cluster's pipeline image runs (the others need this machine's torch or vLLM: kfp.local)."""
 SWEEP_BACKENDS = ("katib", "local")
+CLUSTER_SWEEP_BACKENDS = ("katib",)
+"""The sweep backends that create cluster objects (a Katib Experiment): refused under kfp.local."""
 PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
 """Trainer keys the plan sets itself; ``finetune_overrides`` may not change them."""
 TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600

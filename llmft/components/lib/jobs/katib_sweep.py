@@ -58,8 +58,6 @@ DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "ev
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
-PYTORCHJOB_BACKEND = "pytorchjob"
-"""The backend whose trial a backend without Katib trials of its own gets (:func:`trial_backend`)."""
 
 
 SETTINGS_NOT_CARRIED = ("output_dir", "observe.mlflow_experiment")
@@ -130,10 +128,9 @@ def sweep_trial_job(
 
 
 def trial_backend(name: str) -> Backend:
-    """The backend whose job a Katib trial of a ``training_backend=name`` run is (the registry's); one that
-    runs no Katib trial (``local``: a kfp.local run sweeps with Optuna) gets the PyTorchJob's."""
-    backend = backend_for(name)
-    return backend if backend.trial_job is not None else backend_for(PYTORCHJOB_BACKEND)
+    """The backend whose job a Katib trial of a ``training_backend=name`` run is: the registry's explicit trial
+    policy (llmft/components/lib/jobs/backends.py ``Backend.katib_trials``); ConfigError for one without."""
+    return backend_for(name).trials_backend()
 
 
 def build_sweep_experiment(sweep, **job):

@@ -130,11 +130,8 @@ def check_runtime(backend, kind: str, name: str) -> None:
 
 
 def preflight_runtime(plan, cluster=None) -> None:
-    """The plan step, on a cluster with ``training_backend=trainjob``: :func:`check_runtime` with the
-    pipeline's service account, before any GPU is requested."""
-    if plan.job.backend != "trainjob":
-        return
-
+    """The trainjob backend's preflight (its registry entry, llmft/components/lib/jobs/backends.py): the plan step,
+    on a cluster, runs :func:`check_runtime` with the pipeline's service account, before any GPU is requested."""
     cluster = cluster or cluster_module.Cluster()
     check_runtime(sdk_backend(cluster), *parse_runtime_ref(plan.job.runtime))
 

@@ -17,6 +17,8 @@ from typing import Any
 from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.contracts.schema import (
+    CLUSTER_DEPLOY_MODES,
+    CLUSTER_SWEEP_BACKENDS,
     DATA_MOUNT,
     DEPLOY_MODES,
     KFP_POD_ENV,
@@ -99,23 +101,28 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
 
 
 def _check_cluster_only(p: PipelineParameters) -> None:
-    """`local` backends need torch and transformers, which the pipeline image lacks; and every
-    task mounts the volume at DATA_MOUNT."""
-    local = [("training_backend", p.training_backend, "pytorchjob")]
-    if p.serving_deploy:
-        local.append(("serving_deploy_mode", p.serving_deploy_mode, "kserve"))
-    for name, value, use in local:
-        if value in ("local", "vllm"):  # vllm: a vLLM server from the serving virtualenv of this machine
-            raise _fail(
-                name,
-                value,
-                f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
-                f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
-            )
+    """A training backend that runs in the step (the registry's ``needs_cluster`` false) and a deploy mode that
+    runs on this machine need torch, transformers or vLLM, which the pipeline image lacks; and every task mounts
+    the volume at DATA_MOUNT."""
+    backend = backend_for(p.training_backend)
+    if not backend.needs_cluster:
+        use = next(b.name for b in BACKENDS.values() if b.needs_cluster)
+        raise _runs_here_only("training_backend", backend.name, use)
+    if p.serving_deploy and p.serving_deploy_mode not in CLUSTER_DEPLOY_MODES:
+        raise _runs_here_only("serving_deploy_mode", p.serving_deploy_mode, CLUSTER_DEPLOY_MODES[0])
     if p.volume_path != DATA_MOUNT:
         raise _fail(
             "volume_path", p.volume_path, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
         )
+
+
+def _runs_here_only(name: str, value: str, use: str) -> ConfigError:
+    return _fail(
+        name,
+        value,
+        f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
+        f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
+    )
 
 
 def check_runs_here(plan) -> None:
@@ -131,12 +138,13 @@ def check_runs_here(plan) -> None:
             f"only on a cluster; this run is under kfp.local ({KFP_POD_ENV} is not set): use "
             f"training_backend={local}, or submit the pipeline to a cluster (llmft pipeline submit)",
         )
-    if plan.sweep is not None and plan.sweep.backend != "local":
+    if plan.sweep is not None and plan.sweep.backend in CLUSTER_SWEEP_BACKENDS:
         raise _fail(
             "hpo_backend",
             plan.sweep.backend,
             f"`{plan.sweep.backend}` creates a Katib Experiment, which runs only on a cluster; this run is under "
-            f"kfp.local ({KFP_POD_ENV} is not set): use hpo_backend=local",
+            f"kfp.local ({KFP_POD_ENV} is not set): use hpo_backend="
+            f"{next(b for b in SWEEP_BACKENDS if b not in CLUSTER_SWEEP_BACKENDS)}",
         )
 
 
@@ -271,12 +279,15 @@ def check_sweep(plan, max_lora_rank: int) -> None:
     sweep = plan.sweep
     if sweep.backend not in SWEEP_BACKENDS:
         raise _fail("hpo_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
-    if sweep.backend == "local" and plan.on_cluster:
+    if sweep.backend not in CLUSTER_SWEEP_BACKENDS and plan.on_cluster:
         raise _fail(
             "hpo_backend",
-            "local",
-            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use hpo_backend=katib",
+            sweep.backend,
+            f"`{sweep.backend}` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use "
+            f"hpo_backend={CLUSTER_SWEEP_BACKENDS[0]}",
         )
+    if sweep.backend in CLUSTER_SWEEP_BACKENDS:
+        backend_for(plan.job.backend).trials_backend()  # its explicit Katib trial policy: none is refused here
     spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
     if plan.serving.deploy and plan.trainer.method != "full" and plan.serving.serving_mode != "merged":
         check_servable_ranks(spec, max_lora_rank)  # auto too: the sweep's winner must not decide the serving form
