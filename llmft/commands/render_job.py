@@ -74,7 +74,7 @@ def render_job_and_config(
 
     training_backend = render_names()[backend]
     given = arguments.get("training_backend", training_backend)
-    if given != training_backend:
+    if backend_for(given).name != training_backend:  # an older name (kubeflow) means its backend
         raise ConfigError(f"training_backend={given} contradicts --backend {backend}; drop one of them")
     values = {**parameter_defaults(), **arguments, "training_backend": training_backend}
     pipeline = "llm-finetune-hpo" if hpo else "llm-finetune"

@@ -84,6 +84,11 @@ def test_the_older_name_kubeflow_still_means_a_pytorchjob(sim_volume):
     assert backend_for("kubeflow") is backend_for("pytorchjob")
     plan = sim_plan(sim_volume, training_backend="kubeflow")
     assert plan.job.backend == "pytorchjob"
+    from llmft.commands.render_job import render_job
+
+    arguments = {"training_backend": "kubeflow", "mlflow_tracking_uri": "http://mlflow.example:5000"}
+    body = render_job(arguments, "pytorchjob", run_id="RUN-ID", namespace=None, data="/data/tok")
+    assert body["kind"] == "PyTorchJob"  # not "training_backend=kubeflow contradicts --backend pytorchjob"
 
 
 def test_the_train_step_dispatches_to_a_registered_backend(toy, sim_volume, fake_cluster, monkeypatch):
