@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmft.pipelines.defaults import parse_arguments
+from llmft.trainer.data.remote import is_remote, shown_url, url_credentials
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import check_owned_file
 from llmft.trainer.mlflow_settings import redact_credentials
@@ -55,6 +56,12 @@ def refuse_credentials(arguments: Mapping[str, Any]) -> None:
                 "the KFP UI and the run's logs would show. Pass the URL alone and put the credentials in a "
                 "Kubernetes Secret (for MLflow: the mlflow_secret's MLFLOW_TRACKING_USERNAME and "
                 "MLFLOW_TRACKING_PASSWORD keys, deploy/secrets)"
+            )
+        if isinstance(value, str) and is_remote(value) and url_credentials(value):
+            raise ConfigError(
+                f"pipeline parameter `{name}`={shown_url(value)!r} carries {url_credentials(value)}, which the KFP UI "
+                "and the run's logs would show. Put the data in S3 (or an S3-compatible store) and pass "
+                "s3://bucket/key with s3_secret=<Secret with AWS_* keys>"
             )
 
 

@@ -28,6 +28,8 @@ def plan_run(
     dataset: str = "tatsu-lab/alpaca",
     dataset_format: str = "auto",
     dataset_split: str = "train",
+    dataset_config: str = "",
+    dataset_columns: str = "",
     val_fraction: float = 0.05,
     max_reject_fraction: float = 0.01,
     max_length: int = 2048,
@@ -64,6 +66,7 @@ def plan_run(
     hf_token_secret: str = "",
     mlflow_secret: str = "",
     langfuse_secret: str = "",
+    s3_secret: str = "",
     step_cpu: str = "1",
     step_memory: str = "2Gi",
     data_cpu: str = "4",
@@ -101,13 +104,17 @@ def plan_run(
     """Check every parameter, then write plan.json: what each later step does.
 
     None of the parameters is a secret: credentials come from the Kubernetes Secrets named by
-    hf_token_secret, mlflow_secret and langfuse_secret.
+    hf_token_secret, mlflow_secret, langfuse_secret and s3_secret.
 
     Args:
         model: Base model: a Hugging Face hub id or a directory on the volume.
-        dataset: Raw data: a hub dataset id or a file/folder on the volume.
+        dataset: Raw data: a hub dataset id, a file/folder on the volume, https://host/file.jsonl (.json, .csv,
+            .parquet), or s3://bucket/key.jsonl or s3://bucket/prefix/ (credentials: s3_secret).
         dataset_format: auto, messages (OpenAI chat), sharegpt, alpaca, prompt_completion or text.
         dataset_split: Split of a hub dataset to read.
+        dataset_config: Configuration (subset) of a hub dataset ('' = its default).
+        dataset_columns: The rows' columns as a format's fields, field:column pairs, e.g.
+            "prompt:question,completion:answer" ('' = the columns carry the fields' names).
         val_fraction: Fraction of accepted rows held out for validation (0 < f < 1).
         max_reject_fraction: Fail the prepare step when more rows than this fraction are rejected.
         max_length: Tokens per packed training sequence.
@@ -151,6 +158,9 @@ def plan_run(
             MLFLOW_TRACKING_URI, _USERNAME, _PASSWORD, _TOKEN ('' = none). Fixed when compiling (register mounts it).
         langfuse_secret: Secret with LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_HOST for the trainer's
             traces ('' = none). NAME or NAME:KEY,...
+        s3_secret: Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for an s3:// dataset ('' = none, or the
+            pod's IAM role). NAME or NAME:KEY,... adding AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL (MinIO, Ceph).
+            Fixed when compiling (prepare mounts it).
         step_cpu: CPU request and limit of the light steps (plan, train and sweep launchers, promote, register, deploy).
         step_memory: Memory request and limit of the light steps.
         data_cpu: CPU request and limit of prepare, tokenize and the serving-form step (which merges an adapter).

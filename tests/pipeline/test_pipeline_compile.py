@@ -24,7 +24,7 @@ from llmft.pipelines.llm_finetune import (
 )
 
 SECRET_LOOKING = re.compile(r"token|key|password|credential", re.IGNORECASE)
-SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret")
+SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "s3_secret")
 """Parameters that hold a Secret's name (never a credential)."""
 
 # The parameter lists, frozen: name -> (KFP type, default). Changing one is a user-facing change
@@ -34,6 +34,8 @@ FINETUNE_PARAMETERS = {
     "dataset": ("STRING", "tatsu-lab/alpaca"),
     "dataset_format": ("STRING", "auto"),
     "dataset_split": ("STRING", "train"),
+    "dataset_config": ("STRING", ""),
+    "dataset_columns": ("STRING", ""),
     "val_fraction": ("NUMBER_DOUBLE", 0.05),
     "max_reject_fraction": ("NUMBER_DOUBLE", 0.01),
     "max_length": ("NUMBER_INTEGER", 2048),
@@ -62,6 +64,7 @@ FINETUNE_PARAMETERS = {
     "hf_token_secret": ("STRING", ""),
     "mlflow_secret": ("STRING", ""),
     "langfuse_secret": ("STRING", ""),
+    "s3_secret": ("STRING", ""),
     "step_cpu": ("STRING", "1"),
     "step_memory": ("STRING", "2Gi"),
     "data_cpu": ("STRING", "4"),
@@ -129,6 +132,7 @@ def compiled_with_secrets(tmp_path_factory):
         "hf_token_secret=llmft-hf-token",
         "mlflow_secret=llmft-mlflow:MLFLOW_TRACKING_URI,MLFLOW_TRACKING_USERNAME,MLFLOW_TRACKING_PASSWORD",
         "langfuse_secret=llmft-langfuse",
+        "s3_secret=llmft-s3:AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,AWS_ENDPOINT_URL",
         "gpu_node_selector=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
         hpo=True,
     )
@@ -235,6 +239,7 @@ def test_named_secrets_are_mounted_exactly_where_needed_and_never_optional(compi
         "hf": {"llmft-hf-token": {"HF_TOKEN"}},
         "mlflow": {"llmft-mlflow": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}},
         "langfuse": {"llmft-langfuse": {"LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"}},
+        "s3": {"llmft-s3": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}},
     }
     expected = {task: {} for task in (*TASK_ORDER, "sweep-hyperparameters")}
     for task, kinds in TASK_SECRET_KINDS.items():
@@ -294,7 +299,7 @@ def test_the_parameter_lists_are_frozen_and_the_pipelines_agree(compiled, compil
     assert _parameters(spec) == FINETUNE_PARAMETERS
     hpo = _parameters(hpo_spec)
     assert set(hpo) == set(FINETUNE_PARAMETERS) | set(SWEEP_PARAMETERS)
-    compiled_here = {"hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector"}  # set when compiling
+    compiled_here = {*SECRET_NAME_PARAMETERS, "gpu_node_selector"}  # set when compiling
     assert {n: v for n, v in hpo.items() if n not in compiled_here} == {
         **{n: v for n, v in FINETUNE_PARAMETERS.items() if n not in compiled_here},
         **SWEEP_PARAMETERS,

@@ -120,7 +120,7 @@ def build_plan(
         serving=_serving_plan(p, layout, run_id, images, secrets),
         sweep=_sweep_plan(p, layout, run_id) if pipeline.endswith("-hpo") else None,
         evaluation=eval_plan(p, layout, os.environ if environ is None else environ),
-        task_secrets=tuple(s for s in (secrets["hf"], secrets["mlflow"], secrets["langfuse"]) if s is not None),
+        task_secrets=tuple(s for s in secrets.values() if s is not None),
         task_resources=checks.task_resources(p),
         parameters=p.as_dict(),
     )
@@ -154,6 +154,8 @@ def _data_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> DataPl
         dataset=p.dataset,
         format=p.dataset_format,
         split=p.dataset_split,
+        config=p.dataset_config,
+        columns=checks.check_dataset_columns(p),
         val_fraction=p.val_fraction,
         max_reject_fraction=p.max_reject_fraction,
         seed=p.seed,

@@ -26,6 +26,8 @@ class PipelineParameters:
     dataset: str = "tatsu-lab/alpaca"
     dataset_format: str = "auto"
     dataset_split: str = "train"
+    dataset_config: str = ""
+    dataset_columns: str = ""
     val_fraction: float = 0.05
     max_reject_fraction: float = 0.01
     max_length: int = 2048
@@ -62,6 +64,7 @@ class PipelineParameters:
     hf_token_secret: str = ""
     mlflow_secret: str = ""
     langfuse_secret: str = ""
+    s3_secret: str = ""
     step_cpu: str = "1"
     step_memory: str = "2Gi"
     data_cpu: str = "4"

@@ -45,7 +45,7 @@ PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "re
 """Trainer keys the plan sets itself; ``train_overrides`` may not change them."""
 SWEEP_PREFIX = "sweep_"
 """Parameters named ``sweep_*`` belong to the HPO pipeline only (the plain one leaves their defaults)."""
-COMPILED_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector")
+COMPILED_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "s3_secret", "gpu_node_selector")
 """Parameters the compiled YAML applies to the KFP tasks themselves: fixed at compile time."""
 TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
 """kfp.kubernetes.set_timeout of the train task: the job's own deadline (``job_timeout_s``) must end first."""
@@ -140,7 +140,7 @@ class SecretMount:
     """One Kubernetes Secret whose keys become environment variables of the same names."""
 
     kind: str
-    """hf, mlflow or langfuse (SECRET_KINDS)."""
+    """hf, mlflow, langfuse or s3 (SECRET_KINDS)."""
     name: str
     """The Secret's name."""
     keys: tuple[str, ...]
@@ -171,6 +171,10 @@ class DataPlan:
     packing: bool
     prepared_dir: str
     """Where prepare writes the validated JSONL."""
+    config: str = ""
+    """A hub dataset's configuration name ('' = its default)."""
+    columns: str = ""
+    """The column mapping, ``field:column,...`` (llmft/trainer/data/columns.py), checked by the plan step."""
 
 
 @dataclass(frozen=True)
