@@ -43,6 +43,13 @@ MLFLOW_EXPERIMENT = "llmft-local"
 """The experiment the local pipeline run uses (llmft/pipelines/defaults.py LOCAL_DEFAULTS)."""
 
 
+def shown(path) -> str:
+    """``path`` as the notebooks print it: relative to the checkout when inside it (the committed outputs then
+    name no one's home folder), else as it is."""
+    resolved = Path(os.path.abspath(path))  # links kept: .venv/bin/python stays in the checkout
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
 def param(name: str, default):
     """``LLMFT_NB_<NAME>`` from the environment, typed like ``default``."""
     raw = os.environ.get(f"LLMFT_NB_{name}")

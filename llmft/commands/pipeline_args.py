@@ -1,5 +1,7 @@
-"""What ``llmft pipeline`` and ``llmft pipeline render-job`` share: the pipeline function (imported
-on first use: kfp is heavy), its typed ``key=value`` arguments, and the ``--output`` check."""
+"""What ``llmft pipeline``'s command line (llmft/commands/pipeline.py) and its commands (pipeline_run.py,
+render_job.py) share: the pipeline function (imported on first use: kfp is heavy), its typed ``key=value``
+arguments, the ``--output`` check, and the names of the KFP client's environment variables. Nothing here
+imports a package of the ``pipeline`` extra at module level: ``llmft pipeline --help`` works without it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import check_owned_file
 from llmft.trainer.mlflow_settings import redact_credentials
 
+KF_SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
+KF_SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
+"""Where kfp.client's ServiceAccountTokenVolumeCredentials reads the token (kfp/client/__init__.py)."""
+UI_ENDPOINT_ENV = "KF_PIPELINES_UI_ENDPOINT"
+"""The KFP UI's address when it is not the API's (kfp 2.17.3 kfp/client/client.py line 165 reads it too)."""
 YAML_SUFFIXES = (".yaml", ".yml")
 """What KFP's compiler accepts as a package path (kfp/compiler/pipeline_spec_builder.py, write_pipeline_spec_to_file,
 about line 2303 in kfp 2.17)."""

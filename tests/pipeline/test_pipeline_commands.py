@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from llmft.cli import main
-from llmft.commands.pipeline import validate_cron
+from llmft.commands.pipeline_run import validate_cron
 from llmft.components.lib.summary import render_summary
 from llmft.trainer.errors import ConfigError
 
