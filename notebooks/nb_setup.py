@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 
@@ -30,6 +31,14 @@ def _repo_root() -> Path:
 REPO = _repo_root()
 if str(REPO) not in sys.path:  # the package is installed editable; this only helps a bare checkout
     sys.path.insert(0, str(REPO))
+
+os.chdir(REPO)  # run from the checkout, as make demo does: the converted real model is its .cache/real-model
+
+from llmft.trainer.quiet import quiet_known_noise  # noqa: E402 - after the path above
+
+quiet_known_noise()  # a notebook is an entry point too: the libraries' known noise stays out of its outputs
+os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs (tqdm >= 4.66 reads it)
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm.auto without ipywidgets: bars are off anyway
 
 WORK = Path(os.environ.get("LLMFT_NB_WORK_DIR") or REPO / "runs" / "notebooks").resolve()
 """Everything the notebooks write; notebooks 01, 03 and 04 share it."""
@@ -65,7 +74,7 @@ def save_figure(fig, name: str) -> Path:
     FIGURES.mkdir(parents=True, exist_ok=True)
     path = FIGURES / f"{name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    print(f"saved {path}")
+    print(f"saved {shown(path)}")
     return path
 
 

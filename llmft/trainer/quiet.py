@@ -3,8 +3,9 @@ is not preceded by warnings about things the user cannot change.
 
 Each entry is one message or logger of a named package and version, with why it is noise here. Nothing else is
 filtered: a new warning still shows. :func:`quiet_known_noise` is called by every entry point that may load these
-libraries: ``llmft`` (llmft/cli.py), ``python -m llmft.trainer`` (every rank), and the KFP components that load a
-model or a tracking client (evaluate, serving form, register); it imports none of them.
+libraries: ``llmft`` (llmft/cli.py), ``python -m llmft.trainer`` (every rank), the KFP components that load a
+model or a tracking client (evaluate, serving form, register, deploy) and the notebooks (notebooks/nb_setup.py); it
+imports none of them.
 """
 
 from __future__ import annotations
