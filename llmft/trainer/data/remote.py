@@ -39,7 +39,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from llmft.trainer.errors import ConfigError, DataError, TransientError
 from llmft.trainer.storage import DiskFullError, disk_fault, disk_fault_message, free_bytes, human
@@ -113,7 +113,7 @@ def url_credentials(url: str) -> str:
     parts = urlsplit(url)
     if parts.username or parts.password:
         return "a user name or password (user:password@)"
-    keys = [item.split("=", 1)[0].lower() for item in parts.query.split("&") if item]
+    keys = [key.lower() for key, _value in parse_qsl(parts.query, keep_blank_values=True)]
     signed = sorted({key for key in keys if key in SIGNED_QUERY_KEYS})
     return f"a signed query ({', '.join(signed)}: a presigned URL)" if signed else ""
 
