@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import ssl
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -109,6 +110,12 @@ class HttpsFiles:
     def __exit__(self, *_exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def fresh_bucket(stem: str) -> str:
+    """A bucket name no other test uses: moto keeps its buckets in process-wide state, so two servers started in one
+    pytest process see each other's objects."""
+    return f"{stem}-{uuid.uuid4().hex[:8]}"
 
 
 @contextmanager

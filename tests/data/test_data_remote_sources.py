@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 from data_helpers import read_jsonl
-from remote_servers import AWS_TEST_KEYS, QA_ROWS, HttpsFiles, put_objects, qa_csv, qa_jsonl, s3_env, s3_server
+from remote_servers import (
+    AWS_TEST_KEYS,
+    QA_ROWS,
+    HttpsFiles,
+    fresh_bucket,
+    put_objects,
+    qa_csv,
+    qa_jsonl,
+    s3_env,
+    s3_server,
+)
 
 pytestmark = pytest.mark.slow
 COLUMNS = "prompt:question,completion:answer"
@@ -123,12 +133,15 @@ def test_the_size_bound_stops_a_download_announced_or_not(https, tmp_path):
     assert unsized.returncode == 0, unsized.stderr
 
 
+BUCKET = fresh_bucket("team-data")
+
+
 @pytest.fixture(scope="module")
 def s3():
     with s3_server() as endpoint:
         put_objects(
             endpoint,
-            "team-data",
+            BUCKET,
             {
                 "qa/2026/part-0001.jsonl": qa_jsonl(QA_ROWS[:30]),
                 "qa/2026/part-0002.csv": qa_csv(QA_ROWS[30:]),
@@ -142,30 +155,30 @@ def s3():
 
 def test_an_s3_prefix_with_a_column_mapping_is_prepared(s3, tmp_path):
     out = tmp_path / "out"
-    run = prepare("s3://team-data/qa/2026/", out, "--columns", COLUMNS, env=s3_env(s3))
+    run = prepare(f"s3://{BUCKET}/qa/2026/", out, "--columns", COLUMNS, env=s3_env(s3))
     assert run.returncode == 0, run.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["source_kind"] == "s3" and report["accepted"] == len(QA_ROWS)
-    assert report["source_files"] == ["s3://team-data/qa/2026/part-0001.jsonl", "s3://team-data/qa/2026/part-0002.csv"]
+    assert report["source_files"] == [f"s3://{BUCKET}/qa/2026/part-0001.jsonl", f"s3://{BUCKET}/qa/2026/part-0002.csv"]
     written = everything_written(run, out)
     assert all(value not in written for value in AWS_TEST_KEYS.values())
-    assert "s3://team-data/qa/2026/" in run.stdout
+    assert f"s3://{BUCKET}/qa/2026/" in run.stdout
 
 
 def test_one_s3_object_and_the_errors_of_a_store(s3, tmp_path):
     env = s3_env(s3)
-    one = prepare("s3://team-data/one/qa.jsonl", tmp_path / "one", "--columns", COLUMNS, env=env)
+    one = prepare(f"s3://{BUCKET}/one/qa.jsonl", tmp_path / "one", "--columns", COLUMNS, env=env)
     assert one.returncode == 0, one.stderr
-    missing = prepare("s3://team-data/one/nope.jsonl", tmp_path / "missing", env=env)
+    missing = prepare(f"s3://{BUCKET}/one/nope.jsonl", tmp_path / "missing", env=env)
     assert missing.returncode == 1 and "not found" in missing.stderr
-    empty = prepare("s3://team-data/empty/", tmp_path / "empty", env=env)
+    empty = prepare(f"s3://{BUCKET}/empty/", tmp_path / "empty", env=env)
     assert empty.returncode == 1 and "no .jsonl/.json/.csv/.parquet objects under this prefix" in empty.stderr
     no_keys = {k: v for k, v in env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
     no_keys["AWS_SHARED_CREDENTIALS_FILE"] = no_keys["AWS_CONFIG_FILE"] = str(tmp_path / "none")
-    anonymous = prepare("s3://team-data/one/qa.jsonl", tmp_path / "anonymous", env=no_keys)
+    anonymous = prepare(f"s3://{BUCKET}/one/qa.jsonl", tmp_path / "anonymous", env=no_keys)
     assert anonymous.returncode == 1 and "no AWS credentials" in anonymous.stderr and "s3_secret" in anonymous.stderr
     down = prepare(
-        "s3://team-data/one/qa.jsonl", tmp_path / "down", env={**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+        f"s3://{BUCKET}/one/qa.jsonl", tmp_path / "down", env={**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
     )
     assert down.returncode == 200 and "did not answer" in down.stderr
     for run in (missing, empty, anonymous, down):

@@ -14,7 +14,16 @@ DATA_TESTS = Path(__file__).resolve().parents[1] / "data"
 if str(DATA_TESTS) not in sys.path:  # remote_servers.py: the loopback servers of the data tests
     sys.path.insert(0, str(DATA_TESTS))
 
-from remote_servers import AWS_TEST_KEYS, QA_ROWS, put_objects, qa_csv, qa_jsonl, s3_env, s3_server  # noqa: E402
+from remote_servers import (  # noqa: E402
+    AWS_TEST_KEYS,
+    QA_ROWS,
+    fresh_bucket,
+    put_objects,
+    qa_csv,
+    qa_jsonl,
+    s3_env,
+    s3_server,
+)
 
 SHORT_RUN = {
     "max_steps": 4,
@@ -31,18 +40,17 @@ SHORT_RUN = {
 def test_a_run_from_an_s3_prefix_with_mapped_columns_completes(tmp_path, tiny_model_dir, monkeypatch):
     from llmft.pipelines.local_run import run_pipeline_locally
 
+    bucket = fresh_bucket("team-data")
     with s3_server() as endpoint:
         put_objects(
-            endpoint,
-            "team-data",
-            {"qa/part-0.jsonl": qa_jsonl(QA_ROWS[:40]), "qa/part-1.csv": qa_csv(QA_ROWS[40:])},
+            endpoint, bucket, {"qa/part-0.jsonl": qa_jsonl(QA_ROWS[:40]), "qa/part-1.csv": qa_csv(QA_ROWS[40:])}
         )
         for name, value in s3_env(endpoint).items():  # kfp.local: the tasks inherit this environment
             monkeypatch.setenv(name, value)
         arguments = {
             **SHORT_RUN,
             "model": str(tiny_model_dir),
-            "dataset": "s3://team-data/qa/",
+            "dataset": f"s3://{bucket}/qa/",
             "dataset_columns": "prompt:question,completion:answer",
         }
         outcome = run_pipeline_locally(arguments, work_dir=tmp_path / "work")
@@ -50,7 +58,7 @@ def test_a_run_from_an_s3_prefix_with_mapped_columns_completes(tmp_path, tiny_mo
     assert outcome.succeeded, outcome.render(0) + log[-4000:]
     data = outcome.facts["data"]
     assert data["source_kind"] == "s3" and data["accepted"] == len(QA_ROWS) and data["format"] == "prompt_completion"
-    assert data["source_files"] == ["s3://team-data/qa/part-0.jsonl", "s3://team-data/qa/part-1.csv"]
+    assert data["source_files"] == [f"s3://{bucket}/qa/part-0.jsonl", f"s3://{bucket}/qa/part-1.csv"]
     assert outcome.facts["training"] and outcome.facts["evaluation"]["checkpoints"]
     assert all(value not in log for value in AWS_TEST_KEYS.values())
 
