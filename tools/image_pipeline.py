@@ -12,7 +12,7 @@ kfp.local's ``SubprocessRunner(use_venv=False)`` runs every task on ``sys.execut
 the way ``use_venv=True`` puts its venv's (``replace_python_executable``), and starts it with the image's
 environment, outside the checkout, with ``PYTHONSAFEPATH=1``: the installed wheel is what the task imports.
 The trainer processes the local backends start where a cluster starts trainer-image pods (``llmft train``
-of ``training_backend=local``, the trials of ``sweep_backend=local``) get the trainer image's Python
+of ``training_backend=local``, the trials of ``hpo_backend=local``) get the trainer image's Python
 (LLMFT_LOCAL_TRAINER_PYTHON, llmft/components/images.py).
 
 Cases (:data:`CASES`): the pipeline with the model as a directory on the volume (the plan step's
@@ -21,8 +21,8 @@ a hub id in the volume's hub cache (HF_HOME, filled offline), then ``llmft pipel
 both backends in the pipeline image with that hub id (image_check renders the base pipeline's jobs). The
 demo's inputs, fewer steps.
 
-Not covered: ``deploy_mode=local`` (it loads the model with transformers: a stand-in for KServe's runtime,
-whose image is KServe's), so the runs use ``deploy=false`` (the deploy step writes and checks the
+Not covered: ``serving_deploy_mode=local`` (it loads the model with transformers: a stand-in for KServe's runtime,
+whose image is KServe's), so the runs use ``serving_deploy=false`` (the deploy step writes and checks the
 InferenceService manifest); kfp.local ignores the Kubernetes settings (PVC, Secrets, resources).
 """
 
@@ -49,7 +49,12 @@ DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 """This process's variables a task never inherits (the image's environment sets its own venv)."""
 PLACEHOLDER_MLFLOW = "mlflow_tracking_uri=http://mlflow.invalid:5000"
 """render-job refuses to render without an MLflow server; any URL does (nothing is contacted)."""
-FAST_TRAINING = "save_every=4 eval_every=4 log_every=4 keep_last=2 batch.global_sequences=4 observe.progress_bar=false"
+FAST_TRAINING = {
+    "finetune_save_every": 4,
+    "finetune_eval_every": 4,
+    "finetune_batch_size": 4,
+    "finetune_overrides": "log_every=4 keep_last=2 observe.progress_bar=false",
+}
 
 
 class PipelineCheckFailed(RuntimeError):
@@ -70,17 +75,17 @@ class Case:
 
 
 CASES = (
-    Case("model-directory", hpo=False, hub=False, overrides={"max_steps": 8, "deploy": False}),
+    Case("model-directory", hpo=False, hub=False, overrides={"finetune_max_steps": 8, "serving_deploy": False}),
     Case(
         "hub-id-sweep",
         hpo=True,
         hub=True,
         overrides={
-            "model": HUB_ID,
-            "max_steps": 8,
-            "deploy": False,
-            "sweep_max_trials": 1,  # one trial runs the sweep step and its trainer process; more add time only
-            "sweep_trial_overrides": (
+            "base_model": HUB_ID,
+            "finetune_max_steps": 8,
+            "serving_deploy": False,
+            "hpo_max_trials": 1,  # one trial runs the sweep step and its trainer process; more add time only
+            "hpo_trial_overrides": (
                 "max_steps=2 eval_every=2 log_every=2 batch.global_sequences=4 eval.max_sequences=8 "
                 "observe.progress_bar=false observe.tensorboard=false"
             ),
@@ -220,13 +225,11 @@ def run_case(case: Case, envs: Mapping[str, Mapping[str, str]], work: Path, run:
     work.mkdir(parents=True)
     data_root = work / "data"
     prepare_volume(case, data_root)
-    defaults = {**(HPO_LOCAL_DEFAULTS if case.hpo else {}), "train_overrides": FAST_TRAINING}
+    defaults = {**(HPO_LOCAL_DEFAULTS if case.hpo else {}), **FAST_TRAINING}
     record: list[TaskRecord] = []
     started = time.monotonic()
     with tasks_in_images(image_task_handler(envs, work, record)):
-        outcome = run_pipeline_locally(
-            case.overrides, work_dir=work, pipeline=pipeline_of(case), extra_defaults=defaults
-        )
+        outcome = run_pipeline_locally(case.overrides, work_dir=work, hpo=case.hpo, extra_defaults=defaults)
     for task in record:
         log(f"  {task.function:<32} exit {task.exit_code}  {role_name(task.python, envs)} image ({task.python})")
     if not outcome.succeeded:
@@ -236,16 +239,6 @@ def run_case(case: Case, envs: Mapping[str, Mapping[str, str]], work: Path, run:
     log(f"  {case.name}: {len(record)} tasks in their images, {time.monotonic() - started:.0f} s")
     if case.render:
         render_jobs(case, outcome.arguments, envs["pipeline"], work, run, log)
-
-
-def pipeline_of(case: Case):
-    if case.hpo:
-        from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline  # heavy: kfp
-
-        return llm_finetune_hpo_pipeline
-    from llmft.pipelines.llm_finetune import llm_finetune_pipeline  # heavy: kfp
-
-    return llm_finetune_pipeline
 
 
 def role_name(python: str, envs: Mapping[str, Mapping[str, str]]) -> str:
@@ -260,14 +253,14 @@ def check_plan_log(case: Case, log_path: Path) -> None:
 
 def render_jobs(case: Case, arguments: Mapping, env: Mapping[str, str], work: Path, run: Runner, log) -> None:
     """``llmft pipeline render-job`` for both backends in the pipeline image, with the run's model where a
-    cluster has it (the volume mounted at /data, render-job's only data_root; a hub id as it is)."""
-    model = str(arguments["model"])
+    cluster has it (the volume mounted at /data, render-job's only volume path; a hub id as it is)."""
+    model = str(arguments["base_model"])
     if not case.hub:
-        model = DATA_MOUNT + "/" + str(Path(model).relative_to(arguments["data_root"]))
+        model = DATA_MOUNT + "/" + str(Path(model).relative_to(arguments["volume_path"]))
     for backend in ("pytorchjob", "trainjob"):
         output = work / f"render-{backend}.yaml"
         argv = ["llmft", "pipeline", "render-job", "--backend", backend, "--output", str(output)]
-        argv += [f"model={model}", PLACEHOLDER_MLFLOW, *(["--hpo"] if case.hpo else [])]
+        argv += [f"base_model={model}", PLACEHOLDER_MLFLOW, *(["--hpo"] if case.hpo else [])]
         out = run(argv, env=env, cwd=work, what=f"{case.name}: render-job {backend} in the pipeline image")
         log("    " + out.strip())
 

@@ -6,10 +6,12 @@ This module is the command line only: it imports nothing of the ``pipeline`` ext
 in llmft/commands/pipeline_run.py and llmft/commands/render_job.py, imported when one runs; without the extra,
 that is one line naming the package and the extra (exit 1).
 
-Every command takes pipeline parameters as ``key=value`` (typed by the plan component's signature).
-``compile`` makes them the compiled pipeline's defaults; ``submit`` and ``schedule`` pass them as
-the run's arguments and compile with them too, so the parameters the pipeline's own tasks apply
-(the Secrets, gpu_node_selector) mount what the run names.
+Every command takes pipeline parameters as ``key=value`` (typed by their declarations,
+llmft/components/lib/plan/parameters.py; an older name still works, with a note). ``compile`` makes them the
+compiled pipeline's defaults; ``submit`` and ``schedule`` compile with them too and pass the run parameters
+among them as the run's arguments, so the parameters the pipeline's own tasks apply (hf_token_secret,
+mlflow_secret, langfuse_secret, s3_secret, gpu_node_selector: never run parameters) mount what the command names.
+``--minimal`` picks the minimal form (a few run parameters; the others are compiled in).
 
 ``submit``, ``wait`` and ``schedule`` reach a KFP API behind Kubeflow's auth proxy with a bearer token
 (``--token-file`` / ``--token-env``), a browser's session cookie (``--cookie-file`` /
@@ -25,6 +27,7 @@ import importlib.util
 from types import ModuleType
 
 from llmft.commands.pipeline_args import KF_SA_TOKEN_ENV, KF_SA_TOKEN_PATH, UI_ENDPOINT_ENV
+from llmft.components.lib.plan.forms import Form
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.failures import Teller, missing_package
 
@@ -123,8 +126,9 @@ def _add_compile(sub) -> None:
         "arguments",
         nargs="*",
         metavar="key=value",
-        help="parameter defaults of the compiled pipeline (e.g. "
-        "mlflow_secret=llmft-mlflow); Secrets and gpu_node_selector are fixed here",
+        help="parameter values of the compiled pipeline: run parameters' defaults, and the values it compiles in "
+        "(e.g. mlflow_secret=llmft-mlflow: Secrets and gpu_node_selector are fixed here; with --minimal every "
+        "parameter but its eleven)",
     )
     compile_.add_argument(
         "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
@@ -133,6 +137,7 @@ def _add_compile(sub) -> None:
         "--force", action="store_true", help="replace a file (or symlink) at --output that llmft did not write"
     )
     compile_.add_argument("--hpo", action="store_true", help="compile llm_finetune_hpo_pipeline (Katib sweep) instead")
+    compile_.add_argument("--minimal", action="store_true", help=MINIMAL_HELP)
     compile_.set_defaults(func=_later("pipeline_run", "run_compile"))
 
 
@@ -140,13 +145,17 @@ def _add_run_local(sub) -> None:
     local = sub.add_parser(
         "run-local",
         help="run the whole pipeline here with kfp.local (CPU): by default the real SmolLM2-135M-Instruct learns "
-        "three made-up facts (short profile, `make demo`), scored base against adapter on held-out questions",
+        "three made-up facts (short profile, `make demo`), scored base against adapter on held-out questions; "
+        "shows the running task's progress line; SIGTERM stops the running task (exit 143)",
     )
-    local.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. max_steps=40)")
+    local.add_argument(
+        "arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. finetune_max_steps=40)"
+    )
     local.add_argument(
         "--work-dir",
         default=None,
-        help="work folder (default runs/pipeline-local; --real: runs/pipeline-real; --tiny: runs/pipeline-tiny)",
+        help="work folder, one run at a time (default runs/pipeline-local; --real: runs/pipeline-real; --tiny: "
+        "runs/pipeline-tiny)",
     )
     local.add_argument(
         "--verbose", action="store_true", help="show every task's full log, not just progress (always in the log)"
@@ -209,7 +218,9 @@ def _add_render_job(sub) -> None:
     render = sub.add_parser(
         "render-job", help="write the PyTorchJob or TrainJob the train step would submit (for review)"
     )
-    render.add_argument("arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. num_workers=2)")
+    render.add_argument(
+        "arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. training_workers=2)"
+    )
     choices = _render_backends()
     render.add_argument(
         "--backend",
@@ -226,7 +237,7 @@ def _add_render_job(sub) -> None:
     render.add_argument("--run-id", default="RUN-ID", help="KFP run id the job name derives from (default RUN-ID)")
     render.add_argument("--namespace", default=None, help="namespace to set on the job (default: none)")
     render.add_argument(
-        "--data", default=None, help="tokenized shards the trainer reads (default <data_root>/tokenized/CACHE_KEY)"
+        "--data", default=None, help="tokenized shards the trainer reads (default /data/tokenized/CACHE_KEY)"
     )
     render.add_argument("--hpo", action="store_true", help="take the HPO pipeline's parameters")
     render.set_defaults(func=_later("render_job", "run_render_job"))
@@ -261,6 +272,7 @@ def _connection_arguments(parser: argparse.ArgumentParser, *, parameters: bool) 
         parser.add_argument("--experiment", default="llm-finetune", help="KFP experiment name")
         parser.add_argument("--service-account", default=None, help="service account the run's pods use")
         parser.add_argument("--hpo", action="store_true", help="use llm_finetune_hpo_pipeline (Katib sweep)")
+        parser.add_argument("--minimal", action="store_true", help=MINIMAL_HELP)
     auth = parser.add_argument_group(
         "authentication behind Kubeflow's auth proxy (secrets are read from a variable or a file, never taken "
         "on the command line, and never printed)"
@@ -301,3 +313,9 @@ def _wait_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"seconds between two looks at the run (default {DEFAULT_POLL_S:g})",
     )
+
+
+MINIMAL_HELP = (
+    f"the minimal form: run parameters {', '.join(p.name for p in Form(minimal=True).offered())} only; every other "
+    "value compiled in (docs/pipeline-parameters.md)"
+)

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+from llmft.components.lib.plan.forms import Form
 from llmft.pipelines.defaults import parse_arguments
 from llmft.trainer.data.remote import is_remote, shown_url, url_credentials
 from llmft.trainer.errors import ConfigError
@@ -25,29 +26,27 @@ YAML_SUFFIXES = (".yaml", ".yml")
 about line 2303 in kfp 2.17)."""
 
 
-def load_pipeline(hpo: bool, defaults: dict | None = None, *, local: bool = False):
-    """The pipeline (GraphComponent); with ``defaults``, built with them as parameter defaults; ``local``: the
-    one kfp.local runs, without retries (llmft/pipelines/llm_finetune.py ``local_pipeline``)."""
+def command_form(args: argparse.Namespace) -> Form:
+    """The pipeline form a command works on: ``--hpo``, ``--minimal`` (compile, submit, schedule)."""
+    return Form(hpo=bool(getattr(args, "hpo", False)), minimal=bool(getattr(args, "minimal", False)))
+
+
+def load_pipeline(form: Form, defaults: dict | None = None):
+    """The pipeline (GraphComponent) of ``form``, built with ``defaults`` as its compiled values."""
 
     try:
         # heavy: kfp, kubeflow_katib_api, pydantic
-        from llmft.pipelines.llm_finetune import build_pipeline, llm_finetune_pipeline, local_pipeline
-
-        # heavy: kfp, kubeflow_katib_api, pydantic
-        from llmft.pipelines.llm_finetune_hpo import llm_finetune_hpo_pipeline
+        from llmft.pipelines.llm_finetune import build_pipeline
     except ImportError as exc:
         raise ConfigError(f"cannot import the pipelines ({exc}); install the `pipeline` extra") from None
-    if local:
-        return local_pipeline(hpo=hpo, defaults=defaults)
-    if defaults:
-        return build_pipeline(hpo=hpo, defaults=defaults)
-    return llm_finetune_hpo_pipeline if hpo else llm_finetune_pipeline
+    return build_pipeline(hpo=form.hpo, minimal=form.minimal, local=form.local, defaults=defaults)
 
 
-def typed_arguments(args: argparse.Namespace) -> dict:
-    """The ``key=value`` arguments, typed by the pipeline's parameters."""
+def typed_arguments(args: argparse.Namespace, form: Form | None = None) -> dict:
+    """The ``key=value`` arguments, typed by the parameters' declarations (older names renamed), checked
+    against the command's pipeline form."""
 
-    arguments = parse_arguments(args.arguments, load_pipeline(args.hpo))
+    arguments = parse_arguments(args.arguments, form or command_form(args))
     refuse_credentials(arguments)
     return arguments
 

@@ -30,10 +30,12 @@ from llmft.commands.pipeline_args import (
     KF_SA_TOKEN_PATH,
     UI_ENDPOINT_ENV,
     check_yaml_output,
+    command_form,
     load_pipeline,
     typed_arguments,
 )
 from llmft.commands.pipeline_wait import RunLink, run_url, wait_for_run
+from llmft.components.lib.plan.forms import Form
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.pipelines.defaults import (
     DEFAULT_WORK_DIR,
@@ -41,6 +43,7 @@ from llmft.pipelines.defaults import (
     REAL_LOCAL_DEFAULTS,
     REAL_WORK_DIR,
     TINY_WORK_DIR,
+    run_arguments,
 )
 from llmft.pipelines.local_run import run_pipeline_locally
 from llmft.pipelines.real_demo import heldout_report, learning_report, merged_answers
@@ -101,7 +104,7 @@ def run_compile(args: argparse.Namespace) -> int:
     from kfp import compiler
 
     check_yaml_output(args.output, force=args.force)
-    pipeline = load_pipeline(args.hpo, typed_arguments(args))
+    pipeline = load_pipeline(command_form(args), typed_arguments(args))
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "pipeline.yaml"
         compiler.Compiler().compile(pipeline, package_path=str(package))
@@ -167,14 +170,14 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    arguments = typed_arguments(args)
-    pipeline = load_pipeline(args.hpo, arguments)
+    arguments, form = typed_arguments(args), command_form(args)
+    pipeline = load_pipeline(form, arguments)
     client = _client(args)
     result = _api_call(
         args,
         client.create_run_from_pipeline_func,
         pipeline,
-        arguments=arguments,
+        arguments=run_arguments(arguments, form),
         run_name=args.run_name,
         experiment_name=args.experiment,
         namespace=args.namespace,
@@ -227,8 +230,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     from kfp import compiler
 
     cron = validate_cron(args.cron)
-    arguments = typed_arguments(args)
-    pipeline = load_pipeline(args.hpo, arguments)
+    arguments, form = typed_arguments(args), command_form(args)
+    pipeline = load_pipeline(form, arguments)
     client = _client(args)
     experiment = _api_call(args, client.create_experiment, args.experiment, namespace=args.namespace)
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,7 +245,7 @@ def run_schedule(args: argparse.Namespace) -> int:
             cron_expression=cron,
             max_concurrency=args.max_concurrency,
             no_catchup=True,
-            params=arguments,
+            params=run_arguments(arguments, form),
             pipeline_package_path=package,
             enable_caching=False,
             service_account=args.service_account,
@@ -252,7 +255,6 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    pipeline = load_pipeline(args.hpo, local=True)
     extra_defaults: dict = {}
     if args.hpo:
         # heavy: kfp, kubeflow_katib_api, pydantic
@@ -264,16 +266,19 @@ def run_local(args: argparse.Namespace) -> int:
         extra_defaults = {**extra_defaults, **REAL_LOCAL_DEFAULTS}
     elif not tiny:
         extra_defaults = {**extra_defaults, **DEMO_DEFAULTS}
-    overrides = typed_arguments(args)
+    overrides = typed_arguments(args, Form(hpo=args.hpo, local=True))
     started = time.perf_counter()
     outcome = run_pipeline_locally(
         overrides,
         work_dir=args.work_dir or (REAL_WORK_DIR if real else TINY_WORK_DIR if tiny else DEFAULT_WORK_DIR),
         verbose=args.verbose,
-        pipeline=pipeline,
+        hpo=args.hpo,
         extra_defaults=extra_defaults,
     )
     print(outcome.render(time.perf_counter() - started))
+    if outcome.stopped_by:
+        print(f"error: {outcome.failure_line()}", file=sys.stderr)
+        return 128 + outcome.stopped_by
     if not outcome.succeeded:
         print(f"error: {outcome.failure_line()}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ import yaml
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
 from llmft.components.lib.jobs.backends import backend_for, render_names
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.plan.parameters import parameter_defaults
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import config_to_yaml
 from llmft.trainer.errors import ConfigError
@@ -46,9 +47,6 @@ def render_job_and_config(
 
     # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.checks import compiled_settings
-
-    # heavy: kfp
-    from llmft.components.plan import parameter_defaults
 
     training_backend = render_names()[backend]
     given = arguments.get("training_backend", training_backend)

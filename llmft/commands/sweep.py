@@ -10,8 +10,9 @@
   max_failed_trials, resume_policy, early_stopping, seed, ...; the search space as
   ``space.<param>.<field>=<value>`` (e.g. ``space.lora_r.values=8,16``, ``space.warmup_ratio=off``);
 - the trial job (create only): ``data`` (tokenized shards on the PVC) and the pipeline parameters of
-  the training job (JOB_PARAMETERS: model, method, pvc_name, num_workers, gpus_per_worker, worker_cpu,
-  worker_memory, gpu_node_selector, trainer_image (or image), data_root, the Secrets, ...), built by the
+  the training job (JOB_PARAMETERS: base_model, finetune_method, volume_pvc_name, training_workers,
+  training_gpus_per_worker, training_cpu, training_memory, gpu_node_selector, training_image (or image),
+  volume_path, the Secrets, ...; their older names work too), built by the
   plan's own ``job_plan`` from the pipeline's defaults;
 - fixed trainer settings of every trial: ``train.<key>=<value>`` (e.g. ``train.max_steps=300``).
 
@@ -28,7 +29,8 @@ from pathlib import Path
 
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.forms import rename_note
+from llmft.components.lib.plan.parameters import OLD_NAMES, PipelineParameters, parameter_defaults
 from llmft.components.lib.plan.schema import DataLayout, Images
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import check_k8s_name
@@ -42,16 +44,16 @@ from llmft.trainer.io import is_complete, write_owned_file
 from llmft.trainer.tiny_model import build_tiny_model
 
 JOB_PARAMETERS = (
-    "model",
-    "method",
-    "pvc_name",
-    "num_workers",
-    "gpus_per_worker",
-    "worker_cpu",
-    "worker_memory",
+    "base_model",
+    "finetune_method",
+    "volume_pvc_name",
+    "training_workers",
+    "training_gpus_per_worker",
+    "training_cpu",
+    "training_memory",
     "gpu_node_selector",
-    "trainer_image",
-    "data_root",
+    "training_image",
+    "volume_path",
     "mlflow_experiment",
     "mlflow_tracking_uri",
     "hf_token_secret",
@@ -61,7 +63,8 @@ JOB_PARAMETERS = (
     "training_runtime",
 )
 """Pipeline parameters `llmft sweep create` accepts for the trial job (defaults: the pipeline's)."""
-ALIASES = {"image": "trainer_image"}
+ALIASES = {"image": "training_image"} | {old: new for old, new in OLD_NAMES.items() if new in JOB_PARAMETERS}
+"""Other names of the job settings: ``image``, and the pipeline parameters' older names (with a note)."""
 TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "katib" / "experiment_template.yaml"  # llmft/katib
 # The settings llmft/katib/experiment_template.yaml was rendered from (a test keeps the two equal).
 TEMPLATE_ARGS = (
@@ -156,6 +159,8 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
             key, value = split_assignment(item, "max_trials=8")
         except ConfigError as exc:
             raise SweepError(str(exc)) from None
+        if key in OLD_NAMES and ALIASES.get(key) == OLD_NAMES[key]:
+            print(f"note: {rename_note(key)}", file=sys.stderr)
         key = ALIASES.get(key, key)
         if key.startswith("train."):
             train.append(f"{key[6:]}={value}")
@@ -176,9 +181,6 @@ def trial_job(settings: dict, name: str):
     # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
 
-    # heavy: kfp
-    from llmft.components.plan import parameter_defaults
-
     defaults = parameter_defaults()
     values = dict(defaults)
     for key, raw in settings.items():
@@ -188,9 +190,9 @@ def trial_job(settings: dict, name: str):
         except ValueError:
             raise SweepError(f"{key}={raw}: expected {kind.__name__}") from None
     p = PipelineParameters.from_values(values)
-    images = Images(trainer=check_image(p.trainer_image), serving_runtime=p.serving_runtime)
+    images = Images(trainer=check_image(p.training_image), serving_runtime=p.serving_runtime)
     secrets = {kind: parse_secret(kind, getattr(p, param)) for kind, param in SECRET_PARAMETERS.items()}
-    return job_plan(p, DataLayout(p.data_root), name, images, secrets), p
+    return job_plan(p, DataLayout(p.volume_path), name, images, secrets), p
 
 
 def build_from_settings(items: list[str]):
@@ -211,7 +213,7 @@ def build_from_settings(items: list[str]):
     fixed = dict(override_pairs((*DEFAULT_TRIAL_OVERRIDES, *train)))  # a later key wins
     data = job.pop("data", "")
     plan_job, p = trial_job(job, spec.name)
-    config = trainer_plan(p, DataLayout(p.data_root), spec.name).config
+    config = trainer_plan(p, DataLayout(p.volume_path), spec.name).config
     return build_sweep_experiment(
         spec,
         job=plan_job,

@@ -21,8 +21,8 @@ def evaluate_perplexity(
 
     Uses the trainer's own token-weighted evaluation on the validation split, so the
     numbers match the ``eval_loss=`` / ``perplexity=`` lines the trainer prints. Then the plan's
-    ``eval_tasks`` on each model over the same load of the base (llmft/components/lib/evaluation/task_eval.py):
-    ``heldout`` answers up to ``eval_max_questions`` questions greedily (exact match, contains, token F1;
+    ``promote_eval_tasks`` on each model over the same load of the base (llmft/components/lib/evaluation/task_eval.py):
+    ``heldout`` answers up to ``promote_eval_max_questions`` questions greedily (exact match, contains, token F1;
     evaluation.json's ``generations`` keeps the per-question table); shipped lm-eval tasks run offline.
     The best checkpoint is the best by ``promote_metric``.
 
@@ -30,6 +30,9 @@ def evaluate_perplexity(
     previous champion (MLflow alias ``champion``) and the best checkpoint then answer a fixed
     prompt set from the validation split, recorded as Langfuse dataset runs with scores
     (llmft/components/lib/evaluation/comparison.py); evaluation.json's ``langfuse`` section links them.
+
+    With MLflow configured, the numbers (base and every checkpoint, by step) and both files go to the pipeline
+    run's ``evaluate-<run_id>`` child run (llmft/components/lib/registry/lineage.py).
 
     Outputs: ``evaluation`` (evaluation.json, read by the promote step), ``report`` (an HTML
     page with the loss and perplexity plot embedded as a PNG, shown in the KFP UI) and
@@ -97,5 +100,8 @@ def evaluate_perplexity(
     evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
     for name, value in kfp_metrics(result).items():
         metrics.log_metric(name, value)
+    from llmft.components.lib.registry.lineage import record_evaluation  # MLflow: the pipeline run's evaluate child
+
+    record_evaluation(run_plan, result, (os.path.join(evaluation.path, "evaluation.json"), report.path))
     best = next(c for c in result["checkpoints"] if c["name"] == result["best"])
     print(f"base perplexity {result['base']['perplexity']:.4f}; best {best['name']} {best['perplexity']:.4f}")

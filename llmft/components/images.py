@@ -118,7 +118,7 @@ def dockerfile_roles() -> dict[str, str]:
 
 def local_trainer_python() -> str:
     """The Python of the trainer processes the local backends start (``training_backend=local``,
-    ``sweep_backend=local``: kfp.local only) where a cluster starts trainer-image pods: this process's,
+    ``hpo_backend=local``: kfp.local only) where a cluster starts trainer-image pods: this process's,
     unless LLMFT_LOCAL_TRAINER_PYTHON names the trainer image's (tools/image_pipeline.py sets it, so a
     pipeline-image step never trains on its own torch-less Python)."""
     return os.environ.get(LOCAL_TRAINER_PYTHON_ENV, "").strip() or sys.executable

@@ -18,7 +18,7 @@ def prepare_dataset(
     The dataset (hub id, a file/folder on the volume, an https:// file or s3:// objects fetched into the
     folder being written, with the s3 Secret's AWS_* keys) is converted to the canonical schema, its columns
     renamed by ``dataset_columns``, under ``<data_root>/datasets/<run_id>``; rows that fail validation go to
-    rejects.jsonl, and the step fails when more than ``max_reject_fraction`` of them are rejected.
+    rejects.jsonl, and the step fails when more than ``dataset_max_reject_fraction`` of them are rejected.
 
     Outputs: ``prepared`` (report.json; metadata ``path`` = the folder on the volume) and
     ``metrics`` (rows accepted and rejected).

@@ -15,7 +15,7 @@ def choose_serving_form(
     """Decide the serving form by the plan's ``serving_mode`` and, for ``merged``, merge the adapter.
 
     The servability check says whether vLLM can load the adapter as a LoRA module (no DoRA, no
-    ``modules_to_save``, rank within ``max_lora_rank``, target modules vLLM has LoRA layers for).
+    ``modules_to_save``, rank within ``serving_max_lora_rank``, target modules vLLM has LoRA layers for).
     ``auto``: LoRA when it can, else merged, with the reason logged; ``lora``: an adapter vLLM refuses
     fails the step; ``merged``: always merged. The merge is ``llmft export --merge`` (bf16, streamed
     shard by shard: about 2 GiB of memory, 2 bytes per parameter on the volume) into

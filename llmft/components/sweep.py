@@ -20,11 +20,11 @@ def sweep_hyperparameters(
 ) -> str:
     """Search the training hyperparameters on the tokenized shards; return the best ``key=value`` pairs.
 
-    ``sweep_backend=katib`` creates a Katib Experiment (trials are the plan's PyTorchJob running
+    ``hpo_backend=katib`` creates a Katib Experiment (trials are the plan's PyTorchJob running
     ``llmft train`` on the existing shards; objective: minimize ``eval_loss``), waits for it, and
     reads its optimal trial. ``local`` (kfp.local only) runs the same search space with Optuna,
-    trials in sequence in this process. ``sweep_overrides`` edits the search
-    (``space.lora_r.values=8,16``); ``sweep_trial_overrides`` are fixed trainer settings of every
+    trials in sequence in this process. ``hpo_overrides`` edits the search
+    (``space.lora_r.values=8,16``); ``hpo_trial_overrides`` are fixed trainer settings of every
     trial (``max_steps=200 eval_every=25``). With MLflow configured the sweep is a parent run
     and every trial a child run.
 

@@ -16,7 +16,7 @@ def tokenize_dataset(
     """Apply the model's chat template, mask the loss to assistant tokens, pack, and shard.
 
     The shards land in ``<data_root>/tokenized/<cache_key>``, where the key hashes the data,
-    the tokenizer files, the chat template, ``max_length`` and packing: a rerun of the
+    the tokenizer files, the chat template, ``finetune_max_length`` and packing: a rerun of the
     pipeline (or a Katib trial) with the same inputs reuses them without re-tokenizing.
 
     Outputs: ``tokenized`` (manifest.json; metadata ``path``, ``cache_key``, ``cache_hit``)

@@ -4,10 +4,10 @@ The local run uses the same pipeline as a cluster, with arguments that fit a 2-c
 the project's tiny model (built offline into the work folder), the sample data shipped
 in the package, MLflow on a SQLite file in the work folder, the ``local`` training backend
 (``llmft train`` as a subprocess of the train step) and the ``local`` deploy mode (manifest +
-generation check with transformers); ``deploy_mode=vllm`` serves the manifest's model(s) with a real vLLM
-from the serving virtualenv instead (``make serving-venv``; llmft/components/lib/serving/vllm_local.py). The parameters
-themselves (names, types, defaults) are the plan component's signature (llmft/components/plan.py);
-:func:`parse_arguments` types ``key=value`` by it.
+generation check with transformers); ``serving_deploy_mode=vllm`` serves the manifest's model(s) with a real vLLM
+from the serving virtualenv instead (``make serving-venv``; llmft/components/lib/serving/vllm_local.py). The
+parameters themselves (names, types, defaults, forms) are declared once (llmft/components/lib/plan/parameters.py);
+:func:`parse_arguments` types ``key=value`` by that declaration, for the pipeline form a command uses.
 
 Work folder layout (default ``runs/pipeline-local``)::
 
@@ -20,9 +20,11 @@ Work folder layout (default ``runs/pipeline-local``)::
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.plan.forms import Form, form_parameter, rename_note, renamed
 from llmft.trainer.assets.sample_data.generate_facts import PROBES
 from llmft.trainer.config_load import parse_bool, split_assignment
 from llmft.trainer.data.samples import sample_path
@@ -31,39 +33,39 @@ from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
 from llmft.trainer.tiny_model import build_tiny_model
 
 TINY_MODEL = "tiny"
-"""Value of ``model`` that makes run-local build and use the project's tiny model."""
+"""Value of ``base_model`` that makes run-local build and use the project's tiny model."""
 SAMPLE_DATASET = "sample:alpaca_demo"
 """Value of ``dataset`` that run-local resolves to the sample shipped in llmft/trainer/assets."""
 DEFAULT_WORK_DIR = "runs/pipeline-local"
 REAL_WORK_DIR = "runs/pipeline-real"
 
 LOCAL_DEFAULTS: dict[str, Any] = {
-    "model": TINY_MODEL,
+    "base_model": TINY_MODEL,
     "dataset": SAMPLE_DATASET,
-    "max_length": 256,
-    "method": "lora",
-    "lora_r": 8,
-    "lora_alpha": 16.0,
-    "lora_dropout": 0.0,
-    "learning_rate": 5e-3,
-    "max_steps": 64,  # about 2.7 epochs of the sample; 3e-3 x 24 steps reached perplexity 740, this 624
-    "train_overrides": (
-        "save_every=16 eval_every=16 log_every=8 keep_last=4 batch.global_sequences=4 "
-        "schedule.warmup_steps=4 observe.progress_bar=false"
-    ),
-    "training_backend": "local",
-    "num_workers": 1,
-    "gpus_per_worker": 0,
-    "job_timeout_s": 1800,
-    "pvc_name": "local",
+    "finetune_batch_size": 4,
+    "finetune_eval_every": 16,
+    "finetune_learning_rate": 5e-3,
+    "finetune_lora_alpha": 16.0,
+    "finetune_lora_dropout": 0.0,
+    "finetune_lora_r": 8,
+    "finetune_max_length": 256,
+    "finetune_max_steps": 64,  # about 2.7 epochs of the sample; 3e-3 x 24 steps reached perplexity 740, this 624
+    "finetune_method": "lora",
+    "finetune_overrides": "log_every=8 keep_last=4 schedule.warmup_steps=4 observe.progress_bar=false",
+    "finetune_save_every": 16,
     "mlflow_experiment": "llmft-local",
     "mlflow_model_name": "tiny-adapter",
     "promote_margin": 0.01,
-    "deploy": True,
-    "deploy_mode": "local",
-    "serving_name": "tiny-adapter",
+    "serving_deploy": True,
+    "serving_deploy_mode": "local",
     "serving_gpus": 0,
-    "max_lora_rank": 8,
+    "serving_max_lora_rank": 8,
+    "serving_name": "tiny-adapter",
+    "training_backend": "local",
+    "training_gpus_per_worker": 0,
+    "training_timeout_s": 1800,
+    "training_workers": 1,
+    "volume_pvc_name": "local",
 }
 """Arguments that differ from the pipeline's own (cluster) defaults."""
 
@@ -71,26 +73,26 @@ LOCAL_DEFAULTS: dict[str, Any] = {
 DEMO_PROBES = PROBES[:3]
 """The questions the demo's served models answer (each with the word a learned answer contains)."""
 REAL_MODEL = "real"
-"""Value of ``model`` that makes run-local convert (once, then cached) and use SmolLM2-135M-Instruct."""
+"""Value of ``base_model`` that makes run-local convert (once, then cached) and use SmolLM2-135M-Instruct."""
 REAL_LOCAL_DEFAULTS: dict[str, Any] = {
-    "model": REAL_MODEL,
+    "base_model": REAL_MODEL,
     "dataset": "sample:velmora_facts",
-    "val_fraction": 0.1,
-    "max_length": 256,
-    "lora_r": 16,
-    "lora_alpha": 32.0,
-    "learning_rate": 2e-3,
-    "max_steps": 12,  # about one epoch of the 180 training rows: 4 packed sequences of 256 tokens a step
-    "train_overrides": (
-        "save_every=6 eval_every=6 log_every=2 keep_last=2 batch.global_sequences=4 "
-        "schedule.warmup_steps=2 observe.progress_bar=false"
-    ),
+    "dataset_val_fraction": 0.1,
+    "finetune_batch_size": 4,
+    "finetune_eval_every": 6,
+    "finetune_learning_rate": 2e-3,
+    "finetune_lora_alpha": 32.0,
+    "finetune_lora_r": 16,
+    "finetune_max_length": 256,
+    "finetune_max_steps": 12,  # about one epoch of the 180 training rows: 4 packed sequences of 256 tokens a step
+    "finetune_overrides": "log_every=2 keep_last=2 schedule.warmup_steps=2 observe.progress_bar=false",
+    "finetune_save_every": 6,
     "mlflow_experiment": "llmft-real",
     "mlflow_model_name": "velmora-adapter",
+    "serving_deploy_mode": "vllm",
+    "serving_max_lora_rank": 16,
     "serving_name": "velmora",
-    "max_lora_rank": 16,
     "serving_prompts": " | ".join(question for question, _keyword in DEMO_PROBES),
-    "deploy_mode": "vllm",
 }
 """``llmft pipeline run-local --real`` (``make demo-real``): a real pretrained model learns made-up facts
 (llmft/trainer/assets/sample_data/generate_facts.py); LOCAL_DEFAULTS <- these <- the command line's."""
@@ -101,15 +103,12 @@ DEMO_QUESTIONS = 6
 DEMO_DEFAULTS: dict[str, Any] = {
     **REAL_LOCAL_DEFAULTS,
     "dataset": "sample:velmora_three_facts",
-    "max_steps": 6,
-    "train_overrides": (
-        "save_every=6 eval_every=6 log_every=2 keep_last=1 batch.global_sequences=4 "
-        "schedule.warmup_steps=1 observe.progress_bar=false"
-    ),
-    "deploy_mode": "local",
-    "eval_questions": "sample:velmora_questions",
-    "eval_max_questions": DEMO_QUESTIONS,
+    "finetune_max_steps": 6,
+    "finetune_overrides": "log_every=2 keep_last=1 schedule.warmup_steps=1 observe.progress_bar=false",
+    "promote_eval_max_questions": DEMO_QUESTIONS,
+    "promote_eval_questions": "sample:velmora_questions",
     "promote_metric": "heldout.contains",
+    "serving_deploy_mode": "local",
 }
 """``llmft pipeline run-local`` (``make demo``): the short profile of the real model. The rows of three made-up
 facts (75), 6 LoRA steps, one checkpoint; the evaluate step scores base and adapter on held-out phrasings of
@@ -119,55 +118,65 @@ TINY_WORK_DIR = "runs/pipeline-tiny"
 
 
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
-    """name -> InputSpec of the pipeline's parameters (type and default)."""
+    """name -> InputSpec of a compiled pipeline's run parameters (type and default)."""
     if pipeline is None:
         # heavy: kfp, kubeflow_katib_api, pydantic
         from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     return dict(pipeline.component_spec.inputs or {})
 
 
-def _coerce(name: str, raw: str, kfp_type: str) -> Any:
+def _coerce(name: str, raw: str, kind: type) -> Any:
     try:
-        if kfp_type == "Boolean":
+        if kind is bool:
             return parse_bool(raw)
-        if kfp_type == "Integer":
-            return int(raw)
-        if kfp_type == "Float":
-            return float(raw)
+        return kind(raw)
     except ValueError:
-        raise ConfigError(f"pipeline parameter `{name}`: {raw!r} is not a valid {kfp_type.lower()}") from None
-    return raw
+        raise ConfigError(f"pipeline parameter `{name}`: {raw!r} is not a valid {KIND_NAMES[kind]}") from None
 
 
-def parse_arguments(items: list[str], pipeline=None) -> dict[str, Any]:
-    """``["lora_r=16", "deploy=false"]`` -> typed arguments, checked against the pipeline's parameters."""
-    inputs = pipeline_inputs(pipeline)
+KIND_NAMES = {bool: "boolean", int: "integer", float: "float", str: "string"}
+
+
+def parse_arguments(items: list[str], form: Form | None = None) -> dict[str, Any]:
+    """``["finetune_lora_r=16", "serving_deploy=false"]`` -> typed arguments of the pipeline of ``form`` (default:
+    the full one): its run parameters and the ones it compiles in, by the declarations' types. An older name
+    works, with a note on stderr; an unknown one, or one this form cannot take, is refused in one line."""
+    form = form or Form()
     out: dict[str, Any] = {}
     for item in items:
-        name, raw = split_assignment(item, "lora_r=16")
+        name, raw = split_assignment(item, "finetune_lora_r=16")
         name = name.replace("-", "_")
-        if name not in inputs:
-            raise ConfigError(f"unknown pipeline parameter `{name}`; known: {', '.join(sorted(inputs))}")
-        out[name] = _coerce(name, raw, inputs[name].type)
+        parameter = form_parameter(name, form)
+        if name != parameter.name:
+            print(f"note: {rename_note(name)}", file=sys.stderr)
+        if parameter.name in out:
+            raise ConfigError(f"pipeline parameter `{parameter.name}` is given twice")
+        out[parameter.name] = _coerce(parameter.name, raw, parameter.type)
     return out
+
+
+def run_arguments(arguments: dict[str, Any], form: Form) -> dict[str, Any]:
+    """The part of ``arguments`` that are run parameters of ``form`` (the rest is compiled in)."""
+    offered = {p.name for p in form.offered()}
+    return {name: value for name, value in arguments.items() if name in offered}
 
 
 def resolve_local_arguments(
     overrides: dict[str, Any], work_dir: str | Path, extra_defaults: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """LOCAL_DEFAULTS <- extra_defaults <- overrides, with the tiny model built, the sample
-    resolved and paths filled in."""
+    """LOCAL_DEFAULTS <- extra_defaults <- overrides (older names accepted), with the tiny model built, the
+    sample resolved and paths filled in."""
     work = Path(work_dir).resolve()
-    args = {**LOCAL_DEFAULTS, **(extra_defaults or {}), **overrides}
-    data_root = Path(args.get("data_root") or work / "data")
-    args["data_root"] = str(data_root)
-    if args["model"] == TINY_MODEL:
-        args["model"] = str(ensure_tiny_model(data_root / "base-models" / "tiny-model"))
-    elif args["model"] == REAL_MODEL:
-        # on the "volume", as KServe (and deploy_mode=vllm) serve a base model: copied from the shared cache
-        target = data_root / "base-models" / "smollm2-135m-instruct"
-        args["model"] = str(ensure_real_model(target, cache=Path(DEFAULT_CACHE).resolve()))
-    for name in ("dataset", "eval_questions"):  # shipped samples (llmft/trainer/assets/sample_data)
+    args = {**LOCAL_DEFAULTS, **(extra_defaults or {}), **renamed(overrides)}
+    volume = Path(args.get("volume_path") or work / "data")
+    args["volume_path"] = str(volume)
+    if args["base_model"] == TINY_MODEL:
+        args["base_model"] = str(ensure_tiny_model(volume / "base-models" / "tiny-model"))
+    elif args["base_model"] == REAL_MODEL:
+        # on the "volume", as KServe (and serving_deploy_mode=vllm) serve a base model: copied from the shared cache
+        target = volume / "base-models" / "smollm2-135m-instruct"
+        args["base_model"] = str(ensure_real_model(target, cache=Path(DEFAULT_CACHE).resolve()))
+    for name in ("dataset", "promote_eval_questions"):  # shipped samples (llmft/trainer/assets/sample_data)
         if str(args.get(name, "")).startswith("sample:"):
             args[name] = str(sample_path(str(args[name]).split(":", 1)[1]))
     args.setdefault("mlflow_tracking_uri", f"sqlite:///{work / 'mlflow.db'}")

@@ -7,7 +7,7 @@ run's facts (llmft/components/lib/summary.py) and says, in a few lines:
 * the eval perplexity of the best checkpoint against the base's (held-out rows ask the same facts in other
   words);
 * each probe question's answer by the base and by base + adapter, as the deploy step's server gave them
-  (``deploy_mode=vllm``: a real vLLM; ``local``: transformers), and whether it contains the learned fact;
+  (``serving_deploy_mode=vllm``: a real vLLM; ``local``: transformers), and whether it contains the learned fact;
 * with the merged model's answers (the merged form served alone), whether they say what base + adapter said.
 
 Learning is shown when the perplexity fell, at least one adapter answer states its fact, and no base answer
@@ -99,7 +99,7 @@ def heldout_report(facts: dict[str, Any]) -> tuple[list[str], list[str]]:
     evaluation = facts.get("evaluation") or {}
     rows = generation_rows(evaluation) if evaluation.get("checkpoints") else []
     if not rows:
-        return [], ["the evaluate step recorded no held-out answers (eval_tasks lacks heldout?)"]
+        return [], ["the evaluate step recorded no held-out answers (promote_eval_tasks lacks heldout?)"]
     best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
     metric = str(evaluation.get("metric", "perplexity"))
     lines = ["", f"Held-out questions (phrasings no training row uses), base against {best['name']}:"]
@@ -121,7 +121,7 @@ def merged_answers(run_dir: str | Path, facts: dict[str, Any]) -> dict[str, str]
 
     The run served base + adapter (form lora); here the promoted adapter is merged into its base
     (:func:`llmft.components.lib.serving.serving_form.merged_model`, ``llmft export --merge``) at the plan's
-    ``merged_dir`` and deployed with the run's deploy mode as form ``merged`` (deploy_mode=vllm: a second
+    ``merged_dir`` and deployed with the run's deploy mode as form ``merged`` (serving_deploy_mode=vllm: a second
     vLLM server with the merged model as the one served name)."""
 
     plan = read_plan(Path(run_dir) / "plan-run" / "plan")

@@ -53,8 +53,9 @@ class Setting:
 
     name: str
     """Lower snake case: a Python parameter name and a Katib parameter name."""
-    pipeline: bool = False
-    """A pipeline parameter of this name sets the field (llmft/components/plan.py plan_run)."""
+    pipeline: str = ""
+    """The pipeline parameter that sets the field ('' = none): its name, declared once, here (the pipeline's
+    declaration of it, with its description and forms: llmft/components/lib/plan/parameters.py)."""
     search: SearchRange | None = None
     """The field's range in the sweep's default search space, if it is searched by default."""
 
@@ -73,7 +74,7 @@ class ModelConfig:
     name_or_path: str = _f(
         "",
         "Hugging Face hub id or local directory of the base model (offline flags honoured).",
-        setting=Setting("model", pipeline=True),
+        setting=Setting("model", pipeline="base_model"),
     )
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) to load; null for the default branch.")
     dtype: str = _f(
@@ -102,7 +103,7 @@ class LoraConfig:
         "LoRA rank.",
         setting=Setting(
             "lora_r",
-            pipeline=True,
+            pipeline="finetune_lora_r",
             search=SearchRange(
                 2, "discrete", values=("8", "16", "32", "64"), grid=("8", "16", "32"), description="LoRA rank"
             ),
@@ -113,7 +114,7 @@ class LoraConfig:
         "LoRA scaling numerator (scale = alpha / r).",
         setting=Setting(
             "lora_alpha",
-            pipeline=True,
+            pipeline="finetune_lora_alpha",
             search=SearchRange(
                 3,
                 "discrete",
@@ -128,7 +129,7 @@ class LoraConfig:
         "Dropout on the LoRA input, in [0, 1).",
         setting=Setting(
             "lora_dropout",
-            pipeline=True,
+            pipeline="finetune_lora_dropout",
             search=SearchRange(
                 4,
                 "double",
@@ -145,7 +146,7 @@ class LoraConfig:
         "Modules to adapt; all-linear = every linear layer of the decoder except lm_head. On mixture-of-experts "
         "models all-linear is the attention projections; add `experts` for LoRA on the fused expert weights "
         "(needs dropout 0; vLLM serving: docs/moe.md); the router is never adapted.",
-        setting=Setting("lora_target_modules", pipeline=True),
+        setting=Setting("lora_target_modules", pipeline="finetune_lora_target_modules"),
     )
     use_dora: bool = _f(
         False, "Weight-decomposed LoRA (DoRA); vLLM cannot serve DoRA adapters as LoRA modules: served merged."
@@ -170,7 +171,7 @@ class OptimConfig:
         "Peak learning rate.",
         setting=Setting(
             "learning_rate",
-            pipeline=True,
+            pipeline="finetune_learning_rate",
             search=SearchRange(
                 1,
                 "double",
@@ -198,6 +199,7 @@ class ScheduleConfig:
         "Warmup as a fraction of the total steps.",
         setting=Setting(
             "warmup_ratio",
+            pipeline="finetune_warmup_ratio",
             search=SearchRange(
                 5,
                 "double",
@@ -215,7 +217,11 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    global_sequences: int = _f(8, "Packed sequences per optimizer step over all ranks (0 to use global_tokens).")
+    global_sequences: int = _f(
+        8,
+        "Packed sequences per optimizer step over all ranks (0 to use global_tokens).",
+        setting=Setting("batch_size", pipeline="finetune_batch_size"),
+    )
     global_tokens: int = _f(
         0,
         "Token budget per optimizer step over all ranks; converted to sequences of data max_length (overrides "
@@ -226,6 +232,7 @@ class BatchConfig:
         "Packed sequences per forward pass on each rank, flattened into one row; accumulation steps are derived. "
         "auto = as many as fit the GPU's free memory, or under DeepSpeed ZeRO the size with the fastest step that "
         "fits (trainer.sizing.memory), 1 on CPU.",
+        setting=Setting("micro_batch_size", pipeline="finetune_micro_batch_size"),
     )
 
 
@@ -256,13 +263,18 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class ObserveConfig:
-    progress_bar: bool = _f(True, "Show a progress bar on rank 0 (stderr).")
+    progress_bar: bool = _f(
+        True,
+        "A tqdm progress bar on rank 0 when stderr is a terminal; elsewhere (a pod's log, kfp.local, a pipe), or "
+        "with false, plain `progress:` lines instead (step/total, percent, tokens/s, loss, elapsed, ETA; at most one "
+        "per 10 s).",
+    )
     tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tensorboard.")
     mlflow_experiment: str = _f(
         "",
         "MLflow experiment name (else env MLFLOW_EXPERIMENT_NAME, else llmft); used only when MLFLOW_TRACKING_URI "
         "is set.",
-        setting=Setting("mlflow_experiment", pipeline=True),
+        setting=Setting("mlflow_experiment", pipeline="mlflow_experiment"),
     )
     run_name: str = _f("", "Run name for MLflow and Langfuse (default: the output_dir name).")
     peak_tflops: float = _f(0.0, "Peak dense bf16 TFLOP/s per GPU for MFU; 0 = detect (H100/H200 989).")
@@ -309,7 +321,9 @@ class TrainConfig:
     model: ModelConfig = _f(ModelConfig(), "Base model.")
     data: str = _f("", "Tokenized dataset directory written by `llmft data tokenize`.")
     output_dir: str = _f("runs/train", "Run directory: checkpoints/, final/, metrics.jsonl, tensorboard/.")
-    method: str = _f("lora", "Fine-tuning method.", ("lora", "qlora", "full"), Setting("method", pipeline=True))
+    method: str = _f(
+        "lora", "Fine-tuning method.", ("lora", "qlora", "full"), Setting("method", pipeline="finetune_method")
+    )
     lora: LoraConfig = _f(LoraConfig(), "LoRA adapter (methods lora and qlora).")
     qlora: QLoraConfig = _f(QLoraConfig(), "4-bit base-model quantization (method qlora, CUDA only).")
     optim: OptimConfig = _f(OptimConfig(), "Optimizer and gradient clipping.")
@@ -321,23 +335,29 @@ class TrainConfig:
     kernels: KernelsConfig = _f(KernelsConfig(), "Speed options implemented in trainer.fastpath.")
     debug: DebugConfig = _f(DebugConfig(), "Fault-injection hooks for tests; leave at defaults.")
     max_steps: int = _f(
-        0, "Optimizer steps to run; 0 = epochs x steps per epoch.", setting=Setting("max_steps", pipeline=True)
+        0,
+        "Optimizer steps to run; 0 = epochs x steps per epoch.",
+        setting=Setting("max_steps", pipeline="finetune_max_steps"),
     )
     epochs: float = _f(
-        1.0, "Passes over the training split when max_steps is 0.", setting=Setting("epochs", pipeline=True)
+        1.0,
+        "Passes over the training split when max_steps is 0.",
+        setting=Setting("epochs", pipeline="finetune_epochs"),
     )
     eval_every: float = _f(
         0.1,
         "Evaluate every N steps (a whole N >= 1), or at every fraction f of the run (0 < f < 1: 0.1 = ten "
         "evaluations, the curve of eval perplexity by step); 0 = only at the end.",
+        setting=Setting("eval_every", pipeline="finetune_eval_every"),
     )
     save_every: float = _f(
         0.25,
         "Checkpoint every N steps (a whole N >= 1), or at every fraction f of the run (0 < f < 1: 0.25 = four "
         "checkpoints, so a crash without SIGTERM loses at most a quarter); 0 = only at the end.",
+        setting=Setting("save_every", pipeline="finetune_save_every"),
     )
     log_every: int = _f(10, "Log loss, learning rate, grad norm, tokens/s every N steps.")
-    seed: int = _f(42, "Seed of data order, LoRA init and dropout.", setting=Setting("seed", pipeline=True))
+    seed: int = _f(42, "Seed of data order, LoRA init and dropout.", setting=Setting("seed", pipeline="finetune_seed"))
     keep_last: int = _f(2, "Complete checkpoints kept besides the best one.")
     resume: str = _f(
         "auto", "auto = newest complete checkpoint in output_dir, never = start fresh, or a checkpoint path."
@@ -440,8 +460,9 @@ def iter_settings(cls=TrainConfig, prefix: str = "") -> Iterator[tuple[str, Sett
 
 
 SETTING_NAMES: dict[str, str] = {setting.name: key for key, setting in iter_settings()}
-"""Short name -> trainer key of every field that declares a :class:`Setting`: the names the pipeline's
-parameters (llmft/components/lib/plan/build.py PIPELINE_SETTINGS, those with ``pipeline=True``) and the
-sweep's default search space (llmft/katib/search_space.py, those with a ``search`` range) give trainer
-keys (``lora_r`` is ``lora.r``). Short names are Python and Katib parameter names; trainer keys are what
-config.yaml and overrides use. Derived, never listed: a knob is declared once, on its field."""
+"""Short name -> trainer key of every field that declares a :class:`Setting`: the names the sweep's default
+search space (llmft/katib/search_space.py, those with a ``search`` range) gives trainer keys (``lora_r`` is
+``lora.r``); the pipeline parameter that sets a field is the Setting's ``pipeline`` name
+(llmft/components/lib/plan/build.py TRAINER_PARAMETERS). Short names are Python and Katib parameter names;
+trainer keys are what config.yaml and overrides use. Derived, never listed: a knob is declared once, on its
+field."""

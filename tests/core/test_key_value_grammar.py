@@ -18,15 +18,15 @@ REQUIRED = ["model.name_or_path=m", "data=d"]
 @pytest.mark.parametrize("word", sorted(BOOL_WORDS))
 def test_every_boolean_word_means_the_same_everywhere(word):
     expected = BOOL_WORDS[word]
-    assert parse_arguments([f"deploy={word.upper()}"])["deploy"] is expected
+    assert parse_arguments([f"serving_deploy={word.upper()}"])["serving_deploy"] is expected
     assert apply_overrides(SweepSpec(), [f"early_stopping={word}"]).early_stopping is expected
     quoted = f"observe.tensorboard='{word}'"  # quoted: YAML leaves it a string, the grammar reads it
     assert load_config(None, [*REQUIRED, quoted]).observe.tensorboard is expected
 
 
 def test_a_word_that_is_no_boolean_is_refused_everywhere():
-    with pytest.raises(ConfigError, match="deploy"):
-        parse_arguments(["deploy=maybe"])
+    with pytest.raises(ConfigError, match="serving_deploy"):
+        parse_arguments(["serving_deploy=maybe"])
     with pytest.raises(SweepError, match="early_stopping"):
         apply_overrides(SweepSpec(), ["early_stopping=maybe"])
     with pytest.raises(ConfigError, match="observe.tensorboard"):

@@ -381,7 +381,7 @@ def test_every_secret_the_pipeline_reads_has_a_template(deploy_dir, compiled_pip
 
 def test_pipeline_default_pvc_is_the_one_deploy_creates(deploy_dir, compiled_pipeline):
     params = read_env_file(deploy_dir / "params.env")
-    default = compiled_pipeline[0]["root"]["inputDefinitions"]["parameters"]["pvc_name"]["defaultValue"]
+    default = compiled_pipeline[0]["root"]["inputDefinitions"]["parameters"]["volume_pvc_name"]["defaultValue"]
     assert default == params["PVC_NAME"]
 
 

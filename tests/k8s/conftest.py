@@ -85,7 +85,7 @@ TINY_TRAIN = (
     "lora.alpha=8 batch.global_sequences=4 batch.micro_sequences=2 eval.max_sequences=8 eval_every=0 "
     "observe.progress_bar=false observe.tensorboard=false log_every=1 schedule.warmup_steps=1 keep_last=5"
 )
-"""train_overrides of a small, quiet run of the tiny model (a few seconds a step on this CPU)."""
+"""finetune_overrides of a small, quiet run of the tiny model (a few seconds a step on this CPU)."""
 
 
 @pytest.fixture(scope="session")
@@ -116,18 +116,18 @@ def sim_plan(volume: Path, *, hpo: bool = False, run_id: str = SIM_RUN_ID, **cha
     """A plan (the real builder, the pipelines' defaults) whose job trains the tiny model on ``volume``."""
     from llmft.components.lib.plan.build import build_plan, write_run_config
     from llmft.components.lib.plan.checks import compiled_settings
-    from llmft.components.plan import parameter_defaults
+    from llmft.components.lib.plan.parameters import parameter_defaults
 
     values = {
         **parameter_defaults(),
-        "model": str(volume / "base-models" / "tiny"),
-        "data_root": str(volume),
-        "lora_r": 4,
-        "max_lora_rank": 8,
-        "max_steps": 3,
-        "train_overrides": TINY_TRAIN,
-        "worker_cpu": "1",
-        "worker_memory": "2Gi",
+        "base_model": str(volume / "base-models" / "tiny"),
+        "volume_path": str(volume),
+        "finetune_lora_r": 4,
+        "serving_max_lora_rank": 8,
+        "finetune_max_steps": 3,
+        "finetune_overrides": TINY_TRAIN,
+        "training_cpu": "1",
+        "training_memory": "2Gi",
         **changes,
     }
     compiled = compiled_settings("llm-finetune-hpo" if hpo else "llm-finetune", values)

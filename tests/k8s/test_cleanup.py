@@ -145,8 +145,8 @@ def test_sigterm_to_the_sweep_launcher_deletes_its_experiment(
     monkeypatch.setenv("KFP_POD_NAME", launcher)
     sim.kfp_launcher(launcher, "llm-finetune-x7k2p", deadline_s=3600)
 
-    plan = sim_plan(sim_volume, hpo=True, run_id=RUN, sweep_max_trials=2, sweep_parallel_trials=1,
-                    sweep_max_failed_trials=1, sweep_overrides="space.lora_r.values=4,8")  # fmt: skip
+    plan = sim_plan(sim_volume, hpo=True, run_id=RUN, hpo_max_trials=2, hpo_parallel_trials=1,
+                    hpo_max_failed_trials=1, hpo_overrides="space.lora_r.values=4,8")  # fmt: skip
     key = (GROUP, VERSION, SIM_NAMESPACE, PLURAL, plan.sweep.experiment)
     seen = {}
 

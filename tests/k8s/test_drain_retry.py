@@ -102,7 +102,7 @@ def test_a_drain_during_training_errors_the_node_and_the_runs_retry_resumes_the_
     the same job, whose trainer resumes from its checkpoint and finishes."""
     monkeypatch.setenv("KFP_POD_NAME", LAUNCHER)
     sim.kfp_launcher(LAUNCHER, WORKFLOW)
-    plan = sim_plan(sim_volume, run_id=RUN_ID, max_steps=6)
+    plan = sim_plan(sim_volume, run_id=RUN_ID, finetune_max_steps=6)
     master, printed = f"{plan.job.name}-master-0", []
 
     def drain() -> None:

@@ -35,7 +35,7 @@ def test_the_plan_sizes_the_grace_from_the_models_checkpoint(sim_volume):
 
 
 def test_a_model_the_plan_cannot_read_gets_the_unknown_grace():
-    plan = make_plan(model="org/not-in-the-cache")
+    plan = make_plan(base_model="org/not-in-the-cache")
     assert plan.job.termination_grace_s == UNKNOWN_GRACE_S
 
 
@@ -58,7 +58,7 @@ def _pod_specs(body: dict) -> list[dict]:
 
 @pytest.mark.parametrize("backend", ["kubeflow", "trainjob"])
 def test_every_training_pod_and_trial_carries_the_grace(backend):
-    plan = make_plan(training_backend=backend, num_workers=2)
+    plan = make_plan(training_backend=backend, training_workers=2)
     spec = build_pytorchjob_spec(plan.job, plan.trainer.launch("/data/tokenized/k"))
     job, trial = (
         backend_for(backend).build_job(plan.job, spec),

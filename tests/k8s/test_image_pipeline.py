@@ -116,7 +116,7 @@ def test_the_local_sweep_trials_read_the_volumes_hub_cache(monkeypatch, tmp_path
     plan = SimpleNamespace(
         sweep=sweep_plan,
         trainer=SimpleNamespace(config_path="/c.yaml"),
-        registry=SimpleNamespace(tracking_uri="", experiment=""),
+        registry=SimpleNamespace(tracking_uri="", experiment="", enabled=False),
         layout=DataLayout(str(tmp_path)),
     )
     with pytest.raises(RuntimeError, match="captured"):
@@ -140,8 +140,8 @@ def test_the_cases_cover_a_model_directory_a_hub_id_and_the_sweep():
     cases = image_pipeline.CASES
     assert {(c.hpo, c.hub) for c in cases} == {(False, False), (True, True)}
     hub = next(c for c in cases if c.hub)
-    assert hub.overrides["model"] == image_pipeline.HUB_ID
-    assert all("model" not in c.overrides for c in cases if not c.hub)  # run-local's tiny model on the volume
+    assert hub.overrides["base_model"] == image_pipeline.HUB_ID
+    assert all("base_model" not in c.overrides for c in cases if not c.hub)  # run-local's tiny model on the volume
     assert [c.name for c in cases if c.render] == [hub.name]  # render-job --hpo for both backends, in the image
 
 

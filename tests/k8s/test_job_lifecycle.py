@@ -79,7 +79,7 @@ def test_a_job_succeeds_through_api_errors_with_its_log_streamed(sim, fake_clust
 
 
 def test_more_api_errors_in_a_row_than_the_bound_fail_the_wait(sim, fake_cluster, fake_custom_api, sim_volume):
-    plan = sim_plan(sim_volume, run_id="run-api-down", max_steps=200)
+    plan = sim_plan(sim_volume, run_id="run-api-down", finetune_max_steps=200)
 
     def print_fn(line: str) -> None:
         if line.startswith("created PyTorchJob"):
@@ -99,9 +99,9 @@ def test_pods_killed_137_again_and_again_end_in_failed_not_48_hours_of_restarts(
     plan = sim_plan(
         sim_volume,
         run_id="run-oom-loop",
-        max_steps=500,
-        job_timeout_s=3600,
-        train_overrides=f"max_restarts_without_progress=1 save_every=0 {TINY_TRAIN}",
+        finetune_max_steps=500,
+        training_timeout_s=3600,
+        finetune_overrides=f"max_restarts_without_progress=1 save_every=0 {TINY_TRAIN}",
     )
     master = f"{plan.job.name}-master-0"
     sim.chaos.append(Chaos(master, "step=1 ", signal.SIGKILL))  # an OOM kill each time it trains
@@ -119,7 +119,7 @@ def test_pods_killed_137_again_and_again_end_in_failed_not_48_hours_of_restarts(
 def test_a_job_past_its_deadline_is_a_timeout_and_frees_its_pods(sim, fake_cluster, fake_custom_api, sim_volume):
     """Items 6 and 7: activeDeadlineSeconds follows job_timeout_s; the operator fails the job at the
     deadline, cleanPodPolicy Running stops its pods, and the step reports a timeout (exit 200)."""
-    plan = sim_plan(sim_volume, run_id="run-deadline", max_steps=5000, job_timeout_s=10)
+    plan = sim_plan(sim_volume, run_id="run-deadline", finetune_max_steps=5000, training_timeout_s=10)
     with pytest.raises(JobTimedOut, match="activeDeadlineSeconds") as error:
         _run(plan, fake_cluster, print_fn=lambda _: None)
     assert error.value.exit_code == EXIT_TRANSIENT
@@ -132,7 +132,7 @@ def test_a_job_past_its_deadline_is_a_timeout_and_frees_its_pods(sim, fake_clust
 
 def test_a_retry_reattaches_to_the_running_job_and_never_deletes_it(sim, fake_cluster, fake_custom_api, sim_volume):
     """Item 7: the first attempt's launcher pod died; its job runs on; the retry waits for it."""
-    plan = sim_plan(sim_volume, run_id="run-reattach", max_steps=6)
+    plan = sim_plan(sim_volume, run_id="run-reattach", finetune_max_steps=6)
     first = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, _overrides(plan))))
     fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, first)
     master = f"{plan.job.name}-master-0"
@@ -171,7 +171,7 @@ def test_pending_pods_are_explained_at_most_once_per_n_polls(
     cause, expected, hint, sim, fake_cluster, sim_volume, tmp_path
 ):
     """Item 10: why the job stays Pending reaches the step's log, every ``pending_every`` polls."""
-    plan = sim_plan(sim_volume, run_id=f"run-{cause}", job_timeout_s=4, hf_token_secret="llmft-hf-token")
+    plan = sim_plan(sim_volume, run_id=f"run-{cause}", training_timeout_s=4, hf_token_secret="llmft-hf-token")
     sim.secrets = {} if cause == "no-secret" else {"llmft-hf-token": {"HF_TOKEN": "not-a-real-token"}}
     sim.gpus = 0 if cause == "no-gpu" else None
     if cause == "no-image":
@@ -193,7 +193,7 @@ def test_sigterm_to_the_launcher_deletes_its_job_and_the_trainer_commits(
 ):
     """Item 2: a cancelled run's launcher gets SIGTERM (Argo, exec_control.go 56-64); it deletes the
     PyTorchJob (foreground), whose pods get SIGTERM in turn and commit a checkpoint before they stop."""
-    plan = sim_plan(sim_volume, run_id="run-cancel", max_steps=5000)
+    plan = sim_plan(sim_volume, run_id="run-cancel", finetune_max_steps=5000)
     master = f"{plan.job.name}-master-0"
     launcher, workflow = "llm-finetune-x7k2p-system-container-impl-1", "llm-finetune-x7k2p"
     monkeypatch.setenv("KFP_POD_NAME", launcher)
@@ -232,8 +232,8 @@ def test_a_worker_killed_without_sigterm_restarts_the_whole_job_from_its_checkpo
     operator restarts it as well, and both rejoin a fresh rendezvous and resume from the newest
     complete checkpoint, instead of failing the job for good."""
     plan = sim_plan(
-        sim_volume, run_id="run-lost-worker", num_workers=2, max_steps=6,
-        train_overrides=f"save_every=2 {TINY_TRAIN}",
+        sim_volume, run_id="run-lost-worker", training_workers=2, finetune_max_steps=6,
+        finetune_overrides=f"save_every=2 {TINY_TRAIN}",
     )  # fmt: skip
     worker = f"{plan.job.name}-worker-0"
     sim.chaos.append(Chaos(worker, "step=3 ", signal.SIGKILL, times=1, watch=f"{plan.job.name}-master-0"))

@@ -59,7 +59,10 @@ def test_the_trial_carries_the_final_trainings_settings(sim_volume):
     (``--config``: train_overrides, target modules and seed), and only the keys a trial sets itself,
     the fixed trial settings and the searched ones are key=value on its command line."""
     plan = sim_plan(
-        sim_volume, lora_target_modules="q_proj,v_proj", seed=7, train_overrides=f"optim.weight_decay=0.05 {TINY_TRAIN}"
+        sim_volume,
+        finetune_lora_target_modules="q_proj,v_proj",
+        finetune_seed=7,
+        finetune_overrides=f"optim.weight_decay=0.05 {TINY_TRAIN}",
     )
     job = trial(plan, "t-1", early_stopping=True, data="/d")
     script = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"][0]

@@ -188,7 +188,7 @@ def test_an_evicted_launcher_keeps_the_job_and_the_retry_reattaches(
     launcher exits 143 and the task's retry re-attaches to the same job, which finishes."""
     monkeypatch.setenv("KFP_POD_NAME", LAUNCHER)
     sim.kfp_launcher(LAUNCHER, WORKFLOW)
-    plan = sim_plan(sim_volume, run_id="run-evicted", max_steps=6)
+    plan = sim_plan(sim_volume, run_id="run-evicted", finetune_max_steps=6)
     master = f"{plan.job.name}-master-0"
     printed: list[str] = []
     code = _launch(plan, fake_cluster, printed, lambda: (sim.wait_for_log(master, "step=1 "), sim.evict(LAUNCHER)))
@@ -208,7 +208,7 @@ def test_an_evicted_launcher_keeps_the_job_and_the_retry_reattaches(
 def test_a_cancelled_or_timed_out_run_deletes_the_job(how, sim, fake_cluster, fake_custom_api, sim_volume, monkeypatch):
     monkeypatch.setenv("KFP_POD_NAME", LAUNCHER)
     sim.kfp_launcher(LAUNCHER, WORKFLOW, deadline_s=3600)
-    plan = sim_plan(sim_volume, run_id=f"run-{how}", max_steps=5000)
+    plan = sim_plan(sim_volume, run_id=f"run-{how}", finetune_max_steps=5000)
     stop = {"cancel": sim.cancel_run, "terminate": sim.shutdown_run, "deadline": sim.expire_run}[how]
 
     def when_created() -> None:

@@ -27,7 +27,7 @@ def test_a_job_whose_pods_never_start_is_stopped_with_their_reason(
     sim, fake_cluster, fake_custom_api, sim_volume, monkeypatch
 ):
     monkeypatch.setattr(pod_starts, "NEVER_STARTED_LIMIT", 3)
-    plan = sim_plan(sim_volume, run_id="run-never-starts", job_timeout_s=30)
+    plan = sim_plan(sim_volume, run_id="run-never-starts", training_timeout_s=30)
     sim.never_start[f"{plan.job.name}-master-0"] = NOT_ADMITTED
     with pytest.raises(JobNeverStarts) as error:
         run_on_cluster(plan.job, plan.trainer.launch(f"{sim_volume}/tokenized/demo"), cluster=fake_cluster,
@@ -120,7 +120,8 @@ def test_the_train_step_exits_with_the_retryable_code_not_1(error, tmp_path, mon
     plan_artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     write_plan(plan, plan_artifact.path)
     tokenized = dsl.Dataset(uri=str(tmp_path / "tokenized"), metadata={"path": f"{sim_volume}/tokenized/demo"})
-    outputs = {name: cls(uri=str(tmp_path / name)) for name, cls in (("run", dsl.Model), ("metrics", dsl.Metrics))}
+    kinds = (("run", dsl.Model), ("metrics", dsl.Metrics), ("loss_curve", dsl.HTML))
+    outputs = {name: cls(uri=str(tmp_path / name)) for name, cls in kinds}
     with pytest.raises(SystemExit) as stopped:
         train_model.python_func(plan=plan_artifact, tokenized=tokenized, **outputs)
     assert stopped.value.code == EXIT_TRANSIENT

@@ -29,7 +29,7 @@ def test_a_failed_job_is_recreated_only_after_its_pods_are_gone(sim, fake_cluste
     None keeps it). The retry deletes it; with background propagation the job vanished at once and
     the new job met the old master still terminating (committing its SIGTERM checkpoint): the
     operator could not create ``<job>-master-0`` (AlreadyExists). Foreground: no collision."""
-    plan = sim_plan(sim_volume, run_id="run-recreate", max_steps=6)
+    plan = sim_plan(sim_volume, run_id="run-recreate", finetune_max_steps=6)
     overrides = plan.trainer.launch(f"{sim_volume}/tokenized/demo")
     first = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, overrides)))
     first["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
@@ -68,7 +68,7 @@ def test_a_quick_retry_after_a_cancel_waits_for_the_cancelled_pods(
     launcher, workflow = "llm-finetune-x7k2p-system-container-impl-1", "llm-finetune-x7k2p"
     monkeypatch.setenv("KFP_POD_NAME", launcher)
     sim.kfp_launcher(launcher, workflow, deadline_s=3600)
-    plan = sim_plan(sim_volume, run_id="run-quick-retry", max_steps=6)
+    plan = sim_plan(sim_volume, run_id="run-quick-retry", finetune_max_steps=6)
     launch = plan.trainer.launch(f"{sim_volume}/tokenized/demo")
     master = f"{plan.job.name}-master-0"
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

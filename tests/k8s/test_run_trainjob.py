@@ -176,7 +176,7 @@ def test_complete_submits_the_built_body_and_streams_node_zero(crd_dir):
     sim.script(
         start, log(0, "step 1 loss=2.50\n"), log(0, "eval_loss=2.05\n"), condition("Complete", "AllJobsCompleted")
     )
-    job = _trainjob(num_workers=2)
+    job = _trainjob(training_workers=2)
     printed: list[str] = []
     result = run_trainjob(sim.cluster, job, timeout_s=5, poll_s=0.01, print_fn=printed.append)
     assert result["succeeded"] is True and result["name"] == job_name()
@@ -192,7 +192,7 @@ def test_failed_raises_with_the_failing_nodes_log_tail_and_a_retry_recreates_the
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
     sim.script(start, log(0, "step 1 loss=2.50\n"), fail_node(1, 137, "noise\n" * 60 + oom))
     with pytest.raises(TrainJobFailed) as err:
-        run_trainjob(sim.cluster, _trainjob(num_workers=2), timeout_s=5, poll_s=0.01, print_fn=lambda _: None)
+        run_trainjob(sim.cluster, _trainjob(training_workers=2), timeout_s=5, poll_s=0.01, print_fn=lambda _: None)
     message = str(err.value)
     assert "Failed (FailedJobs: jobset failed due to one or more job failures" in message
     assert "a retry of this task recreates it" in message

@@ -55,13 +55,13 @@ def _spec(**changes):
 PLANS = {
     "one-gpu": {},
     "two-nodes-eight-gpus": {
-        "num_workers": 2,
-        "gpus_per_worker": 8,
+        "training_workers": 2,
+        "training_gpus_per_worker": 8,
         "gpu_node_selector": "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
         "hf_token_secret": "llmft-hf-token",
         "langfuse_secret": "llmft-langfuse",
     },
-    "cpu": {"gpus_per_worker": 0, "worker_cpu": "4", "worker_memory": "16Gi"},
+    "cpu": {"training_gpus_per_worker": 0, "training_cpu": "4", "training_memory": "16Gi"},
 }
 
 
@@ -80,7 +80,7 @@ def test_trainjob_passes_the_crd_schema_and_the_trainer_admission_rules(changes,
 
 def test_the_trainjob_runs_the_plans_config_file_and_no_plan_setting():
     """Issue 26: the trainer reads the plan's resolved config.yaml; only tokenize's folder follows it."""
-    plan, spec = _spec(lora_r=8, train_overrides="save_every=5")
+    plan, spec = _spec(finetune_lora_r=8, finetune_overrides="save_every=5")
     args = trainjob_to_dict(build_trainjob(spec))["spec"]["trainer"]["args"]
     assert args == ["train", "--nproc", "1", "--config", f"{plan.trainer.run_dir}/config.yaml", f"data={DATA}"]
 
@@ -139,7 +139,7 @@ def test_merged_onto_torch_distributed_the_node_pod_runs_what_the_pytorchjob_run
 def test_on_deepspeed_distributed_the_command_lands_on_the_mpi_launcher_without_torchrun_env(crd_dir):
     """Why check_runtime refuses MPI runtimes: the trainer's command replaces the launcher's
     mpirun and no PET_* rendezvous is injected (mlPolicy.mpi, not torch)."""
-    plan, spec = _spec(num_workers=2)
+    plan, spec = _spec(training_workers=2)
     body = trainjob_to_dict(build_trainjob(spec, runtime="deepspeed-distributed"))
     assert body["spec"]["runtimeRef"]["name"] == "deepspeed-distributed"
     jobset = build_jobset(load_runtime(crd_dir, "deepspeed_distributed"), body)
@@ -177,7 +177,7 @@ def test_the_strategic_merge_keeps_runtime_fields_and_replaces_tolerations():
 
 
 def test_the_builder_refuses_what_a_trainjob_cannot_express():
-    _, spec = _spec(num_workers=2)
+    _, spec = _spec(training_workers=2)
     with pytest.raises(ConfigError, match="fixed number of nodes"):
         build_trainjob(dataclasses.replace(spec, elastic=ElasticSpec(min_nodes=1, max_nodes=2)))
     with pytest.raises(ConfigError, match=r"\['PET_MASTER_ADDR'\] are set by the Trainer"):

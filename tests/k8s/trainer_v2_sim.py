@@ -350,7 +350,7 @@ def make_plan(*, hpo: bool = False, **changes):
     """The plan a cluster's plan-run step builds from the pipeline's defaults with ``changes``."""
     from llmft.components.lib.plan.build import build_plan
     from llmft.components.lib.plan.checks import compiled_settings
-    from llmft.components.plan import parameter_defaults
+    from llmft.components.lib.plan.parameters import parameter_defaults
 
     values = {**parameter_defaults(), "mlflow_tracking_uri": "http://mlflow.mlflow:5000", **changes}
     compiled = compiled_settings("llm-finetune-hpo" if hpo else "llm-finetune", values)

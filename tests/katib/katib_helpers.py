@@ -25,7 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from llmft.katib.experiment import experiment_dict
 
-JOB = {"model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY", "pvc_name": "llmft-data"}
+JOB = {"base_model": "Qwen/Qwen2.5-7B-Instruct", "data": "/data/tokenized/CACHE_KEY", "volume_pvc_name": "llmft-data"}
 
 
 def build_body(*overrides: str, **job) -> dict:
@@ -47,7 +47,7 @@ def sweep_plan(*, run_id: str = "run-0001", environ: dict | None = None, **chang
     """The HPO pipeline's plan with ``changes`` over its parameter defaults (the real plan builder)."""
     from llmft.components.lib.plan.build import build_plan
     from llmft.components.lib.plan.checks import compiled_settings
-    from llmft.components.plan import parameter_defaults
+    from llmft.components.lib.plan.parameters import parameter_defaults
 
     values = {**parameter_defaults(), **changes}
     environ = {"MLFLOW_TRACKING_URI": "unused-by-the-plan"} if environ is None else environ

@@ -218,3 +218,16 @@ def test_yaml_reads_back_the_same_object_in_yaml_1_1_and_1_2(body):
 def test_conditions_are_the_kubeflow_job_defaults():
     assert SUCCESS_CONDITION == 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
     assert FAILURE_CONDITION == 'status.conditions.#(type=="Failed")#|#(status=="True")#'
+
+
+def test_sweep_create_takes_the_job_settings_older_names(capsys):
+    """``llmft sweep create num_workers=2 model=...`` (names from before the pipeline's group prefixes) still
+    builds the same trial job, with one note per renamed setting."""
+    old = build_body(num_workers="2", model="org/other")  # JOB's base_model comes first: the later key wins
+    new = build_body(training_workers="2", base_model="org/other")
+    assert old == new
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: pipeline parameter `num_workers` is now `training_workers` (the old name still works)",
+        "note: pipeline parameter `model` is now `base_model` (the old name still works)",
+    ]

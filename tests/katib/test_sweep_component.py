@@ -37,7 +37,8 @@ def _deps(tasks: dict, name: str) -> set[str]:
 def test_hpo_pipeline_chains_the_sweep_between_tokenize_and_train(compiled):
     spec, platform = compiled
     tasks = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]  # the steps, inside the exit handler
-    assert set(tasks) == set(TASK_ORDER)
+    up_to_promote = TASK_ORDER[: TASK_ORDER.index("promote-best-checkpoint") + 1]  # the rest: under dsl.If(promoted)
+    assert {t for t in tasks if not t.startswith("condition-branches-")} == set(up_to_promote)
     assert _deps(tasks, "sweep-hyperparameters") == {"plan-run", "tokenize-dataset"}
     assert {"sweep-hyperparameters", "tokenize-dataset"} <= _deps(tasks, "train-model")
     assert tasks["train-model"]["inputs"]["parameters"]["sweep_best"] == {
@@ -53,7 +54,8 @@ def test_hpo_pipeline_chains_the_sweep_between_tokenize_and_train(compiled):
     image = spec["deploymentSpec"]["executors"]["exec-sweep-hyperparameters"]["container"]["image"]
     assert image == KATIB_IMAGE
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert {"sweep_backend", "sweep_algorithm", "sweep_max_trials", "sweep_trial_overrides"} <= set(params)
+    assert {"hpo_algorithm", "hpo_max_trials", "hpo_trial_overrides"} <= set(params)
+    assert "hpo_backend" not in params  # katib is the only backend a cluster has (local: kfp.local only)
     names = ("hf_token_secret", "mlflow_secret", "langfuse_secret")  # Secret names, never credentials
     assert not [p for p in params if p not in names and any(w in p.lower() for w in ("token", "password", "key"))]
 
@@ -61,7 +63,7 @@ def test_hpo_pipeline_chains_the_sweep_between_tokenize_and_train(compiled):
 def _run_step(tmp_path, statuses, *, cluster=None, tokenized_dir="/data/tokenized/abc123", **changes):
     api = FakeKatibApi(statuses)
     cluster = cluster or Cluster("team-a", custom_api=api, core_api=object())
-    parameters = dict(sweep_algorithm="random", sweep_max_trials=6, num_workers=2, gpus_per_worker=8)
+    parameters = dict(hpo_algorithm="random", hpo_max_trials=6, training_workers=2, training_gpus_per_worker=8)
     plan = sweep_plan(**{**parameters, **changes})
     result = sweep_lib.run_sweep_step(
         plan, tokenized_dir=tokenized_dir, output_dir=str(tmp_path / "out"), cluster=cluster, poll_s=0.001
@@ -121,13 +123,13 @@ def test_a_failed_experiment_fails_the_step(tmp_path):
 def test_ranks_vllm_would_refuse_are_rejected_before_any_trial(tmp_path):
     from llmft.trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="lora.r up to 64 but max_lora_rank=32"):
-        _run_step(tmp_path, [{}], max_lora_rank=32)
+    with pytest.raises(ConfigError, match="lora.r up to 64 but serving_max_lora_rank=32"):
+        _run_step(tmp_path, [{}], serving_max_lora_rank=32)
     result, _ = _run_step(
         tmp_path,
         [katib_status("Succeeded", best=BEST)],
-        max_lora_rank=32,
-        sweep_overrides="space.lora_r.values=8,16,32",
+        serving_max_lora_rank=32,
+        hpo_overrides="space.lora_r.values=8,16,32",
     )
     assert result["best_overrides"][1] == "lora.r=32"
 
@@ -141,12 +143,12 @@ def test_component_output_feeds_the_train_step(tmp_path, monkeypatch):
     )
     plan = sweep_plan(
         run_id="r1",
-        sweep_max_trials=4,
-        sweep_parallel_trials=2,
-        sweep_max_failed_trials=1,
-        sweep_overrides="space.warmup_ratio=off",
-        sweep_trial_overrides="max_steps=100 eval_every=20",
-        train_overrides="save_every=50 lora.r=8",
+        hpo_max_trials=4,
+        hpo_parallel_trials=2,
+        hpo_max_failed_trials=1,
+        hpo_overrides="space.warmup_ratio=off",
+        hpo_trial_overrides="max_steps=100 eval_every=20",
+        finetune_overrides="save_every=50 lora.r=8",
     )
     plan_artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     write_plan(plan, plan_artifact.path)
@@ -187,7 +189,7 @@ def test_trial_overrides_may_not_set_what_the_sweep_sets(tmp_path):
     from llmft.trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"trial overrides \['optim.lr=0.1'\]"):
-        _run_step(tmp_path, [{}], sweep_trial_overrides="optim.lr=0.1")
+        _run_step(tmp_path, [{}], hpo_trial_overrides="optim.lr=0.1")
     with pytest.raises(ConfigError, match="data= is required"):
         _run_step(tmp_path, [{}], tokenized_dir="")
 

@@ -129,7 +129,7 @@ def test_a_trial_as_katib_creates_it_is_a_valid_trainjob_whose_node_zero_katib_w
 
 def test_the_hpo_step_runs_trainjob_trials_for_training_backend_trainjob(tmp_path):
     api = FakeKatibApi([katib_status("Succeeded", best=BEST, reason="ExperimentMaxTrialsReached")])
-    plan = sweep_plan(training_backend="trainjob", num_workers=2, gpus_per_worker=8)
+    plan = sweep_plan(training_backend="trainjob", training_workers=2, training_gpus_per_worker=8)
     sweep_lib.run_sweep_step(
         plan, tokenized_dir="/data/tokenized/abc123", output_dir=str(tmp_path), poll_s=0.001,
         cluster=Cluster("team-a", custom_api=api, core_api=object()),

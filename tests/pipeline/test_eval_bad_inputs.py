@@ -36,7 +36,7 @@ def _one_line(exc: LlmftError, *needles: str) -> None:
         (b'{"question": "Q?", "answer": "!!!"}\n', ["q.jsonl:1: field `answer` '!!!' is only punctuation"]),
         (b'{"question": "Q?", "answer": []}\n', ["q.jsonl:1: field `answer` must be a non-empty string or a list"]),
         (json.dumps({"question": "Velmora " * 131072, "answer": "x"}).encode(),
-         ["q.jsonl:1: field `question` is 1,048,576 characters", "raise max_length"]),
+         ["q.jsonl:1: field `question` is 1,048,576 characters", "raise finetune_max_length"]),
     ],
 )  # fmt: skip
 def test_a_bad_questions_file_is_one_line_naming_file_and_line(tmp_path, content, needles):
@@ -63,15 +63,15 @@ def test_a_linked_fifo_or_folder_questions_file_is_named_for_what_it_is(tmp_path
     link.symlink_to(real)
     with pytest.raises(LlmftError) as caught:
         read_questions(link, 16)
-    _one_line(caught.value, "link.jsonl: eval_questions is a symlink", "give the file itself")
+    _one_line(caught.value, "link.jsonl: promote_eval_questions is a symlink", "give the file itself")
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
     with pytest.raises(LlmftError) as caught:
         read_questions(fifo, 16)  # never blocks on the FIFO
-    _one_line(caught.value, "fifo.jsonl: eval_questions is a FIFO", "not a regular file")
+    _one_line(caught.value, "fifo.jsonl: promote_eval_questions is a FIFO", "not a regular file")
     with pytest.raises(LlmftError) as caught:
         read_questions(tmp_path, 16)
-    _one_line(caught.value, "eval_questions is a directory")
+    _one_line(caught.value, "promote_eval_questions is a directory")
     with pytest.raises(LlmftError, match="not found"):
         read_questions(tmp_path / "missing.jsonl", 16)
 

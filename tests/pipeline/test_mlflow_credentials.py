@@ -91,7 +91,8 @@ def test_a_password_in_the_tracking_uri_is_never_printed_or_written(
     client = MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("llmft-canary")
     runs = client.search_runs([experiment.experiment_id])
-    assert {run.info.status for run in runs} == {"FINISHED"} and len(runs) == 2  # the training run, the register run
+    # the training run, the register run and the pipeline run's parent (lib/registry/lineage.py) the latter nests under
+    assert {run.info.status for run in runs} == {"FINISHED"} and len(runs) == 3
 
 
 def test_credentials_move_from_the_uri_into_mlflows_variables(monkeypatch):
@@ -161,7 +162,7 @@ def test_the_local_run_log_and_screen_never_show_a_password():
 
     log, screen = io.StringIO(), io.StringIO()
     stream = ProgressStream(log, screen, verbose=True)
-    text = f"inputs: {{'mlflow_tracking_uri': '{CANARY_URI}', 'model': 'https://bob:pw@hub.example/m'}}\n"
+    text = f"inputs: {{'mlflow_tracking_uri': '{CANARY_URI}', 'base_model': 'https://bob:pw@hub.example/m'}}\n"
     assert stream.write(text) == len(text)
     for shown in (log.getvalue(), screen.getvalue()):
         assert "s3cr3tCANARY" not in shown and "bob:pw" not in shown

@@ -57,7 +57,7 @@ def kfp_behind_proxy(monkeypatch, tmp_path):
 
 
 def _submit(url: str, *auth: str) -> int:
-    return main(["pipeline", "submit", "--host", url, "--namespace", "team-a", *auth, "deploy=false"])
+    return main(["pipeline", "submit", "--host", url, "--namespace", "team-a", *auth, "serving_deploy=false"])
 
 
 @pytest.mark.slow

@@ -66,28 +66,38 @@ def test_submit_passes_typed_arguments_and_never_caches(fake_kfp, capsys):
             "--namespace",
             "team-a",
             "dataset=org/data",
-            "lora_r=32",
-            "deploy=false",
+            "finetune_lora_r=32",
+            "serving_deploy=false",
         ]
     )
     assert code == 0 and "run-123" in capsys.readouterr().out
     (client,) = fake_kfp
     ((kind, pipeline, kwargs),) = client.calls
     assert (client.host, client.namespace, pipeline.name) == ("https://kfp.example.com", "team-a", "llm-finetune")
-    assert kwargs["arguments"] == {"dataset": "org/data", "lora_r": 32, "deploy": False}
+    assert kwargs["arguments"] == {"dataset": "org/data", "finetune_lora_r": 32, "serving_deploy": False}
     assert kwargs["experiment_name"] == "exp" and kwargs["enable_caching"] is False
 
 
 @pytest.mark.slow
 def test_schedule_creates_a_recurring_run_from_the_compiled_pipeline(fake_kfp):
     code = main(
-        ["pipeline", "schedule", "--host", "http://kfp", "--cron", "0 30 2 * * *", "--name", "nightly", "max_steps=100"]
+        [
+            "pipeline",
+            "schedule",
+            "--host",
+            "http://kfp",
+            "--cron",
+            "0 30 2 * * *",
+            "--name",
+            "nightly",
+            "finetune_max_steps=100",
+        ]
     )
     assert code == 0
     experiment, (_, recurring) = fake_kfp[0].calls
     assert experiment[:2] == ("experiment", "llm-finetune")
     assert recurring["cron_expression"] == "0 30 2 * * *" and recurring["job_name"] == "nightly"
-    assert recurring["experiment_id"] == "exp-1" and recurring["params"] == {"max_steps": 100}
+    assert recurring["experiment_id"] == "exp-1" and recurring["params"] == {"finetune_max_steps": 100}
     assert len(recurring["package_tasks"]) == 9 + 2 and recurring["max_concurrency"] == 1  # + exit handler, cleanup
 
 
@@ -116,17 +126,31 @@ def test_compile_writes_the_pipeline_with_the_given_defaults(tmp_path):
     assert main(["pipeline", "compile", "--output", str(out), "lora_r=32", "hf_token_secret=llmft-hf-token"]) == 0
     spec, platform = yaml.safe_load_all(out.read_text())
     assert spec["pipelineInfo"]["name"] == "llm-finetune"
-    assert spec["root"]["inputDefinitions"]["parameters"]["lora_r"]["defaultValue"] == 32
+    assert spec["root"]["inputDefinitions"]["parameters"]["finetune_lora_r"]["defaultValue"] == 32
     prepare = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-prepare-dataset"]
     assert [s["secretName"] for s in prepare["secretAsEnv"]] == ["llmft-hf-token"]
 
 
 @pytest.mark.slow
 def test_submit_mounts_the_secrets_the_run_names(fake_kfp):
-    assert main(["pipeline", "submit", "--host", "http://kfp", "mlflow_secret=team-mlflow"]) == 0
+    """A Secret's name is compiled in (the tasks mount it; KFP backends before 2.5 take it from no parameter):
+    the run's arguments carry only run parameters, the pipeline submitted carries the name."""
+    argv = ["pipeline", "submit", "--host", "http://kfp", "mlflow_secret=team-mlflow", "finetune_lora_r=8"]
+    assert main(argv) == 0
     ((_, pipeline, kwargs),) = fake_kfp[0].calls
-    assert kwargs["arguments"] == {"mlflow_secret": "team-mlflow"}
-    assert pipeline.component_spec.inputs["mlflow_secret"].default == "team-mlflow"  # compiled with it: mounted
+    assert kwargs["arguments"] == {"finetune_lora_r": 8}
+    assert "mlflow_secret" not in pipeline.component_spec.inputs
+    plan_inputs = pipeline.pipeline_spec.components["comp-exit-handler-1"].dag.tasks["plan-run"].inputs.parameters
+    assert plan_inputs["mlflow_secret"].runtime_value.constant.string_value == "team-mlflow"  # compiled in: mounted
+
+
+def test_submit_minimal_compiles_in_what_its_form_does_not_offer(fake_kfp):
+    argv = ["pipeline", "submit", "--minimal", "--host", "http://kfp", "finetune_lora_alpha=8", "finetune_lora_r=4"]
+    assert main(argv) == 0
+    ((_, pipeline, kwargs),) = fake_kfp[0].calls
+    assert pipeline.name == "llm-finetune-minimal" and kwargs["arguments"] == {"finetune_lora_r": 4}
+    plan_inputs = pipeline.pipeline_spec.components["comp-exit-handler-1"].dag.tasks["plan-run"].inputs.parameters
+    assert plan_inputs["finetune_lora_alpha"].runtime_value.constant.number_value == 8.0
 
 
 def test_summary_of_a_run_whose_version_is_not_champion():

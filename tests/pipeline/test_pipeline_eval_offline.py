@@ -1,6 +1,6 @@
-"""Issue 43's "done when": a run with eval_tasks=heldout,arc_easy, arc_easy's data from the volume's cache, and a
-guard task completes offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, tests/conftest.py) through kfp.local; its report
-shows base against adapter for each task and the gate's decision with its reason.
+"""Issue 43's "done when": a run with promote_eval_tasks=heldout,arc_easy, arc_easy's data from the volume's cache,
+and a guard task completes offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, tests/conftest.py) through kfp.local; its
+report shows base against adapter for each task and the gate's decision with its reason.
 
 arc_easy is lm-eval's OWN registry task (lm_eval/tasks/arc/arc_easy.yaml of the installed lm-eval, not an
 imitation); its data is a small generated subset with ARC's schema, written by the cache command's own code
@@ -56,8 +56,8 @@ def test_heldout_and_arc_easy_from_the_cache_with_a_guard_run_offline_and_the_re
     volume = tmp_path / "volume"
     cache_tasks(["arc_easy"], volume / "eval-cache", load_dataset=generated_arc)
     changes = {
-        "data_root": str(volume), "eval_tasks": "heldout,arc_easy", "eval_guards": "arc_easy.acc:0.9",
-        "eval_limit": 8, "eval_batch_size": 4, "eval_max_questions": 4,
+        "volume_path": str(volume), "promote_eval_tasks": "heldout,arc_easy", "promote_guards": "arc_easy.acc:0.9",
+        "promote_eval_limit": 8, "promote_eval_batch_size": 4, "promote_eval_max_questions": 4,
     }  # fmt: skip
     outcome = run_pipeline_locally(changes, work_dir=tmp_path / "work")
     assert outcome.succeeded, outcome.render(0.0) + "\n" + outcome.log_path.read_text()[-4000:]

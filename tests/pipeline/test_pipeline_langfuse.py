@@ -16,11 +16,9 @@ import pytest
 import yaml
 from kfp import dsl
 from langfuse_fake import FakeLangfuse
-from plan_helpers import CLUSTER, make_plan, parameters
+from plan_helpers import make_plan
 
 from llmft.components.lib.evaluation.comparison import compare_in_langfuse, dataset_name
-from llmft.components.lib.plan.build import build_plan
-from llmft.components.lib.plan.checks import compiled_settings
 from llmft.components.lib.plan.schema import write_plan
 from llmft.components.lib.registry.mlflow_registry import (
     PROMOTED_PATH_TAG,
@@ -29,7 +27,6 @@ from llmft.components.lib.registry.mlflow_registry import (
     registration_from_run,
 )
 from llmft.components.lib.registry.promote import promoted_destination
-from llmft.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +88,8 @@ def world(tmp_path_factory, tiny_model_dir, langfuse):
         patch.setenv(key, value)
     plan = make_plan(
         run_id=RUN_ID,
-        model=str(tiny_model_dir),
-        data_root=str(root),
+        base_model=str(tiny_model_dir),
+        volume_path=str(root),
         mlflow_tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
         mlflow_model_name=MODEL_NAME,
     )
@@ -253,8 +250,9 @@ def test_the_compiled_pipeline_mounts_the_langfuse_secret_where_langfuse_is_used
         if any(e["secretName"] == "llmft-langfuse" for e in executor.get("secretAsEnv", []))
     }
     assert with_langfuse == {"prepare-dataset", "evaluate-perplexity", "register-model"}
-    # the tasks mount the compiled name, so a run may not name another Secret (the training job would)
-    values = parameters(langfuse_secret="llmft-langfuse")
-    run = {**values, "langfuse_secret": "other"}
-    with pytest.raises(ConfigError, match="compiled with langfuse_secret='llmft-langfuse'"):
-        build_plan(run, run_id="r", compiled=compiled_settings("llm-finetune", values), environ=CLUSTER)
+    # the tasks mount the compiled name, so no run may name another Secret (the training job would): no run
+    # parameter, and the plan step gets the compiled name
+    spec = next(yaml.safe_load_all(open(path)))
+    assert "langfuse_secret" not in spec["root"]["inputDefinitions"]["parameters"]
+    plan_inputs = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]["plan-run"]["inputs"]["parameters"]
+    assert plan_inputs["langfuse_secret"] == {"runtimeValue": {"constant": "llmft-langfuse"}}

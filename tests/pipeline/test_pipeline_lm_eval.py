@@ -57,8 +57,8 @@ def test_the_plan_refuses_an_unknown_task_name():
     from plan_helpers import make_plan
 
     with pytest.raises(ConfigError, match="'hellaswag_typo' is not heldout"):
-        make_plan(eval_tasks="hellaswag_typo")
-    assert make_plan(eval_tasks="velmora_mc", promote_metric="velmora_mc.acc").registry.promote_metric == (
+        make_plan(promote_eval_tasks="hellaswag_typo")
+    assert make_plan(promote_eval_tasks="velmora_mc", promote_metric="velmora_mc.acc").registry.promote_metric == (
         "velmora_mc.acc"
     )
 

@@ -61,8 +61,10 @@ def test_render_job_replaces_its_own_file_and_with_force_the_link_itself(tmp_pat
     assert cli(*RENDER, "--output", str(out))[0] == 0
     first = out.read_text()
     assert first.startswith(OWNED_FILE_MARK) and yaml.safe_load(first)["kind"] == "PyTorchJob"
-    assert cli(*RENDER, "num_workers=2", "--output", str(out))[0] == 0  # ours: replaced without --force
-    assert yaml.safe_load(out.read_text())["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1  # num_workers=2
+    assert cli(*RENDER, "training_workers=2", "--output", str(out))[0] == 0  # ours: replaced without --force
+    assert (
+        yaml.safe_load(out.read_text())["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    )  # training_workers=2
     target = tmp_path / "precious.yaml"
     target.write_text(MINE)
     link = tmp_path / "linked.yaml"
@@ -77,9 +79,9 @@ def test_compile_replaces_its_own_file_and_a_foreign_one_with_force(tmp_path):
     out = tmp_path / "p.yaml"
     assert cli(*COMPILE, "--output", str(out))[0] == 0
     assert out.read_text().startswith(OWNED_FILE_MARK)
-    assert cli(*COMPILE, "lora_r=32", "--output", str(out))[0] == 0  # ours: replaced without --force
+    assert cli(*COMPILE, "finetune_lora_r=32", "--output", str(out))[0] == 0  # ours: replaced without --force
     spec, _platform = yaml.safe_load_all(out.read_text())
-    assert spec["root"]["inputDefinitions"]["parameters"]["lora_r"]["defaultValue"] == 32
+    assert spec["root"]["inputDefinitions"]["parameters"]["finetune_lora_r"]["defaultValue"] == 32
     out.write_text(MINE)
     assert cli(*COMPILE, "--output", str(out), "--force")[0] == 0
     assert out.read_text().startswith(OWNED_FILE_MARK)
@@ -90,9 +92,7 @@ def test_render_job_hpo_checks_the_sweep_pipelines_trial_overrides(tmp_path):
     as in its plan step (rendered as the plain pipeline it was accepted: exit 0, a job written)."""
     out = tmp_path / "job.yaml"
     argv = ["pipeline", "render-job", "--backend", "pytorchjob", "--hpo", "--output", str(out)]
-    code, err = cli(
-        *argv, "mlflow_tracking_uri=http://mlflow:5000", "sweep_trial_overrides=model.trust_remote_code=true"
-    )
+    code, err = cli(*argv, "mlflow_tracking_uri=http://mlflow:5000", "hpo_trial_overrides=model.trust_remote_code=true")
     assert code == 1 and "trust_remote_code" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
 
@@ -100,9 +100,16 @@ def test_render_job_hpo_checks_the_sweep_pipelines_trial_overrides(tmp_path):
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_render_job_shows_the_config_file_the_job_reads(tmp_path, backend):
     """Issue 26: the rendered job runs `llmft train --config <run_dir>/config.yaml data=...` (no plan setting
-    on its command line); the header shows that config.yaml, lora_r=8 as lora.r: 8."""
+    on its command line); the header shows that config.yaml, finetune_lora_r=8 as lora.r: 8."""
     out = tmp_path / "job.yaml"
-    argv = ["pipeline", "render-job", "--backend", backend, "mlflow_tracking_uri=http://mlflow:5000", "lora_r=8"]
+    argv = [
+        "pipeline",
+        "render-job",
+        "--backend",
+        backend,
+        "mlflow_tracking_uri=http://mlflow:5000",
+        "finetune_lora_r=8",
+    ]
     assert cli(*argv, "--run-id", "r1", "--output", str(out))[0] == 0
     text = out.read_text()
     body = yaml.safe_load(text)

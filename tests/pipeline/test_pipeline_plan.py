@@ -12,9 +12,9 @@ from plan_helpers import CLUSTER, RUN_ID, make_plan, parameters
 
 from llmft.components.lib.plan.build import build_plan, write_run_config
 from llmft.components.lib.plan.checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
-from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.parameters import PipelineParameters, parameter_defaults
 from llmft.components.lib.plan.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
-from llmft.components.plan import parameter_defaults, plan_run
+from llmft.components.plan import plan_run
 from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError, OutputNotOursError
 from llmft.trainer.io import OWNED_FILE_MARK
@@ -58,17 +58,17 @@ def test_plan_round_trips_through_plan_json(tmp_path):
 
 
 def test_lora_r_reaches_the_trainer_as_an_int_through_config_yaml(tmp_path):
-    """Issue 26: lora_r (pipeline) -> TrainConfig.lora.r (int, in the plan) -> config.yaml -> the trainer's
+    """Issue 26: finetune_lora_r (pipeline) -> TrainConfig.lora.r (int, in the plan) -> config.yaml -> the trainer's
     TrainConfig.lora.r; the trainer's command line carries --config plus only what tokenize and the sweep
     decide (data=, the best values), never the plan's settings."""
     plan = make_plan(
-        data_root=str(tmp_path),
-        lora_r=8,
-        lora_alpha=16.0,
-        learning_rate=1e-4,
-        max_steps=0,
-        epochs=2.0,
-        train_overrides="save_every=50",
+        volume_path=str(tmp_path),
+        finetune_lora_r=8,
+        finetune_lora_alpha=16.0,
+        finetune_learning_rate=1e-4,
+        finetune_max_steps=0,
+        finetune_epochs=2.0,
+        finetune_overrides="save_every=50",
     )
     assert plan.trainer.config.lora.r == 8 and type(plan.trainer.config.lora.r) is int
     assert write_run_config(plan) == plan.trainer.config_path == f"{plan.trainer.run_dir}/config.yaml"
@@ -88,11 +88,11 @@ def test_lora_r_reaches_the_trainer_as_an_int_through_config_yaml(tmp_path):
     )
     best = plan.trainer.launch("d", ["lora.r=32"])  # a sweep's best wins over the config
     assert load_config(best.config_path, [f"{k}={v}" for k, v in best.overrides.items()]).lora.r == 32
-    assert make_plan(max_steps=7).trainer.config.max_steps == 7
+    assert make_plan(finetune_max_steps=7).trainer.config.max_steps == 7
 
 
 def test_a_retried_plan_rewrites_its_config_yaml_but_never_a_foreign_one(tmp_path):
-    plan = make_plan(data_root=str(tmp_path))
+    plan = make_plan(volume_path=str(tmp_path))
     write_run_config(plan)
     first = Path(plan.trainer.config_path).read_text()
     write_run_config(plan)  # a retried plan task: same parameters, same file
@@ -104,43 +104,42 @@ def test_a_retried_plan_rewrites_its_config_yaml_but_never_a_foreign_one(tmp_pat
 
 
 def test_a_bad_training_parameter_names_the_pipeline_parameter():
-    with pytest.raises(ConfigError, match=r"pipeline parameter `lora_r`: `lora.r` must be > 0"):
-        make_plan(lora_r=0)
-    with pytest.raises(ConfigError, match=r"train_overrides `optim.beta1=...`: `optim.beta1` must be in"):
-        make_plan(train_overrides="optim.beta1=2")
+    with pytest.raises(ConfigError, match=r"pipeline parameter `finetune_lora_r`: `lora.r` must be > 0"):
+        make_plan(finetune_lora_r=0)
+    with pytest.raises(ConfigError, match=r"finetune_overrides `optim.beta1=...`: `optim.beta1` must be in"):
+        make_plan(finetune_overrides="optim.beta1=2")
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"training_backend": "slurm"}, "training_backend"),
-        ({"deploy_mode": "seldon"}, "deploy_mode"),
-        ({"num_workers": 0}, "num_workers"),
-        ({"val_fraction": 0.0}, "val_fraction"),
+        ({"serving_deploy_mode": "seldon"}, "serving_deploy_mode"),
+        ({"training_workers": 0}, "training_workers"),
+        ({"dataset_val_fraction": 0.0}, "dataset_val_fraction"),
         ({"promote_margin": 1.5}, "promote_margin"),
-        ({"pvc_name": "Data_PVC"}, "pvc_name"),
+        ({"volume_pvc_name": "Data_PVC"}, "volume_pvc_name"),
         ({"serving_name": "Bad Name"}, "serving_name"),
         ({"mlflow_model_name": "../runs"}, "mlflow_model_name"),
-        ({"max_lora_rank": 48}, "max_lora_rank"),
-        ({"max_lora_rank": 8, "serving_mode": "lora"}, "exceeds `max_lora_rank`=8"),
-        ({"learning_rate": -1.0}, "optim.lr"),
-        ({"method": "prefix"}, "method"),
-        ({"lora_dropout": 1.5}, "lora.dropout"),
-        ({"train_overrides": "no_such_key=1"}, "unknown key `no_such_key`"),
-        ({"train_overrides": "output_dir=/elsewhere"}, "set by the pipeline"),
-        ({"train_overrides": "lora.use_dora=true", "serving_mode": "lora"}, "DoRA.*serving_mode=auto"),
+        ({"serving_max_lora_rank": 48}, "serving_max_lora_rank"),
+        ({"serving_max_lora_rank": 8, "serving_mode": "lora"}, "exceeds `serving_max_lora_rank`=8"),
+        ({"finetune_learning_rate": -1.0}, "optim.lr"),
+        ({"finetune_method": "prefix"}, "finetune_method"),
+        ({"finetune_lora_dropout": 1.5}, "lora.dropout"),
+        ({"finetune_overrides": "no_such_key=1"}, "unknown key `no_such_key`"),
+        ({"finetune_overrides": "output_dir=/elsewhere"}, "set by the pipeline"),
+        ({"finetune_overrides": "lora.use_dora=true", "serving_mode": "lora"}, "DoRA.*serving_mode=auto"),
         ({"serving_mode": "full"}, "serving_mode"),
-        ({"model": " "}, "model"),
-        ({"trainer_image": "registry.example.com/llmft-trainer"}, "not pinned"),
-        ({"trainer_image": "ghcr.io/x/y:latest"}, "trainer_image"),
-        ({"worker_memory": "lots"}, "worker_memory"),
+        ({"base_model": " "}, "base_model"),
+        ({"training_image": "registry.example.com/llmft-trainer"}, "not pinned"),
+        ({"training_image": "ghcr.io/x/y:latest"}, "training_image"),
+        ({"training_memory": "lots"}, "training_memory"),
         ({"step_cpu": "0"}, "step_cpu"),
         ({"gpu_node_selector": "no-equals-sign"}, "gpu_node_selector"),
         ({"hf_token_secret": "Bad_Name"}, "hf_token_secret"),
         ({"mlflow_secret": "llmft-mlflow:PASSWORD"}, "mlflow_secret"),
-        ({"mlflow_tracking_uri": ""}, "no MLflow server"),
-        ({"job_timeout_s": 3 * 24 * 3600}, "job_timeout_s"),  # the job must end before its task's timeout
-        ({"deploy_policy": "sometimes"}, "deploy_policy"),
+        ({"training_timeout_s": 3 * 24 * 3600}, "training_timeout_s"),  # the job must end before its task's timeout
+        ({"serving_deploy_policy": "sometimes"}, "serving_deploy_policy"),
         ({"dataset": "http://files.internal/qa.jsonl"}, "plain http is refused"),
         ({"dataset": "https://files.example.com/qa"}, "must end in a data file name"),
         ({"dataset": "https://b.s3.amazonaws.com/qa.jsonl?X-Amz-Signature=ab"}, "`dataset`=.*presigned URL.*s3_secret"),
@@ -155,15 +154,31 @@ def test_a_bad_parameter_is_named_before_any_work(change, message):
         make_plan(**change)
 
 
+@pytest.mark.parametrize(
+    ("change", "environ", "enabled"),
+    [
+        ({"mlflow_tracking_uri": ""}, {}, False),  # the defaults: no server named anywhere
+        ({"mlflow_tracking_uri": ""}, {"MLFLOW_TRACKING_URI": "http://here:5000"}, True),  # kfp.local: this shell's
+        ({"mlflow_tracking_uri": ""}, CLUSTER, False),  # a cluster: never the task pod's environment
+        ({"mlflow_tracking_uri": "", "mlflow_secret": "llmft-mlflow"}, CLUSTER, True),  # the Secret's key
+        ({"mlflow_tracking_uri": "http://mlflow:5000"}, CLUSTER, True),
+    ],
+)
+def test_mlflow_is_optional(change, environ, enabled):
+    """Issue 44 item 3: with the default parameters the plan step refused ("no MLflow server") and the README never
+    said a run needs one. No server configured: the run plans, registry.enabled is false."""
+    assert make_plan(environ=environ, **change).registry.enabled is enabled
+
+
 def test_full_finetuning_skips_the_lora_serving_checks():
-    assert make_plan(method="full", lora_r=512, max_lora_rank=8).trainer.method == "full"
+    assert make_plan(finetune_method="full", finetune_lora_r=512, serving_max_lora_rank=8).trainer.method == "full"
 
 
 @pytest.mark.parametrize(
     ("change", "note"),
     [
-        ({"train_overrides": "lora.use_dora=true"}, "lora.use_dora=true (DoRA): vLLM does not serve DoRA"),
-        ({"lora_r": 16, "max_lora_rank": 8}, "`lora_r`=16 exceeds `max_lora_rank`=8"),
+        ({"finetune_overrides": "lora.use_dora=true"}, "lora.use_dora=true (DoRA): vLLM does not serve DoRA"),
+        ({"finetune_lora_r": 16, "serving_max_lora_rank": 8}, "`finetune_lora_r`=16 exceeds `serving_max_lora_rank`=8"),
         ({"serving_mode": "merged"}, "serving_mode=merged"),
         ({}, ""),  # a plain adapter within the rank: decided after promotion (LoRA, unless vLLM refuses it)
     ],
@@ -180,13 +195,13 @@ def test_what_lora_serving_refuses_is_served_merged_by_default(change, note):
 def test_a_sweep_beyond_the_serving_rank_is_refused_unless_served_merged():
     """auto too: a sweep's winner must not decide whether a full merged copy is written."""
     with pytest.raises(ConfigError, match="serving_mode=merged"):
-        make_plan(hpo=True, sweep_overrides="space.lora_r.values=8,16", max_lora_rank=8, lora_r=8)
-    plan = make_plan(hpo=True, sweep_overrides="space.lora_r.values=8,16", max_lora_rank=8, lora_r=8,
+        make_plan(hpo=True, hpo_overrides="space.lora_r.values=8,16", serving_max_lora_rank=8, finetune_lora_r=8)
+    plan = make_plan(hpo=True, hpo_overrides="space.lora_r.values=8,16", serving_max_lora_rank=8, finetune_lora_r=8,
                      serving_mode="merged")  # fmt: skip
     assert plan.serving.form_note == "serving_mode=merged"
 
 
-@pytest.mark.parametrize(("name", "use"), [("training_backend", "kubeflow"), ("deploy_mode", "kserve")])
+@pytest.mark.parametrize(("name", "use"), [("training_backend", "kubeflow"), ("serving_deploy_mode", "kserve")])
 def test_local_backends_are_refused_on_a_cluster_and_fine_under_kfp_local(name, use):
     assert make_plan(**{name: "local"}).on_cluster is False
     with pytest.raises(ConfigError, match=f"`{name}`='local'.*kfp.local.*use {name}={use}"):
@@ -195,20 +210,9 @@ def test_local_backends_are_refused_on_a_cluster_and_fine_under_kfp_local(name, 
 
 
 def test_a_local_sweep_is_refused_on_a_cluster():
-    assert make_plan(hpo=True, sweep_backend="local").sweep.backend == "local"
-    with pytest.raises(ConfigError, match="sweep_backend"):
-        make_plan(hpo=True, sweep_backend="local", environ=CLUSTER)
-
-
-def test_a_value_the_compiled_tasks_apply_cannot_change_at_run_time():
-    values = parameters(hf_token_secret="llmft-hf-token")
-    compiled = compiled_settings("llm-finetune", values)
-    run = {**values, "hf_token_secret": "other-token"}
-    with pytest.raises(
-        ConfigError, match="compiled with hf_token_secret='llmft-hf-token'.*hf_token_secret=other-token"
-    ):
-        build_plan(run, run_id=RUN_ID, compiled=compiled, environ=CLUSTER)
-    assert build_plan(run, run_id=RUN_ID, compiled=compiled, environ={}).job.secrets[0].name == "other-token"
+    assert make_plan(hpo=True, hpo_backend="local").sweep.backend == "local"
+    with pytest.raises(ConfigError, match="hpo_backend"):
+        make_plan(hpo=True, hpo_backend="local", environ=CLUSTER)
 
 
 def test_secret_parameters_name_the_secret_and_its_keys():
@@ -239,11 +243,13 @@ def test_the_data_plan_carries_the_source_its_configuration_and_columns():
 def test_node_selector_and_resources_reach_the_job_and_the_inference_service():
     assert parse_node_selector("") == {}
     labels = "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3,pool=gpu"
-    plan = make_plan(gpu_node_selector=labels, worker_cpu="12", worker_memory="96Gi", serving_cpu="6")
+    plan = make_plan(gpu_node_selector=labels, training_cpu="12", training_memory="96Gi", serving_cpu="6")
     assert plan.job.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "gpu"}
     assert plan.serving.node_selector == plan.job.node_selector
     assert (plan.job.resources.cpu, plan.job.resources.memory, plan.serving.resources.cpu) == ("12", "96Gi", "6")
-    assert make_plan(gpu_node_selector=labels, gpus_per_worker=0).job.node_selector == {}  # a CPU job goes anywhere
+    assert (
+        make_plan(gpu_node_selector=labels, training_gpus_per_worker=0).job.node_selector == {}
+    )  # a CPU job goes anywhere
 
 
 def test_hf_home_on_the_volume_wins_over_the_image(monkeypatch, tmp_path):
@@ -259,12 +265,12 @@ def test_hf_home_on_the_volume_wins_over_the_image(monkeypatch, tmp_path):
 
 
 def test_the_sweep_plan_checks_ranks_and_trial_settings():
-    plan = make_plan(hpo=True, sweep_overrides="space.lora_r.values=4,8", max_lora_rank=8, lora_r=8)
+    plan = make_plan(hpo=True, hpo_overrides="space.lora_r.values=4,8", serving_max_lora_rank=8, finetune_lora_r=8)
     assert plan.sweep.settings[-1] == "space.lora_r.values=4,8" and plan.sweep.experiment.startswith("llmft-sweep-")
-    with pytest.raises(ConfigError, match="lora.r up to 64 but max_lora_rank=32"):
-        make_plan(hpo=True, max_lora_rank=32)
+    with pytest.raises(ConfigError, match="lora.r up to 64 but serving_max_lora_rank=32"):
+        make_plan(hpo=True, serving_max_lora_rank=32)
     with pytest.raises(ConfigError, match=r"trial overrides \['optim.lr=0.1'\]"):
-        make_plan(hpo=True, sweep_trial_overrides="optim.lr=0.1")
+        make_plan(hpo=True, hpo_trial_overrides="optim.lr=0.1")
     assert make_plan().sweep is None  # the plain pipeline has no sweep
 
 
@@ -330,7 +336,7 @@ def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch, capsys):
     artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     plan_run.python_func(
         plan=artifact,
-        **parameters(lora_r=8, max_lora_rank=8, data_root=str(tmp_path), training_backend="local"),
+        **parameters(finetune_lora_r=8, serving_max_lora_rank=8, volume_path=str(tmp_path), training_backend="local"),
         run_id="r1",
         compiled="",
     )
@@ -339,8 +345,13 @@ def test_the_plan_component_writes_plan_json(tmp_path, monkeypatch, capsys):
     assert load_config(plan.trainer.config_path, ["data=d"]) == dataclasses.replace(plan.trainer.config, data="d")
     assert artifact.metadata["trainer_image"] == plan.images.trainer
     assert "serving form" not in capsys.readouterr().out  # a plain adapter: decided after promotion
-    dora = parameters(lora_r=8, max_lora_rank=8, train_overrides="lora.use_dora=true", data_root=str(tmp_path),
-                      training_backend="local")  # fmt: skip
+    dora = parameters(
+        finetune_lora_r=8,
+        serving_max_lora_rank=8,
+        finetune_overrides="lora.use_dora=true",
+        volume_path=str(tmp_path),
+        training_backend="local",
+    )
     plan_run.python_func(plan=artifact, **dora, run_id="r2", compiled="")
     assert "serving form: merged (lora.use_dora=true (DoRA)" in capsys.readouterr().out
     assert read_plan(artifact.path).serving.form_note.startswith("lora.use_dora=true")
@@ -355,5 +366,5 @@ def test_plan_dataclasses_are_frozen():
 def test_the_plan_carries_model_revision_from_train_overrides():
     """The tokenize step tokenizes with the tokenizer revision the trainer loads (the last override wins)."""
     pinned = "b" * 40
-    assert make_plan(train_overrides=f"model.revision=v1 model.revision={pinned}").trainer.revision == pinned
+    assert make_plan(finetune_overrides=f"model.revision=v1 model.revision={pinned}").trainer.revision == pinned
     assert make_plan().trainer.revision is None

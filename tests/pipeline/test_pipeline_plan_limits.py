@@ -1,7 +1,7 @@
 """Issue 27 item 6, plan step: a too-long mlflow_model_name and model.trust_remote_code=true are refused
 by the plan step (seconds, before any GPU), not found out later. Before the fix a 300-character name was
 accepted, then failed in promote with "File name too long" and was retried as a transient fault; and
-train_overrides=model.trust_remote_code=true was passed on to the training pods silently."""
+finetune_overrides=model.trust_remote_code=true was passed on to the training pods silently."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def _plan(environ: dict, hpo: bool = False, **changes):
 @pytest.mark.parametrize(
     "changes",
     [
-        {"train_overrides": "save_every=50 model.trust_remote_code=true"},
-        {"sweep_trial_overrides": "max_steps=20 model.trust_remote_code=True"},
+        {"finetune_overrides": "save_every=50 model.trust_remote_code=true"},
+        {"hpo_trial_overrides": "max_steps=20 model.trust_remote_code=True"},
     ],
-    ids=["train_overrides", "sweep_trial_overrides"],
+    ids=["finetune_overrides", "hpo_trial_overrides"],
 )
 def test_trust_remote_code_is_refused_unless_the_pipeline_was_compiled_to_allow_it(capsys, changes):
-    hpo = "sweep_trial_overrides" in changes
+    hpo = "hpo_trial_overrides" in changes
     with pytest.raises(ConfigError, match=f"model.trust_remote_code=true runs code .*{REMOTE_CODE_ENV}=1"):
         _plan({}, hpo=hpo, **changes)
     plan = _plan({REMOTE_CODE_ENV: "1"}, hpo=hpo, **changes)

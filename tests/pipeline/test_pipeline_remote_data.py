@@ -26,13 +26,13 @@ from remote_servers import (  # noqa: E402
 )
 
 SHORT_RUN = {
-    "max_steps": 4,
-    "train_overrides": (
-        "save_every=2 eval_every=2 log_every=1 keep_last=2 batch.global_sequences=4 schedule.warmup_steps=1 "
-        "observe.progress_bar=false"
-    ),
-    "deploy": False,
-    "eval_tasks": "",
+    "finetune_max_steps": 4,
+    "finetune_save_every": 2,
+    "finetune_eval_every": 2,
+    "finetune_batch_size": 4,
+    "finetune_overrides": "log_every=1 keep_last=2 schedule.warmup_steps=1 observe.progress_bar=false",
+    "serving_deploy": False,
+    "promote_eval_tasks": "",
 }
 
 
@@ -49,7 +49,7 @@ def test_a_run_from_an_s3_prefix_with_mapped_columns_completes(tmp_path, tiny_mo
             monkeypatch.setenv(name, value)
         arguments = {
             **SHORT_RUN,
-            "model": str(tiny_model_dir),
+            "base_model": str(tiny_model_dir),
             "dataset": f"s3://{bucket}/qa/",
             "dataset_columns": "prompt:question,completion:answer",
         }

@@ -61,7 +61,9 @@ def test_a_cluster_only_backend_is_refused_by_the_plan_step_under_kfp_local(chan
     monkeypatch.delenv("KFP_POD_NAME", raising=False)
     artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     with pytest.raises(ConfigError) as refused:
-        plan_run.python_func(plan=artifact, **parameters(data_root=str(tmp_path), **changes), run_id="r1", compiled="")
+        plan_run.python_func(
+            plan=artifact, **parameters(volume_path=str(tmp_path), **changes), run_id="r1", compiled=""
+        )
     message = str(refused.value)
     assert shown in message and "use training_backend=local" in message and "\n" not in message
 
@@ -71,12 +73,12 @@ def test_a_katib_sweep_is_refused_under_kfp_local():
 
     from llmft.components.lib.plan.checks import check_runs_here
 
-    plan = make_plan(hpo=True, environ={}, training_backend="local", sweep_backend="katib")
+    plan = make_plan(hpo=True, environ={}, training_backend="local", hpo_backend="katib")
     with pytest.raises(
-        ConfigError, match="`sweep_backend`='katib': `katib` creates a Katib Experiment.*sweep_backend=local"
+        ConfigError, match="`hpo_backend`='katib': `katib` creates a Katib Experiment.*hpo_backend=local"
     ):
         check_runs_here(plan)
-    check_runs_here(make_plan(hpo=True, environ={}, training_backend="local", sweep_backend="local"))
+    check_runs_here(make_plan(hpo=True, environ={}, training_backend="local", hpo_backend="local"))
 
 
 # --- a retried attempt of a permanent failure --------------------------------------------------------------

@@ -173,7 +173,7 @@ def test_kserve_serves_the_merged_dora_model_alone_and_the_smoke_test_reaches_it
 
 @pytest.mark.slow
 def test_the_local_check_loads_the_merged_model_and_refuses_one_that_changes_nothing(volume, tmp_path):
-    """deploy_mode=local in the merged form: the merged directory against the base rounded to its dtype, so
+    """serving_deploy_mode=local in the merged form: the merged directory against the base rounded to its dtype, so
     an untrained adapter (B = 0) merges into exactly the base's bf16 weights and is caught."""
     from llmft.components.lib.serving.deployment import deploy_promoted
     from llmft.components.lib.serving.local_check import AdapterHasNoEffectError
@@ -194,11 +194,14 @@ def test_the_local_check_loads_the_merged_model_and_refuses_one_that_changes_not
 
 @pytest.fixture(scope="module")
 def dora_run(tmp_path_factory):
-    """The pipeline under kfp.local with a DoRA adapter (train_overrides lora.use_dora=true), serving_mode auto."""
+    """The pipeline under kfp.local with a DoRA adapter (finetune_overrides lora.use_dora=true), serving_mode auto."""
     from llmft.pipelines.defaults import LOCAL_DEFAULTS
     from llmft.pipelines.local_run import run_pipeline_locally
 
-    overrides = {"train_overrides": LOCAL_DEFAULTS["train_overrides"] + " lora.use_dora=true", "max_steps": 32}
+    overrides = {
+        "finetune_overrides": LOCAL_DEFAULTS["finetune_overrides"] + " lora.use_dora=true",
+        "finetune_max_steps": 32,
+    }
     outcome = run_pipeline_locally(overrides, work_dir=tmp_path_factory.mktemp("pipeline-dora"))
     if not outcome.succeeded:
         pytest.fail(outcome.render(0.0) + "\n" + outcome.log_path.read_text()[-6000:])
@@ -217,7 +220,7 @@ def test_a_dora_run_is_served_merged_through_the_pipeline_with_the_reason_logged
     promoted = Path(facts["promotion"]["destination"])
     assert json.loads((promoted / "adapter_config.json").read_text())["use_dora"] is True  # promote let it through
     serving = facts["serving"]
-    merged = Path(arguments["data_root"]) / "merged" / arguments["mlflow_model_name"] / facts["plan"]["run_id"]
+    merged = Path(arguments["volume_path"]) / "merged" / arguments["mlflow_model_name"] / facts["plan"]["run_id"]
     assert serving["form"] == "merged" and serving["model_dir"] == str(merged) and serving["requested"] == "auto"
     assert serving["export_manifest"]["adapter"]["sha256"] == _sha256(promoted / "adapter_model.safetensors")
     assert (merged / "COMPLETE").is_file() and (merged / "tokenizer_config.json").is_file()
@@ -244,11 +247,11 @@ def test_the_mlflow_version_records_the_merged_form_and_the_export_manifest(dora
     assert "use_dora=true; vLLM does not support DoRA" in version.tags[REASON_TAG]
     assert version.tags["llmft.served_model_dir"] == dora_run.facts["serving"]["model_dir"]
     root = {a.path for a in client.list_artifacts(registration["run_id"])}
-    assert {"serving.json", "export_manifest.json", "adapter"} <= root
+    assert {"serving.json", "export_manifest.json"} <= root
     logged = json.loads(Path(client.download_artifacts(registration["run_id"], "export_manifest.json")).read_text())
     assert logged == dora_run.facts["serving"]["export_manifest"]
-    weights = {a.path for a in client.list_artifacts(registration["run_id"], "adapter")}
-    assert not [p for p in root | weights if p.endswith(".safetensors") and not p.startswith("adapter/")]
+    assert not [p for p in root if p.endswith(".safetensors")]  # the merged weights stay on the volume
+    assert version.source.startswith("models:/")  # the adapter itself: the MLflow Model of its training run
 
 
 def _sha256(path: Path) -> str:

@@ -17,6 +17,9 @@ from kfp_api_fake import RUN_ID, FakeKfpApi
 from llmft.commands.pipeline_wait import RunFailed, RunLink, WaitStopped, run_url, wait_for_run
 from llmft.trainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR
 
+WAIT_QUICKLY = ("--wait", "--poll-interval", "0.05", "serving_deploy=false")
+"""submit --wait polling the loopback fake every 50 ms; no deploy (nothing to deploy to)."""
+
 LINK = RunLink(RUN_ID, f"https://kf.example.com/pipeline/#/runs/details/{RUN_ID}", "Wait again: llmft pipeline wait")
 
 
@@ -31,9 +34,7 @@ def _llmft(*args: str, home: Path, env: dict | None = None) -> subprocess.Comple
 @pytest.mark.slow
 def test_submit_prints_the_link_once_and_wait_exits_0_when_the_run_succeeds(tmp_path):
     with FakeKfpApi(["PENDING", "RUNNING", "RUNNING", "SUCCEEDED"]) as api:
-        run = _llmft(
-            "pipeline", "submit", "--host", api.url, "--wait", "--poll-interval", "0.05", "deploy=false", home=tmp_path
-        )
+        run = _llmft("pipeline", "submit", "--host", api.url, *WAIT_QUICKLY, home=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stderr == ""  # no FutureWarning of kfp.Client, nothing else
     link = f"{api.url}/#/runs/details/{RUN_ID}"
@@ -68,9 +69,7 @@ def test_a_failed_run_is_exit_1_naming_its_error_and_failed_task(no_kfp_context,
         error="task train-model failed",
         failed_task=("train model", "PyTorchJob llmft-run-9 Failed: exit code 1 (bad config)"),
     ) as api:
-        code, _out, err = _main(
-            "pipeline", "submit", "--host", api.url, "--wait", "--poll-interval", "0.05", "deploy=false", capsys=capsys
-        )
+        code, _out, err = _main("pipeline", "submit", "--host", api.url, *WAIT_QUICKLY, capsys=capsys)
     assert code == EXIT_USER_ERROR
     assert err.count("\n") == 1, err
     assert err.startswith(f"error: run {RUN_ID} FAILED: task train-model failed; failed tasks: train model: ")
@@ -95,7 +94,7 @@ def test_submit_without_wait_is_one_call_and_the_ui_endpoint_variable_sets_the_l
 ):
     monkeypatch.setenv("KF_PIPELINES_UI_ENDPOINT", "https://ui.example.com")
     with FakeKfpApi(["RUNNING"]) as api:
-        code, out, _err = _main("pipeline", "submit", "--host", api.url, "deploy=false", capsys=capsys)
+        code, out, _err = _main("pipeline", "submit", "--host", api.url, "serving_deploy=false", capsys=capsys)
     assert code == 0 and api.reads == 0
     assert f"  run details: https://ui.example.com/#/runs/details/{RUN_ID}" in out.splitlines()
 

@@ -1,5 +1,5 @@
-"""Task evaluation (issue 36): held-out scoring, the plan's checks of eval_tasks / promote_metric /
-eval_questions, the gate on a task metric, the best checkpoint by it, and the numbers in the report."""
+"""Task evaluation (issue 36): held-out scoring, the plan's checks of promote_eval_tasks / promote_metric /
+promote_eval_questions, the gate on a task metric, the best checkpoint by it, and the numbers in the report."""
 
 from __future__ import annotations
 
@@ -30,17 +30,17 @@ def test_an_answer_is_scored_by_exact_match_contains_and_token_f1():
 
 
 def test_the_plan_refuses_an_unknown_task_and_a_metric_no_task_computes():
-    with pytest.raises(ConfigError, match="`eval_tasks`: 'no_such_task' is not heldout, a shipped task"):
-        make_plan(eval_tasks="heldout,no_such_task")
+    with pytest.raises(ConfigError, match="`promote_eval_tasks`: 'no_such_task' is not heldout, a shipped task"):
+        make_plan(promote_eval_tasks="heldout,no_such_task")
     with pytest.raises(DataError, match="eval task 'mmlu': its datasets is not in the evaluation cache"):
-        make_plan(eval_tasks="heldout,mmlu")  # a registry group, but offline and not cached
+        make_plan(promote_eval_tasks="heldout,mmlu")  # a registry group, but offline and not cached
     with pytest.raises(ConfigError, match="`promote_metric`='heldout.contains'"):
-        make_plan(eval_tasks="", promote_metric="heldout.contains")
+        make_plan(promote_eval_tasks="", promote_metric="heldout.contains")
     with pytest.raises(ConfigError, match="`promote_metric`='bleu'"):
         make_plan(promote_metric="bleu")
-    with pytest.raises(ConfigError, match="eval_max_questions"):
-        make_plan(eval_max_questions=0)
-    plan = make_plan(eval_tasks="heldout, heldout", promote_metric="heldout.contains")
+    with pytest.raises(ConfigError, match="promote_eval_max_questions"):
+        make_plan(promote_eval_max_questions=0)
+    plan = make_plan(promote_eval_tasks="heldout, heldout", promote_metric="heldout.contains")
     assert plan.evaluation.tasks == ("heldout",) and plan.registry.promote_metric == "heldout.contains"
     assert make_plan().evaluation.tasks == ("heldout",) and make_plan().registry.promote_metric == "perplexity"
 
@@ -58,11 +58,11 @@ def test_a_questions_file_with_a_wrong_schema_is_refused_in_one_line_naming_file
     message = str(caught.value)
     assert "\n" not in message and f"{path}:2" in message and "`answer`" in message
     with pytest.raises(DataError, match=f"{path}:2"):  # the plan step reads it before any GPU time
-        make_plan(eval_questions=str(path))
+        make_plan(promote_eval_questions=str(path))
     path.write_text('{"question": "Q1?", "answer": "A1", "system": "Be brief."}\n' * 5)
     questions = read_questions(path, 3)
     assert len(questions) == 3 and questions[0].messages[0] == {"role": "system", "content": "Be brief."}
-    assert make_plan(eval_questions=str(path)).evaluation.questions == str(path)
+    assert make_plan(promote_eval_questions=str(path)).evaluation.questions == str(path)
 
 
 def _evaluation(base: dict, **checkpoints: tuple[float, dict]) -> dict:

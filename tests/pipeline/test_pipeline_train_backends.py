@@ -16,16 +16,16 @@ from llmft.components.lib.serving.deployment import crd_schema_errors
 
 NS = "team-a"
 PLAN = make_plan(
-    num_workers=2,
-    gpus_per_worker=8,
-    max_steps=100,
-    job_timeout_s=5,
+    training_workers=2,
+    training_gpus_per_worker=8,
+    finetune_max_steps=100,
+    training_timeout_s=5,
     hf_token_secret="llmft-hf-token",
     langfuse_secret="llmft-langfuse",
-    worker_cpu="30",
-    worker_memory="500Gi",
+    training_cpu="30",
+    training_memory="500Gi",
     gpu_node_selector="nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
-    trainer_image="registry.example.com/ml/llmft-trainer:1.2.3",
+    training_image="registry.example.com/ml/llmft-trainer:1.2.3",
 )
 LAUNCH = PLAN.trainer.launch("/data/tokenized/abc")
 NAME = job_name(RUN_ID)
@@ -122,7 +122,7 @@ def test_tracking_uri_parameter_replaces_the_secret_key(fakes):
     custom.on_get = _operator(core, "Succeeded")
     _run(
         cluster,
-        make_plan(job_timeout_s=5, mlflow_secret="llmft-mlflow", mlflow_tracking_uri="http://mlflow.mlflow:5000"),
+        make_plan(training_timeout_s=5, mlflow_secret="llmft-mlflow", mlflow_tracking_uri="http://mlflow.mlflow:5000"),
     )
     env = {
         e["name"]: e

@@ -64,18 +64,18 @@ def volume(tmp_path):
 def test_the_plan_refuses_a_run_the_volume_cannot_hold(volume, monkeypatch):
     monkeypatch.setattr(volume_space.shutil, "disk_usage", lambda _p: Usage(10 * 2**30, 9 * 2**30, 1 * 2**30))
     with pytest.raises(ConfigError) as info:
-        make_plan(data_root=str(volume), model=str(volume / "models" / "qwen7b"))
+        make_plan(volume_path=str(volume), base_model=str(volume / "models" / "qwen7b"))
     message = str(info.value)
     assert "\n" not in message and f"{1 * 2**30} bytes (1.0 GiB) free of 10.0 GiB" in message, message
-    assert "4 checkpoints" in message and "keep_last=1" in message and "pvc_name" in message
+    assert "4 checkpoints" in message and "keep_last=1" in message and "volume_pvc_name" in message
 
 
 def test_the_plan_reports_the_estimate_when_the_run_fits(volume, capsys):
-    make_plan(data_root=str(volume), model=str(volume / "models" / "qwen7b"))
+    make_plan(volume_path=str(volume), base_model=str(volume / "models" / "qwen7b"))
     out = capsys.readouterr().out
     assert "volume: this run writes about" in out and "free of" in out, out
     shutil.rmtree(volume / "models")  # a hub id not in the local cache: skipped, and said so
-    make_plan(data_root=str(volume), model="org/not-cached-model")
+    make_plan(volume_path=str(volume), base_model="org/not-cached-model")
     assert "volume space not checked: config.json of org/not-cached-model" in capsys.readouterr().out
 
 
@@ -89,9 +89,9 @@ def test_a_hub_id_is_estimated_from_the_volumes_hub_cache_without_huggingface_hu
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as in the pipeline image
-    make_plan(data_root=str(volume), model="Qwen/Qwen2.5-7B-Instruct")
+    make_plan(volume_path=str(volume), base_model="Qwen/Qwen2.5-7B-Instruct")
     assert "volume: this run writes about" in capsys.readouterr().out
     assert volume_space.cached_hub_file(str(repo.parent), "Qwen/Qwen2.5-7B-Instruct", "config.json", "a" * 40)
     assert volume_space.cached_hub_file(str(repo.parent), "Qwen/Qwen2.5-7B-Instruct", "config.json", "v2") is None
-    make_plan(data_root=str(volume), model="Qwen/Qwen2.5-7B-Instruct", train_overrides="model.revision=v2")
+    make_plan(volume_path=str(volume), base_model="Qwen/Qwen2.5-7B-Instruct", finetune_overrides="model.revision=v2")
     assert "volume space not checked: config.json of Qwen/Qwen2.5-7B-Instruct" in capsys.readouterr().out

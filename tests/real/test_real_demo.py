@@ -29,9 +29,12 @@ def test_the_shipped_facts_are_chat_rows_asking_each_fact_many_ways():
 def test_the_real_profile_asks_the_probes_and_serves_with_vllm():
     from llmft.components.lib.plan.build import parse_prompts
 
-    assert REAL_LOCAL_DEFAULTS["deploy_mode"] == "vllm" and REAL_LOCAL_DEFAULTS["dataset"] == "sample:velmora_facts"
+    assert (
+        REAL_LOCAL_DEFAULTS["serving_deploy_mode"] == "vllm"
+        and REAL_LOCAL_DEFAULTS["dataset"] == "sample:velmora_facts"
+    )
     assert parse_prompts(REAL_LOCAL_DEFAULTS["serving_prompts"]) == tuple(q for q, _ in DEMO_PROBES)
-    assert REAL_LOCAL_DEFAULTS["lora_r"] <= REAL_LOCAL_DEFAULTS["max_lora_rank"]
+    assert REAL_LOCAL_DEFAULTS["finetune_lora_r"] <= REAL_LOCAL_DEFAULTS["serving_max_lora_rank"]
     assert parse_prompts("") == () and parse_prompts(" a |  | b ") == ("a", "b")
 
 
@@ -88,7 +91,7 @@ def test_make_demo_trains_on_three_facts_and_asks_them_in_phrasings_no_training_
 
     assert sample_path("velmora_three_facts").read_text().splitlines() == short_rows(), "stale: regenerate"
     assert sample_path("velmora_questions").read_text().splitlines() == question_rows(), "stale: regenerate"
-    assert DEMO_DEFAULTS["deploy_mode"] == "local" and DEMO_DEFAULTS["promote_metric"] == "heldout.contains"
+    assert DEMO_DEFAULTS["serving_deploy_mode"] == "local" and DEMO_DEFAULTS["promote_metric"] == "heldout.contains"
     trained = {json.loads(row)["messages"][0]["content"] for row in short_rows()}
     asked = [json.loads(row) for row in question_rows()][:DEMO_QUESTIONS]
     keywords = [keyword for keyword, _answer, _questions in FACTS[:SHORT_FACTS]]

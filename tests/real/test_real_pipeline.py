@@ -5,7 +5,7 @@ base's, which is what the promote gate followed; its eval perplexity is below th
 answer states a learned fact that the base's does not.
 
 The profile: the rows of the three facts the deploy check asks about (75 of the 200), 6 steps, one checkpoint,
-6 held-out questions, and the deploy step's check with transformers (deploy_mode=local) instead of a vLLM server
+6 held-out questions, and the deploy step's check with transformers (serving_deploy_mode=local) instead of a vLLM server
 start (the real-vLLM tests are tests/serving/, and `make demo-real` serves with vLLM). This test IS `make demo`'s
 run (CI does not run `make demo` itself). Budget: under 8 minutes on an idle 2-core machine, the model conversion
 included (about a minute, once per checkout: .cache/real-model)."""
@@ -26,7 +26,7 @@ def test_a_real_model_learns_made_up_facts_and_beats_its_base_on_held_out_questi
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a 135M model: both cores (run-local's default of 1 suits the tiny one)
     outcome = run_pipeline_locally(
-        {"model": str(real_model_dir)}, work_dir=tmp_path / "work", extra_defaults=DEMO_DEFAULTS
+        {"base_model": str(real_model_dir)}, work_dir=tmp_path / "work", extra_defaults=DEMO_DEFAULTS
     )
     assert outcome.succeeded, outcome.render(0.0)
     lines, problems = learning_report(outcome.facts)

@@ -222,9 +222,9 @@ def test_serve_check_without_a_local_base_says_so(small_adapter, capsys):
 def test_deploy_mode_vllm_runs_only_under_kfp_local():
     from plan_helpers import CLUSTER, make_plan
 
-    assert make_plan(deploy_mode="vllm").on_cluster is False
-    with pytest.raises(ConfigError, match="`deploy_mode`='vllm'.*kfp.local.*use deploy_mode=kserve"):
-        make_plan(environ=CLUSTER, deploy_mode="vllm")
+    assert make_plan(serving_deploy_mode="vllm").on_cluster is False
+    with pytest.raises(ConfigError, match="`serving_deploy_mode`=.vllm.*kfp.local.*use serving_deploy_mode=kserve"):
+        make_plan(environ=CLUSTER, serving_deploy_mode="vllm")
 
 
 # --- the server process: vLLM's reason when it does not start, stopped in every case (a stand-in server) ---
@@ -309,8 +309,8 @@ def test_ctrl_c_while_waiting_stops_the_server(fake_server, tmp_path, monkeypatc
 
 
 def test_the_run_summary_reads_vllm_samples_of_both_forms():
-    """deploy_mode=vllm's deployment.json in the run summary (llmft pipeline run-local): the LoRA form's base and
-    adapter answers, and the merged form's one model."""
+    """serving_deploy_mode=vllm's deployment.json in the run summary (llmft pipeline run-local): the LoRA form's base
+    and adapter answers, and the merged form's one model."""
     from llmft.components.lib.summary import _deploy_lines
 
     lora = {"prompt": "q?", "answers": {"m": "A", "m-base": "B"}, "base": "B", "adapter": "A"}

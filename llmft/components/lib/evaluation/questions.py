@@ -1,5 +1,5 @@
-"""The held-out questions file (pipeline parameter ``eval_questions``): read by the plan step (every row checked,
-seconds, no tokenizer) and by the evaluate step.
+"""The held-out questions file (pipeline parameter ``promote_eval_questions``): read by the plan step (every row
+checked, seconds, no tokenizer) and by the evaluate step.
 
 One JSON object per line: ``{"question": str, "answer": str | [str, ...]}`` (several references: the best
 match counts, scoring.py), optionally ``"system": str``. Anything else is one line naming the file, the line and
@@ -70,14 +70,18 @@ def _check_regular_file(path: Path) -> None:
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        raise DataError(f"{path}: eval_questions file not found; give a JSONL file on the volume or ''") from None
+        raise DataError(
+            f"{path}: promote_eval_questions file not found; give a JSONL file on the volume or ''"
+        ) from None
     if stat.S_ISLNK(mode):
         raise DataError(
-            f"{path}: eval_questions is a symlink (to {os.readlink(path)}); links are not followed (as prepare "
+            f"{path}: promote_eval_questions is a symlink (to {os.readlink(path)}); links are not followed (as prepare "
             "refuses them): give the file itself"
         )
     if not stat.S_ISREG(mode):
-        raise DataError(f"{path}: eval_questions is {describe_mode(mode)}, not a regular file; give a JSONL file")
+        raise DataError(
+            f"{path}: promote_eval_questions is {describe_mode(mode)}, not a regular file; give a JSONL file"
+        )
 
 
 def _no_duplicates(where: str):
@@ -109,8 +113,9 @@ def _question(where: str, number: int, line: str, max_chars: int | None) -> Ques
     size = len(row["question"]) + len(row.get("system") or "")
     if max_chars is not None and size > max_chars:
         raise DataError(
-            f"{where}: field `question` is {size:,} characters, more than the run's context holds (max_length x "
-            f"{MAX_CHARS_PER_TOKEN} = {max_chars:,} characters); shorten it or raise max_length"
+            f"{where}: field `question` is {size:,} characters, more than the run's context holds "
+            f"(finetune_max_length x {MAX_CHARS_PER_TOKEN} = {max_chars:,} characters); shorten it or raise "
+            "finetune_max_length"
         )
     messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + [
         {"role": "user", "content": row["question"]}

@@ -1,4 +1,4 @@
-"""The plan step's reading of ``eval_tasks``: each entry found, in seconds, before any GPU time.
+"""The plan step's reading of ``promote_eval_tasks``: each entry found, in seconds, before any GPU time.
 
 * ``heldout``; a shipped task (llmft/trainer/assets/lm_eval_tasks/); a task YAML on the volume (a path ending in
   ``.yaml``): read and checked by lm_eval_tasks.task_config (file, field or line named in one line);
@@ -53,15 +53,17 @@ def hub_reachable(environ: Mapping[str, str]) -> bool:
 
 
 def resolve_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> EvalTaskPlan:
-    """One ``eval_tasks`` entry as the evaluate step will run it (see the module docstring)."""
+    """One ``promote_eval_tasks`` entry as the evaluate step will run it (see the module docstring)."""
     if name == HELDOUT:
         return EvalTaskPlan(HELDOUT, "heldout", HELDOUT, METRICS)
     if name in lm_eval_task_names() or name.endswith((".yaml", ".yml")):
         return _file_task(name)
     if not NAME.match(name):
-        raise ConfigError(f"pipeline parameter `eval_tasks`: {shown(name)} is not a task name (letters, digits, _.-:+)")
+        raise ConfigError(
+            f"pipeline parameter `promote_eval_tasks`: {shown(name)} is not a task name (letters, digits, _.-:+)"
+        )
     if name == PERPLEXITY:
-        raise ConfigError("pipeline parameter `eval_tasks`: perplexity is always computed; leave it out")
+        raise ConfigError("pipeline parameter `promote_eval_tasks`: perplexity is always computed; leave it out")
     entry = check_cached(cache_dir, name)
     if entry is not None:
         return _cached_task(name, entry)
@@ -70,7 +72,7 @@ def resolve_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> EvalT
 
 def _file_task(name: str) -> EvalTaskPlan:
     if name.endswith((".yaml", ".yml")) and not os.path.isabs(name):
-        raise ConfigError(f"pipeline parameter `eval_tasks`: {shown(name)}: give a task file's absolute path")
+        raise ConfigError(f"pipeline parameter `promote_eval_tasks`: {shown(name)}: give a task file's absolute path")
     config = task_config(name)
     digest, rows = data_digest(config)
     version = str((config.get("metadata") or {}).get("version", ""))
@@ -101,7 +103,7 @@ def _uncached_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> Eva
     found = defined(name)
     if registry_dir() is not None and found is None:
         raise ConfigError(
-            f"pipeline parameter `eval_tasks`: {shown(name)} is not heldout, a shipped task "
+            f"pipeline parameter `promote_eval_tasks`: {shown(name)} is not heldout, a shipped task "
             f"({', '.join(lm_eval_task_names())}), a task file's path or a task, group or tag of lm-eval's registry"
         )
     if hub_reachable(environ):
@@ -115,35 +117,39 @@ def _uncached_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> Eva
 
 
 MAX_QUESTIONS = 1000
-"""Upper bound of ``eval_max_questions``: generation per model and checkpoint stays bounded."""
+"""Upper bound of ``promote_eval_max_questions``: generation per model and checkpoint stays bounded."""
 MAX_BATCH_SIZE = 1024
 
 
 def eval_plan(p: PipelineParameters, layout: DataLayout, environ: Mapping[str, str]) -> EvalPlan:
-    """``eval_tasks`` (each found: :func:`resolve_task`), ``promote_metric`` and ``eval_guards`` (metrics they
-    compute), the questions file (every row, bounded by the run's context), and the lm-eval settings."""
-    specs = tuple(resolve_task(name, layout.eval_cache, environ) for name in parse_tasks(p.eval_tasks))
+    """``promote_eval_tasks`` (each found: :func:`resolve_task`), ``promote_metric`` and ``promote_guards``
+    (metrics they compute), the questions file (every row, bounded by the run's context), and the lm-eval settings."""
+    specs = tuple(resolve_task(name, layout.eval_cache, environ) for name in parse_tasks(p.promote_eval_tasks))
     available = (PERPLEXITY, *(f"{s.label}.{m}" for s in specs for m in s.metrics))
     open_tasks = tuple(s.label for s in specs if not s.metrics)
     check_promote_metric(p.promote_metric, available, open_tasks)
-    guards = tuple(Guard(m, t) for m, t in parse_guards(p.eval_guards, available, open_tasks))
-    _check_range("eval_max_questions", p.eval_max_questions, 1, MAX_QUESTIONS)
-    _check_range("eval_num_fewshot", p.eval_num_fewshot, -1, 64)
-    _check_range("eval_limit", p.eval_limit, 0, 10_000_000)
-    _check_range("eval_batch_size", p.eval_batch_size, 1, MAX_BATCH_SIZE)
-    if p.eval_questions:
+    guards = tuple(Guard(m, t) for m, t in parse_guards(p.promote_guards, available, open_tasks))
+    _check_range("promote_eval_max_questions", p.promote_eval_max_questions, 1, MAX_QUESTIONS)
+    _check_range("promote_eval_num_fewshot", p.promote_eval_num_fewshot, -1, 64)
+    _check_range("promote_eval_limit", p.promote_eval_limit, 0, 10_000_000)
+    _check_range("promote_eval_batch_size", p.promote_eval_batch_size, 1, MAX_BATCH_SIZE)
+    if p.promote_eval_questions:
         if HELDOUT not in (s.name for s in specs):
-            raise ConfigError("pipeline parameter `eval_questions` is set but `eval_tasks` lacks heldout: add it")
-        read_questions(p.eval_questions, p.eval_max_questions, max_length=p.max_length)  # file, line, field
+            raise ConfigError(
+                "pipeline parameter `promote_eval_questions` is set but `promote_eval_tasks` lacks heldout: add it"
+            )
+        read_questions(
+            p.promote_eval_questions, p.promote_eval_max_questions, max_length=p.finetune_max_length
+        )  # file, line, field
     return EvalPlan(
         tasks=tuple(s.label for s in specs),
-        questions=p.eval_questions,
-        max_questions=p.eval_max_questions,
+        questions=p.promote_eval_questions,
+        max_questions=p.promote_eval_max_questions,
         specs=specs,
         cache_dir=layout.eval_cache,
-        num_fewshot=p.eval_num_fewshot,
-        limit=p.eval_limit,
-        batch_size=p.eval_batch_size,
+        num_fewshot=p.promote_eval_num_fewshot,
+        limit=p.promote_eval_limit,
+        batch_size=p.promote_eval_batch_size,
         guards=guards,
     )
 

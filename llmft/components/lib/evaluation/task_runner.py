@@ -112,7 +112,7 @@ class TaskRunner:
 
 def task_runner(plan, evaluator, tokenized_dir: str) -> TaskRunner | None:
     """The evaluate step's runner of ``plan.evaluation`` (None when no task is selected): questions from
-    ``eval_questions`` or the validation split, the tokenizer and end-of-turn the data was tokenized with."""
+    ``promote_eval_questions`` or the validation split, the tokenizer and end-of-turn the data was tokenized with."""
     settings = plan.evaluation
     if not settings.specs:
         return None

@@ -19,7 +19,7 @@ played by tests/k8s/cluster_sim.py, which runs this code against real `llmft tra
   (:class:`JobFailedPermanently`, exit 1) with the failing pod's log tail. A job that failed
   otherwise (backoff limit, lost pods) is deleted and recreated by a retry; the trainer resumes
   from the newest complete checkpoint in the (equally stable) run directory.
-* **Time is bounded by the job itself.** ``activeDeadlineSeconds`` is the plan's ``job_timeout_s``
+* **Time is bounded by the job itself.** ``activeDeadlineSeconds`` is the plan's ``training_timeout_s``
   (the plan keeps it below the train task's own timeout); the operator fails the job when it runs
   longer (``pkg/core/job.go`` 81-91, ``pkg/controller.v1/common/job.go`` 211-213). The launcher waits
   until that deadline (from the job's ``startTime``, also after a re-attach) and reports the end as

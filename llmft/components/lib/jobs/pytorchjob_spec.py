@@ -162,7 +162,7 @@ class PyTorchJobSpec:
     backoff_limit: int = 3
     """Pod restarts before the job is marked Failed."""
     active_deadline_seconds: int | None = 24 * 3600
-    """Wall-clock limit of the whole job (None = unlimited); the default is the pipelines' ``job_timeout_s``."""
+    """Wall-clock limit of the whole job (None = unlimited); the default is the pipelines' ``training_timeout_s``."""
     ttl_seconds_after_finished: int | None = None
     """Delete the finished job after this many seconds (None = keep)."""
     clean_pod_policy: str = "None"

@@ -31,6 +31,7 @@ from llmft.components.lib.jobs.backends import Backend, backend_for
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.plan.schema import TrainerLaunch, job_name
+from llmft.components.lib.registry.lineage import sweep_parent_tags
 from llmft.katib import local_sweep
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
@@ -53,7 +54,7 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV
 
 DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "eval.max_sequences=512")
-"""Fixed trainer settings of every trial when ``sweep_trial_overrides`` is empty: short runs,
+"""Fixed trainer settings of every trial when ``hpo_trial_overrides`` is empty: short runs,
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
@@ -149,8 +150,8 @@ def check_servable_ranks(sweep, max_lora_rank: int) -> None:
         ranks = [float(v) for v in param.values] if param.values else [float(param.max or 0)]
         if max(ranks) > max_lora_rank:
             raise ConfigError(
-                f"the sweep searches lora.r up to {max(ranks):g} but max_lora_rank={max_lora_rank}: "
-                "vLLM would refuse the winner. Lower space.lora_r.values or raise max_lora_rank (or serve the "
+                f"the sweep searches lora.r up to {max(ranks):g} but serving_max_lora_rank={max_lora_rank}: "
+                "vLLM would refuse the winner. Lower space.lora_r.values or raise serving_max_lora_rank (or serve the "
                 "winner merged: serving_mode=merged)"
             )
 
@@ -161,12 +162,12 @@ SHADOWING_KEYS = {"schedule.warmup_ratio": "schedule.warmup_steps"}
 
 def warn_shadowed(user_overrides: Sequence[str], best: Sequence[str]) -> None:
     """The train step passes the sweep's best after the plan's config, so the best win. Print a
-    warning for a ``train_overrides`` setting a best value replaces, or one that would make a swept
+    warning for a ``finetune_overrides`` setting a best value replaces, or one that would make a swept
     value ineffective (``schedule.warmup_steps`` > 0 overrides ``schedule.warmup_ratio``)."""
     user_keys = dict(override_pairs(user_overrides))
     for item, (key, _) in zip(best, override_pairs(best), strict=True):
         if key in user_keys:
-            print(f"warning: train_overrides sets {key}={user_keys[key]}; the sweep's {item} replaces it")
+            print(f"warning: finetune_overrides sets {key}={user_keys[key]}; the sweep's {item} replaces it")
         shadow = SHADOWING_KEYS.get(key)
         if shadow in user_keys and user_keys[shadow] not in ("0", "0.0"):
             print(
@@ -187,11 +188,12 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
         os.environ["MLFLOW_TRACKING_URI"] = plan.registry.tracking_uri
     os.makedirs(output_dir, exist_ok=True)
     experiment = plan.registry.experiment
+    tags = sweep_parent_tags(plan)  # the sweep's run nests under the pipeline run's (lib/registry/lineage.py)
     if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
         plan.layout.use_hf_cache()  # its trials, as the train step's trainer, read a hub model from the volume's cache
-        result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment)
+        result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment, tags)
     else:
-        with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:
+        with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}, tags=tags) as parent:
             result = _run_katib(
                 spec,
                 cluster,
@@ -212,7 +214,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     return result
 
 
-def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment) -> dict:
+def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment, tags=None) -> dict:
     # the final training's config, as the Katib trials; each trial's run is named after its output_dir
     args = [f"data={tokenized_dir}", "observe.run_name=", *fixed]
     result = local_sweep.run_local_sweep(
@@ -221,6 +223,7 @@ def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experime
         trainer_args=args,
         workdir=workdir,
         mlflow_experiment=mlflow_experiment,
+        mlflow_tags=tags,
         config_path=config_path,
         python=local_trainer_python(),  # a Katib trial's pod runs the trainer image
     )

@@ -5,18 +5,20 @@ The first task of both pipelines (``plan-run``, llmft/components/plan.py) hands 
 :class:`RunPlan`: a typed tree that every later task reads back with :func:`read_plan`.
 Nothing after the plan takes a knob; each task takes the plan plus its data artifacts.
 
-A knob's whole route, e.g. ``lora_r`` (one name per layer, one typed value)::
+A knob's whole route, e.g. ``finetune_lora_r`` (one name per layer, one typed value; grep the name)::
 
-    llmft/components/plan.py          plan_run(..., lora_r: int = 16, ...)   signature + docstring (the
-                                                                       pipelines' parameter list)
-    components/lib/plan/parameters.py PipelineParameters.lora_r: int = 16     the same, typed (a test holds them equal)
-    llmft/trainer/config.py           r: int = _f(16, ..., Setting("lora_r", pipeline=True, search=...))
-                                                                       the knob's short name, declared once
-    components/lib/plan/build.py      lora.r = p.lora_r (TRAINER_PARAMETERS) -> TrainConfig.lora.r (int), validated
-                                                                          once: TrainerPlan.config
-    llmft/components/plan.py          write_run_config(plan)                 -> <run_dir>/config.yaml ``lora: r: 16``
+    components/lib/plan/parameters.py PipelineParameters.finetune_lora_r: int = _p(16, "LoRA rank ...")
+                                                                  the declaration: type, default, description, forms
+    llmft/pipelines/llm_finetune.py   build_pipeline                 the pipeline's run parameter (KFP signature)
+    llmft/components/plan.py          plan_run(..., finetune_lora_r: int = 16, ...) -> PipelineParameters(
+                                          finetune_lora_r=finetune_lora_r, ...)    (generated from the declaration)
+    llmft/trainer/config.py           LoraConfig.r: int = _f(16, ..., Setting("lora_r", pipeline="finetune_lora_r"))
+                                                                  the trainer field names the parameter that sets it
+    components/lib/plan/build.py      trainer_settings: lora.r = p.finetune_lora_r (TRAINER_PARAMETERS)
+                                          -> TrainConfig.lora.r (int), validated once: TrainerPlan.config
+    components/lib/plan/step.py       write_run_config(plan)         -> <run_dir>/config.yaml ``lora: r: 16``
     llmft/components/train.py         llmft train --config <run_dir>/config.yaml data=<tokenized>
-                                                                       -> the trainer reads TrainConfig.lora.r
+    llmft/trainer/model.py            load_model -> apply_lora(model, cfg.lora): peft LoraConfig(r=lora.r, ...)
 
 Only what a later step decides travels as ``key=value`` on the trainer's command line: the
 tokenized data's path (tokenize's cache key), a sweep's best values, and Katib's trial values.
@@ -24,9 +26,9 @@ tokenized data's path (tokenize's cache key), a sweep's best values, and Katib's
 Parameters that the compiled YAML applies to the KFP tasks themselves (the Secrets the tasks
 mount, the evaluate task's GPU node selector) are fixed when the pipeline is compiled: KFP
 backends before 2.5 cannot take a Secret or node-selector value from a parameter
-(backend/src/v2/driver/driver.go at 2.4.0 reads only the static ``secretName`` and ``labels``).
-The pipeline passes the compiled values in ``compiled``; on a cluster the plan refuses a run
-whose value differs, naming the recompile command.
+(backend/src/v2/driver/driver.go at 2.4.0 reads only the static ``secretName`` and ``labels``). They are
+no run parameters (declared ``offer="compile"``): the pipeline passes the compiled values to the plan step
+as constants, so the tasks and the plan cannot disagree.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from llmft.components.lib.plan.schema import (
     on_kfp_cluster,
     run_label,
 )
+from llmft.components.lib.plan.steps import mounted_secret_kinds
 from llmft.components.lib.plan.volume_space import check_volume_space, run_footprint
 from llmft.trainer.config import RUN_CONFIG_FILE, iter_settings
 from llmft.trainer.config_load import config_to_yaml, nest_dotted, resolve_config
@@ -86,25 +89,25 @@ def build_plan(
 ) -> RunPlan:
     """Check every parameter and resolve the run; raises ConfigError naming the first bad one.
 
-    ``compiled`` is the JSON the pipeline passes (its name and the COMPILED_PARAMETERS values);
+    ``compiled`` is the JSON the pipeline passes (its name, whether it sweeps, the compile-time values);
     ``environ`` (default os.environ) tells a cluster task from kfp.local."""
 
     p = values if isinstance(values, PipelineParameters) else PipelineParameters.from_values(values)
     settings = json.loads(compiled) if compiled else {}
     on_cluster = on_kfp_cluster(environ)
-    layout = DataLayout(p.data_root)
+    layout = DataLayout(p.volume_path)
     run_id = checks.check_run_id(run_id)
     checks.check_general(p, on_cluster)
-    if on_cluster:
-        checks.check_compiled(p, settings)
     images = Images(
-        trainer=checks.check_image(p.trainer_image), serving_runtime=checks.check_runtime(p.serving_runtime)
+        trainer=checks.check_image(p.training_image), serving_runtime=checks.check_runtime(p.serving_runtime)
     )
     secrets = {kind: checks.parse_secret(kind, getattr(p, param)) for kind, param in checks.SECRET_PARAMETERS.items()}
+    mounted = mounted_secret_kinds()  # the Secrets the compiled pipeline mounts into its own tasks
     trainer = trainer_plan(p, layout, run_id)
     config = trainer.config
     pipeline = settings.get("pipeline", "llm-finetune")
-    trials = tuple(shlex.split(p.sweep_trial_overrides or "")) if pipeline.endswith("-hpo") else ()
+    hpo = bool(settings.get("hpo", pipeline.endswith("-hpo")))
+    trials = tuple(shlex.split(p.hpo_trial_overrides or "")) if hpo else ()
     checks.check_remote_code(config, settings, trials)
     plan = RunPlan(
         schema_version=PLAN_SCHEMA_VERSION,
@@ -118,9 +121,9 @@ def build_plan(
         job=job_plan(p, layout, run_id, images, secrets),
         registry=_registry_plan(p, layout, run_id, on_cluster, environ),
         serving=_serving_plan(p, layout, run_id, images, secrets),
-        sweep=_sweep_plan(p, layout, run_id) if pipeline.endswith("-hpo") else None,
+        sweep=_sweep_plan(p, layout, run_id) if hpo else None,
         evaluation=eval_plan(p, layout, os.environ if environ is None else environ),
-        task_secrets=tuple(s for s in secrets.values() if s is not None),
+        task_secrets=tuple(secrets[kind] for kind in checks.SECRET_PARAMETERS if kind in mounted and secrets[kind]),
         task_resources=checks.task_resources(p),
         parameters=p.as_dict(),
     )
@@ -128,9 +131,9 @@ def build_plan(
     if form_note:
         plan = dataclasses.replace(plan, serving=dataclasses.replace(plan.serving, form_note=form_note))
     if plan.sweep is not None:
-        checks.check_sweep(plan, p.max_lora_rank)
+        checks.check_sweep(plan, p.serving_max_lora_rank)
 
-    note = check_volume_space(plan, config, p.data_root)  # the run's checkpoints must fit the mounted volume
+    note = check_volume_space(plan, config, p.volume_path)  # the run's checkpoints must fit the mounted volume
     if note:
         print(note, flush=True)
     return _with_grace(plan, config)
@@ -156,46 +159,46 @@ def _data_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> DataPl
         split=p.dataset_split,
         config=p.dataset_config,
         columns=checks.check_dataset_columns(p),
-        val_fraction=p.val_fraction,
-        max_reject_fraction=p.max_reject_fraction,
-        seed=p.seed,
-        max_length=p.max_length,
-        packing=p.packing,
+        val_fraction=p.dataset_val_fraction,
+        max_reject_fraction=p.dataset_max_reject_fraction,
+        seed=p.finetune_seed,
+        max_length=p.finetune_max_length,
+        packing=p.finetune_packing,
         prepared_dir=layout.prepared(run_id),
     )
 
 
-TRAINER_PARAMETERS = {key: setting.name for key, setting in iter_settings() if setting.pipeline}
+TRAINER_PARAMETERS = {key: setting.pipeline for key, setting in iter_settings() if setting.pipeline}
 """Trainer key -> the pipeline parameter that sets it (named in a refusal): declared on the trainer's fields
-(llmft/trainer/config.py, ``Setting(name, pipeline=True)``), never listed here."""
+(llmft/trainer/config.py, ``Setting(name, pipeline="finetune_lora_r")``), never listed here."""
 PIPELINE_SETTINGS = tuple(TRAINER_PARAMETERS.values())
 """The pipeline parameters that are trainer settings."""
 
 
 def trainer_settings(p: PipelineParameters, run_dir: str, run_id: str) -> dict[str, Any]:
-    """The only place pipeline parameters become trainer settings (``lora_r`` -> ``lora.r``, by
-    :data:`TRAINER_PARAMETERS`), typed. ``epochs`` counts only without ``max_steps``; an empty
-    ``mlflow_experiment`` keeps the trainer's default."""
+    """The only place pipeline parameters become trainer settings (``finetune_lora_r`` -> ``lora.r``, by
+    :data:`TRAINER_PARAMETERS`), typed. ``finetune_epochs`` counts only without ``finetune_max_steps``; an
+    empty ``mlflow_experiment`` keeps the trainer's default."""
     values = {key: getattr(p, name) for key, name in TRAINER_PARAMETERS.items()}
-    values["max_steps"] = max(p.max_steps, 0)
-    if p.max_steps > 0:
+    values["max_steps"] = max(p.finetune_max_steps, 0)
+    if p.finetune_max_steps > 0:
         del values["epochs"]
     if not p.mlflow_experiment:
         del values["observe.mlflow_experiment"]
     values |= {
         "output_dir": run_dir,
         "resume": "auto",  # a retried task continues from the newest complete checkpoint
-        "observe.run_name": f"pipeline-{run_id}",
+        "observe.run_name": f"train-{run_id}",  # a child of the pipeline run's MLflow run (lib/registry/lineage.py)
     }
     return nest_dotted(values)  # target_modules "q_proj,v_proj": the loader makes it a tuple
 
 
 def trainer_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> TrainerPlan:
-    """The trainer's config, resolved and validated once: the parameters' settings, then ``train_overrides``
+    """The trainer's config, resolved and validated once: the parameters' settings, then ``finetune_overrides``
     (the one key=value parser); ``data`` stays unset: only tokenize knows its path (its cache key)."""
 
     run_dir = layout.run_dir(run_id)
-    user = extra_override_list(p.train_overrides, "train_overrides")
+    user = extra_override_list(p.finetune_overrides, "finetune_overrides")
     names = {key: f"pipeline parameter `{name}`" for key, name in TRAINER_PARAMETERS.items()}
     try:
         config, _ = resolve_config(
@@ -203,7 +206,7 @@ def trainer_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> Trai
             user,
             source_name="pipeline training parameters",
             names=names,
-            override_label="train_overrides",
+            override_label="finetune_overrides",
         )
     except ConfigError as exc:
         raise ConfigError(f"pipeline training parameters: {exc}") from None
@@ -235,12 +238,12 @@ def job_plan(p: PipelineParameters, layout: DataLayout, run_id: str, images: Ima
     return JobPlan(
         backend=p.training_backend,
         name=job_name(run_id),
-        num_workers=p.num_workers,
-        gpus_per_worker=p.gpus_per_worker,
-        resources=check_resources("worker", p.worker_cpu, p.worker_memory),
-        node_selector=parse_node_selector(p.gpu_node_selector) if p.gpus_per_worker else {},
-        timeout_s=_task_bounded("job_timeout_s", p.job_timeout_s, TRAIN_TASK_TIMEOUT_S),
-        pvc_name=p.pvc_name,
+        num_workers=p.training_workers,
+        gpus_per_worker=p.training_gpus_per_worker,
+        resources=check_resources(("training_cpu", "training_memory"), p.training_cpu, p.training_memory),
+        node_selector=parse_node_selector(p.gpu_node_selector) if p.training_gpus_per_worker else {},
+        timeout_s=_task_bounded("training_timeout_s", p.training_timeout_s, TRAIN_TASK_TIMEOUT_S),
+        pvc_name=p.volume_pvc_name,
         mount_path=layout.root,
         image=images.trainer,
         env=env,
@@ -278,7 +281,7 @@ def _without_key(secret: SecretMount, key: str) -> SecretMount:
 
 def _registry_plan(p: PipelineParameters, layout: DataLayout, run_id: str, on_cluster: bool, environ) -> RegistryPlan:
 
-    check_tracking(p, on_cluster, os.environ if environ is None else environ)
+    enabled = check_tracking(p, on_cluster, os.environ if environ is None else environ)
     return RegistryPlan(
         tracking_uri=p.mlflow_tracking_uri,
         experiment=p.mlflow_experiment,
@@ -286,25 +289,26 @@ def _registry_plan(p: PipelineParameters, layout: DataLayout, run_id: str, on_cl
         promote_margin=p.promote_margin,
         promoted_dir=layout.promoted(p.mlflow_model_name, run_id),
         promote_metric=p.promote_metric,
+        enabled=enabled,
     )
 
 
 def _serving_plan(p: PipelineParameters, layout: DataLayout, run_id: str, images: Images, secrets: dict) -> ServingPlan:
 
     return ServingPlan(
-        deploy=p.deploy,
-        mode=p.deploy_mode,
+        deploy=p.serving_deploy,
+        mode=p.serving_deploy_mode,
         name=p.serving_name,
         namespace=p.serving_namespace,
         gpus=p.serving_gpus,
-        resources=check_resources("serving", p.serving_cpu, p.serving_memory),
+        resources=check_resources(("serving_cpu", "serving_memory"), p.serving_cpu, p.serving_memory),
         runtime=images.serving_runtime,
-        max_lora_rank=p.max_lora_rank,
-        timeout_s=p.deploy_timeout_s,
+        max_lora_rank=p.serving_max_lora_rank,
+        timeout_s=p.serving_deploy_timeout_s,
         node_selector=parse_node_selector(p.gpu_node_selector) if p.serving_gpus else {},
-        pvc_name=p.pvc_name,
+        pvc_name=p.volume_pvc_name,
         hf_secret=secrets["hf"],
-        deploy_policy=_choice("deploy_policy", p.deploy_policy, DEPLOY_POLICIES),
+        deploy_policy=_choice("serving_deploy_policy", p.serving_deploy_policy, DEPLOY_POLICIES),
         serving_mode=_choice("serving_mode", p.serving_mode, SERVING_MODES),
         merged_dir=layout.merged(p.mlflow_model_name, run_id),
         prompts=parse_prompts(p.serving_prompts),
@@ -329,18 +333,18 @@ def _sweep_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> Sweep
 
     name = experiment_name(run_id)
     settings = (
-        f"algorithm={p.sweep_algorithm}",
-        f"max_trials={p.sweep_max_trials}",
-        f"parallel_trials={p.sweep_parallel_trials}",
-        f"max_failed_trials={p.sweep_max_failed_trials}",
-        *shlex.split(p.sweep_overrides or ""),
+        f"algorithm={p.hpo_algorithm}",
+        f"max_trials={p.hpo_max_trials}",
+        f"parallel_trials={p.hpo_parallel_trials}",
+        f"max_failed_trials={p.hpo_max_failed_trials}",
+        *shlex.split(p.hpo_overrides or ""),
     )
-    trials = tuple(shlex.split(p.sweep_trial_overrides or "")) or DEFAULT_TRIAL_OVERRIDES
+    trials = tuple(shlex.split(p.hpo_trial_overrides or "")) or DEFAULT_TRIAL_OVERRIDES
     return SweepPlan(
-        backend=p.sweep_backend,
+        backend=p.hpo_backend,
         experiment=name,
         settings=settings,
         trial_overrides=trials,
-        timeout_s=_task_bounded("sweep_timeout_s", p.sweep_timeout_s, SWEEP_TASK_TIMEOUT_S),
+        timeout_s=_task_bounded("hpo_timeout_s", p.hpo_timeout_s, SWEEP_TASK_TIMEOUT_S),
         workdir=layout.sweep_dir(name),
     )

@@ -18,9 +18,8 @@ from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.jobs.backends import BACKENDS
 from llmft.components.lib.jobs.sweep import check_servable_ranks, check_trial_overrides
-from llmft.components.lib.plan.parameters import PipelineParameters
+from llmft.components.lib.plan.parameters import COMPILE_TIME_PARAMETERS, PipelineParameters
 from llmft.components.lib.plan.schema import (
-    COMPILED_PARAMETERS,
     DATA_MOUNT,
     DEPLOY_MODES,
     KFP_POD_ENV,
@@ -29,6 +28,7 @@ from llmft.components.lib.plan.schema import (
     Resources,
     SecretMount,
 )
+from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS
 from llmft.components.lib.plan.volume_paths import check_path_component
 from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
@@ -73,19 +73,6 @@ SECRET_PARAMETERS = {
     "s3": "s3_secret",
 }
 """kind -> the pipeline parameter that names its Secret ('' = none)."""
-TASK_SECRET_KINDS = {
-    "prepare-dataset": ("hf", "langfuse", "s3"),  # langfuse: a langfuse://<dataset> source; s3: an s3:// one
-    "tokenize-dataset": ("hf",),
-    "evaluate-perplexity": ("hf", "mlflow", "langfuse"),  # the adapter comparison (champion from MLflow)
-    "choose-serving-form": ("hf",),  # a hub base model, for the merge
-    "register-model": ("mlflow", "langfuse"),  # langfuse: the MLflow version, linked from the training trace
-    "sweep-hyperparameters": ("mlflow",),
-}
-"""Which Secrets the compiled pipeline mounts into which of its own tasks (the training job and
-every trial get hf, mlflow and langfuse; the InferenceService hf)."""
-TASK_RESOURCE_GROUPS = {"step": ("step_cpu", "step_memory"), "data": ("data_cpu", "data_memory")}
-TASK_RESOURCE_GROUPS["eval"] = ("eval_cpu", "eval_memory")
-"""group -> (cpu parameter, memory parameter) of the KFP tasks (see llmft/pipelines/llm_finetune.py)."""
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -104,29 +91,29 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     """The scalar parameters, and what cannot run on a cluster."""
     rules = [
         ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
-        ("deploy_mode", p.deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
+        ("serving_deploy_mode", p.serving_deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
         ("dataset_format", p.dataset_format in FORMAT_CHOICES, f"use one of {', '.join(FORMAT_CHOICES)}"),  # prepare's
-        ("num_workers", p.num_workers >= 1, "must be >= 1"),
-        ("gpus_per_worker", p.gpus_per_worker >= 0, "must be >= 0"),
+        ("training_workers", p.training_workers >= 1, "must be >= 1"),
+        ("training_gpus_per_worker", p.training_gpus_per_worker >= 0, "must be >= 0"),
         ("serving_gpus", p.serving_gpus >= 0, "must be >= 0"),
-        ("max_length", p.max_length >= 16, "must be >= 16 tokens"),
-        ("val_fraction", 0.0 < p.val_fraction < 1.0, "must be in (0, 1)"),
-        ("max_reject_fraction", 0.0 <= p.max_reject_fraction <= 1.0, "must be in [0, 1]"),
+        ("finetune_max_length", p.finetune_max_length >= 16, "must be >= 16 tokens"),
+        ("dataset_val_fraction", 0.0 < p.dataset_val_fraction < 1.0, "must be in (0, 1)"),
+        ("dataset_max_reject_fraction", 0.0 <= p.dataset_max_reject_fraction <= 1.0, "must be in [0, 1]"),
         ("promote_margin", 0.0 <= p.promote_margin < 1.0, "must be in [0, 1), e.g. 0.01 for 1%"),
-        ("model", bool(p.model.strip()), "must name a hub id or a model directory"),
+        ("base_model", bool(p.base_model.strip()), "must name a hub id or a model directory"),
         ("dataset", bool(p.dataset.strip()), "must name a hub dataset or a file/folder on the volume"),
-        ("job_timeout_s", p.job_timeout_s > 0, "must be > 0"),
-        ("deploy_timeout_s", p.deploy_timeout_s > 0, "must be > 0"),
+        ("training_timeout_s", p.training_timeout_s > 0, "must be > 0"),
+        ("serving_deploy_timeout_s", p.serving_deploy_timeout_s > 0, "must be > 0"),
     ]
     for name, ok, message in rules:
         if not ok:
             raise _fail(name, getattr(p, name), message)
     check_dataset_source(p)
     check_path_component(p.mlflow_model_name, "mlflow_model_name")
-    check_k8s_name(p.pvc_name, "pvc_name", kind="subdomain")
+    check_k8s_name(p.volume_pvc_name, "volume_pvc_name", kind="subdomain")
     if p.serving_namespace:
         check_k8s_name(p.serving_namespace, "serving_namespace")
-    if p.deploy and p.deploy_mode == "kserve":
+    if p.serving_deploy and p.serving_deploy_mode == "kserve":
         check_k8s_name(p.serving_name, "serving_name", kind="dns1035", max_length=45)
     if on_cluster:
         _check_cluster_only(p)
@@ -167,8 +154,8 @@ def _check_cluster_only(p: PipelineParameters) -> None:
     """`local` backends need torch and transformers, which the pipeline image lacks; and every
     task mounts the volume at DATA_MOUNT."""
     local = [("training_backend", p.training_backend, "kubeflow")]
-    if p.deploy:
-        local.append(("deploy_mode", p.deploy_mode, "kserve"))
+    if p.serving_deploy:
+        local.append(("serving_deploy_mode", p.serving_deploy_mode, "kserve"))
     for name, value, use in local:
         if value in ("local", "vllm"):  # vllm: a vLLM server from the serving virtualenv of this machine
             raise _fail(
@@ -177,9 +164,9 @@ def _check_cluster_only(p: PipelineParameters) -> None:
                 f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
                 f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
             )
-    if p.data_root != DATA_MOUNT:
+    if p.volume_path != DATA_MOUNT:
         raise _fail(
-            "data_root", p.data_root, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
+            "volume_path", p.volume_path, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
         )
 
 
@@ -198,30 +185,15 @@ def check_runs_here(plan) -> None:
         )
     if plan.sweep is not None and plan.sweep.backend != "local":
         raise _fail(
-            "sweep_backend",
+            "hpo_backend",
             plan.sweep.backend,
             f"`{plan.sweep.backend}` creates a Katib Experiment, which runs only on a cluster; this run is under "
-            f"kfp.local ({KFP_POD_ENV} is not set): use sweep_backend=local",
+            f"kfp.local ({KFP_POD_ENV} is not set): use hpo_backend=local",
         )
 
 
-def check_compiled(p: PipelineParameters, settings: Mapping[str, Any]) -> None:
-    """On a cluster: the parameters the YAML applied statically must still have their compiled values."""
-    compiled = settings.get("compiled") or {}
-    for name in COMPILED_PARAMETERS:
-        value = getattr(p, name)
-        if name in compiled and value != compiled[name]:
-            raise _fail(
-                name,
-                value,
-                f"this pipeline was compiled with {name}={compiled[name]!r}, which its own tasks use (KFP backends "
-                f"before 2.5 cannot take it from a parameter). Recompile: llmft pipeline compile --output FILE "
-                f"{name}={shlex.quote(str(value))}",
-            )
-
-
 def check_image(reference: str) -> str:
-    return check_pinned(reference, source="pipeline parameter `trainer_image`")
+    return check_pinned(reference, source="pipeline parameter `training_image`")
 
 
 def check_runtime(name: str) -> str:
@@ -246,7 +218,7 @@ def parse_secret(kind: str, text: str):
     return SecretMount(kind=kind, name=name, keys=tuple(dict.fromkeys(keys)))
 
 
-def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
+def extra_override_list(text: str, what: str = "finetune_overrides") -> list[str]:
     """Split free-form ``key=value`` overrides, refusing keys the plan sets itself."""
     items = shlex.split(text or "")
     for item in items:
@@ -259,24 +231,24 @@ def extra_override_list(text: str, what: str = "train_overrides") -> list[str]:
     return items
 
 
-def check_resources(group: str, cpu: str, memory: str):
-    """``<group>_cpu`` / ``<group>_memory`` as Kubernetes quantities above zero."""
+def check_resources(names: tuple[str, str], cpu: str, memory: str):
+    """``cpu`` and ``memory`` (the parameters ``names``) as Kubernetes quantities above zero."""
     from kubernetes.utils import parse_quantity  # heavy: kubernetes
 
-    for suffix, value, example in (("cpu", cpu, "'4' or '500m'"), ("memory", memory, "'16Gi'")):
+    for name, value, example in ((names[0], cpu, "'4' or '500m'"), (names[1], memory, "'16Gi'")):
         try:
             ok = parse_quantity(str(value)) > 0
         except ValueError:
             ok = False
         if not ok:
-            raise _fail(f"{group}_{suffix}", value, f"not a positive Kubernetes quantity (e.g. {example})")
+            raise _fail(name, value, f"not a positive Kubernetes quantity (e.g. {example})")
     return Resources(cpu=str(cpu), memory=str(memory))
 
 
 def task_resources(p: PipelineParameters) -> dict:
     return {
-        group: check_resources(group, getattr(p, cpu), getattr(p, mem))
-        for group, (cpu, mem) in TASK_RESOURCE_GROUPS.items()
+        group: check_resources((cpu, mem), getattr(p, cpu), getattr(p, mem))
+        for group, (cpu, mem) in RESOURCE_PARAMETERS.items()
     }
 
 
@@ -299,10 +271,11 @@ def parse_node_selector(text: str) -> dict[str, str]:
     return labels
 
 
-def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str, str]) -> None:
-    """Register needs an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
-    MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
-    the train step copies it into the training job's environment."""
+def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str, str]) -> bool:
+    """Whether the run has an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
+    MLFLOW_TRACKING_URI in the environment. None of them: MLflow is optional, the run trains, evaluates, promotes
+    and deploys without it and records "not registered" (False). A parameter never carries credentials: the KFP
+    UI shows it and the train step copies it into the training job's environment."""
     if p.mlflow_tracking_uri:
         if redact_credentials(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
             raise _fail(
@@ -311,22 +284,22 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
                 "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
                 "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
             )
-        return
+        return True
     secret = parse_secret("mlflow", p.mlflow_secret)
     if secret is not None and "MLFLOW_TRACKING_URI" in secret.keys:
-        return
-    if not on_cluster and environ.get("MLFLOW_TRACKING_URI"):
-        return
-    raise _fail(
-        "mlflow_tracking_uri",
-        "",
-        "no MLflow server: set mlflow_tracking_uri=http://... or mlflow_secret=<Secret> "
-        "(a Secret with the key MLFLOW_TRACKING_URI)",
-    )
+        return True
+    return not on_cluster and bool(environ.get("MLFLOW_TRACKING_URI"))
+
+
+NO_MLFLOW_REASON = (
+    "no MLflow server configured (mlflow_tracking_uri is empty and mlflow_secret names no Secret with the key "
+    "MLFLOW_TRACKING_URI); set either to track and register"
+)
+"""Why a run without MLflow registers nothing (the register step's registration.json, the summary)."""
 
 
 def check_serving(plan, config) -> str:
-    """What vLLM can serve as a LoRA module: a plain LoRA adapter of rank <= max_lora_rank (a vLLM-accepted
+    """What vLLM can serve as a LoRA module: a plain LoRA adapter of rank <= serving_max_lora_rank (a vLLM-accepted
     value). ``serving_mode=lora`` refuses anything else; ``auto`` serves it merged into its base instead.
     Returns why the adapter will be served merged ('' = as a LoRA module, or decided after promotion)."""
     if config.method == "full" or not plan.serving.deploy:
@@ -334,19 +307,20 @@ def check_serving(plan, config) -> str:
 
     rank, mode = plan.serving.max_lora_rank, plan.serving.serving_mode
     if rank not in VLLM_MAX_LORA_RANKS:
-        raise _fail("max_lora_rank", rank, f"vLLM accepts only {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
+        raise _fail("serving_max_lora_rank", rank, f"vLLM accepts only {', '.join(map(str, VLLM_MAX_LORA_RANKS))}")
     if mode == "merged":
         return "serving_mode=merged"
     refusals = []
     if config.lora.use_dora:
         refusals.append("lora.use_dora=true (DoRA): vLLM does not serve DoRA adapters")
     if config.lora.r > rank:
-        refusals.append(f"`lora_r`={config.lora.r} exceeds `max_lora_rank`={rank} of the vLLM runtime")
+        refusals.append(f"`finetune_lora_r`={config.lora.r} exceeds `serving_max_lora_rank`={rank} of the vLLM runtime")
     if refusals and mode == "lora":
         raise ConfigError(
             f"pipeline parameters: {'; '.join(refusals)}, so vLLM would refuse the adapter and serving_mode=lora "
-            "serves adapters only as LoRA modules. Train a plain LoRA adapter of rank <= max_lora_rank (lower "
-            "lora_r or raise max_lora_rank; lora.use_dora=false), or set serving_mode=auto to serve it merged"
+            "serves adapters only as LoRA modules. Train a plain LoRA adapter of rank <= serving_max_lora_rank (lower "
+            "finetune_lora_r or raise serving_max_lora_rank; lora.use_dora=false), or set serving_mode=auto to serve "
+            "it merged"
         )
     return f"{'; '.join(refusals)}: the adapter will be served merged into its base model" if refusals else ""
 
@@ -355,12 +329,12 @@ def check_sweep(plan, max_lora_rank: int) -> None:
     """The sweep spec parses, its ranks are servable, and its fixed trial settings clash with nothing."""
     sweep = plan.sweep
     if sweep.backend not in SWEEP_BACKENDS:
-        raise _fail("sweep_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
+        raise _fail("hpo_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
     if sweep.backend == "local" and plan.on_cluster:
         raise _fail(
-            "sweep_backend",
+            "hpo_backend",
             "local",
-            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use sweep_backend=katib",
+            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use hpo_backend=katib",
         )
     spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
     if plan.serving.deploy and plan.trainer.method != "full" and plan.serving.serving_mode != "merged":
@@ -491,13 +465,16 @@ def _reason(exc: Exception) -> str:
 
 
 def compiled_settings(pipeline: str, values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> str:
-    """The ``compiled`` JSON the pipeline passes to the plan step; ``allow_remote_code`` is read from
-    :data:`REMOTE_CODE_ENV` where the pipeline is compiled (a run's parameters cannot change it)."""
+    """The ``compiled`` JSON the pipeline passes to the plan step: its name, whether it sweeps (the HPO forms:
+    ``llm-finetune-hpo[-minimal]``), the compile-time values its own tasks apply (for the record), and
+    ``allow_remote_code``, read from :data:`REMOTE_CODE_ENV` where the pipeline is compiled (a run's
+    parameters cannot change it)."""
     environ = os.environ if environ is None else environ
     return json.dumps(
         {
             "pipeline": pipeline,
-            "compiled": {name: values[name] for name in COMPILED_PARAMETERS},
+            "hpo": "hpo" in pipeline.split("-"),
+            "compiled": {name: values[name] for name in COMPILE_TIME_PARAMETERS},
             "allow_remote_code": environ.get(REMOTE_CODE_ENV, "") in ("1", "true", "yes"),
         }
     )
@@ -510,7 +487,7 @@ TRUE_WORDS = tuple(word for word, value in BOOL_WORDS.items() if value)
 
 
 def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tuple[str, ...] = ()) -> bool:
-    """``model.trust_remote_code=true`` (in train_overrides, or a sweep's trial overrides) runs Python code
+    """``model.trust_remote_code=true`` (in finetune_overrides, or a sweep's trial overrides) runs Python code
     from the model's repository in pods that hold the run's credentials: refused unless the pipeline was
     compiled with :data:`REMOTE_CODE_ENV`=1, and then announced in a WARNING line. Returns whether it is on."""
     wanted = bool(config.model.trust_remote_code) or any(
@@ -521,7 +498,7 @@ def check_remote_code(config, settings: Mapping[str, Any], trial_overrides: tupl
         return False
     if not settings.get("allow_remote_code"):
         raise ConfigError(
-            f"train_overrides: {REMOTE_CODE_KEY}=true runs code from the model's repository inside the training "
+            f"finetune_overrides: {REMOTE_CODE_KEY}=true runs code from the model's repository inside the training "
             "pods, which hold the run's credentials; this pipeline was compiled without allowing it. Drop it, or "
             f"recompile with {REMOTE_CODE_ENV}=1 llmft pipeline compile ... if you trust that repository"
         )

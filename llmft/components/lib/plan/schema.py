@@ -42,15 +42,11 @@ logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always
 (llmft/components/lib/serving/serving_form.py)."""
 SWEEP_BACKENDS = ("katib", "local")
 PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
-"""Trainer keys the plan sets itself; ``train_overrides`` may not change them."""
-SWEEP_PREFIX = "sweep_"
-"""Parameters named ``sweep_*`` belong to the HPO pipeline only (the plain one leaves their defaults)."""
-COMPILED_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "s3_secret", "gpu_node_selector")
-"""Parameters the compiled YAML applies to the KFP tasks themselves: fixed at compile time."""
+"""Trainer keys the plan sets itself; ``finetune_overrides`` may not change them."""
 TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the train task: the job's own deadline (``job_timeout_s``) must end first."""
+"""kfp.kubernetes.set_timeout of the train task: the job's own deadline (``training_timeout_s``) must end first."""
 SWEEP_TASK_TIMEOUT_S = 4 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the sweep task: longer than its own wait (``sweep_timeout_s``)."""
+"""kfp.kubernetes.set_timeout of the sweep task: longer than its own wait (``hpo_timeout_s``)."""
 DEPLOY_POLICIES = ("champion", "always")
 """champion: deploy only a version that became (or stayed) the registry's champion; always: deploy it anyway."""
 KFP_POD_ENV = "KFP_POD_NAME"
@@ -184,11 +180,11 @@ class TrainerPlan:
     plus only what is decided after the plan (:meth:`launch`)."""
 
     config: TrainConfig
-    """Every trainer setting, typed (``config.lora.r`` is the pipeline's ``lora_r``)."""
+    """Every trainer setting, typed (``config.lora.r`` is the pipeline's ``finetune_lora_r``)."""
     config_path: str
     """``<run_dir>/config.yaml`` on the volume."""
     user_overrides: tuple[str, ...] = ()
-    """The ``train_overrides`` part alone (the sweep warns when its best values replace one)."""
+    """The ``finetune_overrides`` part alone (the sweep warns when its best values replace one)."""
 
     @property
     def model(self) -> str:
@@ -287,14 +283,18 @@ class RegistryPlan:
     promoted_dir: str
     promote_metric: str = "perplexity"
     """What the promote gate, the best checkpoint and the champion follow (lib/evaluation/task_eval.py)."""
+    enabled: bool = True
+    """False: no MLflow server is configured (an empty mlflow_tracking_uri, no mlflow Secret with the key, and off a
+    cluster no MLFLOW_TRACKING_URI): nothing is tracked or registered; register records "not registered", deploy
+    serves the promoted adapter (llmft/components/lib/plan/checks.py ``check_tracking``)."""
 
 
 @dataclass(frozen=True)
 class EvalTaskPlan:
-    """One task of ``eval_tasks`` as the plan step found it (llmft/components/lib/evaluation/task_plan.py)."""
+    """One task of ``promote_eval_tasks`` as the plan step found it (llmft/components/lib/evaluation/task_plan.py)."""
 
     name: str
-    """What ``eval_tasks`` says: heldout, a shipped task, a task YAML's path, or an lm-eval registry name."""
+    """What ``promote_eval_tasks`` says: heldout, a shipped task, a task YAML's path, or an lm-eval registry name."""
     kind: str
     """heldout, shipped, volume (a task YAML on the volume), cached (registry, data in the eval cache) or hub
     (registry, data fetched by lm-eval from a reachable hub)."""
@@ -314,7 +314,7 @@ class EvalTaskPlan:
 
 @dataclass(frozen=True)
 class Guard:
-    """A metric the adapter may not lose to the base by more than ``tolerance`` (eval_guards)."""
+    """A metric the adapter may not lose to the base by more than ``tolerance`` (promote_guards)."""
 
     metric: str
     tolerance: float

@@ -8,10 +8,10 @@ besides the best one and writes the next before pruning, so ``keep_last + 2`` ex
 copy of the base, 2 N) comes on top. Parameter counts come from the model's ``config.json``
 (llmft/trainer/sizing/memory.py's model: ``parameter_counts``, ``adapter_parameters``).
 
-The pipeline mounts an existing PVC (``pvc_name``) at ``data_root`` and requests no size itself, so
+The pipeline mounts an existing PVC (``volume_pvc_name``) at ``volume_path`` and requests no size itself, so
 the plan step compares the estimate with the free space of the mounted volume
 (``shutil.disk_usage``) and refuses, in one line, a run that cannot fit: a full volume found at the
-first checkpoint costs the GPU time up to it. Where ``data_root`` is not mounted (render-job, unit
+first checkpoint costs the GPU time up to it. Where ``volume_path`` is not mounted (render-job, unit
 tests) or the model's config.json is not readable (a hub id that is not in the local cache), the
 check is skipped with a note. Torch-free (the pipeline image).
 """
@@ -117,7 +117,7 @@ def run_footprint(plan, config) -> tuple[Footprint | None, str]:
 
 
 def check_volume_space(plan, config, data_root: str) -> str:
-    """ConfigError (one line) when the run's estimated footprint exceeds the free space at ``data_root``;
+    """ConfigError (one line) when the run's estimated footprint exceeds the free space at ``volume_path``;
     else a note for the plan step's log (what was estimated, or why nothing was; '' where no volume is mounted)."""
     root = Path(data_root)
     if not root.is_dir():
@@ -130,7 +130,7 @@ def check_volume_space(plan, config, data_root: str) -> str:
     if footprint.total > usage.free:
         raise ConfigError(
             f"the data volume at {data_root} has {usage.free} bytes ({human(usage.free)}) free of "
-            f"{human(usage.total)}, but this run writes {summary}. Free space on the PVC (pvc_name), resize it, "
-            "or keep fewer checkpoints (train_overrides keep_last=1)"
+            f"{human(usage.total)}, but this run writes {summary}. Free space on the PVC (volume_pvc_name), resize it, "
+            "or keep fewer checkpoints (finetune_overrides keep_last=1)"
         )
     return f"volume: this run writes {summary}; {human(usage.free)} free of {human(usage.total)} at {data_root}"

@@ -1,4 +1,4 @@
-"""``deploy_mode=local`` (kfp.local only): the fine-tuned model against its base, with transformers on CPU.
+"""``serving_deploy_mode=local`` (kfp.local only): the fine-tuned model against its base, with transformers on CPU.
 
 :func:`local_generation_check` loads the base model as the trainer loads it (an FP8 base dequantized:
 ``llmft.trainer.fp8.load_base_model``) and the adapter on it, or, for the merged serving form, the

@@ -1,6 +1,6 @@
 """A real vLLM OpenAI server on this machine, started as the InferenceService would start it.
 
-``llmft serve check`` and ``deploy_mode=vllm`` (kfp.local) serve what the deploy step's manifest serves:
+``llmft serve check`` and ``serving_deploy_mode=vllm`` (kfp.local) serve what the deploy step's manifest serves:
 :func:`vllm_argv` turns the Hugging Face runtime's arguments
 (:func:`llmft.components.lib.serving.inferenceservice.server_args`
 of the same :class:`ServeSpec`) into the vLLM OpenAI server's, with KServe v0.20's semantics
@@ -387,6 +387,6 @@ def serve_and_check(
                 raise VllmRefusedError(f"vLLM smoke test failed: {' '.join(str(exc).split())}") from None
             models = smoke["models"]
             answers = {adapter: smoke["text"]} | ({base: smoke["base_text"]} if base else {})
-            # base/adapter: the keys of deploy_mode=local's samples (the run summary reads them); None: merged form
+            # base/adapter: the keys of the local deploy mode's samples (the run summary reads them); None: merged form
             samples.append({"prompt": prompt, "answers": answers, "base": smoke["base_text"], "adapter": smoke["text"]})
     return {"models": models, "answers": samples[0]["answers"], "samples": samples, "argv": argv}
