@@ -54,6 +54,8 @@ def test_a_commands_own_extras_win_where_several_bring_the_package():
     assert extras_providing("kfp") == ["executor", "pipeline"]
     assert extras_providing("mlflow") == ["observe", "pipeline"]  # mlflow-skinny, mlflow: both import as mlflow
     assert extras_providing("kubernetes_validate") == ["dev"] and extras_providing("yaml") == []
+    # kubeflow-katib-api imports as kubeflow_katib_api (0.19: the module llmft/katib imports), not kubeflow.katib
+    assert extras_providing("kubeflow_katib_api.models") == ["katib"]
     assert missing_package(ModuleNotFoundError(name="pytest")) == (
         "this command needs the Python package 'pytest', which is not installed here; install the extra it comes "
         "with: pip install 'kfp-llm-finetune[dev]'"
