@@ -37,8 +37,8 @@ def test_an_unexpected_exception_is_a_bug_and_a_user_error_keeps_its_lines():
 @pytest.mark.parametrize(
     "module, extra",
     [("kfp", "executor"), ("optuna", "katib"), ("transformers", "trainer"), ("peft", "trainer"),
-     ("pyarrow", "trainer"), ("langfuse", "observe"), ("kfp.kubernetes", "pipeline"), ("kubeflow_katib_api.models", "katib"),
-     ("mlflow", "observe")],
+     ("pyarrow", "trainer"), ("langfuse", "observe"), ("kfp.kubernetes", "pipeline"),
+     ("kubeflow_katib_api.models", "katib"), ("mlflow", "observe")],
 )  # fmt: skip
 def test_a_missing_package_is_bad_input_naming_the_extra_that_brings_it(module, extra):
     """Read from the installed metadata (setup.cfg's extras): exit 1, never "internal error ... This is a bug"."""
