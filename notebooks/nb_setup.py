@@ -48,8 +48,11 @@ FIGURES = WORK / "figures"
 """Every figure is also saved here as PNG."""
 MLFLOW_URI = f"sqlite:///{PIPELINE_WORK / 'mlflow.db'}"
 """The MLflow store the local pipeline run (and the local sweep) log to."""
-MLFLOW_EXPERIMENT = "llmft-local"
-"""The experiment the local pipeline run uses (llmft/pipelines/defaults.py LOCAL_DEFAULTS)."""
+from llmft.pipelines.defaults import DEMO_DEFAULTS  # noqa: E402 - after the path above
+
+MLFLOW_EXPERIMENT = DEMO_DEFAULTS["mlflow_experiment"]
+"""The experiment notebook 01's run (``make demo``'s arguments, llmft/pipelines/defaults.py DEMO_DEFAULTS) logs to;
+the sweep of notebook 03 logs there too, so notebook 04 compares them."""
 
 
 def shown(path) -> str:
