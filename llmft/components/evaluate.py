@@ -44,6 +44,9 @@ def evaluate_perplexity(
     import os
 
     from llmft.components.lib.plan.schema import read_plan
+    from llmft.trainer.quiet import quiet_known_noise
+
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # before transformers is imported

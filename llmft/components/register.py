@@ -48,6 +48,9 @@ def register_model(
     from pathlib import Path
 
     from llmft.components.lib.plan.schema import read_plan
+    from llmft.trainer.quiet import quiet_known_noise
+
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
     from llmft.components.lib.registry.mlflow_registry import (
         Lineage,
         register_adapter,
