@@ -30,30 +30,6 @@ RENDER_POD = {"KFP_POD_NAME": "llmft-render-job"}
 """The environment of a KFP task pod, so the plan applies the checks it applies on a cluster."""
 
 
-def add_parser(sub) -> None:
-    render = sub.add_parser(
-        "render-job", help="write the PyTorchJob or TrainJob the train step would submit (for review)"
-    )
-    render.add_argument(
-        "arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. training_workers=2)"
-    )
-    choices = sorted(render_names())
-    render.add_argument("--backend", choices=choices, required=True, help=" or ".join(choices))
-    render.add_argument(
-        "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
-    )
-    render.add_argument(
-        "--force", action="store_true", help="replace a file (or symlink) at --output that llmft did not write"
-    )
-    render.add_argument("--run-id", default="RUN-ID", help="KFP run id the job name derives from (default RUN-ID)")
-    render.add_argument("--namespace", default=None, help="namespace to set on the job (default: none)")
-    render.add_argument(
-        "--data", default=None, help="tokenized shards the trainer reads (default /data/tokenized/CACHE_KEY)"
-    )
-    render.add_argument("--hpo", action="store_true", help="take the HPO pipeline's parameters")
-    render.set_defaults(func=run_render_job)
-
-
 def render_job(
     arguments: dict, backend: str, *, run_id: str, namespace: str | None, data: str | None, hpo: bool = False
 ) -> dict:

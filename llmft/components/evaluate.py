@@ -42,6 +42,9 @@ def evaluate_perplexity(
     reason (``gate``, the promote step's own rule over the same numbers).
     """
     from llmft.components.lib.contracts.schema import read_plan
+    from llmft.trainer.quiet import quiet_known_noise
+
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # before transformers is imported

@@ -44,6 +44,9 @@ def register_model(
     ``model_uri``).
     """
     from llmft.components.lib.contracts.schema import read_plan
+    from llmft.trainer.quiet import quiet_known_noise
+
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
     from llmft.components.lib.registry.register_step import (
         RegisterInputs,
         register_run,

@@ -30,13 +30,13 @@ def test_the_plan_step_takes_every_declared_parameter_and_a_form_offers_its_shar
 def test_what_each_form_offers():
     full, hpo, minimal, local = Form(), Form(hpo=True), Form(minimal=True), Form(hpo=True, local=True)
     offered = {form: {p.name for p in form.offered()} for form in (full, hpo, minimal, local)}
-    compiled_in = {"hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector"}
+    compiled_in = {"hf_token_secret", "mlflow_secret", "langfuse_secret", "s3_secret", "gpu_node_selector"}
     kfp_local = {"serving_deploy_mode", "volume_path", "hpo_backend"}
     assert not compiled_in & set().union(*offered.values())  # never a field of a run's form
     assert not kfp_local & (offered[full] | offered[hpo] | offered[minimal])
     assert kfp_local <= offered[local]
     assert offered[hpo] - offered[full] == {p.name for p in PARAMETERS if p.name.startswith("hpo_")} - kfp_local
-    assert len(offered[minimal]) == 10 and offered[minimal] < offered[full]
+    assert len(offered[minimal]) == 11 and offered[minimal] < offered[full]
 
 
 @pytest.mark.slow

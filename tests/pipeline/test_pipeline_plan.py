@@ -140,6 +140,13 @@ def test_a_bad_training_parameter_names_the_pipeline_parameter():
         ({"mlflow_secret": "llmft-mlflow:PASSWORD"}, "mlflow_secret"),
         ({"training_timeout_s": 3 * 24 * 3600}, "training_timeout_s"),  # the job must end before its task's timeout
         ({"serving_deploy_policy": "sometimes"}, "serving_deploy_policy"),
+        ({"dataset": "http://files.internal/qa.jsonl"}, "plain http is refused"),
+        ({"dataset": "https://files.example.com/qa"}, "must end in a data file name"),
+        ({"dataset": "https://b.s3.amazonaws.com/qa.jsonl?X-Amz-Signature=ab"}, "`dataset`=.*presigned URL.*s3_secret"),
+        ({"dataset": "s3://team-data/qa/", "dataset_config": "easy"}, "`dataset_config`='easy'.*hub dataset only"),
+        ({"dataset_columns": "prompt=question"}, "`dataset_columns` 'prompt=question'.*field:column"),
+        ({"dataset_columns": "prompt:q,completion:a", "dataset_format": "alpaca"}, "dataset_columns.*format is alpaca"),
+        ({"s3_secret": "team-s3:AWS_PASSWORD"}, "s3_secret"),
     ],
 )
 def test_a_bad_parameter_is_named_before_any_work(change, message):
@@ -230,6 +237,17 @@ def test_secret_parameters_name_the_secret_and_its_keys():
     assert mounted == {"llmft-mlflow": ("MLFLOW_TRACKING_PASSWORD",), "lf": parse_secret("langfuse", "lf").keys}
     assert plan.job.env["MLFLOW_TRACKING_URI"] == "http://mlflow.mlflow:5000"
     assert make_plan().job.secrets == () and make_plan().task_secrets == ()
+    s3 = make_plan(dataset="s3://team-data/qa/", s3_secret="team-s3:AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,AWS_REGION")
+    assert [(s.name, s.keys) for s in s3.task_secrets] == [
+        ("team-s3", ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"))
+    ]
+    assert s3.job.secrets == ()  # the training job reads the tokenized shards, never the bucket
+
+
+def test_the_data_plan_carries_the_source_its_configuration_and_columns():
+    data = make_plan(dataset="acme/qa", dataset_config="hard", dataset_columns="prompt:question,completion:answer").data
+    assert (data.dataset, data.config, data.columns) == ("acme/qa", "hard", "prompt:question,completion:answer")
+    assert make_plan(dataset="https://files.example.com/exports/qa.csv?download=1").data.dataset.endswith("=1")
 
 
 def test_node_selector_and_resources_reach_the_job_and_the_inference_service():

@@ -140,7 +140,7 @@ class SecretMount:
     """One Kubernetes Secret whose keys become environment variables of the same names."""
 
     kind: str
-    """hf, mlflow or langfuse (SECRET_KINDS)."""
+    """hf, mlflow, langfuse or s3 (SECRET_KINDS)."""
     name: str
     """The Secret's name."""
     keys: tuple[str, ...]
@@ -171,6 +171,10 @@ class DataPlan:
     packing: bool
     prepared_dir: str
     """Where prepare writes the validated JSONL."""
+    config: str = ""
+    """A hub dataset's configuration name ('' = its default)."""
+    columns: str = ""
+    """The column mapping, ``field:column,...`` (llmft/trainer/data/columns.py), checked by the plan step."""
 
 
 @dataclass(frozen=True)

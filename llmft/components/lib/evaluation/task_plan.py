@@ -22,11 +22,7 @@ from llmft.components.lib.evaluation.eval_cache import cache_command, check_cach
 from llmft.components.lib.evaluation.lm_eval_registry import NAME, dataset_of, defined, registry_dir
 from llmft.components.lib.evaluation.lm_eval_tasks import data_digest, task_config, task_metrics_of
 from llmft.components.lib.evaluation.scoring import METRICS
-from llmft.components.lib.evaluation.task_eval import (
-    HELDOUT,
-    lm_eval_task_names,
-    shown,
-)
+from llmft.components.lib.evaluation.task_eval import HELDOUT, lm_eval_task_names, shown
 from llmft.trainer.errors import ConfigError, DataError
 
 HUB_PROBE_TIMEOUT_S = 3.0

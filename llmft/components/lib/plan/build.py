@@ -158,6 +158,8 @@ def _data_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> DataPl
         dataset=p.dataset,
         format=p.dataset_format,
         split=p.dataset_split,
+        config=p.dataset_config,
+        columns=checks.check_dataset_columns(p),
         val_fraction=p.dataset_val_fraction,
         max_reject_fraction=p.dataset_max_reject_fraction,
         seed=p.finetune_seed,

@@ -36,8 +36,11 @@ from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import BOOL_WORDS, split_assignment
+from llmft.trainer.data.columns import mapped_format, parse_columns
 from llmft.trainer.data.formats import FORMAT_CHOICES
-from llmft.trainer.errors import ConfigError
+from llmft.trainer.data.remote import is_remote, parse_remote, shown_url, url_credentials
+from llmft.trainer.data.sources import CONFIG_ONLY_FOR_HUB
+from llmft.trainer.errors import ConfigError, DataError
 from llmft.trainer.mlflow_settings import redact_credentials
 
 SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -50,10 +53,27 @@ SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"),
         ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST", "LANGFUSE_BASE_URL"),
     ),
+    "s3": (
+        ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+        (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "AWS_REGION",
+            "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL",
+            "AWS_ENDPOINT_URL_S3",
+        ),
+    ),
 }
 """kind -> (keys mounted when the parameter names only the Secret, keys it may list). A key is
 also the environment variable's name."""
-SECRET_PARAMETERS = {"hf": "hf_token_secret", "mlflow": "mlflow_secret", "langfuse": "langfuse_secret"}
+SECRET_PARAMETERS = {
+    "hf": "hf_token_secret",
+    "mlflow": "mlflow_secret",
+    "langfuse": "langfuse_secret",
+    "s3": "s3_secret",
+}
 """kind -> the pipeline parameter that names its Secret ('' = none)."""
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -90,6 +110,7 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     for name, ok, message in rules:
         if not ok:
             raise _fail(name, getattr(p, name), message)
+    check_dataset_source(p)
     check_path_component(p.mlflow_model_name, "mlflow_model_name")
     check_k8s_name(p.volume_pvc_name, "volume_pvc_name", kind="subdomain")
     if p.serving_namespace:
@@ -98,6 +119,37 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
         check_k8s_name(p.serving_name, "serving_name", kind="dns1035", max_length=45)
     if on_cluster:
         _check_cluster_only(p)
+
+
+def check_dataset_source(p: PipelineParameters) -> None:
+    """A remote ``dataset`` is checked before any step fetches it: https (plain http is refused: the rows become
+    the model's weights; an in-cluster store over http is s3:// with AWS_ENDPOINT_URL in the s3 Secret), a data
+    file name, no credentials in the URL (the KFP UI shows parameters: a presigned URL is one); a configuration
+    name only for a hub dataset."""
+    dataset = p.dataset.strip()
+    if is_remote(dataset):
+        credentials = url_credentials(dataset)
+        if credentials:
+            raise _fail(
+                "dataset",
+                shown_url(dataset),
+                f"the URL carries {credentials}, which the KFP UI and the run's logs would show. Put the file in "
+                "S3 (or an S3-compatible store) and pass s3://bucket/key with s3_secret=<Secret with AWS_* keys>",
+            )
+        parse_remote(dataset, where="pipeline parameter `dataset`")
+    if p.dataset_config and (is_remote(dataset) or dataset.startswith(("/", "langfuse://", "sample:"))):
+        raise _fail("dataset_config", p.dataset_config, CONFIG_ONLY_FOR_HUB + "; leave it empty for this dataset")
+
+
+def check_dataset_columns(p: PipelineParameters) -> str:
+    """``dataset_columns`` parses and names one format (the one ``dataset_format`` says, if any); returned as
+    given for the prepare step."""
+    where = "pipeline parameter `dataset_columns`"
+    try:
+        mapped_format(parse_columns(p.dataset_columns, where=where), p.dataset_format, where=where)
+    except DataError as exc:  # the same rule as --columns, told as the parameter's error
+        raise ConfigError(str(exc)) from None
+    return p.dataset_columns
 
 
 def _check_cluster_only(p: PipelineParameters) -> None:
@@ -344,7 +396,7 @@ def preflight_secrets(plan, cluster=None) -> list[str]:
             "the Secrets this run mounts are incomplete (a pod would hang in CreateContainerConfigError):\n- "
             + "\n- ".join(missing)
             + "\nCreate them (deploy/secrets/README.md), or name other Secrets/keys with hf_token_secret, "
-            "mlflow_secret, langfuse_secret (NAME or NAME:KEY,KEY)"
+            "mlflow_secret, langfuse_secret, s3_secret (NAME or NAME:KEY,KEY)"
         )
     return notes
 

@@ -45,7 +45,8 @@ class Step:
 
 STEPS: tuple[Step, ...] = (
     Step("plan-run", "pipeline"),
-    Step("prepare-dataset", "trainer", "data", ("hf", "langfuse")),  # langfuse: a langfuse://<dataset> source
+    # langfuse: a langfuse://<dataset> source; s3: an s3:// one
+    Step("prepare-dataset", "trainer", "data", ("hf", "langfuse", "s3")),
     Step("tokenize-dataset", "trainer", "data", ("hf",)),
     Step("sweep-hyperparameters", "katib", secrets=("mlflow",), hpo_only=True),
     # the launcher opens the pipeline run's MLflow parent run (lib/registry/lineage.py); the job's pods get the
