@@ -76,7 +76,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     local = sub.add_parser(
         "run-local",
         help="run the whole pipeline here with kfp.local (CPU): by default the real SmolLM2-135M-Instruct learns "
-        "three made-up facts (short profile, `make demo`), scored base against adapter on held-out questions",
+        "three made-up facts (short profile, `make demo`), scored base against adapter on held-out questions; "
+        "shows the running task's progress line; SIGTERM stops the running task (exit 143)",
     )
     local.add_argument(
         "arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. finetune_max_steps=40)"
@@ -84,7 +85,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     local.add_argument(
         "--work-dir",
         default=None,
-        help="work folder (default runs/pipeline-local; --real: runs/pipeline-real; --tiny: runs/pipeline-tiny)",
+        help="work folder, one run at a time (default runs/pipeline-local; --real: runs/pipeline-real; --tiny: "
+        "runs/pipeline-tiny)",
     )
     local.add_argument("--verbose", action="store_true", help="show every task's full log, not just progress")
     local.add_argument("--hpo", action="store_true", help="run llm_finetune_hpo_pipeline (a small local sweep)")
@@ -343,6 +345,9 @@ def run_local(args: argparse.Namespace) -> int:
         extra_defaults=extra_defaults,
     )
     print(outcome.render(time.perf_counter() - started))
+    if outcome.stopped_by:
+        print(f"error: {outcome.failure_line()}", file=sys.stderr)
+        return 128 + outcome.stopped_by
     if not outcome.succeeded:
         print(f"error: {outcome.failure_line()}", file=sys.stderr)
         return 1

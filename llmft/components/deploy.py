@@ -27,7 +27,8 @@ def deploy_adapter(
 
     Only the champion is served: a version the register step did not make the champion
     (registration.json ``is_champion`` false or missing) is registered but not deployed, unless
-    ``serving_deploy_policy=always``.
+    ``serving_deploy_policy=always``. A run without MLflow (registration.json ``registered: false``) has no champion to
+    compare with: the promoted adapter is served, and deployment.json's ``note`` says so.
 
     ``serving_deploy_mode=kserve`` (and ``serving_deploy=true``): apply it, wait for Ready, and smoke-test the
     OpenAI endpoints: ``/openai/v1/models`` lists both names, and the adapter's greedy completion of
@@ -39,36 +40,43 @@ def deploy_adapter(
     ``serving_deploy=false``: stop after writing the manifest.
 
     Outputs: ``manifest`` (inferenceservice.yaml) and ``deployment`` (deployment.json:
-    servability report, mode, status, endpoint, sample generations, or vLLM's ``models`` and ``answers``).
+    servability report, mode, status, endpoint, sample generations, or vLLM's ``models`` and ``answers``;
+    metadata ``endpoint``: the OpenAI chat route of the deployed InferenceService and ``url`` (only when it was
+    deployed), ``model``: the name to request, ``status``).
     """
     import json
     import os
 
     from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.step_exit import step_outcome
 
-    run_plan = read_plan(plan.path)
-    run_plan.layout.use_hf_cache()  # serving_deploy_mode=local loads the base model: before transformers is imported
-    from llmft.components.lib.serving.deployment import deploy_promoted, plan_deploy_request
-    from llmft.components.lib.serving.serving_form import read_form
+    with step_outcome("deploy-adapter"):
+        run_plan = read_plan(plan.path)
+        run_plan.layout.use_hf_cache()  # serving_deploy_mode=local loads the base model: before transformers
+        # is imported
+        from llmft.components.lib.serving.deployment import deploy_promoted, deployment_metadata, plan_deploy_request
+        from llmft.components.lib.serving.serving_form import read_form
 
-    form = read_form(serving.path)
-    settings = run_plan.serving
-    with open(os.path.join(registration.path, "registration.json")) as fh:
-        registered = json.load(fh)
-    request = plan_deploy_request(
-        run_plan,
-        adapter_dir=promoted.metadata["path"],
-        registered=registered,
-        form=form.form,
-        model_dir=form.model_dir,
-        form_reason=form.reason,
-    )
-    os.makedirs(manifest.path, exist_ok=True)
-    result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))
+        form = read_form(serving.path)
+        settings = run_plan.serving
+        with open(os.path.join(registration.path, "registration.json")) as fh:
+            registered = json.load(fh)
+        request = plan_deploy_request(
+            run_plan,
+            adapter_dir=promoted.metadata["path"],
+            registered=registered,
+            form=form.form,
+            model_dir=form.model_dir,
+            form_reason=form.reason,
+        )
+        os.makedirs(manifest.path, exist_ok=True)
+        result = deploy_promoted(request, manifest_path=os.path.join(manifest.path, "inferenceservice.yaml"))
 
     os.makedirs(deployment.path, exist_ok=True)
     with open(os.path.join(deployment.path, "deployment.json"), "w") as fh:
         json.dump(result, fh, indent=2, sort_keys=True, default=str)
-    deployment.metadata.update({"mode": settings.mode, "form": form.form, "status": result["status"]})
+    deployment.metadata.update(
+        deployment_metadata(result, mode=settings.mode, form=form.form, model=request.adapter_name)
+    )
     manifest.metadata.update({"name": settings.name, "path": os.path.join(manifest.path, "inferenceservice.yaml")})
     print(f"deploy ({settings.mode}, {form.form} form): {result['status']}")

@@ -31,6 +31,9 @@ def evaluate_perplexity(
     prompt set from the validation split, recorded as Langfuse dataset runs with scores
     (llmft/components/lib/evaluation/comparison.py); evaluation.json's ``langfuse`` section links them.
 
+    With MLflow configured, the numbers (base and every checkpoint, by step) and both files go to the pipeline
+    run's ``evaluate-<run_id>`` child run (llmft/components/lib/registry/lineage.py).
+
     Outputs: ``evaluation`` (evaluation.json, read by the promote step), ``report`` (an HTML
     page with the loss and perplexity plot embedded as a PNG, shown in the KFP UI) and
     ``metrics`` (base and best eval loss / perplexity and every task metric, ``base_<metric>`` /
@@ -94,5 +97,8 @@ def evaluate_perplexity(
     evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
     for name, value in kfp_metrics(result).items():
         metrics.log_metric(name, value)
+    from llmft.components.lib.registry.lineage import record_evaluation  # MLflow: the pipeline run's evaluate child
+
+    record_evaluation(run_plan, result, (os.path.join(evaluation.path, "evaluation.json"), report.path))
     best = next(c for c in result["checkpoints"] if c["name"] == result["best"])
     print(f"base perplexity {result['base']['perplexity']:.4f}; best {best['name']} {best['perplexity']:.4f}")

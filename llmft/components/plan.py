@@ -149,7 +149,8 @@ def plan_run(
         hpo_trial_overrides: Fixed trainer settings of every trial ('' = max_steps=200 eval_every=25 ...).
         mlflow_experiment: MLflow experiment of the training runs and the registration.
         mlflow_model_name: Registered model name (also the promoted adapter's folder name).
-        mlflow_tracking_uri: MLflow server, http(s)://... ('' = MLFLOW_TRACKING_URI from the mlflow Secret).
+        mlflow_tracking_uri: MLflow server, http(s)://... ('' = MLFLOW_TRACKING_URI from the mlflow Secret;
+            neither: no MLflow, the run trains, evaluates, promotes and deploys, and registers nothing).
         promote_eval_batch_size: lm-eval requests per forward pass.
         promote_eval_limit: lm-eval documents per task and model at most (0 = all): bounds the evaluate
             step's time.

@@ -220,13 +220,15 @@ def run_local_sweep(
     echo: Callable[[str], None] = print,
     mlflow_experiment: str = "",
     config_path: str | None = None,
+    mlflow_tags: Mapping[str, str] | None = None,
 ) -> LocalSweepResult:
     """Run ``trials`` trials of ``spec``'s search space in sequence; the best is ``result.best``.
 
     ``config_path``: the trainer config every trial starts from (``llmft train --config``; the HPO
     pipeline's: the plan's config.yaml). ``trainer_args`` are the fixed trainer overrides of every
     trial (model, data, steps, ...); each trial adds ``output_dir=<workdir>/<name>-<timestamp>/trial-NNN``
-    and its sampled overrides."""
+    and its sampled overrides. ``mlflow_tags``: more tags of the sweep's MLflow parent run (the HPO pipeline nests it
+    under the pipeline run's)."""
     # heavy: optuna
     import optuna
 
@@ -246,9 +248,8 @@ def run_local_sweep(
         "objective": spec.objective_metric,
         "search_space": json.dumps([p.override() for p in spec.search_space]),
     }
-    with ParentRun(
-        f"sweep-{spec.name}", mlflow_experiment, params=params, tags={"llmft.sweep.algorithm": spec.algorithm}
-    ) as parent:
+    tags = {"llmft.sweep.algorithm": spec.algorithm, **(mlflow_tags or {})}
+    with ParentRun(f"sweep-{spec.name}", mlflow_experiment, params=params, tags=tags) as parent:
         # resume=never first (the caller's args may override it): a trial never picks up old checkpoints
         fixed = [("resume", "never"), *override_pairs(trainer_args)]
         command = [

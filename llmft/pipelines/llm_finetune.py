@@ -1,5 +1,6 @@
 """`llm_finetune_pipeline`: plan -> raw dataset -> validated JSONL -> packed shards -> fine-tune ->
-evaluate -> promote -> serving form (LoRA, or merged) -> register in MLflow -> deploy to KServe vLLM.
+evaluate -> promote -> [promoted:] serving form (LoRA, or merged) -> register in MLflow -> deploy to KServe vLLM,
+then the run summary (Markdown) on either branch of the promote decision.
 
 Every form of the pipeline is built here, from one definition (:func:`build_pipeline`): the full one
 (``llm-finetune``), the HPO one (``llm-finetune-hpo``, llmft/pipelines/llm_finetune_hpo.py), their minimal
@@ -24,6 +25,9 @@ The platform settings are applied here, once, from each step's record (llmft/com
   backends before 2.5 cannot take a Secret name or a node selector from a parameter;
 * the train task has a timeout and retries (it resumes from the newest checkpoint), prepare and tokenize
   retries (exit 200 is a transient fault); the form kfp.local runs retries nothing (:func:`local_pipeline`);
+* serving form, register and deploy run under ``dsl.If`` on the promote step's ``decision`` output: a gate
+  that refuses (the adapter does not beat the base model) is a decision, not a failure, so the run ends green
+  with the reason in the promote step's output and the run summary (``summarize-run``, on both branches);
 * the steps run inside a ``dsl.ExitHandler`` whose exit task (``cleanup-run``) deletes the run's
   unfinished jobs and Experiments when the run fails (llmft/components/lib/jobs/cleanup.py).
 
@@ -48,12 +52,13 @@ from llmft.components.lib.plan.checks import SECRET_PARAMETERS, compiled_setting
 from llmft.components.lib.plan.forms import Form, renamed
 from llmft.components.lib.plan.parameters import PARAMETERS, Parameter, compile_time_defaults
 from llmft.components.lib.plan.schema import DATA_MOUNT, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
-from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS, STEP, task_order
+from llmft.components.lib.plan.steps import PROMOTED, RESOURCE_PARAMETERS, STEP, task_order
 from llmft.components.plan import plan_run
 from llmft.components.prepare_dataset import prepare_dataset
 from llmft.components.promote import promote_best_checkpoint
 from llmft.components.register import register_model
 from llmft.components.serving_form import choose_serving_form
+from llmft.components.summarize import summarize_not_promoted, summarize_run
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.components.tokenize_dataset import tokenize_dataset
 from llmft.components.train import train_model
@@ -61,7 +66,11 @@ from llmft.trainer.errors import ConfigError
 
 DESCRIPTION = "Fine-tune an LLM adapter on Kubeflow and serve it with KServe + vLLM"
 TASK_ORDER = task_order(hpo=False)
-"""The nine tasks, in the order they run (inside the exit handler group EXIT_GROUP): lib/plan/steps.py STEPS."""
+"""The tasks of a promoted run, in the order they run (inside the exit handler group EXIT_GROUP): lib/plan/steps.py
+STEPS. Serving form, register, deploy and the first summary run under ``dsl.If(decision == PROMOTED)``; a run the
+gate refused runs NOT_PROMOTED_SUMMARY instead."""
+NOT_PROMOTED_SUMMARY = "summarize-not-promoted"
+"""The summary task of the ``dsl.Else`` branch."""
 EXIT_GROUP = "exit-handler-1"
 """The dsl.ExitHandler group holding the pipeline's body; CLEANUP_TASK runs after it, whatever its outcome."""
 CLEANUP_TASK = "cleanup-run"
@@ -217,7 +226,7 @@ def add_body(values: Mapping, static: Mapping, *, pipeline_name: str, hpo: bool)
     )
     train.set_retry(num_retries=TRAIN_RETRIES, backoff_duration="60s", backoff_factor=2.0)
     kubernetes.set_timeout(train, TRAIN_TASK_TIMEOUT_S)
-    add_release_steps(plan, tokenized, train.outputs["run"], values, static)
+    add_release_steps(plan, prepare.outputs["prepared"], tokenized, train.outputs["run"], values, static)
 
 
 def add_sweep_step(plan, tokenized, values: Mapping, static: Mapping) -> dsl.PipelineTask:
@@ -229,22 +238,38 @@ def add_sweep_step(plan, tokenized, values: Mapping, static: Mapping) -> dsl.Pip
     return sweep
 
 
-def add_release_steps(plan, tokenized, run, values: Mapping, static: Mapping) -> None:
-    """evaluate -> promote -> serving form (LoRA or merged) -> register in MLflow -> deploy to KServe vLLM."""
+def add_release_steps(plan, prepared, tokenized, run, values: Mapping, static: Mapping) -> None:
+    """evaluate -> promote -> [promoted: serving form (LoRA or merged) -> register in MLflow -> deploy to KServe
+    vLLM] -> the run summary (both branches)."""
     evaluate = evaluate_perplexity(plan=plan, tokenized=tokenized, run=run)
     apply_platform(evaluate.set_display_name("evaluate perplexity"), "evaluate-perplexity", values, static)
     evaluation = evaluate.outputs["evaluation"]
 
     promote = promote_best_checkpoint(plan=plan, evaluation=evaluation)
     apply_platform(promote.set_display_name("promote best checkpoint"), "promote-best-checkpoint", values, static)
+    promoted = promote.outputs["promoted"]
+    facts = dict(plan=plan, prepared=prepared, tokenized=tokenized, run=run, evaluation=evaluation, promoted=promoted)
 
-    form = choose_serving_form(plan=plan, promoted=promote.outputs["promoted"])
+    with dsl.If(promote.outputs["decision"] == PROMOTED, name="promoted"):
+        serving, registration, deployment = add_serving_steps(
+            plan, promoted, evaluation, tokenized, run, values, static
+        )
+        summary = summarize_run(**facts, serving=serving, registration=registration, deployment=deployment)
+        apply_platform(summary.set_display_name("run summary"), "summarize-run", values, static)
+    with dsl.Else(name="not-promoted"):
+        summary = summarize_not_promoted(**facts)
+        apply_platform(summary.set_display_name("run summary (not promoted)"), NOT_PROMOTED_SUMMARY, values, static)
+
+
+def add_serving_steps(plan, promoted, evaluation, tokenized, run, values: Mapping, static: Mapping):
+    """serving form -> register -> deploy; returns their (serving, registration, deployment) artifacts."""
+    form = choose_serving_form(plan=plan, promoted=promoted)
     apply_platform(form.set_display_name("serving form (LoRA or merged)"), "choose-serving-form", values, static)
     serving = form.outputs["serving"]
 
     register = register_model(
         plan=plan,
-        promoted=promote.outputs["promoted"],
+        promoted=promoted,
         evaluation=evaluation,
         run=run,
         tokenized=tokenized,
@@ -255,9 +280,10 @@ def add_release_steps(plan, tokenized, run, values: Mapping, static: Mapping) ->
     register.set_retry(num_retries=2, backoff_duration="30s")  # idempotent: a retry reuses the version
 
     deploy = deploy_adapter(
-        plan=plan, promoted=promote.outputs["promoted"], registration=register.outputs["registration"], serving=serving
+        plan=plan, promoted=promoted, registration=register.outputs["registration"], serving=serving
     )
     apply_platform(deploy.set_display_name("deploy to KServe vLLM"), "deploy-adapter", values, static)
+    return serving, register.outputs["registration"], deploy.outputs["deployment"]
 
 
 HPO_DESCRIPTION = (

@@ -263,7 +263,12 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class ObserveConfig:
-    progress_bar: bool = _f(True, "Show a progress bar on rank 0 (stderr).")
+    progress_bar: bool = _f(
+        True,
+        "A tqdm progress bar on rank 0 when stderr is a terminal; elsewhere (a pod's log, kfp.local, a pipe), or "
+        "with false, plain `progress:` lines instead (step/total, percent, tokens/s, loss, elapsed, ETA; at most one "
+        "per 10 s).",
+    )
     tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tensorboard.")
     mlflow_experiment: str = _f(
         "",

@@ -1,9 +1,13 @@
-"""What a person sees of a run: progress bar, step logs, eval lines, TensorBoard,
-metrics.jsonl, MLflow and Langfuse, and the summary screen at the end.
+"""What a person sees of a run: progress (a tqdm bar on a terminal, plain progress lines elsewhere, MLflow
+metrics, Kubeflow Trainer's TrainJob status), step logs, eval lines, TensorBoard, metrics.jsonl, MLflow and
+Langfuse, and the summary screen at the end.
 
 Only rank 0 writes. MLflow is used when MLFLOW_TRACKING_URI is set (a child run
 of LLMFT_MLFLOW_PARENT_RUN_ID when that is set); a tracking server that does not
-answer is known in seconds (llmft/trainer/mlflow_settings.py) and skipped. Langfuse is
+answer is known in seconds (llmft/trainer/mlflow_settings.py) and skipped. MLflow gets each metric twice: under
+our ``<event>/<name>`` (``train/loss``, ``eval/perplexity``) and under the name Hugging Face's Trainer logs
+(``loss``, ``learning_rate``, ``grad_norm``, ``eval_loss``: :data:`HF_METRIC_NAMES`), plus
+``progress_percent`` and ``eta_seconds`` (llmft/trainer/progress.py). Langfuse is
 used when LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are set: one live trace per
 run (llmft/trainer/langfuse_sink.py), an observation per log step, evaluation and
 checkpoint. Both are imported lazily inside functions (llmft/trainer/ never imports them
@@ -29,11 +33,26 @@ from llmft.trainer import flops, langfuse_sink
 from llmft.trainer.config_load import flatten_dict
 from llmft.trainer.io import atomic_write_text
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV, prepare_mlflow, tracking_uri_without_credentials
+from llmft.trainer.progress import ProgressClock
+from llmft.trainer.trainer_status import StatusReporter
 
 if TYPE_CHECKING:
     from llmft.trainer.langfuse_sink import RunTrace
 
 log = logging.getLogger("trainer")
+
+HF_METRIC_NAMES = {
+    "train": {
+        "loss": "loss",
+        "lr": "learning_rate",
+        "grad_norm": "grad_norm",
+        "progress_percent": "progress_percent",
+        "eta_seconds": "eta_seconds",
+    },
+    "eval": {"eval_loss": "eval_loss", "perplexity": "eval_perplexity"},
+}
+"""event kind -> our metric name -> the unprefixed MLflow name logged beside ``<kind>/<name>`` (Hugging Face
+Trainer's names: ``loss``, ``learning_rate``, ``grad_norm``, ``eval_<metric>``)."""
 
 
 def device_peak_flops(device, override_tflops: float = 0.0) -> float | None:
@@ -203,6 +222,7 @@ class Observer:
         start_step: int,
         mlflow_run_id: str | None = None,
         run_id: str = "",
+        elapsed_before_s: float = 0.0,
     ):
         self.cfg, self.active = cfg, is_main
         self.output_dir = Path(cfg.output_dir)
@@ -210,6 +230,9 @@ class Observer:
         self.mlflow_run_id = None
         self.langfuse: RunTrace | None = None  # when Langfuse is configured
         self._tb = self._bar = None
+        self.clock = ProgressClock(total_steps, start_step, elapsed_before_s)
+        self.status: StatusReporter | None = None  # Kubeflow Trainer's progress API, when its variables are set
+        self._status_metrics: dict[str, float] = {}
         self._mlflow_ok = False
         self._closed = not is_main
         if not is_main:
@@ -226,7 +249,10 @@ class Observer:
             )
         self._start_mlflow(config_dict, mlflow_run_id)
         self._start_langfuse(config_dict, run_id or self.run_name, start_step, total_steps)
-        if cfg.observe.progress_bar:
+        self.status = StatusReporter.from_env()
+        if self.status is not None:
+            self.info(f"progress: reporting to the TrainJob's status ({self.status.url})")
+        if cfg.observe.progress_bar and _isatty(sys.stderr):  # elsewhere tqdm's redraws pile up: plain lines
             self._bar = tqdm(
                 total=total_steps,
                 initial=start_step,
@@ -251,16 +277,26 @@ class Observer:
             for key, value in numbers.items():
                 self._tb.add_scalar(f"{kind}/{key}", value, step)
             self._tb.flush()
-        self._mlflow(lambda m: m.log_metrics({f"{kind}/{k}": v for k, v in numbers.items()}, step=step))
+        self._mlflow(lambda m: m.log_metrics(mlflow_metrics(kind, numbers), step=step))
+
+    def training_started(self) -> None:
+        """The model is loaded and the first step starts now: elapsed time and the ETA count from here."""
+        if self.active:
+            self.clock = ProgressClock(self.clock.total, self.clock.start_step, self.clock.elapsed_before_s)
 
     def log_train(self, step: int, metrics: dict) -> None:
         if not self.active:
             return
-        self.event("train", step, metrics)
+        progress = self.clock.at(step, tokens_per_s=metrics.get("tokens_per_s"), loss=metrics.get("loss"))
+        self.event("train", step, {**metrics, **progress.metrics()})
         if self.langfuse is not None:
             self.langfuse.log_step(step, metrics)
         parts = [f"step={step}"] + [f"{k}={_fmt(v)}" for k, v in metrics.items() if isinstance(v, int | float)]
         self.write_line(" ".join(parts))
+        if self.status is not None:
+            names = {"loss": "loss", "lr": "learning_rate", "grad_norm": "grad_norm", "tokens_per_s": "tokens_per_s"}
+            self._status_metrics.update({names[k]: v for k, v in metrics.items() if k in names})
+            self.status.report(progress, self._status_metrics)
 
     def log_eval(self, step: int, metrics: dict) -> None:
         """Eval lines for Katib's StdOut collector, exactly `eval_loss=<v>` and `perplexity=<v>`."""
@@ -273,19 +309,25 @@ class Observer:
         if self.langfuse is not None:
             self.langfuse.evaluated(step, metrics)
         self.write_line(katib_lines(metrics))
+        self._status_metrics.update({k: v for k, v in metrics.items() if k in ("eval_loss", "perplexity")})
 
     def checkpoint_saved(self, step: int) -> None:
         """A checkpoint of ``step`` was committed (its COMPLETE marker written)."""
         if self.active and self.langfuse is not None:
             self.langfuse.checkpoint(step, str(self.output_dir / "checkpoints" / f"step-{step}"))
 
-    def progress(self, steps: int = 1, **postfix) -> None:
-        """Advance the bar; postfix values are host numbers from the last log step (no sync)."""
+    def progress(self, step: int, *, loss: float, tokens_per_s: float) -> None:
+        """After every step: advance the bar (a terminal), or print a plain progress line when one is due
+        (llmft/trainer/progress.py). ``loss`` and ``tokens_per_s`` are host numbers from the last log step."""
+        if not self.active:
+            return
         if self._bar is not None:
-            self._bar.update(steps)
-            shown = {k: _fmt(v) for k, v in postfix.items() if isinstance(v, int | float) and v == v}
+            self._bar.update(step - self._bar.n)
+            shown = {k: _fmt(v) for k, v in {"loss": loss, "tokens_per_s": tokens_per_s}.items() if v == v}
             if shown:
                 self._bar.set_postfix(shown, refresh=False)
+        elif self.clock.plain_due(step):
+            self.write_line(self.clock.at(step, tokens_per_s=tokens_per_s, loss=loss).line())
 
     def write_line(self, text: str, *, stream=None) -> None:
         if self._bar is not None:
@@ -381,9 +423,13 @@ class Observer:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self.status is not None:
+            self.status.close()
         return True
 
     def finish(self, summary: dict, final_dir: Path | None, status: str = "FINISHED") -> None:
+        if self.active and self.status is not None:
+            self.status.report(self.clock.at(self.clock.total), self._status_metrics)  # 100%, ETA 0
         if not self._close_sinks():
             return
         if final_dir is not None and final_dir.is_dir():
@@ -402,6 +448,22 @@ class Observer:
         self._mlflow(lambda m: m.end_run(status="KILLED"))
         if self.langfuse is not None:
             self.langfuse.stopped(exit_code)
+
+
+def mlflow_metrics(kind: str, numbers: dict[str, float]) -> dict[str, float]:
+    """What one event logs to MLflow: ``<kind>/<name>`` for every number, and the Hugging Face name
+    (:data:`HF_METRIC_NAMES`) beside ours where there is one."""
+    logged = {f"{kind}/{k}": v for k, v in numbers.items()}
+    aliases = HF_METRIC_NAMES.get(kind, {})
+    logged.update({aliases[k]: v for k, v in numbers.items() if k in aliases})
+    return logged
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def _truncate_events_after(path: Path, step: int) -> None:

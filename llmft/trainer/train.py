@@ -170,6 +170,7 @@ class Trainer:
             start_step=self.start_step,
             mlflow_run_id=mlflow_run_id,
             run_id=self.plan.run_id,
+            elapsed_before_s=self.wall_time_before,
         )
         self._announce(model)
 
@@ -293,6 +294,7 @@ class Trainer:
 
     def train(self) -> dict:
         self.speed.loaded()
+        self.observer.training_started()
         if self.start_step >= self.total_steps:
             self.observer.info(f"step {self.start_step} is this run's last step: nothing to train, writing final/")
         with scheduled_gc(self.cfg.gc_every):
@@ -332,7 +334,7 @@ class Trainer:
             evaluated = actions.evaluate and self._maybe_evaluate(step)
             if actions.save:
                 self._save(step, time.perf_counter() - t_start, evaluated)
-            self.observer.progress(1, loss=self.last_train_loss, tokens_per_s=self.last_tokens_per_s)
+            self.observer.progress(step, loss=self.last_train_loss, tokens_per_s=self.last_tokens_per_s)
             collect_garbage(step, cfg.gc_every)
             if actions.stop:
                 self.observer.notice(

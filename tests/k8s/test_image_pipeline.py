@@ -116,7 +116,7 @@ def test_the_local_sweep_trials_read_the_volumes_hub_cache(monkeypatch, tmp_path
     plan = SimpleNamespace(
         sweep=sweep_plan,
         trainer=SimpleNamespace(config_path="/c.yaml"),
-        registry=SimpleNamespace(tracking_uri="", experiment=""),
+        registry=SimpleNamespace(tracking_uri="", experiment="", enabled=False),
         layout=DataLayout(str(tmp_path)),
     )
     with pytest.raises(RuntimeError, match="captured"):

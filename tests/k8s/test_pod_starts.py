@@ -120,7 +120,8 @@ def test_the_train_step_exits_with_the_retryable_code_not_1(error, tmp_path, mon
     plan_artifact = dsl.Artifact(uri=str(tmp_path / "plan"))
     write_plan(plan, plan_artifact.path)
     tokenized = dsl.Dataset(uri=str(tmp_path / "tokenized"), metadata={"path": f"{sim_volume}/tokenized/demo"})
-    outputs = {name: cls(uri=str(tmp_path / name)) for name, cls in (("run", dsl.Model), ("metrics", dsl.Metrics))}
+    kinds = (("run", dsl.Model), ("metrics", dsl.Metrics), ("loss_curve", dsl.HTML))
+    outputs = {name: cls(uri=str(tmp_path / name)) for name, cls in kinds}
     with pytest.raises(SystemExit) as stopped:
         train_model.python_func(plan=plan_artifact, tokenized=tokenized, **outputs)
     assert stopped.value.code == EXIT_TRANSIENT

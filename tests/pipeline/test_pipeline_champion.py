@@ -164,3 +164,18 @@ def test_the_deploy_request_decides_with_is_champion():
     champion = plan_deploy_request(plan, registered={"model_name": "m", "version": 3, "is_champion": True}, **kwargs)
     assert not old.is_champion and champion.is_champion and champion.version == "3"
     assert champion.base_model == plan.trainer.model and champion.max_lora_rank == plan.serving.max_lora_rank
+
+
+def test_a_run_without_mlflow_deploys_its_promoted_adapter_under_the_champion_policy():
+    """registration.json ``registered: false`` (no MLflow): no registry, no champion to compare with; the request
+    serves the promoted adapter, labelled as unregistered (never a version 'None')."""
+    from plan_helpers import make_plan
+
+    from llmft.components.lib.registry.register_step import not_registered
+    from llmft.components.lib.serving.deployment import UNREGISTERED, plan_deploy_request
+
+    plan = make_plan(mlflow_tracking_uri="")
+    request = plan_deploy_request(plan, adapter_dir="/data/models/m/r", registered=not_registered("m"), form="lora")
+    assert request.is_champion and not request.registered and request.version == UNREGISTERED
+    registered = {"model_name": "m", "version": "4", "is_champion": False}
+    assert not plan_deploy_request(plan, adapter_dir="/x", registered=registered, form="lora").is_champion

@@ -17,10 +17,17 @@ from llmft.components.lib.plan.steps import STEPS
 from llmft.pipelines.llm_finetune import (
     CLEANUP_TASK,
     EXIT_GROUP,
+    NOT_PROMOTED_SUMMARY,
+    PROMOTED,
     TASK_ORDER,
     TRAIN_RETRIES,
     TRAIN_TASK_TIMEOUT_S,
 )
+
+ALL_TASKS = (*TASK_ORDER, NOT_PROMOTED_SUMMARY)
+"""Every task of the body: a promoted run's, and the summary of a run the gate stopped."""
+SERVING_TASKS = ("choose-serving-form", "register-model", "deploy-adapter", "summarize-run")
+"""The tasks that run only when the promote step decided PROMOTED."""
 
 SECRET_LOOKING = re.compile(r"token|key|password|credential", re.IGNORECASE)
 SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret")
@@ -238,8 +245,38 @@ def _topological(tasks: dict) -> list[str]:
 
 
 def _body(spec: dict) -> dict:
-    """The pipeline's steps: the tasks inside the exit handler group."""
+    """The pipeline's steps: the tasks inside the exit handler group (condition groups included)."""
     return spec["components"][f"comp-{EXIT_GROUP}"]["dag"]["tasks"]
+
+
+def _flat(spec: dict, tasks: dict | None = None, outer: tuple[str, ...] = (), groups: tuple[str, ...] = ()) -> dict:
+    """Every task of the body, condition groups opened: name -> task, its ``dependentTasks`` widened to the
+    enclosing groups' (a task inside a condition waits for what its group waits for), ``groups`` the condition
+    groups it sits in."""
+    found = {}
+    for name, task in (tasks if tasks is not None else _body(spec)).items():
+        inner = spec["components"][task["componentRef"]["name"]].get("dag")
+        deps = (*outer, *task.get("dependentTasks", []))
+        if inner is not None:
+            found |= _flat(spec, inner["tasks"], deps, (*groups, name))
+        else:
+            found[name] = {**task, "dependentTasks": sorted(set(deps)), "groups": groups}
+    return found
+
+
+def _artifact_source(spec: dict, task: dict, name: str) -> dict:
+    """Where a task's input artifact comes from, through the condition groups' pipeline channels."""
+    source = task["inputs"]["artifacts"][name]
+    if "componentInputArtifact" in source:
+        channel = source["componentInputArtifact"]  # pipelinechannel--<producer>-<key>
+        producer, key = next(
+            (t, o)
+            for t in _flat(spec)
+            for o in ("plan", "evaluation", "promoted")
+            if channel == f"pipelinechannel--{t}-{o}"
+        )
+        return {"outputArtifactKey": key, "producerTask": producer}
+    return source["taskOutputArtifact"]
 
 
 def test_the_steps_run_inside_an_exit_handler_whose_cleanup_needs_no_other_task(compiled):
@@ -258,15 +295,17 @@ def test_the_steps_run_inside_an_exit_handler_whose_cleanup_needs_no_other_task(
     assert f"exec-{CLEANUP_TASK}" not in executors, "no PVC, Secret or GPU: it must run even when those fail"
 
 
-def test_nine_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
+def test_the_tasks_run_in_order_and_every_later_task_reads_the_plan(compiled):
     spec, _ = compiled
-    tasks = _body(spec)
-    assert set(tasks) == set(TASK_ORDER) and len(tasks) == 9
-    assert _topological(tasks) == list(TASK_ORDER)
+    tasks = _flat(spec)
+    assert set(tasks) == set(ALL_TASKS) and len(tasks) == 11
+    promoted = {n: t for n, t in tasks.items() if n != NOT_PROMOTED_SUMMARY}
+    assert _topological(promoted) == list(TASK_ORDER)
     for before, after in zip(TASK_ORDER, TASK_ORDER[1:], strict=False):  # a chain: each waits for the previous
         assert before in tasks[after]["dependentTasks"], f"{after} does not wait for {before}"
-    for name in TASK_ORDER[1:]:
-        plan = tasks[name]["inputs"]["artifacts"]["plan"]["taskOutputArtifact"]
+    assert "promote-best-checkpoint" in tasks[NOT_PROMOTED_SUMMARY]["dependentTasks"]
+    for name in ALL_TASKS[1:]:
+        plan = _artifact_source(spec, tasks[name], "plan")
         assert plan == {"outputArtifactKey": "plan", "producerTask": "plan-run"}, name
         # nothing knob-like: the component takes the plan plus data artifacts (and KFP placeholders)
         declared = spec["components"][tasks[name]["componentRef"]["name"]]["inputDefinitions"]
@@ -279,7 +318,7 @@ def test_every_task_mounts_the_pvc_and_has_cpu_and_memory_from_parameters(compil
     assert spec["components"][f"comp-{EXIT_GROUP}"]["inputDefinitions"]["parameters"][pvc] == {
         "parameterType": "STRING"
     }
-    for task in TASK_ORDER:
+    for task in ALL_TASKS:
         mounts = executors[f"exec-{task}"]["pvcMount"]
         assert mounts == [
             {"componentInputParameter": pvc, "mountPath": "/data", "pvcNameParameter": {"componentInputParameter": pvc}}
@@ -303,7 +342,7 @@ def test_every_task_that_mounts_the_volume_runs_as_the_images_uid(compiled):
 
     _, executors = compiled
     mounting = [name for name, executor in executors.items() if "pvcMount" in executor]
-    assert len(mounting) == len(TASK_ORDER)
+    assert len(mounting) == len(ALL_TASKS)
     for name in mounting:
         uid = str(IMAGE_UID)  # int64 fields are JSON strings in the protobuf mapping
         assert executors[name]["securityContext"] == {"runAsUser": uid, "runAsGroup": uid, "runAsNonRoot": True}, name
@@ -331,7 +370,7 @@ def test_named_secrets_are_mounted_exactly_where_needed_and_never_optional(compi
         "mlflow": {"llmft-mlflow": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}},
         "langfuse": {"llmft-langfuse": {"LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"}},
     }
-    expected = {task: {} for task in (*TASK_ORDER, "sweep-hyperparameters")}
+    expected = {task: {} for task in (*ALL_TASKS, "sweep-hyperparameters")}
     for step in STEPS:
         for kind in step.secrets:
             expected[step.task].update(mounts[kind])
@@ -364,6 +403,42 @@ def test_the_compiled_yaml_parses_into_the_kfp_protos(compiled_with_secrets):
     json_format.ParseDict(platform, pipeline_spec_pb2.PlatformSpec())
     for executor in executors.values():
         json_format.ParseDict(executor, kubernetes_executor_config_pb2.KubernetesExecutorConfig())
+
+
+def test_register_deploy_and_their_summary_run_only_when_the_promote_step_decided_promoted(compiled):
+    """A refused promotion is a decision, not a failure (issue 44 item 2): the promote step outputs ``decision``;
+    serving form, register, deploy and the summary sit in a condition on ``decision == 'promoted'``, the other
+    summary in its negation. On a cluster the branch whose condition is false is not run, and nothing fails: the
+    KFP v2 driver evaluates the task's ``triggerPolicy.condition`` (``willTrigger, err :=
+    expr.Condition(executorInput, condition)``), records the execution with ``ecfg.NotTriggered =
+    !execution.WillTrigger()`` and returns before building a pod (kubeflow/pipelines
+    backend/src/v2/driver/driver.go ``Container``, the 2.5-era file at commit 0010b06; ``DAG`` does the same for
+    a condition group)."""
+    spec, _ = compiled
+    tasks = _flat(spec)
+    outputs = spec["components"]["comp-promote-best-checkpoint"]["outputDefinitions"]["parameters"]
+    assert outputs == {"decision": {"parameterType": "STRING"}, "reason": {"parameterType": "STRING"}}
+    branches = {g for name in ALL_TASKS for g in tasks[name]["groups"]}
+    conditions = {
+        name: task["triggerPolicy"]["condition"]
+        for group in branches
+        if (inner := spec["components"][f"comp-{group}"].get("dag"))
+        for name, task in inner["tasks"].items()
+        if "triggerPolicy" in task
+    }
+    channel = "inputs.parameter_values['pipelinechannel--promote-best-checkpoint-decision']"
+    on_promoted = next(n for n, c in conditions.items() if c == f"{channel} == '{PROMOTED}'")
+    otherwise = next(n for n, c in conditions.items() if c == f"!({channel} == '{PROMOTED}')")
+    assert {n for n in ALL_TASKS if on_promoted in tasks[n]["groups"]} == set(SERVING_TASKS)
+    assert {n for n in ALL_TASKS if otherwise in tasks[n]["groups"]} == {NOT_PROMOTED_SUMMARY}
+    for name in ALL_TASKS:
+        if name not in (*SERVING_TASKS, NOT_PROMOTED_SUMMARY):
+            assert not tasks[name]["groups"], f"{name} must run whatever the decision"
+    summaries = [spec["components"][f"comp-{n}"]["outputDefinitions"]["artifacts"]["summary"] for n in (
+        "summarize-run", NOT_PROMOTED_SUMMARY)]  # fmt: skip
+    assert all(s["artifactType"]["schemaTitle"] == "system.Markdown" for s in summaries)
+    train_outputs = spec["components"]["comp-train-model"]["outputDefinitions"]["artifacts"]
+    assert train_outputs["loss_curve"]["artifactType"]["schemaTitle"] == "system.HTML"
 
 
 def test_train_has_timeout_and_retries(compiled):

@@ -178,3 +178,21 @@ def test_kserve_mode_needs_the_base_model_on_the_volume_or_the_hub(volume, tmp_p
     )
     args = yaml.safe_load((tmp_path / "hub.yaml").read_text())["spec"]["predictor"]["model"]["args"]
     assert hub["status"] == "manifest-only" and "--model_id=Qwen/Qwen2.5-7B-Instruct" in args
+
+
+def test_without_mlflow_the_promoted_adapter_is_deployed_and_the_endpoint_is_in_the_metadata(volume, tmp_path, kserve):
+    """Issue 44 items 3 and 5: a run without MLflow has no champion to compare with; the promoted adapter (it beat
+    the base model at the gate) is deployed under deploy_policy=champion and the result says why; the deploy
+    step's output metadata carries the endpoint (nothing where nothing serves)."""
+    from llmft.components.lib.serving.deployment import NO_REGISTRY_NOTE, deployment_metadata
+    from llmft.components.lib.summary import CHAT_ROUTE
+
+    cluster, custom, _ = kserve
+    req = deploy_request(volume, "trained", mode="kserve", registered=False, is_champion=True, deploy_policy="champion")
+    result = deploy_promoted(req, manifest_path=tmp_path / "isvc.yaml", cluster=cluster)
+    assert result["status"] == "deployed" and result["note"] == NO_REGISTRY_NOTE
+    assert len(custom.created("inferenceservices")) == 1
+    metadata = deployment_metadata(result, mode="kserve", form="lora", model="m")
+    assert metadata["endpoint"] == result["url"] + CHAT_ROUTE and metadata["url"].startswith("http")
+    local = deployment_metadata({"status": "checked-locally"}, mode="local", form="lora", model="m")
+    assert local == {"mode": "local", "form": "lora", "status": "checked-locally", "model": "m"}

@@ -99,7 +99,7 @@ def test_summary_fits_one_screen_and_names_every_fact(local_run):
         "perplexity  base",
         "promoted    step-",
         "serving     lora: vLLM serves the adapter as a LoRA module",
-        "version 1;",
+        "version 1 (models:/tiny-adapter/1);",
         "alias champion -> this version",
         "inferenceservice.yaml",
         "sample      prompt:",
@@ -132,3 +132,50 @@ def test_a_bad_parameter_fails_in_the_plan_step_before_any_data_is_read(tmp_path
     assert not outcome.succeeded and outcome.failed_task == "plan-run"
     assert any("exceeds `serving_max_lora_rank`=8" in line for line in outcome.failure_tail), outcome.failure_tail
     assert not (outcome.run_dir / "prepare-dataset").exists()
+
+
+def test_the_train_tasks_log_carries_progress_lines_with_total_and_eta(local_run):
+    """Issue 44 item 1: kfp.local's train task is no TTY: plain progress lines, no tqdm redraws."""
+    log = ANSI.sub("", local_run.log_path.read_text())
+    total = local_run.arguments["max_steps"]
+    progress = [line.strip() for line in log.splitlines() if "progress: step " in line]
+    assert progress and progress[-1].startswith(f"progress: step {total}/{total} (100%)"), progress[-3:]
+    assert all(" ETA " in line and " elapsed " in line for line in progress)
+    assert "\r" not in log.split("Executing task 'train-model'")[1].split("Executing task")[0]
+
+
+def test_mlflow_holds_one_tree_per_pipeline_run_and_the_version_loads_with_mlflow(local_run, monkeypatch):
+    """Issue 44 item 4: one parent run tagged with the KFP run id; the trainer's, the evaluation's and the
+    registration's runs are its children; the version comes from the training run as an MLflow Model that MLflow's
+    own transformers loader turns into base + adapter."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from llmft.components.lib.registry.lineage import PARENT_TAG, PIPELINE_RUN_TAG, STEP_TAG
+
+    uri = local_run.arguments["mlflow_tracking_uri"]
+    client = MlflowClient(tracking_uri=uri)
+    run_id = local_run.facts["plan"]["run_id"]
+    experiment = client.get_experiment_by_name(local_run.arguments["mlflow_experiment"]).experiment_id
+    runs = client.search_runs([experiment], filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{run_id}'")
+    by_step = {r.data.tags[STEP_TAG]: r for r in runs}
+    assert sorted(by_step) == ["evaluate", "pipeline", "register", "train"] and len(runs) == 4
+    parent = by_step["pipeline"].info.run_id
+    assert all(by_step[s].data.tags[PARENT_TAG] == parent for s in ("train", "evaluate", "register"))
+    assert (
+        by_step["pipeline"].info.run_name == f"pipeline-{run_id}"
+        and by_step["train"].info.run_name == f"train-{run_id}"
+    )
+    train = by_step["train"].data.metrics
+    assert {"loss", "learning_rate", "grad_norm", "train/loss", "eval_loss", "progress_percent", "eta_seconds"} <= set(
+        train
+    )
+    assert train["progress_percent"] == 100.0
+    assert "best_perplexity" in by_step["evaluate"].data.metrics
+
+    registration = local_run.facts["registration"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # models:/ URIs resolve through MLflow's own settings
+    version = client.get_model_version(registration["model_name"], registration["version"])
+    assert version.run_id == by_step["train"].info.run_id == registration["model_run_id"]
+    loaded = mlflow.transformers.load_model(registration["model_uri"], return_type="components")
+    assert type(loaded["model"]).__name__.startswith("Peft") and loaded["tokenizer"] is not None

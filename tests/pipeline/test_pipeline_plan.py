@@ -138,7 +138,6 @@ def test_a_bad_training_parameter_names_the_pipeline_parameter():
         ({"gpu_node_selector": "no-equals-sign"}, "gpu_node_selector"),
         ({"hf_token_secret": "Bad_Name"}, "hf_token_secret"),
         ({"mlflow_secret": "llmft-mlflow:PASSWORD"}, "mlflow_secret"),
-        ({"mlflow_tracking_uri": ""}, "no MLflow server"),
         ({"training_timeout_s": 3 * 24 * 3600}, "training_timeout_s"),  # the job must end before its task's timeout
         ({"serving_deploy_policy": "sometimes"}, "serving_deploy_policy"),
     ],
@@ -146,6 +145,22 @@ def test_a_bad_training_parameter_names_the_pipeline_parameter():
 def test_a_bad_parameter_is_named_before_any_work(change, message):
     with pytest.raises(ConfigError, match=message):
         make_plan(**change)
+
+
+@pytest.mark.parametrize(
+    ("change", "environ", "enabled"),
+    [
+        ({"mlflow_tracking_uri": ""}, {}, False),  # the defaults: no server named anywhere
+        ({"mlflow_tracking_uri": ""}, {"MLFLOW_TRACKING_URI": "http://here:5000"}, True),  # kfp.local: this shell's
+        ({"mlflow_tracking_uri": ""}, CLUSTER, False),  # a cluster: never the task pod's environment
+        ({"mlflow_tracking_uri": "", "mlflow_secret": "llmft-mlflow"}, CLUSTER, True),  # the Secret's key
+        ({"mlflow_tracking_uri": "http://mlflow:5000"}, CLUSTER, True),
+    ],
+)
+def test_mlflow_is_optional(change, environ, enabled):
+    """Issue 44 item 3: with the default parameters the plan step refused ("no MLflow server") and the README never
+    said a run needs one. No server configured: the run plans, registry.enabled is false."""
+    assert make_plan(environ=environ, **change).registry.enabled is enabled
 
 
 def test_full_finetuning_skips_the_lora_serving_checks():

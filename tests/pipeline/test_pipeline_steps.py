@@ -15,8 +15,10 @@ from llmft.trainer.errors import ConfigError
 
 
 def test_every_task_of_the_body_has_one_record_in_running_order():
-    assert HPO_TASK_ORDER == tuple(step.task for step in steps.STEPS)
-    assert TASK_ORDER == tuple(step.task for step in steps.STEPS if not step.hpo_only)
+    promoted_run = [step for step in steps.STEPS if step.branch != steps.NOT_PROMOTED]
+    assert HPO_TASK_ORDER == tuple(step.task for step in promoted_run)
+    assert TASK_ORDER == tuple(step.task for step in promoted_run if not step.hpo_only)
+    assert [step.task for step in steps.STEPS if step.branch == steps.NOT_PROMOTED] == ["summarize-not-promoted"]
     assert len(steps.STEP) == len(steps.STEPS)
     assert {step.resources for step in steps.STEPS} <= set(steps.RESOURCE_PARAMETERS)
     assert {step.image for step in steps.STEPS} <= set(steps.IMAGE_ROLES)

@@ -1,16 +1,22 @@
-"""The one-screen summary at the end of ``llmft pipeline run-local`` (and ``make demo``).
+"""The run summary: the one-screen text at the end of ``llmft pipeline run-local`` (and ``make demo``), and the
+same facts as a Markdown artifact in the KFP UI (the ``summarize-run`` step).
 
 :func:`collect_run_facts` reads the artifacts a kfp.local run left under its run folder
-(``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``); :func:`render_summary`
-turns them into a few readable lines: the plan (backend, trainer image), rows accepted and rejected, base vs best
-perplexity, each evaluation task's scores (base against the best checkpoint), the promoted checkpoint and the
-gate's reason, the serving form, the MLflow model version and alias, the manifest
-path and a sample generation.
+(``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``); the summarize step builds the same dict from its
+input artifacts (:data:`SOURCES` names each fact's file). :func:`summary_rows` turns the facts into labelled
+rows, once: the plan (backend, where it trained), rows kept and rejected, the training curve's end points, base
+vs best perplexity, each evaluation task's scores (base against the best checkpoint), the gate's decision and
+reason, the serving form, the MLflow model version and alias (or why nothing was registered), the manifest, the
+endpoint and a sample generation. :func:`render_summary` prints them as text, :func:`render_markdown` as a
+table with a copy-paste ``curl`` for the endpoint.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +28,17 @@ SOURCES = {
     "data": ("prepare-dataset", "prepared", "report.json"),
     "tokens": ("tokenize-dataset", "tokenized", "manifest.json"),
     "training": ("train-model", "run", TRAINING_MANIFEST),
+    "curve": ("train-model", "run", "curve.json"),
     "evaluation": ("evaluate-perplexity", "evaluation", "evaluation.json"),
     "promotion": ("promote-best-checkpoint", "promoted", "promotion.json"),
     "serving": ("choose-serving-form", "serving", "serving.json"),
     "registration": ("register-model", "registration", "registration.json"),
     "deployment": ("deploy-adapter", "deployment", "deployment.json"),
 }
+CHAT_ROUTE = "/openai/v1/chat/completions"
+"""The OpenAI chat route of KServe's Hugging Face runtime (llmft/components/lib/serving/inferenceservice.py)."""
+
+Row = tuple[str, str]
 
 
 def latest_run_dir(pipeline_root: str | Path, pipeline_name: str) -> Path | None:
@@ -37,7 +48,7 @@ def latest_run_dir(pipeline_root: str | Path, pipeline_name: str) -> Path | None
 
 
 def collect_run_facts(run_dir: str | Path) -> dict[str, Any]:
-    """Every JSON fact file the run wrote (missing ones are absent: the run stopped earlier)."""
+    """Every JSON fact file the run wrote (missing ones are absent: the run stopped earlier, or the gate said no)."""
     run_dir = Path(run_dir)
     facts: dict[str, Any] = {"run_dir": str(run_dir)}
     for name, (task, output, filename) in SOURCES.items():
@@ -53,75 +64,85 @@ def collect_run_facts(run_dir: str | Path) -> dict[str, Any]:
     return facts
 
 
-def _plan_lines(facts: dict[str, Any]) -> list[str]:
+def where_it_trained(job: dict[str, Any]) -> str:
+    """``2 workers x 8 GPUs`` / ``1 process on CPU``: never a ``1 x 0 GPU``."""
+    workers, gpus = int(job.get("num_workers") or 1), int(job.get("gpus_per_worker") or 0)
+    if gpus <= 0:
+        return f"{workers} process{'es' if workers != 1 else ''} on CPU"
+    return f"{workers} worker{'s' if workers != 1 else ''} x {gpus} GPU{'s' if gpus != 1 else ''}"
+
+
+def _plan_rows(facts: dict[str, Any]) -> list[Row]:
     plan = facts.get("plan")
     if not plan:
         return []
     job = plan["job"]
     return [
-        f"plan        run {plan['run_id']}: training {job['backend']} "
-        f"({job['num_workers']} x {job['gpus_per_worker']} GPU), image {job['image']}"
+        ("plan", f"run {plan['run_id']}: training {job['backend']} ({where_it_trained(job)}), image {job['image']}")
     ]
 
 
-def _data_lines(facts: dict[str, Any]) -> list[str]:
+def _data_rows(facts: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
     data = facts.get("data")
-    if not data:
-        return []
-    reasons = ", ".join(f"{k}: {v}" for k, v in (data.get("reject_reasons") or {}).items()) or "none"
-    splits = data.get("splits") or {}
-    lines = [
-        f"data        {data['accepted']} rows accepted, {data['rejected']} rejected; format {data.get('format')}; "
-        f"train {splits.get('train', '?')} / val {splits.get('val', '?')}",
-        f"rejects     {reasons}",
-    ]
+    if data:
+        reasons = ", ".join(f"{k}: {v}" for k, v in (data.get("reject_reasons") or {}).items()) or "none"
+        splits = data.get("splits") or {}
+        rows += [
+            (
+                "data",
+                f"{data['accepted']} rows accepted, {data['rejected']} rejected; format {data.get('format')}; "
+                f"train {splits.get('train', 0)} / val {splits.get('val', 0)}",
+            ),
+            ("rejects", reasons),
+        ]
     tokens = facts.get("tokens")
     if tokens:
         train = (tokens.get("splits") or {}).get("train") or {}
-        lines.append(
-            f"tokens      {train.get('sequences', '?')} sequences of <= {tokens.get('max_length')} tokens, "
-            f"{float(train.get('packing_efficiency', 0)):.1%} packed, "
-            f"cache {'hit' if tokens.get('cache_hit') else 'miss'} ({str(tokens.get('cache_key', ''))[:12]})"
+        rows.append(
+            (
+                "tokens",
+                f"{train.get('sequences', 0)} sequences of <= {tokens.get('max_length')} tokens, "
+                f"{float(train.get('packing_efficiency', 0)):.1%} packed, "
+                f"cache {'hit' if tokens.get('cache_hit') else 'miss'} ({str(tokens.get('cache_key', ''))[:12]})",
+            )
         )
-    return lines
+    return rows
 
 
-def _model_lines(facts: dict[str, Any]) -> list[str]:
-    lines = []
+def _curve_rows(facts: dict[str, Any]) -> list[Row]:
+    curve = facts.get("curve") or {}
+    if "first_loss" not in curve:
+        return []
+    text = (
+        f"loss {curve['first_loss']:.4g} (step {curve['first_step']}) -> {curve['last_loss']:.4g} "
+        f"(step {curve['last_step']})"
+    )
+    if "last_eval_loss" in curve:
+        text += f"; eval loss {curve['last_eval_loss']:.4g} (step {curve['last_eval_step']})"
+    return [("training", text)]
+
+
+def _evaluation_rows(facts: dict[str, Any]) -> list[Row]:
     evaluation = facts.get("evaluation")
-    if evaluation:
-        best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
-        base_ppl = evaluation["base"]["perplexity"]
-        gain = 1.0 - best["perplexity"] / base_ppl if base_ppl else 0.0
-        lines.append(
-            f"perplexity  base {base_ppl:.2f} -> best {best['perplexity']:.2f} ({best['name']}, "
-            f"{gain:.1%} lower; {len(evaluation['checkpoints'])} checkpoints evaluated)"
+    if not evaluation:
+        return []
+    best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
+    base_ppl = evaluation["base"]["perplexity"]
+    gain = 1.0 - best["perplexity"] / base_ppl if base_ppl else 0.0
+    rows = [
+        (
+            "perplexity",
+            f"base {base_ppl:.2f} -> best {best['perplexity']:.2f} ({best['name']}, {gain:.1%} lower; "
+            f"{_count(len(evaluation['checkpoints']), 'checkpoint')} evaluated)",
         )
-        lines += curve_lines(evaluation)
-        lines += task_lines(evaluation, best)
-    promotion = facts.get("promotion")
-    if promotion:
-        lines.append(f"promoted    {promotion['checkpoint']} -> {promotion.get('destination')}")
-        lines.append(f"gate        {_clip(promotion.get('reason', ''), 88)}")
-    elif evaluation and evaluation.get("gate"):
-        lines.append(f"gate        {_clip(evaluation['gate'].get('reason', ''), 88)}")
-    gate = (promotion or (evaluation or {}).get("gate") or {}).get("guards") or []
-    lines += [f"guard       {_clip(_guard_text(g), 88)}" for g in gate]
-    serving = facts.get("serving")
-    if serving:
-        lines.append(f"serving     {serving['form']}: {_clip(serving['reason'], 80)}")
-    registration = facts.get("registration")
-    if registration:
-        lines.append(
-            f"mlflow      model {registration['model_name']!r} version {registration['version']}; "
-            f"{_alias_text(registration)}"
-        )
-    return lines
+    ]
+    return rows + curve_rows(evaluation) + task_rows(evaluation, best)
 
 
-def task_lines(evaluation: dict[str, Any], best: dict[str, Any]) -> list[str]:
-    """One line per task: base -> best checkpoint on each metric, and the task's seconds per model."""
-    lines = []
+def task_rows(evaluation: dict[str, Any], best: dict[str, Any]) -> list[Row]:
+    """One row per task: base -> best checkpoint on each metric, and the task's seconds per model."""
+    rows = []
     for task, base_scores in (evaluation["base"].get("tasks") or {}).items():
         tuned = (best.get("tasks") or {}).get(task) or {}
         shown = ", ".join(
@@ -130,8 +151,48 @@ def task_lines(evaluation: dict[str, Any], best: dict[str, Any]) -> list[str]:
             if name not in ("seconds", "questions") and name in tuned
         )
         count = f"n={base_scores['questions']:.0f}, " if "questions" in base_scores else ""
-        lines.append(f"{task:<11} {shown} ({count}{base_scores.get('seconds', 0):.0f} s/model)")
-    return lines
+        rows.append((task, f"{shown} ({count}{base_scores.get('seconds', 0):.0f} s/model)"))
+    return rows
+
+
+def task_lines(evaluation: dict[str, Any], best: dict[str, Any]) -> list[str]:
+    """:func:`task_rows` as text lines."""
+    return [_line(label, text) for label, text in task_rows(evaluation, best)]
+
+
+def _decision_rows(facts: dict[str, Any]) -> list[Row]:
+    """The gate's decision (promote's, else the evaluate step's preview of it) and each guard's verdict."""
+    promotion, evaluation = facts.get("promotion"), facts.get("evaluation") or {}
+    if promotion and promotion.get("promoted", True):
+        rows = [
+            ("promoted", f"{promotion['checkpoint']} -> {promotion.get('destination')}"),
+            ("gate", promotion["reason"]),
+        ]
+    elif promotion:
+        rows = [("gate", f"not promoted: {promotion.get('reason', '')}")]
+    elif evaluation.get("gate"):
+        rows = [("gate", evaluation["gate"].get("reason", ""))]
+    else:
+        rows = []
+    guards = (promotion or evaluation.get("gate") or {}).get("guards") or []
+    return rows + [("guard", _guard_text(g)) for g in guards]
+
+
+def _serving_rows(facts: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    serving = facts.get("serving")
+    if serving:
+        rows.append(("serving", f"{serving['form']}: {serving['reason']}"))
+    registration = facts.get("registration")
+    if registration is not None and registration.get("registered", True):
+        uri = f" ({registration['model_uri']})" if registration.get("model_uri") else ""
+        name, version = registration["model_name"], registration["version"]
+        rows.append(("mlflow", f"model {name!r} version {version}{uri}; {_alias_text(registration)}"))
+    elif registration is not None:
+        rows.append(("mlflow", f"not registered: {registration.get('reason', '')}"))
+    elif facts.get("promotion") and not facts["promotion"].get("promoted", True):
+        rows.append(("mlflow", "not registered: not promoted"))
+    return rows
 
 
 def _guard_text(guard: dict[str, Any]) -> str:
@@ -142,14 +203,14 @@ def _guard_text(guard: dict[str, Any]) -> str:
     return f"{guard['metric']} {against}->{shown} (tolerance {guard['tolerance']:g}): {state}"
 
 
-def curve_lines(evaluation: dict[str, Any]) -> list[str]:
-    """The trainer's eval perplexity at each evaluation of the run (evaluation.json ``curve``), on one line."""
+def curve_rows(evaluation: dict[str, Any]) -> list[Row]:
+    """The trainer's eval perplexity at each evaluation of the run (evaluation.json ``curve``), on one row."""
     curve = evaluation.get("curve") or []
     if len(curve) < 2:
         return []
     points = ", ".join(f"{int(p['step'])}:{p['perplexity']:.2f}" for p in curve[:12])
     more = f" (+{len(curve) - 12})" if len(curve) > 12 else ""
-    return [f"curve       eval perplexity by step {_clip(points, 70)}{more}"]
+    return [("curve", f"eval perplexity by step {_clip(points, 70)}{more}")]
 
 
 def _alias_text(registration: dict[str, Any]) -> str:
@@ -163,27 +224,71 @@ def _alias_text(registration: dict[str, Any]) -> str:
     return f"alias champion moved from v{previous} (beaten)"
 
 
-def _deploy_lines(facts: dict[str, Any]) -> list[str]:
+def _deploy_rows(facts: dict[str, Any]) -> list[Row]:
     deployment = facts.get("deployment")
     if not deployment:
-        return []
+        promotion = facts.get("promotion") or {}
+        return [("deploy", "skipped: not promoted")] if promotion and not promotion.get("promoted", True) else []
     checked = "validated against the CRD schema" if deployment.get("schema_validated") else "schema not checked"
-    lines = [
-        f"manifest    {facts.get('manifest_path', deployment.get('manifest'))} ({checked})",
-        f"deploy      {deployment.get('status')} ({deployment.get('mode')} mode)",
+    rows = [
+        ("manifest", f"{facts.get('manifest_path', deployment.get('manifest'))} ({checked})"),
+        ("deploy", f"{deployment.get('status')} ({deployment.get('mode')} mode){_deploy_note(deployment)}"),
     ]
+    if deployment.get("url"):
+        rows.append(("endpoint", f"{deployment['url']}{CHAT_ROUTE} (model {deployment.get('lora_name')!r})"))
     for sample in (deployment.get("samples") or [])[:1]:
-        lines += [
-            f"sample      prompt:  {sample['prompt']}",
-            f"            base:    {_clip(sample['base'] if sample['base'] is not None else '(none: merged form)')}",
-            f"            adapter: {_clip(sample['adapter'])}",
+        rows += [
+            ("sample", f"prompt:  {sample['prompt']}"),
+            ("", f"base:    {_said(sample['base']) if sample['base'] is not None else '(none: merged form)'}"),
+            ("", f"adapter: {_said(sample['adapter'])}"),
         ]
-    return lines
+    return rows
+
+
+def _said(text: str) -> str:
+    return " ".join(str(text).split()) or "(empty)"
+
+
+def _deploy_note(deployment: dict[str, Any]) -> str:
+    return f"; {deployment['note']}" if deployment.get("note") else ""
+
+
+def summary_rows(facts: dict[str, Any]) -> list[Row]:
+    """Every fact of the run, labelled, in the order the run made them."""
+    return [
+        *_plan_rows(facts),
+        *_data_rows(facts),
+        *_curve_rows(facts),
+        *_evaluation_rows(facts),
+        *_decision_rows(facts),
+        *_serving_rows(facts),
+        *_deploy_rows(facts),
+    ]
+
+
+def _line(label: str, text: str, width: int = 90) -> str:
+    return f"{label:<11} {_clip(text, width)}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+WRAPPED = {"gate": 3}
+"""Rows whose text is the point of the summary: wrapped over at most this many lines, not clipped."""
 
 
 def _clip(text: str, width: int = 90) -> str:
-    text = " ".join(str(text).split()) or "(empty)"
+    text = re.sub(r"\s*[\r\n\t]+\s*", " ", str(text)).strip() or "(empty)"  # one line; aligned spaces stay
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def outcome_status(facts: dict[str, Any], status: str = "SUCCEEDED") -> str:
+    """The header's status: a run the gate stopped says so beside SUCCEEDED."""
+    promotion = facts.get("promotion") or {}
+    if status == "SUCCEEDED" and promotion and not promotion.get("promoted", True):
+        return "SUCCEEDED (not promoted)"
+    return status
 
 
 def render_summary(
@@ -195,11 +300,87 @@ def render_summary(
 ) -> str:
     """The summary text (about 15 lines)."""
     rule = "=" * 78
-    header = f"{pipeline_name} pipeline (kfp.local): {status}"
+    header = f"{pipeline_name} pipeline (kfp.local): {outcome_status(facts, status)}"
     if elapsed_s is not None:
         header += f" in {elapsed_s:.0f} s"
-    lines = [rule, header, rule, *_plan_lines(facts), *_data_lines(facts), *_model_lines(facts), *_deploy_lines(facts)]
+    lines = [rule, header, rule]
+    for label, text in summary_rows(facts):
+        if label in WRAPPED:
+            wrapped = textwrap.wrap(" ".join(text.split()), 88)
+            shown = wrapped[: WRAPPED[label] - 1] + [_clip(" ".join(wrapped[WRAPPED[label] - 1 :]), 88)]
+            lines += [_line(label if i == 0 else "", part, 88) for i, part in enumerate(shown) if part != "(empty)"]
+        else:
+            width = 80 if label == "serving" else 90
+            lines.append(_line(label, text, 10_000 if "/" in text else width))  # a path, image or URL stays whole
     if facts.get("report_path"):
         lines.append(f"report      {facts['report_path']} (HTML: loss and perplexity plot)")
     lines += [f"artifacts   {facts['run_dir']}", rule]
     return "\n".join(lines)
+
+
+def curl_command(facts: dict[str, Any]) -> str | None:
+    """A copy-paste ``curl`` to the served model: the deployed URL, or (deploy=false, or checked only on this
+    machine) the URL the InferenceService will have once its manifest is applied, read with kubectl."""
+    deployment, plan = facts.get("deployment") or {}, facts.get("plan") or {}
+    name = deployment.get("lora_name")
+    if not name:
+        return None
+    asked = [s["prompt"] for s in deployment.get("samples") or [] if s.get("prompt")]
+    prompt = (asked or (plan.get("serving") or {}).get("prompts") or ["Hello!"])[0]
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 64})
+    if deployment.get("url"):
+        url = shlex.quote(deployment["url"] + CHAT_ROUTE)
+    else:
+        serving = plan.get("serving") or {}
+        namespace = f" -n {shlex.quote(serving['namespace'])}" if serving.get("namespace") else ""
+        isvc = shlex.quote(str(deployment.get("name") or serving.get("name") or name))
+        url = f"\"$(kubectl get inferenceservice {isvc}{namespace} -o jsonpath='{{.status.url}}'){CHAT_ROUTE}\""
+    return f"curl -sS {url} -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+
+
+def render_markdown(facts: dict[str, Any]) -> str:
+    """The summary as Markdown for the KFP UI: the decision first, then the table, then how to call the model."""
+    plan = facts.get("plan") or {}
+    promotion = facts.get("promotion") or {}
+    title = f"# {plan.get('pipeline', 'llm-finetune')} run {plan.get('run_id', '')}".rstrip()
+    lines = [title, ""]
+    if promotion:
+        verdict = "promoted" if promotion.get("promoted", True) else "not promoted"
+        lines += [f"**Decision: {verdict}.** {_md(promotion.get('reason', ''))}", ""]
+    lines += ["| | |", "|---|---|"]
+    lines += [f"| {_md(label) or ' '} | {_md(text)} |" for label, text in summary_rows(facts)]
+    curl = curl_command(facts)
+    if curl:
+        deployment = facts.get("deployment") or {}
+        where = "the endpoint" if deployment.get("url") else "the InferenceService, once its manifest is applied"
+        lines += ["", f"Ask {where}:", "", "```bash", curl, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _deploy_lines(facts: dict[str, Any]) -> list[str]:
+    """The deploy rows as text lines (what run-local prints for them)."""
+    return [_line(label, text) for label, text in _deploy_rows(facts)]
+
+
+def facts_from_artifacts(artifact_dirs: dict[str, str]) -> dict[str, Any]:
+    """The facts dict from a step's input artifacts: fact name (a key of :data:`SOURCES`) -> the artifact's folder."""
+    facts: dict[str, Any] = {"run_dir": ""}
+    for name, folder in artifact_dirs.items():
+        path = Path(folder) / SOURCES[name][2]
+        if path.is_file():
+            facts[name] = json.loads(path.read_text())
+    return facts
+
+
+def write_markdown_summary(artifact_dirs: dict[str, str], output: str) -> str:
+    """Write :func:`render_markdown` of the artifacts' facts to ``output`` (the summarize step), print it, and
+    return the decision (``promoted`` / ``not promoted``)."""
+    facts = facts_from_artifacts(artifact_dirs)
+    text = render_markdown(facts)
+    Path(output).write_text(text, encoding="utf-8")
+    print(text)
+    return "promoted" if (facts.get("promotion") or {}).get("promoted") else "not promoted"

@@ -2,6 +2,10 @@
 
 Split from llmft/components/lib/jobs/pytorchjob_spec.py (which builds and validates the job);
 llmft/components/lib/jobs/pytorchjob_launch.py calls a :class:`MasterLogFollower` once per poll.
+The trainer's ``progress:`` lines (llmft/trainer/progress.py) are thinned to the newest one of each
+poll (:func:`newest_progress_only`; the TrainJob backend's follower does the same), so the train
+task's log in the KFP UI shows where training stands at most once a poll (30 s by default), with
+its total and ETA, however fast the steps are.
 """
 
 from __future__ import annotations
@@ -11,6 +15,14 @@ from typing import Any
 
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER, Cluster, ClusterError
 from llmft.components.lib.jobs.pytorchjob_spec import JOB_NAME_LABEL, JOB_ROLE_LABEL
+from llmft.trainer.progress import parse_line
+
+
+def newest_progress_only(lines: list[str]) -> list[str]:
+    """``lines`` with every ``progress:`` line but the last one dropped (the other lines, in order)."""
+    progress = [i for i, line in enumerate(lines) if parse_line(line) is not None]
+    dropped = set(progress[:-1])
+    return [line for i, line in enumerate(lines) if i not in dropped]
 
 
 class MasterLogFollower:
@@ -41,6 +53,6 @@ class MasterLogFollower:
             key = f"{pod_name}/{pod.metadata.uid or ''}"
             start = self.lines_seen.get(key, 0)
             start = 0 if len(lines) < start else start  # the container restarted in place: a fresh log
-            for line in lines[start:]:
+            for line in newest_progress_only(lines[start:]):
                 self.print_fn(f"[{pod_name}] {line}")
             self.lines_seen[key] = len(lines)

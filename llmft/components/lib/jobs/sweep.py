@@ -31,6 +31,7 @@ from llmft.components.lib.jobs.backends import Backend, backend_for
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.plan.schema import TrainerLaunch, job_name
+from llmft.components.lib.registry.lineage import sweep_parent_tags
 from llmft.katib import local_sweep
 from llmft.katib import status as katib_status
 from llmft.katib.errors import ExperimentFailed
@@ -187,11 +188,12 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
         os.environ["MLFLOW_TRACKING_URI"] = plan.registry.tracking_uri
     os.makedirs(output_dir, exist_ok=True)
     experiment = plan.registry.experiment
+    tags = sweep_parent_tags(plan)  # the sweep's run nests under the pipeline run's (lib/registry/lineage.py)
     if sweep.backend == "local":  # run_local_sweep opens the MLflow parent run itself
         plan.layout.use_hf_cache()  # its trials, as the train step's trainer, read a hub model from the volume's cache
-        result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment)
+        result = _run_local(spec, tokenized_dir, trainer.config_path, fixed, sweep.workdir, experiment, tags)
     else:
-        with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}) as parent:
+        with ParentRun(f"sweep-{spec.name}", experiment, params={"algorithm": spec.algorithm}, tags=tags) as parent:
             result = _run_katib(
                 spec,
                 cluster,
@@ -212,7 +214,7 @@ def run_sweep_step(plan, *, tokenized_dir: str, output_dir: str, cluster=None, p
     return result
 
 
-def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment) -> dict:
+def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experiment, tags=None) -> dict:
     # the final training's config, as the Katib trials; each trial's run is named after its output_dir
     args = [f"data={tokenized_dir}", "observe.run_name=", *fixed]
     result = local_sweep.run_local_sweep(
@@ -221,6 +223,7 @@ def _run_local(spec, tokenized_dir, config_path, fixed, workdir, mlflow_experime
         trainer_args=args,
         workdir=workdir,
         mlflow_experiment=mlflow_experiment,
+        mlflow_tags=tags,
         config_path=config_path,
         python=local_trainer_python(),  # a Katib trial's pod runs the trainer image
     )

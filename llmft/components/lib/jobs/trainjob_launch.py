@@ -37,6 +37,7 @@ from typing import Any
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, unmark_kept
+from llmft.components.lib.jobs.pytorchjob_logs import newest_progress_only
 from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
 from llmft.components.lib.jobs.trainjob_runtime import check_runtime, sdk_backend
 from llmft.components.lib.jobs.trainjob_spec import (
@@ -162,7 +163,7 @@ class NodeWatcher:
             return
         start = self.lines_seen.get(pod, 0)
         start = 0 if len(lines) < start else start  # the container restarted: a fresh log
-        for line in lines[start:]:
+        for line in newest_progress_only(lines[start:]):  # one progress line per poll, as for a PyTorchJob
             self.print_fn(f"[{pod}] {line}")
         self.lines_seen[pod] = len(lines)
 

@@ -186,7 +186,7 @@ def trainer_settings(p: PipelineParameters, run_dir: str, run_id: str) -> dict[s
     values |= {
         "output_dir": run_dir,
         "resume": "auto",  # a retried task continues from the newest complete checkpoint
-        "observe.run_name": f"pipeline-{run_id}",
+        "observe.run_name": f"train-{run_id}",  # a child of the pipeline run's MLflow run (lib/registry/lineage.py)
     }
     return nest_dotted(values)  # target_modules "q_proj,v_proj": the loader makes it a tuple
 
@@ -279,7 +279,7 @@ def _without_key(secret: SecretMount, key: str) -> SecretMount:
 
 def _registry_plan(p: PipelineParameters, layout: DataLayout, run_id: str, on_cluster: bool, environ) -> RegistryPlan:
 
-    check_tracking(p, on_cluster, os.environ if environ is None else environ)
+    enabled = check_tracking(p, on_cluster, os.environ if environ is None else environ)
     return RegistryPlan(
         tracking_uri=p.mlflow_tracking_uri,
         experiment=p.mlflow_experiment,
@@ -287,6 +287,7 @@ def _registry_plan(p: PipelineParameters, layout: DataLayout, run_id: str, on_cl
         promote_margin=p.promote_margin,
         promoted_dir=layout.promoted(p.mlflow_model_name, run_id),
         promote_metric=p.promote_metric,
+        enabled=enabled,
     )
 
 

@@ -219,10 +219,11 @@ def parse_node_selector(text: str) -> dict[str, str]:
     return labels
 
 
-def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str, str]) -> None:
-    """Register needs an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
-    MLFLOW_TRACKING_URI in the environment. A parameter never carries credentials: the KFP UI shows it and
-    the train step copies it into the training job's environment."""
+def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str, str]) -> bool:
+    """Whether the run has an MLflow server: the parameter, the mlflow Secret's URI key, or (off a cluster)
+    MLFLOW_TRACKING_URI in the environment. None of them: MLflow is optional, the run trains, evaluates, promotes
+    and deploys without it and records "not registered" (False). A parameter never carries credentials: the KFP
+    UI shows it and the train step copies it into the training job's environment."""
     if p.mlflow_tracking_uri:
         if redact_credentials(p.mlflow_tracking_uri) != p.mlflow_tracking_uri:
             raise _fail(
@@ -231,18 +232,18 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
                 "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
                 "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
             )
-        return
+        return True
     secret = parse_secret("mlflow", p.mlflow_secret)
     if secret is not None and "MLFLOW_TRACKING_URI" in secret.keys:
-        return
-    if not on_cluster and environ.get("MLFLOW_TRACKING_URI"):
-        return
-    raise _fail(
-        "mlflow_tracking_uri",
-        "",
-        "no MLflow server: set mlflow_tracking_uri=http://... or mlflow_secret=<Secret> "
-        "(a Secret with the key MLFLOW_TRACKING_URI)",
-    )
+        return True
+    return not on_cluster and bool(environ.get("MLFLOW_TRACKING_URI"))
+
+
+NO_MLFLOW_REASON = (
+    "no MLflow server configured (mlflow_tracking_uri is empty and mlflow_secret names no Secret with the key "
+    "MLFLOW_TRACKING_URI); set either to track and register"
+)
+"""Why a run without MLflow registers nothing (the register step's registration.json, the summary)."""
 
 
 def check_serving(plan, config) -> str:

@@ -182,7 +182,10 @@ class PipelineParameters:
     mlflow_experiment: str = _p("llm-finetune", "MLflow experiment of the training runs and the registration.")
     mlflow_model_name: str = _p("llm-adapter", "Registered model name (also the promoted adapter's folder name).")
     mlflow_tracking_uri: str = _p(
-        "", "MLflow server, http(s)://... ('' = MLFLOW_TRACKING_URI from the mlflow Secret).", minimal=True
+        "",
+        "MLflow server, http(s)://... ('' = MLFLOW_TRACKING_URI from the mlflow Secret; neither: no MLflow, the run "
+        "trains, evaluates, promotes and deploys, and registers nothing).",
+        minimal=True,
     )
     # evaluation and the promotion gate (promote_)
     promote_eval_batch_size: int = _p(8, "lm-eval requests per forward pass.", was=("eval_batch_size",))

@@ -279,6 +279,10 @@ class RegistryPlan:
     promoted_dir: str
     promote_metric: str = "perplexity"
     """What the promote gate, the best checkpoint and the champion follow (lib/evaluation/task_eval.py)."""
+    enabled: bool = True
+    """False: no MLflow server is configured (an empty mlflow_tracking_uri, no mlflow Secret with the key, and off a
+    cluster no MLFLOW_TRACKING_URI): nothing is tracked or registered; register records "not registered", deploy
+    serves the promoted adapter (llmft/components/lib/plan/checks.py ``check_tracking``)."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,12 @@ from typing import Any
 
 from llmft.components.lib.jobs.trainjob_runtime import preflight_runtime
 from llmft.components.lib.plan.build import build_plan, write_run_config
-from llmft.components.lib.plan.checks import check_runs_here, preflight_secrets, preflight_serving_namespace
+from llmft.components.lib.plan.checks import (
+    NO_MLFLOW_REASON,
+    check_runs_here,
+    preflight_secrets,
+    preflight_serving_namespace,
+)
 from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.components.lib.plan.schema import RunPlan, write_plan
 from llmft.components.lib.plan.volume_access import check_volume_writable
@@ -41,4 +46,6 @@ def run_plan_step(
     print(f"trainer config: {run_plan.trainer.config_path} (llmft train --config; data= after tokenize)")
     if run_plan.serving.form_note:
         print(f"serving form: merged ({run_plan.serving.form_note})")
+    if not run_plan.registry.enabled:
+        print(f"mlflow: off, nothing will be tracked or registered: {NO_MLFLOW_REASON}")
     return run_plan

@@ -17,6 +17,8 @@ RESOURCE_PARAMETERS = {
 }
 """A step's resource group -> the pipeline parameters of its CPU and memory (request = limit)."""
 IMAGE_ROLES = ("pipeline", "trainer", "katib")
+PROMOTED, NOT_PROMOTED = "promoted", "not promoted"
+"""The promote step's decision: the steps after it run under one of the two (Step.branch)."""
 """The images a component can run on (llmft/components/images.py ``all_images``)."""
 
 
@@ -36,6 +38,9 @@ class Step:
     """GPUs of its own pod; a GPU step also gets the GPU toleration and the compiled node selector."""
     hpo_only: bool = False
     """Only the HPO pipeline runs it."""
+    branch: str = ""
+    """Which outcome of the promote step's gate it runs under (llmft/pipelines/llm_finetune.py: ``dsl.If`` /
+    ``dsl.Else`` on its ``decision``): "" always, PROMOTED or NOT_PROMOTED."""
 
 
 STEPS: tuple[Step, ...] = (
@@ -43,21 +48,26 @@ STEPS: tuple[Step, ...] = (
     Step("prepare-dataset", "trainer", "data", ("hf", "langfuse")),  # langfuse: a langfuse://<dataset> source
     Step("tokenize-dataset", "trainer", "data", ("hf",)),
     Step("sweep-hyperparameters", "katib", secrets=("mlflow",), hpo_only=True),
-    Step("train-model", "pipeline"),  # the launcher; the job's pods get the plan's Secrets (JobPlan.secrets)
+    # the launcher opens the pipeline run's MLflow parent run (lib/registry/lineage.py); the job's pods get the
+    # plan's Secrets (JobPlan.secrets)
+    Step("train-model", "pipeline", secrets=("mlflow",)),
     Step("evaluate-perplexity", "trainer", "eval", ("hf", "mlflow", "langfuse"), gpus=1),  # champion from MLflow
     Step("promote-best-checkpoint", "pipeline"),
     # the merge streams one tensor at a time, but a 70B one in float32 is GBs; hf: a hub base model
-    Step("choose-serving-form", "trainer", "data", ("hf",)),
-    Step("register-model", "pipeline", secrets=("mlflow", "langfuse")),  # langfuse: links the training trace
-    Step("deploy-adapter", "pipeline"),
+    Step("choose-serving-form", "trainer", "data", ("hf",), branch=PROMOTED),
+    # langfuse: links the training trace
+    Step("register-model", "pipeline", secrets=("mlflow", "langfuse"), branch=PROMOTED),
+    Step("deploy-adapter", "pipeline", branch=PROMOTED),
+    Step("summarize-run", "pipeline", branch=PROMOTED),  # the run summary (Markdown) of a promoted run
+    Step("summarize-not-promoted", "pipeline", branch=NOT_PROMOTED),  # ... of a run the gate refused
 )
 """Every step, in the order it runs."""
 STEP: dict[str, Step] = {step.task: step for step in STEPS}
 
 
 def task_order(*, hpo: bool) -> tuple[str, ...]:
-    """The tasks of the plain (or the HPO) pipeline's body, in the order they run."""
-    return tuple(step.task for step in STEPS if hpo or not step.hpo_only)
+    """The tasks of a promoted run of the plain (or the HPO) pipeline's body, in the order they run."""
+    return tuple(step.task for step in STEPS if (hpo or not step.hpo_only) and step.branch != NOT_PROMOTED)
 
 
 def mounted_secret_kinds() -> tuple[str, ...]:

@@ -13,9 +13,15 @@ One call, :func:`register_adapter`, does what the `register-in-mlflow` step need
    one only when it beats every other version; :func:`update_champion` is safe when runs register
    concurrently). The promote step's reason is tagged ``llmft.promotion_reason``.
 
-A plain adapter folder is not an MLflow "logged model", so ``mlflow.register_model``
-cannot be used (it needs an MLmodel file); the version is created with
-``MlflowClient.create_registered_model`` + ``create_model_version`` instead (MLflow 3.x).
+The registration run is a child of the pipeline run's parent run (``pipeline-<KFP run id>``,
+llmft/components/lib/registry/lineage.py), beside the trainer's run and the evaluate step's. The version is
+created from the run that trained the adapter: the adapter is logged there as an MLflow Model of the
+transformers flavour with a PEFT adaptor (llmft/components/lib/registry/mlflow_model.py), loadable with
+``mlflow.transformers.load_model("models:/<name>/<version>")``, and ``create_model_version`` gets
+``source=models:/<model_id>`` and the training run's id. Without a training run in this tracking server (the
+trainer could not reach it) the model is logged from the registration run instead. A full fine-tune is not
+an adapter: its promoted folder is logged under the registration run's ``adapter/`` artifacts and the version's
+source is that folder, as before.
 
 The version and the run also carry links (:attr:`Registration.links`): ``llmft.promoted_path``
 (the promoted adapter on the volume, which the next run's evaluate step answers with as the
@@ -38,7 +44,9 @@ KFP retry policy is the one place a dead server is retried.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +55,9 @@ from typing import Any
 
 from llmft.components.lib.evaluation.checkpoints import task_scores
 from llmft.components.lib.evaluation.task_eval import PERPLEXITY, lower_is_better
+from llmft.components.lib.registry.lineage import PARENT_TAG, pipeline_parent_run
+from llmft.components.lib.registry.lineage import experiment_id as _experiment_id
+from llmft.components.lib.registry.mlflow_model import is_adapter, log_adapter_model
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.mlflow_settings import prepare_mlflow, redact_credentials, tracking_uri_without_credentials
 
@@ -130,6 +141,10 @@ class Registration:
     """The promote_metric: the champion is the version best by it (task_eval.lower_is_better says which way)."""
     scores: dict[str, float] = field(default_factory=dict)
     """Task metric -> the promoted checkpoint's value (``heldout.contains`` ...), tagged ``llmft.eval.<metric>``."""
+    training_run_id: str = ""
+    """The trainer's MLflow run (training_manifest.json ``mlflow_run_id``): the version is created from it."""
+    training_manifest: dict[str, Any] = field(default_factory=dict)
+    """What the trainer recorded (package versions, config): the MLflow Model's requirements and base dtype."""
     eval_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What each metric was scored on (evaluation.json ``eval_sets``), tagged ``llmft.eval_set.<task>``."""
 
@@ -165,35 +180,94 @@ def eval_set_identity(found: Mapping[str, Any]) -> str:
 def register_adapter(
     reg: Registration, *, client=None, tracking_uri: str | None = None, secret_name: str = ""
 ) -> dict[str, Any]:
-    """Register ``reg`` and return the facts (version, run id, alias decision, ``is_champion``).
+    """Register ``reg`` and return the facts (version, run ids, model URI, alias decision, ``is_champion``).
     ``secret_name``: the Secret the plan mounts for MLflow (named in the error when no server is set)."""
-    client = client or _client(tracking_uri, secret_name)
+    client = client or registry_client(tracking_uri, secret_name)
     _ensure_registered_model(client, reg.model_name)
     existing = find_version_by_key(client, reg.model_name, reg.lineage.key)
     reused = existing is not None
     if existing is not None:
         version = existing
+        found = _find_run_by_key(client, _experiment_id(client, reg.experiment), reg.lineage.key)
+        register_run = found.info.run_id if found is not None else version.run_id
     else:
-        run_id, artifact_uri = _log_run(client, reg)
-        version = client.create_model_version(
-            name=reg.model_name,
-            source=f"{artifact_uri}/{ADAPTER_ARTIFACT_PATH}",
-            run_id=run_id,
-            tags={**reg.lineage.tags(), **reg.links, **reg.tags, **reg.score_tags()},
-            description=f"Adapter for {reg.lineage.base_model} from pipeline run {reg.lineage.pipeline_run_id}",
-        )
+        register_run, artifact_uri = _log_run(client, reg)
+        version = _create_version(client, reg, register_run, artifact_uri)
     alias = update_champion(
         client, reg.model_name, str(version.version), reg.metric_value(), metric=reg.metric, identity=reg.identity()
     )
     return {
+        "registered": True,
         "model_name": reg.model_name,
         "version": str(version.version),
-        "run_id": version.run_id,
+        "run_id": register_run,
+        "model_run_id": version.run_id,
+        "model_uri": f"models:/{reg.model_name}/{version.version}",
         "source": version.source,
         "reused_existing_version": reused,
         "tracking_uri": _redacted_uri(client),
         **alias,
     }
+
+
+def _create_version(client, reg: Registration, register_run: str, artifact_uri: str):
+    """The model version: from the adapter logged as an MLflow Model of the training run (else of the registration
+    run), or, a full fine-tune, from the registration run's ``adapter/`` folder."""
+    tags = {**reg.lineage.tags(), **reg.links, **reg.tags, **reg.score_tags()}
+    description = f"Adapter for {reg.lineage.base_model} from pipeline run {reg.lineage.pipeline_run_id}"
+    if not is_adapter(reg.adapter_dir):
+        source = f"{artifact_uri}/{ADAPTER_ARTIFACT_PATH}"
+        return client.create_model_version(
+            reg.model_name, source, run_id=register_run, tags=tags, description=description
+        )
+    model_run = reg.training_run_id if _run_exists(client, reg.training_run_id) else register_run
+    experiment = client.get_run(model_run).info.experiment_id
+    model_tags = {k: v for k, v in reg.lineage.tags().items()}
+    model_id = log_adapter_model(
+        client, experiment, model_run, reg.adapter_dir, reg.lineage.base_model, reg.training_manifest, model_tags,
+        key=(KEY_TAG, reg.lineage.key),
+    )  # fmt: skip
+    with global_tracking_uri(client.tracking_uri):
+        return client.create_model_version(
+            reg.model_name,
+            f"models:/{model_id}",
+            run_id=model_run,
+            tags=tags,
+            description=description,
+            model_id=model_id,
+        )
+
+
+@contextlib.contextmanager
+def global_tracking_uri(uri: str):
+    """MLflow's process-wide tracking URI set to ``uri`` inside the block: a SQL registry store resolves a
+    ``models:/<model_id>`` source with ``MlflowClient()`` on the global URI, not the calling client's (mlflow 3.17.2
+    ``mlflow/store/model_registry/sqlalchemy_store.py`` 1018-1026, a TODO there), so a client on another URI
+    (run-local's SQLite store) would look for the model elsewhere. The global URI and MLFLOW_TRACKING_URI (which
+    ``set_tracking_uri`` also sets) are restored afterwards."""
+    from mlflow.tracking import _tracking_service  # heavy: mlflow
+
+    utils = _tracking_service.utils
+    previous, variable = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    utils.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        utils.set_tracking_uri(previous)  # type: ignore[arg-type]  # None: not set (MLflow unsets the variable)
+        if variable is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = variable
+
+
+def _run_exists(client, run_id: str) -> bool:
+    if not run_id:
+        return False
+    from mlflow.exceptions import MlflowException  # heavy: mlflow
+
+    try:
+        client.get_run(run_id)
+    except MlflowException:
+        return False  # trained against another server, or the trainer logged nowhere
+    return True
 
 
 def update_champion(
@@ -354,9 +428,10 @@ def _log_run(client, reg: Registration) -> tuple[str, str]:
     experiment_id = _experiment_id(client, reg.experiment)
     run = _find_run_by_key(client, experiment_id, reg.lineage.key)
     if run is None:
+        parent = pipeline_parent_run(client, experiment_id, reg.lineage.pipeline_run_id)  # one tree per pipeline run
         run = client.create_run(
             experiment_id,
-            tags={**reg.lineage.tags(), **reg.links, **reg.tags},
+            tags={**reg.lineage.tags(), **reg.links, **reg.tags, PARENT_TAG: parent},
             run_name=f"register-{reg.lineage.pipeline_run_id}"[:250],
         )
     run_id = run.info.run_id
@@ -369,31 +444,21 @@ def _log_run(client, reg: Registration) -> tuple[str, str]:
     for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
         client.log_batch(run_id, params=params[start : start + 100])
     client.log_batch(run_id, metrics=metrics, tags=[RunTag("llmft.step", "register")])
-    client.log_artifacts(run_id, str(reg.adapter_dir), ADAPTER_ARTIFACT_PATH)
+    if not is_adapter(reg.adapter_dir):  # an adapter goes into the MLflow Model (_create_version), not twice
+        client.log_artifacts(run_id, str(reg.adapter_dir), ADAPTER_ARTIFACT_PATH)
     for path in reg.extra_artifacts:
         if Path(path).is_file():
             client.log_artifact(run_id, str(path))
     client.set_terminated(run_id, "FINISHED")
-    return run_id, client.get_run(run_id).info.artifact_uri
+    finished = client.get_run(run_id)
+    if parent_run := (finished.data.tags or {}).get(PARENT_TAG):
+        client.set_terminated(parent_run, "FINISHED")  # the parent's end time follows its last child
+    return run_id, finished.info.artifact_uri
 
 
 def _find_run_by_key(client, experiment_id: str, key: str):
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{_quote(key)}'", max_results=1)
     return runs[0] if runs else None
-
-
-def _experiment_id(client, name: str) -> str:
-    from mlflow.exceptions import MlflowException  # heavy: mlflow
-
-    experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name)
-    except MlflowException as exc:  # created concurrently by a parallel step
-        if _error_code(exc) != "RESOURCE_ALREADY_EXISTS":
-            raise
-        return client.get_experiment_by_name(name).experiment_id
 
 
 def _ensure_registered_model(client, name: str) -> None:
@@ -406,7 +471,9 @@ def _ensure_registered_model(client, name: str) -> None:
             raise
 
 
-def _client(tracking_uri: str | None, secret_name: str = ""):
+def registry_client(tracking_uri: str | None, secret_name: str = ""):
+    """An MlflowClient for ``tracking_uri`` (else MLFLOW_TRACKING_URI); ConfigError naming the fix when neither is set,
+    TransientError when the server does not answer."""
     from mlflow import MlflowClient  # heavy: mlflow
 
     uri = tracking_uri_without_credentials(tracking_uri or None)  # credentials go to MLFLOW_TRACKING_PASSWORD
@@ -528,6 +595,8 @@ def registration_from_run(
         tags={**(tags or {}), **gate},
         metric=str(promotion.get("metric") or PERPLEXITY),
         scores=task_scores(best),
+        training_run_id=str(training_manifest.get("mlflow_run_id") or ""),
+        training_manifest=training_manifest,
         eval_sets=dict(evaluation.get("eval_sets") or {}),
     )
 
@@ -549,3 +618,6 @@ def version_link_tags(evaluation: dict) -> dict[str, str]:
         if value:
             tags[LINK_TAG_PREFIX + key] = str(value)[:5000]
     return tags
+
+
+_client = registry_client

@@ -6,7 +6,8 @@ The `promote-best-checkpoint` step reads the evaluation written by the evaluate 
 * picks the best checkpoint by ``promote_metric`` (perplexity by default, or a task metric such as
   ``heldout.contains``; ties go to the lower perplexity, then the later step: task_eval.best_of);
 * refuses unless it beats the base model's value of that metric by ``margin`` (perplexity: below
-  ``base * (1 - margin)``; a task score: above ``base + margin``), raising :class:`PromotionRefused`;
+  ``base * (1 - margin)``; a task score: above ``base + margin``), raising :class:`GateRefused` (a
+  :class:`PromotionRefused` carrying the decision, which the promote step reports as ``not promoted``);
   an adapter whose perplexity fell but whose task score did not rise is refused under a task metric;
 * copies the servable files of that checkpoint (adapter or full weights, tokenizer,
   manifest; never optimizer or RNG state) atomically to ``destination`` with a
@@ -66,7 +67,17 @@ SERVABLE_PATTERNS = (
 
 
 class PromotionRefused(LlmftError):
-    """No checkpoint beats the base model by the required margin."""
+    """Nothing may be promoted: the gate said no (:class:`GateRefused`), or the checkpoint cannot be (no COMPLETE
+    marker, no weights, an adapter vLLM would refuse under serving_mode=lora, a margin out of range)."""
+
+
+class GateRefused(PromotionRefused):
+    """The gate's decision: no checkpoint beats the base model by the margin. Not a failure of the run: the promote
+    step reports it as its decision ("not promoted: <reason>") and the pipeline skips register and deploy."""
+
+    def __init__(self, message: str, decision: PromotionDecision):
+        super().__init__(message)
+        self.decision = decision
 
 
 @dataclass(frozen=True)
@@ -273,7 +284,7 @@ def promote(
     record_path = destination.with_name(destination.name + ".decision.json")
     if not decision.promoted or decision.checkpoint_path is None:  # a promoted decision names its checkpoint
         atomic_write_json(record_path, decision.to_dict())
-        raise PromotionRefused(f"{decision.reason} (decision recorded in {record_path})")
+        raise GateRefused(f"{decision.reason} (decision recorded in {record_path})", decision)
     source = Path(decision.checkpoint_path)
     decision = PromotionDecision(**{**decision.to_dict(), "destination": str(destination)})
     copy_servable(source, destination, decision, max_lora_rank=max_lora_rank)

@@ -49,6 +49,7 @@ from llmft.components.lib.serving.isvc_apply import deploy_inference_service
 from llmft.components.lib.serving.local_check import local_generation_check
 from llmft.components.lib.serving.servability import AdapterNotServableError, check_vllm_servable
 from llmft.components.lib.serving.vllm_local import serve_and_check
+from llmft.components.lib.summary import CHAT_ROUTE
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.io import atomic_write_text, is_complete
 
@@ -101,6 +102,9 @@ class DeployRequest:
     """The plan's SecretMount of the HF token (its HF_TOKEN key, required), or None."""
     is_champion: bool = True
     """Whether the register step made this version the champion (registration.json ``is_champion``)."""
+    registered: bool = True
+    """False: the run has no MLflow (registration.json ``registered: false``): no champion to compare with, the
+    promoted adapter (which beat the base model) is served, and the result says so."""
     deploy_policy: str = "champion"
     """champion: deploy only the champion; always: deploy this version even when it lost."""
     form: str = "lora"
@@ -135,6 +139,14 @@ deploy step sets it only on a redeploy of an InferenceService the cluster runs i
 traffic moves once it is Ready, so a redeploy needs a spare GPU (docs/cluster-guide.md, Redeploying)."""
 
 
+UNREGISTERED = "unregistered"
+"""The version label of an adapter a run without MLflow serves."""
+NO_REGISTRY_NOTE = (
+    "no MLflow registry: the promoted adapter (it beat the base model at the gate) is served; with no champion "
+    "to compare with, deploy_policy=champion does not apply"
+)
+
+
 def plan_deploy_request(
     run_plan, *, adapter_dir: str, registered: Mapping[str, Any], form: str, model_dir: str = "", form_reason: str = ""
 ) -> DeployRequest:
@@ -142,11 +154,12 @@ def plan_deploy_request(
     adapter ``adapter_dir`` the register step recorded as ``registered`` (registration.json), served in
     ``form`` (serving.json). The deploy step sends it as is; ``make demo-real`` changes the form it serves."""
     settings = run_plan.serving
+    in_registry = registered.get("registered", True) is not False
     return DeployRequest(
         adapter_dir=adapter_dir,
         base_model=run_plan.trainer.model,
         adapter_name=registered["model_name"],
-        version=str(registered["version"]),
+        version=str(registered["version"]) if in_registry else UNREGISTERED,
         deploy=settings.deploy,
         mode=settings.mode,
         name=settings.name,
@@ -161,13 +174,23 @@ def plan_deploy_request(
         runtime=settings.runtime,
         node_selector=settings.node_selector,
         hf_secret=settings.hf_secret,
-        is_champion=is_champion(registered),
+        is_champion=is_champion(registered) if in_registry else True,
+        registered=in_registry,
         deploy_policy=settings.deploy_policy,
         form=form,
         model_dir=model_dir,
         form_reason=form_reason,
         prompts=tuple(settings.prompts) or DEFAULT_PROMPTS,
     )
+
+
+def deployment_metadata(result: dict[str, Any], *, mode: str, form: str, model: str) -> dict[str, Any]:
+    """The deploy step's output metadata: mode, form, status, the name to request and, when something serves it on
+    a cluster, its ``url`` and ``endpoint`` (the OpenAI chat route); no placeholder where nothing serves."""
+    metadata: dict[str, Any] = {"mode": mode, "form": form, "status": result["status"], "model": model}
+    if result.get("url"):
+        metadata |= {"url": result["url"], "endpoint": result["url"] + CHAT_ROUTE}
+    return metadata
 
 
 def serve_spec(req: DeployRequest):
@@ -276,6 +299,9 @@ def deploy_promoted(
         **write_manifest(body, manifest_path, crd_dir=crd_dir),
     }
     print(f"manifest: {manifest_path} (CRD schema {'ok' if result['schema_validated'] else 'not checked'})")
+    if not req.registered:
+        print(NO_REGISTRY_NOTE)
+        result["note"] = NO_REGISTRY_NOTE
     if not req.deploy:
         return {**result, "status": "manifest-only"}
     if req.deploy_policy == "champion" and not req.is_champion:
