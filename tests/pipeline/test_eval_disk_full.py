@@ -48,9 +48,7 @@ def full_disk_for(monkeypatch):
         ("report.html", "report.html", "the evaluation report (HTML)"),
     ],
 )
-def test_a_full_disk_in_evaluate_names_the_path_and_exits_200(
-    tmp_path, capsys, full_disk_for, full_file, named, what
-):
+def test_a_full_disk_in_evaluate_names_the_path_and_exits_200(tmp_path, capsys, full_disk_for, full_file, named, what):
     full_disk_for(full_file)
     evaluation_dir, report = tmp_path / "evaluation", tmp_path / "report.html"
     with pytest.raises(SystemExit) as ended, step_outcome("evaluate-perplexity"):
