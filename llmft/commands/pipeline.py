@@ -31,7 +31,13 @@ import kfp_server_api  # light, but only with kfp: the pipeline extra (llmft pip
 import urllib3
 
 from llmft.commands import janitor, render_job
-from llmft.commands.pipeline_args import check_yaml_output, command_form, load_pipeline, typed_arguments
+from llmft.commands.pipeline_args import (
+    check_compiled_eval,
+    check_yaml_output,
+    command_form,
+    load_pipeline,
+    typed_arguments,
+)
 from llmft.components.lib.plan.forms import Form
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.pipelines.defaults import (
@@ -61,7 +67,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="key=value",
         help="parameter values of the compiled pipeline: run parameters' defaults, and the values it compiles in "
         "(e.g. mlflow_secret=llmft-mlflow: Secrets and gpu_node_selector are fixed here; with --minimal every "
-        "parameter but its ten)",
+        "parameter but its ten). promote_eval_tasks naming an lm-eval task prints a note: each run's plan step "
+        "needs its data in the volume's eval-cache (llmft eval cache) or a reachable hub",
     )
     compile_.add_argument(
         "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
@@ -215,7 +222,9 @@ def run_compile(args: argparse.Namespace) -> int:
     from kfp import compiler
 
     check_yaml_output(args.output, force=args.force)
-    pipeline = load_pipeline(command_form(args), typed_arguments(args))
+    arguments = typed_arguments(args)
+    check_compiled_eval(arguments)  # a default every run would refuse: here, not at each run
+    pipeline = load_pipeline(command_form(args), arguments)
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "pipeline.yaml"
         compiler.Compiler().compile(pipeline, package_path=str(package))
@@ -277,6 +286,7 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
 
 def run_submit(args: argparse.Namespace) -> int:
     arguments, form = typed_arguments(args), command_form(args)
+    check_compiled_eval(arguments)
     pipeline = load_pipeline(form, arguments)
     result = _api_call(
         args,
@@ -300,6 +310,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
     cron = validate_cron(args.cron)
     arguments, form = typed_arguments(args), command_form(args)
+    check_compiled_eval(arguments)  # every scheduled run would meet these
     pipeline = load_pipeline(form, arguments)
     client = _client(args)
     experiment = _api_call(args, client.create_experiment, args.experiment, namespace=args.namespace)
