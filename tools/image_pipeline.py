@@ -31,8 +31,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,6 +212,47 @@ def prepare_volume(case: Case, data_root: Path) -> None:
         hub_cache(data_root / "hf-cache" / "hub", built)
 
 
+MLFLOW_START_S = 120
+
+
+@contextlib.contextmanager
+def mlflow_server(work: Path) -> Iterator[str]:
+    """A real ``mlflow server`` on loopback (this checkout's full mlflow, a SQLite store in ``work``), as a cluster
+    has one: the trainer image's client (mlflow-skinny) talks HTTP to a server and cannot open a database store
+    itself, so kfp.local's default ``sqlite:///`` URI would test a path no cluster takes."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = work / "mlflow-server.log"
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}"]
+    command += ["--artifacts-destination", str(work / "mlartifacts"), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--workers", "1"]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server, log)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + MLFLOW_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise PipelineCheckFailed(f"mlflow server exited with {server.returncode}: {log}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        time.sleep(0.5)
+    raise PipelineCheckFailed(f"mlflow server not healthy after {MLFLOW_START_S} s: {log}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Running the cases
 
@@ -228,8 +272,9 @@ def run_case(case: Case, envs: Mapping[str, Mapping[str, str]], work: Path, run:
     defaults = {**(HPO_LOCAL_DEFAULTS if case.hpo else {}), **FAST_TRAINING}
     record: list[TaskRecord] = []
     started = time.monotonic()
-    with tasks_in_images(image_task_handler(envs, work, record)):
-        outcome = run_pipeline_locally(case.overrides, work_dir=work, hpo=case.hpo, extra_defaults=defaults)
+    with mlflow_server(work) as tracking_uri, tasks_in_images(image_task_handler(envs, work, record)):
+        overrides = {**case.overrides, "mlflow_tracking_uri": tracking_uri}
+        outcome = run_pipeline_locally(overrides, work_dir=work, hpo=case.hpo, extra_defaults=defaults)
     for task in record:
         log(f"  {task.function:<32} exit {task.exit_code}  {role_name(task.python, envs)} image ({task.python})")
     if not outcome.succeeded:

@@ -42,10 +42,9 @@ from llmft.components.lib.plan.forms import Form
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.pipelines.defaults import (
     DEFAULT_WORK_DIR,
-    DEMO_DEFAULTS,
-    REAL_LOCAL_DEFAULTS,
     REAL_WORK_DIR,
     TINY_WORK_DIR,
+    local_profile,
     run_arguments,
 )
 from llmft.pipelines.local_run import run_pipeline_locally
@@ -342,11 +341,9 @@ def run_local(args: argparse.Namespace) -> int:
 
         extra_defaults = HPO_LOCAL_DEFAULTS
     real, tiny = getattr(args, "real", False), getattr(args, "tiny", False) or args.hpo
-    if real:
-        extra_defaults = {**extra_defaults, **REAL_LOCAL_DEFAULTS}
-    elif not tiny:
-        extra_defaults = {**extra_defaults, **DEMO_DEFAULTS}
     overrides = typed_arguments(args, Form(hpo=args.hpo, local=True))
+    profile, profile_defaults = local_profile(overrides, real=real, tiny=tiny)
+    extra_defaults = {**extra_defaults, **profile_defaults}
     started = time.perf_counter()
     outcome = run_pipeline_locally(
         overrides,
@@ -362,7 +359,7 @@ def run_local(args: argparse.Namespace) -> int:
     if not outcome.succeeded:
         print(f"error: {outcome.failure_line()}", file=sys.stderr)
         return 1
-    if not (real or tiny):  # make demo: the held-out questions, base against adapter
+    if profile == "demo":  # make demo: the held-out questions, base against adapter
         lines, problems = heldout_report(outcome.facts)
         print("\n".join(lines))
         return 1 if problems else 0

@@ -122,6 +122,30 @@ held-out phrasings of those facts (contains the fact's keyword), the promote gat
 deploy step's check generates with transformers (no vLLM). LOCAL_DEFAULTS <- these <- the command line's."""
 TINY_WORK_DIR = "runs/pipeline-tiny"
 
+OWN_DATA_DEFAULTS: dict[str, Any] = {
+    **{k: v for k, v in REAL_LOCAL_DEFAULTS.items() if k not in ("dataset", "serving_prompts")},
+    "mlflow_experiment": "llmft-local",
+    "mlflow_model_name": "my-adapter",
+    "serving_deploy_mode": "local",
+    "serving_name": "my-adapter",
+}
+"""``llmft pipeline run-local dataset=<your data>``: the real model's CPU settings (LoRA r16, 12 steps, 256 tokens)
+without the demo's made-up facts: no held-out Velmora questions, the gate on perplexity (the pipeline's default),
+the deploy check's two general questions. LOCAL_DEFAULTS <- these <- the command line's."""
+
+
+def local_profile(overrides: dict[str, Any], *, real: bool, tiny: bool) -> tuple[str, dict[str, Any]]:
+    """(name, defaults) of a local run: ``tiny`` (the random-weight plumbing run), ``real`` (make demo-real),
+    ``own-data`` (a ``dataset`` of the user's: nothing of the demo's facts applies to it) or ``demo`` (make demo)."""
+    if tiny:
+        return "tiny", {}
+    if real:
+        return "real", REAL_LOCAL_DEFAULTS
+    if "dataset" in overrides:
+        return "own-data", OWN_DATA_DEFAULTS
+    return "demo", DEMO_DEFAULTS
+
+
 
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
     """name -> InputSpec of a compiled pipeline's run parameters (type and default)."""

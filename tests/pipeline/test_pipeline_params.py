@@ -159,3 +159,26 @@ def test_every_run_parameter_carries_its_groups_prefix_and_the_groups_sort_in_or
     assert all(group_of(name) for name in offered), [n for n in offered if not group_of(n)]
     order = [prefix for prefix, _ in GROUPS]
     assert [order.index(group_of(name)) for name in offered] == sorted(order.index(group_of(n)) for n in offered)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "real", "tiny", "profile"),
+    [
+        ({}, False, False, "demo"),
+        ({"base_model": "/models/mine"}, False, False, "demo"),  # the demo's facts, on the user's model
+        ({"dataset": "/data/mine.csv"}, False, False, "own-data"),
+        ({"dataset": "/data/mine.csv"}, True, False, "real"),
+        ({"dataset": "/data/mine.csv"}, False, True, "tiny"),
+    ],
+)
+def test_a_local_run_on_the_users_own_data_drops_the_demos_facts(overrides, real, tiny, profile):
+    """Was: `llmft pipeline run-local dataset=mine.csv` kept make demo's gate (heldout.contains on the made-up
+    Velmora questions), so no adapter of the user's data was ever promoted and the run ended "did not learn"."""
+    from llmft.pipelines.defaults import local_profile
+
+    name, defaults = local_profile(overrides, real=real, tiny=tiny)
+    assert name == profile
+    if name == "own-data":
+        assert "promote_eval_questions" not in defaults and "promote_metric" not in defaults
+        assert "dataset" not in defaults and "serving_prompts" not in defaults
+        assert defaults["serving_deploy_mode"] == "local" and defaults["base_model"] == "real"

@@ -163,6 +163,16 @@ def test_mlflow_is_optional(change, environ, enabled):
     assert make_plan(environ=environ, **change).registry.enabled is enabled
 
 
+@pytest.mark.parametrize("uri", ["sqlite:////data/mlflow.db", "postgresql+psycopg2://db/mlflow", "mysql://db/m"])
+def test_a_database_store_is_refused_on_a_cluster_and_taken_here(uri):
+    """The trainer image's client (mlflow-skinny) cannot open a database store: on a cluster the evaluate step
+    failed with MLflow's UnsupportedModelRegistryStoreURIException traceback (seen in make image-check); now the plan
+    step refuses it in one line naming the parameter. kfp.local's tasks run in the full install, where it works."""
+    with pytest.raises(ConfigError, match=r"mlflow_tracking_uri.*database store.*http\(s\) URL"):
+        make_plan(environ=CLUSTER, mlflow_tracking_uri=uri)
+    assert make_plan(environ={}, mlflow_tracking_uri=uri).registry.enabled
+
+
 def test_full_finetuning_skips_the_lora_serving_checks():
     assert make_plan(finetune_method="full", finetune_lora_r=512, serving_max_lora_rank=8).trainer.method == "full"
 

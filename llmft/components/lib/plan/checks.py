@@ -232,11 +232,30 @@ def check_tracking(p: PipelineParameters, on_cluster: bool, environ: Mapping[str
                 "holds a user name or password, which the KFP UI would show; put them in the mlflow Secret "
                 "(keys MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, deploy/secrets) and pass the URL alone",
             )
+        check_cluster_store(p.mlflow_tracking_uri, on_cluster)
         return True
     secret = parse_secret("mlflow", p.mlflow_secret)
     if secret is not None and "MLFLOW_TRACKING_URI" in secret.keys:
         return True
     return not on_cluster and bool(environ.get("MLFLOW_TRACKING_URI"))
+
+
+DATABASE_STORES = ("sqlite", "postgresql", "mysql", "mssql")
+"""URI schemes of MLflow's database stores: the full mlflow package opens them, mlflow-skinny (the trainer image's
+client, setup.cfg's observe extra) does not (mlflow 3.x tracking/_tracking_service/utils.py's store registry)."""
+
+
+def check_cluster_store(uri: str, on_cluster: bool) -> None:
+    """On a cluster the training job and the evaluate step talk to MLflow from the trainer image, whose client
+    cannot open a database store: refuse it at plan time, in one line, rather than fail the evaluate step."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if on_cluster and scheme in DATABASE_STORES:
+        raise _fail(
+            "mlflow_tracking_uri",
+            redact_credentials(uri),
+            "is a database store, which the trainer image's MLflow client (mlflow-skinny) cannot open; run an "
+            "MLflow server on it (mlflow server --backend-store-uri ...) and give the server's http(s) URL",
+        )
 
 
 NO_MLFLOW_REASON = (
