@@ -146,7 +146,6 @@ def local_profile(overrides: dict[str, Any], *, real: bool, tiny: bool) -> tuple
     return "demo", DEMO_DEFAULTS
 
 
-
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
     """name -> InputSpec of a compiled pipeline's run parameters (type and default)."""
     if pipeline is None:
