@@ -128,7 +128,8 @@ def _add_compile(sub) -> None:
         metavar="key=value",
         help="parameter values of the compiled pipeline: run parameters' defaults, and the values it compiles in "
         "(e.g. mlflow_secret=llmft-mlflow: Secrets and gpu_node_selector are fixed here; with --minimal every "
-        "parameter but its eleven)",
+        "parameter but its eleven). promote_eval_tasks naming an lm-eval task prints a note: each run's plan step "
+        "needs its data in the volume's eval-cache (llmft eval cache) or a reachable hub",
     )
     compile_.add_argument(
         "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"

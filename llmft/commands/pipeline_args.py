@@ -6,10 +6,13 @@ imports a package of the ``pipeline`` extra at module level: ``llmft pipeline --
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 from typing import Any
 
+from llmft.components.lib.evaluation.task_plan import compiled_eval_notes
 from llmft.components.lib.plan.forms import Form
+from llmft.components.lib.plan.parameters import BY_NAME
 from llmft.pipelines.defaults import parse_arguments
 from llmft.trainer.data.remote import is_remote, shown_url, url_credentials
 from llmft.trainer.errors import ConfigError
@@ -49,6 +52,19 @@ def typed_arguments(args: argparse.Namespace, form: Form | None = None) -> dict:
     arguments = parse_arguments(args.arguments, form or command_form(args))
     refuse_credentials(arguments)
     return arguments
+
+
+def check_compiled_eval(arguments: Mapping[str, Any]) -> None:
+    """compile, submit, schedule: the evaluation the pipeline carries (these arguments over the declared defaults),
+    checked before anything is compiled: refused in one line when no run could use it, a note on stderr for
+    what each run's plan step checks on its volume (an lm-eval task's cached data; task_plan.compiled_eval_notes)."""
+    value = {name: arguments.get(name, BY_NAME[name].default) for name in EVAL_PARAMETERS}
+    for note in compiled_eval_notes(*value.values()):
+        print(f"note: {note}", file=sys.stderr)
+
+
+EVAL_PARAMETERS = ("promote_eval_tasks", "promote_metric", "promote_guards")
+"""The evaluation settings :func:`check_compiled_eval` reads, in compiled_eval_notes' order."""
 
 
 def refuse_credentials(arguments: Mapping[str, Any]) -> None:

@@ -29,6 +29,7 @@ from llmft.commands.pipeline_args import (
     KF_SA_TOKEN_ENV,
     KF_SA_TOKEN_PATH,
     UI_ENDPOINT_ENV,
+    check_compiled_eval,
     check_yaml_output,
     command_form,
     load_pipeline,
@@ -103,7 +104,9 @@ def run_compile(args: argparse.Namespace) -> int:
     from kfp import compiler
 
     check_yaml_output(args.output, force=args.force)
-    pipeline = load_pipeline(command_form(args), typed_arguments(args))
+    arguments = typed_arguments(args)
+    check_compiled_eval(arguments)  # a default every run would refuse: here, not at each run
+    pipeline = load_pipeline(command_form(args), arguments)
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "pipeline.yaml"
         compiler.Compiler().compile(pipeline, package_path=str(package))
@@ -170,6 +173,7 @@ def _api_call(args: argparse.Namespace, fn, *a, **kw):
 
 def run_submit(args: argparse.Namespace) -> int:
     arguments, form = typed_arguments(args), command_form(args)
+    check_compiled_eval(arguments)  # every run (or scheduled run) would meet these
     pipeline = load_pipeline(form, arguments)
     client = _client(args)
     result = _api_call(
@@ -230,6 +234,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
     cron = validate_cron(args.cron)
     arguments, form = typed_arguments(args), command_form(args)
+    check_compiled_eval(arguments)  # every run (or scheduled run) would meet these
     pipeline = load_pipeline(form, arguments)
     client = _client(args)
     experiment = _api_call(args, client.create_experiment, args.experiment, namespace=args.namespace)

@@ -42,18 +42,20 @@ def evaluate_perplexity(
     reason (``gate``, the promote step's own rule over the same numbers).
     """
     from llmft.components.lib.contracts.schema import read_plan
+    from llmft.components.lib.step_exit import step_outcome
     from llmft.trainer.quiet import quiet_known_noise
 
     quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
 
-    run_plan = read_plan(plan.path)
-    run_plan.layout.use_hf_cache()  # before transformers is imported
-    from llmft.components.lib.evaluation.checkpoints import kfp_metrics
-    from llmft.components.lib.evaluation.evaluate_step import evaluate_step, evaluation_line
+    with step_outcome("evaluate-perplexity"):  # a bad input or a full disk: one error: line, its exit code
+        run_plan = read_plan(plan.path)
+        run_plan.layout.use_hf_cache()  # before transformers is imported
+        from llmft.components.lib.evaluation.checkpoints import kfp_metrics
+        from llmft.components.lib.evaluation.evaluate_step import evaluate_step, evaluation_line
 
-    run_dir = run.metadata["path"]
-    result = evaluate_step(run_plan, run_dir, tokenized.metadata["path"], evaluation.path, report.path)
-    evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
-    for name, value in kfp_metrics(result).items():
-        metrics.log_metric(name, value)
-    print(evaluation_line(result))
+        run_dir = run.metadata["path"]
+        result = evaluate_step(run_plan, run_dir, tokenized.metadata["path"], evaluation.path, report.path)
+        evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
+        for name, value in kfp_metrics(result).items():
+            metrics.log_metric(name, value)
+        print(evaluation_line(result))

@@ -27,8 +27,13 @@ from llmft.trainer.errors import ConfigError, LlmftError, TransientError
 DEFAULT_RUNTIME = "torch-distributed"
 """The ClusterTrainingRuntime a default Kubeflow Trainer v2 install ships (manifests/base/runtimes)."""
 
-PLAN_SCHEMA_VERSION = 2
-"""Version of plan.json's layout; :func:`read_plan` refuses any other."""
+PLAN_SCHEMA_VERSION = 3
+"""Version of plan.json's layout; :func:`read_plan` refuses any other. Bump it whenever a field of the plan's
+dataclasses is added, removed or renamed: a reader fills a missing field with its default and drops one it does
+not know, so across versions a plan is misread, not refused (3: the evaluation's resolved task specs, guards,
+limits and eval cache, and the registry's ``enabled``; a version-2 plan read as 3 ran no task, and a version-3
+plan read as 2 promoted without its guards). tests/pipeline/test_plan_schema_version.py holds the layout of
+each version and goes red when the layout changes under the same number."""
 PLAN_FILE = "plan.json"
 DATA_MOUNT = "/data"
 """Where the data/checkpoint PVC is mounted in every pipeline pod and job replica."""
