@@ -23,7 +23,7 @@ from llmft.components.lib.contracts.schema import PLAN_SCHEMA_VERSION, RunPlan, 
 from llmft.trainer.config import TrainConfig
 from llmft.trainer.errors import ConfigError
 
-LAYOUTS = {3: "db64217c541c7b4f"}
+LAYOUTS = {3: "db64217c541c7b4f", 4: "9621fb95c3211b0e"}  # 4: the data plan's hub config and column mapping
 """sha256 (first 16 hex digits) of plan.json's layout (:func:`layout`) for each schema version. When this test
 goes red, plan.json's layout changed: bump PLAN_SCHEMA_VERSION in llmft/components/lib/contracts/schema.py and add the
 new version's line here (a field the old readers would drop or default is a misread, not a refusal)."""

@@ -27,7 +27,7 @@ from llmft.trainer.errors import ConfigError, LlmftError, TransientError
 DEFAULT_RUNTIME = "torch-distributed"
 """The ClusterTrainingRuntime a default Kubeflow Trainer v2 install ships (manifests/base/runtimes)."""
 
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4
 """Version of plan.json's layout; :func:`read_plan` refuses any other. Bump it whenever a field of the plan's
 dataclasses is added, removed or renamed: a reader fills a missing field with its default and drops one it does
 not know, so across versions a plan is misread, not refused (3: the evaluation's resolved task specs, guards,
