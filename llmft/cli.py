@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 from importlib.metadata import version
 
 from llmft.trainer.errors import EXIT_CODE_MEANINGS
 from llmft.trainer.failures import Teller, describe_failure, missing_package
+from llmft.trainer.quiet import quiet_known_noise
 
 # group name -> (module, one-line help). Order is the order shown in --help.
 GROUPS: dict[str, tuple[str, str]] = {
@@ -27,7 +27,8 @@ GROUPS: dict[str, tuple[str, str]] = {
     "train": ("llmft.commands.train", "run the trainer (one process, or --nproc N through torchrun)"),
     "pipeline": (
         "llmft.commands.pipeline",
-        "compile, run locally (kfp.local), submit or schedule the KFP pipeline; render its job; clean up ended runs",
+        "compile, run locally (kfp.local), submit (and wait for) or schedule the KFP pipeline; render its job; "
+        "clean up ended runs",
     ),
     "sweep": ("llmft.commands.sweep", "Katib hyperparameter sweeps: create, status, best, run-local"),
     "export": ("llmft.commands.export", "merge an adapter into its base model (or bundle it) for serving"),
@@ -107,15 +108,9 @@ def build_group_parser(group: str) -> argparse.ArgumentParser:
     return parser
 
 
-# Loggers whose warnings are noise before a command's one-line result: bitsandbytes (imported by peft) warns at
-# import on AVX512-BF16 CPUs that it cannot fetch an optional CPU kernel from a hub (backends/cpu/ops.py).
-QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_known_noise()  # the libraries' known noise (llmft/trainer/quiet.py): a first run shows what matters
     top = _top_parser()
     if not argv or argv[0] not in GROUPS:
         args = top.parse_args(argv)  # handles --help/--version/unknown group

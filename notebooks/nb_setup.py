@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 
@@ -31,6 +32,14 @@ REPO = _repo_root()
 if str(REPO) not in sys.path:  # the package is installed editable; this only helps a bare checkout
     sys.path.insert(0, str(REPO))
 
+os.chdir(REPO)  # run from the checkout, as make demo does: the converted real model is its .cache/real-model
+
+from llmft.trainer.quiet import quiet_known_noise  # noqa: E402 - after the path above
+
+quiet_known_noise()  # a notebook is an entry point too: the libraries' known noise stays out of its outputs
+os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs (tqdm >= 4.66 reads it)
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm.auto without ipywidgets: bars are off anyway
+
 WORK = Path(os.environ.get("LLMFT_NB_WORK_DIR") or REPO / "runs" / "notebooks").resolve()
 """Everything the notebooks write; notebooks 01, 03 and 04 share it."""
 PIPELINE_WORK = WORK / "pipeline"
@@ -39,8 +48,18 @@ FIGURES = WORK / "figures"
 """Every figure is also saved here as PNG."""
 MLFLOW_URI = f"sqlite:///{PIPELINE_WORK / 'mlflow.db'}"
 """The MLflow store the local pipeline run (and the local sweep) log to."""
-MLFLOW_EXPERIMENT = "llmft-local"
-"""The experiment the local pipeline run uses (llmft/pipelines/defaults.py LOCAL_DEFAULTS)."""
+from llmft.pipelines.defaults import DEMO_DEFAULTS  # noqa: E402 - after the path above
+
+MLFLOW_EXPERIMENT = DEMO_DEFAULTS["mlflow_experiment"]
+"""The experiment notebook 01's run (``make demo``'s arguments, llmft/pipelines/defaults.py DEMO_DEFAULTS) logs to;
+the sweep of notebook 03 logs there too, so notebook 04 compares them."""
+
+
+def shown(path) -> str:
+    """``path`` as the notebooks print it: relative to the checkout when inside it (the committed outputs then
+    name no one's home folder), else as it is."""
+    resolved = Path(os.path.abspath(path))  # links kept: .venv/bin/python stays in the checkout
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
 
 
 def param(name: str, default):
@@ -58,7 +77,7 @@ def save_figure(fig, name: str) -> Path:
     FIGURES.mkdir(parents=True, exist_ok=True)
     path = FIGURES / f"{name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    print(f"saved {path}")
+    print(f"saved {shown(path)}")
     return path
 
 

@@ -72,7 +72,7 @@ def render_plan_function() -> str:
         '    """Check every parameter, then write plan.json: what each later step does.',
         "",
         "    None of the parameters is a secret: credentials come from the Kubernetes Secrets named by",
-        "    hf_token_secret, mlflow_secret and langfuse_secret.",
+        "    hf_token_secret, mlflow_secret, langfuse_secret and s3_secret.",
         "",
         "    Args:",
         *args,
@@ -142,7 +142,7 @@ minimal form compiles in every parameter it does not offer too: its default, or 
 `key=value` given to `compile` sets a run parameter's default, or the value a form compiles in;
 `submit` and `schedule` compile with every value given and pass the run parameters among them as the run's
 arguments. A platform team compiles the minimal form with its cluster's values (the PVC, images, pod sizes,
-Secrets) and hands its users a form of ten fields:
+Secrets) and hands its users a form of eleven fields:
 
 ```bash
 llmft pipeline compile --minimal --output build/llm_finetune_minimal_pipeline.yaml \\

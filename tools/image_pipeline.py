@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.images import LOCAL_TRAINER_PYTHON_ENV, dockerfile_roles
-from llmft.components.lib.plan.schema import DATA_MOUNT
+from llmft.components.lib.contracts.schema import DATA_MOUNT
+from llmft.components.lib.jobs.backends import render_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HUB_ID = "llmft-ci/tiny-chat"
@@ -305,12 +306,13 @@ def check_plan_log(case: Case, log_path: Path) -> None:
 
 
 def render_jobs(case: Case, arguments: Mapping, env: Mapping[str, str], work: Path, run: Runner, log) -> None:
-    """``llmft pipeline render-job`` for both backends in the pipeline image, with the run's model where a
+    """``llmft pipeline render-job`` for every registered backend that renders a job (the registry's
+    ``render_names``, as tools/image_check.py reads it) in the pipeline image, with the run's model where a
     cluster has it (the volume mounted at /data, render-job's only volume path; a hub id as it is)."""
     model = str(arguments["base_model"])
     if not case.hub:
         model = DATA_MOUNT + "/" + str(Path(model).relative_to(arguments["volume_path"]))
-    for backend in ("pytorchjob", "trainjob"):
+    for backend in sorted(render_names()):
         output = work / f"render-{backend}.yaml"
         argv = ["llmft", "pipeline", "render-job", "--backend", backend, "--output", str(output)]
         argv += [f"base_model={model}", PLACEHOLDER_MLFLOW, *(["--hpo"] if case.hpo else [])]

@@ -11,6 +11,11 @@ BENCHES = {
         "prepare + tokenize generated Alpaca-like rows vs the naive datasets.map path (CPU)",
     ),
     "train": ("llmft.benchmarks.train_bench", "training throughput arms (naive / peer / project) on a GPU"),
+    "eval-threads": (
+        "llmft.benchmarks.eval_threads",
+        "decode, perplexity forwards and a training step on a 2-CPU budget, idle and beside 2 busy processes, by "
+        "thread setting (issue 49 item 6)",
+    ),
 }
 
 

@@ -10,6 +10,7 @@ import signal
 from llmft.trainer.data.formats import FORMAT_CHOICES
 from llmft.trainer.data.limits import DEFAULT_MAX_DROP_FRACTION, DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES
 from llmft.trainer.data.prepare import prepare_dataset
+from llmft.trainer.data.remote import DEFAULT_MAX_FETCH_BYTES
 from llmft.trainer.data.summary import prepare_summary, tokenize_summary
 from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.errors import SignalStop
@@ -27,14 +28,44 @@ def _add_prepare(sub) -> None:
     p = sub.add_parser(
         "prepare",
         help="validate and convert a dataset into train/val JSONL (+ rejects.jsonl, report.json)",
-        description="Validate and convert a hub dataset, a local .jsonl/.json/.csv/.parquet file or folder, or a "
+        description="Validate and convert a hub dataset, a local .jsonl/.json/.csv/.parquet file or folder, such a "
+        "file at an https:// URL, s3:// objects (AWS_* credentials and AWS_ENDPOINT_URL from the environment), or a "
         "Langfuse dataset (langfuse://NAME, LANGFUSE_* keys from the environment) into canonical JSONL. Exit 1 "
         "when no row is valid or too many rows are rejected.",
     )
-    p.add_argument("--input", required=True, help="hub dataset id, a local file or folder, or langfuse://NAME")
+    p.add_argument(
+        "--input",
+        required=True,
+        help="hub dataset id, a local file or folder, https://host/file.jsonl, s3://bucket/key.jsonl or "
+        "s3://bucket/prefix/ (every data object under it), or langfuse://NAME",
+    )
     _add_output(p)
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="row format (default: detect per row)")
+    p.add_argument(
+        "--columns",
+        default="",
+        metavar="FIELD:COLUMN,...",
+        help="read other column names as a format's fields, e.g. prompt:question,completion:answer (fields: "
+        "messages; conversations; instruction, input, output, system; prompt, completion; text; role, content "
+        "inside turns); the mapped fields name the format",
+    )
     p.add_argument("--split", default="train", help="split to load from a hub dataset (default: train)")
+    p.add_argument(
+        "--hub-config", default="", metavar="NAME", help="configuration (subset) of a hub dataset (default: its own)"
+    )
+    p.add_argument(
+        "--max-fetch-bytes",
+        type=int,
+        default=DEFAULT_MAX_FETCH_BYTES,
+        help="refuse an https:// or s3:// source larger than this (default "
+        f"{DEFAULT_MAX_FETCH_BYTES:,} = {DEFAULT_MAX_FETCH_BYTES >> 30} GiB)",
+    )
+    p.add_argument(
+        "--allow-http",
+        action="store_true",
+        help="accept a plain http:// source (refused by default: rows fetched in clear text can be altered on the "
+        "way); a private CA for https: REQUESTS_CA_BUNDLE or SSL_CERT_FILE",
+    )
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of rows for val.jsonl (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="seed of the hash-based train/val split")
     p.add_argument(
@@ -131,10 +162,14 @@ def run_prepare(args: argparse.Namespace) -> int:
         args.output,
         format=args.format,
         split=args.split,
+        hub_config=args.hub_config,
+        columns=args.columns,
         val_fraction=args.val_fraction,
         seed=args.seed,
         max_reject_fraction=args.max_reject_fraction,
         max_row_bytes=args.max_row_bytes,
+        max_fetch_bytes=args.max_fetch_bytes,
+        allow_http=args.allow_http,
         force=args.force,
     )
     print(prepare_summary(report, args.output))

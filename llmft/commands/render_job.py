@@ -2,7 +2,7 @@
 
 The job is built by the launcher's own code from a plan built from the given pipeline
 parameters: ``build_plan`` (as the plan-run step does on a cluster), then
-``plan.trainer.launch(<tokenized dir>)`` and ``build_pytorchjob_spec`` (as the train step does),
+``plan.trainer.launch(<tokenized dir>)`` and ``build_job_spec`` (as the train step does),
 then the backend's ``build`` (llmft/components/lib/jobs/backends.py: every backend with a
 ``render_name``). Only the tokenized folder (known once the tokenize
 step ran) and the run id (the KFP run's) are placeholders. The job runs ``llmft train --config
@@ -19,7 +19,7 @@ import yaml
 
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
 from llmft.components.lib.jobs.backends import backend_for, render_names
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.plan.parameters import parameter_defaults
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import config_to_yaml
@@ -28,30 +28,6 @@ from llmft.trainer.io import write_owned_file
 
 RENDER_POD = {"KFP_POD_NAME": "llmft-render-job"}
 """The environment of a KFP task pod, so the plan applies the checks it applies on a cluster."""
-
-
-def add_parser(sub) -> None:
-    render = sub.add_parser(
-        "render-job", help="write the PyTorchJob or TrainJob the train step would submit (for review)"
-    )
-    render.add_argument(
-        "arguments", nargs="*", metavar="key=value", help="pipeline parameters (e.g. training_workers=2)"
-    )
-    choices = sorted(render_names())
-    render.add_argument("--backend", choices=choices, required=True, help=" or ".join(choices))
-    render.add_argument(
-        "--output", required=True, help="YAML file to write (.yaml or .yml; atomically; new, or one llmft wrote)"
-    )
-    render.add_argument(
-        "--force", action="store_true", help="replace a file (or symlink) at --output that llmft did not write"
-    )
-    render.add_argument("--run-id", default="RUN-ID", help="KFP run id the job name derives from (default RUN-ID)")
-    render.add_argument("--namespace", default=None, help="namespace to set on the job (default: none)")
-    render.add_argument(
-        "--data", default=None, help="tokenized shards the trainer reads (default /data/tokenized/CACHE_KEY)"
-    )
-    render.add_argument("--hpo", action="store_true", help="take the HPO pipeline's parameters")
-    render.set_defaults(func=run_render_job)
 
 
 def render_job(
@@ -74,13 +50,13 @@ def render_job_and_config(
 
     training_backend = render_names()[backend]
     given = arguments.get("training_backend", training_backend)
-    if given != training_backend:
+    if backend_for(given).name != training_backend:  # an older name (kubeflow) means its backend
         raise ConfigError(f"training_backend={given} contradicts --backend {backend}; drop one of them")
     values = {**parameter_defaults(), **arguments, "training_backend": training_backend}
     pipeline = "llm-finetune-hpo" if hpo else "llm-finetune"
     plan = build_plan(values, run_id=run_id, compiled=compiled_settings(pipeline, values), environ=RENDER_POD)
     launch = plan.trainer.launch(data or plan.layout.tokenized("CACHE_KEY"))
-    spec = build_pytorchjob_spec(plan.job, launch, namespace=namespace)
+    spec = build_job_spec(plan.job, launch, namespace=namespace)
     config = f"{plan.trainer.config_path}:\n{config_to_yaml(plan.trainer.config)}"
     return backend_for(training_backend).build_job(plan.job, spec), config
 

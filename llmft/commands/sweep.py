@@ -29,9 +29,9 @@ from pathlib import Path
 
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.contracts.schema import DataLayout, Images
 from llmft.components.lib.plan.forms import rename_note
 from llmft.components.lib.plan.parameters import OLD_NAMES, PipelineParameters, parameter_defaults
-from llmft.components.lib.plan.schema import DataLayout, Images
 from llmft.katib.errors import SweepError
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.webhook_rules import check_experiment
@@ -200,7 +200,7 @@ def build_from_settings(items: list[str]):
     trainer config the pipeline's plan would resolve from the same parameters. No plan step writes a
     config.yaml on the volume here, so the trials carry its non-default settings as key=value."""
     # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
+    from llmft.components.lib.jobs.katib_sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
 
     # heavy: kubeflow_katib_api, pydantic
     from llmft.components.lib.plan.build import trainer_plan

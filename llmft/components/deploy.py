@@ -47,8 +47,11 @@ def deploy_adapter(
     import json
     import os
 
-    from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.components.lib.step_exit import step_outcome
+    from llmft.trainer.quiet import quiet_known_noise
+
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
 
     with step_outcome("deploy-adapter"):
         run_plan = read_plan(plan.path)

@@ -41,64 +41,21 @@ def evaluate_perplexity(
     records what each task was scored on (``eval_sets``: hash, size, version) and the gate's decision with its
     reason (``gate``, the promote step's own rule over the same numbers).
     """
-    import os
+    from llmft.components.lib.contracts.schema import read_plan
+    from llmft.components.lib.step_exit import step_outcome
+    from llmft.trainer.quiet import quiet_known_noise
 
-    from llmft.components.lib.plan.schema import read_plan
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
 
-    run_plan = read_plan(plan.path)
-    run_plan.layout.use_hf_cache()  # before transformers is imported
-    from llmft.components.lib.evaluation.checkpoints import (
-        base_evaluator,
-        eval_curve,
-        evaluate_run,
-        kfp_metrics,
-        read_metrics_history,
-        render_html,
-    )
-    from llmft.components.lib.evaluation.comparison import compare_in_langfuse
-    from llmft.components.lib.evaluation.outputs import eval_sets, gate_preview, write_outputs
-    from llmft.components.lib.evaluation.task_runner import task_runner
+    with step_outcome("evaluate-perplexity"):  # a bad input or a full disk: one error: line, its exit code
+        run_plan = read_plan(plan.path)
+        run_plan.layout.use_hf_cache()  # before transformers is imported
+        from llmft.components.lib.evaluation.checkpoints import kfp_metrics
+        from llmft.components.lib.evaluation.evaluate_step import evaluate_step, evaluation_line
 
-    run_dir = run.metadata["path"]
-    # one load of the base (at the trainer's model.revision) for the perplexities, the tasks and the comparison
-    evaluator = base_evaluator(run_plan.trainer.config.model)
-    runner = task_runner(run_plan, evaluator, tokenized.metadata["path"])
-    result = evaluate_run(
-        run_dir,
-        run_plan.trainer.model,
-        tokenized.metadata["path"],
-        evaluate_fn=evaluator,
-        metric=run_plan.registry.promote_metric,
-        task_fn=runner,
-    )
-    if runner is not None and runner.answers:
-        result["generations"] = runner.table()
-    result["eval_sets"] = eval_sets(result, runner, tokenized.metadata["path"])
-    result["gate"] = gate_preview(result, run_plan)
-    compared = compare_in_langfuse(
-        result,
-        run_dir=run_dir,
-        base_model=run_plan.trainer.model,
-        prepared_dir=run_plan.data.prepared_dir,
-        tokenized_dir=tokenized.metadata["path"],
-        model_name=run_plan.registry.model_name,
-        run_id=run_plan.run_id,
-        tracking_uri=run_plan.registry.tracking_uri,
-        data_root=run_plan.layout.root,
-        evaluator=evaluator,
-    )
-    if compared is not None:
-        result["langfuse"] = compared
-
-    history = read_metrics_history(os.path.join(run_dir, "metrics.jsonl"))
-    result["curve"] = eval_curve(history)  # the trainer's evaluations at eval_every: perplexity per step
-    page = render_html(result, history, title=f"Evaluation of {os.path.basename(run_dir)}")
-    write_outputs(result, page, evaluation.path, report.path)  # a full disk: one line naming the path
-    evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
-    for name, value in kfp_metrics(result).items():
-        metrics.log_metric(name, value)
-    from llmft.components.lib.registry.lineage import record_evaluation  # MLflow: the pipeline run's evaluate child
-
-    record_evaluation(run_plan, result, (os.path.join(evaluation.path, "evaluation.json"), report.path))
-    best = next(c for c in result["checkpoints"] if c["name"] == result["best"])
-    print(f"base perplexity {result['base']['perplexity']:.4f}; best {best['name']} {best['perplexity']:.4f}")
+        run_dir = run.metadata["path"]
+        result = evaluate_step(run_plan, run_dir, tokenized.metadata["path"], evaluation.path, report.path)
+        evaluation.metadata.update({"best": result["best"], "run_dir": run_dir})
+        for name, value in kfp_metrics(result).items():
+            metrics.log_metric(name, value)
+        print(evaluation_line(result))

@@ -77,7 +77,7 @@ def _image(env_var: str, default: str) -> str:
 
 
 TRAINER_IMAGE = _image(TRAINER_IMAGE_ENV, f"{IMAGE_REGISTRY}/llmft-trainer:{IMAGE_TAG}")
-"""CUDA image with the package's ``trainer,deepspeed,gpu,executor,observe,eval`` extras
+"""CUDA image with the package's ``trainer,deepspeed,gpu,executor,observe,eval,s3`` extras
 (docker/Dockerfile.trainer; `executor` is kfp, for the components that run there).
 Runs the PyTorchJob replicas and Katib trials, and components that import torch
 (tokenize, evaluate)."""
@@ -98,7 +98,7 @@ SERVING_MODEL_FORMAT = "huggingface"
 """``predictor.model.modelFormat.name`` the Hugging Face runtime declares."""
 
 DOCKERFILES = {
-    "trainer": ("docker/Dockerfile.trainer", "llmft-trainer", "trainer,deepspeed,gpu,executor,observe,eval"),
+    "trainer": ("docker/Dockerfile.trainer", "llmft-trainer", "trainer,deepspeed,gpu,executor,observe,eval,s3"),
     "pipeline": ("docker/Dockerfile.pipeline", "llmft-pipeline", "pipeline,katib"),
 }
 """image role -> (Dockerfile path from the repository root, repository name, pip extras installed)."""

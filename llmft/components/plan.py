@@ -24,6 +24,8 @@ def plan_run(
     plan: Output[Artifact],
     base_model: str = "Qwen/Qwen2.5-7B-Instruct",
     dataset: str = "tatsu-lab/alpaca",
+    dataset_columns: str = "",
+    dataset_config: str = "",
     dataset_format: str = "auto",
     dataset_max_reject_fraction: float = 0.01,
     dataset_split: str = "train",
@@ -84,7 +86,7 @@ def plan_run(
     step_eval_cpu: str = "8",
     step_eval_memory: str = "64Gi",
     step_memory: str = "2Gi",
-    training_backend: str = "kubeflow",
+    training_backend: str = "pytorchjob",
     training_cpu: str = "8",
     training_gpus_per_worker: int = 1,
     training_image: str = "",
@@ -98,17 +100,23 @@ def plan_run(
     hf_token_secret: str = "",
     langfuse_secret: str = "",
     mlflow_secret: str = "",
+    s3_secret: str = "",
     run_id: str = "",
     compiled: str = "",
 ):
     """Check every parameter, then write plan.json: what each later step does.
 
     None of the parameters is a secret: credentials come from the Kubernetes Secrets named by
-    hf_token_secret, mlflow_secret and langfuse_secret.
+    hf_token_secret, mlflow_secret, langfuse_secret and s3_secret.
 
     Args:
         base_model: The model to fine-tune: a Hugging Face hub id, or a directory on the volume.
-        dataset: The raw training data: a hub dataset id, or a file or folder on the volume.
+        dataset: The raw training data: a hub dataset id, a file or folder on the volume,
+            https://host/file.jsonl (.json, .csv, .parquet), or s3://bucket/key.jsonl or s3://bucket/prefix/
+            (credentials: s3_secret).
+        dataset_columns: The rows' columns as a format's fields, field:column pairs, e.g.
+            "prompt:question,completion:answer" ('' = the columns carry the fields' names).
+        dataset_config: Configuration (subset) of a hub dataset ('' = its default).
         dataset_format: auto, messages (OpenAI chat), sharegpt, alpaca, prompt_completion or text.
         dataset_max_reject_fraction: Fail the prepare step when more rows than this fraction are rejected.
         dataset_split: Split of a hub dataset to read.
@@ -197,8 +205,9 @@ def plan_run(
         step_eval_cpu: CPU request and limit of the evaluate step (1 GPU).
         step_eval_memory: Memory request and limit of the evaluate step (loads the base model).
         step_memory: Memory request and limit of the light steps.
-        training_backend: kubeflow (a PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob); the sweep's
-            trials run on the same kind of job.
+        training_backend: pytorchjob (a Training Operator v1 PyTorchJob; its older name kubeflow is still
+            accepted) or trainjob (a Kubeflow Trainer v2 TrainJob); the sweep's trials run on the same kind
+            of job.
         training_cpu: CPU request and limit of each training pod (and Katib trial).
         training_gpus_per_worker: GPUs per pod (one trainer process per GPU).
         training_image: Image of the training pods and Katib trials (default: the one compiled in).
@@ -221,6 +230,9 @@ def plan_run(
         mlflow_secret: Secret with MLflow keys ('' = none), NAME (key MLFLOW_TRACKING_URI) or NAME:KEY,...
             from MLFLOW_TRACKING_URI, _USERNAME, _PASSWORD, _TOKEN; register, evaluate, the sweep and the
             training job mount it.
+        s3_secret: Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for an s3:// dataset ('' = none,
+            or the pod's IAM role), NAME or NAME:KEY,... adding AWS_SESSION_TOKEN, AWS_REGION,
+            AWS_ENDPOINT_URL (MinIO, Ceph); prepare mounts it.
         run_id: (set by the pipeline) the KFP run id.
         compiled: (set by the pipeline) its name and the values its tasks were compiled with.
 
@@ -233,6 +245,8 @@ def plan_run(
     parameters = PipelineParameters(
         base_model=base_model,
         dataset=dataset,
+        dataset_columns=dataset_columns,
+        dataset_config=dataset_config,
         dataset_format=dataset_format,
         dataset_max_reject_fraction=dataset_max_reject_fraction,
         dataset_split=dataset_split,
@@ -307,6 +321,7 @@ def plan_run(
         hf_token_secret=hf_token_secret,
         langfuse_secret=langfuse_secret,
         mlflow_secret=mlflow_secret,
+        s3_secret=s3_secret,
     )
     run_plan_step(parameters, plan.path, plan.metadata, run_id=run_id, compiled=compiled)
 

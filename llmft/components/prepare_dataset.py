@@ -15,9 +15,10 @@ def prepare_dataset(
 ):
     """Write train/val/rejects JSONL and a report for the plan's dataset.
 
-    The dataset (hub id or a file/folder on the volume) is converted to the canonical schema
-    under ``<data_root>/datasets/<run_id>``; rows that fail validation go to rejects.jsonl, and
-    the step fails when more than ``dataset_max_reject_fraction`` of them are rejected.
+    The dataset (hub id, a file/folder on the volume, an https:// file or s3:// objects fetched into the
+    folder being written, with the s3 Secret's AWS_* keys) is converted to the canonical schema, its columns
+    renamed by ``dataset_columns``, under ``<data_root>/datasets/<run_id>``; rows that fail validation go to
+    rejects.jsonl, and the step fails when more than ``dataset_max_reject_fraction`` of them are rejected.
 
     Outputs: ``prepared`` (report.json; metadata ``path`` = the folder on the volume) and
     ``metrics`` (rows accepted and rejected).
@@ -25,7 +26,7 @@ def prepare_dataset(
     import json
     import os
 
-    from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.components.lib.task_attempts import task_attempt
 
     run_plan = read_plan(plan.path)
@@ -40,6 +41,8 @@ def prepare_dataset(
             data.prepared_dir,
             format=data.format,
             split=data.split,
+            hub_config=data.config,
+            columns=data.columns,
             val_fraction=data.val_fraction,
             seed=data.seed,
             max_reject_fraction=data.max_reject_fraction,

@@ -34,57 +34,15 @@ def promote_best_checkpoint(
     (promotion.json; metadata ``decision``, ``reason``, ``path``, ``checkpoint``, ``perplexity``, ``metric``,
     ``value``, ``base_value``).
     """
-    import json
-    import os
     from collections import namedtuple
 
-    from llmft.components.lib.plan.schema import read_plan
-    from llmft.components.lib.registry.promote import (
-        GateRefused,
-        promote_to_volume,
-        promoted_destination,
-        read_evaluation,
-    )
+    from llmft.components.lib.contracts.schema import read_plan
+    from llmft.components.lib.evaluation.promote import promote_step, verdict, write_promotion
     from llmft.components.lib.step_exit import step_outcome
 
     with step_outcome("promote-best-checkpoint"):
-        run_plan = read_plan(plan.path)
-        root, name, run_id = run_plan.layout.root, run_plan.registry.model_name, run_plan.run_id
-        result = read_evaluation(os.path.join(evaluation.path, "evaluation.json"))  # one line naming a corrupt file
-        destination = str(promoted_destination(root, name, run_id))
-        try:
-            decision = promote_to_volume(
-                result,
-                root,
-                name,
-                run_id,
-                margin=run_plan.registry.promote_margin,
-                metric=run_plan.registry.promote_metric,
-                # serving_mode=lora: vLLM must be able to serve what is registered; auto/merged can merge it
-                max_lora_rank=run_plan.serving.max_lora_rank if run_plan.serving.serving_mode == "lora" else None,
-                guards=[(g.metric, g.tolerance) for g in run_plan.evaluation.guards],
-            )
-        except GateRefused as refused:
-            decision, destination = refused.decision, ""
-
-    verdict = "promoted" if decision.promoted else "not promoted"
-    os.makedirs(promoted.path, exist_ok=True)
-    with open(os.path.join(promoted.path, "promotion.json"), "w") as fh:
-        json.dump(decision.to_dict(), fh, indent=2, sort_keys=True)
-    promoted.metadata.update(
-        {
-            "decision": verdict,
-            "reason": decision.reason,
-            "path": destination,
-            "checkpoint": decision.checkpoint,
-            "step": decision.step,
-            "perplexity": decision.perplexity,
-            "base_perplexity": decision.base_perplexity,
-            "metric": decision.metric,
-            "value": decision.value,
-            "base_value": decision.base_value,
-        }
-    )
-    print(f"{verdict}: {decision.reason}")
+        decision, destination = promote_step(read_plan(plan.path), evaluation.path)
+    promoted.metadata.update(write_promotion(decision, destination, promoted.path))
+    print(f"{verdict(decision)}: {decision.reason}")
     PromoteOutputs = namedtuple("PromoteOutputs", ["decision", "reason"])  # noqa: N806  # KFP reads the fields by name
-    return PromoteOutputs(verdict, decision.reason)
+    return PromoteOutputs(verdict(decision), decision.reason)

@@ -43,86 +43,36 @@ def register_model(
     Outputs: ``registration`` (registration.json; metadata ``registered``, ``version``, ``is_champion``,
     ``model_uri``).
     """
-    import json
-    import os
-    from pathlib import Path
+    from llmft.components.lib.contracts.schema import read_plan
+    from llmft.trainer.quiet import quiet_known_noise
 
-    from llmft.components.lib.plan.schema import read_plan
-    from llmft.components.lib.registry.mlflow_registry import (
-        Lineage,
-        register_adapter,
-        registration_from_run,
-        registry_client,
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
+    from llmft.components.lib.registry.register_step import (
+        RegisterInputs,
+        register_run,
+        registration_line,
+        write_registration,
     )
-    from llmft.components.lib.registry.register_step import not_registered, registry_store_faults
-    from llmft.components.lib.serving.serving_form import EXPORT_MANIFEST_FILE, FORM_FILE, read_form
+    from llmft.components.lib.serving.serving_form import form_files, read_form
     from llmft.components.lib.step_exit import step_outcome
-    from llmft.trainer.io import TRAINING_MANIFEST
-
-    def read(artifact, name):
-        with open(os.path.join(artifact.path, name)) as fh:
-            return json.load(fh)
 
     with step_outcome("register-model"):
         run_plan = read_plan(plan.path)
-        registry = run_plan.registry
         form = read_form(serving.path)
-        if not registry.enabled:
-            facts = not_registered(registry.model_name)
-        else:
-            lineage = Lineage(
-                pipeline_run_id=run_plan.run_id,
-                task=task_name,
-                dataset_hash=str(tokenized.metadata["cache_key"]),
-                base_model=run_plan.trainer.model,
-                dataset=run_plan.data.dataset,
-                checkpoint=str(promoted.metadata["checkpoint"]),
-            )
-            extras = (
-                Path(evaluation.path) / "evaluation.json",
-                Path(promoted.path) / "promotion.json",
-                Path(run.path) / TRAINING_MANIFEST,
-                Path(serving.path) / FORM_FILE,
-                Path(serving.path) / EXPORT_MANIFEST_FILE,  # merged form only (a missing file is skipped)
-            )
-            evaluated = read(evaluation, "evaluation.json")
-            promotion = Path(promoted.path) / "promotion.json"
-            reg = registration_from_run(
-                promoted_dir=promoted.metadata["path"],
-                evaluation=evaluated,
-                training_manifest=read(run, TRAINING_MANIFEST),
-                model_name=registry.model_name,
-                experiment=registry.experiment,
-                lineage=lineage,
-                extra_artifacts=extras,
-                tags=form.tags(),
-                promotion=read(promoted, "promotion.json") if promotion.is_file() else None,
-            )
-            mlflow_secret = next((s.name for s in run_plan.task_secrets if s.kind == "mlflow"), "")
-            client = registry_client(registry.tracking_uri or None, mlflow_secret)
-            uri = registry.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-            with registry_store_faults(client, uri, registry.experiment):
-                facts = register_adapter(reg, client=client)
+        inputs = RegisterInputs(
+            evaluation_dir=evaluation.path,
+            promoted_dir=promoted.path,
+            run_dir=run.path,
+            promoted_adapter=promoted.metadata["path"],
+            checkpoint=str(promoted.metadata["checkpoint"]),
+            cache_key=str(tokenized.metadata["cache_key"]),
+            task_name=task_name,
+        )
+        facts, evaluated = register_run(run_plan, inputs, form_tags=form.tags(), form_files=form_files(serving.path))
+        if evaluated is not None:
             from llmft.components.lib.evaluation.comparison import record_registration  # into the Langfuse trace
 
-            facts["langfuse_linked"] = record_registration(facts, evaluated, registry.tracking_uri)
+            facts["langfuse_linked"] = record_registration(facts, evaluated, run_plan.registry.tracking_uri)
     facts["served_form"] = form.form
-
-    os.makedirs(registration.path, exist_ok=True)
-    with open(os.path.join(registration.path, "registration.json"), "w") as fh:
-        json.dump(facts, fh, indent=2, sort_keys=True)
-    registration.metadata.update(
-        {
-            "registered": facts["registered"],
-            "model_name": facts["model_name"],
-            "version": facts["version"],
-            "is_champion": facts["is_champion"],
-            "run_id": facts.get("run_id"),
-            "model_uri": facts.get("model_uri"),
-        }
-    )
-    if facts["registered"]:
-        name, version, uri = facts["model_name"], facts["version"], facts["model_uri"]
-        print(f"registered {name} version {version} ({uri}): {facts['alias_reason']}")
-    else:
-        print(f"not registered: {facts['reason']}")
+    registration.metadata.update(write_registration(facts, registration.path))
+    print(registration_line(facts))

@@ -25,7 +25,10 @@ def choose_serving_form(
     Outputs: ``serving`` (serving.json: form, reason, servability problems, the directory to serve,
     the export manifest; metadata ``form``, ``model_dir``), read by register and deploy.
     """
-    from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.contracts.schema import read_plan
+    from llmft.trainer.quiet import quiet_known_noise
+
+    quiet_known_noise()  # the libraries' known noise off the task's log (llmft/trainer/quiet.py)
 
     run_plan = read_plan(plan.path)
     run_plan.layout.use_hf_cache()  # a hub base model is read from the volume's cache: before transformers

@@ -1,6 +1,6 @@
 """Step 2b of the HPO pipeline: sweep the training hyperparameters with Katib.
 
-Thin: the logic is ``llmft.components.lib.jobs.sweep.run_sweep_step`` (Experiment built from llmft/katib/
+Thin: the logic is ``llmft.components.lib.jobs.katib_sweep.run_sweep_step`` (Experiment built from llmft/katib/
 and the plan's job, submitted through components.lib.cluster, waited for, best trial read back).
 """
 
@@ -36,8 +36,8 @@ def sweep_hyperparameters(
     import os
     import shlex
 
-    from llmft.components.lib.jobs.sweep import run_sweep_step
-    from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.contracts.schema import read_plan
+    from llmft.components.lib.jobs.katib_sweep import run_sweep_step
 
     run_plan = read_plan(plan.path)
     result = run_sweep_step(run_plan, tokenized_dir=tokenized.metadata["path"], output_dir=sweep.path)

@@ -25,7 +25,7 @@ def tokenize_dataset(
     import json
     import os
 
-    from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.components.lib.task_attempts import task_attempt
 
     run_plan = read_plan(plan.path)

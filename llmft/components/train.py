@@ -1,5 +1,5 @@
 """Step 3: fine-tune on the plan's training backend (llmft/components/lib/jobs/backends.py): a PyTorchJob
-(kubeflow) or TrainJob on the cluster, or `llmft train` here (local)."""
+(pytorchjob) or TrainJob on the cluster, or `llmft train` here (local)."""
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
@@ -18,7 +18,7 @@ def train_model(
 ):
     """Run the project's trainer on the tokenized shards and output the run directory.
 
-    ``training_backend=kubeflow`` builds the plan's PyTorchJob (Master + Workers running
+    ``training_backend=pytorchjob`` builds the plan's PyTorchJob (Master + Workers running
     ``llmft train --nproc N --config <run_dir>/config.yaml data=<tokenized>``: the config the plan
     step resolved and wrote, plus the tokenized data only tokenize knows; restart policy ExitCode, the plan's image,
     resources, node selector, data PVC and Secrets), submits it through the Training Operator,
@@ -49,10 +49,10 @@ def train_model(
     import os
     import shlex
 
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.components.lib.jobs.backends import backend_for
     from llmft.components.lib.jobs.loss_curve import render_loss_html
     from llmft.components.lib.jobs.pytorchjob_launch import read_training_manifest, training_metrics
-    from llmft.components.lib.plan.schema import read_plan
     from llmft.components.lib.registry.lineage import job_env_with_parent, open_for_training, tag_training_run
     from llmft.trainer.io import TRAINING_MANIFEST
 

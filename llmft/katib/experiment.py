@@ -4,7 +4,7 @@ The Experiment is built from Katib's own typed API models (``kubeflow-katib-api`
 and its trial template is the project's PyTorchJob, given as a plain dict with
 ``${trialParameters.<name>}`` placeholders in the trainer's ``key=value``
 overrides. llmft/katib/ builds no job itself; the callers (``llmft sweep``, the KFP sweep
-component) render it with ``llmft.components.lib.jobs.sweep.sweep_trial_job`` (the trainer's
+component) render it with ``llmft.components.lib.jobs.katib_sweep.sweep_trial_job`` (the trainer's
 ``llmft train --config <run_dir>/config.yaml data=... output_dir=<trial> <fixed> <searched>``)
 and pass the dict in::
 

@@ -48,20 +48,6 @@ def parse_metric_lines(
     return observations
 
 
-ZERO_TIME = "0001-01-01T00:00:00Z"
-"""The timestamp Katib's collector records for a metric line that does not begin with one (Go's
-``time.Time{}.UTC().Format(time.RFC3339)``)."""
-_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|[+-]\d{2}:\d{2})")
-
-
-def collector_timestamp(line: str) -> str:
-    """The timestamp Katib's collector gives the metrics of ``line``: its first word (up to the first
-    space) when that parses as RFC 3339, else :data:`ZERO_TIME` (kubeflow/katib v0.19.0
-    pkg/metricscollector/v1beta1/file-metricscollector/file-metricscollector.go 89-99)."""
-    first, space, _ = line.partition(" ")
-    return first if space and _RFC3339.fullmatch(first) else ZERO_TIME
-
-
 def reduce_metric(values: Sequence[float], strategy: str) -> float | None:
     """One value per metric the way Katib extracts it (min, max or latest); None when unreported."""
     finite = [v for v in values if math.isfinite(v)]

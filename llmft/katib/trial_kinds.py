@@ -169,7 +169,7 @@ def trial_resource_problem(config_text: str, kind: TrialKind) -> str | None:
         f"Katib's ConfigMap {KATIB_CONFIG_MAP} ({KATIB_CONFIG_KEY}, init.controller.trialResources) does not list "
         f"{wanted}: Katib would create {kind.kind} trials and never see them end. Add {wanted} to trialResources "
         f"and restart katib-controller (kubectl -n {KATIB_NAMESPACE} rollout restart deploy/katib-controller), "
-        "or sweep with training_backend=kubeflow (PyTorchJob trials)"
+        "or sweep with training_backend=pytorchjob (PyTorchJob trials)"
     )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llmft.components.lib.plan.forms import Form, form_parameter, rename_note, renamed
+from llmft.components.lib.plan.parameters import BY_NAME
 from llmft.trainer.assets.sample_data.generate_facts import PROBES
 from llmft.trainer.config_load import parse_bool, split_assignment
 from llmft.trainer.data.samples import sample_path
@@ -104,6 +105,10 @@ DEMO_DEFAULTS: dict[str, Any] = {
     **REAL_LOCAL_DEFAULTS,
     "dataset": "sample:velmora_three_facts",
     "finetune_max_steps": 6,
+    # the pipeline's own defaults, fractions of the run (an evaluation every step, a checkpoint every 2 of the 6):
+    # the run summary shows the eval curve a user's run shows (docs/evaluation.md, Cost: what they add here)
+    "finetune_eval_every": BY_NAME["finetune_eval_every"].default,
+    "finetune_save_every": BY_NAME["finetune_save_every"].default,
     "finetune_overrides": "log_every=2 keep_last=1 schedule.warmup_steps=1 observe.progress_bar=false",
     "promote_eval_max_questions": DEMO_QUESTIONS,
     "promote_eval_questions": "sample:velmora_questions",
@@ -111,9 +116,10 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "serving_deploy_mode": "local",
 }
 """``llmft pipeline run-local`` (``make demo``): the short profile of the real model. The rows of three made-up
-facts (75), 6 LoRA steps, one checkpoint; the evaluate step scores base and adapter on held-out phrasings of
-those facts (contains the fact's keyword), the promote gate follows that score, and the deploy step's check
-generates with transformers (no vLLM). LOCAL_DEFAULTS <- these <- the command line's."""
+facts (75), 6 LoRA steps evaluated at every step and checkpointed every 2 (the pipeline's fractional defaults:
+the summary's curve), the last and the best checkpoint kept; the evaluate step scores base and adapters on
+held-out phrasings of those facts (contains the fact's keyword), the promote gate follows that score, and the
+deploy step's check generates with transformers (no vLLM). LOCAL_DEFAULTS <- these <- the command line's."""
 TINY_WORK_DIR = "runs/pipeline-tiny"
 
 OWN_DATA_DEFAULTS: dict[str, Any] = {

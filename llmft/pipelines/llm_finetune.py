@@ -4,9 +4,9 @@ then the run summary (Markdown) on either branch of the promote decision.
 
 Every form of the pipeline is built here, from one definition (:func:`build_pipeline`): the full one
 (``llm-finetune``), the HPO one (``llm-finetune-hpo``, llmft/pipelines/llm_finetune_hpo.py), their minimal
-forms (``-minimal``: about ten run parameters, the others compiled in) and the form kfp.local runs. Which
-parameters a form offers, with their types, defaults and descriptions, comes from their one declaration
-(``PipelineParameters``, llmft/components/lib/plan/parameters.py): KFP's decorator reads the pipeline
+forms (``-minimal``: eleven run parameters, twelve with the sweep's, the others compiled in) and the form
+kfp.local runs. Which parameters a form offers, with their types, defaults and descriptions, comes from their
+one declaration (``PipelineParameters``, llmft/components/lib/plan/parameters.py): KFP's decorator reads the pipeline
 function's ``inspect.signature`` and its docstring's Args, so they reach the compiled YAML and the KFP UI.
 The others are passed to the plan step as the constants they were compiled with. The first task,
 ``plan-run``, checks them all and writes plan.json; every later task takes the plan plus its data artifacts.
@@ -18,9 +18,9 @@ The platform settings are applied here, once, from each step's record (llmft/com
   the image's ``USER`` gives the same uid; the volume's root must belong to it: lib/plan/volume_access.py);
 * CPU and memory requests and limits of every task come from the ``step_*`` parameters of its resource group
   (resolved by the KFP backend at run time, 2.4 onwards);
-* the Secrets named by ``hf_token_secret`` / ``mlflow_secret`` / ``langfuse_secret`` are mounted as environment
-  variables into the tasks that need them, without ``optional`` (ignored by KFP backends before
-  2.15, kubeflow/pipelines#12216); like the evaluate task's ``gpu_node_selector`` they are fixed
+* the Secrets named by ``hf_token_secret`` / ``mlflow_secret`` / ``langfuse_secret`` / ``s3_secret`` are mounted
+  as environment variables into the tasks that need them (lib/plan/steps.py), without ``optional`` (ignored by
+  KFP backends before 2.15, kubeflow/pipelines#12216); like the evaluate task's ``gpu_node_selector`` they are fixed
   when compiling (``llmft pipeline compile ... hf_token_secret=NAME``) and are no run parameters, because
   backends before 2.5 cannot take a Secret name or a node selector from a parameter;
 * the train task has a timeout and retries (it resumes from the newest checkpoint), prepare and tokenize
@@ -47,12 +47,12 @@ from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
 from llmft.components.images import IMAGE_UID, all_images
-from llmft.components.lib.jobs.pytorchjob_spec import GPU_TOLERATION
+from llmft.components.lib.contracts.pod_parts import GPU_TOLERATION
+from llmft.components.lib.contracts.schema import DATA_MOUNT, PROMOTED, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.lib.plan.checks import SECRET_PARAMETERS, compiled_settings, parse_node_selector, parse_secret
 from llmft.components.lib.plan.forms import Form, renamed
 from llmft.components.lib.plan.parameters import PARAMETERS, Parameter, compile_time_defaults
-from llmft.components.lib.plan.schema import DATA_MOUNT, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
-from llmft.components.lib.plan.steps import PROMOTED, RESOURCE_PARAMETERS, STEP, task_order
+from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS, STEP, task_order
 from llmft.components.plan import plan_run
 from llmft.components.prepare_dataset import prepare_dataset
 from llmft.components.promote import promote_best_checkpoint

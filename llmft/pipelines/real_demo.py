@@ -20,9 +20,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.evaluation.checkpoints import generation_rows, task_scores
-from llmft.components.lib.evaluation.task_eval import beats, metric_value
-from llmft.components.lib.plan.schema import read_plan
+from llmft.components.lib.contracts.metrics import beats, metric_value, task_scores
+from llmft.components.lib.contracts.schema import read_plan
+from llmft.components.lib.evaluation.checkpoints import generation_rows
 from llmft.components.lib.serving.deployment import deploy_promoted, plan_deploy_request
 from llmft.components.lib.serving.serving_form import merged_model
 from llmft.pipelines.defaults import DEMO_PROBES

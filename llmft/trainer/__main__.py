@@ -20,6 +20,7 @@ import threading
 from llmft.trainer.config_load import config_to_yaml, load_config_checked
 from llmft.trainer.errors import EXIT_OK, SignalStop
 from llmft.trainer.failures import Teller, describe_failure
+from llmft.trainer.quiet import quiet_known_noise
 from llmft.trainer.rank_exits import write_rank_exit
 
 EPILOG = """examples:
@@ -55,6 +56,7 @@ def _rank_prefix() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()  # the libraries' known noise (llmft/trainer/quiet.py), in every rank
     args = build_parser().parse_intermixed_args(argv)  # key=value words before and after the options
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop_while_starting) if main_thread else None  # build() sets its own

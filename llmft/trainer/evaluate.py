@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from llmft.trainer import fp8
 from llmft.trainer.data.loader import MicroBatch, eval_micro_batches
 from llmft.trainer.data.shards import IGNORE_INDEX, open_split
 from llmft.trainer.distributed import DistInfo, all_reduce_sum
-from llmft.trainer.errors import DataError, LlmftError
+from llmft.trainer.errors import DataError
 from llmft.trainer.loss import loss_fn, token_nll_sum
 from llmft.trainer.model import register_attention, resolve_dtype
+from llmft.trainer.model_dir import check_model_files
 
 
 def perplexity(loss: float) -> float:
@@ -185,6 +184,8 @@ class PerplexityEvaluator:
     def applied(self, model_path: str, adapter_path: str | None = None):
         """The model at ``model_path`` (loaded only when it is not the one kept) with the adapter at
         ``adapter_path`` applied, in eval mode; the adapter is removed on exit."""
+        if adapter_path:
+            check_model_files(adapter_path, what="adapter")  # a damaged adapter is named before anything loads
         model = self._base(model_path)
         if adapter_path:
             # heavy: peft
@@ -192,9 +193,8 @@ class PerplexityEvaluator:
 
             try:
                 model = PeftModel.from_pretrained(model, adapter_path)
-            except BaseException as exc:
+            except BaseException:
                 self._path = self._model = None  # a half-injected base is never used again
-                raise_corrupt_file(adapter_path, exc)
                 raise
         try:
             yield model.eval()
@@ -213,45 +213,10 @@ class PerplexityEvaluator:
                 "revision": self.revision,
                 "use_safetensors": True,
             }
-            try:
-                self._model = fp8.load_base_model(model_path, self.revision, "lora", kwargs).to(self.device)
-            except Exception as exc:
-                raise_corrupt_file(model_path, exc)
-                raise
+            # a damaged base is named before it loads (model_dir.check_model_files, in fp8.load_base)
+            self._model = fp8.load_base_model(model_path, self.revision, "lora", kwargs).to(self.device)
             self._path = model_path
         return self._model
-
-
-def corrupt_file(folder: str | Path) -> tuple[Path, str] | None:
-    """The first JSON or safetensors file of a model or adapter folder that does not parse, with why."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    for path in sorted(folder.glob("*.json")):
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            return path, f"not JSON ({exc})"
-    for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(path), "pt") as handle:
-                for key in handle.keys():
-                    handle.get_slice(key)
-        except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary by version
-            return path, f"not a complete safetensors file ({' '.join(str(exc).split())[:160]})"
-    return None
-
-
-def raise_corrupt_file(folder: str | Path, exc: BaseException) -> None:
-    """After a failed load: DataError naming the file of ``folder`` that is corrupt (truncated weights, a config
-    that is not JSON), if one is; nothing otherwise (the original error stands)."""
-    if isinstance(exc, LlmftError):
-        return
-    found = corrupt_file(folder)
-    if found is not None:
-        raise DataError(
-            f"{found[0]}: {found[1]}; the file is damaged (a copy cut short, a full disk): restore or re-create it"
-        ) from exc
 
 
 def _without_adapter(peft_model):

@@ -31,7 +31,7 @@ import torch
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.hf_files import TOKENIZER_FILES
 from llmft.trainer.io import TRAINING_MANIFEST, atomic_directory, atomic_write_json, sha256_file, share_files
-from llmft.trainer.model_dir import check_weights, content_hash
+from llmft.trainer.model_dir import check_model_files, content_hash
 from llmft.trainer.safe_files import copy_file, present, read_text
 
 EXPORT_MANIFEST = "export_manifest.json"
@@ -274,7 +274,7 @@ def _write_merged(
             f"base model {base.directory} is stored {base.fmt.describe()}: merging needs its dense (or FP8) "
             "weights, never 4-bit ones. Pass --base with the unquantized model"
         )
-    check_weights(base.directory)  # a damaged base is named as such, not as "trained on another base"
+    check_model_files(base.directory)  # a damaged base is named as such, not as "trained on another base"
     check_base_identity(base.directory, prov)
     facts: dict = {}
 

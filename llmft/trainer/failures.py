@@ -24,7 +24,6 @@ IMPORT_NAMES = {
     "mlflow-skinny": "mlflow",
     "kfp-kubernetes": "kfp.kubernetes",
     "kubeflow-training": "kubeflow.training",
-    "kubeflow-katib-api": "kubeflow.katib",
     "kubernetes-validate": "kubernetes_validate",
     "pyyaml": "yaml",
     "lm-eval": "lm_eval",

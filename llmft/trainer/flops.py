@@ -194,20 +194,6 @@ def step_flops(
     return dense + attention_flops(shape, doc_lengths)
 
 
-def flops_per_token(
-    shape: ModelShape,
-    method: str,
-    doc_lengths: Sequence[int],
-    lora_rank: int = 16,
-    lora_targets: Iterable[str] = ALL_LINEAR,
-) -> float:
-    """Average model FLOPs per real token for a batch of documents (what MFU multiplies tokens/s by)."""
-    tokens = sum(int(n) for n in doc_lengths)
-    if tokens == 0:
-        return 0.0
-    return step_flops(shape, method, doc_lengths, lora_rank, lora_targets) / tokens
-
-
 def peak_flops(device_name: str) -> float | None:
     """Dense bf16 peak FLOP/s for a device name such as 'NVIDIA H100 80GB HBM3'; None if unknown."""
     name = device_name.upper()

@@ -36,7 +36,7 @@ from llmft.trainer.errors import ConfigError
 from llmft.trainer.fp8_format import FINEGRAINED, BaseFormat, QuantFormat, quant_format, read_model_config
 from llmft.trainer.io import atomic_directory, is_complete, share_files
 from llmft.trainer.merge import BaseCheckpoint, rewrite_checkpoint
-from llmft.trainer.model_dir import check_weights, content_hash
+from llmft.trainer.model_dir import check_model_files, content_hash
 from llmft.trainer.output_lock import output_lock
 from llmft.trainer.quant4bit import quantize_linears_4bit
 from llmft.trainer.safe_files import copy_file
@@ -133,7 +133,7 @@ def load_base(name_or_path: str, revision: str | None, method: str, kwargs: dict
     from transformers import AutoModelForCausalLM
 
     plan = load_plan(name_or_path, revision, method, kwargs)
-    check_weights(plan.path)  # a truncated local base: one line naming the file, not safetensors' internal error
+    check_model_files(plan.path)  # a damaged local base: one line naming the file, not an error deep in the load
     with warnings.catch_warnings():  # "the quantization_config from the model will be used": meant so
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(plan.path, **plan.kwargs)

@@ -1,7 +1,7 @@
 """The files of a Hugging Face model folder that make up its tokenizer (and chat template).
 
 Torch-free on purpose: the promote step runs on the pipeline image, which has no torch; export
-(llmft/trainer/export.py) and promote (llmft/components/lib/registry/promote.py) copy the same set.
+(llmft/trainer/export.py) and promote (llmft/components/lib/evaluation/promote.py) copy the same set.
 
 Also how a hub load failure is told apart: the hub not answering is transient (exit 200, the
 pipeline retries the step), anything else is the input's (exit 1)."""

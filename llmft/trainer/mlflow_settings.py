@@ -34,7 +34,7 @@ from llmft.trainer.errors import TransientError
 
 PARENT_RUN_ENV = "LLMFT_MLFLOW_PARENT_RUN_ID"
 """The MLflow run a trainer's run nests under (a sweep's parent run): set by the sweep (llmft/katib/tracking.py,
-llmft/components/lib/jobs/sweep.py) on each trial, read by the trainer (llmft/trainer/observe.py)."""
+llmft/components/lib/jobs/katib_sweep.py) on each trial, read by the trainer (llmft/trainer/observe.py)."""
 
 CONNECT_TIMEOUT_S = 5.0
 HTTP_SETTINGS = {

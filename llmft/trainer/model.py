@@ -259,15 +259,6 @@ def parameter_counts(model) -> dict[str, int]:
     return {"total": total, "trainable": trainable, "matmul": matmul, "adapter": adapter}
 
 
-def attention_width(model) -> tuple[int, int]:
-    """(num layers, heads x head_dim) of the decoder, for attention FLOPs."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "num_hidden_layers"):
-        config = model.get_base_model().config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers, config.num_attention_heads * head_dim
-
-
 def base_model_identity(model_cfg: ModelConfig, model) -> dict:
     """Base model id plus revision (hub commit) or a content hash (local directory)."""
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config

@@ -2,12 +2,12 @@
 
 :func:`check_model_dir` looks at the files only, not what they hold: ``config.json``, safetensors weights
 (``model.safetensors``, or the shards a ``model.safetensors.index.json`` names, each whole by its header and
-size: :func:`check_weights`, which every base load runs too) and a fast tokenizer (``tokenizer.json``). A
-missing or damaged piece is a one-line :class:`~llmft.trainer.errors.DataError` naming the directory and the
-fix, where otherwise tokenizing would succeed and the train step would fail minutes later. The pipeline's
-tokenize step calls it first (llmft/components/lib/plan/tokenized.py); a missing chat template is the
-tokenizer's own check (:func:`llmft.trainer.data.templates.missing_template_error`), also before any row is
-tokenized. A hub id (no such local directory) is not checked here: the loaders report it.
+size: :func:`check_model_files`, which every load of a base or an adapter runs too) and a fast tokenizer
+(``tokenizer.json``). A missing or damaged piece is a one-line :class:`~llmft.trainer.errors.DataError`
+naming the directory and the fix, where otherwise tokenizing would succeed and the train step would fail
+minutes later. The pipeline's tokenize step calls it first (llmft/components/lib/plan/tokenized.py); a
+missing chat template is the tokenizer's own check (:func:`llmft.trainer.data.templates.missing_template_error`),
+also before any row is tokenized. A hub id (no such local directory) is not checked here: the loaders report it.
 
 :func:`content_hash` identifies a local base model's files (the run manifest records it; export and the
 FP8 dequantized copy check against it).
@@ -44,7 +44,7 @@ def check_model_dir(model: str) -> None:
     missing = missing_weights(path)
     if missing:
         raise DataError(f"model {model}: {missing}. Fix: {FIX_WRITE} (safetensors weights)")
-    check_weights(path)
+    check_model_files(path)
     if not (path / "tokenizer.json").is_file():
         raise DataError(
             f"model {model}: no tokenizer.json (a fast tokenizer). Fix: save the tokenizer into it "
@@ -80,22 +80,57 @@ def weight_files(path: Path) -> list[Path]:
     return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
 
 
-def check_weights(model: str | os.PathLike) -> None:
-    """A one-line DataError naming the first weight file of the local model directory ``model`` that cannot be
-    whole (truncated by a full disk or a copy cut short, a corrupt header): read from the headers and the file
-    sizes, before any load (safetensors' own error is an internal one, and a hash check would call it
-    another model). A hub id is left to the loader."""
-    path = Path(model).expanduser()
+LOADED_JSON = (
+    "config.json",
+    "generation_config.json",
+    WEIGHTS_INDEX,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "adapter_config.json",
+)
+"""The JSON files transformers and PEFT read from a model or adapter folder (another JSON file there is not ours
+to judge: it may be anything, and no load reads it)."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DAMAGED_FIX = {
+    "model": f"copy or download the model again, or {FIX_WRITE}",
+    "adapter": "copy it again from where it came from (its run's checkpoints/step-N or final/), or train it again",
+}
+
+
+def check_model_files(folder: str | os.PathLike, *, what: str = "model") -> None:
+    """The one rule for damaged model files, applied before any load (train, ``export --merge``, the evaluate
+    step's base and every adapter, the tokenize step's model check): a one-line DataError naming the first file
+    of the local model (``what="model"``) or adapter (``"adapter"``) folder that cannot be whole: a JSON file a
+    loader reads (:data:`LOADED_JSON`) that does not parse, or a weight file truncated (a full disk, a copy cut
+    short) or with a corrupt header, told from its header and size. safetensors' own error is an internal one
+    deep in the load, and a hash check would call a damaged base another model. A hub id is left to the loader."""
+    path = Path(folder).expanduser()
     if not path.is_dir():
         return
-    for file in weight_files(path):
+    for name in LOADED_JSON:
+        problem = _json_problem(path / name)
+        if problem:
+            raise DataError(f"{what} {folder}: {problem}: the {what}'s files are damaged. Fix: {DAMAGED_FIX[what]}")
+    adapter = [path / ADAPTER_WEIGHTS] if (path / ADAPTER_WEIGHTS).is_file() else []
+    for file in weight_files(path) + adapter:
         try:
             safetensors_problem(file)
         except Corrupt as exc:
             raise DataError(
-                f"model {model}: {exc}: the model's weights are damaged. Fix: copy or download the model again, or "
-                f"{FIX_WRITE}"
+                f"{what} {folder}: {exc}: the {what}'s weights are damaged. Fix: {DAMAGED_FIX[what]}"
             ) from None
+
+
+def _json_problem(file: Path) -> str:
+    """'' when ``file`` is absent or parses as JSON, else what is wrong with it (naming it)."""
+    if not file.is_file():
+        return ""
+    try:
+        json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return f"{file}: not JSON ({' '.join(str(exc).split())[:120]})"
+    return ""
 
 
 def content_hash(directory: Path, full_limit: int = 2 << 30) -> tuple[str, str]:

@@ -37,8 +37,8 @@ def test_an_unexpected_exception_is_a_bug_and_a_user_error_keeps_its_lines():
 @pytest.mark.parametrize(
     "module, extra",
     [("kfp", "executor"), ("optuna", "katib"), ("transformers", "trainer"), ("peft", "trainer"),
-     ("pyarrow", "trainer"), ("langfuse", "observe"), ("kfp.kubernetes", "pipeline"), ("kubeflow.katib", "katib"),
-     ("mlflow", "observe")],
+     ("pyarrow", "trainer"), ("langfuse", "observe"), ("kfp.kubernetes", "pipeline"),
+     ("kubeflow_katib_api.models", "katib"), ("mlflow", "observe")],
 )  # fmt: skip
 def test_a_missing_package_is_bad_input_naming_the_extra_that_brings_it(module, extra):
     """Read from the installed metadata (setup.cfg's extras): exit 1, never "internal error ... This is a bug"."""
@@ -54,6 +54,8 @@ def test_a_commands_own_extras_win_where_several_bring_the_package():
     assert extras_providing("kfp") == ["executor", "pipeline"]
     assert extras_providing("mlflow") == ["observe", "pipeline"]  # mlflow-skinny, mlflow: both import as mlflow
     assert extras_providing("kubernetes_validate") == ["dev"] and extras_providing("yaml") == []
+    # kubeflow-katib-api imports as kubeflow_katib_api (0.19: the module llmft/katib imports), not kubeflow.katib
+    assert extras_providing("kubeflow_katib_api.models") == ["katib"]
     assert missing_package(ModuleNotFoundError(name="pytest")) == (
         "this command needs the Python package 'pytest', which is not installed here; install the extra it comes "
         "with: pip install 'kfp-llm-finetune[dev]'"

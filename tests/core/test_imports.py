@@ -305,14 +305,18 @@ def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_plan_schema_is_the_bottom_of_components_lib():
-    """llmft/components/lib/plan/schema.py imports no other module of components (everything there may import it)."""
-    path = REPO / "llmft" / "components" / "lib" / "plan" / "schema.py"
+def test_the_contracts_are_the_bottom_of_components_lib():
+    """llmft/components/lib/contracts/ (the plan's schema, volume paths, pod parts, metric definitions) imports no
+    other module of components, not even inside a function: every concern may import it, it imports none back
+    (issue 48.1; pyproject.toml's layers contract holds the folders above it)."""
+    folder = REPO / "llmft" / "components" / "lib" / "contracts"
     siblings = [
-        f"line {line}: {name}"
+        f"{path.name} line {line}: {name}"
+        for path in sorted(folder.glob("*.py"))
         for line, name in imports(path, import_time_only=False)
-        if _under(name, ("llmft.components",))
+        if _under(name, ("llmft.components",)) and not _under(name, ("llmft.components.lib.contracts",))
     ]
+    assert len(list(folder.glob("*.py"))) >= 5
     assert not siblings, siblings
 
 

@@ -59,7 +59,7 @@ def test_the_command_line_round_trips_through_the_grammar():
 
 def test_a_trial_override_without_equals_sign_is_refused_not_ignored():
     """The sweep's clash check read ``o.split("=", 1)[0]``: a bare word passed it and failed later in every trial."""
-    from llmft.components.lib.jobs.sweep import check_trial_overrides
+    from llmft.components.lib.jobs.katib_sweep import check_trial_overrides
     from llmft.katib.experiment import SweepSpec
 
     with pytest.raises(ConfigError, match="`max_steps`: expected key=value"):

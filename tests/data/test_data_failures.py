@@ -510,6 +510,7 @@ def test_failure_modes_doc_has_a_row_per_test(repo_root):
         repo_root / "tests" / "pipeline" / "test_local_run_operator.py",
         repo_root / "tests" / "pipeline" / "test_promote_decision.py",
         repo_root / "tests" / "pipeline" / "test_registry_store_full.py",
+        repo_root / "tests" / "pipeline" / "test_eval_disk_full.py",
         repo_root / "tests" / "core" / "test_cli_inputs.py",
         repo_root / "tests" / "data" / "test_data_text_inputs.py",
         repo_root / "tests" / "core" / "test_probe_failures.py",

@@ -126,7 +126,7 @@ def test_rows_nested_without_bound_in_csv_hub_or_json_sources_are_too_deep_rejec
     assert [r["line"] for r in rejects] == [6, 11] and "column `messages` nests" in rejects[0]["message"]
 
     hub_rows = [chat(f"Q{i}?", f"A{i}.") for i in range(8)] + [{"messages": _nested(50_000)}]
-    monkeypatch.setattr(sources, "load_hub_dataset", lambda spec, split: iter(hub_rows))
+    monkeypatch.setattr(sources, "load_hub_dataset", lambda spec, split, config="": iter(hub_rows))
     report = prepare_dataset("org/deep", tmp_path / "hub", val_fraction=0.0, max_reject_fraction=0.2)
     assert (report["accepted"], report["reject_reasons"]) == (8, {"too_deep": 1})
     (reject,) = read_jsonl(tmp_path / "hub" / "rejects.jsonl")

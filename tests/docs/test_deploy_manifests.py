@@ -83,6 +83,7 @@ def test_deploy_has_the_manifests_the_cluster_guide_names(deploy_dir):
         "secrets/llmft-hf-token.yaml",
         "secrets/llmft-mlflow.yaml",
         "secrets/llmft-langfuse.yaml",
+        "secrets/llmft-s3.yaml",
     ]:
         assert expected in names, f"deploy/{expected} is missing"
 
@@ -311,13 +312,21 @@ def test_a_backend_whose_kind_the_role_does_not_grant_is_named(rendered):
     ]
 
 
+TASK_ONLY_SECRETS = {"s3": "llmft-s3"}
+"""Secrets only the pipeline's own tasks mount (the s3 one: prepare), never a training job: template names."""
+
+
 def code_secret_keys() -> dict[str, set[str]]:
-    """Secret name -> keys, as the PyTorchJob builder (and so the pipeline) reads them."""
-    from llmft.components.lib.jobs.pytorchjob_spec import DEFAULT_SECRET_ENVS
+    """Secret name -> keys, as the PyTorchJob builder (and so the pipeline) reads them, plus the Secrets only the
+    pipeline's tasks mount, with the keys ``NAME`` alone mounts (llmft/components/lib/plan/checks.py SECRET_KINDS)."""
+    from llmft.components.lib.contracts.pod_parts import DEFAULT_SECRET_ENVS
+    from llmft.components.lib.plan.checks import SECRET_KINDS
 
     keys: dict[str, set[str]] = {}
     for item in DEFAULT_SECRET_ENVS:
         keys.setdefault(item.secret_name, set()).add(item.key)
+    for kind, name in TASK_ONLY_SECRETS.items():
+        keys[name] = set(SECRET_KINDS[kind][0])
     return keys
 
 
@@ -339,7 +348,7 @@ def test_secret_templates_carry_the_keys_and_no_values(deploy_dir):
         assert all(value == "" for value in secret["stringData"].values()), f"{path}: a value is filled in"
         assert path.stem == name, f"{path}: file name should be the Secret's name {name}"
         found[name] = set(secret["stringData"])
-    assert found == code_secret_keys(), "deploy/secrets/ and llmft/components/lib/jobs/pytorchjob_spec.py disagree"
+    assert found == code_secret_keys(), "deploy/secrets/ and llmft/components/lib/ (pytorchjob_spec, checks) disagree"
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +359,7 @@ def compiled_pipeline(tmp_path_factory) -> list[dict]:
     path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
     mlflow = "llmft-mlflow:MLFLOW_TRACKING_URI,MLFLOW_TRACKING_USERNAME,MLFLOW_TRACKING_PASSWORD"
     secrets = {"hf_token_secret": "llmft-hf-token", "mlflow_secret": mlflow, "langfuse_secret": "llmft-langfuse"}
+    secrets["s3_secret"] = "llmft-s3"
     compile_pipeline(str(path), hpo=True, defaults=secrets)
     return list(yaml.safe_load_all(path.read_text()))
 

@@ -8,10 +8,18 @@ import pytest
 from sim_plans import sim_plan
 
 from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.contracts.schema import RUN_ID_LABEL, run_label
 from llmft.components.lib.jobs import backends
-from llmft.components.lib.jobs.backends import Backend, backend_for, register, render_names, run_resources
+from llmft.components.lib.jobs.backends import (
+    NO_TRIALS,
+    OWN_TRIALS,
+    Backend,
+    backend_for,
+    register,
+    render_names,
+    run_resources,
+)
 from llmft.components.lib.jobs.cleanup import cleanup_run
-from llmft.components.lib.plan.schema import RUN_ID_LABEL, run_label
 from llmft.katib.trial_kinds import TRIAL_KINDS, JobResource, TrialKind, trial_kind
 from llmft.trainer.errors import ConfigError
 
@@ -52,7 +60,7 @@ def toy(monkeypatch):
 
     backend = Backend(
         name="toyjob", render_name="toy", resource=TOY, trial_kind=TOY_TRIAL, build=_toy_body, trial_job=trial_job,
-        attach=attach,
+        katib_trials=OWN_TRIALS, attach=attach,
     )  # fmt: skip
     register(backend)
     try:
@@ -63,11 +71,24 @@ def toy(monkeypatch):
 
 
 def test_the_registry_holds_the_three_backends_and_the_pipeline_values():
-    assert list(backends.BACKENDS) == ["kubeflow", "trainjob", "local"]
-    assert render_names() == {"pytorchjob": "kubeflow", "trainjob": "trainjob"}
+    assert list(backends.BACKENDS) == ["pytorchjob", "trainjob", "local"]
+    assert render_names() == {"pytorchjob": "pytorchjob", "trainjob": "trainjob"}
     assert [r.plural for r in run_resources()] == ["pytorchjobs", "experiments", "trainjobs"]  # API order
     with pytest.raises(ConfigError, match="training_backend='rayjob' is not a training backend"):
         backend_for("rayjob")
+
+
+def test_the_older_name_kubeflow_still_means_a_pytorchjob(sim_volume):
+    """Issue 48.6: ``training_backend=kubeflow`` was renamed ``pytorchjob`` (a TrainJob is Kubeflow too); a run,
+    a recurring run or a notebook that still says kubeflow gets the PyTorchJob, its plan under the new name."""
+    assert backend_for("kubeflow") is backend_for("pytorchjob")
+    plan = sim_plan(sim_volume, training_backend="kubeflow")
+    assert plan.job.backend == "pytorchjob"
+    from llmft.commands.render_job import render_job
+
+    arguments = {"training_backend": "kubeflow", "mlflow_tracking_uri": "http://mlflow.example:5000"}
+    body = render_job(arguments, "pytorchjob", run_id="RUN-ID", namespace=None, data="/data/tok")
+    assert body["kind"] == "PyTorchJob"  # not "training_backend=kubeflow contradicts --backend pytorchjob"
 
 
 def test_the_train_step_dispatches_to_a_registered_backend(toy, sim_volume, fake_cluster, monkeypatch):
@@ -84,7 +105,7 @@ def test_the_train_step_dispatches_to_a_registered_backend(toy, sim_volume, fake
 
 def test_render_job_and_the_sweep_build_the_registered_backends_job(toy, sim_volume):
     from llmft.commands.render_job import render_job
-    from llmft.components.lib.jobs.sweep import build_sweep_experiment
+    from llmft.components.lib.jobs.katib_sweep import build_sweep_experiment
     from llmft.katib.experiment import SweepSpec
     from llmft.katib.webhook_rules import check_experiment
 
@@ -106,6 +127,38 @@ def test_render_job_and_the_sweep_build_the_registered_backends_job(toy, sim_vol
     template["primaryContainerName"] = "pytorch"
     with pytest.raises(Exception, match="ToyJob trials need 'toy'"):
         check_experiment(experiment)
+
+
+def test_register_refuses_a_name_or_an_older_name_already_taken():
+    """Issue 48.2: a second module registering ``pytorchjob`` (or ``kubeflow``, its older name) would silently have
+    replaced the first; torchtitan's register_train_spec refuses the same way."""
+    for name, aliases in (("pytorchjob", ()), ("rayjob", ("kubeflow",))):
+        with pytest.raises(ValueError, match="already registered"):
+            register(Backend(name=name, aliases=aliases, katib_trials=NO_TRIALS))
+    assert backend_for("kubeflow").name == "pytorchjob" and "rayjob" not in backends.BACKENDS
+
+
+def test_every_backend_states_its_katib_trial_policy_and_none_is_refused_for_a_sweep(sim_volume):
+    """A backend without Katib trials of its own is refused for a Katib sweep in one line, never silently swept on
+    PyTorchJobs; local's policy says so explicitly (its sweeps run PyTorchJob trials)."""
+    from llmft.components.lib.jobs.katib_sweep import build_sweep_experiment, trial_backend
+    from llmft.katib.experiment import SweepSpec
+
+    assert {b.name: b.katib_trials for b in backends.BACKENDS.values()} == {
+        "pytorchjob": OWN_TRIALS, "trainjob": OWN_TRIALS, "local": "pytorchjob"
+    }  # fmt: skip
+    assert trial_backend("local") is backend_for("pytorchjob")
+    register(Backend(name="plainjob", resource=TOY, attach=lambda *a, **k: {}))  # no policy given: none
+    try:
+        plan = sim_plan(sim_volume, training_backend="plainjob", run_id="run-plain")
+        with pytest.raises(ConfigError, match=r"^training_backend=plainjob has no Katib trials .*hpo_backend=local"):
+            build_sweep_experiment(SweepSpec(name="plain-sweep"), job=plan.job, data="/data/tok")
+    finally:
+        backends.unregister("plainjob")
+    with pytest.raises(ValueError, match="katib_trials='own' needs trial_job"):
+        register(Backend(name="halfjob", katib_trials=OWN_TRIALS))
+    with pytest.raises(ValueError, match="katib_trials='local' runs no trials"):
+        register(Backend(name="halfjob", katib_trials="local"))
 
 
 def test_the_runs_cleanup_deletes_the_registered_kind(toy, fake_cluster, fake_custom_api):

@@ -13,9 +13,9 @@ from kubernetes import client
 from sim_plans import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
+from llmft.components.lib.contracts.schema import RUN_ID_LABEL, JobFailedPermanently, run_label
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.cleanup import cleanup_after_run, cleanup_run
-from llmft.components.lib.plan.schema import RUN_ID_LABEL, JobFailedPermanently, run_label
 
 RUN = "7e1f0c2a-55aa-4c1b-9d3e-31f2a8b6c0de"
 OTHER = "0b9d7c6e-1111-4a2b-8c3d-4e5f60718293"
@@ -138,7 +138,7 @@ def test_sigterm_to_the_sweep_launcher_deletes_its_experiment(
     """The sweep step's launcher, cancelled while it waits: the Experiment (and with it, through
     Katib's ownership, its trials) is deleted before the step exits 143. The Experiment carries the
     run-id label the exit handler finds."""
-    from llmft.components.lib.jobs.sweep import run_sweep_step
+    from llmft.components.lib.jobs.katib_sweep import run_sweep_step
     from llmft.katib.experiment import GROUP, PLURAL, VERSION
 
     launcher = "llm-finetune-x7k2p-system-container-impl-3"

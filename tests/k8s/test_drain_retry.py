@@ -17,11 +17,11 @@ from cluster_sim import ClusterSim
 from kubernetes import client
 from sim_plans import SIM_NAMESPACE, sim_plan
 
+from llmft.components.lib.contracts.schema import run_label
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.cleanup import cleanup_after_run
 from llmft.components.lib.jobs.launcher_pod import KEEP_ANNOTATION, delete_on_sigterm
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
-from llmft.components.lib.plan.schema import run_label
 
 WORKFLOW = "llm-finetune-q4m8z"
 LAUNCHER = f"{WORKFLOW}-system-container-impl-1"

@@ -12,10 +12,10 @@ import pytest
 from sim_plans import sim_plan
 from trainer_v2_sim import make_plan
 
+from llmft.components.lib.contracts.schema import UNKNOWN_GRACE_S
 from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.jobs.grace import CHECKPOINT_WRITE_BYTES_PER_S, STOP_S, grace_period_s
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
-from llmft.components.lib.plan.schema import UNKNOWN_GRACE_S
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.plan.volume_space import run_footprint
 
 
@@ -56,10 +56,10 @@ def _pod_specs(body: dict) -> list[dict]:
     return found
 
 
-@pytest.mark.parametrize("backend", ["kubeflow", "trainjob"])
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_every_training_pod_and_trial_carries_the_grace(backend):
     plan = make_plan(training_backend=backend, training_workers=2)
-    spec = build_pytorchjob_spec(plan.job, plan.trainer.launch("/data/tokenized/k"))
+    spec = build_job_spec(plan.job, plan.trainer.launch("/data/tokenized/k"))
     job, trial = (
         backend_for(backend).build_job(plan.job, spec),
         backend_for(backend).build_trial_job(plan.job, spec, True),

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from llmft.components import images
+from llmft.components.lib.contracts.schema import TrainerLaunch
 from llmft.components.lib.jobs.local_train import train_command
-from llmft.components.lib.plan.schema import TrainerLaunch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT / "tools") not in sys.path:
@@ -78,7 +78,7 @@ def test_the_local_backends_train_on_the_named_python(monkeypatch):
 
 
 def test_the_local_sweep_trials_train_on_the_named_python(monkeypatch, tmp_path):
-    from llmft.components.lib.jobs import sweep
+    from llmft.components.lib.jobs import katib_sweep as sweep
     from llmft.katib import local_sweep
 
     seen = {}
@@ -97,8 +97,8 @@ def test_the_local_sweep_trials_train_on_the_named_python(monkeypatch, tmp_path)
 def test_the_local_sweep_trials_read_the_volumes_hub_cache(monkeypatch, tmp_path):
     """Found by the hub-id run in the images: the trials looked for a hub model in the sweep step's default
     cache (the image's HF_HOME), not on the volume where the train step's trainer finds it."""
-    from llmft.components.lib.jobs import sweep
-    from llmft.components.lib.plan.schema import DataLayout
+    from llmft.components.lib.contracts.schema import DataLayout
+    from llmft.components.lib.jobs import katib_sweep as sweep
     from llmft.katib import local_sweep
 
     seen = {}

@@ -306,7 +306,7 @@ COMPILED_HEADER = "import kfp\nfrom kfp import dsl\nfrom kfp.dsl import *\nfrom 
 @pytest.mark.parametrize(
     "body, error",
     [
-        ("    import json\n    from llmft.components.lib.plan.schema import read_plan\n", None),
+        ("    import json\n    from llmft.components.lib.contracts.schema import read_plan\n", None),
         ("    from llmft.components.lib.plan.build import no_such_name\n", "no_such_name"),
         (
             "    if plan:\n        from components.lib.plan import read_plan\n",
@@ -324,7 +324,7 @@ def test_the_executor_probe_resolves_every_import_in_a_components_body(tmp_path,
     monkeypatch.setitem(sys.modules, "ephemeral_component", None)
     if error is None:
         exec(image_check.EXECUTOR_PROBE, {})
-        assert capsys.readouterr().out == "step: llmft.components.lib.plan.schema.read_plan\n"
+        assert capsys.readouterr().out == "step: llmft.components.lib.contracts.schema.read_plan\n"
     else:
         with pytest.raises(ImportError, match=error):
             exec(image_check.EXECUTOR_PROBE, {})

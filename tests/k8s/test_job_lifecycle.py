@@ -15,16 +15,16 @@ from cluster_sim import Chaos
 from sim_plans import SIM_NAMESPACE, TINY_TRAIN, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
+from llmft.components.lib.contracts.schema import JobFailedPermanently, JobTimedOut
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     PLURAL,
     VERSION,
+    build_job_spec,
     build_pytorchjob,
-    build_pytorchjob_spec,
     pytorchjob_to_dict,
 )
-from llmft.components.lib.plan.schema import JobFailedPermanently, JobTimedOut
 from llmft.trainer.errors import EXIT_TRANSIENT, EXIT_USER_ERROR
 from llmft.trainer.io import is_complete
 
@@ -133,7 +133,7 @@ def test_a_job_past_its_deadline_is_a_timeout_and_frees_its_pods(sim, fake_clust
 def test_a_retry_reattaches_to_the_running_job_and_never_deletes_it(sim, fake_cluster, fake_custom_api, sim_volume):
     """Item 7: the first attempt's launcher pod died; its job runs on; the retry waits for it."""
     plan = sim_plan(sim_volume, run_id="run-reattach", finetune_max_steps=6)
-    first = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, _overrides(plan))))
+    first = pytorchjob_to_dict(build_pytorchjob(build_job_spec(plan.job, _overrides(plan))))
     fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, first)
     master = f"{plan.job.name}-master-0"
     sim.wait_for_log(master, "step=1 ")  # the first attempt's job trains

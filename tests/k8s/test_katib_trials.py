@@ -15,9 +15,9 @@ import pytest
 from cluster_sim import base_env, k8s_expand, katib_early_stop, katib_wrap
 from sim_plans import TINY_TRAIN, sim_plan
 
+from llmft.components.lib.jobs.katib_sweep import sweep_trial_job
 from llmft.components.lib.jobs.pytorchjob_launch import wait_for_job
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
-from llmft.components.lib.jobs.sweep import sweep_trial_job
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.trainer.config_load import load_config
 from llmft.trainer.io import is_complete
@@ -153,9 +153,9 @@ def test_the_script_starts_one_child_for_katibs_collector():
     """Katib's collector stops a trial through the single child of the main process
     (file-metricscollector/main.go 286-290): the script must not fork anything else while training."""
     from llmft.components.lib.jobs.katib_trial import katib_trial_script
-    from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec
+    from llmft.components.lib.jobs.pytorchjob_spec import JobSpec
 
-    script = katib_trial_script(PyTorchJobSpec(name="t"), early_stopping=True)
+    script = katib_trial_script(JobSpec(name="t"), early_stopping=True)
     assert script.startswith("{ ") and script.endswith("; }") and script.count(" & ") == 1
     assert "$(" not in script, "Kubernetes would try to expand $(...) as a variable"
 

@@ -10,11 +10,11 @@ import pytest
 from kubernetes import client
 from sim_plans import SIM_NAMESPACE, sim_plan
 
+from llmft.components.lib.contracts.schema import JobTimedOut
 from llmft.components.lib.jobs import pod_starts
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pod_starts import JobNeverStarts, StartWatcher
 from llmft.components.lib.jobs.pytorchjob_spec import GROUP, PLURAL, VERSION
-from llmft.components.lib.plan.schema import JobTimedOut
 from llmft.trainer.errors import EXIT_TRANSIENT
 
 NOT_ADMITTED = (
@@ -108,8 +108,8 @@ def test_the_train_step_exits_with_the_retryable_code_not_1(error, tmp_path, mon
     (llmft/trainer/errors.py: 200 transient) instead of the traceback and exit 1 of an uncaught exception."""
     from kfp import dsl
 
+    from llmft.components.lib.contracts.schema import write_plan
     from llmft.components.lib.jobs import backends
-    from llmft.components.lib.plan.schema import write_plan
     from llmft.components.train import train_model
 
     def fail(*args, **kwargs):

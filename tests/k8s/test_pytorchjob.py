@@ -8,14 +8,11 @@ import copy
 import pytest
 
 from llmft.components import images
+from llmft.components.lib.contracts.pod_parts import DEFAULT_SECRET_ENVS, PvcMount, SecretEnv, Toleration
 from llmft.components.lib.jobs.katib_trial import trial_pytorchjob_dict
 from llmft.components.lib.jobs.pytorchjob_spec import (
-    DEFAULT_SECRET_ENVS,
     ElasticSpec,
-    PvcMount,
-    PyTorchJobSpec,
-    SecretEnv,
-    Toleration,
+    JobSpec,
     build_pytorchjob,
     pytorchjob_to_dict,
     pytorchjob_webhook_errors,
@@ -25,8 +22,8 @@ from llmft.trainer.errors import ConfigError
 
 DATA = PvcMount("llmft-data", "/mnt/data")
 VARIANTS = {
-    "one-node-cpu": PyTorchJobSpec(name="ft-cpu", overrides={"max_steps": 5}),
-    "one-node-gpu": PyTorchJobSpec(
+    "one-node-cpu": JobSpec(name="ft-cpu", overrides={"max_steps": 5}),
+    "one-node-gpu": JobSpec(
         name="ft-1x8",
         gpus_per_node=8,
         cpu="32",
@@ -35,7 +32,7 @@ VARIANTS = {
         config_path="/mnt/data/configs/qwen7b.yaml",
         overrides={"lora.r": 16},
     ),
-    "multi-node": PyTorchJobSpec(
+    "multi-node": JobSpec(
         name="ft-2x8",
         num_nodes=4,
         gpus_per_node=8,
@@ -46,10 +43,10 @@ VARIANTS = {
         env={"NCCL_DEBUG": "WARN"},
         labels={"kueue.x-k8s.io/queue-name": "gpu"},
     ),
-    "elastic": PyTorchJobSpec(
+    "elastic": JobSpec(
         name="ft-elastic", num_nodes=3, gpus_per_node=4, elastic=ElasticSpec(min_nodes=2, max_nodes=4, max_restarts=5)
     ),
-    "no-secrets": PyTorchJobSpec(
+    "no-secrets": JobSpec(
         name="ft-nosecret",
         secret_envs=(),
         run_as_user=None,
@@ -58,7 +55,7 @@ VARIANTS = {
         ttl_seconds_after_finished=3600,
         nproc_per_node="auto",
     ),
-    "custom-secret": PyTorchJobSpec(
+    "custom-secret": JobSpec(
         name="ft-secret",
         secret_envs=(SecretEnv("HF_TOKEN", "my-hf", "token", False),),
         image_pull_secrets=("regcred",),
@@ -148,7 +145,7 @@ def test_elastic_policy_never_carries_nproc():
 
 
 def test_overrides_render_as_yaml_values_in_order():
-    spec = PyTorchJobSpec(
+    spec = JobSpec(
         name="x",
         config_path="/c.yaml",
         overrides={
@@ -199,7 +196,7 @@ def test_overrides_render_as_yaml_values_in_order():
     ],
 )
 def test_bad_specs_fail_before_the_cluster_with_the_field_named(change, message):
-    spec = PyTorchJobSpec(**{"name": "ok", **change})
+    spec = JobSpec(**{"name": "ok", **change})
     with pytest.raises(ConfigError, match=message):
         build_pytorchjob(spec)
 
@@ -266,7 +263,7 @@ def test_crd_schema_catches_type_errors(pytorchjob_crd_errors):
 
 
 def test_trial_template_has_no_name_and_keeps_katib_placeholders(pytorchjob_crd_errors):
-    spec = PyTorchJobSpec(
+    spec = JobSpec(
         name="trial",
         num_nodes=2,
         gpus_per_node=1,
@@ -289,7 +286,7 @@ def test_trial_template_has_no_name_and_keeps_katib_placeholders(pytorchjob_crd_
 
 
 def test_trial_template_refuses_arguments_that_break_the_metrics_collector_shell():
-    spec = PyTorchJobSpec(name="trial", overrides={"run_name": "my run; rm -rf /"})
+    spec = JobSpec(name="trial", overrides={"run_name": "my run; rm -rf /"})
     with pytest.raises(ConfigError, match="shell"):
         trial_pytorchjob_dict(spec)
 

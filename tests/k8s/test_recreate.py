@@ -16,8 +16,8 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,
     PLURAL,
     VERSION,
+    build_job_spec,
     build_pytorchjob,
-    build_pytorchjob_spec,
     pytorchjob_to_dict,
 )
 from llmft.trainer.errors import TransientError
@@ -31,7 +31,7 @@ def test_a_failed_job_is_recreated_only_after_its_pods_are_gone(sim, fake_cluste
     operator could not create ``<job>-master-0`` (AlreadyExists). Foreground: no collision."""
     plan = sim_plan(sim_volume, run_id="run-recreate", finetune_max_steps=6)
     overrides = plan.trainer.launch(f"{sim_volume}/tokenized/demo")
-    first = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, overrides)))
+    first = pytorchjob_to_dict(build_pytorchjob(build_job_spec(plan.job, overrides)))
     first["spec"]["runPolicy"]["cleanPodPolicy"] = "None"
     fake_cluster.create_custom_object(GROUP, VERSION, PLURAL, first)
     master = f"{plan.job.name}-master-0"

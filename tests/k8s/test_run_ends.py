@@ -15,10 +15,10 @@ from fake_clock import FakeClock
 from kfp_run_sim import KfpRun
 from kubernetes import client
 
+from llmft.components.lib.contracts.schema import RUN_ID_LABEL, run_label
 from llmft.components.lib.jobs.cleanup import cleanup_after_run
 from llmft.components.lib.jobs.launcher_pod import KEEP_ANNOTATION, delete_on_sigterm, unmark_kept
 from llmft.components.lib.jobs.orphans import JANITOR_PERIOD_S, KEEP_FOR_RETRY_S, sweep_orphans, verdict
-from llmft.components.lib.plan.schema import RUN_ID_LABEL, run_label
 from llmft.pipelines.llm_finetune import TRAIN_RETRIES
 
 NS, WF, RUN = "team-a", "llm-finetune-r7x2k", "3f6c1d2e-9a8b-4c7d-8e6f-5a4b3c2d1e0f"

@@ -10,12 +10,12 @@ import dataclasses
 import pytest
 from fake_clock import FakeClock
 
+from llmft.components.lib.contracts.schema import JobTimedOut, TrainingJobFailed
 from llmft.components.lib.jobs.pytorchjob_launch import run_job
-from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec, build_pytorchjob, pytorchjob_to_dict
-from llmft.components.lib.plan.schema import JobTimedOut, TrainingJobFailed
+from llmft.components.lib.jobs.pytorchjob_spec import JobSpec, build_pytorchjob, pytorchjob_to_dict
 
 NS = "team-a"
-SPEC = PyTorchJobSpec(
+SPEC = JobSpec(
     name="ft-run", num_nodes=2, gpus_per_node=8, config_path="/mnt/data/c.yaml", overrides={"max_steps": 100}
 )
 MASTER, WORKER = "ft-run-master-0", "ft-run-worker-0"

@@ -20,16 +20,15 @@ from trainer_v2_sim import (
 )
 
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.contracts.schema import JobFailedPermanently, JobTimedOut
 from llmft.components.lib.jobs.backends import run_on_cluster
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.jobs.trainjob_launch import (
     PERMANENT_EXIT_ANNOTATION,
     TrainJobFailed,
-    delete_trainjobs_by_label,
     run_trainjob,
 )
 from llmft.components.lib.jobs.trainjob_spec import GROUP, PLURAL, VERSION, build_trainjob, trainjob_to_dict
-from llmft.components.lib.plan.schema import JobFailedPermanently, JobTimedOut
 from llmft.trainer.errors import ConfigError
 
 NS = "team-a"
@@ -163,7 +162,7 @@ def _plan(**changes):
 
 def _trainjob(**changes):
     plan = _plan(**changes)
-    spec = build_pytorchjob_spec(plan.job, plan.trainer.launch(DATA), namespace=NS)
+    spec = build_job_spec(plan.job, plan.trainer.launch(DATA), namespace=NS)
     return build_trainjob(spec, runtime=plan.job.runtime)
 
 
@@ -299,17 +298,6 @@ def test_a_missing_or_mpi_runtime_is_refused_before_submitting(crd_dir):
     assert _created(missing) == [] and _created(mpi) == []
 
 
-def test_delete_trainjobs_by_label_deletes_only_the_runs_jobs(crd_dir):
-    sim = TrainerSim(crd_dir)
-    for name, run in (("a1", "run-a"), ("a2", "run-a"), ("b1", "run-b")):
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "metadata": {"name": name}}
-        body["metadata"]["labels"] = {"pipelines.kubeflow.org/run-id": run}
-        sim.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
-    assert delete_trainjobs_by_label(sim.cluster, "pipelines.kubeflow.org/run-id=run-a") == ["a1", "a2"]
-    assert [key[-1] for key in sim.custom.objects] == ["b1"]
-    assert delete_trainjobs_by_label(sim.cluster, "pipelines.kubeflow.org/run-id=run-a") == []
-
-
 def test_the_train_step_dispatches_backend_trainjob(crd_dir):
     sim = TrainerSim(crd_dir)
     sim.script(start, condition("Complete", "AllJobsCompleted"))
@@ -334,8 +322,8 @@ def test_a_trainjob_is_owned_by_the_runs_workflow_as_a_pytorchjob_is(crd_dir):
 
 
 def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
+    from llmft.components.lib.contracts.schema import JOB_WAIT_GRACE_S, parse_time
     from llmft.components.lib.jobs.trainjob_launch import wait_budget
-    from llmft.components.lib.plan.schema import JOB_WAIT_GRACE_S, parse_time
 
     clock = FakeClock()
     job = {"metadata": {"creationTimestamp": clock.rfc3339()}, "spec": {"activeDeadlineSeconds": 3600}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmft.components import images
-from llmft.components.lib.jobs.pytorchjob_spec import Toleration
+from llmft.components.lib.contracts.pod_parts import Toleration
 from llmft.components.lib.serving.inferenceservice import (
     FORM_LABEL,
     KSERVE_FIRST_LORA_NAMES,

@@ -11,19 +11,14 @@ import pytest
 import yaml
 from trainer_v2_sim import build_jobset, load_runtime, make_plan, node_pods, strategic_merge
 
-from llmft.components.lib.jobs.pytorchjob_spec import (
-    ElasticSpec,
-    build_pytorchjob,
-    build_pytorchjob_spec,
-    pytorchjob_to_dict,
-)
+from llmft.components.lib.contracts.schema import DEFAULT_RUNTIME
+from llmft.components.lib.jobs.pytorchjob_spec import ElasticSpec, build_job_spec, build_pytorchjob, pytorchjob_to_dict
 from llmft.components.lib.jobs.trainjob_spec import (
     build_trainjob,
     parse_runtime_ref,
     trainjob_admission_errors,
     trainjob_to_dict,
 )
-from llmft.components.lib.plan.schema import DEFAULT_RUNTIME
 from llmft.trainer.errors import ConfigError
 
 DATA = "/data/tokenized/0123abcd"
@@ -49,7 +44,7 @@ def runtime_crd_errors(crd_dir):
 
 def _spec(**changes):
     plan = make_plan(training_backend="trainjob", **changes)
-    return plan, build_pytorchjob_spec(plan.job, plan.trainer.launch(DATA))
+    return plan, build_job_spec(plan.job, plan.trainer.launch(DATA))
 
 
 PLANS = {

@@ -13,6 +13,7 @@ import yaml
 from trainer_v2_sim import FakeTrainerCoreApi, FakeTrainerCustomApi, load_runtime, make_plan
 
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.jobs.trainjob_launch import run_trainjob
 from llmft.components.lib.jobs.trainjob_runtime import RBAC_FILES, preflight_runtime
 from llmft.components.lib.jobs.trainjob_spec import GROUP, PLURAL, VERSION
@@ -100,14 +101,12 @@ def test_the_sdks_timeout_is_a_one_line_transient_error(crd_dir):
 
 def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(crd_dir):
     """get_job times out (backend.py 437-440) or its get_runtime does: a transient fault, not JobTimedOut."""
-    from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+    from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
     from llmft.components.lib.jobs.trainjob_spec import build_trainjob
 
     cluster = _cluster(crd_dir)
     plan = make_plan(training_backend="trainjob")
-    job = build_trainjob(
-        build_pytorchjob_spec(plan.job, plan.trainer.launch("/data/tokenized/x")), runtime=plan.job.runtime
-    )
+    job = build_trainjob(build_job_spec(plan.job, plan.trainer.launch("/data/tokenized/x")), runtime=plan.job.runtime)
 
     def stall(obj, count):  # after the submit, the server stops answering
         cluster.custom_api.unanswered.add(PLURAL)
@@ -117,9 +116,12 @@ def test_an_api_timeout_during_the_wait_is_not_reported_as_the_job_timing_out(cr
         run_trainjob(cluster, job, timeout_s=5, poll_s=0.01, print_fn=lambda _: None)
 
 
-def test_the_kubeflow_backend_reads_no_runtime(crd_dir):
+def test_the_pytorchjob_backend_reads_no_runtime(crd_dir):
+    """The preflight is the registry's (issue 48.2): only the trainjob entry has one, no backend name is compared."""
     cluster = _cluster(crd_dir, forbidden={"trainingruntimes", "clustertrainingruntimes"})
-    preflight_runtime(make_plan(training_backend="kubeflow"), cluster)
+    plan = make_plan(training_backend="pytorchjob")
+    backend_for(plan.job.backend).check_preflight(plan, cluster)
+    assert backend_for("pytorchjob").preflight is None and backend_for("trainjob").preflight is preflight_runtime
     assert cluster.custom_api.calls == []
 
 

@@ -12,8 +12,8 @@ from kfp import dsl
 
 from llmft.components.images import KATIB_IMAGE
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.jobs import sweep as sweep_lib
-from llmft.components.lib.plan.schema import write_plan
+from llmft.components.lib.contracts.schema import write_plan
+from llmft.components.lib.jobs import katib_sweep as sweep_lib
 from llmft.components.sweep import sweep_hyperparameters
 from llmft.katib.errors import ExperimentFailed
 from llmft.pipelines.llm_finetune_hpo import TASK_ORDER, compile_pipeline
@@ -214,8 +214,8 @@ def test_the_step_logic_imports_in_the_kfp_executor_runtime():
 
     code = (
         "import kfp.dsl as d; assert not hasattr(d, 'component'); "
-        "from llmft.components.lib.jobs.sweep import run_sweep_step; "
-        "from llmft.components.lib.plan.schema import read_plan; "
+        "from llmft.components.lib.jobs.katib_sweep import run_sweep_step; "
+        "from llmft.components.lib.contracts.schema import read_plan; "
         "print('ok')"
     )
     done = subprocess.run(

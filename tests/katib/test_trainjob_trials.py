@@ -18,7 +18,7 @@ from katib_helpers import BEST, FakeKatibApi, katib_status, sweep_plan
 from llmft.commands.sweep import TEMPLATE_ARGS, build_from_settings
 from llmft.components import images
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.jobs import sweep as sweep_lib
+from llmft.components.lib.jobs import katib_sweep as sweep_lib
 from llmft.components.lib.jobs.trainjob_spec import trainjob_admission_errors
 from llmft.katib.experiment import experiment_dict, load_yaml, override_bindings, parse_experiment
 from llmft.katib.trial_kinds import TRAINJOB

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from llmft.components.lib.contracts.schema import RunPlan
 from llmft.components.lib.plan.build import build_plan
 from llmft.components.lib.plan.checks import compiled_settings
 from llmft.components.lib.plan.parameters import parameter_defaults
-from llmft.components.lib.plan.schema import RunPlan
 
 RUN_ID = "0f8e6a2c-1d2b-4c3e-9f00-123456789abc"
 TRACKING = "http://mlflow.mlflow:5000"

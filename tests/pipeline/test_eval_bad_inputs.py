@@ -9,9 +9,9 @@ import os
 import pytest
 
 from llmft.components.lib.evaluation.lm_eval_tasks import task_config
+from llmft.components.lib.evaluation.promote import read_evaluation
 from llmft.components.lib.evaluation.questions import read_questions
 from llmft.components.lib.evaluation.task_eval import parse_tasks
-from llmft.components.lib.registry.promote import read_evaluation
 from llmft.trainer.errors import LlmftError
 
 GOOD_ROW = '{"question": "Capital of Velmora?", "answer": "Quillport"}\n'
@@ -117,21 +117,25 @@ def test_a_non_json_evaluation_is_one_line_in_promote(tmp_path):
 
 
 def test_a_truncated_weights_file_or_a_non_json_config_is_named(tmp_path):
+    """The evaluate step's adapters and base go through the one check of damaged model files, before any load
+    (llmft/trainer/model_dir.py check_model_files; the evaluator calls it for every adapter it applies)."""
     import torch
     from safetensors.torch import save_file
 
-    from llmft.trainer.evaluate import corrupt_file, raise_corrupt_file
+    from llmft.trainer.model_dir import check_model_files
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "notes.json").write_text("not JSON, and no loader reads it")  # not ours to judge
     save_file({"w": torch.zeros(64, 64)}, str(adapter / "adapter_model.safetensors"))
-    assert corrupt_file(adapter) is None
+    check_model_files(adapter, what="adapter")
     data = (adapter / "adapter_model.safetensors").read_bytes()
     (adapter / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
-    path, why = corrupt_file(adapter)
-    assert path.name == "adapter_model.safetensors" and "not a complete safetensors file" in why
+    with pytest.raises(LlmftError) as caught:
+        check_model_files(adapter, what="adapter")
+    _one_line(caught.value, f"adapter {adapter}: {adapter}/adapter_model.safetensors: truncated", "weights are damaged")
     (adapter / "adapter_config.json").write_text("{r: 8")
     with pytest.raises(LlmftError) as caught:
-        raise_corrupt_file(adapter, ValueError("peft could not load it"))
-    _one_line(caught.value, "adapter_config.json: not JSON")
+        check_model_files(adapter, what="adapter")
+    _one_line(caught.value, "adapter_config.json: not JSON", "train it again")

@@ -37,9 +37,9 @@ REFUSED_TAIL = [
     "  }",
     "}",
     "Traceback (most recent call last):",
-    '  File "/repo/llmft/components/lib/registry/promote.py", line 212, in promote',
+    '  File "/repo/llmft/components/lib/evaluation/promote.py", line 212, in promote',
     '    raise PromotionRefused(f"{decision.reason} (decision recorded in {record_path})")',
-    f"llmft.components.lib.registry.promote.PromotionRefused: {REFUSED} (decision recorded in /w/x.decision.json)",
+    f"llmft.components.lib.evaluation.promote.PromotionRefused: {REFUSED} (decision recorded in /w/x.decision.json)",
 ]
 
 
@@ -77,7 +77,7 @@ def test_the_failure_line_names_the_task_and_its_error():
 
 
 def test_run_local_prints_one_error_line_on_stderr(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr("llmft.commands.pipeline.run_pipeline_locally", lambda *a, **k: failed_outcome())
+    monkeypatch.setattr("llmft.commands.pipeline_run.run_pipeline_locally", lambda *a, **k: failed_outcome())
     assert llmft_main(["pipeline", "run-local", "--work-dir", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
     assert err == f"error: pipeline task plan-run failed: {CAUSE} (full log: /w/run-local.log)\n"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from llmft.cli import main
-from llmft.commands.pipeline import validate_cron
+from llmft.commands.pipeline_run import validate_cron
 from llmft.components.lib.summary import render_summary
 from llmft.trainer.errors import ConfigError
 
@@ -38,8 +38,9 @@ class FakeKfpClient:
     def create_recurring_run(self, **kwargs):
         package = Path(kwargs["pipeline_package_path"])
         spec = next(yaml.safe_load_all(package.read_text()))
-        body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]  # the steps, inside the exit handler
-        kwargs["package_tasks"] = sorted([*spec["root"]["dag"]["tasks"], *body])
+        groups = [spec["root"], *(c for c in spec["components"].values() if "dag" in c)]  # exit handler, conditions
+        tasks = [name for group in groups for name in group["dag"]["tasks"]]
+        kwargs["package_tasks"] = sorted(t for t in tasks if not t.startswith(("exit-handler-", "condition-")))
         self.calls.append(("recurring", kwargs))
         return types.SimpleNamespace(recurring_run_id="rr-9")
 
@@ -98,7 +99,8 @@ def test_schedule_creates_a_recurring_run_from_the_compiled_pipeline(fake_kfp):
     assert experiment[:2] == ("experiment", "llm-finetune")
     assert recurring["cron_expression"] == "0 30 2 * * *" and recurring["job_name"] == "nightly"
     assert recurring["experiment_id"] == "exp-1" and recurring["params"] == {"finetune_max_steps": 100}
-    assert len(recurring["package_tasks"]) == 9 + 2 and recurring["max_concurrency"] == 1  # + exit handler, cleanup
+    # a promoted run's ten steps, the not-promoted summary and the exit handler's cleanup
+    assert len(recurring["package_tasks"]) == 10 + 1 + 1 and recurring["max_concurrency"] == 1
 
 
 def test_five_field_cron_is_refused_with_the_six_field_fix(fake_kfp, capsys):

@@ -30,7 +30,7 @@ SERVING_TASKS = ("choose-serving-form", "register-model", "deploy-adapter", "sum
 """The tasks that run only when the promote step decided PROMOTED."""
 
 SECRET_LOOKING = re.compile(r"token|key|password|credential", re.IGNORECASE)
-SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret")
+SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret", "s3_secret")
 """Parameters that hold a Secret's name (never a credential)."""
 
 # The parameter lists, frozen: name -> (KFP type, default). Changing one is a user-facing change
@@ -39,6 +39,8 @@ SECRET_NAME_PARAMETERS = ("hf_token_secret", "mlflow_secret", "langfuse_secret")
 FINETUNE_PARAMETERS = {
     "base_model": ("STRING", "Qwen/Qwen2.5-7B-Instruct"),
     "dataset": ("STRING", "tatsu-lab/alpaca"),
+    "dataset_columns": ("STRING", ""),
+    "dataset_config": ("STRING", ""),
     "dataset_format": ("STRING", "auto"),
     "dataset_max_reject_fraction": ("NUMBER_DOUBLE", 0.01),
     "dataset_split": ("STRING", "train"),
@@ -90,7 +92,7 @@ FINETUNE_PARAMETERS = {
     "step_eval_cpu": ("STRING", "8"),
     "step_eval_memory": ("STRING", "64Gi"),
     "step_memory": ("STRING", "2Gi"),
-    "training_backend": ("STRING", "kubeflow"),
+    "training_backend": ("STRING", "pytorchjob"),
     "training_cpu": ("STRING", "8"),
     "training_gpus_per_worker": ("NUMBER_INTEGER", 1),
     "training_image": ("STRING", None),
@@ -112,6 +114,7 @@ HPO_PARAMETERS = {
 MINIMAL_PARAMETERS = (
     "base_model",
     "dataset",
+    "dataset_columns",
     "finetune_learning_rate",
     "finetune_lora_r",
     "finetune_max_steps",
@@ -121,7 +124,13 @@ MINIMAL_PARAMETERS = (
     "promote_metric",
     "serving_namespace",
 )
-COMPILED_IN = {"gpu_node_selector": "", "hf_token_secret": "", "langfuse_secret": "", "mlflow_secret": ""}
+COMPILED_IN = {
+    "gpu_node_selector": "",
+    "hf_token_secret": "",
+    "langfuse_secret": "",
+    "mlflow_secret": "",
+    "s3_secret": "",
+}
 """Applied by the compiled YAML to the KFP tasks: no run parameter, a constant of the plan step."""
 CLUSTER_CONSTANTS = {"serving_deploy_mode": "kserve", "volume_path": "/data"}
 """kfp.local settings: a cluster's pipeline passes the one value a cluster can use."""
@@ -147,7 +156,7 @@ OLD_FINETUNE_PARAMETERS = {
     "max_steps": ("NUMBER_INTEGER", 0),
     "seed": ("NUMBER_INTEGER", 42),
     "train_overrides": ("STRING", ""),
-    "training_backend": ("STRING", "kubeflow"),
+    "training_backend": ("STRING", "pytorchjob"),
     "training_runtime": ("STRING", "torch-distributed"),
     "num_workers": ("NUMBER_INTEGER", 1),
     "gpus_per_worker": ("NUMBER_INTEGER", 1),
@@ -229,6 +238,7 @@ def compiled_with_secrets(tmp_path_factory):
         "hf_token_secret=llmft-hf-token",
         "mlflow_secret=llmft-mlflow:MLFLOW_TRACKING_URI,MLFLOW_TRACKING_USERNAME,MLFLOW_TRACKING_PASSWORD",
         "langfuse_secret=llmft-langfuse",
+        "s3_secret=llmft-s3:AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,AWS_ENDPOINT_URL",
         "gpu_node_selector=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",
         hpo=True,
     )
@@ -369,6 +379,7 @@ def test_named_secrets_are_mounted_exactly_where_needed_and_never_optional(compi
         "hf": {"llmft-hf-token": {"HF_TOKEN"}},
         "mlflow": {"llmft-mlflow": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}},
         "langfuse": {"llmft-langfuse": {"LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"}},
+        "s3": {"llmft-s3": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}},
     }
     expected = {task: {} for task in (*ALL_TASKS, "sweep-hyperparameters")}
     for step in STEPS:
@@ -488,7 +499,8 @@ def test_the_form_lists_the_parameters_in_the_order_they_are_declared():
 def test_the_new_form_keeps_every_old_parameter(compiled, compiled_with_secrets):
     """Against the lists before the rename: each old parameter is a run parameter under its new name with the
     same type and default, or (compiled in, or a kfp.local setting) a constant of the plan step with its old
-    default; what the run parameters add is the training knobs once only in finetune_overrides."""
+    default; what the run parameters add is the training knobs once only in finetune_overrides, and the data's
+    hub configuration and column mapping (issue 49 item 1; its s3_secret is compiled in)."""
     from llmft.components.lib.plan.parameters import OLD_NAMES
 
     for (spec, *_), old in ((compiled, OLD_FINETUNE_PARAMETERS), (compiled_with_secrets, OLD_SWEEP_PARAMETERS)):
@@ -503,7 +515,9 @@ def test_the_new_form_keeps_every_old_parameter(compiled, compiled_with_secrets)
                     assert inputs[new] == {"runtimeValue": {"constant": default}}, name
     added = set(FINETUNE_PARAMETERS) - {OLD_NAMES.get(n, n) for n in OLD_FINETUNE_PARAMETERS}
     assert added == {f"finetune_{k}" for k in ("batch_size", "eval_every", "micro_batch_size", "save_every")} | {
-        "finetune_warmup_ratio"
+        "finetune_warmup_ratio",
+        "dataset_config",
+        "dataset_columns",
     }
 
 
@@ -517,18 +531,26 @@ def test_values_fixed_when_compiling_are_constants_of_the_plan_step(compiled_wit
     assert inputs["hf_token_secret"] == {"runtimeValue": {"constant": "llmft-hf-token"}}
     assert inputs["gpu_node_selector"] == {"runtimeValue": {"constant": "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"}}
     assert _secret_mounts(executors["exec-prepare-dataset"])["llmft-hf-token"] == {"HF_TOKEN"}
+    assert inputs["s3_secret"] == {
+        "runtimeValue": {"constant": "llmft-s3:AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,AWS_ENDPOINT_URL"}
+    }
+    assert _secret_mounts(executors["exec-prepare-dataset"])["llmft-s3"] == {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_ENDPOINT_URL",
+    }
     assert inputs["serving_deploy_mode"] == {"runtimeValue": {"constant": "kserve"}}  # local and vllm: kfp.local
     assert inputs["hpo_backend"] == {"runtimeValue": {"constant": "katib"}}
 
 
 @pytest.mark.slow
-def test_the_minimal_pipeline_offers_ten_parameters_and_compiles_in_the_rest(tmp_path_factory):
-    """``llmft pipeline compile --minimal``: the same steps, ten run parameters; every other value (given here,
+def test_the_minimal_pipeline_offers_eleven_parameters_and_compiles_in_the_rest(tmp_path_factory):
+    """``llmft pipeline compile --minimal``: the same steps, eleven run parameters; every other value (given here,
     or the declared default) reaches the plan step as a constant."""
     spec, executors, _ = _compile(tmp_path_factory, "finetune_lora_alpha=8", "volume_pvc_name=team-data", minimal=True)
     assert list(_parameters(spec)) == list(MINIMAL_PARAMETERS)
     assert spec["pipelineInfo"]["name"] == "llm-finetune-minimal"
-    assert set(_body(spec)) == set(TASK_ORDER)
+    assert set(_flat(spec)) == set(ALL_TASKS)  # the same steps, serving ones under the promote decision
     inputs = _plan_inputs(spec)
     assert inputs["finetune_lora_r"] == {"componentInputParameter": "pipelinechannel--finetune_lora_r"}
     assert inputs["finetune_lora_alpha"] == {"runtimeValue": {"constant": 8.0}}
@@ -572,8 +594,8 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     from llmft.components.lib.plan.parameters import BY_NAME
     from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob, pytorchjob_to_dict
     from llmft.components.lib.serving.inferenceservice import build_inference_service, isvc_to_dict
-    from llmft.components.lib.jobs.sweep import sweep_trial_job
-    from llmft.components.lib.jobs.pytorchjob_launch import build_pytorchjob_spec
+    from llmft.components.lib.jobs.katib_sweep import sweep_trial_job
+    from llmft.components.lib.jobs.pytorchjob_launch import build_job_spec
     from llmft.katib.experiment import SweepSpec, apply_overrides
 
     spec = next(yaml.safe_load_all(open(sys.argv[1])))
@@ -586,7 +608,7 @@ BUILD_FROM_COMPILED = textwrap.dedent(
     values |= {n: v["runtimeValue"]["constant"] for n, v in fixed.items() if n in BY_NAME and "runtimeValue" in v}
     compiled = body["plan-run"]["inputs"]["parameters"]["compiled"]["runtimeValue"]["constant"]
     plan = build_plan(values, run_id="run-1", compiled=compiled, environ={"KFP_POD_NAME": "p"})
-    job = pytorchjob_to_dict(build_pytorchjob(build_pytorchjob_spec(plan.job, plan.trainer.launch("/d"))))
+    job = pytorchjob_to_dict(build_pytorchjob(build_job_spec(plan.job, plan.trainer.launch("/d"))))
     sweep = apply_overrides(SweepSpec(name=plan.sweep.experiment), list(plan.sweep.settings))
     trial = sweep_trial_job(sweep, job=plan.job, config_path=plan.trainer.config_path, data="/data/tokenized/k")
     request = DeployRequest(adapter_dir="/data/models/m/run-1", base_model="org/m", adapter_name="m", version="1",

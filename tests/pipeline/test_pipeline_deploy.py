@@ -185,7 +185,7 @@ def test_without_mlflow_the_promoted_adapter_is_deployed_and_the_endpoint_is_in_
     the base model at the gate) is deployed under deploy_policy=champion and the result says why; the deploy
     step's output metadata carries the endpoint (nothing where nothing serves)."""
     from llmft.components.lib.serving.deployment import NO_REGISTRY_NOTE, deployment_metadata
-    from llmft.components.lib.summary import CHAT_ROUTE
+    from llmft.components.lib.serving.inferenceservice import CHAT_ROUTE
 
     cluster, custom, _ = kserve
     req = deploy_request(volume, "trained", mode="kserve", registered=False, is_champion=True, deploy_policy="champion")

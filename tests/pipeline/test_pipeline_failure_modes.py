@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_pipeline_promote_eval import evaluation, make_checkpoint
 
+from llmft.components.lib.evaluation.promote import promote
 from llmft.components.lib.registry.mlflow_registry import Lineage, Registration, register_adapter
-from llmft.components.lib.registry.promote import promote
 from llmft.trainer.errors import EXIT_TRANSIENT, ConfigError, TransientError
 from llmft.trainer.io import is_complete
 
@@ -44,7 +44,7 @@ def _dead_port() -> int:
 
 
 def test_promote_refuses_a_model_name_that_leaves_the_models_folder(tmp_path):
-    from llmft.components.lib.registry.promote import promote_to_volume, promoted_destination
+    from llmft.components.lib.evaluation.promote import promote_to_volume, promoted_destination
 
     data = tmp_path / "data"
     run_dir = data / "runs" / "run-1"
@@ -69,7 +69,7 @@ def test_promote_refuses_a_model_name_that_leaves_the_models_folder(tmp_path):
 
 
 def test_promote_refuses_a_symlink_that_leads_out_of_the_models_folder(tmp_path):
-    from llmft.components.lib.registry.promote import promoted_destination
+    from llmft.components.lib.evaluation.promote import promoted_destination
 
     data = tmp_path / "data"
     make_checkpoint(data / "runs" / "run-1", 10)

@@ -18,15 +18,15 @@ from kfp import dsl
 from langfuse_fake import FakeLangfuse
 from plan_helpers import make_plan
 
+from llmft.components.lib.contracts.schema import write_plan
 from llmft.components.lib.evaluation.comparison import compare_in_langfuse, dataset_name
-from llmft.components.lib.plan.schema import write_plan
+from llmft.components.lib.evaluation.promote import promoted_destination
 from llmft.components.lib.registry.mlflow_registry import (
     PROMOTED_PATH_TAG,
     Lineage,
     register_adapter,
     registration_from_run,
 )
-from llmft.components.lib.registry.promote import promoted_destination
 
 pytestmark = pytest.mark.slow
 

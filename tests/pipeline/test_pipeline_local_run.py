@@ -137,7 +137,7 @@ def test_a_bad_parameter_fails_in_the_plan_step_before_any_data_is_read(tmp_path
 def test_the_train_tasks_log_carries_progress_lines_with_total_and_eta(local_run):
     """Issue 44 item 1: kfp.local's train task is no TTY: plain progress lines, no tqdm redraws."""
     log = ANSI.sub("", local_run.log_path.read_text())
-    total = local_run.arguments["max_steps"]
+    total = local_run.arguments["finetune_max_steps"]  # the parameter's name since issue 44 (was: max_steps)
     progress = [line.strip() for line in log.splitlines() if "progress: step " in line]
     assert progress and progress[-1].startswith(f"progress: step {total}/{total} (100%)"), progress[-3:]
     assert all(" ETA " in line and " elapsed " in line for line in progress)

@@ -188,7 +188,7 @@ def test_finetune_lora_r_reaches_the_peft_model(tmp_path, tiny_model_dir):
     import torch
     from kfp import dsl
 
-    from llmft.components.lib.plan.schema import read_plan
+    from llmft.components.lib.contracts.schema import read_plan
     from llmft.trainer.config_load import load_config
     from llmft.trainer.model import load_model
 

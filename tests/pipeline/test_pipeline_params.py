@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 
+from llmft.components.lib.contracts.schema import DataLayout
 from llmft.components.lib.plan.forms import Form, RenamedParameterWarning, renamed
 from llmft.components.lib.plan.parameters import INTERNAL_INPUTS, OLD_NAMES, PARAMETERS
-from llmft.components.lib.plan.schema import DataLayout
 from llmft.components.plan import plan_run
 from llmft.pipelines.defaults import LOCAL_DEFAULTS, parse_arguments, pipeline_inputs, run_arguments
 from llmft.pipelines.llm_finetune import build_pipeline, fixed_values, llm_finetune_pipeline, pipeline_signature
@@ -30,13 +30,13 @@ def test_the_plan_step_takes_every_declared_parameter_and_a_form_offers_its_shar
 def test_what_each_form_offers():
     full, hpo, minimal, local = Form(), Form(hpo=True), Form(minimal=True), Form(hpo=True, local=True)
     offered = {form: {p.name for p in form.offered()} for form in (full, hpo, minimal, local)}
-    compiled_in = {"hf_token_secret", "mlflow_secret", "langfuse_secret", "gpu_node_selector"}
+    compiled_in = {"hf_token_secret", "mlflow_secret", "langfuse_secret", "s3_secret", "gpu_node_selector"}
     kfp_local = {"serving_deploy_mode", "volume_path", "hpo_backend"}
     assert not compiled_in & set().union(*offered.values())  # never a field of a run's form
     assert not kfp_local & (offered[full] | offered[hpo] | offered[minimal])
     assert kfp_local <= offered[local]
     assert offered[hpo] - offered[full] == {p.name for p in PARAMETERS if p.name.startswith("hpo_")} - kfp_local
-    assert len(offered[minimal]) == 10 and offered[minimal] < offered[full]
+    assert len(offered[minimal]) == 11 and offered[minimal] < offered[full]
 
 
 @pytest.mark.slow

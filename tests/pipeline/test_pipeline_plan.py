@@ -10,10 +10,10 @@ import pytest
 import yaml
 from plan_helpers import CLUSTER, RUN_ID, make_plan, parameters
 
+from llmft.components.lib.contracts.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
 from llmft.components.lib.plan.build import build_plan, write_run_config
 from llmft.components.lib.plan.checks import compiled_settings, parse_node_selector, parse_secret, preflight_secrets
 from llmft.components.lib.plan.parameters import PipelineParameters, parameter_defaults
-from llmft.components.lib.plan.schema import PLAN_SCHEMA_VERSION, DataLayout, RunPlan, read_plan
 from llmft.components.plan import plan_run
 from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError, OutputNotOursError
@@ -43,7 +43,7 @@ def test_the_builder_reads_every_parameter_of_the_signature():
 def test_plan_round_trips_through_plan_json(tmp_path):
     plan = make_plan(hpo=True, hf_token_secret="llmft-hf-token", langfuse_secret="lf", gpu_node_selector="a/b=c")
     plan_dir = tmp_path / "plan"
-    from llmft.components.lib.plan.schema import write_plan
+    from llmft.components.lib.contracts.schema import write_plan
 
     write_plan(plan, plan_dir)
     again = read_plan(plan_dir)
@@ -140,6 +140,13 @@ def test_a_bad_training_parameter_names_the_pipeline_parameter():
         ({"mlflow_secret": "llmft-mlflow:PASSWORD"}, "mlflow_secret"),
         ({"training_timeout_s": 3 * 24 * 3600}, "training_timeout_s"),  # the job must end before its task's timeout
         ({"serving_deploy_policy": "sometimes"}, "serving_deploy_policy"),
+        ({"dataset": "http://files.internal/qa.jsonl"}, "plain http is refused"),
+        ({"dataset": "https://files.example.com/qa"}, "must end in a data file name"),
+        ({"dataset": "https://b.s3.amazonaws.com/qa.jsonl?X-Amz-Signature=ab"}, "`dataset`=.*presigned URL.*s3_secret"),
+        ({"dataset": "s3://team-data/qa/", "dataset_config": "easy"}, "`dataset_config`='easy'.*hub dataset only"),
+        ({"dataset_columns": "prompt=question"}, "`dataset_columns` 'prompt=question'.*field:column"),
+        ({"dataset_columns": "prompt:q,completion:a", "dataset_format": "alpaca"}, "dataset_columns.*format is alpaca"),
+        ({"s3_secret": "team-s3:AWS_PASSWORD"}, "s3_secret"),
     ],
 )
 def test_a_bad_parameter_is_named_before_any_work(change, message):
@@ -204,7 +211,7 @@ def test_a_sweep_beyond_the_serving_rank_is_refused_unless_served_merged():
     assert plan.serving.form_note == "serving_mode=merged"
 
 
-@pytest.mark.parametrize(("name", "use"), [("training_backend", "kubeflow"), ("serving_deploy_mode", "kserve")])
+@pytest.mark.parametrize(("name", "use"), [("training_backend", "pytorchjob"), ("serving_deploy_mode", "kserve")])
 def test_local_backends_are_refused_on_a_cluster_and_fine_under_kfp_local(name, use):
     assert make_plan(**{name: "local"}).on_cluster is False
     with pytest.raises(ConfigError, match=f"`{name}`='local'.*kfp.local.*use {name}={use}"):
@@ -230,6 +237,17 @@ def test_secret_parameters_name_the_secret_and_its_keys():
     assert mounted == {"llmft-mlflow": ("MLFLOW_TRACKING_PASSWORD",), "lf": parse_secret("langfuse", "lf").keys}
     assert plan.job.env["MLFLOW_TRACKING_URI"] == "http://mlflow.mlflow:5000"
     assert make_plan().job.secrets == () and make_plan().task_secrets == ()
+    s3 = make_plan(dataset="s3://team-data/qa/", s3_secret="team-s3:AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,AWS_REGION")
+    assert [(s.name, s.keys) for s in s3.task_secrets] == [
+        ("team-s3", ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"))
+    ]
+    assert s3.job.secrets == ()  # the training job reads the tokenized shards, never the bucket
+
+
+def test_the_data_plan_carries_the_source_its_configuration_and_columns():
+    data = make_plan(dataset="acme/qa", dataset_config="hard", dataset_columns="prompt:question,completion:answer").data
+    assert (data.dataset, data.config, data.columns) == ("acme/qa", "hard", "prompt:question,completion:answer")
+    assert make_plan(dataset="https://files.example.com/exports/qa.csv?download=1").data.dataset.endswith("=1")
 
 
 def test_node_selector_and_resources_reach_the_job_and_the_inference_service():

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from plan_helpers import RUN_ID, make_plan, parameters
 
+from llmft.components.lib.contracts.volume_paths import NAME_MAX
 from llmft.components.lib.plan.build import build_plan
 from llmft.components.lib.plan.checks import REMOTE_CODE_ENV, compiled_settings
-from llmft.components.lib.plan.volume_paths import NAME_MAX
 from llmft.trainer.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmft.components.lib.evaluation.checkpoints import evaluate_run, render_html, render_markdown
-from llmft.components.lib.registry.promote import PromotionRefused, decide, promote
+from llmft.components.lib.evaluation.promote import PromotionRefused, decide, promote
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import is_complete
 

@@ -45,12 +45,12 @@ def test_the_cluster_pipeline_retries_the_data_steps_and_kfp_local_retries_nothi
     ("changes", "shown"),
     [
         (
-            {"training_backend": "kubeflow"},
-            "`training_backend`='kubeflow': `kubeflow` creates a PyTorchJob, which runs",
+            {"training_backend": "pytorchjob"},
+            "`training_backend`='pytorchjob': `pytorchjob` creates a PyTorchJob, which runs",
         ),
         ({"training_backend": "trainjob"}, "`training_backend`='trainjob': `trainjob` creates a TrainJob, which runs"),
     ],
-    ids=["kubeflow", "trainjob"],
+    ids=["pytorchjob", "trainjob"],
 )
 def test_a_cluster_only_backend_is_refused_by_the_plan_step_under_kfp_local(changes, shown, tmp_path, monkeypatch):
     """Before: the plan passed, prepare and tokenize ran, then train exited 1 and was retried twice (60 s, 120 s)."""

@@ -9,7 +9,7 @@ import os
 import pytest
 from test_pipeline_promote_eval import evaluation, make_checkpoint
 
-from llmft.components.lib.registry.promote import promote_to_volume
+from llmft.components.lib.evaluation.promote import promote_to_volume
 from llmft.trainer.safe_files import UnsafeInputError
 
 SECRET = "CANARY-private-key\n"

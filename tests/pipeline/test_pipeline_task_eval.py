@@ -9,13 +9,14 @@ import pytest
 from plan_helpers import make_plan
 from test_pipeline_promote_eval import finish_run, make_checkpoint
 
+from llmft.components.lib.contracts.metrics import best_of
 from llmft.components.lib.evaluation.checkpoints import evaluate_run, kfp_metrics, render_html, render_markdown
+from llmft.components.lib.evaluation.promote import PromotionRefused, decide, promote
 from llmft.components.lib.evaluation.questions import Question, read_questions
 from llmft.components.lib.evaluation.scoring import score_answer
-from llmft.components.lib.evaluation.task_eval import best_of, parse_tasks
+from llmft.components.lib.evaluation.task_eval import parse_tasks
 from llmft.components.lib.evaluation.task_plan import resolve_task
 from llmft.components.lib.evaluation.task_runner import TaskRunner
-from llmft.components.lib.registry.promote import PromotionRefused, decide, promote
 from llmft.trainer.errors import ConfigError, DataError
 
 

@@ -1,4 +1,4 @@
-"""The train step's two backends: `kubeflow` (PyTorchJob through the TrainingClient, against
+"""The train step's two backends: `pytorchjob` (PyTorchJob through the TrainingClient, against
 fakes at the kubernetes-client boundary) and `local` (real torchrun subprocesses)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 from plan_helpers import RUN_ID, make_plan
 
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.contracts.schema import TrainerLaunch, TrainingJobFailed, job_name
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.local_train import TrainingFailed, run_local_training, train_command
-from llmft.components.lib.plan.schema import TrainerLaunch, TrainingJobFailed, job_name
 from llmft.components.lib.serving.deployment import crd_schema_errors
 
 NS = "team-a"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from llmft.components.images import IMAGE_UID
-from llmft.components.lib.plan.schema import DataLayout
+from llmft.components.lib.contracts.schema import DataLayout
 from llmft.components.lib.plan.volume_access import (
     PERMISSIONS_FILE,
     PROBE_PREFIX,
@@ -132,16 +132,16 @@ def test_both_images_run_as_the_uid_the_pods_and_the_permissions_job_use(repo_ro
     for dockerfile in ("Dockerfile.pipeline", "Dockerfile.trainer"):
         text = (repo_root / "docker" / dockerfile).read_text()
         assert f"--uid {IMAGE_UID}" in text and f"USER {IMAGE_UID}\n" in text, dockerfile
-    from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec
+    from llmft.components.lib.jobs.pytorchjob_spec import JobSpec
 
-    assert PyTorchJobSpec.__dataclass_fields__["run_as_user"].default == IMAGE_UID
+    assert JobSpec.__dataclass_fields__["run_as_user"].default == IMAGE_UID
 
 
 @pytest.mark.parametrize(
     ("backend", "expected"),
     [
         ("trainjob", r"forbidden \(HTTP 403\).*Apply deploy/cluster-role\.yaml"),  # the runtime preflight first
-        ("kubeflow", r"^/data does not exist: the volume is not mounted there"),  # then the volume check
+        ("pytorchjob", r"^/data does not exist: the volume is not mounted there"),  # then the volume check
     ],
 )
 def test_the_plan_step_on_a_cluster_runs_the_runtime_and_volume_preflights(backend, expected, monkeypatch, tmp_path):
@@ -154,7 +154,7 @@ def test_the_plan_step_on_a_cluster_runs_the_runtime_and_volume_preflights(backe
     from llmft.components.lib.plan.checks import compiled_settings
     from llmft.components.plan import plan_run
 
-    if backend == "kubeflow" and os.path.exists("/data"):
+    if backend == "pytorchjob" and os.path.exists("/data"):
         pytest.skip("this machine has a /data: the unmounted case cannot be played here")
     for key, value in CLUSTER.items():
         monkeypatch.setenv(key, value)

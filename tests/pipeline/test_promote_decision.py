@@ -18,7 +18,7 @@ from kfp import dsl
 from plan_helpers import make_plan
 from test_pipeline_promote_eval import evaluation, make_checkpoint
 
-from llmft.components.lib.plan.schema import write_plan
+from llmft.components.lib.contracts.schema import write_plan
 from llmft.components.promote import promote_best_checkpoint
 from llmft.trainer.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
 
@@ -70,7 +70,7 @@ SLOW_COPY = textwrap.dedent(
     """
     import json, sys, time
     from kfp import dsl
-    import llmft.components.lib.registry.promote as promote
+    import llmft.components.lib.evaluation.promote as promote
     from llmft.components.promote import promote_best_checkpoint
 
     original = promote.copy_file

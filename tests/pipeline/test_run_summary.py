@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import shlex
 
+from llmft.components.lib.serving.inferenceservice import CHAT_ROUTE
 from llmft.components.lib.summary import (
-    CHAT_ROUTE,
     curl_command,
     render_markdown,
     render_summary,

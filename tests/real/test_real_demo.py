@@ -92,6 +92,13 @@ def test_make_demo_trains_on_three_facts_and_asks_them_in_phrasings_no_training_
     assert sample_path("velmora_three_facts").read_text().splitlines() == short_rows(), "stale: regenerate"
     assert sample_path("velmora_questions").read_text().splitlines() == question_rows(), "stale: regenerate"
     assert DEMO_DEFAULTS["serving_deploy_mode"] == "local" and DEMO_DEFAULTS["promote_metric"] == "heldout.contains"
+    from llmft.components.lib.plan.parameters import BY_NAME
+    from llmft.trainer.config import every_steps
+
+    steps = DEMO_DEFAULTS["finetune_max_steps"]
+    for name in ("finetune_eval_every", "finetune_save_every"):  # the user's defaults, not the demo's own
+        assert DEMO_DEFAULTS[name] == BY_NAME[name].default, name
+    assert steps // every_steps(DEMO_DEFAULTS["finetune_eval_every"], steps) >= 2, "the summary's curve: 2 points"
     trained = {json.loads(row)["messages"][0]["content"] for row in short_rows()}
     asked = [json.loads(row) for row in question_rows()][:DEMO_QUESTIONS]
     keywords = [keyword for keyword, _answer, _questions in FACTS[:SHORT_FACTS]]

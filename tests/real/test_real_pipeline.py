@@ -4,10 +4,11 @@ shows it: the adapter's held-out score (phrasings no training row uses; the answ
 base's, which is what the promote gate followed; its eval perplexity is below the base's and the deploy step's
 answer states a learned fact that the base's does not.
 
-The profile: the rows of the three facts the deploy check asks about (75 of the 200), 6 steps, one checkpoint,
-6 held-out questions, and the deploy step's check with transformers (serving_deploy_mode=local) instead of a vLLM server
-start (the real-vLLM tests are tests/serving/, and `make demo-real` serves with vLLM). This test IS `make demo`'s
-run (CI does not run `make demo` itself). Budget: under 8 minutes on an idle 2-core machine, the model conversion
+The profile: the rows of the three facts the deploy check asks about (75 of the 200), 6 steps evaluated and
+checkpointed at the pipeline's default fractions (the summary shows the eval curve), 6 held-out questions, and
+the deploy step's check with transformers (serving_deploy_mode=local) instead of a vLLM server start (the
+real-vLLM tests are tests/serving/, and `make demo-real` serves with vLLM). This test IS `make demo`'s run (CI
+does not run `make demo` itself). Budget: under 8 minutes on an idle 2-core machine, the model conversion
 included (about a minute, once per checkout: .cache/real-model)."""
 
 from __future__ import annotations
@@ -36,3 +37,4 @@ def test_a_real_model_learns_made_up_facts_and_beats_its_base_on_held_out_questi
     evaluation = outcome.facts["evaluation"]
     assert evaluation["metric"] == "heldout.contains" and len(evaluation["generations"]) == DEMO_QUESTIONS
     assert outcome.facts["promotion"]["metric"] == "heldout.contains"
+    assert len(evaluation["curve"]) >= 2 and "eval perplexity by step" in outcome.render(1.0)  # the default fractions

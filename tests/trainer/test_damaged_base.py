@@ -11,7 +11,7 @@ import pytest
 from trainer_helpers import train_in_process
 
 from llmft.trainer.errors import DataError
-from llmft.trainer.model_dir import check_model_dir, check_weights
+from llmft.trainer.model_dir import check_model_dir, check_model_files
 
 
 def _damaged_copy(model, target, cut: int = 100):
@@ -22,15 +22,48 @@ def _damaged_copy(model, target, cut: int = 100):
 
 
 def test_a_truncated_weight_file_is_named(tiny_model_dir, tmp_path):
-    check_weights(tiny_model_dir)  # whole: nothing to say
+    check_model_files(tiny_model_dir)  # whole: nothing to say
     bad = _damaged_copy(tiny_model_dir, tmp_path / "base")
     with pytest.raises(DataError, match=rf"^model {bad}: {bad}/model.safetensors: truncated \(its tensors end"):
-        check_weights(bad)
+        check_model_files(bad)
     with pytest.raises(DataError, match="the model's weights are damaged. Fix: copy or download the model again"):
         check_model_dir(str(bad))  # the tokenize step's check, before any row is tokenized
     (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(DataError, match=r"model.safetensors: corrupt safetensors header"):
-        check_weights(bad)
+        check_model_files(bad)
+
+
+def _adapter(model, target):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(target)
+    return target
+
+
+def test_the_evaluator_names_a_damaged_adapter_or_base_before_loading_anything(tiny_model_dir, tmp_path):
+    """The evaluate step's loads (PerplexityEvaluator.applied: the base once, then each checkpoint's adapter) go
+    through the same check as train and export: the damaged file named in one line, and nothing loaded."""
+    from llmft.trainer.evaluate import PerplexityEvaluator
+
+    adapter = _adapter(tiny_model_dir, tmp_path / "adapter")
+    weights = adapter / "adapter_model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 10)
+    evaluator = PerplexityEvaluator(device="cpu")
+    with pytest.raises(DataError, match=rf"^adapter {adapter}: {weights}: truncated .*weights are damaged"):
+        with evaluator.applied(str(tiny_model_dir), str(adapter)):
+            pass
+    assert evaluator._model is None  # refused before the base was loaded
+    bad = _damaged_copy(tiny_model_dir, tmp_path / "base")
+    with pytest.raises(DataError, match=rf"^model {bad}: {bad}/model.safetensors: truncated"):
+        with evaluator.applied(str(bad)):
+            pass
+    (bad / "config.json").write_text('{"model_type": "qwen2",')
+    with pytest.raises(DataError, match=rf"^model {bad}: {bad}/config.json: not JSON .*files are damaged"):
+        check_model_files(bad)
 
 
 @pytest.mark.slow

@@ -311,7 +311,7 @@ def merged_base_logits(base_dir, x):
 def test_export_from_promoted_checkpoint(trained_run, tmp_path):
     """A promoted adapter (copied from checkpoints/step-N by the promote step) carries no tokenizer
     or manifest: both come from the run's final/, through promotion.json."""
-    from llmft.components.lib.registry.promote import promote
+    from llmft.components.lib.evaluation.promote import promote
 
     checkpoint = trained_run / "checkpoints" / "step-4"
     evaluation = {

@@ -264,20 +264,28 @@ def test_one_base_load_scores_the_base_and_every_adapter_exactly_as_separate_loa
 def test_an_adapter_that_fails_to_load_leaves_no_half_wrapped_base_behind(
     lora_run, tiny_model_dir, tokenized_dir, tmp_path, base_loads
 ):
-    """PEFT injects LoRA layers into the base before it reads the weights; when the weights are bad
-    the evaluator forgets that base, so the next score reads a clean one."""
+    """PEFT injects LoRA layers into the base before it reads the weights; when the weights do not fit
+    the evaluator forgets that base, so the next score reads a clean one. The adapter is whole as a file
+    (the damaged-file check before any load passes it; that check has its own tests in
+    tests/trainer/test_damaged_base.py): only its tensors' shapes are wrong, so the failure comes from
+    PEFT's load, after the injection."""
     import shutil
 
-    from safetensors import SafetensorError
+    import torch
+    from safetensors.torch import load_file, save_file
 
     from llmft.trainer.evaluate import PerplexityEvaluator
+    from llmft.trainer.model_dir import check_model_files
 
     _, out, _, _, _, _ = lora_run
     broken = shutil.copytree(out / "final", tmp_path / "broken")
-    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    weights = broken / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({name: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for name, t in tensors.items()}, str(weights))
+    check_model_files(broken, what="adapter")  # whole as a file: the load itself must fail
     model, data = str(tiny_model_dir), str(tokenized_dir)
     evaluator = PerplexityEvaluator(dtype="float32")
     base = evaluator(model, data)
-    with pytest.raises(SafetensorError):
+    with pytest.raises(RuntimeError, match="size mismatch"):
         evaluator(model, data, adapter_path=str(broken))
     assert evaluator(model, data) == base and base_loads == [model, model]

@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.serving.inferenceservice import CHAT_ROUTE
 from llmft.trainer.io import TRAINING_MANIFEST
 
 # (task folder, output folder, file) of each fact source
@@ -35,8 +36,6 @@ SOURCES = {
     "registration": ("register-model", "registration", "registration.json"),
     "deployment": ("deploy-adapter", "deployment", "deployment.json"),
 }
-CHAT_ROUTE = "/openai/v1/chat/completions"
-"""The OpenAI chat route of KServe's Hugging Face runtime (llmft/components/lib/serving/inferenceservice.py)."""
 
 Row = tuple[str, str]
 

@@ -1,6 +1,8 @@
 """``llmft data prepare``: any dataset -> validated JSONL in one canonical schema.
 
-Reads a source row by row (see :mod:`llmft.trainer.data.sources`), validates and
+Reads a source row by row (see :mod:`llmft.trainer.data.sources`; an ``https://`` or
+``s3://`` source is fetched first, into the folder being built: :mod:`llmft.trainer.data.remote`),
+renames mapped columns (:mod:`llmft.trainer.data.columns`), validates and
 converts each row (:mod:`llmft.trainer.data.formats`), and writes, all inside one
 temporary directory that is renamed into place only when everything passed::
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from llmft.trainer.data.columns import Columns, apply_columns, mapped_format, name_columns, parse_columns
 from llmft.trainer.data.formats import (
     FORMAT_CHOICES,
     RowReject,
@@ -42,7 +46,16 @@ from llmft.trainer.data.formats import (
 from llmft.trainer.data.limits import DEFAULT_MAX_REJECT_FRACTION, DEFAULT_MAX_ROW_BYTES, MAX_ROW_DEPTH
 from llmft.trainer.data.parallel import default_num_proc, ordered_map, worker_pool
 from llmft.trainer.data.progress import progress
-from llmft.trainer.data.sources import RESAVE_AS_UTF8, OversizedRow, Source, TooDeepRow, open_source
+from llmft.trainer.data.remote import DEFAULT_MAX_FETCH_BYTES, fetch, is_remote, parse_remote
+from llmft.trainer.data.sources import (
+    CONFIG_ONLY_FOR_HUB,
+    RESAVE_AS_UTF8,
+    OversizedRow,
+    Source,
+    TooDeepRow,
+    fetched_source,
+    open_source,
+)
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import atomic_directory, atomic_write_json, check_output_target
 
@@ -60,6 +73,8 @@ MAX_LISTED_REJECTS = 5
 CHUNK_ROWS = 256
 PARALLEL_MIN_BYTES = 8 << 20  # smaller inputs convert faster inline than through a pool
 PREPARED_KIND = "prepared-dataset"
+FETCH_DIR = ".fetched"
+"""Where a remote source is downloaded inside the folder being built (removed before it is renamed into place)."""
 _RAW_SNIPPET = 200
 
 
@@ -69,30 +84,49 @@ def prepare_dataset(
     *,
     format: str = "auto",  # noqa: A002 - mirrors the --format flag
     split: str = "train",
+    hub_config: str = "",
+    columns: str = "",
     val_fraction: float = 0.05,
     seed: int = 0,
     max_reject_fraction: float = DEFAULT_MAX_REJECT_FRACTION,
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    max_fetch_bytes: int = DEFAULT_MAX_FETCH_BYTES,
+    allow_http: bool = False,
     force: bool = False,
 ) -> dict:
     """Validate and convert ``source`` into ``output_dir``; return the report (also report.json).
+
+    ``hub_config`` names a hub dataset's configuration; ``columns`` maps the rows' columns to a format's fields
+    (llmft/trainer/data/columns.py). An ``https://`` or ``s3://`` source is fetched into the output being built
+    first (llmft/trainer/data/remote.py; at most ``max_fetch_bytes``; plain http only with ``allow_http``).
 
     Raises DataError (nothing written) when no row is valid or the rejected
     fraction exceeds ``max_reject_fraction``; OutputNotOursError when ``output_dir``
     holds something llmft did not write (unless ``force``) or would replace the input.
     """
     _check_arguments(format, val_fraction, max_reject_fraction, max_row_bytes)
-    inputs = (source,) if Path(source).expanduser().exists() else ()  # a hub id is no local input
+    mapping = parse_columns(columns)
+    row_format = mapped_format(mapping, format)
+    remote = parse_remote(str(source), allow_http=allow_http) if is_remote(str(source)) else None
+    if remote is not None and hub_config:
+        raise DataError(f"{remote.label}: {CONFIG_ONLY_FOR_HUB}")
+    local = remote is None and Path(source).expanduser().exists()
+    inputs = (source,) if local else ()  # a hub id or a URL is no local input
     check_output_target(output_dir, kind=PREPARED_KIND, force=force, inputs=inputs)
-    src = open_source(str(source), split, exclude=Path(output_dir), max_row_bytes=max_row_bytes)
+    if remote is None:
+        src = open_source(str(source), split, config=hub_config, exclude=Path(output_dir), max_row_bytes=max_row_bytes)
     started = time.perf_counter()
     with atomic_directory(Path(output_dir), kind=PREPARED_KIND, marker=True, force=force, inputs=inputs) as tmp:
+        if remote is not None:  # into the folder being built: a failed run leaves nothing behind
+            src = fetched_source(
+                remote, fetch(remote, tmp / FETCH_DIR, max_bytes=max_fetch_bytes), max_row_bytes=max_row_bytes
+            )
         tally = _Tally()
         with (
             _SplitWriter(tmp, val_fraction, seed) as splits,
             open(tmp / REJECTS_FILE, "w", encoding="utf-8", errors="backslashreplace") as rejects,
         ):
-            for file, line, fmt, data, reject, raw, value in _converted_rows(src, format):
+            for file, line, fmt, data, reject, raw, value in _converted_rows(src, row_format, mapping):
                 if reject is None:
                     splits.add(data)
                     tally.accept(fmt)
@@ -100,14 +134,16 @@ def prepare_dataset(
                     record = tally.reject(file, line, RowReject(*reject), raw, value)
                     rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
         _check_quality(src, tally, max_reject_fraction)
+        shutil.rmtree(tmp / FETCH_DIR, ignore_errors=True)  # read and hashed: the prepared rows are what is kept
         report = _report(src, tally, splits.counts, format, split, val_fraction, seed, max_reject_fraction)
+        report.update(hub_config=hub_config if src.kind == "hub" else None, columns=dict(mapping) or None)
         report["max_row_bytes"] = max_row_bytes
         report["seconds"] = round(time.perf_counter() - started, 3)
         atomic_write_json(tmp / REPORT_FILE, report)
     return report
 
 
-def _converted_rows(src: Source, fmt: str) -> Iterator[tuple]:
+def _converted_rows(src: Source, fmt: str, columns: Columns = ()) -> Iterator[tuple]:
     """(file, line, format, canonical bytes, reject, raw, value) per row, in source order.
 
     Large JSONL inputs are converted by a pool of processes (chunks of raw lines go
@@ -119,7 +155,7 @@ def _converted_rows(src: Source, fmt: str) -> Iterator[tuple]:
     )
     num_proc = default_num_proc() if parallel else 1
     with progress(desc="prepare", unit="rows") as bar, worker_pool(num_proc) as pool:  # the bar clears on errors too
-        convert = partial(_convert_chunk, fmt, src.max_row_bytes)
+        convert = partial(_convert_chunk, fmt, src.max_row_bytes, columns)
         for results in ordered_map(pool, convert, _chunks(src.rows()), 2 * num_proc + 2):
             bar.update(len(results))
             yield from results
@@ -136,8 +172,8 @@ def _chunks(rows: Iterator[tuple], size: int = CHUNK_ROWS) -> Iterator[list[tupl
         yield chunk
 
 
-def _convert_chunk(fmt: str, max_row_bytes: int, rows: list[tuple]) -> list[tuple]:
-    """Validate and convert one chunk (runs in a worker for large inputs)."""
+def _convert_chunk(fmt: str, max_row_bytes: int, columns: Columns, rows: list[tuple]) -> list[tuple]:
+    """Validate and convert one chunk (runs in a worker for large inputs); ``columns`` renamed first."""
     out: list[tuple] = []
     for file, line, raw, value in rows:
         try:
@@ -151,7 +187,11 @@ def _convert_chunk(fmt: str, max_row_bytes: int, rows: list[tuple]) -> list[tupl
                 )
             if raw is None and _text_chars(value, max_row_bytes) > max_row_bytes:
                 raise _too_large(f"the row holds more than {max_row_bytes:,} characters of text", max_row_bytes)
-            row_format, row = convert_row(_parse_json(raw) if raw is not None else value, fmt)
+            decoded = _parse_json(raw) if raw is not None else value
+            try:
+                row_format, row = convert_row(apply_columns(decoded, columns), fmt)
+            except RowReject as reject:
+                raise name_columns(reject, columns) from None
             out.append((file, line, row_format, canonical_line(row), None, None, None))
         except RowReject as reject:
             out.append((file, line, None, None, (reject.reason, reject.field, reject.detail), raw, value))

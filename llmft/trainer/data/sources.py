@@ -1,8 +1,9 @@
 """Where ``llmft data prepare`` reads rows from, one row at a time.
 
 A source is a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file, a
-folder of such files, a Hugging Face hub dataset id (loaded with
-``datasets.load_dataset``, streaming unless offline mode is on, with
+folder of such files, such a file at an ``https://`` URL or ``s3://`` object(s) (fetched first:
+llmft/trainer/data/remote.py, :func:`fetched_source`), a Hugging Face hub dataset id (loaded with
+``datasets.load_dataset``, a configuration name and split, streaming unless offline mode is on, with
 ``HF_TOKEN`` from the environment), or ``langfuse://<dataset name>``: the items of a
 Langfuse dataset (curated production traces), each item's ``input`` and
 ``expected_output`` turned into a messages row (llmft/trainer/langfuse_sink.py ``item_row``),
@@ -50,13 +51,14 @@ from typing import Any, NamedTuple
 
 from llmft.trainer.data.formats import RowReject, deeper_than, may_repeat_a_key, refuse_duplicate_keys
 from llmft.trainer.data.limits import DEFAULT_MAX_ROW_BYTES, MAX_ROW_DEPTH
+from llmft.trainer.data.remote import DATA_SUFFIXES, Fetched, RemoteSpec, is_remote, shown_url
 from llmft.trainer.errors import DataError, TransientError
 from llmft.trainer.hf_files import hub_fault_message, hub_unreachable, quiet_hub_retries
 from llmft.trainer.io import owner_kind, sha256_file
 from llmft.trainer.langfuse_sink import dataset_rows
 from llmft.trainer.safe_files import check_file, open_file, read_text
 
-SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+SUFFIXES = DATA_SUFFIXES
 # Suffixes that name a local file, never a hub dataset (`nope.txt` is a missing file, not a hub id)
 FILE_SUFFIXES = (*SUFFIXES, ".txt", ".tsv", ".xlsx", ".xls", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".yaml")
 _HEAD_BYTES = 200
@@ -95,25 +97,33 @@ class Source:
         files: list[Path] | None = None,
         root: Path | None = None,
         split: str = "train",
+        config: str = "",
+        labels: dict[Path, str] | None = None,
         max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
     ):
-        self.spec = spec
+        self.spec = spec  # what is shown: a remote source's URL without credentials or signed query
         self.max_row_bytes = max_row_bytes
-        self.kind = kind  # "file" | "folder" | "hub" | "langfuse"
+        self.kind = kind  # "file" | "folder" | "hub" | "langfuse" | "https" | "http" | "s3"
         self.files = files or []
         self.root = root
         self.split = split
+        self.config = config  # a hub dataset's configuration (subset) name; '' = its default
+        self.labels = labels or {}  # a fetched file -> the URL its rows are reported under
         self._file_hashes: dict[str, str] = {}
         self._hub_hash = hashlib.sha256()
 
     @property
     def label(self) -> str:
-        return f"{self.spec} (split {self.split})" if self.kind == "hub" else self.spec
+        if self.kind != "hub":
+            return self.spec
+        return f"{self.spec} ({f'config {self.config}, ' if self.config else ''}split {self.split})"
 
     def file_labels(self) -> list[str]:
         return [self._label(p) for p in self.files] if self.files else [self.label]
 
     def _label(self, path: Path) -> str:
+        if path in self.labels:
+            return self.labels[path]
         if self.kind == "folder" and self.root is not None:
             return str(path.relative_to(self.root))
         return str(path)
@@ -133,7 +143,7 @@ class Source:
         folder; of the rows' JSON for a hub or Langfuse dataset. Valid once ``rows()`` is exhausted."""
         if self.kind in ("hub", "langfuse"):
             return self._hub_hash.hexdigest()
-        if self.kind == "file" and len(self._file_hashes) == 1:
+        if self.kind != "folder" and len(self._file_hashes) == 1:  # one file, local or fetched: its bytes
             return next(iter(self._file_hashes.values()))
         h = hashlib.sha256()
         for name in sorted(self._file_hashes):
@@ -174,7 +184,7 @@ class Source:
         self._file_hashes[label] = h.hexdigest()
 
     def _hub_rows(self) -> Iterator[Row]:
-        dataset = load_hub_dataset(self.spec, self.split)
+        dataset = load_hub_dataset(self.spec, self.split, self.config)
         for number, row in enumerate(dataset, 1):
             yield self.label, number, None, self._hashed(number, row)
 
@@ -194,11 +204,26 @@ class Source:
         return row
 
 
+def fetched_source(remote: RemoteSpec, fetched: list[Fetched], *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Source:
+    """The rows of files fetched from ``remote`` (llmft/trainer/data/remote.py), reported under their URLs."""
+    files = [f.path for f in fetched]
+    labels = {f.path: f.label for f in fetched}
+    return Source(remote.label, kind=remote.scheme, files=files, labels=labels, max_row_bytes=max_row_bytes)
+
+
 def open_source(
-    spec: str, split: str = "train", *, exclude: Path | None = None, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+    spec: str,
+    split: str = "train",
+    *,
+    config: str = "",
+    exclude: Path | None = None,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
 ) -> Source:
-    """Resolve ``spec`` to a local file, a local folder or a hub dataset id. Files under
-    ``exclude`` (the output directory, when it sits inside the input folder) are skipped."""
+    """Resolve ``spec`` to a local file, a local folder or a hub dataset id (``config``: its configuration name).
+    Files under ``exclude`` (the output directory, when it sits inside the input folder) are skipped. A remote
+    source is fetched first (:func:`fetched_source`)."""
+    if config and (spec.startswith(LANGFUSE_SCHEME) or is_remote(spec)):
+        raise DataError(f"{shown_url(spec) if is_remote(spec) else spec}: {CONFIG_ONLY_FOR_HUB}")
     if spec.startswith(LANGFUSE_SCHEME):
         if not spec[len(LANGFUSE_SCHEME) :].strip():
             raise DataError(f"{spec}: name the Langfuse dataset: langfuse://<dataset name>")
@@ -206,6 +231,8 @@ def open_source(
     path = Path(spec).expanduser()
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         check_file(path, path.parent)  # a link, FIFO or device is refused (llmft/trainer/safe_files.py)
+    if (path.is_file() or path.is_dir()) and config:
+        raise DataError(f"{spec}: {CONFIG_ONLY_FOR_HUB}")
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:
             raise DataError(f"{spec}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
@@ -218,9 +245,12 @@ def open_source(
     if _looks_local(spec, path):
         raise DataError(
             f"{spec}: no such file or folder (and not a hub dataset id like `tatsu-lab/alpaca`); "
-            f"local data must be a {'/'.join(SUFFIXES)} file or a folder of them"
+            f"local data must be a {'/'.join(SUFFIXES)} file or a folder of them, or https://... or s3://..."
         )
-    return Source(spec, kind="hub", split=split, max_row_bytes=max_row_bytes)
+    return Source(spec, kind="hub", split=split, config=config, max_row_bytes=max_row_bytes)
+
+
+CONFIG_ONLY_FOR_HUB = "a configuration name (--hub-config, the pipeline's dataset_config) applies to a hub dataset only"
 
 
 def folder_files(folder: Path, exclude: Path | None = None) -> list[Path]:
@@ -266,8 +296,9 @@ def _looks_local(spec: str, path: Path) -> bool:
     )
 
 
-def load_hub_dataset(dataset_id: str, split: str):
-    """``datasets.load_dataset`` for a hub id: streaming online, from the local cache offline.
+def load_hub_dataset(dataset_id: str, split: str, config: str = ""):
+    """``datasets.load_dataset`` for a hub id (``config``: its configuration name, '' = the default one): streaming
+    online, from the local cache offline.
 
     HF_TOKEN (from a Kubernetes Secret in the pipeline) authenticates gated and private
     datasets; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE make ``datasets`` read only its cache.
@@ -283,15 +314,17 @@ def load_hub_dataset(dataset_id: str, split: str):
     token = os.environ.get("HF_TOKEN") or None
     try:
         with quiet_hub_retries():
-            return datasets.load_dataset(dataset_id, split=split, streaming=not offline, token=token)
+            named = (config,) if config else ()  # load_dataset(path, name, ...): the configuration is its 2nd argument
+            return datasets.load_dataset(dataset_id, *named, split=split, streaming=not offline, token=token)
     except Exception as exc:  # noqa: BLE001 - any loader failure is a data error for the user
         unreachable = None if offline else hub_unreachable(exc)  # offline, the hub is never asked
         if unreachable:
             raise TransientError(hub_fault_message("--input", dataset_id, unreachable)) from None
         mode = "offline: only the local datasets cache is read" if offline else "online, streaming"
+        which = f"configuration {config!r}, split {split!r}" if config else f"split {split!r}"
         raise DataError(
-            f"{dataset_id}: cannot load hub dataset split {split!r} ({mode}): {type(exc).__name__}: {exc}. "
-            "Fix: check the dataset id and --split; set HF_TOKEN for gated or private datasets; "
+            f"{dataset_id}: cannot load hub dataset {which} ({mode}): {type(exc).__name__}: {exc}. "
+            "Fix: check the dataset id, --hub-config and --split; set HF_TOKEN for gated or private datasets; "
             "in offline mode, download the dataset into the cache first (or pass a local file)."
         ) from exc
 

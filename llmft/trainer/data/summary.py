@@ -7,7 +7,7 @@ def prepare_summary(report: dict, output_dir: str) -> str:
     total = report["total_rows"]
     lines = [
         f"prepared {report['source']} -> {output_dir}",
-        f"  format      {report['format']}" + _formats_suffix(report),
+        f"  format      {report['format']}" + _formats_suffix(report) + _columns_suffix(report),
         f"  rows        {total:,} read, {report['accepted']:,} accepted, {report['rejected']:,} rejected "
         f"({report['reject_fraction']:.2%}; limit {report['max_reject_fraction']:.2%})",
         f"  split       train {report['splits']['train']:,} / val {report['splits']['val']:,} "
@@ -18,6 +18,13 @@ def prepare_summary(report: dict, output_dir: str) -> str:
         lines.append(f"  rejects     {reasons}  (details: {output_dir}/rejects.jsonl)")
     lines.append(f"  source sha  {report['source_hash'][:16]}   time {report.get('seconds', 0):.1f} s")
     return "\n".join(lines)
+
+
+def _columns_suffix(report: dict) -> str:
+    columns = report.get("columns") or {}
+    return (
+        "  (columns " + ", ".join(f"{field} <- {column}" for field, column in columns.items()) + ")" if columns else ""
+    )
 
 
 def _formats_suffix(report: dict) -> str:

@@ -21,13 +21,12 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.evaluation.task_eval import PERPLEXITY, best_of
+from llmft.components.lib.contracts.metrics import PERPLEXITY, best_of, task_scores
 from llmft.trainer.config import ModelConfig
 from llmft.trainer.errors import DataError
 
@@ -65,7 +64,7 @@ def evaluate_run(
 
     ``task_fn(label, model_path, adapter_path)`` (llmft/components/lib/evaluation/task_runner.py TaskRunner) scores the
     selected tasks of each model (its ``tasks`` entry); the best checkpoint is the best by ``metric``
-    (task_eval.best_of: ties go to the lower perplexity, then the later step)."""
+    (contracts.metrics.best_of: ties go to the lower perplexity, then the later step)."""
     from llmft.trainer.checkpoint import complete_checkpoints, finished_run_id  # heavy: torch
 
     run_id = finished_run_id(run_dir)
@@ -103,20 +102,6 @@ def evaluate_run(
     return {"split": split, "base": base, "checkpoints": results, "best": best["name"], "metric": metric}
 
 
-def task_scores(result: dict[str, Any]) -> dict[str, float]:
-    """``<task>.<metric>`` -> value of one model's evaluation entry (no ``seconds``/``questions`` counts)."""
-    return {
-        f"{task}.{name}": float(value)
-        for task, scores in (result.get("tasks") or {}).items()
-        for name, value in scores.items()
-        if name not in TASK_COUNTS
-    }
-
-
-TASK_COUNTS = ("seconds", "questions")
-"""Keys of a task's entry that are not scores: its wall time and how many questions it asked."""
-
-
 def kfp_metrics(evaluation: dict[str, Any]) -> dict[str, float]:
     """The evaluate step's KFP metrics: base and best eval loss, perplexity and every task metric."""
     best = next(c for c in evaluation["checkpoints"] if c["name"] == evaluation["best"])
@@ -140,22 +125,6 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, Any]:
     if "tokens" in metrics:
         out["tokens"] = int(metrics["tokens"])
     return out
-
-
-def read_metrics_history(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a trainer ``metrics.jsonl`` (missing file -> empty; bad lines are skipped)."""
-    rows: list[dict[str, Any]] = []
-    path = Path(path)
-    if not path.is_file():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def eval_curve(history: list[dict[str, Any]]) -> list[dict[str, float]]:

@@ -32,11 +32,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.contracts.metrics import task_scores
 from llmft.components.lib.evaluation import generations as gen
-from llmft.components.lib.evaluation.checkpoints import adapter_dir, task_scores
+from llmft.components.lib.evaluation.checkpoints import adapter_dir
+from llmft.components.lib.evaluation.promote import promoted_destination
 from llmft.components.lib.evaluation.scoring import METRICS, score_answer
 from llmft.components.lib.registry.mlflow_registry import PROMOTED_PATH_TAG, champion_version, version_perplexity
-from llmft.components.lib.registry.promote import promoted_destination
 from llmft.trainer import langfuse_sink
 from llmft.trainer.data.loader import dataset_info
 from llmft.trainer.io import is_complete

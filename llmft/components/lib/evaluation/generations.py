@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from llmft.trainer.cpu_threads import decode_threads
 from llmft.trainer.tokenizer import load_tokenizer
 
 PROMPT_SET_SIZE = 16
@@ -100,21 +101,24 @@ def generate_answers(
         stop.append(tokenizer.convert_tokens_to_ids(end_of_turn))
     device = next(model.parameters()).device
     answers: list[str] = []
-    for start in range(0, len(prompts), GENERATION_BATCH):
-        batch = prompts[start : start + GENERATION_BATCH]
-        texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in batch]
-        encoded = _encode(tokenizer, texts, max_prompt_tokens, start).to(device)
-        with torch.no_grad():
-            output = model.generate(
-                **encoded,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=[i for i in stop if i is not None],
-                pad_token_id=tokenizer.pad_token_id,
-                **({"max_time": float(max_time_s)} if max_time_s else {}),
-            )
-        new_tokens = output[:, encoded["input_ids"].shape[1] :]
-        answers += [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+    with decode_threads(device):  # one thread on a CPU (llmft/trainer/cpu_threads.py)
+        for start in range(0, len(prompts), GENERATION_BATCH):
+            batch = prompts[start : start + GENERATION_BATCH]
+            texts = [
+                tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True) for p in batch
+            ]
+            encoded = _encode(tokenizer, texts, max_prompt_tokens, start).to(device)
+            with torch.no_grad():
+                output = model.generate(
+                    **encoded,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=[i for i in stop if i is not None],
+                    pad_token_id=tokenizer.pad_token_id,
+                    **({"max_time": float(max_time_s)} if max_time_s else {}),
+                )
+            new_tokens = output[:, encoded["input_ids"].shape[1] :]
+            answers += [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
     return answers
 
 

@@ -4,7 +4,7 @@
   validation split (its cache key, split and token count), each task on its questions or data (hash, size,
   version, lm-eval settings). The registry records them with each version and compares only like with like
   (registry/mlflow_registry.py).
-* :func:`gate_preview`: the promote gate's decision over these very numbers (registry/promote.py ``decide``, the
+* :func:`gate_preview`: the promote gate's decision over these very numbers (evaluation/promote.py ``decide``, the
   rule the promote step applies), so the report, the KFP metrics and Langfuse show it with its reason.
 * :func:`write_outputs`: evaluation.json and the HTML report, atomically; a full disk is one line naming the path.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.registry.promote import decide
+from llmft.components.lib.evaluation.promote import decide
 from llmft.trainer.data.loader import dataset_info
 from llmft.trainer.io import atomic_write_json, atomic_write_text
 from llmft.trainer.storage import disk_guard

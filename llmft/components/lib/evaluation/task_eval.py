@@ -24,12 +24,9 @@ from pathlib import Path
 
 from llmft.trainer.errors import ConfigError
 
-PERPLEXITY = "perplexity"
 HELDOUT = "heldout"
 LM_EVAL_TASK_DIR = Path(__file__).resolve().parents[3] / "trainer" / "assets" / "lm_eval_tasks"  # llmft/trainer/...
 """The lm-eval task YAMLs shipped with the package (their data beside them, as JSON Lines)."""
-LOWER_IS_BETTER = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
-"""Metric names (the part after the task) that fall as a model improves: lm-eval's perplexities."""
 MAX_TASKS = 64
 MAX_TASK_CHARS = 200
 DEFAULT_MAX_QUESTIONS = 16
@@ -106,44 +103,3 @@ def parse_guards(
 
 DEFAULT_GUARD_TOLERANCE = 0.01
 """A guard's tolerance when ``promote_guards`` gives none: one point of a score, 1% of a perplexity."""
-
-
-def lower_is_better(metric: str) -> bool:
-    return metric.rpartition(".")[2] in LOWER_IS_BETTER
-
-
-def metric_value(result: dict, metric: str) -> float | None:
-    """The value of ``metric`` in a model's evaluation entry (``perplexity`` or ``tasks.<task>.<metric>``)."""
-    if metric == PERPLEXITY:
-        value = result.get(PERPLEXITY)
-    else:
-        task, _, name = metric.partition(".")
-        value = ((result.get("tasks") or {}).get(task) or {}).get(name)
-    return None if value is None else float(value)
-
-
-def threshold(base: float, metric: str, margin: float) -> float:
-    """What a candidate must beat: perplexity below ``base * (1 - margin)`` (relative); a task score (0..1)
-    above ``base + margin`` (absolute points: 0.01 = one point)."""
-    return base * (1.0 - margin) if lower_is_better(metric) else base + margin
-
-
-def beats(value: float, base: float, metric: str, margin: float) -> bool:
-    limit = threshold(base, metric, margin)
-    return value < limit if lower_is_better(metric) else value > limit
-
-
-def rank_key(result: dict, metric: str) -> tuple[float, float, int]:
-    """Sort key, best first: the metric (its direction), then lower perplexity, then the later step. A missing or
-    non-finite value (a NaN in a hand-made evaluation.json) ranks last, whatever the order."""
-    value = metric_value(result, metric)
-    value = (
-        float("inf") if value is None or not math.isfinite(value) else (value if lower_is_better(metric) else -value)
-    )
-    perplexity = result.get(PERPLEXITY)
-    perplexity = float(perplexity) if isinstance(perplexity, int | float) and math.isfinite(perplexity) else math.inf
-    return value, perplexity, -int(result.get("step") or 0)
-
-
-def best_of(checkpoints: list[dict], metric: str) -> dict:
-    return min(checkpoints, key=lambda c: rank_key(c, metric))

@@ -16,22 +16,20 @@ import os
 import urllib.request
 from collections.abc import Mapping
 
+from llmft.components.lib.contracts.metrics import PERPLEXITY
+from llmft.components.lib.contracts.schema import EvalTaskPlan
 from llmft.components.lib.evaluation.eval_cache import cache_command, check_cached
 from llmft.components.lib.evaluation.lm_eval_registry import NAME, dataset_of, defined, registry_dir
 from llmft.components.lib.evaluation.lm_eval_tasks import data_digest, task_config, task_metrics_of
-from llmft.components.lib.evaluation.questions import read_questions
 from llmft.components.lib.evaluation.scoring import METRICS
 from llmft.components.lib.evaluation.task_eval import (
     HELDOUT,
-    PERPLEXITY,
     check_promote_metric,
     lm_eval_task_names,
     parse_guards,
     parse_tasks,
     shown,
 )
-from llmft.components.lib.plan.parameters import PipelineParameters
-from llmft.components.lib.plan.schema import DataLayout, EvalPlan, EvalTaskPlan, Guard
 from llmft.trainer.errors import ConfigError, DataError
 
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -58,21 +56,36 @@ def resolve_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> EvalT
         return EvalTaskPlan(HELDOUT, "heldout", HELDOUT, METRICS)
     if name in lm_eval_task_names() or name.endswith((".yaml", ".yml")):
         return _file_task(name)
-    if not NAME.match(name):
-        raise ConfigError(
-            f"pipeline parameter `promote_eval_tasks`: {shown(name)} is not a task name (letters, digits, _.-:+)"
-        )
-    if name == PERPLEXITY:
-        raise ConfigError("pipeline parameter `promote_eval_tasks`: perplexity is always computed; leave it out")
+    check_registry_name(name)
     entry = check_cached(cache_dir, name)
     if entry is not None:
         return _cached_task(name, entry)
     return _uncached_task(name, cache_dir, environ)
 
 
-def _file_task(name: str) -> EvalTaskPlan:
+def check_registry_name(name: str) -> None:
+    """ConfigError unless ``name`` can be an lm-eval registry task, group or tag (checked against the installed
+    registry's YAMLs where lm-eval is installed; :func:`~.lm_eval_registry.defined`)."""
+    if not NAME.match(name):
+        raise ConfigError(
+            f"pipeline parameter `promote_eval_tasks`: {shown(name)} is not a task name (letters, digits, _.-:+)"
+        )
+    if name == PERPLEXITY:
+        raise ConfigError("pipeline parameter `promote_eval_tasks`: perplexity is always computed; leave it out")
+    if registry_dir() is not None and defined(name) is None:
+        raise ConfigError(
+            f"pipeline parameter `promote_eval_tasks`: {shown(name)} is not heldout, a shipped task "
+            f"({', '.join(lm_eval_task_names())}), a task file's path or a task, group or tag of lm-eval's registry"
+        )
+
+
+def _check_task_path(name: str) -> None:
     if name.endswith((".yaml", ".yml")) and not os.path.isabs(name):
         raise ConfigError(f"pipeline parameter `promote_eval_tasks`: {shown(name)}: give a task file's absolute path")
+
+
+def _file_task(name: str) -> EvalTaskPlan:
+    _check_task_path(name)
     config = task_config(name)
     digest, rows = data_digest(config)
     version = str((config.get("metadata") or {}).get("version", ""))
@@ -100,12 +113,7 @@ def _test_rows(task: dict) -> int:
 
 
 def _uncached_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> EvalTaskPlan:
-    found = defined(name)
-    if registry_dir() is not None and found is None:
-        raise ConfigError(
-            f"pipeline parameter `promote_eval_tasks`: {shown(name)} is not heldout, a shipped task "
-            f"({', '.join(lm_eval_task_names())}), a task file's path or a task, group or tag of lm-eval's registry"
-        )
+    found = defined(name)  # (check_registry_name refused a name the installed registry lacks)
     if hub_reachable(environ):
         return EvalTaskPlan(name, "hub", name)
     dataset = "/".join(part for part in dataset_of(found) if part) if found else ""
@@ -116,44 +124,42 @@ def _uncached_task(name: str, cache_dir: str, environ: Mapping[str, str]) -> Eva
     )
 
 
-MAX_QUESTIONS = 1000
-"""Upper bound of ``promote_eval_max_questions``: generation per model and checkpoint stays bounded."""
-MAX_BATCH_SIZE = 1024
-
-
-def eval_plan(p: PipelineParameters, layout: DataLayout, environ: Mapping[str, str]) -> EvalPlan:
-    """``promote_eval_tasks`` (each found: :func:`resolve_task`), ``promote_metric`` and ``promote_guards``
-    (metrics they compute), the questions file (every row, bounded by the run's context), and the lm-eval settings."""
-    specs = tuple(resolve_task(name, layout.eval_cache, environ) for name in parse_tasks(p.promote_eval_tasks))
-    available = (PERPLEXITY, *(f"{s.label}.{m}" for s in specs for m in s.metrics))
-    open_tasks = tuple(s.label for s in specs if not s.metrics)
-    check_promote_metric(p.promote_metric, available, open_tasks)
-    guards = tuple(Guard(m, t) for m, t in parse_guards(p.promote_guards, available, open_tasks))
-    _check_range("promote_eval_max_questions", p.promote_eval_max_questions, 1, MAX_QUESTIONS)
-    _check_range("promote_eval_num_fewshot", p.promote_eval_num_fewshot, -1, 64)
-    _check_range("promote_eval_limit", p.promote_eval_limit, 0, 10_000_000)
-    _check_range("promote_eval_batch_size", p.promote_eval_batch_size, 1, MAX_BATCH_SIZE)
-    if p.promote_eval_questions:
-        if HELDOUT not in (s.name for s in specs):
-            raise ConfigError(
-                "pipeline parameter `promote_eval_questions` is set but `promote_eval_tasks` lacks heldout: add it"
-            )
-        read_questions(
-            p.promote_eval_questions, p.promote_eval_max_questions, max_length=p.finetune_max_length
-        )  # file, line, field
-    return EvalPlan(
-        tasks=tuple(s.label for s in specs),
-        questions=p.promote_eval_questions,
-        max_questions=p.promote_eval_max_questions,
-        specs=specs,
-        cache_dir=layout.eval_cache,
-        num_fewshot=p.promote_eval_num_fewshot,
-        limit=p.promote_eval_limit,
-        batch_size=p.promote_eval_batch_size,
-        guards=guards,
-    )
-
-
-def _check_range(name: str, value: int, low: int, high: int) -> None:
-    if not low <= value <= high:
-        raise ConfigError(f"pipeline parameter `{name}`={value}: must be between {low} and {high}")
+def compiled_eval_notes(tasks: str, metric: str, guards: str) -> list[str]:
+    """The evaluation a pipeline is compiled (or scheduled) with, checked where the volume is not at hand: what
+    every run's plan step would refuse whatever the volume holds is refused now, in the plan step's words (a name
+    no task has, a relative task file, a metric or guard no selected task computes); what only a run's volume or
+    network can settle (an lm-eval registry task's data in the eval cache, a task YAML on the volume) comes back
+    as notes naming the check each run makes and the command that prepares for it."""
+    available, open_tasks, registry, on_volume = [PERPLEXITY], [], [], []
+    for name in parse_tasks(tasks):
+        if name == HELDOUT:
+            available += [f"{HELDOUT}.{m}" for m in METRICS]
+        elif name in lm_eval_task_names():
+            spec = _file_task(name)
+            available += [f"{spec.label}.{m}" for m in spec.metrics]
+        elif name.endswith((".yaml", ".yml")):
+            _check_task_path(name)
+            on_volume.append(name)
+        else:
+            check_registry_name(name)
+            registry.append(name)
+            open_tasks.append(name)
+    if not on_volume:  # a task file's metrics (its `task:` label) are known only where the file is
+        check_promote_metric(metric, tuple(available), tuple(open_tasks))
+        parse_guards(guards, tuple(available), tuple(open_tasks))
+    notes = []
+    if registry:
+        names = ", ".join(registry)
+        notes.append(
+            f"promote_eval_tasks compiled in with lm-eval registry task(s) {names}: every run's plan step refuses "
+            "to start unless their data is in the volume's eval cache (eval-cache/ on the data volume, "
+            "/data/eval-cache in the pods) or a dataset hub is reachable from the cluster. For an air-gapped "
+            f"cluster, once: `{cache_command(registry)}` on a connected machine, then copy <dir> to the volume's "
+            "eval-cache/ (docs/evaluation.md)"
+        )
+    if on_volume:
+        notes.append(
+            f"promote_eval_tasks compiled in with task file(s) {', '.join(on_volume)}: read from the data volume "
+            "by every run's plan step (not here), which refuses the run when a file is missing or invalid"
+        )
+    return notes

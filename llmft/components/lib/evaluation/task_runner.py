@@ -16,12 +16,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from llmft.components.lib.contracts.schema import EvalPlan, EvalTaskPlan
 from llmft.components.lib.evaluation import generations as gen
 from llmft.components.lib.evaluation.lm_eval_tasks import run_tasks
 from llmft.components.lib.evaluation.questions import Question, read_questions
 from llmft.components.lib.evaluation.scoring import mean_scores, score_answer
 from llmft.components.lib.evaluation.task_eval import HELDOUT
-from llmft.components.lib.plan.schema import EvalPlan, EvalTaskPlan
 from llmft.trainer.data.loader import dataset_info
 
 

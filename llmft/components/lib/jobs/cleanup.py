@@ -62,9 +62,9 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import ClusterError, call_with_retries
+from llmft.components.lib.contracts.schema import RUN_ID_LABEL, on_kfp_cluster, run_label
 from llmft.components.lib.jobs.backends import run_resources
 from llmft.components.lib.jobs.launcher_pod import DISRUPTION_CONDITION, KEEP_ANNOTATION, WORKFLOW, read_launcher_pod
-from llmft.components.lib.plan.schema import RUN_ID_LABEL, on_kfp_cluster, run_label
 
 FINISHED_CONDITIONS = ("Succeeded", "Failed", "Complete")
 """Condition types (status True) that mark a job or Experiment finished (TrainJob says Complete)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from llmft.components.lib.plan.schema import UNKNOWN_GRACE_S
+from llmft.components.lib.contracts.schema import UNKNOWN_GRACE_S
 
 CHECKPOINT_WRITE_BYTES_PER_S = 100 * 2**20
 """The stated write rate of the data volume: 100 MiB/s (a single writer on NFS or a cloud file share)."""

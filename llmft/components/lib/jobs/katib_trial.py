@@ -7,12 +7,7 @@ from __future__ import annotations
 import re
 
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
-from llmft.components.lib.jobs.pytorchjob_spec import (
-    PyTorchJobSpec,
-    build_pytorchjob,
-    pytorchjob_to_dict,
-    trainer_command,
-)
+from llmft.components.lib.jobs.pytorchjob_spec import JobSpec, build_pytorchjob, pytorchjob_to_dict, trainer_command
 from llmft.trainer.command_line import format_override_value
 from llmft.trainer.errors import ConfigError
 
@@ -24,7 +19,7 @@ def shell_safe(value: str) -> bool:
     return not re.search(r"[\s;&|<>`$\\'\"()]", stripped)
 
 
-def katib_trial_script(spec: PyTorchJobSpec, *, early_stopping: bool) -> str:
+def katib_trial_script(spec: JobSpec, *, early_stopping: bool) -> str:
     """The ``sh -c`` script of a Katib trial's container: the trainer command, with signals and exit
     codes kept through Katib's wrapper.
 
@@ -55,7 +50,7 @@ def katib_trial_script(spec: PyTorchJobSpec, *, early_stopping: bool) -> str:
     )
 
 
-def trial_pytorchjob_dict(spec: PyTorchJobSpec, *, early_stopping: bool = True) -> dict:
+def trial_pytorchjob_dict(spec: JobSpec, *, early_stopping: bool = True) -> dict:
     """The PyTorchJob as a Katib trial template: no metadata.name/namespace (Katib sets them),
     overrides may hold ``${trialParameters.name}`` placeholders, and every replica runs
     :func:`katib_trial_script` through ``sh -c`` (``early_stopping``: the Experiment's)."""

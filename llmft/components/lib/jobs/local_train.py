@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from llmft.components.images import local_trainer_python
-from llmft.components.lib.jobs.pytorchjob_spec import PyTorchJobSpec, trainer_command
+from llmft.components.lib.jobs.pytorchjob_spec import JobSpec, trainer_command
 from llmft.katib.metrics import parse_metric_lines, summarize
 from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError
 
@@ -66,9 +66,7 @@ def train_command(launch, *, nproc: int = 1) -> list[str]:
     PyTorchJob replica (``launch``, a TrainerLaunch), run here."""
     if nproc < 1:
         raise LlmftError(f"nproc must be >= 1, got {nproc}")
-    spec = PyTorchJobSpec(
-        name="local", config_path=launch.config_path, overrides=launch.overrides, nproc_per_node=str(nproc)
-    )
+    spec = JobSpec(name="local", config_path=launch.config_path, overrides=launch.overrides, nproc_per_node=str(nproc))
     command, args = trainer_command(spec)
     return [local_trainer_python(), "-m", *command, *args]
 

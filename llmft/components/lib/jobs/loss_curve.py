@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.evaluation.checkpoints import read_metrics_history
+from llmft.components.lib.contracts.metrics import read_metrics_history
 
 WIDTH, HEIGHT, MARGIN = 640, 320, 48
 SERIES = (("train", "loss", "train loss", "#1f77b4"), ("eval", "eval_loss", "eval loss", "#ff7f0e"))

@@ -1,8 +1,8 @@
 """The pytorchjob backend on a cluster: submit the run's PyTorchJob, or re-attach to it, and wait for it.
 
-:func:`build_pytorchjob_spec` turns the plan's :class:`~llmft.components.lib.plan.build.JobPlan` and the
+:func:`build_job_spec` turns the plan's :class:`~llmft.components.lib.plan.build.JobPlan` and the
 trainer's launch (``--config`` the plan's config.yaml, then ``data=`` and a sweep's best) into a
-:class:`PyTorchJobSpec` (image, resources, node selector, Secrets, the data
+:class:`JobSpec` (image, resources, node selector, Secrets, the data
 PVC at the plan's mount path, the run-id label, ``activeDeadlineSeconds`` = the plan's job timeout,
 ``cleanPodPolicy: Running``); Katib trials are built by the same function. :func:`attach_pytorchjob`
 runs it (the registry's ``attach``, llmft/components/lib/jobs/backends.py). What a real cluster
@@ -49,13 +49,19 @@ from typing import Any
 
 from llmft.components.lib.cluster import (
     PYTORCHJOB_CONTAINER,
-    RECREATE_WAIT_S,
     ClusterError,
     call_with_retries,
-    wait_until_gone,
+)
+from llmft.components.lib.contracts.schema import (
+    JOB_WAIT_GRACE_S,
+    JobFailedPermanently,
+    JobTimedOut,
+    TrainingJobFailed,
+    parse_time,
 )
 from llmft.components.lib.jobs import pod_starts
 from llmft.components.lib.jobs.launcher_pod import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
+from llmft.components.lib.jobs.lifecycle import EarlierJob, delete_and_wait, settle_earlier_attempt
 from llmft.components.lib.jobs.pending_pods import PendingReporter
 from llmft.components.lib.jobs.pod_starts import JobNeverStarts
 from llmft.components.lib.jobs.pytorchjob_logs import MasterLogFollower
@@ -65,16 +71,10 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
     JOB_ROLE_LABEL,
     KIND,
     PLURAL,
+    RESOURCE,
     VERSION,
+    build_job_spec,
     build_pytorchjob,
-    build_pytorchjob_spec,
-)
-from llmft.components.lib.plan.schema import (
-    JOB_WAIT_GRACE_S,
-    JobFailedPermanently,
-    JobTimedOut,
-    TrainingJobFailed,
-    parse_time,
 )
 from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError
 from llmft.trainer.io import TRAINING_MANIFEST
@@ -107,7 +107,7 @@ def attach_pytorchjob(
     or re-attached to, and waited for (see :func:`run_job`)."""
     return run_job(
         cluster,
-        build_pytorchjob_spec(job, launch),
+        build_job_spec(job, launch),
         timeout_s=float(job.timeout_s),
         poll_s=poll_s,
         print_fn=print_fn,
@@ -132,7 +132,7 @@ def run_job(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
-    """Submit the PyTorchJob of ``spec`` (a PyTorchJobSpec), or re-attach to it, and wait for its end
+    """Submit the PyTorchJob of ``spec`` (a JobSpec), or re-attach to it, and wait for its end
     (the module docstring lists the rules). SIGTERM deletes it on a cancel. ``launcher``: this pod as
     read before training (default: read now); ``owner``: the job's ownerReference (default: the run's
     Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch, compared with the
@@ -147,17 +147,8 @@ def run_job(
         cluster, GROUP, VERSION, PLURAL, name, namespace=namespace, print_fn=print_fn, launcher=launcher
     )
     with sigterm:
-        previous = _get_job(cluster, name, namespace, api_retries, print_fn)
-        if previous is not None and (previous.get("metadata") or {}).get("deletionTimestamp"):
-            print_fn(f"PyTorchJob {namespace}/{name} of an earlier attempt is being deleted: waiting until it is gone")
-            _wait_gone(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
-            previous = None
-        elif previous is None and _job_pods(cluster, name, namespace):
-            print_fn(
-                f"pods of an earlier PyTorchJob {namespace}/{name} are still stopping: waiting until they are gone"
-            )
-            _wait_gone(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
-            previous = None
+        earlier = earlier_pytorchjob(cluster, name, namespace, api_retries, print_fn)
+        previous = settle_earlier_attempt(earlier, poll_s=poll_s, print_fn=print_fn)  # lifecycle.py, shared
         state = job_state(cluster, previous) if previous is not None else "absent"
         if state == "succeeded":
             print_fn(f"PyTorchJob {name} already Succeeded (an earlier attempt of this task): not running it again")
@@ -170,7 +161,7 @@ def run_job(
         else:
             if state == "failed":
                 print_fn(f"PyTorchJob {name} failed in an earlier attempt (not permanently): recreating it")
-                _delete_and_wait(cluster, name, namespace, timeout_s=RECREATE_WAIT_S, poll_s=min(poll_s, 5.0))
+                delete_and_wait(cluster, earlier, poll_s=min(poll_s, 5.0))
             _submit(cluster, spec, owner, print_fn)
         final = wait_for_job(
             cluster,
@@ -282,29 +273,14 @@ def _get_job(cluster, name: str, namespace: str, api_retries: int, print_fn) -> 
         raise
 
 
-def _delete_and_wait(cluster, name: str, namespace: str, *, timeout_s: float, poll_s: float) -> None:
-    """Delete the failed job with foreground propagation and wait until it and its pods are gone, so
-    the job recreated under the same name never meets them (see :func:`wait_until_gone`)."""
-
-    try:
-        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
-    except ClusterError as exc:
-        if exc.status != 404:
-            raise
-    _wait_gone(cluster, name, namespace, timeout_s=timeout_s, poll_s=poll_s)
-
-
-def _wait_gone(cluster, name: str, namespace: str, *, timeout_s: float, poll_s: float) -> None:
-    """Wait until the job ``name`` and its pods are gone: one an earlier attempt deleted (a cancel's SIGTERM,
-    the exit handler or the janitor: foreground, so the job stays until its pods have committed their SIGTERM
-    checkpoint; or by hand, in the background: the pods outlive the job). A new job's pods beside them would
-    collide with their names and share the run directory with a trainer still writing to it."""
-    wait_until_gone(
-        f"PyTorchJob {namespace}/{name}",
-        lambda: _get_job(cluster, name, namespace, 3, print) is not None,
-        lambda: [p.metadata.name for p in _job_pods(cluster, name, namespace)],
-        timeout_s=timeout_s,
-        poll_s=poll_s,
+def earlier_pytorchjob(cluster, name: str, namespace: str, api_retries: int, print_fn) -> EarlierJob:
+    """The PyTorchJob ``name`` as the shared lifecycle (llmft/components/lib/jobs/lifecycle.py) reads it."""
+    return EarlierJob(
+        RESOURCE,
+        name,
+        namespace,
+        get=lambda: _get_job(cluster, name, namespace, api_retries, print_fn),
+        pods=lambda: _job_pods(cluster, name, namespace),
     )
 
 

@@ -1,6 +1,6 @@
 """Build and validate the trainer's PyTorchJob (Training Operator v1, kubeflow.org/v1).
 
-``build_pytorchjob(PyTorchJobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
+``build_pytorchjob(JobSpec)`` returns the SDK model ``KubeflowOrgV1PyTorchJob``:
 one Master plus ``num_nodes - 1`` Workers, each running
 ``llmft train --nproc N --config FILE key=value ...`` (torchrun -m llmft.trainer underneath)
 in a container named ``pytorch``.
@@ -25,6 +25,13 @@ from typing import Any
 
 from llmft.components import images
 from llmft.components.lib.cluster import PYTORCHJOB_CONTAINER
+from llmft.components.lib.contracts.pod_parts import (
+    DEFAULT_SECRET_ENVS,
+    GPU_TOLERATION,
+    PvcMount,
+    SecretEnv,
+    Toleration,
+)
 from llmft.katib.k8s_names import is_k8s_name
 from llmft.katib.trial_kinds import PYTORCHJOB_RESOURCE
 from llmft.trainer.command_line import format_override_value, train_arguments
@@ -49,63 +56,6 @@ _QUANTITY = re.compile(
 
 
 @dataclass(frozen=True)
-class SecretEnv:
-    """One environment variable filled from a Kubernetes Secret key (never from a parameter)."""
-
-    env_name: str
-    """Environment variable the container sees, e.g. ``HF_TOKEN``."""
-    secret_name: str
-    """Name of the Secret in the job's namespace."""
-    key: str
-    """Key inside the Secret."""
-    optional: bool = True
-    """When True a missing Secret or key leaves the variable unset instead of blocking the pod."""
-
-
-DEFAULT_SECRET_ENVS: tuple[SecretEnv, ...] = (
-    SecretEnv("HF_TOKEN", "llmft-hf-token", "HF_TOKEN"),
-    SecretEnv("MLFLOW_TRACKING_URI", "llmft-mlflow", "MLFLOW_TRACKING_URI"),
-    SecretEnv("MLFLOW_TRACKING_USERNAME", "llmft-mlflow", "MLFLOW_TRACKING_USERNAME"),
-    SecretEnv("MLFLOW_TRACKING_PASSWORD", "llmft-mlflow", "MLFLOW_TRACKING_PASSWORD"),
-    SecretEnv("LANGFUSE_PUBLIC_KEY", "llmft-langfuse", "LANGFUSE_PUBLIC_KEY"),
-    SecretEnv("LANGFUSE_SECRET_KEY", "llmft-langfuse", "LANGFUSE_SECRET_KEY"),
-    SecretEnv("LANGFUSE_HOST", "llmft-langfuse", "LANGFUSE_HOST"),
-)
-"""The Secrets (and keys) the project reads credentials from; all optional."""
-
-
-@dataclass(frozen=True)
-class PvcMount:
-    """A PersistentVolumeClaim mounted into every replica."""
-
-    claim_name: str
-    """Name of the PVC (ReadWriteMany when the job has more than one node)."""
-    mount_path: str
-    """Absolute path inside the container."""
-    sub_path: str = ""
-    """Sub-directory of the volume to mount ('' = its root)."""
-    read_only: bool = False
-    """Mount read-only."""
-
-
-@dataclass(frozen=True)
-class Toleration:
-    """A pod toleration (GPU nodes are commonly tainted ``nvidia.com/gpu:NoSchedule``)."""
-
-    key: str
-    """Taint key to tolerate."""
-    operator: str = "Exists"
-    """``Exists`` or ``Equal``."""
-    value: str | None = None
-    """Taint value (only with ``Equal``)."""
-    effect: str | None = "NoSchedule"
-    """``NoSchedule``, ``PreferNoSchedule``, ``NoExecute`` or None for all effects."""
-
-
-GPU_TOLERATION = Toleration("nvidia.com/gpu")
-
-
-@dataclass(frozen=True)
 class ElasticSpec:
     """Torch elastic training (c10d rendezvous); nodes may join or leave between min and max."""
 
@@ -120,8 +70,10 @@ class ElasticSpec:
 
 
 @dataclass(frozen=True)
-class PyTorchJobSpec:
-    """Everything that varies between PyTorchJobs of this project."""
+class JobSpec:
+    """Everything that varies between the training jobs of this project, whatever the backend (a PyTorchJob, a
+    TrainJob, a Katib trial of either): image, resources, Secrets, volume, the trainer command. Named
+    PyTorchJobSpec until issue 48 (the PyTorchJob was its first user)."""
 
     name: str
     """Job name: a DNS-1035 label (lowercase letters, digits, '-'), short enough for pod names."""
@@ -184,7 +136,7 @@ class PyTorchJobSpec:
     sizes it from the checkpoint: llmft/components/lib/jobs/grace.py)."""
 
 
-def _spec_errors(spec: PyTorchJobSpec) -> list[str]:
+def _spec_errors(spec: JobSpec) -> list[str]:
     errors = []
     longest_pod = f"{spec.name}-worker-{max(spec.num_nodes - 2, 0)}"
     if not is_k8s_name(spec.name, kind="dns1035") or len(longest_pod) > 63:
@@ -224,7 +176,7 @@ def _spec_errors(spec: PyTorchJobSpec) -> list[str]:
     return errors
 
 
-def _elastic_errors(spec: PyTorchJobSpec) -> list[str]:
+def _elastic_errors(spec: JobSpec) -> list[str]:
     el = spec.elastic
     if el is None:
         return []
@@ -241,7 +193,7 @@ def _elastic_errors(spec: PyTorchJobSpec) -> list[str]:
     return errors
 
 
-def _volume_and_env_errors(spec: PyTorchJobSpec) -> list[str]:
+def _volume_and_env_errors(spec: JobSpec) -> list[str]:
     errors = []
     paths = [p.mount_path for p in spec.pvcs] + ["/dev/shm"]
     for pvc in spec.pvcs:
@@ -276,14 +228,14 @@ def _override_errors(overrides: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def resolved_nproc(spec: PyTorchJobSpec) -> str:
+def resolved_nproc(spec: JobSpec) -> str:
     """``nprocPerNode`` as the operator wants it: a string."""
     if spec.nproc_per_node is not None:
         return str(spec.nproc_per_node)
     return str(spec.gpus_per_node) if spec.gpus_per_node > 0 else "1"
 
 
-def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
+def trainer_command(spec: JobSpec) -> tuple[list[str], list[str]]:
     """(command, args) of the ``pytorch`` container.
 
     ``llmft train --nproc N`` starts ``torchrun --nproc-per-node=N -m llmft.trainer ...`` as its
@@ -299,7 +251,7 @@ def trainer_command(spec: PyTorchJobSpec) -> tuple[list[str], list[str]]:
     )
 
 
-def _env(spec: PyTorchJobSpec) -> list:
+def _env(spec: JobSpec) -> list:
     from kubernetes import client as k8s  # heavy: kubernetes
 
     env = [k8s.V1EnvVar(name=name, value=str(value)) for name, value in spec.env.items()]
@@ -309,7 +261,7 @@ def _env(spec: PyTorchJobSpec) -> list:
     return env
 
 
-def _resources(spec: PyTorchJobSpec):
+def _resources(spec: JobSpec):
     from kubernetes import client as k8s  # heavy: kubernetes
 
     requests: dict[str, str] = {}
@@ -325,7 +277,7 @@ def _resources(spec: PyTorchJobSpec):
     return k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None)
 
 
-def _volumes(spec: PyTorchJobSpec) -> tuple[list, list]:
+def _volumes(spec: JobSpec) -> tuple[list, list]:
     from kubernetes import client as k8s  # heavy: kubernetes
 
     volumes = [
@@ -350,14 +302,14 @@ def _volumes(spec: PyTorchJobSpec) -> tuple[list, list]:
     return volumes, mounts
 
 
-def _tolerations(spec: PyTorchJobSpec) -> list:
+def _tolerations(spec: JobSpec) -> list:
     from kubernetes import client as k8s  # heavy: kubernetes
 
     chosen = spec.tolerations if spec.tolerations is not None else ((GPU_TOLERATION,) if spec.gpus_per_node else ())
     return [k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect) for t in chosen]
 
 
-def pod_template(spec: PyTorchJobSpec):
+def pod_template(spec: JobSpec):
     """The ``V1PodTemplateSpec`` every replica runs (also validated on its own as a Pod)."""
     from kubernetes import client as k8s  # heavy: kubernetes
 
@@ -401,7 +353,7 @@ def pod_template(spec: PyTorchJobSpec):
     )
 
 
-def build_pytorchjob(spec: PyTorchJobSpec):
+def build_pytorchjob(spec: JobSpec):
     """The PyTorchJob for ``spec`` (``KubeflowOrgV1PyTorchJob``); raises ConfigError, listing
     every problem, before anything reaches the cluster."""
     from kubeflow.training import models  # heavy: kubeflow
@@ -504,7 +456,7 @@ def pytorchjob_webhook_errors(job: dict) -> list[str]:
 # --- a JobPlan's PyTorchJob ------------------------------------------------------------------
 
 
-def build_pytorchjob_spec(job, launch, *, name: str | None = None, namespace: str | None = None):
+def build_job_spec(job, launch, *, name: str | None = None, namespace: str | None = None):
     """The PyTorchJob spec of ``job`` (a JobPlan) running the trainer as ``launch`` says (a TrainerLaunch:
     ``--config`` the plan's config.yaml, then the ``key=value`` decided after the plan).
 
@@ -513,7 +465,7 @@ def build_pytorchjob_spec(job, launch, *, name: str | None = None, namespace: st
     ``activeDeadlineSeconds`` is the plan's job timeout; ``cleanPodPolicy: Running`` deletes the
     Workers still running when the job fails, so they free their GPUs."""
     secret_envs = tuple(SecretEnv(key, s.name, key, optional=False) for s in job.secrets for key in s.keys)
-    return PyTorchJobSpec(
+    return JobSpec(
         name=name or job.name,
         namespace=namespace or None,
         image=job.image,

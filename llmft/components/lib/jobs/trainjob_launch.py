@@ -35,27 +35,29 @@ from collections.abc import Callable
 from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.cluster import RECREATE_WAIT_S, Cluster, ClusterError, wait_until_gone
+from llmft.components.lib.cluster import Cluster, ClusterError
+from llmft.components.lib.contracts.schema import (
+    JOB_WAIT_GRACE_S,
+    JobFailedPermanently,
+    JobTimedOut,
+    TrainingJobFailed,
+    parse_time,
+)
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, unmark_kept
+from llmft.components.lib.jobs.lifecycle import EarlierJob, delete_and_wait, settle_earlier_attempt
 from llmft.components.lib.jobs.pytorchjob_logs import newest_progress_only
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.jobs.trainjob_runtime import check_runtime, sdk_backend
 from llmft.components.lib.jobs.trainjob_spec import (
     GROUP,
     PLURAL,
+    RESOURCE,
     TRAINER_CONTAINER,
     TRAINER_JOB,
     VERSION,
     build_trainjob,
     parse_runtime_ref,
     trainjob_to_dict,
-)
-from llmft.components.lib.plan.schema import (
-    JOB_WAIT_GRACE_S,
-    JobFailedPermanently,
-    JobTimedOut,
-    TrainingJobFailed,
-    parse_time,
 )
 from llmft.trainer.errors import TransientError
 
@@ -208,49 +210,16 @@ def get_trainjob(cluster: Cluster, name: str, namespace: str) -> dict | None:
         raise
 
 
-def delete_and_wait(
-    cluster: Cluster, name: str, namespace: str, *, poll_s: float, timeout_s: float | None = None
-) -> None:
-    """Delete the TrainJob with foreground propagation (its JobSet, Jobs and pods go first: each
-    owner reference blocks its owner's deletion) and wait until it and its node pods are gone, so
-    the TrainJob recreated under the same name never meets them (cluster.wait_until_gone)."""
-
-    try:
-        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
-    except ClusterError as exc:
-        if exc.status != 404:
-            raise
-    _wait_gone(cluster, name, namespace, poll_s=poll_s, timeout_s=timeout_s)
-
-
-def _wait_gone(cluster: Cluster, name: str, namespace: str, *, poll_s: float, timeout_s: float | None = None) -> None:
-    """Wait until the TrainJob ``name`` and its node pods are gone (one an earlier attempt, the exit handler or
-    the janitor deleted: a quick Retry after a cancel must not start node pods beside old ones still committing
-    their SIGTERM checkpoint, whose run lock would stop the new rank 0 with exit 1)."""
-    wait_until_gone(
-        f"TrainJob {namespace}/{name}",
-        lambda: get_trainjob(cluster, name, namespace) is not None,
-        lambda: [p.metadata.name for p in node_pods(cluster, name, namespace)],
-        timeout_s=RECREATE_WAIT_S if timeout_s is None else timeout_s,
-        poll_s=poll_s,
+def earlier_trainjob(cluster: Cluster, name: str, namespace: str) -> EarlierJob:
+    """The TrainJob ``name`` as the shared lifecycle (llmft/components/lib/jobs/lifecycle.py) reads it."""
+    return EarlierJob(
+        RESOURCE,
+        name,
+        namespace,
+        get=lambda: get_trainjob(cluster, name, namespace),
+        pods=lambda: node_pods(cluster, name, namespace),
+        pods_word="node pods",
     )
-
-
-def delete_trainjobs_by_label(cluster: Cluster, label_selector: str, namespace: str | None = None) -> list[str]:
-    """Delete every TrainJob matching ``label_selector`` (e.g. ``pipelines.kubeflow.org/run-id=<run>``),
-    for the pipeline's cleanup on cancel; returns the names deleted (one already gone is skipped)."""
-    namespace = namespace or cluster.namespace
-    deleted = []
-    for job in cluster.list_custom_objects(GROUP, VERSION, PLURAL, label_selector=label_selector, namespace=namespace):
-        name = job["metadata"]["name"]
-        try:
-            cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
-        except ClusterError as exc:
-            if exc.status != 404:
-                raise
-            continue
-        deleted.append(name)
-    return deleted
 
 
 def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: float, print_fn=print) -> str:
@@ -258,15 +227,8 @@ def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: fl
     ``reused`` (Complete), ``attached`` (still running: watched, not restarted) or ``created``
     (none, or a Failed one deleted first; the trainer resumes from the newest complete checkpoint)."""
     name = body["metadata"]["name"]
-    previous = get_trainjob(cluster, name, namespace)
-    if previous is not None and (previous.get("metadata") or {}).get("deletionTimestamp"):
-        print_fn(f"TrainJob {namespace}/{name} of an earlier attempt is being deleted: waiting until it is gone")
-        _wait_gone(cluster, name, namespace, poll_s=min(poll_s, 5.0))
-        previous = None
-    elif previous is None and node_pods(cluster, name, namespace):
-        print_fn(f"node pods of an earlier TrainJob {namespace}/{name} are still stopping: waiting until they are gone")
-        _wait_gone(cluster, name, namespace, poll_s=min(poll_s, 5.0))
-        previous = None
+    earlier = earlier_trainjob(cluster, name, namespace)
+    previous = settle_earlier_attempt(earlier, poll_s=poll_s, print_fn=print_fn)  # lifecycle.py, shared
     condition = terminal_condition(previous) if previous is not None else None
     if condition is not None and condition["type"] == COMPLETE:
         print_fn(f"TrainJob {namespace}/{name} already Complete (an earlier attempt of this task): not run again")
@@ -281,7 +243,7 @@ def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: fl
     if previous is not None and condition is not None:
         raise_if_final(cluster, previous, namespace, earlier=True)
         print_fn(f"TrainJob {namespace}/{name} Failed in an earlier attempt ({condition.get('reason')}): recreating")
-        delete_and_wait(cluster, name, namespace, poll_s=min(poll_s, 5.0))
+        delete_and_wait(cluster, earlier, poll_s=min(poll_s, 5.0))
     cluster.create_custom_object(GROUP, VERSION, PLURAL, body, namespace=namespace)
     return "created"
 
@@ -419,7 +381,7 @@ def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None, 
     """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run
     (``owner``: its ownerReference, the run's Workflow)."""
 
-    trainjob = build_trainjob(build_pytorchjob_spec(job, launch), runtime=job.runtime)
+    trainjob = build_trainjob(build_job_spec(job, launch), runtime=job.runtime)
     cluster = cluster or cluster_module.Cluster()
     return run_trainjob(cluster, trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s, owner=owner)
 

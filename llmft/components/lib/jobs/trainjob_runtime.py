@@ -70,7 +70,7 @@ def explain_read_error(exc: RuntimeError, kind: str, name: str, namespace: str) 
         return ConfigError(
             f"{what}: Kubeflow Trainer v2 is not installed (the API server does not serve "
             f"{resource}.trainer.kubeflow.org: HTTP 404). Install Kubeflow Trainer v2 with its default runtimes, "
-            "or use training_backend=kubeflow (a PyTorchJob)"
+            "or use training_backend=pytorchjob (a PyTorchJob)"
         )
     if status == 404:
         return ConfigError(
@@ -130,11 +130,8 @@ def check_runtime(backend, kind: str, name: str) -> None:
 
 
 def preflight_runtime(plan, cluster=None) -> None:
-    """The plan step, on a cluster with ``training_backend=trainjob``: :func:`check_runtime` with the
-    pipeline's service account, before any GPU is requested."""
-    if plan.job.backend != "trainjob":
-        return
-
+    """The trainjob backend's preflight (its registry entry, llmft/components/lib/jobs/backends.py): the plan step,
+    on a cluster, runs :func:`check_runtime` with the pipeline's service account, before any GPU is requested."""
     cluster = cluster or cluster_module.Cluster()
     check_runtime(sdk_backend(cluster), *parse_runtime_ref(plan.job.runtime))
 

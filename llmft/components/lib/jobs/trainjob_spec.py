@@ -1,6 +1,6 @@
 """Build and validate the trainer's TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1).
 
-``build_trainjob(PyTorchJobSpec, runtime)`` returns the Kubeflow SDK's own model
+``build_trainjob(JobSpec, runtime)`` returns the Kubeflow SDK's own model
 (``kubeflow_trainer_api.models.TrainerV1alpha1TrainJob``) of a TrainJob that references a
 (Cluster)TrainingRuntime (default ``torch-distributed``, the one a default install ships) and
 overrides what the trainer needs through the v2.3 API:
@@ -35,9 +35,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from llmft.components.lib.contracts.schema import DEFAULT_RUNTIME
 from llmft.components.lib.jobs.katib_trial import katib_trial_script, shell_safe
 from llmft.components.lib.jobs.pytorchjob_spec import _spec_errors, pod_template, resolved_nproc
-from llmft.components.lib.plan.schema import DEFAULT_RUNTIME
 from llmft.katib.k8s_names import RFC1035_LABEL, RFC1123_SUBDOMAIN
 from llmft.katib.trial_kinds import TRAINJOB_RESOURCE
 from llmft.trainer.command_line import format_overrides
@@ -73,7 +73,7 @@ def parse_runtime_ref(value: str) -> tuple[str, str]:
 
 
 def trainjob_spec_errors(spec) -> list[str]:
-    """The PyTorchJob builder's checks of a ``PyTorchJobSpec`` plus what differs for a TrainJob."""
+    """The PyTorchJob builder's checks of a ``JobSpec`` plus what differs for a TrainJob."""
 
     errors = [e for e in _spec_errors(spec) if not e.startswith("name ")]
     longest_pod = f"{spec.name}-{TRAINER_JOB}-0-{max(spec.num_nodes - 1, 0)}{POD_SUFFIX}"

@@ -40,14 +40,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from llmft.components.lib.evaluation.task_plan import eval_plan
-from llmft.components.lib.jobs.grace import grace_period_s
-from llmft.components.lib.jobs.sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
-from llmft.components.lib.jobs.trainjob_spec import parse_runtime_ref
-from llmft.components.lib.plan import checks as checks
-from llmft.components.lib.plan.checks import check_resources, check_tracking, extra_override_list, parse_node_selector
-from llmft.components.lib.plan.parameters import PipelineParameters
-from llmft.components.lib.plan.schema import (
+from llmft.components.lib.contracts.schema import (
     DEPLOY_POLICIES,
     JOB_WAIT_GRACE_S,
     PLAN_SCHEMA_VERSION,
@@ -69,6 +62,14 @@ from llmft.components.lib.plan.schema import (
     on_kfp_cluster,
     run_label,
 )
+from llmft.components.lib.jobs.backends import backend_for
+from llmft.components.lib.jobs.grace import grace_period_s
+from llmft.components.lib.jobs.katib_sweep import DEFAULT_TRIAL_OVERRIDES, experiment_name
+from llmft.components.lib.jobs.trainjob_spec import parse_runtime_ref
+from llmft.components.lib.plan import checks as checks
+from llmft.components.lib.plan.checks import check_resources, check_tracking, extra_override_list, parse_node_selector
+from llmft.components.lib.plan.eval_plan import eval_plan
+from llmft.components.lib.plan.parameters import PipelineParameters
 from llmft.components.lib.plan.steps import mounted_secret_kinds
 from llmft.components.lib.plan.volume_space import check_volume_space, run_footprint
 from llmft.trainer.config import RUN_CONFIG_FILE, iter_settings
@@ -157,6 +158,8 @@ def _data_plan(p: PipelineParameters, layout: DataLayout, run_id: str) -> DataPl
         dataset=p.dataset,
         format=p.dataset_format,
         split=p.dataset_split,
+        config=p.dataset_config,
+        columns=checks.check_dataset_columns(p),
         val_fraction=p.dataset_val_fraction,
         max_reject_fraction=p.dataset_max_reject_fraction,
         seed=p.finetune_seed,
@@ -234,7 +237,7 @@ def job_plan(p: PipelineParameters, layout: DataLayout, run_id: str, images: Ima
         env["MLFLOW_TRACKING_URI"] = p.mlflow_tracking_uri
         job_secrets = [_without_key(s, "MLFLOW_TRACKING_URI") for s in job_secrets]
     return JobPlan(
-        backend=p.training_backend,
+        backend=backend_for(p.training_backend).name,  # the registered name, an older one resolved
         name=job_name(run_id),
         num_workers=p.training_workers,
         gpus_per_worker=p.training_gpus_per_worker,

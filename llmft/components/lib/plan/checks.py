@@ -16,10 +16,9 @@ from typing import Any
 
 from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.jobs.backends import BACKENDS
-from llmft.components.lib.jobs.sweep import check_servable_ranks, check_trial_overrides
-from llmft.components.lib.plan.parameters import COMPILE_TIME_PARAMETERS, PipelineParameters
-from llmft.components.lib.plan.schema import (
+from llmft.components.lib.contracts.schema import (
+    CLUSTER_DEPLOY_MODES,
+    CLUSTER_SWEEP_BACKENDS,
     DATA_MOUNT,
     DEPLOY_MODES,
     KFP_POD_ENV,
@@ -28,14 +27,20 @@ from llmft.components.lib.plan.schema import (
     Resources,
     SecretMount,
 )
+from llmft.components.lib.contracts.volume_paths import check_path_component
+from llmft.components.lib.jobs.backends import BACKENDS, backend_for, is_backend
+from llmft.components.lib.jobs.katib_sweep import check_servable_ranks, check_trial_overrides
+from llmft.components.lib.plan.parameters import COMPILE_TIME_PARAMETERS, PipelineParameters
 from llmft.components.lib.plan.steps import RESOURCE_PARAMETERS
-from llmft.components.lib.plan.volume_paths import check_path_component
 from llmft.components.lib.serving.servability import VLLM_MAX_LORA_RANKS
 from llmft.katib.experiment import SweepSpec, apply_overrides
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import BOOL_WORDS, split_assignment
+from llmft.trainer.data.columns import mapped_format, parse_columns
 from llmft.trainer.data.formats import FORMAT_CHOICES
-from llmft.trainer.errors import ConfigError
+from llmft.trainer.data.remote import is_remote, parse_remote, shown_url, url_credentials
+from llmft.trainer.data.sources import CONFIG_ONLY_FOR_HUB
+from llmft.trainer.errors import ConfigError, DataError
 from llmft.trainer.mlflow_settings import redact_credentials
 
 SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -48,10 +53,27 @@ SECRET_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST"),
         ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST", "LANGFUSE_BASE_URL"),
     ),
+    "s3": (
+        ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+        (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "AWS_REGION",
+            "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL",
+            "AWS_ENDPOINT_URL_S3",
+        ),
+    ),
 }
 """kind -> (keys mounted when the parameter names only the Secret, keys it may list). A key is
 also the environment variable's name."""
-SECRET_PARAMETERS = {"hf": "hf_token_secret", "mlflow": "mlflow_secret", "langfuse": "langfuse_secret"}
+SECRET_PARAMETERS = {
+    "hf": "hf_token_secret",
+    "mlflow": "mlflow_secret",
+    "langfuse": "langfuse_secret",
+    "s3": "s3_secret",
+}
 """kind -> the pipeline parameter that names its Secret ('' = none)."""
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -70,7 +92,7 @@ def check_run_id(run_id: str) -> str:
 def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     """The scalar parameters, and what cannot run on a cluster."""
     rules = [
-        ("training_backend", p.training_backend in BACKENDS, f"use one of {', '.join(BACKENDS)}"),  # the registry
+        ("training_backend", is_backend(p.training_backend), f"use one of {', '.join(BACKENDS)}"),  # the registry
         ("serving_deploy_mode", p.serving_deploy_mode in DEPLOY_MODES, f"use one of {', '.join(DEPLOY_MODES)}"),
         ("dataset_format", p.dataset_format in FORMAT_CHOICES, f"use one of {', '.join(FORMAT_CHOICES)}"),  # prepare's
         ("training_workers", p.training_workers >= 1, "must be >= 1"),
@@ -88,6 +110,7 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
     for name, ok, message in rules:
         if not ok:
             raise _fail(name, getattr(p, name), message)
+    check_dataset_source(p)
     check_path_component(p.mlflow_model_name, "mlflow_model_name")
     check_k8s_name(p.volume_pvc_name, "volume_pvc_name", kind="subdomain")
     if p.serving_namespace:
@@ -98,30 +121,66 @@ def check_general(p: PipelineParameters, on_cluster: bool) -> None:
         _check_cluster_only(p)
 
 
-def _check_cluster_only(p: PipelineParameters) -> None:
-    """`local` backends need torch and transformers, which the pipeline image lacks; and every
-    task mounts the volume at DATA_MOUNT."""
-    local = [("training_backend", p.training_backend, "kubeflow")]
-    if p.serving_deploy:
-        local.append(("serving_deploy_mode", p.serving_deploy_mode, "kserve"))
-    for name, value, use in local:
-        if value in ("local", "vllm"):  # vllm: a vLLM server from the serving virtualenv of this machine
+def check_dataset_source(p: PipelineParameters) -> None:
+    """A remote ``dataset`` is checked before any step fetches it: https (plain http is refused: the rows become
+    the model's weights; an in-cluster store over http is s3:// with AWS_ENDPOINT_URL in the s3 Secret), a data
+    file name, no credentials in the URL (the KFP UI shows parameters: a presigned URL is one); a configuration
+    name only for a hub dataset."""
+    dataset = p.dataset.strip()
+    if is_remote(dataset):
+        credentials = url_credentials(dataset)
+        if credentials:
             raise _fail(
-                name,
-                value,
-                f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
-                f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
+                "dataset",
+                shown_url(dataset),
+                f"the URL carries {credentials}, which the KFP UI and the run's logs would show. Put the file in "
+                "S3 (or an S3-compatible store) and pass s3://bucket/key with s3_secret=<Secret with AWS_* keys>",
             )
+        parse_remote(dataset, where="pipeline parameter `dataset`")
+    if p.dataset_config and (is_remote(dataset) or dataset.startswith(("/", "langfuse://", "sample:"))):
+        raise _fail("dataset_config", p.dataset_config, CONFIG_ONLY_FOR_HUB + "; leave it empty for this dataset")
+
+
+def check_dataset_columns(p: PipelineParameters) -> str:
+    """``dataset_columns`` parses and names one format (the one ``dataset_format`` says, if any); returned as
+    given for the prepare step."""
+    where = "pipeline parameter `dataset_columns`"
+    try:
+        mapped_format(parse_columns(p.dataset_columns, where=where), p.dataset_format, where=where)
+    except DataError as exc:  # the same rule as --columns, told as the parameter's error
+        raise ConfigError(str(exc)) from None
+    return p.dataset_columns
+
+
+def _check_cluster_only(p: PipelineParameters) -> None:
+    """A training backend that runs in the step (the registry's ``needs_cluster`` false) and a deploy mode that
+    runs on this machine need torch, transformers or vLLM, which the pipeline image lacks; and every task mounts
+    the volume at DATA_MOUNT."""
+    backend = backend_for(p.training_backend)
+    if not backend.needs_cluster:
+        use = next(b.name for b in BACKENDS.values() if b.needs_cluster)
+        raise _runs_here_only("training_backend", backend.name, use)
+    if p.serving_deploy and p.serving_deploy_mode not in CLUSTER_DEPLOY_MODES:
+        raise _runs_here_only("serving_deploy_mode", p.serving_deploy_mode, CLUSTER_DEPLOY_MODES[0])
     if p.volume_path != DATA_MOUNT:
         raise _fail(
             "volume_path", p.volume_path, f"on a cluster every task mounts the PVC at {DATA_MOUNT}; keep the default"
         )
 
 
+def _runs_here_only(name: str, value: str, use: str) -> ConfigError:
+    return _fail(
+        name,
+        value,
+        f"`{value}` runs only under kfp.local (llmft pipeline run-local); this task runs on a cluster "
+        f"({KFP_POD_ENV} is set), whose pipeline image has no torch or vLLM: use {name}={use}",
+    )
+
+
 def check_runs_here(plan) -> None:
     """kfp.local: a backend that creates cluster objects cannot run here. Refused in one line by the plan step,
     before prepare and tokenize, instead of the train (or sweep) step failing after them."""
-    backend = BACKENDS[plan.job.backend]
+    backend = backend_for(plan.job.backend)
     if backend.needs_cluster:
         local = next(b.name for b in BACKENDS.values() if not b.needs_cluster)
         raise _fail(
@@ -131,12 +190,13 @@ def check_runs_here(plan) -> None:
             f"only on a cluster; this run is under kfp.local ({KFP_POD_ENV} is not set): use "
             f"training_backend={local}, or submit the pipeline to a cluster (llmft pipeline submit)",
         )
-    if plan.sweep is not None and plan.sweep.backend != "local":
+    if plan.sweep is not None and plan.sweep.backend in CLUSTER_SWEEP_BACKENDS:
         raise _fail(
             "hpo_backend",
             plan.sweep.backend,
             f"`{plan.sweep.backend}` creates a Katib Experiment, which runs only on a cluster; this run is under "
-            f"kfp.local ({KFP_POD_ENV} is not set): use hpo_backend=local",
+            f"kfp.local ({KFP_POD_ENV} is not set): use hpo_backend="
+            f"{next(b for b in SWEEP_BACKENDS if b not in CLUSTER_SWEEP_BACKENDS)}",
         )
 
 
@@ -258,13 +318,6 @@ def check_cluster_store(uri: str, on_cluster: bool) -> None:
         )
 
 
-NO_MLFLOW_REASON = (
-    "no MLflow server configured (mlflow_tracking_uri is empty and mlflow_secret names no Secret with the key "
-    "MLFLOW_TRACKING_URI); set either to track and register"
-)
-"""Why a run without MLflow registers nothing (the register step's registration.json, the summary)."""
-
-
 def check_serving(plan, config) -> str:
     """What vLLM can serve as a LoRA module: a plain LoRA adapter of rank <= serving_max_lora_rank (a vLLM-accepted
     value). ``serving_mode=lora`` refuses anything else; ``auto`` serves it merged into its base instead.
@@ -297,12 +350,15 @@ def check_sweep(plan, max_lora_rank: int) -> None:
     sweep = plan.sweep
     if sweep.backend not in SWEEP_BACKENDS:
         raise _fail("hpo_backend", sweep.backend, f"use one of {', '.join(SWEEP_BACKENDS)}")
-    if sweep.backend == "local" and plan.on_cluster:
+    if sweep.backend not in CLUSTER_SWEEP_BACKENDS and plan.on_cluster:
         raise _fail(
             "hpo_backend",
-            "local",
-            f"`local` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use hpo_backend=katib",
+            sweep.backend,
+            f"`{sweep.backend}` runs only under kfp.local ({KFP_POD_ENV} is set: this is a cluster); use "
+            f"hpo_backend={CLUSTER_SWEEP_BACKENDS[0]}",
         )
+    if sweep.backend in CLUSTER_SWEEP_BACKENDS:
+        backend_for(plan.job.backend).trials_backend()  # its explicit Katib trial policy: none is refused here
     spec = apply_overrides(SweepSpec(name=sweep.experiment), list(sweep.settings))
     if plan.serving.deploy and plan.trainer.method != "full" and plan.serving.serving_mode != "merged":
         check_servable_ranks(spec, max_lora_rank)  # auto too: the sweep's winner must not decide the serving form
@@ -340,7 +396,7 @@ def preflight_secrets(plan, cluster=None) -> list[str]:
             "the Secrets this run mounts are incomplete (a pod would hang in CreateContainerConfigError):\n- "
             + "\n- ".join(missing)
             + "\nCreate them (deploy/secrets/README.md), or name other Secrets/keys with hf_token_secret, "
-            "mlflow_secret, langfuse_secret (NAME or NAME:KEY,KEY)"
+            "mlflow_secret, langfuse_secret, s3_secret (NAME or NAME:KEY,KEY)"
         )
     return notes
 

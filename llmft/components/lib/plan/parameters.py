@@ -88,8 +88,18 @@ class PipelineParameters:
     )
     # the data (dataset)
     dataset: str = _p(
-        "tatsu-lab/alpaca", "The raw training data: a hub dataset id, or a file or folder on the volume.", minimal=True
+        "tatsu-lab/alpaca",
+        """The raw training data: a hub dataset id, a file or folder on the volume, https://host/file.jsonl (.json,
+        .csv, .parquet), or s3://bucket/key.jsonl or s3://bucket/prefix/ (credentials: s3_secret).""",
+        minimal=True,
     )
+    dataset_columns: str = _p(
+        "",
+        """The rows' columns as a format's fields, field:column pairs, e.g. "prompt:question,completion:answer"
+        ('' = the columns carry the fields' names).""",
+        minimal=True,
+    )
+    dataset_config: str = _p("", "Configuration (subset) of a hub dataset ('' = its default).")
     dataset_format: str = _p("auto", "auto, messages (OpenAI chat), sharegpt, alpaca, prompt_completion or text.")
     dataset_max_reject_fraction: float = _p(
         0.01, "Fail the prepare step when more rows than this fraction are rejected.", was=("max_reject_fraction",)
@@ -298,9 +308,9 @@ class PipelineParameters:
     step_memory: str = _p("2Gi", "Memory request and limit of the light steps.")
     # the training job (training_)
     training_backend: str = _p(
-        "kubeflow",
-        """kubeflow (a PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob); the sweep's trials run on the
-        same kind of job.""",
+        "pytorchjob",
+        """pytorchjob (a Training Operator v1 PyTorchJob; its older name kubeflow is still accepted) or trainjob (a
+        Kubeflow Trainer v2 TrainJob); the sweep's trials run on the same kind of job.""",
         local_values="local (subprocesses of the train step)",
     )
     training_cpu: str = _p("8", "CPU request and limit of each training pod (and Katib trial).", was=("worker_cpu",))
@@ -356,6 +366,13 @@ class PipelineParameters:
         """Secret with MLflow keys ('' = none), NAME (key MLFLOW_TRACKING_URI) or NAME:KEY,... from
         MLFLOW_TRACKING_URI, _USERNAME, _PASSWORD, _TOKEN; register, evaluate, the sweep and the training job
         mount it.""",
+        offer="compile",
+    )
+    s3_secret: str = _p(
+        "",
+        """Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for an s3:// dataset ('' = none, or the pod's IAM
+        role), NAME or NAME:KEY,... adding AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL (MinIO, Ceph); prepare
+        mounts it.""",
         offer="compile",
     )
 

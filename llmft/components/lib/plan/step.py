@@ -10,16 +10,11 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
-from llmft.components.lib.jobs.trainjob_runtime import preflight_runtime
+from llmft.components.lib.contracts.schema import NO_MLFLOW_REASON, RunPlan, write_plan
+from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.plan.build import build_plan, write_run_config
-from llmft.components.lib.plan.checks import (
-    NO_MLFLOW_REASON,
-    check_runs_here,
-    preflight_secrets,
-    preflight_serving_namespace,
-)
+from llmft.components.lib.plan.checks import check_runs_here, preflight_secrets, preflight_serving_namespace
 from llmft.components.lib.plan.parameters import PipelineParameters
-from llmft.components.lib.plan.schema import RunPlan, write_plan
 from llmft.components.lib.plan.volume_access import check_volume_writable
 
 
@@ -33,7 +28,7 @@ def run_plan_step(
         for note in preflight_secrets(run_plan):
             print(f"WARNING: {note}")
         preflight_serving_namespace(run_plan)
-        preflight_runtime(run_plan)
+        backend_for(run_plan.job.backend).check_preflight(run_plan)  # the registry's: a TrainJob's runtime
         check_volume_writable(run_plan.layout)
     else:
         check_runs_here(run_plan)  # a cluster-only backend: refused here, before prepare and tokenize

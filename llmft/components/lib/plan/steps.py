@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmft.components.lib.contracts.schema import NOT_PROMOTED, PROMOTED
+
 RESOURCE_PARAMETERS = {
     "step": ("step_cpu", "step_memory"),
     "data": ("step_data_cpu", "step_data_memory"),
@@ -17,8 +19,6 @@ RESOURCE_PARAMETERS = {
 }
 """A step's resource group -> the pipeline parameters of its CPU and memory (request = limit)."""
 IMAGE_ROLES = ("pipeline", "trainer", "katib")
-PROMOTED, NOT_PROMOTED = "promoted", "not promoted"
-"""The promote step's decision: the steps after it run under one of the two (Step.branch)."""
 """The images a component can run on (llmft/components/images.py ``all_images``)."""
 
 
@@ -45,7 +45,8 @@ class Step:
 
 STEPS: tuple[Step, ...] = (
     Step("plan-run", "pipeline"),
-    Step("prepare-dataset", "trainer", "data", ("hf", "langfuse")),  # langfuse: a langfuse://<dataset> source
+    # langfuse: a langfuse://<dataset> source; s3: an s3:// one
+    Step("prepare-dataset", "trainer", "data", ("hf", "langfuse", "s3")),
     Step("tokenize-dataset", "trainer", "data", ("hf",)),
     Step("sweep-hyperparameters", "katib", secrets=("mlflow",), hpo_only=True),
     # the launcher opens the pipeline run's MLflow parent run (lib/registry/lineage.py); the job's pods get the

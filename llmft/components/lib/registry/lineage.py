@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.evaluation.checkpoints import task_scores
+from llmft.components.lib.contracts.metrics import task_scores
 from llmft.trainer.mlflow_settings import PARENT_RUN_ENV, prepare_mlflow, tracking_uri_without_credentials
 
 PIPELINE_RUN_TAG = "llmft.pipeline_run_id"

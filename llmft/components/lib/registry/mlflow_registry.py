@@ -53,8 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.evaluation.checkpoints import task_scores
-from llmft.components.lib.evaluation.task_eval import PERPLEXITY, lower_is_better
+from llmft.components.lib.contracts.metrics import PERPLEXITY, lower_is_better, task_scores
 from llmft.components.lib.registry.lineage import PARENT_TAG, pipeline_parent_run
 from llmft.components.lib.registry.lineage import experiment_id as _experiment_id
 from llmft.components.lib.registry.mlflow_model import is_adapter, log_adapter_model
@@ -138,7 +137,7 @@ class Registration:
     tags: dict[str, str] = field(default_factory=dict)
     """More tags of the version and the run: the serving form (lib/serving/serving_form.py ``ServingForm.tags``)."""
     metric: str = PERPLEXITY
-    """The promote_metric: the champion is the version best by it (task_eval.lower_is_better says which way)."""
+    """The promote_metric: the champion is the version best by it (contracts.metrics.lower_is_better says which way)."""
     scores: dict[str, float] = field(default_factory=dict)
     """Task metric -> the promoted checkpoint's value (``heldout.contains`` ...), tagged ``llmft.eval.<metric>``."""
     training_run_id: str = ""

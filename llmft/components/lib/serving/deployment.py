@@ -35,10 +35,11 @@ import jsonschema
 import yaml
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.jobs.pytorchjob_spec import SecretEnv
-from llmft.components.lib.plan.schema import DEPLOY_MODES, DataLayout
+from llmft.components.lib.contracts.pod_parts import SecretEnv
+from llmft.components.lib.contracts.schema import DEPLOY_MODES, DataLayout
 from llmft.components.lib.registry.mlflow_registry import is_champion
 from llmft.components.lib.serving.inferenceservice import (
+    CHAT_ROUTE,
     ServeSpec,
     build_inference_service,
     isvc_to_dict,
@@ -49,7 +50,6 @@ from llmft.components.lib.serving.isvc_apply import deploy_inference_service
 from llmft.components.lib.serving.local_check import local_generation_check
 from llmft.components.lib.serving.servability import AdapterNotServableError, check_vllm_servable
 from llmft.components.lib.serving.vllm_local import serve_and_check
-from llmft.components.lib.summary import CHAT_ROUTE
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.io import atomic_write_text, is_complete
 

@@ -48,10 +48,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmft.components import images
-from llmft.components.lib.jobs.pytorchjob_spec import GPU_TOLERATION, SecretEnv, Toleration
+from llmft.components.lib.contracts.pod_parts import GPU_TOLERATION, SecretEnv, Toleration
 from llmft.components.lib.serving.deployment_mode import MODE_ANNOTATION
 from llmft.katib.k8s_names import is_k8s_name
 from llmft.trainer.errors import ConfigError
+
+OPENAI_ROOT = "/openai/v1"
+"""The OpenAI routes' root on KServe's Hugging Face runtime (/openai/v1/models, /completions, /chat/completions)."""
+CHAT_ROUTE = OPENAI_ROOT + "/chat/completions"
+"""The chat route a user calls (the deploy step's endpoint, the run summary's curl)."""
 
 GROUP, VERSION, PLURAL, KIND = "serving.kserve.io", "v1beta1", "inferenceservices", "InferenceService"
 MODEL_MOUNT = "/mnt/models"
@@ -436,7 +441,7 @@ def smoke_test(
     retry_wait_s: float = 5.0,
     http_post: Callable[[str, dict, float], tuple[int, Any]] | None = None,
     http_get: Callable[[str, float], tuple[int, Any]] | None = None,
-    api_root: str = "/openai/v1",
+    api_root: str = OPENAI_ROOT,
     chat: bool = False,
 ) -> dict:
     """Check the server as a client sees it: ``GET <url>/openai/v1/models`` lists the base model

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple, cast
 
+from llmft.trainer.cpu_threads import decode_threads
 from llmft.trainer.errors import ConfigError, LlmftError
 from llmft.trainer.tokenizer import load_tokenizer
 
@@ -117,5 +118,6 @@ def _check_models(base_model_path: str, adapter_path: str, merged_path: str | No
 
 def _greedy(model, tokenizer, inputs, max_new_tokens: int):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    with decode_threads(inputs["input_ids"].device):  # llmft/trainer/cpu_threads.py
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     return out[0, inputs["input_ids"].shape[1] :]

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.plan.schema import SERVING_MODES
+from llmft.components.lib.contracts.schema import SERVING_MODES
 from llmft.components.lib.serving.servability import AdapterNotServableError, check_vllm_servable
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import atomic_write_json, is_complete, sha256_file
@@ -184,3 +184,9 @@ def read_form(directory: str | Path) -> ServingForm:
     if not path.is_file():
         raise ConfigError(f"{path} is missing: the serving-form step did not finish")
     return ServingForm.from_dict(json.loads(path.read_text()))
+
+
+def form_files(directory: str | Path) -> tuple[Path, Path]:
+    """The serving step's files in its output ``directory`` (serving.json; the merged form's export manifest, absent
+    for a LoRA form): what the register step logs with the registration run."""
+    return Path(directory) / FORM_FILE, Path(directory) / EXPORT_MANIFEST_FILE

@@ -4,7 +4,7 @@ The `promote-best-checkpoint` step reads the evaluation written by the evaluate 
 (:func:`llmft.components.lib.evaluation.checkpoints.evaluate_run`), and
 
 * picks the best checkpoint by ``promote_metric`` (perplexity by default, or a task metric such as
-  ``heldout.contains``; ties go to the lower perplexity, then the later step: task_eval.best_of);
+  ``heldout.contains``; ties go to the lower perplexity, then the later step: contracts.metrics.best_of);
 * refuses unless it beats the base model's value of that metric by ``margin`` (perplexity: below
   ``base * (1 - margin)``; a task score: above ``base + margin``), raising :class:`GateRefused` (a
   :class:`PromotionRefused` carrying the decision, which the promote step reports as ``not promoted``);
@@ -33,15 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.evaluation.task_eval import (
-    PERPLEXITY,
-    beats,
-    best_of,
-    lower_is_better,
-    metric_value,
-    threshold,
-)
-from llmft.components.lib.plan.volume_paths import check_path_component, path_under
+from llmft.components.lib.contracts.metrics import PERPLEXITY, beats, best_of, lower_is_better, metric_value, threshold
+from llmft.components.lib.contracts.schema import NOT_PROMOTED, PROMOTED
+from llmft.components.lib.contracts.volume_paths import check_path_component, path_under
 from llmft.components.lib.serving.servability import require_vllm_servable
 from llmft.trainer.errors import ConfigError, DataError, LlmftError
 from llmft.trainer.hf_files import TOKENIZER_FILES
@@ -127,7 +121,7 @@ def decide(
 ) -> PromotionDecision:
     """Choose the best checkpoint of ``evaluation`` by ``metric`` among those that keep every guard (no guard
     metric below the base's by more than its tolerance: :func:`guard_checks`) and decide whether it may be
-    promoted: it must beat the base model's value of that metric by ``margin`` (task_eval.threshold)."""
+    promoted: it must beat the base model's value of that metric by ``margin`` (contracts.metrics.threshold)."""
     if not 0.0 <= margin < 1.0:
         raise PromotionRefused(f"promote margin {margin} is out of range: use a fraction in [0, 1), e.g. 0.01 for 1%")
     base_ppl = float(evaluation["base"]["perplexity"])
@@ -262,6 +256,42 @@ def promote_to_volume(
     )
 
 
+def promote_step(run_plan, evaluation_dir: str | Path) -> tuple[PromotionDecision, str]:
+    """The promote step's body (llmft/components/promote.py only calls it): the plan's gate over
+    ``evaluation_dir``/evaluation.json, the winner copied to the volume; returns the decision and the promoted
+    folder ('' when the gate refused: a decision, not a failure). With ``serving_mode=lora`` the adapter must be
+    one vLLM serves (auto and merged can merge it)."""
+    root, name, run_id = run_plan.layout.root, run_plan.registry.model_name, run_plan.run_id
+    result = read_evaluation(Path(evaluation_dir) / "evaluation.json")  # one line naming a corrupt file
+    serving = run_plan.serving
+    try:
+        decision = promote_to_volume(
+            result,
+            root,
+            name,
+            run_id,
+            margin=run_plan.registry.promote_margin,
+            metric=run_plan.registry.promote_metric,
+            max_lora_rank=serving.max_lora_rank if serving.serving_mode == "lora" else None,
+            guards=[(g.metric, g.tolerance) for g in run_plan.evaluation.guards],
+        )
+    except GateRefused as refused:
+        return refused.decision, ""
+    return decision, str(promoted_destination(root, name, run_id))
+
+
+def write_promotion(decision: PromotionDecision, destination: str, directory: str | Path) -> dict[str, Any]:
+    """promotion.json in ``directory`` (written whole or not at all); returns the artifact's KFP metadata."""
+    atomic_write_json(Path(directory) / "promotion.json", decision.to_dict())
+    facts = ("reason", "checkpoint", "step", "perplexity", "base_perplexity", "metric", "value", "base_value")
+    return {"decision": verdict(decision), "path": destination, **{k: getattr(decision, k) for k in facts}}
+
+
+def verdict(decision: PromotionDecision) -> str:
+    """The step's ``decision`` output: the branch the steps after it run under."""
+    return PROMOTED if decision.promoted else NOT_PROMOTED
+
+
 def promote(
     evaluation: dict[str, Any],
     destination: str | Path,
@@ -361,7 +391,3 @@ def _entries(directory: Path, depth: int) -> list[Path]:
         found += [Path(root, name) for name in files + links]
         dirs[:] = [d for d in dirs if d not in links] if level < depth else []
     return sorted(found)
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"

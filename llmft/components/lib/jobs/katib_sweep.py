@@ -27,10 +27,10 @@ from typing import Any
 
 from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
+from llmft.components.lib.contracts.schema import TrainerLaunch, job_name
 from llmft.components.lib.jobs.backends import Backend, backend_for
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
-from llmft.components.lib.jobs.pytorchjob_spec import build_pytorchjob_spec
-from llmft.components.lib.plan.schema import TrainerLaunch, job_name
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.registry.lineage import sweep_parent_tags
 from llmft.katib import local_sweep
 from llmft.katib import status as katib_status
@@ -58,8 +58,6 @@ DEFAULT_TRIAL_OVERRIDES = ("max_steps=200", "eval_every=25", "save_every=0", "ev
 several evals (medianstop needs start_step of them)."""
 TRIAL_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume", "observe.run_name")
 """Keys each trial sets itself (the searched keys come from the sweep spec)."""
-PYTORCHJOB_BACKEND = "kubeflow"
-"""The backend whose trial a backend without Katib trials of its own gets (:func:`trial_backend`)."""
 
 
 SETTINGS_NOT_CARRIED = ("output_dir", "observe.mlflow_experiment")
@@ -123,17 +121,16 @@ def sweep_trial_job(
         trial["observe.mlflow_experiment"] = mlflow_experiment
     base = {k: v for k, v in (settings or {}).items() if k not in {*trial, *SETTINGS_NOT_CARRIED}}
     launch = TrainerLaunch(config_path, {**base, **trial})
-    spec = build_pytorchjob_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
+    spec = build_job_spec(job, launch, name=job_name(sweep.name), namespace=sweep.namespace)
     if mlflow_parent_run_id:
         spec = dataclasses.replace(spec, env={**spec.env, PARENT_RUN_ENV: mlflow_parent_run_id})
     return trial_backend(job.backend).build_trial_job(job, spec, sweep.early_stopping)
 
 
 def trial_backend(name: str) -> Backend:
-    """The backend whose job a Katib trial of a ``training_backend=name`` run is (the registry's); one that
-    runs no Katib trial (``local``: a kfp.local run sweeps with Optuna) gets the PyTorchJob's."""
-    backend = backend_for(name)
-    return backend if backend.trial_job is not None else backend_for(PYTORCHJOB_BACKEND)
+    """The backend whose job a Katib trial of a ``training_backend=name`` run is: the registry's explicit trial
+    policy (llmft/components/lib/jobs/backends.py ``Backend.katib_trials``); ConfigError for one without."""
+    return backend_for(name).trials_backend()
 
 
 def build_sweep_experiment(sweep, **job):

@@ -27,8 +27,13 @@ from llmft.trainer.errors import ConfigError, LlmftError, TransientError
 DEFAULT_RUNTIME = "torch-distributed"
 """The ClusterTrainingRuntime a default Kubeflow Trainer v2 install ships (manifests/base/runtimes)."""
 
-PLAN_SCHEMA_VERSION = 2
-"""Version of plan.json's layout; :func:`read_plan` refuses any other."""
+PLAN_SCHEMA_VERSION = 4
+"""Version of plan.json's layout; :func:`read_plan` refuses any other. Bump it whenever a field of the plan's
+dataclasses is added, removed or renamed: a reader fills a missing field with its default and drops one it does
+not know, so across versions a plan is misread, not refused (3: the evaluation's resolved task specs, guards,
+limits and eval cache, and the registry's ``enabled``; a version-2 plan read as 3 ran no task, and a version-3
+plan read as 2 promoted without its guards). tests/pipeline/test_plan_schema_version.py holds the layout of
+each version and goes red when the layout changes under the same number."""
 PLAN_FILE = "plan.json"
 DATA_MOUNT = "/data"
 """Where the data/checkpoint PVC is mounted in every pipeline pod and job replica."""
@@ -40,7 +45,11 @@ SERVING_MODES = ("auto", "lora", "merged")
 """auto: the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its base (the reason
 logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always the merged model
 (llmft/components/lib/serving/serving_form.py)."""
+CLUSTER_DEPLOY_MODES = ("kserve",)
+"""The deploy modes a cluster's pipeline image runs (the others need this machine's torch or vLLM: kfp.local)."""
 SWEEP_BACKENDS = ("katib", "local")
+CLUSTER_SWEEP_BACKENDS = ("katib",)
+"""The sweep backends that create cluster objects (a Katib Experiment): refused under kfp.local."""
 PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
 """Trainer keys the plan sets itself; ``finetune_overrides`` may not change them."""
 TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
@@ -136,7 +145,7 @@ class SecretMount:
     """One Kubernetes Secret whose keys become environment variables of the same names."""
 
     kind: str
-    """hf, mlflow or langfuse (SECRET_KINDS)."""
+    """hf, mlflow, langfuse or s3 (SECRET_KINDS)."""
     name: str
     """The Secret's name."""
     keys: tuple[str, ...]
@@ -167,6 +176,10 @@ class DataPlan:
     packing: bool
     prepared_dir: str
     """Where prepare writes the validated JSONL."""
+    config: str = ""
+    """A hub dataset's configuration name ('' = its default)."""
+    columns: str = ""
+    """The column mapping, ``field:column,...`` (llmft/trainer/data/columns.py), checked by the plan step."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +280,17 @@ class SweepPlan:
     """``<root>/sweeps/<experiment>``."""
 
 
+PROMOTED, NOT_PROMOTED = "promoted", "not promoted"
+"""The promote step's decision (its ``decision`` output): the steps after it run under one of the two
+(lib/plan/steps.py ``Step.branch``, the pipeline's ``dsl.If``)."""
+
+NO_MLFLOW_REASON = (
+    "no MLflow server configured (mlflow_tracking_uri is empty and mlflow_secret names no Secret with the key "
+    "MLFLOW_TRACKING_URI); set either to track and register"
+)
+"""Why a run without MLflow registers nothing (the register step's registration.json, the summary)."""
+
+
 @dataclass(frozen=True)
 class RegistryPlan:
     """Promote and register."""
@@ -278,7 +302,7 @@ class RegistryPlan:
     promote_margin: float
     promoted_dir: str
     promote_metric: str = "perplexity"
-    """What the promote gate, the best checkpoint and the champion follow (lib/evaluation/task_eval.py)."""
+    """What the promote gate, the best checkpoint and the champion follow (lib/contracts/metrics.py)."""
     enabled: bool = True
     """False: no MLflow server is configured (an empty mlflow_tracking_uri, no mlflow Secret with the key, and off a
     cluster no MLFLOW_TRACKING_URI): nothing is tracked or registered; register records "not registered", deploy
