@@ -144,7 +144,7 @@ def test_the_train_tasks_log_carries_progress_lines_with_total_and_eta(local_run
     assert "\r" not in log.split("Executing task 'train-model'")[1].split("Executing task")[0]
 
 
-def test_mlflow_holds_one_tree_per_pipeline_run_and_the_version_loads_with_mlflow(local_run, monkeypatch):
+def test_mlflow_holds_one_tree_per_pipeline_run_and_the_version_loads_with_mlflow(local_run):
     """Issue 44 item 4: one parent run tagged with the KFP run id; the trainer's, the evaluation's and the
     registration's runs are its children; the version comes from the training run as an MLflow Model that MLflow's
     own transformers loader turns into base + adapter."""
@@ -174,8 +174,16 @@ def test_mlflow_holds_one_tree_per_pipeline_run_and_the_version_loads_with_mlflo
     assert "best_perplexity" in by_step["evaluate"].data.metrics
 
     registration = local_run.facts["registration"]
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # models:/ URIs resolve through MLflow's own settings
     version = client.get_model_version(registration["model_name"], registration["version"])
     assert version.run_id == by_step["train"].info.run_id == registration["model_run_id"]
-    loaded = mlflow.transformers.load_model(registration["model_uri"], return_type="components")
+    # models:/ URIs resolve through MLflow's process-wide settings, which another test in this pytest worker may
+    # have pointed at its own server (mlflow.set_tracking_uri wins over the environment): set both, then restore
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        loaded = mlflow.transformers.load_model(registration["model_uri"], return_type="components")
+    finally:
+        mlflow.set_tracking_uri(before[0])
+        mlflow.set_registry_uri(before[1])
     assert type(loaded["model"]).__name__.startswith("Peft") and loaded["tokenizer"] is not None
