@@ -53,6 +53,35 @@ else:
     _kfp_pipeline_task.inspect = _FrameNames()  # type: ignore[assignment]
 
 
+_MLFLOW_URI_GLOBALS = (
+    ("mlflow.tracking._tracking_service.utils", "_tracking_uri", "MLFLOW_TRACKING_URI"),
+    ("mlflow.tracking._model_registry.utils", "_registry_uri", "MLFLOW_REGISTRY_URI"),
+)
+
+
+@pytest.fixture(autouse=True)
+def mlflow_process_uris_restored():
+    """MLflow's process-wide tracking and registry URIs (module globals, mirrored into the environment by
+    ``set_tracking_uri``/``set_registry_uri``, mlflow 3.17.2 ``tracking/_tracking_service/utils.py`` and
+    ``tracking/_model_registry/utils.py``) are put back exactly as they were after every test. Without this a
+    test that points them at its own store decides where a later test on the same xdist worker registers: a
+    client built with only ``tracking_uri=`` takes its registry from the global, and a SQLite registry answers
+    ``version`` as an int where the REST one answers a string. The raw globals are saved, not the getters'
+    resolved values: restoring ``get_registry_uri()`` would pin the registry to whatever it resolved to."""
+    saved = []
+    for module_name, attribute, variable in _MLFLOW_URI_GLOBALS:
+        module = sys.modules.get(module_name)
+        saved.append((getattr(module, attribute, None) if module else None, os.environ.get(variable)))
+    yield
+    for (module_name, attribute, variable), (value, env_value) in zip(_MLFLOW_URI_GLOBALS, saved):
+        if (module := sys.modules.get(module_name)) is not None:
+            setattr(module, attribute, value)
+        if env_value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = env_value
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

@@ -177,13 +177,9 @@ def test_mlflow_holds_one_tree_per_pipeline_run_and_the_version_loads_with_mlflo
     version = client.get_model_version(registration["model_name"], registration["version"])
     assert version.run_id == by_step["train"].info.run_id == registration["model_run_id"]
     # models:/ URIs resolve through MLflow's process-wide settings, which another test in this pytest worker may
-    # have pointed at its own server (mlflow.set_tracking_uri wins over the environment): set both, then restore
-    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    # have pointed at its own server (mlflow.set_tracking_uri wins over the environment): set both here; the root
+    # conftest's mlflow_process_uris_restored puts them back after the test
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    try:
-        loaded = mlflow.transformers.load_model(registration["model_uri"], return_type="components")
-    finally:
-        mlflow.set_tracking_uri(before[0])
-        mlflow.set_registry_uri(before[1])
+    loaded = mlflow.transformers.load_model(registration["model_uri"], return_type="components")
     assert type(loaded["model"]).__name__.startswith("Peft") and loaded["tokenizer"] is not None
