@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from xdist_groups import cpu_threads_per_worker
 
 # Nothing in the suite may reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,9 +17,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
 SHARED = REPO_ROOT.parent / "shared"
 # The manifests' CRD check (llmft/components/lib/serving/deployment.py find_crd) reads the schemas beside the checkout.
 os.environ.setdefault("LLMFT_CRD_DIR", str(SHARED / "k8s-crds"))
+# One share of the cores per pytest-xdist worker, for the worker and every process it starts (tests/xdist_groups.py
+# cpu_threads_per_worker says why). xdist sets PYTEST_XDIST_WORKER_COUNT before the worker loads this file
+# (xdist/remote.py 418, 3.8.0), so before any test imports torch. An OMP_NUM_THREADS the caller set wins.
+if (_threads := cpu_threads_per_worker(os.environ)) is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 
 class _FrameNames:
@@ -73,7 +80,7 @@ def mlflow_process_uris_restored():
         module = sys.modules.get(module_name)
         saved.append((getattr(module, attribute, None) if module else None, os.environ.get(variable)))
     yield
-    for (module_name, attribute, variable), (value, env_value) in zip(_MLFLOW_URI_GLOBALS, saved):
+    for (module_name, attribute, variable), (value, env_value) in zip(_MLFLOW_URI_GLOBALS, saved, strict=True):
         if (module := sys.modules.get(module_name)) is not None:
             setattr(module, attribute, value)
         if env_value is None:

@@ -3,6 +3,8 @@ tests/conftest.py marks each test with the group this module gives it (CONTRIBUT
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 ONE_WORKER_FIXTURES = ("local_run", "real_model_dir", "trained_adapter")
@@ -33,3 +35,18 @@ def xdist_group_of(item: Any) -> str | None:
 
 def _module_of(fixturedef: Any) -> str | None:
     return getattr(fixturedef.func, "__module__", None)
+
+
+def cpu_threads_per_worker(environ: Mapping[str, str], cores: int | None = None) -> int | None:
+    """torch's (OpenMP's) threads for each pytest-xdist worker and every process it starts: the ``cores`` this
+    process may run on (its CPU affinity when None) shared evenly among the workers, at least one. None outside
+    xdist or with one worker: that process may use every core.
+
+    OpenMP threads spin at their barriers; two workers that each start processes with one thread per core keep
+    twice as many threads as cores busy, and every parallel region waits for a descheduled one. Measured on the
+    2-core CI machine: two ``llmft train`` runs of the real model side by side took 205 s each with 2 threads and
+    60 s each with 1 (CONTRIBUTING.md, "How long CI takes")."""
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers <= 1:
+        return None
+    return max(1, (cores if cores is not None else len(os.sched_getaffinity(0))) // workers)

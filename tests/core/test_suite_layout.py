@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from xdist_groups import xdist_group_of
+from xdist_groups import cpu_threads_per_worker, xdist_group_of
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -89,3 +92,62 @@ def test_cheap_or_per_test_fixtures_leave_a_test_free():
     )
     tiny = _item("tests/data/test_y.py::test_f", "test_y", tiny_model_dir=("session", "conftest"))
     assert xdist_group_of(thread) is None and xdist_group_of(tiny) is None
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "threads"),
+    [(None, 2, None), ("1", 2, None), ("2", 2, 1), ("2", 16, 8), ("3", 16, 5), ("4", 2, 1)],
+)
+def test_each_xdist_worker_gets_an_even_share_of_the_cores_and_never_none(workers, cores, threads):
+    environ = {} if workers is None else {"PYTEST_XDIST_WORKER_COUNT": workers}
+    assert cpu_threads_per_worker(environ, cores=cores) == threads
+
+
+_GROUPED_MODULE = """
+import os
+import pytest
+
+@pytest.fixture(scope="module")
+def shared():
+    return os.environ["PYTEST_XDIST_WORKER"]
+
+{tests}
+"""
+
+
+@pytest.mark.slow  # a pytest with two xdist workers in a subprocess
+def test_a_group_runs_in_one_worker(tmp_path):
+    """What make test relies on: the tests this suite groups (tests/xdist_groups.py) run in one pytest-xdist worker,
+    so a costly module or session fixture is built once. pytest 9.2 with pytest-xdist 3.8.0 silently spread every
+    group over all workers (pytest-dev/pytest-xdist#1386; setup.cfg pins pytest below 9.2): the notebooks and the
+    real-model pipeline ran twice in CI."""
+    record = "open({path!r} + '-{i}', 'w').write(os.environ['PYTEST_XDIST_WORKER'] + ' ' + shared)"
+    tests = "\n".join(
+        f"def test_{i}(shared):\n    " + record.format(path=str(tmp_path / "ran"), i=i) + "\n" for i in range(8)
+    )
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    (folder / "test_grouped.py").write_text(_GROUPED_MODULE.format(tests=tests))
+    (folder / "test_free.py").write_text("".join(f"def test_free_{i}():\n    pass\n" for i in range(8)))
+    (folder / "conftest.py").write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            import pytest
+            sys.path.insert(0, {str(TESTS)!r})
+            from xdist_groups import xdist_group_of
+
+            @pytest.hookimpl(tryfirst=True)
+            def pytest_collection_modifyitems(config, items):
+                for item in items:
+                    if group := xdist_group_of(item):
+                        item.add_marker(pytest.mark.xdist_group(group))
+            """
+        )
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup"]
+    result = subprocess.run([*command, str(folder)], cwd=folder, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    ran = [(tmp_path / f"ran-{i}").read_text().split() for i in range(8)]
+    workers = {worker for worker, _ in ran} | {built for _, built in ran}
+    assert len(workers) == 1, f"the module's tests ran in workers {sorted(workers)}: the group was split"

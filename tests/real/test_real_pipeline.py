@@ -13,6 +13,8 @@ included (about a minute, once per checkout: .cache/real-model)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from llmft.pipelines.defaults import DEMO_DEFAULTS, DEMO_QUESTIONS
@@ -25,7 +27,9 @@ def test_a_real_model_learns_made_up_facts_and_beats_its_base_on_held_out_questi
     from llmft.pipelines.local_run import run_pipeline_locally
     from llmft.pipelines.real_demo import heldout_report, learning_report
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a 135M model: both cores (run-local's default of 1 suits the tiny one)
+    # a 135M model: both cores as make demo (run-local's default of 1 suits the tiny one), or this pytest-xdist
+    # worker's share of them (tests/conftest.py): two workers' threads on two cores wait on each other
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "2"))
     outcome = run_pipeline_locally(
         {"base_model": str(real_model_dir)}, work_dir=tmp_path / "work", extra_defaults=DEMO_DEFAULTS
     )
