@@ -19,7 +19,9 @@ SMOLLM2_STAMP := $(SMOLLM2_DIR)/.installed
 PYTEST_ARGS ?=
 # make test and make test-clock-ahead spread the tests over TEST_WORKERS processes (pytest-xdist; 2: one per core
 # here). Tests that share one costly session fixture (the kfp.local pipeline run, the converted real model) carry
-# pytest.mark.xdist_group and run in one worker (--dist loadgroup). TEST_WORKERS=0 runs them in pytest's own process.
+# pytest.mark.xdist_group and run in one worker (--dist loadgroup; pytest below 9.2, setup.cfg says why). Each worker, and
+# every process it starts, gets its share of the cores (tests/conftest.py: OMP_NUM_THREADS). TEST_WORKERS=0 runs them
+# in pytest's own process.
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 # The serving virtualenv (make serving-venv): vLLM built for CPU, apart from .venv because its pins

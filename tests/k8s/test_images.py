@@ -328,3 +328,34 @@ def test_the_executor_probe_resolves_every_import_in_a_components_body(tmp_path,
     else:
         with pytest.raises(ImportError, match=error):
             exec(image_check.EXECUTOR_PROBE, {})
+
+
+def test_the_images_build_side_by_side_and_each_log_prints_whole_then_the_first_failure(monkeypatch, capsys, tmp_path):
+    """make image-check builds both images at once (tools/image_check.py build_images): each build's lines are held
+    and printed together, in the registry's order, so the log reads as two builds, not an interleaving; a failed
+    build's lines still print before its error is raised."""
+    import threading
+    from types import SimpleNamespace
+
+    both_running = threading.Barrier(2, timeout=30)  # each build waits for the other: they ran at the same time
+
+    def build_image(image, wheel, args):
+        image_check.log(f"{image.role}: first")
+        both_running.wait()
+        image_check.log(f"{image.role}: last")
+        if image.role == "pipeline":
+            raise image_check.CheckFailed("pipeline: pip check failed")
+        return {"ROLE": image.role}
+
+    monkeypatch.setattr(
+        image_check, "Image", lambda role, dockerfile, root: SimpleNamespace(role=role, dockerfile=root)
+    )
+    monkeypatch.setattr(image_check, "build_context", lambda dockerfile, destination: destination)
+    monkeypatch.setattr(image_check, "build_wheel", lambda context, out: out / "x.whl")
+    monkeypatch.setattr(image_check, "build_image", build_image)
+    with pytest.raises(image_check.CheckFailed, match="pipeline: pip check failed"):
+        image_check.build_images({"trainer": "a", "pipeline": "b"}, tmp_path, SimpleNamespace())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:5] == ["trainer: first", "trainer: last", "pipeline: first", "pipeline: last"], lines
+    image_check.log("after the builds")  # the thread's hold ends with its build: this thread prints at once
+    assert capsys.readouterr().out == "after the builds\n"
