@@ -239,11 +239,28 @@ class TrainJobAdapter(JobAdapter):
         return deadline_clock(job)
 
     def raise_if_final(self, job: dict, *, earlier: bool, lines: int = 50) -> None:
+        """JobFailedPermanently for the exit recorded on a TrainJob this launcher suspended or a node that exited
+        1-127, JobTimedOut when ``DeadlineExceeded`` ended it; otherwise return (a retry may recreate it)."""
+        name, namespace = self.name, self.namespace
         when = " in an earlier attempt of this task" if earlier else ""
-        recorded = _recorded_exit(job)
-        if recorded:
-            raise _permanent(self.namespace, self.name, recorded, when, "")
-        raise_if_final(self.cluster, job, self.namespace, earlier=earlier, lines=lines)
+        if recorded := _recorded_exit(job):
+            raise _permanent(namespace, name, recorded, when, "")
+        if (terminal_condition(job) or {}).get("reason") == DEADLINE_REASON:
+            raise JobTimedOut(
+                f"TrainJob {namespace}/{name} ran into its activeDeadlineSeconds{when}: a timeout, not a training "
+                f"failure. Raise job_timeout_s, or re-run the pipeline (the run directory keeps its checkpoints).\n"
+                f"{self.log_tail(lines)}"
+            )
+        try:
+            pods = node_pods(self.cluster, name, namespace)
+        except ClusterError:
+            return
+        for pod in pods:
+            status = _node_status(pod)
+            codes = [c for c in (_terminated_codes(status) if status is not None else []) if is_permanent(c)]
+            if codes:
+                exit_ = f"pod {pod.metadata.name} exited {codes[0]}"
+                raise _permanent(namespace, name, exit_, when, self.log_tail(lines))
 
     def retryable_failure(self, job: dict, lines: int = 50) -> Exception:
         condition = terminal_condition(job) or {}
@@ -281,31 +298,6 @@ def _permanent(namespace: str, name: str, what: str, when: str, tail: str, actio
         f"TrainJob {namespace}/{name} failed permanently{when}: {what} ({meaning}).{action} It is not recreated: "
         f"fix the cause, delete the TrainJob, then re-run the pipeline.\n{tail}".rstrip()
     )
-
-
-def raise_if_final(cluster: Cluster, job: dict, namespace: str, *, earlier: bool = False, lines: int = 50) -> None:
-    """For a Failed TrainJob: JobTimedOut when its deadline ended it, JobFailedPermanently when a node
-    exited 1-127; otherwise return (a retry may recreate it)."""
-
-    name = job["metadata"]["name"]
-    condition = terminal_condition(job) or {}
-    when = " in an earlier attempt of this task" if earlier else ""
-    if condition.get("reason") == DEADLINE_REASON:
-        raise JobTimedOut(
-            f"TrainJob {namespace}/{name} ran into its activeDeadlineSeconds{when}: a timeout, not a training "
-            f"failure. Raise job_timeout_s, or re-run the pipeline (the run directory keeps its checkpoints).\n"
-            f"{log_tail(cluster, name, namespace, lines)}"
-        )
-    try:
-        pods = node_pods(cluster, name, namespace)
-    except ClusterError:
-        return
-    for pod in pods:
-        status = _node_status(pod)
-        codes = [c for c in (_terminated_codes(status) if status is not None else []) if is_permanent(c)]
-        if codes:
-            tail = log_tail(cluster, name, namespace, lines)
-            raise _permanent(namespace, name, f"pod {pod.metadata.name} exited {codes[0]}", when, tail)
 
 
 def stop_permanently(cluster: Cluster, name: str, namespace: str, what: str) -> None:
