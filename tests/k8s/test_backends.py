@@ -5,10 +5,18 @@ dispatch, the sweep's trial building (and Katib's trial-kind rules), render-job 
 from __future__ import annotations
 
 import pytest
+from cluster_sim import now_rfc3339, parse_rfc3339
 from sim_plans import sim_plan
+from toy_backend import TOY, TOY_BACKEND, TOY_TRIAL, toy_body
 
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.contracts.schema import RUN_ID_LABEL, run_label
+from llmft.components.lib.contracts.schema import (
+    JOB_WAIT_GRACE_S,
+    RUN_ID_LABEL,
+    JobFailedPermanently,
+    JobTimedOut,
+    run_label,
+)
 from llmft.components.lib.jobs import backends
 from llmft.components.lib.jobs.backends import (
     NO_TRIALS,
@@ -17,57 +25,58 @@ from llmft.components.lib.jobs.backends import (
     backend_for,
     register,
     render_names,
+    run_on_cluster,
     run_resources,
 )
 from llmft.components.lib.jobs.cleanup import cleanup_run
-from llmft.katib.trial_kinds import TRIAL_KINDS, JobResource, TrialKind, trial_kind
+from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
+from llmft.katib.trial_kinds import TRIAL_KINDS, trial_kind
 from llmft.trainer.errors import ConfigError
-
-TOY = JobResource("toy.example.org", "v1", "toyjobs", "ToyJob")
-TOY_TRIAL = TrialKind(
-    resource=TOY,
-    primary_container_name="toy",
-    primary_pod_labels={"toy.example.org/role": "leader"},
-    success_condition='status.conditions.#(type=="Done")#|#(status=="True")#',
-    failure_condition='status.conditions.#(type=="Failed")#|#(status=="True")#',
-    container_rule="spec.command must hold the trainer's command",
-    find_command=lambda job: job["spec"] if job["spec"].get("command") else None,
-)
-
-
-def _toy_body(job, spec) -> dict:
-    return {
-        "apiVersion": TOY.api_version,
-        "kind": TOY.kind,
-        "metadata": {"name": spec.name, "labels": dict(spec.labels)},
-        "spec": {"image": spec.image, "command": ["llmft", "train"], "overrides": dict(spec.overrides)},
-    }
 
 
 @pytest.fixture
-def toy(monkeypatch):
-    """The toy backend, registered; its ``training_backend`` value accepted by the plan's checks."""
-    calls: list[tuple] = []
-
-    def attach(job, launch, **options):
-        calls.append((job.name, launch.config_path, dict(launch.overrides), options["owner"]))
-        return {"name": job.name, "succeeded": True}
-
-    def trial_job(job, spec, early_stopping):
-        body = _toy_body(job, spec)
-        del body["metadata"]["name"]
-        return body
-
-    backend = Backend(
-        name="toyjob", render_name="toy", resource=TOY, trial_kind=TOY_TRIAL, build=_toy_body, trial_job=trial_job,
-        katib_trials=OWN_TRIALS, attach=attach,
-    )  # fmt: skip
-    register(backend)
+def toy():
+    """The toy backend (tests/k8s/toy_backend.py, one module), registered by its one entry."""
+    register(TOY_BACKEND)
     try:
-        yield calls
+        yield TOY_BACKEND
     finally:
         backends.unregister("toyjob")
     assert (TOY.api_version, TOY.kind) not in TRIAL_KINDS, "unregister takes its trial kind back"
+
+
+def _toy_controller(fake_custom_api, *, runs_for: int, ends: str = "Done", reason: str = "Trained"):
+    """A ToyJob controller on the fake API server: a job is Running (with its startTime) from its first read and
+    ends (``Done``, or ``Failed`` with ``reason``) on its ``runs_for``-th; conditions stay once set."""
+
+    def on_get(job: dict, count: int) -> None:
+        if job["kind"] != TOY.kind or _ended(job):
+            return
+        status = job.setdefault("status", {})
+        status.setdefault("startTime", now_rfc3339())
+        kind, why = (ends, reason) if count >= runs_for else ("Running", "Started")
+        status["conditions"] = [{"type": kind, "status": "True", "reason": why, "message": f"toy {why}"}]
+
+    fake_custom_api.on_get = on_get
+
+
+def _ended(job: dict) -> bool:
+    return any(c["type"] in ("Done", "Failed") for c in (job.get("status") or {}).get("conditions") or [])
+
+
+def _toy_plan(sim_volume, run_id: str):
+    plan = sim_plan(sim_volume, training_backend="toyjob", run_id=run_id)
+    return plan, plan.trainer.launch(f"{sim_volume}/tokenized/demo", ["lora.r=8"])
+
+
+def _earlier_toyjob(fake_cluster, plan, launch, condition: dict) -> None:
+    body = toy_body(plan.job, build_job_spec(plan.job, launch))
+    fake_cluster.create_custom_object(*TOY[:3], {**body, "status": {"startTime": now_rfc3339(), "conditions": [
+        {"status": "True", **condition}]}})  # fmt: skip
+
+
+def _verbs(fake_custom_api) -> list[str]:
+    return [call[0] for call in fake_custom_api.calls if call[0] in ("create", "delete")]
 
 
 def test_the_registry_holds_the_three_backends_and_the_pipeline_values():
@@ -91,16 +100,81 @@ def test_the_older_name_kubeflow_still_means_a_pytorchjob(sim_volume):
     assert body["kind"] == "PyTorchJob"  # not "training_backend=kubeflow contradicts --backend pytorchjob"
 
 
-def test_the_train_step_dispatches_to_a_registered_backend(toy, sim_volume, fake_cluster, monkeypatch):
-    plan = sim_plan(sim_volume, training_backend="toyjob", run_id="run-toy")
+def test_the_train_step_dispatches_to_a_registered_backend(toy, sim_volume, fake_cluster, fake_custom_api,
+                                                           monkeypatch):  # fmt: skip
+    plan, launch = _toy_plan(sim_volume, "run-toy")
     monkeypatch.setattr(cluster_module, "Cluster", lambda *a, **k: fake_cluster)  # no kube config here
-    launch = plan.trainer.launch(f"{sim_volume}/tokenized/demo", ["lora.r=8"])
+    _toy_controller(fake_custom_api, runs_for=1)
 
     result = backend_for(plan.job.backend).run_train_step(plan, launch)  # llmft/components/train.py's line
 
-    assert result == {"name": plan.job.name, "succeeded": True}
-    assert toy == [(plan.job.name, plan.trainer.config_path, {"data": f"{sim_volume}/tokenized/demo", "lora.r": "8"},
-                    None)]  # fmt: skip
+    assert (result["name"], result["outcome"]) == (plan.job.name, "created")
+    [created] = fake_custom_api.created("toyjobs")
+    assert created["spec"]["overrides"] == {"data": f"{sim_volume}/tokenized/demo", "lora.r": "8"}
+    assert created["spec"]["command"] == ["llmft", "train"]
+
+
+def test_a_toy_backend_submits_and_waits_for_its_job_through_the_shared_lifecycle(toy, sim_volume, fake_cluster,
+                                                                                 fake_custom_api):  # fmt: skip
+    """Issue 48.2's "done when": one module (tests/k8s/toy_backend.py: an adapter of five members and an attach
+    of one call) plus one registry entry, its Katib trial policy explicit, submits its job and waits for it:
+    polling until Done, the earlier attempt's job settled first, the run's SIGTERM guard around it."""
+    assert toy.katib_trials == OWN_TRIALS and toy.trials_backend() is toy
+    plan, launch = _toy_plan(sim_volume, "run-toy-wait")
+    _toy_controller(fake_custom_api, runs_for=4)
+    printed: list[str] = []
+
+    result = run_on_cluster(plan.job, launch, poll_s=0.01, cluster=fake_cluster, print_fn=printed.append)
+
+    assert result["outcome"] == "created" and result["final"]["status"]["conditions"][0]["type"] == "Done"
+    assert fake_custom_api.gets[(*TOY[:2], "team-a", TOY.plural, plan.job.name)] == 4  # polled until Done
+    assert _verbs(fake_custom_api) == ["create"]
+
+
+def test_a_toy_backends_retry_reattaches_reuses_or_recreates_as_the_lifecycle_decides(toy, sim_volume, fake_cluster,
+                                                                                     fake_custom_api):  # fmt: skip
+    """A retried task: a running job is re-attached to (never deleted), a Done one is not run again, a failed one
+    (not permanently) is deleted with foreground propagation and recreated."""
+    cases = (
+        ({"type": "Running", "reason": "Started"}, "attached", ["create"], "re-attaching to it"),
+        ({"type": "Done", "reason": "Trained"}, "reused", ["create"], "already Done (an earlier attempt"),
+        ({"type": "Failed", "reason": "NodeLost"}, "created", ["create", "delete", "create"],
+         "failed in an earlier attempt (not permanently: NodeLost): recreating it"),
+    )  # fmt: skip
+    for index, (condition, outcome, verbs, said) in enumerate(cases):
+        plan, launch = _toy_plan(sim_volume, f"run-toy-retry-{index}")
+        fake_custom_api.calls.clear()
+        _earlier_toyjob(fake_cluster, plan, launch, condition)
+        _toy_controller(fake_custom_api, runs_for=2)
+        printed: list[str] = []
+
+        result = run_on_cluster(plan.job, launch, poll_s=0.01, cluster=fake_cluster, print_fn=printed.append)
+
+        assert result["outcome"] == outcome and _verbs(fake_custom_api) == verbs, (condition, printed)
+        assert any(said in line for line in printed), printed
+    assert fake_custom_api.propagations == ["Foreground"]
+
+
+def test_a_toy_backends_permanent_failure_and_deadline_are_the_lifecycles(toy, sim_volume, fake_cluster,
+                                                                        fake_custom_api):  # fmt: skip
+    """Its adapter says what is permanent (BadInput): the wait fails at once, and a retry fails the same way
+    without recreating the job; its deadline clock (startTime + activeDeadlineSeconds) bounds the shared wait."""
+    plan, launch = _toy_plan(sim_volume, "run-toy-bad")
+    _toy_controller(fake_custom_api, runs_for=2, ends="Failed", reason="BadInput")
+    for when in ("", " in an earlier attempt of this task"):
+        with pytest.raises(JobFailedPermanently, match=f"ToyJob team-a/{plan.job.name} failed permanently{when}:"):
+            run_on_cluster(plan.job, launch, poll_s=0.01, cluster=fake_cluster, print_fn=lambda _: None)
+    assert _verbs(fake_custom_api) == ["create"]
+
+    plan, launch = _toy_plan(sim_volume, "run-toy-late")
+    _earlier_toyjob(fake_cluster, plan, launch, {"type": "Running", "reason": "Started"})
+    key = (*TOY[:2], "team-a", TOY.plural, plan.job.name)
+    fake_custom_api.objects[key]["status"]["startTime"] = now_rfc3339(
+        parse_rfc3339(now_rfc3339()) - plan.job.timeout_s - JOB_WAIT_GRACE_S - 60
+    )  # its own deadline, plus the grace, passed a minute ago
+    fake_custom_api.on_get = None
+    with pytest.raises(JobTimedOut, match=f"ToyJob team-a/{plan.job.name} did not finish by its deadline"):
+        run_on_cluster(plan.job, launch, poll_s=0.01, cluster=fake_cluster, print_fn=lambda _: None)
 
 
 def test_render_job_and_the_sweep_build_the_registered_backends_job(toy, sim_volume):

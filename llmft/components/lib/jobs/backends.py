@@ -43,6 +43,7 @@ from llmft.components.lib.jobs import (
     trainjob_spec,
 )
 from llmft.components.lib.jobs.launcher_pod import read_launcher_pod
+from llmft.components.lib.jobs.lifecycle import API_RETRIES, PENDING_EVERY, ClusterRun
 from llmft.components.lib.jobs.pytorchjob_spec import JobSpec
 from llmft.katib.trial_kinds import (
     EXPERIMENT_RESOURCE,
@@ -59,26 +60,11 @@ JOB_VERBS = ("create", "get", "list", "watch", "patch", "delete")
 """What the launcher does to its backend's jobs: submit, read and wait, (un)mark kept for a retry, delete."""
 
 
-class Attach(Protocol):
-    """A cluster backend's attach: submit the plan's job (``job``, a JobPlan) running ``launch`` (a TrainerLaunch), or
-    re-attach to the one an earlier attempt of the task submitted, and wait for its end; a summary dict once it
-    succeeded (an LlmftError with the contract's exit code otherwise). ``launcher``: the launcher pod as read
-    before training; ``owner``: the job's ownerReference; ``api_retries``: transient API errors in a row the wait
-    survives; ``pending_every``: polls between two reports of why a pod is Pending."""
-
-    def __call__(
-        self,
-        job: Any,
-        launch: Any,
-        *,
-        cluster: Any,
-        launcher: Any,
-        owner: dict | None,
-        poll_s: float,
-        print_fn: Callable[[str], Any],
-        api_retries: int,
-        pending_every: int,
-    ) -> dict: ...
+Attach = Callable[[ClusterRun], dict]
+"""A cluster backend's attach: submit the plan's job (``run.job``) or re-attach to the one an earlier attempt of
+the task submitted, and wait for its end, through the shared lifecycle (llmft/components/lib/jobs/lifecycle.py
+``run_lifecycle`` with the backend's ``JobAdapter``); a summary dict once it succeeded (an LlmftError with the
+contract's exit code otherwise). Its one argument, :class:`ClusterRun`, is typed: nothing is swallowed."""
 
 
 class Preflight(Protocol):
@@ -109,8 +95,8 @@ class Backend:
     ``build(job, spec)``: the job body (a dict, as the API server receives it) of the plan's ``job`` (JobPlan)
     running ``spec`` (the :class:`JobSpec` every backend starts from: image, resources, Secrets, the
     trainer command). ``trial_job(job, spec, early_stopping)``: the same as a Katib trial template.
-    ``attach(job, launch, *, cluster, launcher, owner, poll_s, print_fn, api_retries, pending_every)``: submit
-    the job or re-attach to it (a retried task) and wait for its end; a summary dict. ``run(plan, launch)``:
+    ``attach(run)`` (:data:`Attach`, ``run`` a :class:`ClusterRun`): submit the job or re-attach to it (a retried
+    task) and wait for its end; a summary dict. ``run(plan, launch)``:
     the train step's body (the default, for a cluster backend, is :func:`run_on_cluster_or_exit`)."""
 
     name: str
@@ -248,8 +234,8 @@ def run_on_cluster(
     poll_s: float = 30.0,
     cluster=None,
     print_fn: Callable[[str], Any] = print,
-    api_retries: int = pytorchjob_launch.API_RETRIES,
-    pending_every: int = pytorchjob_launch.PENDING_EVERY,
+    api_retries: int = API_RETRIES,
+    pending_every: int = PENDING_EVERY,
     owner: dict | None = None,
 ) -> dict:
     """The plan's job (``job``, a JobPlan) run to its end on its backend as ``launch`` (a TrainerLaunch) says;
@@ -262,17 +248,11 @@ def run_on_cluster(
     cluster = cluster or cluster_module.Cluster()
     launcher = read_launcher_pod(cluster, print_fn=print_fn)
     owner = owner if owner is not None else launcher.owner_reference()
-    return backend.attach(
-        job,
-        launch,
-        cluster=cluster,
-        launcher=launcher,
-        owner=owner,
-        poll_s=poll_s,
-        print_fn=print_fn,
-        api_retries=api_retries,
+    run = ClusterRun(
+        job, launch, cluster, launcher, owner, poll_s=poll_s, print_fn=print_fn, api_retries=api_retries,
         pending_every=pending_every,
-    )
+    )  # fmt: skip
+    return backend.attach(run)
 
 
 def run_on_cluster_or_exit(job, launch, **options) -> dict:

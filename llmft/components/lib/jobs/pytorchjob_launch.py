@@ -53,15 +53,25 @@ from llmft.components.lib.cluster import (
     call_with_retries,
 )
 from llmft.components.lib.contracts.schema import (
-    JOB_WAIT_GRACE_S,
     JobFailedPermanently,
     JobTimedOut,
     TrainingJobFailed,
     parse_time,
 )
 from llmft.components.lib.jobs import pod_starts
-from llmft.components.lib.jobs.launcher_pod import LauncherPod, delete_on_sigterm, read_launcher_pod, unmark_kept
-from llmft.components.lib.jobs.lifecycle import EarlierJob, delete_and_wait, settle_earlier_attempt
+from llmft.components.lib.jobs.launcher_pod import LauncherPod, read_launcher_pod
+from llmft.components.lib.jobs.lifecycle import (
+    API_RETRIES,
+    ATTACHED,
+    FAILED,
+    PENDING_EVERY,
+    RUNNING,
+    SUCCEEDED,
+    ClusterRun,
+    EarlierJob,
+    poll_until_end,
+    run_lifecycle,
+)
 from llmft.components.lib.jobs.pending_pods import PendingReporter
 from llmft.components.lib.jobs.pod_starts import JobNeverStarts
 from llmft.components.lib.jobs.pytorchjob_logs import MasterLogFollower
@@ -79,10 +89,6 @@ from llmft.components.lib.jobs.pytorchjob_spec import (
 from llmft.trainer.errors import EXIT_CODE_MEANINGS, LlmftError
 from llmft.trainer.io import TRAINING_MANIFEST
 
-API_RETRIES = 10
-"""Transient API errors in a row the wait loop tolerates before it gives up."""
-PENDING_EVERY = 10
-"""Polls between two reports of why pods are Pending (30 s polls: every 5 minutes)."""
 DEADLINE_MESSAGE = "active longer than specified deadline"
 """What the operator writes into the Failed condition when activeDeadlineSeconds ends a job
 (kubeflow/trainer v1.9.4 pkg/controller.v1/common/job.go 212)."""
@@ -91,30 +97,19 @@ DEADLINE_MESSAGE = "active longer than specified deadline"
 # --- the pytorchjob backend's attach (llmft/components/lib/jobs/backends.py runs it) --------------------
 
 
-def attach_pytorchjob(
-    job,
-    launch,
-    *,
-    cluster,
-    launcher: LauncherPod,
-    owner: dict | None,
-    poll_s: float = 30.0,
-    print_fn: Callable[[str], Any] = print,
-    api_retries: int = API_RETRIES,
-    pending_every: int = PENDING_EVERY,
-) -> dict:
-    """The plan's job (``job``, a JobPlan) as a PyTorchJob running ``launch`` (a TrainerLaunch): submitted,
-    or re-attached to, and waited for (see :func:`run_job`)."""
+def attach_pytorchjob(run: ClusterRun) -> dict:
+    """The plan's job (``run.job``, a JobPlan) as a PyTorchJob running ``run.launch`` (a TrainerLaunch):
+    submitted, or re-attached to, and waited for (see :func:`run_job`)."""
     return run_job(
-        cluster,
-        build_job_spec(job, launch),
-        timeout_s=float(job.timeout_s),
-        poll_s=poll_s,
-        print_fn=print_fn,
-        api_retries=api_retries,
-        pending_every=pending_every,
-        owner=owner,
-        launcher=launcher,
+        run.cluster,
+        build_job_spec(run.job, run.launch),
+        timeout_s=float(run.job.timeout_s),
+        poll_s=run.poll_s,
+        print_fn=run.print_fn,
+        api_retries=run.api_retries,
+        pending_every=run.pending_every,
+        owner=run.owner,
+        launcher=run.launcher,
     )
 
 
@@ -132,58 +127,118 @@ def run_job(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
-    """Submit the PyTorchJob of ``spec`` (a JobSpec), or re-attach to it, and wait for its end
-    (the module docstring lists the rules). SIGTERM deletes it on a cancel. ``launcher``: this pod as
-    read before training (default: read now); ``owner``: the job's ownerReference (default: the run's
-    Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the epoch, compared with the
-    job's ``startTime``) and ``sleep`` are the wall clock unless a test injects its own."""
+    """Submit the PyTorchJob of ``spec`` (a JobSpec), or re-attach to it, and wait for its end through the shared
+    lifecycle (llmft/components/lib/jobs/lifecycle.py; the module docstring lists the rules). SIGTERM deletes it
+    on a cancel. ``launcher``: this pod as read before training (default: read now); ``owner``: the job's
+    ownerReference (default: the run's Argo Workflow when in a KFP pod, else none). ``clock`` (seconds since the
+    epoch, compared with the job's ``startTime``) and ``sleep`` are the wall clock unless a test injects its own."""
 
     if poll_s <= 0 or timeout_s < poll_s:
         raise ValueError(f"need 0 < poll_s ({poll_s}) <= timeout_s ({timeout_s})")
-    name, namespace = spec.name, cluster.namespace
     launcher = launcher if launcher is not None else read_launcher_pod(cluster, print_fn=print_fn)
     owner = owner if owner is not None else launcher.owner_reference()
-    sigterm = delete_on_sigterm(
-        cluster, GROUP, VERSION, PLURAL, name, namespace=namespace, print_fn=print_fn, launcher=launcher
-    )
-    with sigterm:
-        earlier = earlier_pytorchjob(cluster, name, namespace, api_retries, print_fn)
-        previous = settle_earlier_attempt(earlier, poll_s=poll_s, print_fn=print_fn)  # lifecycle.py, shared
-        state = job_state(cluster, previous) if previous is not None else "absent"
-        if state == "succeeded":
-            print_fn(f"PyTorchJob {name} already Succeeded (an earlier attempt of this task): not running it again")
-            return {"name": name, "namespace": namespace, "succeeded": True, "reused": True}
-        if state == "active" and previous is not None:
-            print_fn(f"PyTorchJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
-            unmark_kept(cluster, (GROUP, VERSION, PLURAL, name), previous, namespace)
-        elif state in ("permanent", "deadline") and previous is not None:
-            raise_for_failure(cluster, previous, earlier=True)
-        else:
-            if state == "failed":
-                print_fn(f"PyTorchJob {name} failed in an earlier attempt (not permanently): recreating it")
-                delete_and_wait(cluster, earlier, poll_s=min(poll_s, 5.0))
-            _submit(cluster, spec, owner, print_fn)
-        final = wait_for_job(
-            cluster,
+    adapter = PyTorchJobAdapter(
+        cluster, spec.name, cluster.namespace, spec=spec, owner=owner, print_fn=print_fn, api_retries=api_retries,
+        pending_every=pending_every,
+    )  # fmt: skip
+    outcome, final = run_lifecycle(
+        cluster, adapter, timeout_s=timeout_s, poll_s=poll_s, launcher=launcher, print_fn=print_fn,
+        api_retries=api_retries, clock=clock, sleep=sleep,
+    )  # fmt: skip
+    summary = {"name": spec.name, "namespace": cluster.namespace, "succeeded": True}
+    if final is None:
+        return {**summary, "reused": True}
+    status = final.get("status") or {}
+    return {
+        **summary,
+        "reattached": outcome == ATTACHED,
+        "conditions": _conditions(final),
+        "start_time": status.get("startTime"),
+        "completion_time": status.get("completionTime"),
+    }
+
+
+class PyTorchJobAdapter:
+    """The PyTorchJob ``name`` as the shared lifecycle (llmft/components/lib/jobs/lifecycle.py) drives it: its
+    conditions (``Succeeded``/``Failed``), its pods by the operator's job-name label, a permanent failure (a
+    replica exited 1-127 under ExitCode, or activeDeadlineSeconds) and the master's log."""
+
+    succeeded_word = "Succeeded"
+
+    def __init__(self, cluster, name: str, namespace: str, *, spec=None, owner: dict | None = None,
+                 print_fn: Callable[[str], Any] = print, api_retries: int = API_RETRIES,
+                 pending_every: int = PENDING_EVERY, log_tail: int = 50):  # fmt: skip
+        self.cluster, self.name, self.namespace, self.spec, self.owner = cluster, name, namespace, spec, owner
+        self.print_fn, self.lines = print_fn, log_tail
+        self.job = EarlierJob(
+            RESOURCE,
             name,
             namespace,
-            timeout_s=timeout_s,
-            poll_s=poll_s,
-            print_fn=print_fn,
-            api_retries=api_retries,
-            pending_every=pending_every,
-            clock=clock,
-            sleep=sleep,
+            get=lambda: _get_job(cluster, name, namespace, api_retries, print_fn),
+            pods=lambda: _job_pods(cluster, name, namespace),
         )
-    return {
-        "name": name,
-        "namespace": namespace,
-        "succeeded": True,
-        "reattached": state == "active",
-        "conditions": _conditions(final),
-        "start_time": (final.get("status") or {}).get("startTime"),
-        "completion_time": (final.get("status") or {}).get("completionTime"),
-    }
+        self.follow = MasterLogFollower(cluster, name, namespace, print_fn)
+        self.pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every,
+                                       print_fn=print_fn)  # fmt: skip
+        self.starts = _start_watcher(f"PyTorchJob {namespace}/{name}",
+                                     lambda pod: cluster.list_events(pod, namespace=namespace))  # fmt: skip
+
+    def read(self) -> dict | None:
+        return _get_job(self.cluster, self.name, self.namespace, 1, self.print_fn)
+
+    def phase(self, job: dict) -> str:
+        if _condition(job, "Succeeded"):
+            return SUCCEEDED
+        return FAILED if _condition(job, "Failed") else RUNNING
+
+    def started_at(self, job: dict) -> tuple[float | None, float | None]:
+        """The operator counts activeDeadlineSeconds from ``status.startTime`` (pkg/core/job.go 81-91)."""
+        deadline = ((job.get("spec") or {}).get("runPolicy") or {}).get("activeDeadlineSeconds")
+        return parse_time((job.get("status") or {}).get("startTime")), deadline
+
+    def raise_if_final(self, job: dict, *, earlier: bool) -> None:
+        why, when = _failed_why(job), " in an earlier attempt of this task" if earlier else ""
+        if DEADLINE_MESSAGE in why:
+            raise JobTimedOut(
+                f"PyTorchJob {self.namespace}/{self.name} ran into its activeDeadlineSeconds{when} ({why}): a "
+                f"timeout, not a training failure. Raise job_timeout_s, or resume by re-running the pipeline (the run "
+                f"directory keeps its checkpoints).\n{self.log_tail(self.lines)}"
+            )
+        exit_ = permanent_exit(self.cluster, self.name, self.namespace)
+        if exit_ is not None:
+            pod, code = exit_
+            meaning = EXIT_CODE_MEANINGS.get(code, "a permanent failure: exit codes 1-127 are never retried")
+            raise JobFailedPermanently(
+                f"PyTorchJob {self.namespace}/{self.name} failed permanently{when}: pod {pod} exited {code} "
+                f"({meaning}). It is not recreated: fix the cause, then re-run the pipeline.\n"
+                f"{pod_log_tail(self.cluster, pod, self.namespace, self.lines)}"
+            )
+
+    def retryable_failure(self, job: dict) -> Exception:
+        return TrainingJobFailed(
+            f"PyTorchJob {self.namespace}/{self.name} Failed ({_failed_why(job)}); a retry of this task recreates it "
+            f"and resumes from the newest checkpoint.\n{self.log_tail(self.lines)}"
+        )
+
+    def submit(self) -> None:
+        _submit(self.cluster, self.spec, self.owner, self.print_fn)
+
+    def while_running(self, job: dict) -> None:
+        """Count pods that never start (then delete the job and raise), explain Pending ones."""
+        try:
+            self.starts(_job_pods(self.cluster, self.name, self.namespace))
+        except ClusterError:
+            pass  # the next poll reads them
+        except JobNeverStarts:
+            self.cluster.delete_custom_object(
+                GROUP, VERSION, PLURAL, self.name, namespace=self.namespace, propagation="Foreground"
+            )
+            raise
+        self.pending()
+
+    def log_tail(self, lines: int) -> str:
+        """The master's last ``lines`` log lines."""
+        return _master_tail(self.cluster, self.name, self.namespace, lines)
 
 
 def _submit(cluster, spec, owner: dict | None, print_fn) -> None:
@@ -218,6 +273,11 @@ def _condition(job: dict, kind: str) -> dict | None:
     return next((c for c in _conditions(job) if c.get("type") == kind and c.get("status") == "True"), None)
 
 
+def _failed_why(job: dict) -> str:
+    failed = _condition(job, "Failed") or {}
+    return f"{failed.get('reason') or 'Failed'}: {failed.get('message') or ''}".strip()
+
+
 def _job_pods(cluster, name: str, namespace: str) -> list:
 
     return cluster.list_pods(f"{JOB_NAME_LABEL}={name}", namespace=namespace)
@@ -245,19 +305,6 @@ def permanent_exit(cluster, name: str, namespace: str) -> tuple[str, int] | None
     return None
 
 
-def job_state(cluster, job: dict) -> str:
-    """succeeded | active | permanent (a replica exited 1-127) | deadline | failed (anything else)."""
-    if _condition(job, "Succeeded"):
-        return "succeeded"
-    failed = _condition(job, "Failed")
-    if failed is None:
-        return "active"
-    if DEADLINE_MESSAGE in (failed.get("message") or ""):
-        return "deadline"
-    name, namespace = job["metadata"]["name"], job["metadata"].get("namespace") or cluster.namespace
-    return "permanent" if permanent_exit(cluster, name, namespace) else "failed"
-
-
 def _get_job(cluster, name: str, namespace: str, api_retries: int, print_fn) -> dict | None:
 
     try:
@@ -271,17 +318,6 @@ def _get_job(cluster, name: str, namespace: str, api_retries: int, print_fn) -> 
         if exc.status == 404:
             return None
         raise
-
-
-def earlier_pytorchjob(cluster, name: str, namespace: str, api_retries: int, print_fn) -> EarlierJob:
-    """The PyTorchJob ``name`` as the shared lifecycle (llmft/components/lib/jobs/lifecycle.py) reads it."""
-    return EarlierJob(
-        RESOURCE,
-        name,
-        namespace,
-        get=lambda: _get_job(cluster, name, namespace, api_retries, print_fn),
-        pods=lambda: _job_pods(cluster, name, namespace),
-    )
 
 
 def pod_log_tail(cluster, pod: str, namespace: str, lines: int = 50) -> str:
@@ -305,45 +341,7 @@ def _master_tail(cluster, name: str, namespace: str, lines: int) -> str:
     return "\n".join(pod_log_tail(cluster, p.metadata.name, namespace, lines) for p in pods)
 
 
-def raise_for_failure(cluster, job: dict, *, earlier: bool = False, lines: int = 50) -> None:
-    """Raise the error that says why ``job`` Failed: permanent exit, deadline, or other."""
-
-    name, namespace = job["metadata"]["name"], job["metadata"].get("namespace") or cluster.namespace
-    failed = _condition(job, "Failed") or {}
-    why = f"{failed.get('reason') or 'Failed'}: {failed.get('message') or ''}".strip()
-    when = " in an earlier attempt of this task" if earlier else ""
-    if DEADLINE_MESSAGE in why:
-        raise JobTimedOut(
-            f"PyTorchJob {namespace}/{name} ran into its activeDeadlineSeconds{when} ({why}): a timeout, not a "
-            f"training failure. Raise job_timeout_s, or resume by re-running the pipeline (the run directory keeps "
-            f"its checkpoints).\n{_master_tail(cluster, name, namespace, lines)}"
-        )
-    exit_ = permanent_exit(cluster, name, namespace)
-    if exit_ is not None:
-        pod, code = exit_
-        meaning = EXIT_CODE_MEANINGS.get(code, "a permanent failure: exit codes 1-127 are never retried")
-        raise JobFailedPermanently(
-            f"PyTorchJob {namespace}/{name} failed permanently{when}: pod {pod} exited {code} ({meaning}). It is not "
-            f"recreated: fix the cause, then re-run the pipeline.\n{pod_log_tail(cluster, pod, namespace, lines)}"
-        )
-    raise TrainingJobFailed(
-        f"PyTorchJob {namespace}/{name} Failed{when} ({why}); a retry of this task recreates it and resumes from the "
-        f"newest checkpoint.\n{_master_tail(cluster, name, namespace, lines)}"
-    )
-
-
 # --- waiting ------------------------------------------------------------------------------------
-
-
-def wait_deadline(job: dict, timeout_s: float, now: float) -> float:
-    """Wall-clock time to stop waiting: the job's own deadline (startTime + activeDeadlineSeconds,
-    also for a job this attempt re-attached to) plus a grace for the operator to mark it, or
-    ``timeout_s`` (+ grace) from ``now`` before the operator set a startTime."""
-    started = parse_time((job.get("status") or {}).get("startTime"))
-    deadline = ((job.get("spec") or {}).get("runPolicy") or {}).get("activeDeadlineSeconds")
-    if started is not None and deadline:
-        return started + float(deadline) + JOB_WAIT_GRACE_S
-    return now + timeout_s + JOB_WAIT_GRACE_S
 
 
 def wait_for_job(
@@ -360,45 +358,16 @@ def wait_for_job(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
-    """Poll the job until Succeeded (returned) or Failed (:func:`raise_for_failure`), streaming the
-    master's log, explaining Pending pods, retrying transient API errors; JobTimedOut past the deadline
-    (read on ``clock``, the wall clock the operator's ``startTime`` is written in)."""
-
-    follow = MasterLogFollower(cluster, name, namespace, print_fn)
-    pending = PendingReporter(cluster, f"{JOB_NAME_LABEL}={name}", namespace, every=pending_every, print_fn=print_fn)
-    starts = _start_watcher(f"PyTorchJob {namespace}/{name}", lambda pod: cluster.list_events(pod, namespace=namespace))
-    errors, started = 0, clock()
-    while True:
-        try:
-            job = _get_job(cluster, name, namespace, 1, print_fn)
-            errors = 0
-        except ClusterError as exc:
-            errors += 1
-            if not exc.transient or errors > api_retries:
-                raise
-            print_fn(f"warning: reading PyTorchJob {name}: {exc} ({errors}/{api_retries}); retrying")
-            sleep(min(poll_s * errors, 60.0))
-            continue
-        if job is None:
-            raise LlmftError(
-                f"PyTorchJob {namespace}/{name} was deleted while this step waited for it (by hand, or by the run's "
-                "cleanup): nothing to wait for"
-            )
-        until = wait_deadline(job, timeout_s, started)
-        follow(job)
-        if _condition(job, "Succeeded"):
-            return job
-        if _condition(job, "Failed"):
-            raise_for_failure(cluster, job, lines=log_tail)
-        _check_starts(cluster, starts, name, namespace)
-        pending()
-        if clock() > until:
-            raise JobTimedOut(
-                f"PyTorchJob {namespace}/{name} did not finish by its deadline (+{JOB_WAIT_GRACE_S}s): a timeout, not "
-                f"a training failure. A retry of this task re-attaches to the job while it runs.\n"
-                f"{_master_tail(cluster, name, namespace, log_tail)}"
-            )
-        sleep(poll_s)
+    """Wait for a PyTorchJob already submitted (a Katib trial's, a test's): the shared lifecycle's
+    :func:`~llmft.components.lib.jobs.lifecycle.poll_until_end` on its adapter."""
+    adapter = PyTorchJobAdapter(
+        cluster, name, namespace, print_fn=print_fn, api_retries=api_retries, pending_every=pending_every,
+        log_tail=log_tail,
+    )  # fmt: skip
+    return poll_until_end(
+        adapter, timeout_s=timeout_s, poll_s=poll_s, print_fn=print_fn, api_retries=api_retries, log_tail=log_tail,
+        clock=clock, sleep=sleep,
+    )  # fmt: skip
 
 
 def _start_watcher(what: str, events: Callable[[str], list] | None = None):
@@ -406,18 +375,6 @@ def _start_watcher(what: str, events: Callable[[str], list] | None = None):
     (pod name -> its events) tells whether a pod replaced between two polls had started."""
 
     return pod_starts.StartWatcher(what, PYTORCHJOB_CONTAINER, limit=pod_starts.NEVER_STARTED_LIMIT, events=events)
-
-
-def _check_starts(cluster, starts, name: str, namespace: str) -> None:
-    """Feed this poll's pods to ``starts``; when its pods never start, delete the job and re-raise."""
-
-    try:
-        starts(_job_pods(cluster, name, namespace))
-    except ClusterError:
-        return  # the next poll reads them
-    except JobNeverStarts:
-        cluster.delete_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace, propagation="Foreground")
-        raise
 
 
 # --- reading a finished run ---------------------------------------------------------------------

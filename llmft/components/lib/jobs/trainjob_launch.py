@@ -37,14 +37,14 @@ from typing import Any
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import Cluster, ClusterError
 from llmft.components.lib.contracts.schema import (
-    JOB_WAIT_GRACE_S,
     JobFailedPermanently,
     JobTimedOut,
     TrainingJobFailed,
     parse_time,
 )
-from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, unmark_kept
-from llmft.components.lib.jobs.lifecycle import EarlierJob, delete_and_wait, settle_earlier_attempt
+from llmft.components.lib.jobs import lifecycle
+from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm
+from llmft.components.lib.jobs.lifecycle import ClusterRun, EarlierJob, JobAdapter
 from llmft.components.lib.jobs.pytorchjob_logs import newest_progress_only
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.jobs.trainjob_runtime import check_runtime, sdk_backend
@@ -210,42 +210,83 @@ def get_trainjob(cluster: Cluster, name: str, namespace: str) -> dict | None:
         raise
 
 
-def earlier_trainjob(cluster: Cluster, name: str, namespace: str) -> EarlierJob:
-    """The TrainJob ``name`` as the shared lifecycle (llmft/components/lib/jobs/lifecycle.py) reads it."""
-    return EarlierJob(
-        RESOURCE,
-        name,
-        namespace,
-        get=lambda: get_trainjob(cluster, name, namespace),
-        pods=lambda: node_pods(cluster, name, namespace),
-        pods_word="node pods",
-    )
+class TrainJobAdapter(JobAdapter):
+    """The TrainJob ``name`` as the shared lifecycle (llmft/components/lib/jobs/lifecycle.py) drives it: its
+    ``Complete``/``Failed`` conditions, its node pods, a permanent failure (a node exited 1-127, recorded on the
+    TrainJob once this launcher suspended it; or ``DeadlineExceeded``) and the failing node's log. Its wait is
+    the SDK's ``wait_for_job_status`` (:func:`run_trainjob`), on the lifecycle's budget."""
+
+    succeeded_word = COMPLETE
+
+    def __init__(self, cluster: Cluster, name: str, namespace: str, body: dict):
+        self.cluster, self.name, self.namespace, self.body = cluster, name, namespace, body
+        self.job = EarlierJob(
+            RESOURCE,
+            name,
+            namespace,
+            get=lambda: get_trainjob(cluster, name, namespace),
+            pods=lambda: node_pods(cluster, name, namespace),
+            pods_word="node pods",
+        )
+
+    def phase(self, job: dict) -> str:
+        condition = terminal_condition(job)
+        if _recorded_exit(job) or (condition is not None and condition["type"] == FAILED):
+            return lifecycle.FAILED  # suspended by this launcher after a permanent exit, or Failed
+        return lifecycle.SUCCEEDED if condition is not None else lifecycle.RUNNING
+
+    def started_at(self, job: dict) -> tuple[float | None, float | None]:
+        return deadline_clock(job)
+
+    def raise_if_final(self, job: dict, *, earlier: bool, lines: int = 50) -> None:
+        """JobFailedPermanently for the exit recorded on a TrainJob this launcher suspended or a node that exited
+        1-127, JobTimedOut when ``DeadlineExceeded`` ended it; otherwise return (a retry may recreate it)."""
+        name, namespace = self.name, self.namespace
+        when = " in an earlier attempt of this task" if earlier else ""
+        if recorded := _recorded_exit(job):
+            raise _permanent(namespace, name, recorded, when, "")
+        if (terminal_condition(job) or {}).get("reason") == DEADLINE_REASON:
+            raise JobTimedOut(
+                f"TrainJob {namespace}/{name} ran into its activeDeadlineSeconds{when}: a timeout, not a training "
+                f"failure. Raise job_timeout_s, or re-run the pipeline (the run directory keeps its checkpoints).\n"
+                f"{self.log_tail(lines)}"
+            )
+        try:
+            pods = node_pods(self.cluster, name, namespace)
+        except ClusterError:
+            return
+        for pod in pods:
+            status = _node_status(pod)
+            codes = [c for c in (_terminated_codes(status) if status is not None else []) if is_permanent(c)]
+            if codes:
+                exit_ = f"pod {pod.metadata.name} exited {codes[0]}"
+                raise _permanent(namespace, name, exit_, when, self.log_tail(lines))
+
+    def retryable_failure(self, job: dict, lines: int = 50) -> Exception:
+        condition = terminal_condition(job) or {}
+        reason = f"{condition.get('reason') or FAILED}: {condition.get('message') or ''}".strip()
+        return TrainJobFailed(
+            f"TrainJob {self.namespace}/{self.name} Failed ({reason}); a retry of this task recreates it and resumes "
+            f"from the newest checkpoint.\n{self.log_tail(lines)}"
+        )
+
+    def submit(self) -> None:
+        self.cluster.create_custom_object(GROUP, VERSION, PLURAL, self.body, namespace=self.namespace)
+
+    def log_tail(self, lines: int) -> str:
+        return log_tail(self.cluster, self.name, self.namespace, lines)
 
 
-def submit_or_attach(cluster: Cluster, body: dict, namespace: str, *, poll_s: float, print_fn=print) -> str:
-    """Create the TrainJob, or find the one an earlier attempt of this task created (same name):
-    ``reused`` (Complete), ``attached`` (still running: watched, not restarted) or ``created``
-    (none, or a Failed one deleted first; the trainer resumes from the newest complete checkpoint)."""
-    name = body["metadata"]["name"]
-    earlier = earlier_trainjob(cluster, name, namespace)
-    previous = settle_earlier_attempt(earlier, poll_s=poll_s, print_fn=print_fn)  # lifecycle.py, shared
-    condition = terminal_condition(previous) if previous is not None else None
-    if condition is not None and condition["type"] == COMPLETE:
-        print_fn(f"TrainJob {namespace}/{name} already Complete (an earlier attempt of this task): not run again")
-        return "reused"
-    recorded = ((previous or {}).get("metadata") or {}).get("annotations", {}).get(PERMANENT_EXIT_ANNOTATION)
-    if recorded:
-        raise _permanent(namespace, name, recorded, " in an earlier attempt of this task", "")
-    if previous is not None and condition is None:
-        print_fn(f"TrainJob {namespace}/{name} is still running from an earlier attempt: re-attaching to it")
-        unmark_kept(cluster, (GROUP, VERSION, PLURAL, name), previous, namespace)
-        return "attached"
-    if previous is not None and condition is not None:
-        raise_if_final(cluster, previous, namespace, earlier=True)
-        print_fn(f"TrainJob {namespace}/{name} Failed in an earlier attempt ({condition.get('reason')}): recreating")
-        delete_and_wait(cluster, earlier, poll_s=min(poll_s, 5.0))
-    cluster.create_custom_object(GROUP, VERSION, PLURAL, body, namespace=namespace)
-    return "created"
+def deadline_clock(job: dict) -> tuple[float | None, float | None]:
+    """(creationTimestamp, activeDeadlineSeconds): the controller counts the deadline from the TrainJob's
+    creation (trainjob_controller.go 155-167)."""
+    created = parse_time((job.get("metadata") or {}).get("creationTimestamp"))
+    return created, (job.get("spec") or {}).get("activeDeadlineSeconds")
+
+
+def _recorded_exit(job: dict) -> str:
+    """The permanent exit this launcher recorded on the TrainJob it suspended ("" when none)."""
+    return ((job.get("metadata") or {}).get("annotations") or {}).get(PERMANENT_EXIT_ANNOTATION) or ""
 
 
 def _permanent(namespace: str, name: str, what: str, when: str, tail: str, action: str = "") -> Exception:
@@ -259,31 +300,6 @@ def _permanent(namespace: str, name: str, what: str, when: str, tail: str, actio
     )
 
 
-def raise_if_final(cluster: Cluster, job: dict, namespace: str, *, earlier: bool = False, lines: int = 50) -> None:
-    """For a Failed TrainJob: JobTimedOut when its deadline ended it, JobFailedPermanently when a node
-    exited 1-127; otherwise return (a retry may recreate it)."""
-
-    name = job["metadata"]["name"]
-    condition = terminal_condition(job) or {}
-    when = " in an earlier attempt of this task" if earlier else ""
-    if condition.get("reason") == DEADLINE_REASON:
-        raise JobTimedOut(
-            f"TrainJob {namespace}/{name} ran into its activeDeadlineSeconds{when}: a timeout, not a training "
-            f"failure. Raise job_timeout_s, or re-run the pipeline (the run directory keeps its checkpoints).\n"
-            f"{log_tail(cluster, name, namespace, lines)}"
-        )
-    try:
-        pods = node_pods(cluster, name, namespace)
-    except ClusterError:
-        return
-    for pod in pods:
-        status = _node_status(pod)
-        codes = [c for c in (_terminated_codes(status) if status is not None else []) if is_permanent(c)]
-        if codes:
-            tail = log_tail(cluster, name, namespace, lines)
-            raise _permanent(namespace, name, f"pod {pod.metadata.name} exited {codes[0]}", when, tail)
-
-
 def stop_permanently(cluster: Cluster, name: str, namespace: str, what: str) -> None:
     """Suspend the TrainJob (its JobSet's pods go: no more restarts, GPUs released) and record why."""
     patch = {"metadata": {"annotations": {PERMANENT_EXIT_ANNOTATION: what}}, "spec": {"suspend": True}}
@@ -292,14 +308,11 @@ def stop_permanently(cluster: Cluster, name: str, namespace: str, what: str) -> 
 
 def wait_budget(job: dict, timeout_s: float, now: float) -> float:
     """Seconds to wait for ``job``: ``timeout_s``, cut for a job created by an earlier attempt to its own
-    deadline (creation + activeDeadlineSeconds, the controller's clock: trainjob_controller.go 155-167)
-    plus the launcher's grace, so a re-attached wait never outlives the train task."""
-
-    created = parse_time((job.get("metadata") or {}).get("creationTimestamp"))
-    deadline = (job.get("spec") or {}).get("activeDeadlineSeconds")
-    if created is None or not deadline:
-        return timeout_s
-    return max(1.0, min(timeout_s, created + float(deadline) + JOB_WAIT_GRACE_S - now))
+    deadline (the shared :func:`~llmft.components.lib.jobs.lifecycle.job_deadline`: creation +
+    activeDeadlineSeconds, the controller's clock, plus the launcher's grace), so a re-attached wait never
+    outlives the train task."""
+    until = lifecycle.job_deadline(deadline_clock(job), timeout_s, now)
+    return max(1.0, min(timeout_s, until - now))
 
 
 def run_trainjob(
@@ -332,8 +345,9 @@ def run_trainjob(
     backend = sdk_backend(cluster, namespace)
     ref = body["spec"]["runtimeRef"]
     check_runtime(backend, *parse_runtime_ref(f"{ref.get('kind', 'ClusterTrainingRuntime')}/{ref['name']}"))
-    outcome = submit_or_attach(cluster, body, namespace, poll_s=poll_s, print_fn=print_fn)
-    if outcome == "reused":
+    adapter = TrainJobAdapter(cluster, name, namespace, body)
+    outcome = lifecycle.submit_or_attach(cluster, adapter, poll_s=poll_s, print_fn=print_fn)
+    if outcome == lifecycle.REUSED:
         return {"name": name, "namespace": namespace, "succeeded": True, "reused": True}
     print_fn(f"{outcome} TrainJob {namespace}/{name} (runtime {ref['name']}); waiting up to {timeout_s:.0f}s")
     watcher = NodeWatcher(cluster, name, namespace, print_fn)
@@ -362,12 +376,8 @@ def run_trainjob(
     current = get_trainjob(cluster, name, namespace) or {}
     condition = terminal_condition(current) or {}
     if final.status == FAILED:
-        raise_if_final(cluster, current, namespace, lines=log_tail_lines)
-        reason = f"{condition.get('reason') or FAILED}: {condition.get('message') or ''}".strip()
-        raise TrainJobFailed(
-            f"TrainJob {namespace}/{name} Failed ({reason}); a retry of this task recreates it and resumes from the "
-            f"newest checkpoint.\n{log_tail(cluster, name, namespace, log_tail_lines)}"
-        )
+        adapter.raise_if_final(current, earlier=False, lines=log_tail_lines)
+        raise adapter.retryable_failure(current, lines=log_tail_lines)
     return {
         "name": name,
         "namespace": namespace,
@@ -377,18 +387,33 @@ def run_trainjob(
     }
 
 
-def run_trainjob_on_cluster(job, launch, *, poll_s: float = 30.0, cluster=None, owner: dict | None = None) -> dict:
+def run_trainjob_on_cluster(
+    job,
+    launch,
+    *,
+    poll_s: float = 30.0,
+    cluster=None,
+    owner: dict | None = None,
+    print_fn: Callable[[str], Any] = print,
+) -> dict:
     """The train step's ``trainjob`` backend: the plan's JobPlan -> TrainJob on ``job.runtime``, run
     (``owner``: its ownerReference, the run's Workflow)."""
 
     trainjob = build_trainjob(build_job_spec(job, launch), runtime=job.runtime)
     cluster = cluster or cluster_module.Cluster()
-    return run_trainjob(cluster, trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s, owner=owner)
+    return run_trainjob(
+        cluster, trainjob, timeout_s=float(job.timeout_s), poll_s=poll_s, owner=owner, print_fn=print_fn
+    )
 
 
-def attach_trainjob(job, launch, *, cluster, launcher, owner: dict | None, poll_s: float = 30.0, print_fn=print, **_):
+def attach_trainjob(run: ClusterRun) -> dict:
     """The trainjob backend's attach (llmft/components/lib/jobs/backends.py): :func:`run_trainjob_on_cluster`,
-    its TrainJob deleted on a cancel's SIGTERM (llmft/components/lib/jobs/launcher_pod.py). The wait's API
-    retries and Pending reports are the TrainJob loop's own (``**_``: the PyTorchJob loop's knobs)."""
-    with delete_on_sigterm(cluster, GROUP, VERSION, PLURAL, job.name, print_fn=print_fn, launcher=launcher):
-        return run_trainjob_on_cluster(job, launch, poll_s=poll_s, cluster=cluster, owner=owner)
+    its TrainJob deleted on a cancel's SIGTERM (llmft/components/lib/jobs/launcher_pod.py). ``run.api_retries``
+    and ``run.pending_every`` are the shared poll loop's; the SDK's wait reads the job and its pods itself."""
+    guard = delete_on_sigterm(
+        run.cluster, GROUP, VERSION, PLURAL, run.job.name, print_fn=run.print_fn, launcher=run.launcher
+    )
+    with guard:
+        return run_trainjob_on_cluster(
+            run.job, run.launch, poll_s=run.poll_s, cluster=run.cluster, owner=run.owner, print_fn=run.print_fn
+        )
