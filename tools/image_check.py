@@ -402,8 +402,10 @@ def build_one(role: str, dockerfile: str, work: Path, args: argparse.Namespace) 
 
 
 def build_images(dockerfiles: dict[str, str], work: Path, args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """Every image at once (most of a build waits on pip's downloads and the disk, not the CPU: together they took
-    about the time of the trainer's alone), each image's log printed whole, in order; the first failure raised."""
+    """Every image at once, each image's log printed whole, in order; the first failure raised. pip's installs wait
+    on the disk and the index as well as the CPU: on the 2-core CI machine both builds took 152 s side by side, where
+    one after the other they took about 170 s (105 s and 65 s in the CI run before; CONTRIBUTING.md, "How long CI
+    takes"): a small gain, and it grows with the cores."""
     log(f"== building {', '.join(dockerfiles)} side by side (each log printed when its build is done)")
     started = time.monotonic()
     with ThreadPoolExecutor(len(dockerfiles)) as pool:
