@@ -4,7 +4,7 @@ failed job and wait until it is gone before recreating it, and end a failure wit
 
 A backend adapts it with a :class:`JobAdapter` (its kind, how to read its job and tell its phase, its pods, how to
 submit it, what a permanent failure is, its log tail); llmft/components/lib/jobs/pytorchjob_launch.py and
-trainjob_launch.py are the two adapters the project ships, tests/k8s/test_backends.py holds a toy one.
+trainjob_launch.py are the two adapters the project ships, tests/k8s/toy_backend.py is a toy one.
 
 * :func:`settle_earlier_attempt`: a job of an earlier attempt that is being deleted (a cancel's SIGTERM, the exit
   handler or the janitor: foreground, so it stays until its pods committed their SIGTERM checkpoint), or the pods
@@ -17,8 +17,9 @@ trainjob_launch.py are the two adapters the project ships, tests/k8s/test_backen
 * :func:`job_deadline`: the budget, the job's own deadline (its start, as its controller stamps it, plus its
   ``activeDeadlineSeconds``) plus a grace, also for a job re-attached to, so a retry never starts the budget again;
 * :func:`poll_until_end`: the wait, one read a poll, transient API errors retried ``api_retries`` in a row, the
-  adapter's ``on_poll`` (log streaming, Pending reports, never-started pods) between reads, the failure raised by
-  the adapter (permanent, deadline, or retryable: each with the log tail), :class:`JobTimedOut` past the deadline;
+  adapter's ``follow`` (log streaming) and ``while_running`` (Pending reports, never-started pods) each poll, the
+  failure raised by the adapter (permanent, deadline, or retryable: each with the log tail), :class:`JobTimedOut`
+  past the deadline;
 * :func:`run_lifecycle`: all of it inside the launcher's SIGTERM guard (a cancel deletes the job, an eviction
   keeps it: llmft/components/lib/jobs/launcher_pod.py).
 
@@ -90,7 +91,7 @@ class ClusterRun:
 class JobAdapter(Protocol):
     """One backend's job as the lifecycle drives it; ``job`` below is the job as the API server returns it. A
     backend's adapter may subclass this to take the defaults of ``read``, ``follow``, ``while_running`` and
-    ``log_tail`` (a toy backend then writes five members: tests/k8s/test_backends.py)."""
+    ``log_tail`` (a toy backend then writes five members: tests/k8s/toy_backend.py)."""
 
     job: EarlierJob
     """Its kind, name, namespace, one read (None: there is none) and its pods."""
@@ -238,8 +239,9 @@ def poll_until_end(
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict:
     """Poll the job until it succeeded (returned) or failed (the adapter's error, with its log tail), calling
-    ``on_poll`` between reads; transient API errors are retried at most ``api_retries`` in a row; JobTimedOut past
-    :func:`job_deadline` (read on ``clock``, the wall clock the controller's timestamps are written in)."""
+    the adapter's ``follow`` and ``while_running`` each poll; transient API errors are retried at most
+    ``api_retries`` in a row; JobTimedOut past :func:`job_deadline` (read on ``clock``, the wall clock the
+    controller's timestamps are written in)."""
     what, errors, started = adapter.job.what, 0, clock()
     while True:
         try:
