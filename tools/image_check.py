@@ -403,9 +403,9 @@ def build_one(role: str, dockerfile: str, work: Path, args: argparse.Namespace) 
 
 def build_images(dockerfiles: dict[str, str], work: Path, args: argparse.Namespace) -> dict[str, dict[str, str]]:
     """Every image at once, each image's log printed whole, in order; the first failure raised. pip's installs wait
-    on the disk and the index as well as the CPU: on the 2-core CI machine both builds took 152 s side by side, where
-    one after the other they took about 170 s (105 s and 65 s in the CI run before; CONTRIBUTING.md, "How long CI
-    takes"): a small gain, and it grows with the cores."""
+    on the disk and the index as well as the CPU: on the 2-core CI machine both builds took 106 s side by side in a
+    fresh-clone CI run (152 s with other work on the machine), where one after the other they took about 170 s in
+    the CI run before (CONTRIBUTING.md, "How long CI takes")."""
     log(f"== building {', '.join(dockerfiles)} side by side (each log printed when its build is done)")
     started = time.monotonic()
     with ThreadPoolExecutor(len(dockerfiles)) as pool:

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -129,24 +129,11 @@ def test_a_group_runs_in_one_worker(tmp_path):
     folder.mkdir()
     (folder / "test_grouped.py").write_text(_GROUPED_MODULE.format(tests=tests))
     (folder / "test_free.py").write_text("".join(f"def test_free_{i}():\n    pass\n" for i in range(8)))
-    (folder / "conftest.py").write_text(
-        textwrap.dedent(
-            f"""
-            import sys
-            import pytest
-            sys.path.insert(0, {str(TESTS)!r})
-            from xdist_groups import xdist_group_of
-
-            @pytest.hookimpl(tryfirst=True)
-            def pytest_collection_modifyitems(config, items):
-                for item in items:
-                    if group := xdist_group_of(item):
-                        item.add_marker(pytest.mark.xdist_group(group))
-            """
-        )
-    )
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup"]
-    result = subprocess.run([*command, str(folder)], cwd=folder, capture_output=True, text=True, timeout=300)
+    # the suite's own root conftest (tests/conftest.py), loaded as a plugin: its hook marks the groups
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest"]
+    command += ["-n", "2", "--dist", "loadgroup"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([*command, str(folder)], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     ran = [(tmp_path / f"ran-{i}").read_text().split() for i in range(8)]
     workers = {worker for worker, _ in ran} | {built for _, built in ran}
