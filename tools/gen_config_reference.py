@@ -106,15 +106,14 @@ def _table(rows: list[tuple[str, str, Any, str]]) -> list[str]:
 
 
 def _shipped_configs() -> list[str]:
-    folder = REPO_ROOT / "llmft" / "trainer" / "configs"
+    folder = REPO_ROOT / "trainer" / "configs"
     if not folder.is_dir():
         return []
     lines = ["", "## Shipped configs", "", "Each is loaded and validated by the trainer's tests.", ""]
     for path in sorted(folder.glob("*.yaml")):
         first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
         lines.append(
-            f"- [`llmft/trainer/configs/{path.name}`](../llmft/trainer/configs/{path.name})"
-            + (f" — {first}" if first else "")
+            f"- [`trainer/configs/{path.name}`](../trainer/configs/{path.name})" + (f" — {first}" if first else "")
         )
     return lines
 

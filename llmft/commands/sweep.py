@@ -65,8 +65,7 @@ JOB_PARAMETERS = (
 """Pipeline parameters `llmft sweep create` accepts for the trial job (defaults: the pipeline's)."""
 ALIASES = {"image": "training_image"} | {old: new for old, new in OLD_NAMES.items() if new in JOB_PARAMETERS}
 """Other names of the job settings: ``image``, and the pipeline parameters' older names (with a note)."""
-TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "katib" / "experiment_template.yaml"  # llmft/katib
-# The settings llmft/katib/experiment_template.yaml was rendered from (a test keeps the two equal).
+# The settings the checkout's katib/experiment_template*.yaml were rendered from (tests keep them equal).
 TEMPLATE_ARGS = (
     "data=/data/tokenized/CACHE_KEY",
     "hf_token_secret=llmft-hf-token",

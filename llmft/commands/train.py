@@ -35,9 +35,7 @@ STOP_CODES = (0, 130, 143)  # a rank that finished, or stopped by a signal after
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config", help="YAML config (llmft/trainer/configs/*.yaml are examples); defaults apply without it"
-    )
+    parser.add_argument("--config", help="YAML config (trainer/configs/*.yaml are examples); defaults apply without it")
     parser.add_argument(
         "--nproc",
         default=None,

@@ -24,8 +24,8 @@ from llmft.trainer.quiet import quiet_known_noise
 from llmft.trainer.rank_exits import write_rank_exit
 
 EPILOG = """examples:
-  llmft train --config llmft/trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
-  llmft train --nproc 8 --config llmft/trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
+  llmft train --config trainer/configs/tiny-cpu.yaml data=/data/tok output_dir=/runs/a
+  llmft train --nproc 8 --config trainer/configs/qwen2.5-7b-lora-1xh100.yaml optim.lr=1e-4
 exit codes: 0 ok, 1 config/data error or non-finite training, 3 internal error, 130 Ctrl-C and
 143 SIGTERM (checkpoint committed), 200 transient I/O fault"""
 

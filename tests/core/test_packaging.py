@@ -3,8 +3,9 @@
 The files live under ``llmft/`` (llmft/trainer/, llmft/components/, ...): the path on disk is the
 import path, so Python, setuptools, mypy and every structure tool read the same tree, and a wheel
 never adds generic names such as ``trainer`` (a PyPI distribution of that name exists). The top-level
-trainer/, components/, pipelines/, katib/, benchmarks/ are committed relative links into llmft/, for
-readers of the layout. setup.cfg finds the packages (``packages = find:``): these tests hold the links
+trainer/, components/, pipelines/, katib/, benchmarks/ are real folders of what a user takes from the
+repository, with no Python file: no module is importable under a second name from the checkout, and the
+checkout holds no symlink. setup.cfg finds the packages (``packages = find:``): these tests hold that
 and the found list to the folders on disk,
 build a wheel of a clean copy of the checkout and read it, and look for commands and snippets in the
 docs, notebooks, scripts and Dockerfiles that still name a bare folder (``python -m trainer``).
@@ -63,7 +64,7 @@ def _git(*args: str) -> list[str]:
 
 def checkout_files(links: bool = False) -> list[str]:
     """The files a fresh clone has (git's view: tracked, and untracked not ignored), else a walk;
-    with ``links``, the symlinks too (trainer -> llmft/trainer)."""
+    with ``links``, the symlinks too (the checkout commits none: test_git_stores_no_link)."""
     try:
         listed = _git("ls-files", "--cached", "--others", "--exclude-standard")
     except (OSError, subprocess.CalledProcessError):
@@ -76,24 +77,57 @@ def checkout_files(links: bool = False) -> list[str]:
     return sorted(f for f in listed if (REPO / f).is_file() or (links and (REPO / f).is_symlink()))
 
 
-def test_the_files_live_under_the_import_root_and_the_top_level_names_link_there():
+def test_the_files_live_under_the_import_root_and_the_top_level_folders_hold_no_python():
     assert "package_dir" not in _setup_cfg()["options"], "llmft/ is a plain package tree: no package_dir mapping"
     for name in SUBPACKAGES:
         folder = REPO / "llmft" / name
         assert folder.is_dir() and not folder.is_symlink(), f"llmft/{name}/ must hold the files (path = import path)"
         assert (folder / "__init__.py").is_file(), f"llmft/{name}/ is imported as llmft.{name} but is not a package"
-        link = REPO / name
-        assert link.is_symlink(), f"{name} (top level) must be a link into the tree, not a second copy"
-        assert os.readlink(link) == f"llmft/{name}", f"{name} must be the relative link llmft/{name}"
+        top = REPO / name
+        assert not top.is_symlink(), f"{name} (top level) must not be a link into llmft/: a second import name"
+        python = [str(p.relative_to(REPO)) for p in top.rglob("*.py")] if top.is_dir() else []
+        assert not python, f"Python files at the top level would be importable as {name}.*: {python}"
 
 
-def test_git_stores_the_links_as_links():
+FIND_MODULES = """
+import importlib.util, sys
+def found(name):  # a module file; a folder of data files is an empty namespace package (origin None)
     try:
-        staged = _git("ls-files", "-s", "--", *SUBPACKAGES)
+        spec = importlib.util.find_spec(name)
+    except Exception:  # its parent is not a package, or not found
+        return False
+    return spec is not None and spec.origin is not None
+print([name for name in sys.argv[1:] if found(name)])
+"""
+
+
+@pytest.mark.slow  # one Python process (about 1 s)
+def test_no_module_of_the_package_is_importable_under_a_second_name_from_the_checkout():
+    """From the checkout's root (the current directory first on sys.path, as `python -c` and `python -m`
+    have it), ``trainer.config`` and every other ``llmft.<folder>.*`` module without its ``llmft.`` is
+    not found, and ``python -m trainer`` does not run."""
+    bare = sorted(
+        ".".join(p.relative_to(REPO / "llmft").with_suffix("").parts).removesuffix(".__init__")
+        for name in SUBPACKAGES
+        for p in (REPO / "llmft" / name).rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
+    assert "trainer.config" in bare and "katib" in bare
+    found = subprocess.run(
+        [sys.executable, "-c", FIND_MODULES, *bare], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    assert found == "[]", f"importable under a second name from the checkout: {found[:500]}"
+    run = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode != 0 and "llmft" not in run.stdout
+
+
+def test_git_stores_no_link():
+    try:
+        staged = _git("ls-files", "-s")
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    modes = {line.split("\t")[1]: line.split()[0] for line in staged}
-    assert modes == {name: "120000" for name in SUBPACKAGES}, f"git must store symlinks (120000): {modes}"
+    links = [line.split("\t")[1] for line in staged if line.startswith("120000 ")]
+    assert not links, f"symlinks in the checkout (a second name for a module, a grep finding files twice): {links}"
 
 
 def test_the_package_list_is_the_folders_on_disk():
@@ -136,7 +170,7 @@ def test_the_wheel_holds_only_llmft(tmp_path):
         for path in directory.glob("*.py")
     }
     assert modules - names == set(), f"modules missing from the wheel: {sorted(modules - names)[:10]}"
-    assert "llmft/trainer/configs/tiny-cpu.yaml" in names, "the shipped trainer configs are package data"
+    assert not [n for n in names if "/configs/" in n], "the trainer configs are the checkout's trainer/configs/"
     assert any(n.startswith("llmft/trainer/assets/sample_data/") for n in names), "the sample data ships"
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["llmft"]

@@ -76,7 +76,7 @@ def files_on_disk(root: Path = REPO) -> dict[str, Path]:
     """module name -> file, for every ``.py`` file a walk from ``root`` finds: no link followed, hidden
     folders (venvs, caches) and tests skipped; the name is the path (``a/b/c.py`` -> ``a.b.c``)."""
     found = {}
-    for directory, dirs, files in os.walk(root):  # followlinks=False: the top-level links are not entered
+    for directory, dirs, files in os.walk(root):  # followlinks=False: a link is never entered (none are committed)
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
         for name in files:
             if name.endswith(".py"):

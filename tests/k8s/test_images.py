@@ -198,7 +198,7 @@ def test_the_build_context_holds_every_folder_the_package_maps(repo_root, role):
     }
     needed = mapped | {"setup.cfg", "pyproject.toml", "README.md", "docker/constraints.txt"}
     assert sorted({"llmft", *needed - mapped} - copied) == [], f"{dockerfile.name} does not COPY them"
-    assert not copied & set(SUBPACKAGES), "the top-level trainer/, ... are links into llmft/: COPY llmft/ only"
+    assert not copied & set(SUBPACKAGES), "the top-level trainer/, ... hold no code: COPY llmft/ only"
     patterns = image_check.dockerignore_patterns(dockerfile)
     for name in mapped:
         assert image_check.dockerignore_keeps(patterns, f"{name}/__init__.py"), f"the .dockerignore drops {name}/"

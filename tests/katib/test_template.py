@@ -1,15 +1,18 @@
-"""llmft/katib/experiment_template.yaml (what a user edits) is the builder's output (the same object)."""
+"""katib/experiment_template.yaml (what a user edits) is the builder's output (the same object)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import yaml
 
 from llmft.cli import main as llmft_main
-from llmft.commands.sweep import TEMPLATE_ARGS, TEMPLATE_PATH, build_from_settings
+from llmft.commands.sweep import TEMPLATE_ARGS, build_from_settings
 from llmft.components import images
 from llmft.katib.experiment import experiment_dict, load_yaml, parse_experiment
 from llmft.katib.webhook_rules import validate_experiment
 
+TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "katib" / "experiment_template.yaml"  # the checkout's katib/
 # The default image, whatever LLMFT_TRAINER_IMAGE says in this environment.
 DEFAULT_IMAGE = f"{images.IMAGE_REGISTRY}/llmft-trainer:{images.IMAGE_TAG}"
 
@@ -18,7 +21,7 @@ def test_template_equals_builder_output():
     built = experiment_dict(build_from_settings([*TEMPLATE_ARGS, f"image={DEFAULT_IMAGE}"]))
     template = yaml.safe_load(TEMPLATE_PATH.read_text())
     assert template == built, (
-        "llmft/katib/experiment_template.yaml is stale: regenerate with `llmft sweep create "
+        "katib/experiment_template.yaml is stale: regenerate with `llmft sweep create "
         "--dry-run --output ...` and carry its comments over"
     )
 

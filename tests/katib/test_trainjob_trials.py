@@ -24,7 +24,7 @@ from llmft.katib.experiment import experiment_dict, load_yaml, override_bindings
 from llmft.katib.trial_kinds import TRAINJOB
 from llmft.katib.webhook_rules import validate_experiment
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "llmft" / "katib" / "experiment_template_trainjob.yaml"
+TEMPLATE = Path(__file__).resolve().parents[2] / "katib" / "experiment_template_trainjob.yaml"
 DEFAULT_IMAGE = f"{images.IMAGE_REGISTRY}/llmft-trainer:{images.IMAGE_TAG}"
 SETTINGS = (*TEMPLATE_ARGS, "training_backend=trainjob")
 
@@ -36,7 +36,7 @@ def built() -> dict:
 
 def test_template_equals_builder_output(built):
     assert yaml.safe_load(TEMPLATE.read_text()) == built, (
-        "llmft/katib/experiment_template_trainjob.yaml is stale: regenerate with `llmft sweep create --dry-run "
+        "katib/experiment_template_trainjob.yaml is stale: regenerate with `llmft sweep create --dry-run "
         "--output ... training_backend=trainjob` and the TEMPLATE_ARGS, and carry its comments over"
     )
 

@@ -13,7 +13,7 @@ from llmft.trainer.config_checks import validate
 from llmft.trainer.config_load import config_from_dict, config_to_dict, diff_configs, load_config
 from llmft.trainer.errors import ConfigError
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "llmft" / "trainer" / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "trainer" / "configs").glob("*.yaml"))
 
 
 def test_three_shipped_configs_exist():

