@@ -29,8 +29,9 @@ from llmft.components.lib.serving.inferenceservice import GROUP, PLURAL, VERSION
 
 PREDICTOR_LABEL = "serving.kserve.io/inferenceservice"
 """The label KServe puts on an InferenceService's pods (kserve v0.20.0 pkg/constants/constants.go 61)."""
-PENDING_EVERY = 6
-"""Polls between two reports of why the predictor's pods are Pending (10-s polls: every minute)."""
+SERVING_PENDING_EVERY = 6
+"""Polls between two reports of why the predictor's pods are Pending (10-s polls: every minute; a serving wait is
+minutes, so it reports more often than the job wait (lib/jobs/lifecycle.py PENDING_EVERY: every 5 minutes)."""
 SERVING_HINTS = (
     (
         "Insufficient nvidia.com/gpu",
@@ -140,7 +141,7 @@ def deploy_inference_service(
     poll_s: float = 10.0,
     print_fn: Callable[[str], Any] = print,
     rollout: str = "Recreate",
-    pending_every: int = PENDING_EVERY,
+    pending_every: int = SERVING_PENDING_EVERY,
 ) -> dict:
     """Create (or replace) the InferenceService and wait until it is Ready; returns
     ``{"name", "namespace", "url", "internal_url", "generation", "deployment_mode"}``. A failed model load
