@@ -66,6 +66,23 @@ def test_the_evaluator_names_a_damaged_adapter_or_base_before_loading_anything(t
         check_model_files(bad)
 
 
+def test_the_local_deploy_check_names_a_damaged_adapter_or_base_before_loading_anything(tiny_model_dir, tmp_path):
+    """serving_deploy_mode=local (lib/serving/local_check.py) loads base + adapter, or the merged model: the same
+    one-line check first, so a damaged file is named rather than failing deep in safetensors or peft."""
+    from llmft.components.lib.serving.local_check import local_generation_check
+
+    adapter = _adapter(tiny_model_dir, tmp_path / "adapter")
+    weights = adapter / "adapter_model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 10)
+    with pytest.raises(DataError, match=rf"^adapter {adapter}: {weights}: truncated .*weights are damaged"):
+        local_generation_check(str(tiny_model_dir), str(adapter), ["hi"])
+    bad = _damaged_copy(tiny_model_dir, tmp_path / "base")
+    with pytest.raises(DataError, match=rf"^model {bad}: {bad}/model.safetensors: truncated"):
+        local_generation_check(str(bad), str(adapter), ["hi"])
+    with pytest.raises(DataError, match=rf"^model {bad}: {bad}/model.safetensors: truncated"):
+        local_generation_check(str(tiny_model_dir), str(adapter), ["hi"], merged_path=str(bad))
+
+
 @pytest.mark.slow
 def test_training_on_a_truncated_base_is_one_line_exit_1(base_overrides, tiny_model_dir, tmp_path, capsys):
     bad = _damaged_copy(tiny_model_dir, tmp_path / "base")

@@ -15,6 +15,7 @@ from typing import NamedTuple, cast
 
 from llmft.trainer.cpu_threads import decode_threads
 from llmft.trainer.errors import ConfigError, LlmftError
+from llmft.trainer.model_dir import check_model_files
 from llmft.trainer.tokenizer import load_tokenizer
 
 
@@ -94,7 +95,10 @@ def _check_tokenizer(base_model_path: str, tuned_path: str):
 
 
 def _check_models(base_model_path: str, adapter_path: str, merged_path: str | None):
-    """(model answering as the base, the fine-tuned model, context in which the first is the base), in float32."""
+    """(model answering as the base, the fine-tuned model, context in which the first is the base), in float32.
+    Damaged files are named in one line before anything loads (the trainer's one rule, model_dir.py)."""
+    check_model_files(base_model_path, what="model")
+    check_model_files(merged_path or adapter_path, what="model" if merged_path else "adapter")
 
     import torch  # heavy: torch
 
