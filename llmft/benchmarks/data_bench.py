@@ -10,8 +10,9 @@ Both paths run in ONE process on the same machine, on the same generated file:
   ``Dataset.map`` calling ``apply_chat_template`` (full conversation + prompt,
   to mask the prompt) in one process, no packing.
 
-Writes ``llmft/benchmarks/results/<date>-cpu-data.json`` (machine, date, command,
-figures) and ``<date>-cpu-data.md`` (a table for BENCHMARKS.md). Module top
+Writes ``<date>-cpu-data.json`` (machine, date, command, figures) and ``<date>-cpu-data.md``
+(a table for BENCHMARKS.md) into ``--results-dir`` (default ``llmft.benchmarks.RESULTS_DIR``:
+``benchmarks/results`` under the current directory, the committed results from the checkout's root). Module top
 imports: stdlib and numpy only (``llmft bench`` imports this to read its flags).
 """
 
@@ -33,13 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
+from llmft.benchmarks import RESULTS_DIR
 from llmft.trainer.data.prepare import prepare_dataset
 from llmft.trainer.data.shards import IGNORE_INDEX
 from llmft.trainer.data.tokenize import tokenize_dataset
 from llmft.trainer.io import atomic_write_json, atomic_write_text
 from llmft.trainer.tiny_model import _ANSWERS, _OBJECTS, _QUESTIONS, _SUBJECTS, _TAILS, _VERBS, build_tiny_model
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GOAL_SPEEDUP = 3.0
 GOAL_SECONDS_PER_100K = 60.0
 
@@ -63,7 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run both arms this many times, alternating; report each arm's fastest run",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated rows")
-    parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where to write the JSON and Markdown results")
+    parser.add_argument(
+        "--results-dir",
+        default=str(RESULTS_DIR),
+        help=f"where to write the JSON and Markdown (default: {RESULTS_DIR}, under the current directory)",
+    )
 
 
 def generate_alpaca_rows(path: Path, rows: int, seed: int = 0) -> None:

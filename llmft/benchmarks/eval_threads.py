@@ -14,8 +14,9 @@ On a machine with more than two CPUs, every process (arms and load) is pinned to
 (``os.sched_setaffinity``), so a 16-core device machine measures the 2-core machine's contention without other
 users' noise. The model is SmolLM2-135M-Instruct's shape (Llama: hidden 576, 30 layers, 9 heads, 3 KV heads,
 vocabulary 49,152): ``--model`` a directory (the converted real model) or ``random`` (the same shape, random
-weights: the arithmetic is the same). Writes ``results/<date>-<label>-eval-threads.json`` and ``.md``.
-Module top imports: stdlib only (``llmft bench`` imports this to read its flags).
+weights: the arithmetic is the same). Writes ``<date>-<label>-eval-threads.json`` and ``.md`` into ``--results-dir``
+(default ``benchmarks/results`` under the current directory), atomically. Module top imports: stdlib and
+``llmft.trainer.io`` (stdlib only itself; ``llmft bench`` imports this to read its flags).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from llmft.benchmarks import RESULTS_DIR
+from llmft.trainer.io import atomic_write_text
+
 PHASES = ("decode", "prefill", "train")
 """decode: greedy generation of 6 prompts (batch 6) for ``--new-tokens`` tokens, as the held-out task generates;
 prefill: no-grad forwards of 4 packed rows of 256 tokens, as perplexity evaluates; train: forward + backward of the
@@ -54,7 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each arm, interleaved; the median is kept")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     parser.add_argument("--label", default="cpu", help="the machine's name in the results' file names")
-    parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where to write the JSON and Markdown")
+    parser.add_argument(
+        "--results-dir",
+        default=str(RESULTS_DIR),
+        help=f"where to write the JSON and Markdown (default: {RESULTS_DIR}, under the current directory)",
+    )
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # internal: this process is one arm
 
 
@@ -203,8 +210,8 @@ def _write(rows: list[dict], args: argparse.Namespace, cpus: list[int] | None, l
         "rows": rows,
     }
     stem = out / f"{date}-{args.label}-eval-threads"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(rows) + "\n")
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(record, indent=2) + "\n")
+    atomic_write_text(stem.with_suffix(".md"), markdown(rows) + "\n")
     print(markdown(rows))
 
 

@@ -16,8 +16,10 @@ plus the 8192^3 bf16 matmul calibration and kernel checks (llmft/benchmarks/gpu/
 Every arm sees the same seeded synthetic samples in the same order, the same
 samples per optimizer step, the same random-init weights. Results: one JSON
 (``<date>-<device>.json``: device, date, versions, matmul_tflops, arms) and a
-Markdown table beside it. This module imports only the standard library at
-module level (the CLI imports it on machines without a GPU).
+Markdown table beside it, written atomically into ``--out`` (default ``benchmarks/results``
+under the current directory: ``llmft.benchmarks.RESULTS_DIR``). This module imports only the
+standard library and ``llmft.trainer.io`` (itself stdlib only) at module level (the CLI imports
+it on machines without a GPU).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from llmft.benchmarks import RESULTS_DIR
+from llmft.trainer.io import atomic_write_text
 
 DEFAULT_MICRO = {  # samples per packed micro-batch (64 per optimizer step), sized to fit 80 GB without recompute
     ("qwen2.5-0.5b", "lora"): 64,
@@ -63,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps for packed arms")
     parser.add_argument("--naive-steps", type=int, default=6, help="optimizer steps for the naive arm")
     parser.add_argument("--warmup", type=int, default=4, help="steps excluded from throughput (compile, warm-up)")
-    parser.add_argument("--out", default="llmft/benchmarks/results", help="folder for <date>-<device>.json/.md")
+    parser.add_argument(
+        "--out", default=str(RESULTS_DIR), help=f"folder for <date>-<device>.json/.md (default: {RESULTS_DIR})"
+    )
     parser.add_argument("--work", default="/tmp/llmft-bench", help="scratch folder (per-arm JSON and logs)")
     parser.add_argument("--deadline-s", type=float, default=540.0, help="stop starting arms after this many seconds")
     parser.add_argument("--arm-timeout-s", type=float, default=420.0, help="kill one arm after this many seconds")
@@ -232,8 +239,8 @@ def _write_outputs(args, check: dict, arms: list[dict]) -> None:
         "arms": arms,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{tag}.json").write_text(json.dumps(payload, indent=2))
-    (out / f"{tag}.md").write_text(markdown_table(payload))
+    atomic_write_text(out / f"{tag}.json", json.dumps(payload, indent=2))
+    atomic_write_text(out / f"{tag}.md", markdown_table(payload))
 
 
 def _previous_payloads(current: Path | None, merge_from: str) -> list[dict]:

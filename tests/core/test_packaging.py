@@ -30,6 +30,8 @@ from llmft import SUBPACKAGES
 
 REPO = Path(__file__).resolve().parents[2]
 BARE = "|".join(SUBPACKAGES)
+BENCHMARK_CODE = (".py", ".sh")
+"""What llmft/benchmarks/ may hold: the benchmarks' modules and the device plans that run them."""
 
 
 def _setup_cfg() -> configparser.ConfigParser:
@@ -130,6 +132,24 @@ def test_git_stores_no_link():
     assert not links, f"symlinks in the checkout (a second name for a module, a grep finding files twice): {links}"
 
 
+def test_benchmark_results_are_a_top_level_folder_of_data_outside_the_package():
+    """What the benchmarks measured (results, GPU logs, notes) is data: it lives in the checkout's real
+    top-level benchmarks/ folder, where `llmft bench` writes from the checkout's root, holds no Python (nothing
+    imports from it), and llmft/benchmarks/ holds only the benchmarks' code."""
+    from llmft.benchmarks import RESULTS_DIR
+
+    folder = REPO / "benchmarks"
+    assert folder.is_dir() and not folder.is_symlink(), "benchmarks/ must be a real folder, not a link into llmft/"
+    assert RESULTS_DIR == Path("benchmarks/results"), "the benchmarks write to benchmarks/results (relative)"
+    files = checkout_files(links=True)
+    results = [f for f in files if f.startswith("benchmarks/results/")]
+    assert "benchmarks/README.md" in files and "benchmarks/results/README.md" in results
+    assert any(f.startswith("benchmarks/results/gpu-logs/") for f in results), "the GPU logs sit under results/"
+    assert len([f for f in results if f.endswith(".json")]) >= 10, "the committed results are in benchmarks/results/"
+    data = [f for f in files if f.startswith("llmft/benchmarks/") and not f.endswith(BENCHMARK_CODE)]
+    assert not data, f"llmft/benchmarks/ holds the code only; results and logs go to benchmarks/: {data[:10]}"
+
+
 def test_the_package_list_is_the_folders_on_disk():
     on_disk = _source_dirs()
     packages = {name for name, d in on_disk.items() if (d / "__init__.py").is_file()}
@@ -172,6 +192,8 @@ def test_the_wheel_holds_only_llmft(tmp_path):
     assert modules - names == set(), f"modules missing from the wheel: {sorted(modules - names)[:10]}"
     assert not [n for n in names if "/configs/" in n], "the trainer configs are the checkout's trainer/configs/"
     assert any(n.startswith("llmft/trainer/assets/sample_data/") for n in names), "the sample data ships"
+    bench_data = [n for n in names if (n.startswith("llmft/benchmarks/") and not n.endswith(".py")) or "results/" in n]
+    assert not bench_data, f"benchmark results or logs in the wheel: {bench_data[:10]}"
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["llmft"]
 
@@ -183,7 +205,7 @@ IMPORT_LINE = re.compile(
 )
 RUN_MODULE = re.compile(rf"""-m\s+(?:{BARE})(?:\.\w+)*(?:\s|$|['"`])|["']-m["']\s*,\s*["'](?:{BARE})(?:\.\w+)*["']""")
 # Logs of past runs keep the commands they ran; the tests of the scan hold examples.
-SKIPPED = ("llmft/benchmarks/results/", "tests/core/test_packaging.py")
+SKIPPED = ("benchmarks/results/", "tests/core/test_packaging.py")
 
 
 def bare_names(path: str, text: str) -> list[str]:

@@ -1,5 +1,5 @@
 """The memory model (llmft/trainer/sizing/memory.py) on the benchmark's real shapes (transformers config
-classes, no weights): it reproduces the GPU peaks measured in llmft/benchmarks/results, and the plan it
+classes, no weights): it reproduces the GPU peaks measured in benchmarks/results, and the plan it
 makes keeps every measured run inside the card with the margin it documents."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _setup(model: str, method: str = "lora", **kw) -> memory.Setup:
 
 PLAIN = dict(varlen=False, fused_loss=False, fused_lora=False, compile=False, lora_dropout=0.05)
 
-# (setup, largest micro batch in tokens, measured peak GiB): llmft/benchmarks/results/2026-11-26-{h100,h200}.json
+# (setup, largest micro batch in tokens, measured peak GiB): benchmarks/results/2026-11-26-{h100,h200}.json
 MEASURED = [
     (_setup("qwen2.5-1.5b"), 18447, 46.3),
     (_setup("qwen2.5-1.5b", grouped_lora=False), 18447, 47.6),
@@ -39,7 +39,7 @@ MEASURED = [
 ]
 
 
-# The Qwen3-30B-A3B shape: 48 layers LoRA on one H200 and 4 layers on one H100 (llmft/benchmarks/results/
+# The Qwen3-30B-A3B shape: 48 layers LoRA on one H200 and 4 layers on one H100 (benchmarks/results/
 # 2026-11-26-{h200,h100-moe-smoke}.json, transformers' experts, micro batches of 32 / 64 samples); the shipped
 # QLoRA config on one H200, training's own peak (2026-12-02-h200.json, issue 46: 4 x 4096 tokens a forward).
 MEASURED_MOE = [
@@ -177,7 +177,7 @@ def test_cpu_plan_is_todays_behaviour():
     assert memory.cpu_plan(3, True, 4).micro_sequences == 3 and memory.cpu_plan(3, True, 4).checkpointed_layers == 4
 
 
-# Full fine-tuning of the Llama-3-8B shape under ZeRO-3 on 4 / 2 H100s (llmft/benchmarks/results/
+# Full fine-tuning of the Llama-3-8B shape under ZeRO-3 on 4 / 2 H100s (benchmarks/results/
 # 2026-11-27-4xh100-scaleout.json): micro batches of 8 samples, the mean micro batch in tokens.
 MEASURED_ZERO3 = [
     (dict(world_size=4), 32, 1868, 39.3),  # every layer checkpointed

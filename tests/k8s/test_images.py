@@ -206,7 +206,7 @@ def test_the_build_context_holds_every_folder_the_package_maps(repo_root, role):
     for dropped in (
         ".venv/bin/python",
         "llmft/__pycache__/cli.cpython-311.pyc",
-        "llmft/benchmarks/results/a.json",
+        "benchmarks/results/a.json",
         ".git/HEAD",
     ):
         assert not image_check.dockerignore_keeps(patterns, dropped), dropped

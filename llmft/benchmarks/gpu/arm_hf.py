@@ -33,7 +33,7 @@ def build_block_masks_eagerly() -> None:
 
     With ``_compile=True`` (transformers' choice) the first forward never finished: on torch 2.11 /
     transformers 5.17 Inductor spent 400+ s compiling one Triton kernel of the block-mask build for
-    a ~15k-token packed row (llmft/benchmarks/NOTES.md). Built eagerly, the mask costs one dense
+    a ~15k-token packed row (benchmarks/NOTES.md). Built eagerly, the mask costs one dense
     Q x KV pass per forward; flex attention itself stays compiled.
     """
     # heavy: transformers

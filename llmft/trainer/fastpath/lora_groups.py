@@ -3,7 +3,7 @@
 Attention's q/k/v projections and the MLP's gate/up projections read the same
 hidden states. With one fused LoRA linear per projection (lora.py) a Qwen2 or
 Llama layer launches about 52 matmuls per training step, and a profile of the
-trainer (llmft/benchmarks/NOTES.md) showed the step bound by the host
+trainer (benchmarks/NOTES.md) showed the step bound by the host
 launching them: the GPU sat idle a quarter of the step. Grouped, the siblings
 are one autograd node over the stacked weights: ``A = [A_q; A_k; A_v]`` gives
 one ``h = x A^T`` for all of them, and ``B`` (scaled, block diagonal) is folded

@@ -81,7 +81,7 @@ layer (all-linear: S_in = 6H + I, S_out = 3H + 2 KV + 2I).
    QLoRA config plans 3 x 4096 tokens per forward on an H100 and 6 on an H200, without recomputation.
 
 Calibration (peak = torch.cuda.max_memory_allocated of the benchmark's trainer runs,
-llmft/benchmarks/results/2026-11-26-{h100,h200}.json; T = the run's largest micro batch in tokens,
+benchmarks/results/2026-11-26-{h100,h200}.json; T = the run's largest micro batch in tokens,
 computed from the benchmark's seeded samples; fast path, r16 all-linear, no dropout):
 
 | run                                          | T      | measured GiB | this model GiB |
@@ -116,7 +116,7 @@ free memory left beside the weights and optimizer state (``budget_bytes(free, ex
 bytes a parameter counted exactly (the ZeRO-3 row above: 68.9 measured, 69.0 here), and for Llama-3-8B
 over two GPUs they are 67 GiB, where 8% of the whole card would leave no room for any micro batch.
 
-8. Full fine-tuning under ZeRO-3 (issue 37; 4 x H100 rows, llmft/benchmarks/results/2026-11-27-4xh100-scaleout.json,
+8. Full fine-tuning under ZeRO-3 (issue 37; 4 x H100 rows, benchmarks/results/2026-11-27-4xh100-scaleout.json,
    about 1,900 tokens a micro batch): with every layer checkpointed 39.3 GiB (this model 37.4), 69.2 on 2
    GPUs (71.0); without checkpointing 61.7 (47.6 without the term below). The difference is one bf16 copy
    of the layers' weights (2 N_l, 13 GiB for the 8B shape) that a step without recomputation keeps until
