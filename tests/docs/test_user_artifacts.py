@@ -30,6 +30,9 @@ def generator(tmp_path, monkeypatch):
     files = {"pipelines/p.yaml": lambda: "p: 1\n", "components/c/c.yaml": lambda: "c\n"}
     monkeypatch.setattr(module, "artifacts", lambda: files)
     monkeypatch.setattr(module, "clean_environment", lambda: None)
+    # main() puts its REPO_ROOT (here tmp_path, holding a components/ folder) first on sys.path: without this the
+    # rest of the session would import `components` from it (tests/k8s/test_images.py's executor probe went red).
+    monkeypatch.setattr(sys, "path", list(sys.path))
     return module
 
 
