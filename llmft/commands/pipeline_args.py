@@ -38,7 +38,7 @@ def load_pipeline(form: Form, defaults: dict | None = None):
     """The pipeline (GraphComponent) of ``form``, built with ``defaults`` as its compiled values."""
 
     try:
-        # heavy: kfp, kubeflow_katib_api, pydantic
+        # heavy: kfp
         from llmft.pipelines.llm_finetune import build_pipeline
     except ImportError as exc:
         raise ConfigError(f"cannot import the pipelines ({exc}); install the `pipeline` extra") from None

@@ -261,7 +261,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 def run_local(args: argparse.Namespace) -> int:
     extra_defaults: dict = {}
     if args.hpo:
-        # heavy: kfp, kubeflow_katib_api, pydantic
+        # heavy: kfp
         from llmft.pipelines.llm_finetune_hpo import HPO_LOCAL_DEFAULTS
 
         extra_defaults = HPO_LOCAL_DEFAULTS

@@ -20,6 +20,8 @@ import yaml
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
 from llmft.components.lib.jobs.backends import backend_for, render_names
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
+from llmft.components.lib.plan.build import build_plan
+from llmft.components.lib.plan.checks import compiled_settings
 from llmft.components.lib.plan.parameters import parameter_defaults
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import config_to_yaml
@@ -42,12 +44,6 @@ def render_job_and_config(
     arguments: dict, backend: str, *, run_id: str, namespace: str | None, data: str | None, hpo: bool = False
 ) -> tuple[dict, str]:
     """:func:`render_job`'s body, and the config.yaml the plan step would write (path line, then its YAML)."""
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.plan.build import build_plan
-
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.plan.checks import compiled_settings
-
     training_backend = render_names()[backend]
     given = arguments.get("training_backend", training_backend)
     if backend_for(given).name != training_backend:  # an older name (kubeflow) means its backend

@@ -30,10 +30,25 @@ from pathlib import Path
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.contracts.schema import DataLayout, Images
+from llmft.components.lib.jobs.katib_sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
+from llmft.components.lib.plan.build import job_plan, trainer_plan
+from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
 from llmft.components.lib.plan.forms import rename_note
 from llmft.components.lib.plan.parameters import OLD_NAMES, PipelineParameters, parameter_defaults
+from llmft.katib import status as katib_status
 from llmft.katib.errors import SweepError
+from llmft.katib.experiment import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    SweepSpec,
+    apply_overrides,
+    experiment_dict,
+    load_yaml,
+    to_yaml,
+)
 from llmft.katib.k8s_names import check_k8s_name
+from llmft.katib.local_sweep import run_local_sweep
 from llmft.katib.webhook_rules import check_experiment
 from llmft.trainer.command_line import override_pairs
 from llmft.trainer.config_load import changed_settings, split_assignment
@@ -174,12 +189,6 @@ def split_settings(items: list[str]) -> tuple[list[str], dict, list[str]]:
 def trial_job(settings: dict, name: str):
     """(JobPlan, parameters) of the trials: the pipeline's defaults with ``settings`` over them, through
     the plan's own job builder (so a trial gets what the pipeline's trials get)."""
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.plan.build import job_plan
-
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
-
     defaults = parameter_defaults()
     values = dict(defaults)
     for key, raw in settings.items():
@@ -198,15 +207,6 @@ def build_from_settings(items: list[str]):
     """The Experiment (typed model) for ``llmft sweep create key=value ...``; its trials start from the
     trainer config the pipeline's plan would resolve from the same parameters. No plan step writes a
     config.yaml on the volume here, so the trials carry its non-default settings as key=value."""
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.jobs.katib_sweep import DEFAULT_TRIAL_OVERRIDES, build_sweep_experiment
-
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.components.lib.plan.build import trainer_plan
-
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib.experiment import SweepSpec, apply_overrides
-
     sweep_items, job, train = split_settings(items)
     spec = apply_overrides(SweepSpec(), sweep_items)
     fixed = dict(override_pairs((*DEFAULT_TRIAL_OVERRIDES, *train)))  # a later key wins
@@ -224,9 +224,6 @@ def build_from_settings(items: list[str]):
 
 
 def run_create(args: argparse.Namespace) -> int:
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib.experiment import experiment_dict, load_yaml, to_yaml
-
     if args.output:
         check_yaml_output(args.output, force=args.force)  # before any work: the file is not ours -> one line
     if args.from_yaml:
@@ -252,9 +249,6 @@ def run_create(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace, body: dict) -> int:
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib import status as katib_status
-
     cluster = make_cluster(args)
     namespace = args.namespace or body["metadata"].get("namespace") or cluster.namespace
     name = body["metadata"]["name"]
@@ -274,9 +268,6 @@ def _submit(args: argparse.Namespace, body: dict) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib import status as katib_status
-
     cluster = make_cluster(args)
     namespace = args.namespace or cluster.namespace
     if args.watch:
@@ -299,13 +290,9 @@ def run_best(args: argparse.Namespace) -> int:
 
 
 def _print_best(cluster, name: str, namespace: str) -> int:
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib.experiment import GROUP, PLURAL, VERSION
-
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib.status import best_overrides
-
-    for line in best_overrides(cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)):
+    for line in katib_status.best_overrides(
+        cluster.get_custom_object(GROUP, VERSION, PLURAL, name, namespace=namespace)
+    ):
         print(line)
     return 0
 
@@ -314,12 +301,6 @@ def _print_best(cluster, name: str, namespace: str) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib.experiment import SweepSpec, apply_overrides
-
-    # heavy: kubeflow_katib_api, pydantic
-    from llmft.katib.local_sweep import run_local_sweep
-
     sweep_items, job, train = split_settings(args.settings)
     if job:
         raise SweepError(f"{', '.join(job)}: cluster job settings do not apply to run-local; use --model/--data")

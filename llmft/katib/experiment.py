@@ -28,27 +28,9 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pydantic
 import yaml
-from kubeflow_katib_api.models import (
-    IoK8sApimachineryPkgApisMetaV1ObjectMeta,
-    V1beta1AlgorithmSetting,
-    V1beta1AlgorithmSpec,
-    V1beta1CollectorSpec,
-    V1beta1EarlyStoppingSetting,
-    V1beta1EarlyStoppingSpec,
-    V1beta1Experiment,
-    V1beta1ExperimentSpec,
-    V1beta1FilterSpec,
-    V1beta1MetricsCollectorSpec,
-    V1beta1MetricStrategy,
-    V1beta1ObjectiveSpec,
-    V1beta1SourceSpec,
-    V1beta1TrialParameterSpec,
-    V1beta1TrialTemplate,
-)
 
 from llmft.katib import search_space as ss
 from llmft.katib.errors import SweepError
@@ -57,6 +39,18 @@ from llmft.katib.trial_kinds import EXPERIMENT_RESOURCE, PYTORCHJOB, TRIAL_KINDS
 from llmft.trainer.config_load import parse_bool, split_assignment
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.yaml_limits import load_user_yaml, read_yaml_text
+
+if TYPE_CHECKING:
+    from kubeflow_katib_api.models import (
+        V1beta1AlgorithmSetting,
+        V1beta1EarlyStoppingSpec,
+        V1beta1Experiment,
+        V1beta1ObjectiveSpec,
+        V1beta1TrialTemplate,
+    )
+
+# Katib's typed API models (kubeflow_katib_api, pydantic: ~0.5 s, 500+ modules) load only where a Katib object is
+# built or parsed: the plan step reads SweepSpec, its overrides and the trial command without them.
 
 GROUP, VERSION, PLURAL, KIND = EXPERIMENT_RESOURCE
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -145,6 +139,9 @@ def algorithm_settings(spec: SweepSpec) -> list[V1beta1AlgorithmSetting]:
     knows random_state, and for tpe gamma, prior_weight, n_EI_candidates), grid with its Optuna
     service and bayesianoptimization with scikit-optimize; an unknown setting fails the Experiment.
     """
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import V1beta1AlgorithmSetting
+
     seed = str(spec.seed)
     by_algorithm: dict[str, list[tuple[str, str]]] = {
         "random": [("random_state", seed)],
@@ -162,6 +159,18 @@ def algorithm_settings(spec: SweepSpec) -> list[V1beta1AlgorithmSetting]:
 
 def build_experiment(spec: SweepSpec, trial_job: Mapping[str, Any]) -> V1beta1Experiment:
     """The Experiment for ``spec`` whose trials run ``trial_job`` (a PyTorchJob dict with placeholders)."""
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import (
+        IoK8sApimachineryPkgApisMetaV1ObjectMeta,
+        V1beta1AlgorithmSpec,
+        V1beta1CollectorSpec,
+        V1beta1Experiment,
+        V1beta1ExperimentSpec,
+        V1beta1FilterSpec,
+        V1beta1MetricsCollectorSpec,
+        V1beta1SourceSpec,
+    )
+
     spec.check()
     trial_spec = trial_spec_from_job(trial_job, spec)
     metadata = {
@@ -193,6 +202,9 @@ def build_experiment(spec: SweepSpec, trial_job: Mapping[str, Any]) -> V1beta1Ex
 
 
 def objective_spec(spec: SweepSpec) -> V1beta1ObjectiveSpec:
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import V1beta1MetricStrategy, V1beta1ObjectiveSpec
+
     metrics = (spec.objective_metric, *spec.additional_metrics)
     return V1beta1ObjectiveSpec(
         type="minimize",
@@ -204,6 +216,9 @@ def objective_spec(spec: SweepSpec) -> V1beta1ObjectiveSpec:
 
 
 def _early_stopping(spec: SweepSpec) -> V1beta1EarlyStoppingSpec | None:
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import V1beta1EarlyStoppingSetting, V1beta1EarlyStoppingSpec
+
     if not spec.early_stopping:
         return None
     return V1beta1EarlyStoppingSpec(
@@ -216,6 +231,9 @@ def _early_stopping(spec: SweepSpec) -> V1beta1EarlyStoppingSpec | None:
 
 
 def _trial_template(spec: SweepSpec, trial_spec: dict[str, Any]) -> V1beta1TrialTemplate:
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import V1beta1TrialParameterSpec, V1beta1TrialTemplate
+
     params = [
         V1beta1TrialParameterSpec(
             name=p.name, reference=p.name, description=f"{p.config_key}: {p.description}".rstrip(": ")
@@ -281,7 +299,7 @@ def override_bindings(experiment: Mapping[str, Any] | V1beta1Experiment) -> dict
     Read from the Experiment itself (not the default space), so it also holds for an
     edited YAML template and for an Experiment fetched back from the cluster.
     """
-    body = experiment.to_dict() if isinstance(experiment, V1beta1Experiment) else experiment
+    body = experiment if isinstance(experiment, Mapping) else experiment.to_dict()
     template = (body.get("spec") or {}).get("trialTemplate") or {}
     searched = {p.get("name") for p in (body.get("spec") or {}).get("parameters") or []}
     refs = {
@@ -309,10 +327,16 @@ def parse_experiment(body: Mapping[str, Any]) -> V1beta1Experiment:
     ``primaryContainername`` would vanish and the API server would accept it,
     since the CRD schema is open); a round trip catches them.
     """
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import V1beta1Experiment
+
     try:
         model = V1beta1Experiment.from_dict(dict(body))
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError whose errors() name each field
+        errors = getattr(exc, "errors", None)
+        if not callable(errors):
+            raise
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors())
         hint = (
             (" (Katib types feasibleSpace bounds and algorithm settings as strings: quote them, e.g. min: '1e-05')")
             if "valid string" in problems
@@ -355,9 +379,9 @@ def _dropped_paths(original: Any, dumped: Any, path: str) -> list[str]:
 
 def experiment_dict(experiment: V1beta1Experiment | Mapping[str, Any]) -> dict[str, Any]:
     """The JSON-ready body (camelCase keys, no nulls)."""
-    if isinstance(experiment, V1beta1Experiment):
-        return json.loads(experiment.to_json())
-    return json.loads(json.dumps(experiment))
+    if isinstance(experiment, Mapping):  # not a typed model: those are no Mapping
+        return json.loads(json.dumps(experiment))
+    return json.loads(experiment.to_json())
 
 
 # --- key=value overrides -----------------------------------------------------------------------

@@ -21,12 +21,13 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
-
-from kubeflow_katib_api.models import V1beta1FeasibleSpace, V1beta1ParameterSpec
+from typing import TYPE_CHECKING, Any
 
 from llmft.katib.errors import SweepError
 from llmft.trainer.config import SearchRange, iter_settings
+
+if TYPE_CHECKING:
+    from kubeflow_katib_api.models import V1beta1ParameterSpec
 
 PARAMETER_TYPES = ("double", "int", "discrete", "categorical")
 DISTRIBUTIONS = ("uniform", "logUniform", "normal", "logNormal")
@@ -149,6 +150,9 @@ def parameter_specs(space: tuple[HyperParameter, ...], algorithm: str) -> list[V
 
 
 def _parameter_spec(param: HyperParameter, algorithm: str) -> V1beta1ParameterSpec:
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import V1beta1FeasibleSpace, V1beta1ParameterSpec
+
     if algorithm == "grid":
         numeric = all(_is_number(v) for v in param.grid)
         return V1beta1ParameterSpec(

@@ -16,12 +16,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-from kubeflow_katib_api.models import V1beta1ExperimentStatus
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmft.katib.errors import ExperimentFailed, SweepError, SweepTimeout
 from llmft.katib.experiment import GROUP, PLURAL, VERSION, experiment_dict, override_bindings
+
+if TYPE_CHECKING:
+    from kubeflow_katib_api.models import V1beta1ExperimentStatus
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -98,6 +99,9 @@ _COUNT_FIELDS = {
 
 def parse_state(experiment: Mapping[str, Any]) -> ExperimentState:
     """The :class:`ExperimentState` of an Experiment dict as the API server returns it."""
+    # heavy: kubeflow_katib_api, pydantic
+    from kubeflow_katib_api.models import V1beta1ExperimentStatus
+
     body = experiment_dict(experiment)
     raw_status = body.get("status") or {}
     try:

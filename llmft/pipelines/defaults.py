@@ -149,7 +149,7 @@ def local_profile(overrides: dict[str, Any], *, real: bool, tiny: bool) -> tuple
 def pipeline_inputs(pipeline=None) -> dict[str, Any]:
     """name -> InputSpec of a compiled pipeline's run parameters (type and default)."""
     if pipeline is None:
-        # heavy: kfp, kubeflow_katib_api, pydantic
+        # heavy: kfp
         from llmft.pipelines.llm_finetune import llm_finetune_pipeline as pipeline
     return dict(pipeline.component_spec.inputs or {})
 

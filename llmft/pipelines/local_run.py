@@ -243,7 +243,7 @@ def _run_locked(overrides, work: Path, verbose: bool, hpo: bool, extra_defaults)
     # heavy: kfp
     from kfp import local
 
-    # heavy: kfp, kubeflow_katib_api, pydantic
+    # heavy: kfp
     from llmft.pipelines.llm_finetune import local_pipeline
 
     print(f"work folder {work}: preparing the base model and MLflow store ...", flush=True)

@@ -320,6 +320,79 @@ def test_the_contracts_are_the_bottom_of_components_lib():
     assert not siblings, siblings
 
 
+# --- the plan step builds no Katib object, so it loads no Katib SDK (issue 48.1) ---------------------------
+
+PLAN_STEP = ("llmft.components.lib.plan.step", "llmft.components.lib.plan.build", "llmft.components.lib.plan.checks")
+"""The plan step's body and what it reads (the pipeline image runs it first, on every run, sweep or not)."""
+KATIB_SDK = ("kubeflow_katib_api", "pydantic")
+"""Katib's typed API models (pydantic): about 400 modules and 0.7 s, loaded only where an Experiment is built or
+parsed (llmft/katib/experiment.py, search_space.py, status.py: ``# heavy:`` imports inside those functions)."""
+
+
+def import_time_chains(start: str) -> dict[str, list[str]]:
+    """{external top-level package: the chain of our modules whose module-level imports load it} for everything
+    ``import start`` runs, read from the files (TYPE_CHECKING blocks and function bodies do not run)."""
+    files = {module_name(p): p for folder in (*SUBPACKAGES, "llmft") for p in package_files(folder)}
+    chains: dict[str, list[str]] = {start: [start]}
+    found: dict[str, list[str]] = {}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        path = files[module]
+        for _, name in imports(path, import_time_only=True):
+            if not _under(name, ("llmft",)):
+                found.setdefault(name.split(".")[0], [*chains[module], name])
+                continue
+            parts = name.split(".")
+            for ours in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):  # a module runs its packages
+                if ours in files and ours not in chains:
+                    chains[ours] = [*chains[module], ours]
+                    todo.append(ours)
+    return found
+
+
+@pytest.mark.parametrize("module", PLAN_STEP)
+def test_the_plan_step_loads_no_katib_sdk(module):
+    """``import llmft.components.lib.plan.build`` loaded kubeflow_katib_api and pydantic (703 modules, 1.07 s,
+    where 311 and 0.30 s without them) through llmft/katib's module-level imports of Katib's API models."""
+    chains = import_time_chains(module)
+    loaded = {name: " -> ".join(chains[name]) for name in KATIB_SDK if name in chains}
+    assert not loaded, "import the Katib models inside the function that builds one (`# heavy:`):\n" + "\n".join(
+        loaded.values()
+    )
+
+
+def test_the_import_chain_reader_follows_module_level_imports_only():
+    """The reader itself: katib_sweep's builder still loads the SDK where it builds (a function-local import is not
+    followed), and a module that imports the SDK at module level is found with its chain."""
+    assert "kubeflow_katib_api" not in import_time_chains("llmft.katib.experiment")
+    assert "yaml" in import_time_chains("llmft.katib.experiment")
+    chain = import_time_chains("llmft.commands.sweep")["yaml"]
+    assert chain[0] == "llmft.commands.sweep" and chain[-1] == "yaml", chain
+
+
+_SDK_PROBE = (
+    "import importlib, json, sys\n"
+    "for name in sys.argv[2:]:\n    importlib.import_module(name)\n"
+    "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(json.loads(sys.argv[1])))))"
+)
+
+
+@pytest.mark.slow  # a fresh interpreter imports the plan step (about 0.5 s)
+def test_importing_the_plan_step_loads_no_katib_sdk_for_real():
+    """The same, measured: what a fresh interpreter holds after importing the plan step (third-party imports
+    included, which the file reader above does not follow)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _SDK_PROBE, json.dumps(KATIB_SDK), *PLAN_STEP],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
 def _is_component_body(node: ast.AST) -> bool:
     """A KFP component function (``@dsl.component``): KFP ships its source alone, so it imports inside."""
     return isinstance(node, ast.FunctionDef) and any("component" in ast.unparse(d) for d in node.decorator_list)
