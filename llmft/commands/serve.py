@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llmft.components.lib.contracts.schema import SERVING_MODES
+from llmft.components.lib.contracts.choices import SERVING_MODES
 from llmft.components.lib.serving.serve_check import check_result_target, serve_check
 from llmft.trainer.io import atomic_write_json, check_owned_file
 

@@ -47,8 +47,9 @@ from llmft.components.cleanup import cleanup_run
 from llmft.components.deploy import deploy_adapter
 from llmft.components.evaluate import evaluate_perplexity
 from llmft.components.images import IMAGE_UID, all_images
+from llmft.components.lib.contracts.choices import PROMOTED, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
 from llmft.components.lib.contracts.pod_parts import GPU_TOLERATION
-from llmft.components.lib.contracts.schema import DATA_MOUNT, PROMOTED, SWEEP_TASK_TIMEOUT_S, TRAIN_TASK_TIMEOUT_S
+from llmft.components.lib.contracts.schema import DATA_MOUNT
 from llmft.components.lib.plan.checks import SECRET_PARAMETERS, compiled_settings, parse_node_selector, parse_secret
 from llmft.components.lib.plan.forms import Form, renamed
 from llmft.components.lib.plan.parameters import PARAMETERS, Parameter, compile_time_defaults

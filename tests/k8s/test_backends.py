@@ -10,7 +10,7 @@ from sim_plans import sim_plan
 from toy_backend import TOY, TOY_BACKEND, TOY_TRIAL, toy_body
 
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.contracts.schema import (
+from llmft.components.lib.contracts.run_jobs import (
     JOB_WAIT_GRACE_S,
     RUN_ID_LABEL,
     JobFailedPermanently,

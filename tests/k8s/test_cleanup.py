@@ -13,7 +13,7 @@ from kubernetes import client
 from sim_plans import SIM_NAMESPACE, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.contracts.schema import RUN_ID_LABEL, JobFailedPermanently, run_label
+from llmft.components.lib.contracts.run_jobs import RUN_ID_LABEL, JobFailedPermanently, run_label
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.cleanup import cleanup_after_run, cleanup_run
 

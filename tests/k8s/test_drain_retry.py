@@ -17,7 +17,7 @@ from cluster_sim import ClusterSim
 from kubernetes import client
 from sim_plans import SIM_NAMESPACE, sim_plan
 
-from llmft.components.lib.contracts.schema import run_label
+from llmft.components.lib.contracts.run_jobs import run_label
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.cleanup import cleanup_after_run
 from llmft.components.lib.jobs.launcher_pod import KEEP_ANNOTATION, delete_on_sigterm

@@ -15,7 +15,7 @@ from cluster_sim import Chaos
 from sim_plans import SIM_NAMESPACE, TINY_TRAIN, sim_plan
 
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.contracts.schema import JobFailedPermanently, JobTimedOut
+from llmft.components.lib.contracts.run_jobs import JobFailedPermanently, JobTimedOut
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import (
     GROUP,

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 from sim_plans import SIM_NAMESPACE, sim_plan
 
-from llmft.components.lib.contracts.schema import JobTimedOut
+from llmft.components.lib.contracts.run_jobs import JobTimedOut
 from llmft.components.lib.jobs import pod_starts
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pod_starts import JobNeverStarts, StartWatcher

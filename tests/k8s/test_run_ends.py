@@ -15,7 +15,7 @@ from fake_clock import FakeClock
 from kfp_run_sim import KfpRun
 from kubernetes import client
 
-from llmft.components.lib.contracts.schema import RUN_ID_LABEL, run_label
+from llmft.components.lib.contracts.run_jobs import RUN_ID_LABEL, run_label
 from llmft.components.lib.jobs.cleanup import cleanup_after_run
 from llmft.components.lib.jobs.launcher_pod import KEEP_ANNOTATION, delete_on_sigterm, unmark_kept
 from llmft.components.lib.jobs.orphans import JANITOR_PERIOD_S, KEEP_FOR_RETRY_S, sweep_orphans, verdict

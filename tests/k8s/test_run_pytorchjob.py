@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 from fake_clock import FakeClock
 
-from llmft.components.lib.contracts.schema import JobTimedOut, TrainingJobFailed
+from llmft.components.lib.contracts.run_jobs import JobTimedOut, TrainingJobFailed
 from llmft.components.lib.jobs.pytorchjob_launch import run_job
 from llmft.components.lib.jobs.pytorchjob_spec import JobSpec, build_pytorchjob, pytorchjob_to_dict
 

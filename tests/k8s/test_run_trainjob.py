@@ -20,7 +20,7 @@ from trainer_v2_sim import (
 )
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.contracts.schema import JobFailedPermanently, JobTimedOut
+from llmft.components.lib.contracts.run_jobs import JobFailedPermanently, JobTimedOut
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.jobs.trainjob_launch import (
@@ -322,7 +322,7 @@ def test_a_trainjob_is_owned_by_the_runs_workflow_as_a_pytorchjob_is(crd_dir):
 
 
 def test_a_reattached_wait_ends_with_the_jobs_own_deadline():
-    from llmft.components.lib.contracts.schema import JOB_WAIT_GRACE_S, parse_time
+    from llmft.components.lib.contracts.run_jobs import JOB_WAIT_GRACE_S, parse_time
     from llmft.components.lib.jobs.trainjob_launch import wait_budget
 
     clock = FakeClock()

@@ -7,7 +7,7 @@ being deleted, recreating a retryable failure, the deadline and the API retries 
 from __future__ import annotations
 
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.contracts.schema import JobFailedPermanently, TrainingJobFailed, parse_time
+from llmft.components.lib.contracts.run_jobs import JobFailedPermanently, TrainingJobFailed, parse_time
 from llmft.components.lib.jobs.backends import OWN_TRIALS, Backend
 from llmft.components.lib.jobs.lifecycle import (
     FAILED,

@@ -9,7 +9,8 @@ from k8s_fakes import FakeCoreV1Api, FakeCustomObjectsApi
 from plan_helpers import RUN_ID, make_plan
 
 from llmft.components.lib.cluster import Cluster
-from llmft.components.lib.contracts.schema import TrainerLaunch, TrainingJobFailed, job_name
+from llmft.components.lib.contracts.run_jobs import TrainingJobFailed, job_name
+from llmft.components.lib.contracts.schema import TrainerLaunch
 from llmft.components.lib.jobs.backends import run_on_cluster
 from llmft.components.lib.jobs.local_train import TrainingFailed, run_local_training, train_command
 from llmft.components.lib.serving.deployment import crd_schema_errors

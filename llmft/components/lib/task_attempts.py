@@ -29,7 +29,7 @@ from pathlib import Path
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.contracts.schema import KFP_POD_ENV, on_kfp_cluster
+from llmft.components.lib.contracts.run_jobs import KFP_POD_ENV, on_kfp_cluster
 from llmft.components.lib.jobs.launcher_pod import WORKFLOW, read_launcher_pod
 from llmft.trainer.__main__ import describe_failure
 from llmft.trainer.errors import EXIT_INTERNAL, EXIT_USER_ERROR

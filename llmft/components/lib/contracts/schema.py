@@ -1,19 +1,17 @@
-"""The bottom of llmft/components/lib: what every other module there shares, importing none of them.
+"""The plan's schema: its dataclasses (RunPlan and its parts), its version, and ``plan.json`` read and write.
 
-The plan's schema (its dataclasses, constants, and ``plan.json`` read/write), the run-id label,
-the names of the pod environment variables the steps read, the job names, and the job-error
-types. llmft/components/lib/plan/build.py builds a plan; everything else reads one. No module of
-llmft/components/lib is imported here (tests/core/test_imports.py fails on any import cycle).
+llmft/components/lib/plan/build.py builds a plan; every later step reads one. The rest of the contracts layer,
+which every concern of llmft/components/lib shares and which imports none of them: the values a setting chooses
+from (choices.py), the run's jobs, labels and job errors (run_jobs.py), pod parts (pod_parts.py), metric
+definitions (metrics.py), folder names on the volume (volume_paths.py). No module of llmft/components/lib is
+imported here (tests/core/test_imports.py fails on any import cycle).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import hashlib
 import json
 import os
-import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +20,7 @@ from typing import Any
 
 from llmft.trainer.config import TrainConfig
 from llmft.trainer.config_load import config_from_dict, split_assignment
-from llmft.trainer.errors import ConfigError, LlmftError, TransientError
+from llmft.trainer.errors import ConfigError
 
 DEFAULT_RUNTIME = "torch-distributed"
 """The ClusterTrainingRuntime a default Kubeflow Trainer v2 install ships (manifests/base/runtimes)."""
@@ -37,30 +35,6 @@ each version and goes red when the layout changes under the same number."""
 PLAN_FILE = "plan.json"
 DATA_MOUNT = "/data"
 """Where the data/checkpoint PVC is mounted in every pipeline pod and job replica."""
-DEPLOY_MODES = ("kserve", "local", "vllm")
-"""kserve: an InferenceService on the cluster; local: a transformers generation check (kfp.local); vllm: a real
-vLLM OpenAI server on this machine with the manifest's arguments and the smoke test (kfp.local,
-``make serving-venv``)."""
-SERVING_MODES = ("auto", "lora", "merged")
-"""auto: the adapter as a vLLM LoRA module when vLLM can serve it, else merged into its base (the reason
-logged); lora: LoRA only (an adapter vLLM refuses fails the run); merged: always the merged model
-(llmft/components/lib/serving/serving_form.py)."""
-CLUSTER_DEPLOY_MODES = ("kserve",)
-"""The deploy modes a cluster's pipeline image runs (the others need this machine's torch or vLLM: kfp.local)."""
-SWEEP_BACKENDS = ("katib", "local")
-CLUSTER_SWEEP_BACKENDS = ("katib",)
-"""The sweep backends that create cluster objects (a Katib Experiment): refused under kfp.local."""
-PIPELINE_OWNED_KEYS = ("model.name_or_path", "data", "output_dir", "method", "resume")
-"""Trainer keys the plan sets itself; ``finetune_overrides`` may not change them."""
-TRAIN_TASK_TIMEOUT_S = 3 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the train task: the job's own deadline (``training_timeout_s``) must end first."""
-SWEEP_TASK_TIMEOUT_S = 4 * 24 * 3600
-"""kfp.kubernetes.set_timeout of the sweep task: longer than its own wait (``hpo_timeout_s``)."""
-DEPLOY_POLICIES = ("champion", "always")
-"""champion: deploy only a version that became (or stayed) the registry's champion; always: deploy it anyway."""
-KFP_POD_ENV = "KFP_POD_NAME"
-"""Set by the KFP backend in every task container (backend/src/v2/compiler/argocompiler/common.go
-``commonEnvs``, 2.4.0 onwards); never by kfp.local, even when kfp.local runs inside a pod."""
 
 
 # --- the plan's dataclasses -------------------------------------------------------------------
@@ -280,17 +254,6 @@ class SweepPlan:
     """``<root>/sweeps/<experiment>``."""
 
 
-PROMOTED, NOT_PROMOTED = "promoted", "not promoted"
-"""The promote step's decision (its ``decision`` output): the steps after it run under one of the two
-(lib/plan/steps.py ``Step.branch``, the pipeline's ``dsl.If``)."""
-
-NO_MLFLOW_REASON = (
-    "no MLflow server configured (mlflow_tracking_uri is empty and mlflow_secret names no Secret with the key "
-    "MLFLOW_TRACKING_URI); set either to track and register"
-)
-"""Why a run without MLflow registers nothing (the register step's registration.json, the summary)."""
-
-
 @dataclass(frozen=True)
 class RegistryPlan:
     """Promote and register."""
@@ -474,52 +437,3 @@ def read_plan(directory: str | Path) -> RunPlan:
     if not path.is_file():
         raise ConfigError(f"{path} is missing: the plan step did not finish")
     return RunPlan.from_json(path.read_text(encoding="utf-8"))
-
-
-def on_kfp_cluster(environ: Mapping[str, str] | None = None) -> bool:
-    """True inside a KFP task pod on a cluster, False under kfp.local (see KFP_POD_ENV)."""
-    return bool((os.environ if environ is None else environ).get(KFP_POD_ENV))
-
-
-# --- the run, its jobs, and how they fail -----------------------------------------------------
-
-RUN_ID_LABEL = "pipelines.kubeflow.org/run-id"
-"""Label every job, trial and Experiment of a pipeline run carries (value: :func:`run_label`)."""
-
-
-def run_label(run_id: str) -> str:
-    """The run-id label value: a valid label value (63 characters of [A-Za-z0-9_.-], alphanumeric ends)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "", run_id)[:63].strip("_.-")
-
-
-JOB_WAIT_GRACE_S = 300
-"""How long after the job's deadline the launcher still waits for the operator to mark it Failed."""
-
-
-class JobFailedPermanently(LlmftError):
-    """A replica exited 1-127 (bad input, or the trainer's restart budget spent): retrying cannot help."""
-
-
-class JobTimedOut(TransientError):
-    """The job ran into its deadline, or did not finish while this attempt waited (exit 200)."""
-
-
-def job_name(run_id: str) -> str:
-    """A DNS-1035 PyTorchJob name, stable for a pipeline run (so retries find it)."""
-    cleaned = re.sub(r"[^a-z0-9]", "", run_id.lower())[:12]
-    digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
-    return f"llmft-{cleaned}-{digest}" if cleaned else f"llmft-{digest}"
-
-
-def parse_time(value: str | None) -> float | None:
-    """An RFC 3339 timestamp of the API (``2026-01-01T00:00:00Z``) in epoch seconds; None if absent or unreadable."""
-    if not value:
-        return None
-    try:
-        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-class TrainingJobFailed(RuntimeError):
-    """The PyTorchJob reached Failed; the message carries the master's last log lines."""

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmft.components.lib.contracts.choices import NOT_PROMOTED, PROMOTED
 from llmft.components.lib.contracts.metrics import PERPLEXITY, beats, best_of, lower_is_better, metric_value, threshold
-from llmft.components.lib.contracts.schema import NOT_PROMOTED, PROMOTED
 from llmft.components.lib.contracts.volume_paths import check_path_component, path_under
 from llmft.components.lib.serving.servability import require_vllm_servable
 from llmft.trainer.errors import ConfigError, DataError, LlmftError

@@ -62,7 +62,7 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import ClusterError, call_with_retries
-from llmft.components.lib.contracts.schema import RUN_ID_LABEL, on_kfp_cluster, run_label
+from llmft.components.lib.contracts.run_jobs import RUN_ID_LABEL, on_kfp_cluster, run_label
 from llmft.components.lib.jobs.backends import run_resources
 from llmft.components.lib.jobs.launcher_pod import DISRUPTION_CONDITION, KEEP_ANNOTATION, WORKFLOW, read_launcher_pod
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from llmft.components.images import local_trainer_python
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.contracts.schema import TrainerLaunch, job_name
+from llmft.components.lib.contracts.run_jobs import job_name
+from llmft.components.lib.contracts.schema import TrainerLaunch
 from llmft.components.lib.jobs.backends import Backend, backend_for
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm, run_owner_reference
 from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec

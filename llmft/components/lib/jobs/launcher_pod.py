@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.contracts.schema import KFP_POD_ENV, parse_time
+from llmft.components.lib.contracts.run_jobs import KFP_POD_ENV, parse_time
 from llmft.trainer.errors import EXIT_PREEMPTED
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llmft.components.lib.cluster import RECREATE_WAIT_S, ClusterError, wait_until_gone
-from llmft.components.lib.contracts.schema import JOB_WAIT_GRACE_S, JobTimedOut
+from llmft.components.lib.contracts.run_jobs import JOB_WAIT_GRACE_S, JobTimedOut
 from llmft.components.lib.jobs.launcher_pod import LauncherPod, delete_on_sigterm, unmark_kept
 from llmft.katib.trial_kinds import JobResource
 from llmft.trainer.errors import LlmftError

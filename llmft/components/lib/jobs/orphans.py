@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmft.components.lib.cluster import ClusterError
-from llmft.components.lib.contracts.schema import RUN_ID_LABEL, parse_time
+from llmft.components.lib.contracts.run_jobs import RUN_ID_LABEL, parse_time
 from llmft.components.lib.jobs.backends import run_resources
 from llmft.components.lib.jobs.cleanup import disrupted_pods, is_finished, keep_reason, lost_pods_of
 from llmft.components.lib.jobs.launcher_pod import WORKFLOW

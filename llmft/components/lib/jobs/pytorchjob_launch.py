@@ -52,12 +52,7 @@ from llmft.components.lib.cluster import (
     ClusterError,
     call_with_retries,
 )
-from llmft.components.lib.contracts.schema import (
-    JobFailedPermanently,
-    JobTimedOut,
-    TrainingJobFailed,
-    parse_time,
-)
+from llmft.components.lib.contracts.run_jobs import JobFailedPermanently, JobTimedOut, TrainingJobFailed, parse_time
 from llmft.components.lib.jobs import pod_starts
 from llmft.components.lib.jobs.launcher_pod import LauncherPod, read_launcher_pod
 from llmft.components.lib.jobs.lifecycle import (

@@ -36,12 +36,7 @@ from typing import Any
 
 from llmft.components.lib import cluster as cluster_module
 from llmft.components.lib.cluster import Cluster, ClusterError
-from llmft.components.lib.contracts.schema import (
-    JobFailedPermanently,
-    JobTimedOut,
-    TrainingJobFailed,
-    parse_time,
-)
+from llmft.components.lib.contracts.run_jobs import JobFailedPermanently, JobTimedOut, TrainingJobFailed, parse_time
 from llmft.components.lib.jobs import lifecycle
 from llmft.components.lib.jobs.launcher_pod import delete_on_sigterm
 from llmft.components.lib.jobs.lifecycle import ClusterRun, EarlierJob, JobAdapter

@@ -40,14 +40,15 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from llmft.components.lib.contracts.schema import (
+from llmft.components.lib.contracts.choices import (
     DEPLOY_POLICIES,
-    JOB_WAIT_GRACE_S,
-    PLAN_SCHEMA_VERSION,
-    RUN_ID_LABEL,
     SERVING_MODES,
     SWEEP_TASK_TIMEOUT_S,
     TRAIN_TASK_TIMEOUT_S,
+)
+from llmft.components.lib.contracts.run_jobs import JOB_WAIT_GRACE_S, RUN_ID_LABEL, job_name, on_kfp_cluster, run_label
+from llmft.components.lib.contracts.schema import (
+    PLAN_SCHEMA_VERSION,
     DataLayout,
     DataPlan,
     Images,
@@ -58,9 +59,6 @@ from llmft.components.lib.contracts.schema import (
     ServingPlan,
     SweepPlan,
     TrainerPlan,
-    job_name,
-    on_kfp_cluster,
-    run_label,
 )
 from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.jobs.grace import grace_period_s

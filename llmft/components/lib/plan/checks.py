@@ -16,17 +16,15 @@ from typing import Any
 
 from llmft.components.images import check_pinned
 from llmft.components.lib import cluster as cluster_module
-from llmft.components.lib.contracts.schema import (
+from llmft.components.lib.contracts.choices import (
     CLUSTER_DEPLOY_MODES,
     CLUSTER_SWEEP_BACKENDS,
-    DATA_MOUNT,
     DEPLOY_MODES,
-    KFP_POD_ENV,
     PIPELINE_OWNED_KEYS,
     SWEEP_BACKENDS,
-    Resources,
-    SecretMount,
 )
+from llmft.components.lib.contracts.run_jobs import KFP_POD_ENV
+from llmft.components.lib.contracts.schema import DATA_MOUNT, Resources, SecretMount
 from llmft.components.lib.contracts.volume_paths import check_path_component
 from llmft.components.lib.jobs.backends import BACKENDS, backend_for, is_backend
 from llmft.components.lib.jobs.katib_sweep import check_servable_ranks, check_trial_overrides

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
-from llmft.components.lib.contracts.schema import NO_MLFLOW_REASON, RunPlan, write_plan
+from llmft.components.lib.contracts.choices import NO_MLFLOW_REASON
+from llmft.components.lib.contracts.schema import RunPlan, write_plan
 from llmft.components.lib.jobs.backends import backend_for
 from llmft.components.lib.plan.build import build_plan, write_run_config
 from llmft.components.lib.plan.checks import check_runs_here, preflight_secrets, preflight_serving_namespace

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmft.components.lib.contracts.schema import NOT_PROMOTED, PROMOTED
+from llmft.components.lib.contracts.choices import NOT_PROMOTED, PROMOTED
 
 RESOURCE_PARAMETERS = {
     "step": ("step_cpu", "step_memory"),

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from llmft.components.lib.contracts.schema import NO_MLFLOW_REASON, RunPlan
+from llmft.components.lib.contracts.choices import NO_MLFLOW_REASON
+from llmft.components.lib.contracts.schema import RunPlan
 from llmft.components.lib.registry.mlflow_registry import (
     Lineage,
     register_adapter,

@@ -35,8 +35,9 @@ import jsonschema
 import yaml
 
 from llmft.components.lib.cluster import Cluster
+from llmft.components.lib.contracts.choices import DEPLOY_MODES
 from llmft.components.lib.contracts.pod_parts import SecretEnv
-from llmft.components.lib.contracts.schema import DEPLOY_MODES, DataLayout
+from llmft.components.lib.contracts.schema import DataLayout
 from llmft.components.lib.registry.mlflow_registry import is_champion
 from llmft.components.lib.serving.inferenceservice import (
     CHAT_ROUTE,

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmft.components.lib.contracts.schema import SERVING_MODES
+from llmft.components.lib.contracts.choices import SERVING_MODES
 from llmft.components.lib.serving.servability import AdapterNotServableError, check_vllm_servable
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.io import atomic_write_json, is_complete, sha256_file
