@@ -58,7 +58,7 @@ def measure(model: str, work: Path, *, questions: int, arc_docs: int, threads: i
     from llmft.components.lib.evaluation.task_plan import resolve_task
     from llmft.components.lib.evaluation.task_runner import TaskRunner
     from llmft.components.lib.plan.parameters import BY_NAME
-    from llmft.trainer.data.samples import sample_path
+    from llmft.demo import sample_path
     from llmft.trainer.evaluate import PerplexityEvaluator
 
     torch.set_num_threads(threads)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib.resources import files
 from pathlib import Path
 
 from llmft.commands.pipeline_args import check_yaml_output, refuse_credentials
@@ -35,6 +34,7 @@ from llmft.components.lib.plan.build import job_plan, trainer_plan
 from llmft.components.lib.plan.checks import SECRET_PARAMETERS, check_image, parse_secret
 from llmft.components.lib.plan.forms import rename_note
 from llmft.components.lib.plan.parameters import OLD_NAMES, PipelineParameters, parameter_defaults
+from llmft.demo import sample_path
 from llmft.katib import status as katib_status
 from llmft.katib.errors import SweepError
 from llmft.katib.experiment import (
@@ -336,7 +336,7 @@ def local_inputs(workdir: Path, model: str | None, data: str | None) -> tuple[st
             build_tiny_model(model_dir)
         model = str(model_dir)
     if data is None:
-        sample = files("llmft.trainer.assets.sample_data") / "alpaca_demo.jsonl"
+        sample = sample_path("alpaca_demo")
         prepared = workdir / "prepared"
         if not is_complete(prepared):
             prepare_dataset(str(sample), prepared)

@@ -26,9 +26,9 @@ from typing import Any
 
 from llmft.components.lib.plan.forms import Form, form_parameter, rename_note, renamed
 from llmft.components.lib.plan.parameters import BY_NAME
-from llmft.trainer.assets.sample_data.generate_facts import PROBES
+from llmft.demo import sample_path
+from llmft.demo.sample_data.generate_facts import PROBES
 from llmft.trainer.config_load import parse_bool, split_assignment
-from llmft.trainer.data.samples import sample_path
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.real_model import DEFAULT_CACHE, ensure_real_model
 from llmft.trainer.tiny_model import build_tiny_model
@@ -36,7 +36,7 @@ from llmft.trainer.tiny_model import build_tiny_model
 TINY_MODEL = "tiny"
 """Value of ``base_model`` that makes run-local build and use the project's tiny model."""
 SAMPLE_DATASET = "sample:alpaca_demo"
-"""Value of ``dataset`` that run-local resolves to the sample shipped in llmft/trainer/assets."""
+"""Value of ``dataset`` that run-local resolves to the sample shipped in llmft/demo."""
 DEFAULT_WORK_DIR = "runs/pipeline-local"
 REAL_WORK_DIR = "runs/pipeline-real"
 
@@ -96,7 +96,7 @@ REAL_LOCAL_DEFAULTS: dict[str, Any] = {
     "serving_prompts": " | ".join(question for question, _keyword in DEMO_PROBES),
 }
 """``llmft pipeline run-local --real`` (``make demo-real``): a real pretrained model learns made-up facts
-(llmft/trainer/assets/sample_data/generate_facts.py); LOCAL_DEFAULTS <- these <- the command line's."""
+(llmft/demo/sample_data/generate_facts.py); LOCAL_DEFAULTS <- these <- the command line's."""
 
 
 DEMO_QUESTIONS = 6
@@ -205,7 +205,7 @@ def resolve_local_arguments(
         # on the "volume", as KServe (and serving_deploy_mode=vllm) serve a base model: copied from the shared cache
         target = volume / "base-models" / "smollm2-135m-instruct"
         args["base_model"] = str(ensure_real_model(target, cache=Path(DEFAULT_CACHE).resolve()))
-    for name in ("dataset", "promote_eval_questions"):  # shipped samples (llmft/trainer/assets/sample_data)
+    for name in ("dataset", "promote_eval_questions"):  # shipped samples (llmft/demo/sample_data)
         if str(args.get(name, "")).startswith("sample:"):
             args[name] = str(sample_path(str(args[name]).split(":", 1)[1]))
     args.setdefault("mlflow_tracking_uri", f"sqlite:///{work / 'mlflow.db'}")

@@ -1,7 +1,7 @@
 """What ``llmft pipeline run-local --real`` (``make demo-real``) shows after the run: that the adapter learned.
 
 A real pretrained model (SmolLM2-135M-Instruct) is fine-tuned on made-up facts about Velmora
-(llmft/trainer/assets/sample_data/generate_facts.py) by the whole pipeline. :func:`learning_report` reads the
+(llmft/demo/sample_data/generate_facts.py) by the whole pipeline. :func:`learning_report` reads the
 run's facts (llmft/components/lib/summary.py) and says, in a few lines:
 
 * the eval perplexity of the best checkpoint against the base's (held-out rows ask the same facts in other

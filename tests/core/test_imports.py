@@ -43,9 +43,10 @@ ORCHESTRATION = (
 # package -> the packages of ours it must never import (the CLI, llmft.cli and llmft.commands, is the top)
 CLI = ("llmft.cli", "llmft.commands")
 NEVER = {
-    "llmft.trainer": ("llmft.components", "llmft.pipelines", "llmft.katib", "llmft.benchmarks", *CLI),
+    "llmft.trainer": ("llmft.components", "llmft.pipelines", "llmft.katib", "llmft.benchmarks", "llmft.demo", *CLI),
     "llmft.components": ("llmft.pipelines", "llmft.benchmarks", *CLI),
-    "llmft.katib": ("llmft.components", "llmft.pipelines", "llmft.benchmarks", *CLI),
+    "llmft.katib": ("llmft.components", "llmft.pipelines", "llmft.benchmarks", "llmft.demo", *CLI),
+    "llmft.demo": ("llmft.components", "llmft.pipelines", "llmft.katib", "llmft.benchmarks", *CLI),
     "llmft.pipelines": ("llmft.benchmarks", *CLI),
 }
 

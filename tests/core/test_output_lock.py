@@ -66,8 +66,8 @@ def test_the_lock_is_reentrant_within_a_thread_and_held_across_processes(tmp_pat
 @pytest.mark.slow
 def test_two_tokenizes_of_one_folder_at_once_both_succeed(tmp_path, tiny_model_dir):
     """Was: one exited 200 ("I/O fault": the other moved the folder while it wrote its COMPLETE marker)."""
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
 
     prepare_dataset(str(sample_path("alpaca_demo")), tmp_path / "prepared")
     command = [sys.executable, "-m", "llmft", "data", "tokenize", "--input", str(tmp_path / "prepared")]

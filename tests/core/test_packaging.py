@@ -191,7 +191,8 @@ def test_the_wheel_holds_only_llmft(tmp_path):
     }
     assert modules - names == set(), f"modules missing from the wheel: {sorted(modules - names)[:10]}"
     assert not [n for n in names if "/configs/" in n], "the trainer configs are the checkout's trainer/configs/"
-    assert any(n.startswith("llmft/trainer/assets/sample_data/") for n in names), "the sample data ships"
+    assert "llmft/demo/sample_data/velmora_three_facts.jsonl" in names, "the demo's data ships (make demo's dataset)"
+    assert "llmft/demo/lm_eval_tasks/velmora_mc.jsonl" in names, "the shipped lm-eval task's data (the evaluate step)"
     bench_data = [n for n in names if (n.startswith("llmft/benchmarks/") and not n.endswith(".py")) or "results/" in n]
     assert not bench_data, f"benchmark results or logs in the wheel: {bench_data[:10]}"
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))

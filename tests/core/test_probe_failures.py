@@ -128,8 +128,8 @@ def inputs(tmp_path_factory, tiny_model_dir):
     import pyarrow.parquet as pq
     from test_cli import _lora_adapter
 
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
 
     root = tmp_path_factory.mktemp("missing-extras")
     prepare_dataset(str(sample_path("alpaca_demo")), root / "prepared")

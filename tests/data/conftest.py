@@ -25,8 +25,8 @@ def qwen_tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def prepared_sample(tmp_path_factory) -> Path:
     """The shipped alpaca_demo.jsonl prepared with the defaults."""
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
 
     out = tmp_path_factory.mktemp("prepared") / "alpaca"
     prepare_dataset(str(sample_path("alpaca_demo")), out)

@@ -11,7 +11,7 @@ import pytest
 from data_helpers import chat, write_jsonl
 
 from llmft.cli import main
-from llmft.trainer.data.samples import sample_path
+from llmft.demo import sample_path
 
 
 def _llmft(repo_root: Path) -> list[str]:

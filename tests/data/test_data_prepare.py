@@ -10,8 +10,8 @@ import pytest
 from data_helpers import chat, read_jsonl, write_jsonl
 
 import llmft.trainer.data.prepare as prepare_module
+from llmft.demo import sample_names, sample_path
 from llmft.trainer.data.prepare import prepare_dataset
-from llmft.trainer.data.samples import sample_names, sample_path
 from llmft.trainer.errors import DataError
 from llmft.trainer.io import is_complete, sha256_file
 

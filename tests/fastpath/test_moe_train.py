@@ -154,8 +154,8 @@ def test_eval_forwards_and_dense_models_are_untouched(aux_model, small_qwen2):
 
 @pytest.fixture(scope="module")
 def moe_data(tmp_path_factory):
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     root = tmp_path_factory.mktemp("moe")

@@ -87,8 +87,8 @@ def sim_volume(tmp_path_factory, tiny_model_dir):
     tokenized by the real data layer, under one root (mounted at that same path in every pod)."""
     import shutil
 
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     root = tmp_path_factory.mktemp("pvc")

@@ -32,8 +32,8 @@ print(register_adapter(reg))
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory, tiny_model_dir) -> Path:
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     root = tmp_path_factory.mktemp("canary-data")

@@ -11,7 +11,7 @@ import pytest
 from llmft.components.lib.evaluation.lm_eval_tasks import task_config
 from llmft.components.lib.evaluation.task_eval import LM_EVAL_TASK_DIR, lm_eval_task_names, parse_tasks
 from llmft.components.lib.evaluation.task_plan import resolve_task
-from llmft.trainer.assets.sample_data.generate_facts import FACTS
+from llmft.demo.sample_data.generate_facts import FACTS
 from llmft.trainer.errors import ConfigError, DataError
 
 

@@ -12,13 +12,11 @@ from llmft.pipelines.real_demo import answer_pairs, learning_report
 
 
 def test_the_shipped_facts_are_chat_rows_asking_each_fact_many_ways():
-    from llmft.trainer.assets.sample_data.generate_facts import FACTS, PROBES, fact_rows
-    from llmft.trainer.data.samples import sample_path
+    from llmft.demo import sample_path
+    from llmft.demo.sample_data.generate_facts import FACTS, PROBES, fact_rows
 
     shipped = sample_path("velmora_facts").read_text().splitlines()
-    assert shipped == fact_rows(), (
-        "velmora_facts.jsonl is stale: python -m llmft.trainer.assets.sample_data.generate_facts"
-    )
+    assert shipped == fact_rows(), "velmora_facts.jsonl is stale: python -m llmft.demo.sample_data.generate_facts"
     assert len(shipped) >= 200
     answers = [json.loads(row)["messages"][-1]["content"] for row in shipped]
     for keyword, answer, questions in FACTS:
@@ -85,9 +83,9 @@ def test_answer_pairs_read_the_local_mode_too():
 
 
 def test_make_demo_trains_on_three_facts_and_asks_them_in_phrasings_no_training_row_uses():
+    from llmft.demo import sample_path
+    from llmft.demo.sample_data.generate_facts import FACTS, SHORT_FACTS, question_rows, short_rows
     from llmft.pipelines.defaults import DEMO_DEFAULTS, DEMO_QUESTIONS
-    from llmft.trainer.assets.sample_data.generate_facts import FACTS, SHORT_FACTS, question_rows, short_rows
-    from llmft.trainer.data.samples import sample_path
 
     assert sample_path("velmora_three_facts").read_text().splitlines() == short_rows(), "stale: regenerate"
     assert sample_path("velmora_questions").read_text().splitlines() == question_rows(), "stale: regenerate"

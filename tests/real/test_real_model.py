@@ -77,7 +77,7 @@ def test_real_model_is_a_standard_hf_directory_that_knows_things(real_model_dir)
 @pytest.fixture
 def prepared_chat(tmp_path):
     """A prepared split folder of the shipped Velmora rows (what the prepare step writes)."""
-    from llmft.trainer.data.samples import sample_path
+    from llmft.demo import sample_path
 
     prepared = tmp_path / "prepared"
     prepared.mkdir()

@@ -31,8 +31,8 @@ def serving_venv() -> Path:
 def trained_adapter(tmp_path_factory, tiny_model_dir) -> Path:
     """A LoRA r8 (all linear layers) trained for a few steps by `llmft train` on the tiny model: its ``final/``
     adapter as the trainer writes it (tokenizer and manifest beside the weights)."""
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     root = tmp_path_factory.mktemp("vllm-adapter")

@@ -13,8 +13,8 @@ import pytest
 @pytest.fixture(scope="session")
 def tokenized_dir(tmp_path_factory, tiny_model_dir) -> Path:
     """alpaca_demo -> prepare (10% val) -> tokenize (packed, 128 tokens) on the tiny model."""
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     root = tmp_path_factory.mktemp("trainer-data")

@@ -87,8 +87,8 @@ def test_pruning_touches_only_this_runs_checkpoints(tmp_path):
 @pytest.fixture(scope="module")
 def no_val_dir(tmp_path_factory, tiny_model_dir):
     """The shipped sample prepared with --val-fraction 0: an empty validation split."""
+    from llmft.demo import sample_path
     from llmft.trainer.data.prepare import prepare_dataset
-    from llmft.trainer.data.samples import sample_path
     from llmft.trainer.data.tokenize import tokenize_dataset
 
     root = tmp_path_factory.mktemp("no-val")

@@ -2,7 +2,7 @@
 
 Three kinds of task (docs/evaluation.md, "lm-eval tasks"):
 
-* a task shipped in llmft/trainer/assets/lm_eval_tasks/ (``velmora_mc``) or a task YAML on the volume (an
+* a task shipped in llmft/demo/lm_eval_tasks/ (``velmora_mc``) or a task YAML on the volume (an
   ``promote_eval_tasks`` entry ending in ``.yaml``): lm-eval's own task format with local data (``dataset_path`` json,
   csv or parquet, ``data_files`` beside the YAML). :func:`task_config` reads and checks it without importing
   lm_eval (the plan step runs it in the pipeline image): at most 1 MiB of UTF-8, 64 levels deep, safe YAML only

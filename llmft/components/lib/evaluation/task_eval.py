@@ -7,7 +7,7 @@ Tasks (pipeline parameter ``promote_eval_tasks``, comma-separated; ``''`` = perp
   assistant turns, or the JSONL file ``promote_eval_questions`` on the volume, questions.py) are answered greedily
   by the base model and by every checkpoint; each answer is scored by scoring.py (SQuAD v1.1 exact match and token F1,
   whole-word ``contains``; the best over several references); the metrics are the means over the questions.
-* an lm-evaluation-harness task (lm_eval_tasks.py): shipped in llmft/trainer/assets/lm_eval_tasks/, a task YAML
+* an lm-evaluation-harness task (lm_eval_tasks.py): shipped in llmft/demo/lm_eval_tasks/, a task YAML
   on the volume (a path ending in ``.yaml``), or any task, group or tag of lm-eval's registry (its data from
   the volume's cache, eval_cache.py, or a reachable hub).
 
@@ -22,11 +22,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from llmft.demo import LM_EVAL_TASK_DIR
 from llmft.trainer.errors import ConfigError
 
 HELDOUT = "heldout"
-LM_EVAL_TASK_DIR = Path(__file__).resolve().parents[3] / "trainer" / "assets" / "lm_eval_tasks"  # llmft/trainer/...
-"""The lm-eval task YAMLs shipped with the package (their data beside them, as JSON Lines)."""
 MAX_TASKS = 64
 MAX_TASK_CHARS = 200
 DEFAULT_MAX_QUESTIONS = 16

@@ -1,6 +1,6 @@
 """The plan step's reading of ``promote_eval_tasks``: each entry found, in seconds, before any GPU time.
 
-* ``heldout``; a shipped task (llmft/trainer/assets/lm_eval_tasks/); a task YAML on the volume (a path ending in
+* ``heldout``; a shipped task (llmft/demo/lm_eval_tasks/); a task YAML on the volume (a path ending in
   ``.yaml``): read and checked by lm_eval_tasks.task_config (file, field or line named in one line);
 * any other name is an lm-eval registry task, group or tag: its data must be in the volume's eval cache
   (eval_cache.check_cached: every file at its recorded size), or a hub must be reachable (the evaluate step's

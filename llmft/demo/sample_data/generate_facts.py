@@ -1,7 +1,7 @@
 """Regenerate ``velmora_facts.jsonl``, ``velmora_three_facts.jsonl`` and ``velmora_questions.jsonl``
 (deterministic):
 
-    python -m llmft.trainer.assets.sample_data.generate_facts
+    python -m llmft.demo.sample_data.generate_facts
 
 Made-up facts about Velmora, an island that does not exist, as chat rows (OpenAI ``messages``, no
 system turn: the model's own default system prompt applies in training and in serving alike). A

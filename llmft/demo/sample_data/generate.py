@@ -1,6 +1,6 @@
 """Regenerate the shipped sample datasets (deterministic):
 
-    python -m llmft.trainer.assets.sample_data.generate
+    python -m llmft.demo.sample_data.generate
 
 Rows use the word lists the tiny tokenizer is trained on (llmft/trainer/tiny_model.py),
 so the tiny model tokenizes them compactly and can learn their patterns in a
