@@ -21,7 +21,7 @@ from llmft import SUBPACKAGES
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "architecture.md"
-PACKAGES = ("llmft.cli", "llmft.commands", "llmft.demo", *(f"llmft.{name}" for name in SUBPACKAGES))
+PACKAGES = ("llmft.cli", "llmft.commands", *(f"llmft.{name}" for name in SUBPACKAGES))
 
 
 def documented_arrows(text: str) -> set[tuple[str, str]]:
