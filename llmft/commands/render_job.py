@@ -57,7 +57,7 @@ def render_job_and_config(
     return backend_for(training_backend).build_job(plan.job, spec), config
 
 
-# Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (llmft/katib/experiment.py has
+# Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (llmft/katib/experiment_yaml.py has
 # the same rule for Experiments): quoted, so that e.g. an env value 1e-05 stays a string.
 _NON_STRING = re.compile(
     r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"

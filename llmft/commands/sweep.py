@@ -37,16 +37,8 @@ from llmft.components.lib.plan.parameters import OLD_NAMES, PipelineParameters, 
 from llmft.demo import sample_path
 from llmft.katib import status as katib_status
 from llmft.katib.errors import SweepError
-from llmft.katib.experiment import (
-    GROUP,
-    PLURAL,
-    VERSION,
-    SweepSpec,
-    apply_overrides,
-    experiment_dict,
-    load_yaml,
-    to_yaml,
-)
+from llmft.katib.experiment import GROUP, PLURAL, VERSION, SweepSpec, apply_overrides, experiment_dict
+from llmft.katib.experiment_yaml import load_yaml, to_yaml
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.katib.local_sweep import run_local_sweep
 from llmft.katib.webhook_rules import check_experiment

@@ -4,8 +4,9 @@ ranges (``llmft.trainer.config``, the default search space) and the MLflow
 parent-run variable name (``llmft.trainer.mlflow_settings``)).
 
 - ``experiment``: ``SweepSpec`` and ``build_experiment(spec, trial_job_dict)`` -> ``V1beta1Experiment``
-  (kubeflow-katib-api models); ``trial_overrides``, ``override_bindings``, ``parse_experiment``,
-  ``to_yaml``/``load_yaml``; ``experiment_template.yaml`` is its output for the defaults.
+  (kubeflow-katib-api models, imported only where one is built or parsed); ``trial_overrides``,
+  ``override_bindings``, ``parse_experiment``.
+- ``experiment_yaml``: ``to_yaml``/``load_yaml`` (kubectl-ready YAML, read back strictly).
 - ``search_space``: the searched hyperparameters, keyed by the trainer's dotted config names.
 - ``webhook_rules``: Katib's admission rules (``validate_experiment``, ``check_experiment``).
 - ``metrics``: the StdOut collector's filter and the same parse in Python: the one parser of the

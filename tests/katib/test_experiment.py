@@ -20,8 +20,8 @@ from llmft.katib.experiment import (
     build_experiment,
     override_bindings,
     parse_experiment,
-    to_yaml,
 )
+from llmft.katib.experiment_yaml import to_yaml
 from llmft.katib.metrics import METRICS_FILTER
 from llmft.katib.webhook_rules import validate_experiment
 

@@ -9,7 +9,8 @@ import yaml
 from llmft.cli import main as llmft_main
 from llmft.commands.sweep import TEMPLATE_ARGS, build_from_settings
 from llmft.components import images
-from llmft.katib.experiment import experiment_dict, load_yaml, parse_experiment
+from llmft.katib.experiment import experiment_dict, parse_experiment
+from llmft.katib.experiment_yaml import load_yaml
 from llmft.katib.webhook_rules import validate_experiment
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "katib" / "experiment_template.yaml"  # the checkout's katib/

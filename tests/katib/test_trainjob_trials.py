@@ -20,7 +20,8 @@ from llmft.components import images
 from llmft.components.lib.cluster import Cluster
 from llmft.components.lib.jobs import katib_sweep as sweep_lib
 from llmft.components.lib.jobs.trainjob_spec import trainjob_admission_errors
-from llmft.katib.experiment import experiment_dict, load_yaml, override_bindings, parse_experiment
+from llmft.katib.experiment import experiment_dict, override_bindings, parse_experiment
+from llmft.katib.experiment_yaml import load_yaml
 from llmft.katib.trial_kinds import TRAINJOB
 from llmft.katib.webhook_rules import validate_experiment
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from llmft.katib.errors import SweepError
-from llmft.katib.experiment import load_yaml
+from llmft.katib.experiment_yaml import load_yaml
 from llmft.trainer.config_load import load_config
 from llmft.trainer.errors import ConfigError
 from llmft.trainer.yaml_limits import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, load_user_yaml

@@ -44,9 +44,9 @@ from llmft.katib.experiment import (
     SweepSpec,
     apply_overrides,
     build_experiment,
-    to_yaml,
     trial_overrides,
 )
+from llmft.katib.experiment_yaml import to_yaml
 from llmft.katib.tracking import ParentRun
 from llmft.katib.trial_kinds import check_trial_resources, trial_kind
 from llmft.katib.webhook_rules import check_experiment
