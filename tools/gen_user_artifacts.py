@@ -28,7 +28,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = "make artifacts"
 IMAGE_ENV_PREFIX = "LLMFT_"
-"""Environment variables that change a compiled image or runtime (llmft/components/images.py): dropped."""
+"""Settings read where the pipeline is compiled (the images and runtime of llmft/components/images.py,
+LLMFT_ALLOW_REMOTE_CODE, ...): all dropped, so the committed files are the defaults' compile."""
 PIPELINE_FILES = {
     "pipelines/llm_finetune.yaml": {},
     "pipelines/llm_finetune_hpo.yaml": {"hpo": True},
@@ -117,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     env = clean_environment()
     if env is not None:  # the images are read at import: run again without the overrides
         return subprocess.run([sys.executable, __file__, *(["--check"] if args.check else [])], env=env).returncode
-    sys.path.insert(0, str(REPO_ROOT))
     from llmft.trainer.io import atomic_write_text
 
     stale = []
@@ -138,4 +138,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO_ROOT))  # run as a script from a checkout: its llmft/, installed or not
     sys.exit(main())

@@ -30,9 +30,6 @@ def generator(tmp_path, monkeypatch):
     files = {"pipelines/p.yaml": lambda: "p: 1\n", "components/c/c.yaml": lambda: "c\n"}
     monkeypatch.setattr(module, "artifacts", lambda: files)
     monkeypatch.setattr(module, "clean_environment", lambda: None)
-    # main() puts its REPO_ROOT (here tmp_path, holding a components/ folder) first on sys.path: without this the
-    # rest of the session would import `components` from it (tests/k8s/test_images.py's executor probe went red).
-    monkeypatch.setattr(sys, "path", list(sys.path))
     return module
 
 
@@ -43,7 +40,11 @@ def test_check_names_each_missing_file_and_writes_nothing(generator, tmp_path, c
 
 
 def test_writes_then_checks_clean_and_an_edit_is_stale(generator, tmp_path, capsys):
+    path_before = list(sys.path)
     assert generator.main([]) == 0
+    # main() leaves sys.path alone (only the script entry adds its checkout): a REPO_ROOT holding a components/
+    # folder first on it made the rest of the session import `components` from there
+    assert sys.path == path_before
     assert (tmp_path / "pipelines/p.yaml").read_text() == "p: 1\n"
     assert generator.main(["--check"]) == 0
     (tmp_path / "components/c/c.yaml").write_text("edited\n")
