@@ -19,7 +19,7 @@ import ast
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -185,18 +185,23 @@ print(json.dumps(loaded))
 """
 
 
-@pytest.mark.slow  # a fresh interpreter imports every trainer module (torch, transformers): about 5 s
-def test_importing_every_trainer_module_loads_no_orchestration_package():
-    modules = [module_name(p) for p in package_files("trainer")]
+def loaded_in_a_fresh_interpreter(roots: Sequence[str], modules: Sequence[str]) -> dict[str, list[str]]:
+    """{the first of ``modules`` whose import loaded a package under ``roots``: those loaded}, in a new Python."""
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(ORCHESTRATION), json.dumps(modules)],
+        [sys.executable, "-c", _PROBE, json.dumps(list(roots)), json.dumps(list(modules))],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a fresh interpreter imports every trainer module (torch, transformers): about 5 s
+def test_importing_every_trainer_module_loads_no_orchestration_package():
+    modules = [module_name(p) for p in package_files("trainer")]
+    loaded = loaded_in_a_fresh_interpreter(ORCHESTRATION, modules)
     for name, found in loaded.items():
         pytest.fail(f"importing {name} loaded {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}")
 
@@ -372,26 +377,11 @@ def test_the_import_chain_reader_follows_module_level_imports_only():
     assert chain[0] == "llmft.commands.sweep" and chain[-1] == "yaml", chain
 
 
-_SDK_PROBE = (
-    "import importlib, json, sys\n"
-    "for name in sys.argv[2:]:\n    importlib.import_module(name)\n"
-    "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(json.loads(sys.argv[1])))))"
-)
-
-
 @pytest.mark.slow  # a fresh interpreter imports the plan step (about 0.5 s)
 def test_importing_the_plan_step_loads_no_katib_sdk_for_real():
     """The same, measured: what a fresh interpreter holds after importing the plan step (third-party imports
     included, which the file reader above does not follow)."""
-    result = subprocess.run(
-        [sys.executable, "-c", _SDK_PROBE, json.dumps(KATIB_SDK), *PLAN_STEP],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert loaded_in_a_fresh_interpreter(KATIB_SDK, PLAN_STEP) == {}
 
 
 def _is_component_body(node: ast.AST) -> bool:
