@@ -13,9 +13,6 @@ write it on the volume (this command writes nothing there).
 from __future__ import annotations
 
 import argparse
-import re
-
-import yaml
 
 from llmft.commands.pipeline_args import check_yaml_output, typed_arguments
 from llmft.components.lib.jobs.backends import backend_for, render_names
@@ -23,6 +20,7 @@ from llmft.components.lib.jobs.pytorchjob_spec import build_job_spec
 from llmft.components.lib.plan.build import build_plan
 from llmft.components.lib.plan.checks import compiled_settings
 from llmft.components.lib.plan.parameters import parameter_defaults
+from llmft.katib.experiment_yaml import kubectl_yaml
 from llmft.katib.k8s_names import check_k8s_name
 from llmft.trainer.config_load import config_to_yaml
 from llmft.trainer.errors import ConfigError
@@ -57,24 +55,6 @@ def render_job_and_config(
     return backend_for(training_backend).build_job(plan.job, spec), config
 
 
-# Strings a YAML 1.2 reader (kubectl) would take for a number, bool or null (llmft/katib/experiment_yaml.py has
-# the same rule for Experiments): quoted, so that e.g. an env value 1e-05 stays a string.
-_NON_STRING = re.compile(
-    r"^(?:[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
-    r"|0x[0-9a-fA-F]+|0o[0-7]+|true|True|TRUE|false|False|FALSE|yes|Yes|no|No|on|On|off|Off|null|Null|NULL|~|)$"
-)
-
-
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
-_Dumper.add_representer(
-    str,
-    lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="'" if _NON_STRING.match(v) else None),
-)
-
-
 def run_render_job(args: argparse.Namespace) -> int:
     check_yaml_output(args.output, force=args.force)
     if args.namespace is not None:  # written into the manifest: a Kubernetes name, never a path such as ../x
@@ -88,7 +68,7 @@ def run_render_job(args: argparse.Namespace) -> int:
         "# The trainer reads --config, which the plan step writes on the volume (not written by this command):\n"
         + "".join(f"#   {line}\n" for line in config.splitlines())
     )
-    text = yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=120, default_flow_style=False)
+    text = kubectl_yaml(body)
     write_owned_file(args.output, header + text, command="pipeline render-job", force=args.force)
     print(f"wrote {body['kind']} {body['metadata']['name']} to {args.output}")
     return 0

@@ -44,10 +44,15 @@ def _represent_str(dumper: yaml.SafeDumper, value: str):
 _QuotingDumper.add_representer(str, _represent_str)
 
 
+def kubectl_yaml(body: Mapping[str, Any]) -> str:
+    """``body`` as YAML a YAML 1.2 reader (kubectl) reads back as written: number-like strings quoted, multi-line
+    strings as blocks, keys in ``body``'s order (the one rule for every manifest llmft writes)."""
+    return yaml.dump(body, Dumper=_QuotingDumper, sort_keys=False, width=120, default_flow_style=False)
+
+
 def to_yaml(experiment: V1beta1Experiment | Mapping[str, Any], header: str = "") -> str:
     """YAML for ``kubectl apply -f``: keys in a readable order, number-like strings quoted."""
-    body = _ordered(experiment_dict(experiment))
-    text = yaml.dump(body, Dumper=_QuotingDumper, sort_keys=False, width=120, default_flow_style=False)
+    text = kubectl_yaml(_ordered(experiment_dict(experiment)))
     prefix = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
     return prefix + text
 

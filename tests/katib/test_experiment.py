@@ -21,7 +21,7 @@ from llmft.katib.experiment import (
     override_bindings,
     parse_experiment,
 )
-from llmft.katib.experiment_yaml import to_yaml
+from llmft.katib.experiment_yaml import kubectl_yaml, to_yaml
 from llmft.katib.metrics import METRICS_FILTER
 from llmft.katib.webhook_rules import validate_experiment
 
@@ -213,6 +213,15 @@ def test_yaml_reads_back_the_same_object_in_yaml_1_1_and_1_2(body):
     # the loader really is stricter: an unquoted 1e-05 becomes a float
     assert yaml.load("min: 1e-05", Loader=Yaml12Loader) == {"min": 1e-05}
     assert yaml.safe_load("min: 1e-05") == {"min": "1e-05"}
+
+
+def test_every_manifest_llmft_writes_reads_back_the_same_in_yaml_1_2():
+    """kubectl_yaml, the one rule render-job's job and the Experiments are written with: strings a YAML 1.2 reader
+    would take for a number or bool stay strings (an env value 1e-05, an octal 0o17), key order kept."""
+    manifest = {"kind": "PyTorchJob", "env": [{"name": "LR", "value": "1e-05"}, {"name": "MODE", "value": "0o17"}]}
+    text = kubectl_yaml(manifest)
+    assert text.startswith("kind: PyTorchJob\n") and "value: '1e-05'" in text and "value: '0o17'" in text
+    assert yaml.load(text, Loader=Yaml12Loader) == manifest
 
 
 def test_conditions_are_the_kubeflow_job_defaults():
